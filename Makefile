@@ -1,0 +1,58 @@
+# zero_ext — set-up, build, test, demo. Every target does its own set-up and is idempotent.
+#   make test    build everything (venv, torch, the extension) and pass the tests
+#   make demo    the main job: GPT training on 2 CPU ranks, ZeRO vs DDP, side by side
+#   make bench   the benchmarks (tables + JSON under benchmarks/results/)
+# A user with a torch of their own (e.g. CUDA) keeps it: make ZX_SYSTEM_TORCH=1 ...
+# builds the venv on top of the system site-packages and installs no torch.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+ZX_SYSTEM_TORCH ?= 0
+PYTEST_ARGS ?=
+SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/core/*.c csrc/core/*.h csrc/core/*.inc csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh) setup.py
+
+.PHONY: all venv build test core-test pytest demo bench clean
+
+all: build
+
+$(VENV)/.deps: Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(if $(filter 1,$(ZX_SYSTEM_TORCH)),--system-site-packages) $(VENV)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	    echo "using torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	else \
+	    $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
+	fi
+	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 ninja pytest numpy
+	@touch $@
+
+venv: $(VENV)/.deps
+
+# The extension builds in place (incremental with ninja); a .pth file puts the
+# repository on the venv's path, so `import zero_ext` works from anywhere.
+$(VENV)/.built: $(VENV)/.deps $(SOURCES)
+	$(PY) setup.py -q build_clib build_ext --inplace
+	$(PY) -c "import site, os; open(os.path.join(site.getsitepackages()[0], 'zero_ext_repo.pth'), 'w').write(os.getcwd() + '\\n')"
+	@touch $@
+
+build: $(VENV)/.built
+
+core-test:
+	$(MAKE) -C csrc/core test
+
+pytest: build
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+test: core-test pytest
+
+demo: build
+	$(PY) examples/demo.py
+
+bench: build
+	$(PY) benchmarks/bench_optimizer.py
+	$(PY) benchmarks/bench_step.py
+
+clean:
+	rm -rf build zero_ext/*.so $(VENV)/.built
+	$(MAKE) -C csrc/core clean

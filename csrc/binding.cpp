@@ -1,0 +1,119 @@
+// binding.cpp — the zero_ext._C module: the Engine (engine.h), the raw
+// kernels (kernels_binding.cpp) and, when built with CUDA, the CUDA kernels.
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "engine.h"
+#include "kernels_binding.h"   // defines: zx_bind_kernels
+
+void zx_bind_cuda(pybind11::module_ &m);   // cuda_binding.cpp (a no-op without CUDA)
+
+namespace {
+
+template <class T>
+T get(const py::dict &d, const char *key) {
+    TORCH_CHECK(d.contains(key), "zero_ext: internal error: hyperparameter '", key, "' missing");
+    return d[key].cast<T>();
+}
+
+std::vector<zx_adam_hparams> adam_hparams(const py::list &groups) {
+    std::vector<zx_adam_hparams> out;
+    for (auto item : groups) {
+        py::dict g = item.cast<py::dict>();
+        zx_adam_hparams h{};
+        h.lr = get<double>(g, "lr");
+        h.beta1 = get<double>(g, "beta1");
+        h.beta2 = get<double>(g, "beta2");
+        h.eps = get<double>(g, "eps");
+        h.weight_decay = get<double>(g, "weight_decay");
+        h.step = get<int64_t>(g, "step");
+        h.decoupled = get<bool>(g, "decoupled");
+        h.amsgrad = get<bool>(g, "amsgrad");
+        h.maximize = get<bool>(g, "maximize");
+        h.grad_scale = (float)get<double>(g, "grad_scale");
+        out.push_back(h);
+    }
+    return out;
+}
+
+std::vector<zx_sgd_hparams> sgd_hparams(const py::list &groups) {
+    std::vector<zx_sgd_hparams> out;
+    for (auto item : groups) {
+        py::dict g = item.cast<py::dict>();
+        zx_sgd_hparams h{};
+        h.lr = get<double>(g, "lr");
+        h.momentum = get<double>(g, "momentum");
+        h.dampening = get<double>(g, "dampening");
+        h.weight_decay = get<double>(g, "weight_decay");
+        h.nesterov = get<bool>(g, "nesterov");
+        h.maximize = get<bool>(g, "maximize");
+        h.first_step = get<bool>(g, "first_step");
+        h.grad_scale = (float)get<double>(g, "grad_scale");
+        out.push_back(h);
+    }
+    return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "zero_ext C/C++ core: ZeRO engine, planner and optimizer kernels";
+    zx_bind_kernels(m);
+    zx_bind_cuda(m);
+
+    py::class_<zx::EngineOptions>(m, "EngineOptions")
+        .def(py::init<>())
+        .def_readwrite("stage", &zx::EngineOptions::stage)
+        .def_readwrite("bucket_bytes", &zx::EngineOptions::bucket_bytes)
+        .def_readwrite("first_bucket_bytes", &zx::EngineOptions::first_bucket_bytes)
+        .def_readwrite("align", &zx::EngineOptions::align)
+        .def_readwrite("alltoall_reduce_scatter", &zx::EngineOptions::alltoall_reduce_scatter)
+        .def_readwrite("grad_ring_buckets", &zx::EngineOptions::grad_ring_buckets)
+        .def_readwrite("isa", &zx::EngineOptions::isa);
+
+    py::class_<zx::Engine>(m, "Engine")
+        .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> groups, py::object pg,
+                         const zx::EngineOptions &opts) {
+                 c10::optional<zx::ProcessGroupPtr> p;
+                 if (!pg.is_none()) p = pg.cast<zx::ProcessGroupPtr>();
+                 return std::make_unique<zx::Engine>(std::move(params), std::move(groups), p, opts);
+             }),
+             py::arg("params"), py::arg("groups"), py::arg("process_group"), py::arg("options"))
+        .def("mark_ready", &zx::Engine::mark_ready, py::call_guard<py::gil_scoped_release>())
+        .def("finalize_backward", &zx::Engine::finalize_backward, py::call_guard<py::gil_scoped_release>())
+        .def("wait_reductions", &zx::Engine::wait_reductions, py::call_guard<py::gil_scoped_release>())
+        .def("set_require_sync", &zx::Engine::set_require_sync)
+        .def("require_sync", &zx::Engine::require_sync)
+        .def("step_adam", [](zx::Engine &e, const py::list &g) {
+            auto h = adam_hparams(g);
+            py::gil_scoped_release nogil;
+            e.step_adam(h);
+        })
+        .def("step_sgd", [](zx::Engine &e, const py::list &g) {
+            auto h = sgd_hparams(g);
+            py::gil_scoped_release nogil;
+            e.step_sgd(h);
+        })
+        .def("param_shards", &zx::Engine::param_shards)
+        .def("grad_shards", &zx::Engine::grad_shards)
+        .def("bucket_groups", &zx::Engine::bucket_groups)
+        .def("scale_grads", &zx::Engine::scale_grads, py::call_guard<py::gil_scoped_release>())
+        .def("grad_sumsq", &zx::Engine::grad_sumsq, py::call_guard<py::gil_scoped_release>())
+        .def("all_gather_params", &zx::Engine::all_gather_params, py::call_guard<py::gil_scoped_release>())
+        .def("wait_params", &zx::Engine::wait_params, py::call_guard<py::gil_scoped_release>())
+        .def("zero_grad", &zx::Engine::zero_grad, py::call_guard<py::gil_scoped_release>())
+        .def("broadcast_tensors", &zx::Engine::broadcast_tensors, py::call_guard<py::gil_scoped_release>())
+        .def("state", &zx::Engine::state)
+        .def("states", [](zx::Engine &e) {
+            py::dict d;
+            for (auto &kv : e.states()) d[py::str(kv.first)] = kv.second;
+            return d;
+        })
+        .def("stats", &zx::Engine::stats)
+        .def("describe_plan", &zx::Engine::describe_plan)
+        .def("grad_divisor", &zx::Engine::grad_divisor)
+        .def_property_readonly("rank", &zx::Engine::rank)
+        .def_property_readonly("world_size", &zx::Engine::world_size)
+        .def_property_readonly("partitions", &zx::Engine::partitions)
+        .def_property_readonly("isa", &zx::Engine::isa_name);
+}

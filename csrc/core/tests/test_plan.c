@@ -1,0 +1,172 @@
+/* test_plan.c — planner invariants over many random shapes, and its errors.
+ * Run: make -C csrc/core test (under AddressSanitizer + UBSan). */
+#include "../zx_core.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int passed = 0, failed = 0;
+#define CHECK(cond, ...)                                                    \
+    do {                                                                    \
+        if (cond) { passed++; }                                             \
+        else { failed++; fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
+               fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); }       \
+    } while (0)
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t rnd(void) { /* xorshift64* */
+    rng_state ^= rng_state >> 12; rng_state ^= rng_state << 25; rng_state ^= rng_state >> 27;
+    return rng_state * 2685821657736338717ull;
+}
+static int64_t rnd_range(int64_t lo, int64_t hi) { return lo + (int64_t)(rnd() % (uint64_t)(hi - lo + 1)); }
+
+/* Checks every invariant of DESIGN §3 on one random problem. */
+static void check_random_plan(int trial) {
+    const size_t n = (size_t)rnd_range(1, 60);
+    int64_t *numel = malloc(n * sizeof *numel), *order = malloc(n * sizeof *order);
+    int32_t *dtype = malloc(n * sizeof *dtype), *group = malloc(n * sizeof *group), *unit = malloc(n * sizeof *unit);
+    const int use_units = (int)(rnd() % 2);
+    const int32_t groups = (int32_t)rnd_range(1, 3);
+    for (size_t i = 0; i < n; i++) {
+        numel[i] = rnd() % 4 == 0 ? rnd_range(1, 7) : rnd_range(1, 5000);
+        dtype[i] = (int32_t)(rnd() % 3);
+        group[i] = (int32_t)(rnd() % (uint64_t)groups);
+        order[i] = (int64_t)i;
+    }
+    for (size_t i = n - 1; i > 0; i--) { size_t j = rnd() % (i + 1); int64_t t = order[i]; order[i] = order[j]; order[j] = t; }
+    /* units: non-decreasing along `order` */
+    int32_t u = 0;
+    for (size_t i = 0; i < n; i++) { if (rnd() % 5 == 0) u++; unit[order[i]] = u; }
+    zx_plan_params pp = {n, numel, dtype, group, use_units ? unit : NULL, order,
+                         (int32_t)rnd_range(1, 9), rnd_range(64, 40000), rnd_range(64, 8000), rnd_range(1, 32)};
+    zx_plan *plan = NULL;
+    zx_status st = zx_plan_create(&pp, &plan);
+    CHECK(st == ZX_OK && plan, "trial %d: create -> %s", trial, zx_status_string(st));
+    if (!plan) goto done;
+
+    const int64_t nb = zx_plan_num_buckets(plan);
+    const int32_t N = pp.world_size;
+    CHECK(zx_plan_world_size(plan) == N, "world size");
+    int64_t *seen = calloc(n, sizeof *seen);
+    int64_t shard = 0, prev_first_pos = -1;
+    int64_t *pos = malloc(n * sizeof *pos);                 /* position of a param in order */
+    for (size_t i = 0; i < n; i++) pos[order[i]] = (int64_t)i;
+    for (int64_t b = 0; b < nb; b++) {
+        zx_bucket_info bi;
+        CHECK(zx_plan_bucket(plan, b, &bi) == ZX_OK, "bucket %lld", (long long)b);
+        const int64_t q = N * pp.align;
+        CHECK(bi.padded_numel % q == 0 && bi.padded_numel >= bi.numel && bi.padded_numel - bi.numel < q,
+              "trial %d bucket %lld padding %lld of %lld", trial, (long long)b, (long long)bi.padded_numel, (long long)bi.numel);
+        CHECK(bi.slice_numel * N == bi.padded_numel && bi.slice_numel % pp.align == 0, "slices");
+        CHECK(zx_plan_shard_offset(plan, b) == shard, "shard offset of bucket %lld", (long long)b);
+        shard += bi.slice_numel;
+        /* parameters: same key, tight packing in layout order, cap respected */
+        int64_t off = 0, bytes = 0, first_pos = -1;
+        for (int64_t k = 0; k < bi.num_params; k++) {
+            int64_t p = -1;
+            CHECK(zx_plan_bucket_param(plan, b, k, &p) == ZX_OK && p >= 0 && p < (int64_t)n, "bucket param");
+            if (p < 0 || p >= (int64_t)n) continue;
+            seen[p]++;
+            zx_param_loc loc;
+            CHECK(zx_plan_param(plan, p, &loc) == ZX_OK, "param loc");
+            CHECK(loc.bucket == b && loc.offset == off && loc.numel == numel[p], "trial %d: param %lld at %lld, expected %lld",
+                  trial, (long long)p, (long long)loc.offset, (long long)off);
+            CHECK(group[p] == bi.group && dtype[p] == bi.dtype, "key of param %lld", (long long)p);
+            if (use_units) CHECK(unit[p] == bi.unit, "unit of param %lld", (long long)p);
+            if (k == 0) first_pos = pos[p];
+            CHECK(pos[p] >= first_pos, "layout follows order");
+            off += numel[p];
+            bytes += numel[p] * (int64_t)zx_dtype_size((zx_dtype)dtype[p]);
+        }
+        CHECK(off == bi.numel, "numel sum");
+        const int64_t cap = b == 0 ? pp.first_bucket_bytes : pp.bucket_bytes;
+        CHECK(bi.num_params == 1 || bytes <= cap, "trial %d bucket %lld: %lld bytes over cap %lld", trial,
+              (long long)b, (long long)bytes, (long long)cap);
+        CHECK(first_pos > prev_first_pos, "buckets numbered by their first parameter");
+        prev_first_pos = first_pos;
+        /* fragments: each rank's pieces tile its slice's data part; all ranks cover each param once */
+        int64_t covered = 0;
+        for (int32_t r = 0; r < N; r++) {
+            int64_t count = 0;
+            zx_status fs = zx_plan_fragments(plan, b, r, NULL, 0, &count);
+            CHECK(fs == ZX_OK || fs == ZX_ERR_BUFFER_TOO_SMALL, "fragment count");
+            zx_fragment *fr = malloc((size_t)(count + 1) * sizeof *fr);
+            CHECK(zx_plan_fragments(plan, b, r, fr, count + 1, &count) == ZX_OK, "fragments");
+            int64_t at = 0;
+            for (int64_t k = 0; k < count; k++) {
+                zx_param_loc loc;
+                zx_plan_param(plan, fr[k].param, &loc);
+                CHECK(fr[k].slice_offset == at, "fragments are contiguous in the slice");
+                CHECK(loc.offset + fr[k].param_offset == (int64_t)r * bi.slice_numel + fr[k].slice_offset,
+                      "fragment maps to the right element");
+                CHECK(fr[k].param_offset + fr[k].numel <= loc.numel && fr[k].numel > 0, "fragment inside param");
+                at += fr[k].numel;
+            }
+            covered += at;
+            free(fr);
+        }
+        CHECK(covered == bi.numel, "fragments cover the bucket exactly: %lld vs %lld", (long long)covered, (long long)bi.numel);
+    }
+    CHECK(shard == zx_plan_shard_numel(plan), "shard numel");
+    for (size_t i = 0; i < n; i++) CHECK(seen[i] == 1, "param %zu placed %lld times", i, (long long)seen[i]);
+    /* describe: measure, then print into an exact buffer */
+    size_t need = 0;
+    zx_plan_describe(plan, NULL, 0, &need);
+    char *txt = malloc(need + 1);
+    CHECK(zx_plan_describe(plan, txt, need + 1, &need) == ZX_OK && strlen(txt) == need, "describe");
+    free(txt);
+    /* determinism */
+    zx_plan *again = NULL;
+    CHECK(zx_plan_create(&pp, &again) == ZX_OK && zx_plan_num_buckets(again) == nb, "same plan twice");
+    zx_plan_free(again);
+    free(seen); free(pos);
+    zx_plan_free(plan);
+done:
+    free(numel); free(order); free(dtype); free(group); free(unit);
+}
+
+static void check_errors(void) {
+    int64_t numel[2] = {3, 4}, order[2] = {1, 0}, bad_order[2] = {1, 1};
+    int32_t dtype[2] = {0, 0}, group[2] = {0, 0};
+    zx_plan_params pp = {2, numel, dtype, group, NULL, order, 2, 1024, 256, 4};
+    zx_plan *plan = (zx_plan *)0x1;
+    CHECK(zx_plan_create(NULL, &plan) == ZX_ERR_INVALID_ARG && plan == NULL, "NULL params");
+    CHECK(zx_plan_create(&pp, NULL) == ZX_ERR_INVALID_ARG, "NULL out");
+    zx_plan_params q = pp; q.order = bad_order;
+    CHECK(zx_plan_create(&q, &plan) == ZX_ERR_INVALID_ARG, "order not a permutation");
+    q = pp; q.world_size = 0;
+    CHECK(zx_plan_create(&q, &plan) == ZX_ERR_INVALID_ARG, "world size 0");
+    q = pp; q.align = 0;
+    CHECK(zx_plan_create(&q, &plan) == ZX_ERR_INVALID_ARG, "align 0");
+    int64_t zero[2] = {0, 4};
+    q = pp; q.numel = zero;
+    CHECK(zx_plan_create(&q, &plan) == ZX_ERR_INVALID_ARG, "empty parameter");
+    int32_t bad_dtype[2] = {0, 7};
+    q = pp; q.dtype = bad_dtype;
+    CHECK(zx_plan_create(&q, &plan) == ZX_ERR_INVALID_ARG, "unknown dtype");
+    int64_t huge[2] = {INT64_MAX / 2, 4};
+    q = pp; q.numel = huge;
+    CHECK(zx_plan_create(&q, &plan) == ZX_ERR_OVERFLOW, "byte size overflow");
+    CHECK(zx_plan_create(&pp, &plan) == ZX_OK, "valid plan");
+    zx_bucket_info bi;
+    CHECK(zx_plan_bucket(plan, 99, &bi) == ZX_ERR_INVALID_ARG, "bucket out of range");
+    int64_t count;
+    CHECK(zx_plan_fragments(plan, 0, 2, NULL, 0, &count) == ZX_ERR_INVALID_ARG, "rank out of range");
+    /* 7 elements, 2 ranks, align 4: padded to 8, slices of 4; rank 0 holds param 1 (4 elems) */
+    CHECK(zx_plan_bucket(plan, 0, &bi) == ZX_OK && bi.numel == 7 && bi.padded_numel == 8 && bi.slice_numel == 4,
+          "small worked example");
+    zx_fragment fr[2];
+    CHECK(zx_plan_fragments(plan, 0, 0, fr, 2, &count) == ZX_OK && count == 1 && fr[0].param == 1 && fr[0].numel == 4,
+          "rank 0 owns param 1");
+    CHECK(zx_plan_fragments(plan, 0, 1, fr, 0, &count) == ZX_ERR_BUFFER_TOO_SMALL && count == 1, "too small");
+    zx_plan_free(plan);
+    zx_plan_free(NULL);
+}
+
+int main(void) {
+    check_errors();
+    for (int t = 0; t < 2000; t++) check_random_plan(t);
+    printf("test_plan: %d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}

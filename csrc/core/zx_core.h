@@ -1,0 +1,211 @@
+/* zx_core.h — the C11 core of zero_ext: partition planner and CPU kernels.
+ *
+ * Knows nothing of torch. Every function returns a zx_status (never exits or
+ * aborts); the C++ binding turns non-OK codes into Python exceptions.
+ * Build standalone for the sanitizer tests: `make core-test`.
+ *
+ * Contents (one file per concern):
+ *   zx_status.c   status names, dtype sizes
+ *   zx_plan.c     partition planner (DESIGN §3)          defines: zx_plan_*
+ *   zx_cpu.c      run-time ISA detection                  defines: zx_cpu_*
+ *   zx_kernels*.c optimizer / norm / reduce / cast kernels defines: zx_adam_step, ...
+ */
+#ifndef ZX_CORE_H
+#define ZX_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------ status */
+typedef enum zx_status {
+    ZX_OK = 0,
+    ZX_ERR_INVALID_ARG = 1,    /* a NULL pointer, a zero size, an out-of-range value */
+    ZX_ERR_OUT_OF_MEMORY = 2,  /* malloc failed */
+    ZX_ERR_UNSUPPORTED = 3,    /* an ISA or dtype this build/CPU cannot run */
+    ZX_ERR_OVERFLOW = 4,       /* a size computation would overflow */
+    ZX_ERR_BUFFER_TOO_SMALL = 5 /* the caller's output buffer is too small */
+} zx_status;
+
+/* A short, static, human-readable name for a status code ("invalid argument"). */
+const char *zx_status_string(zx_status s);
+
+/* ------------------------------------------------------------------ dtypes */
+typedef enum zx_dtype { ZX_F32 = 0, ZX_BF16 = 1, ZX_F16 = 2 } zx_dtype;
+
+/* Bytes per element (4, 2, 2); 0 for an unknown dtype. */
+size_t zx_dtype_size(zx_dtype d);
+
+/* ------------------------------------------------------------------ ISA */
+/* Which instruction set a kernel call uses. Chosen at run time, kept by the
+ * caller (per handle), never in a global. */
+typedef enum zx_isa { ZX_ISA_SCALAR = 0, ZX_ISA_AVX2 = 1, ZX_ISA_AVX512 = 2 } zx_isa;
+
+/* Non-zero when this CPU (and this build) can run `isa`. SCALAR is always 1.
+ * AVX2 needs avx2+fma+f16c; AVX512 needs avx512f+avx512bw+avx512vl. */
+int zx_cpu_supports(zx_isa isa);
+/* The widest ISA zx_cpu_supports() accepts. */
+zx_isa zx_cpu_best_isa(void);
+/* "scalar", "avx2", "avx512" (static string). */
+const char *zx_isa_name(zx_isa isa);
+/* Non-zero when AVX-512 BF16 (vcvtneps2bf16) is available to the AVX512 path. */
+int zx_cpu_has_avx512_bf16(void);
+
+/* ------------------------------------------------------------------ planner
+ * See DESIGN §3. Trainable parameters are laid out in `order` (indices into
+ * the parameter arrays; stage 1/2: reverse registration order; stage 3: unit
+ * order). Parameters with equal (group, dtype) key share buckets; a bucket is
+ * closed when adding the next parameter would exceed its byte cap (the first
+ * bucket of the whole plan uses first_bucket_bytes, later ones bucket_bytes),
+ * or when the caller forces a split (`unit` changes, stage 3). A parameter
+ * larger than the cap gets a bucket of its own; parameters never split across
+ * buckets. Inside a bucket parameters are packed tight (element-granular). Each
+ * bucket is padded to a multiple of world_size*align elements and split into
+ * world_size equal contiguous slices; rank r owns slice r of every bucket.
+ * Buckets are numbered by the position in `order` of their first parameter.
+ */
+typedef struct zx_plan_params {
+    size_t num_params;
+    const int64_t *numel;        /* (num_params,) elements of each parameter, > 0 */
+    const int32_t *dtype;        /* (num_params,) zx_dtype of each parameter */
+    const int32_t *group;        /* (num_params,) param-group index, >= 0 */
+    const int32_t *unit;         /* (num_params,) or NULL: a change of unit between two
+                                    consecutive parameters in `order` closes every
+                                    open bucket (stage 3: one bucket per unit) */
+    const int64_t *order;        /* (num_params,) a permutation of 0..num_params-1 */
+    int32_t world_size;          /* N >= 1 */
+    int64_t bucket_bytes;        /* cap per bucket, > 0 */
+    int64_t first_bucket_bytes;  /* cap of the first bucket, > 0 */
+    int64_t align;               /* slice alignment in elements, >= 1 */
+} zx_plan_params;
+
+typedef struct zx_bucket_info {
+    int32_t group;               /* param group of every parameter inside */
+    int32_t dtype;               /* zx_dtype of every parameter inside */
+    int32_t unit;                /* unit of its parameters (0 when params->unit is NULL) */
+    int64_t first_param;         /* index into the bucket's parameter list (see below) */
+    int64_t num_params;          /* parameters in this bucket */
+    int64_t numel;               /* sum of parameter numels (unpadded) */
+    int64_t padded_numel;        /* numel rounded up to a multiple of world_size*align */
+    int64_t slice_numel;         /* padded_numel / world_size */
+} zx_bucket_info;
+
+typedef struct zx_param_loc {
+    int64_t bucket;              /* bucket index */
+    int64_t offset;              /* element offset inside the bucket */
+    int64_t numel;               /* elements */
+} zx_param_loc;
+
+/* One piece of a parameter inside one rank's slice. */
+typedef struct zx_fragment {
+    int64_t param;               /* parameter index */
+    int64_t bucket;              /* bucket index */
+    int64_t param_offset;        /* first element of the piece inside the parameter */
+    int64_t slice_offset;        /* first element of the piece inside the rank's slice */
+    int64_t numel;               /* elements in the piece */
+} zx_fragment;
+
+typedef struct zx_plan zx_plan;  /* opaque */
+
+/* Plan a layout. On success *out owns a plan to be released with zx_plan_free. */
+zx_status zx_plan_create(const zx_plan_params *params, zx_plan **out);
+/* Release a plan; NULL is a no-op. */
+void zx_plan_free(zx_plan *plan);
+
+int64_t zx_plan_num_buckets(const zx_plan *plan);
+int32_t zx_plan_world_size(const zx_plan *plan);
+/* Copies bucket b's description into *out. */
+zx_status zx_plan_bucket(const zx_plan *plan, int64_t b, zx_bucket_info *out);
+/* The k-th parameter (0 <= k < info.num_params) of bucket b, in layout order. */
+zx_status zx_plan_bucket_param(const zx_plan *plan, int64_t b, int64_t k, int64_t *param);
+/* Where parameter p lives. */
+zx_status zx_plan_param(const zx_plan *plan, int64_t p, zx_param_loc *out);
+/* Sum over buckets of slice_numel: the length of one rank's flat shard. */
+int64_t zx_plan_shard_numel(const zx_plan *plan);
+/* Element offset of bucket b's slice inside a rank's flat shard. */
+int64_t zx_plan_shard_offset(const zx_plan *plan, int64_t b);
+/* The pieces of parameters that lie in rank r's slice of bucket b, in order.
+ * Writes at most `cap` fragments to out (out may be NULL when cap is 0) and the
+ * total count to *count; returns ZX_ERR_BUFFER_TOO_SMALL when cap < *count. */
+zx_status zx_plan_fragments(const zx_plan *plan, int64_t b, int32_t rank,
+                            zx_fragment *out, int64_t cap, int64_t *count);
+/* Writes a human-readable table of the plan (NUL-terminated, truncated to
+ * `cap` bytes) and the length it needed (excluding NUL) to *needed. */
+zx_status zx_plan_describe(const zx_plan *plan, char *buf, size_t cap, size_t *needed);
+
+/* ------------------------------------------------------------------ kernels
+ * All kernels work on flat fp32 arrays of n elements (any n >= 0, any
+ * alignment) and follow torch.optim's single-tensor arithmetic. Threads come
+ * from the caller: split [0, n) into ranges and call a kernel per range.
+ *
+ * grad_scale: every gradient element is multiplied by it when loaded (the
+ *   1/world_size average, a loss-scale unscale and a clipping coefficient
+ *   folded into one factor); 1.0f leaves gradients as they are.
+ * param_lp / lp_dtype: when param_lp is not NULL, the updated parameter is
+ *   also written to param_lp[i] as lp_dtype (ZX_BF16/ZX_F16, round to nearest
+ *   even) in the same pass; lp_dtype must not be ZX_F32 then.
+ */
+typedef struct zx_adam_hparams {
+    double lr;
+    double beta1, beta2;
+    double eps;
+    double weight_decay;
+    int64_t step;                /* step count after this step's increment (>= 1) */
+    int32_t decoupled;           /* 1: AdamW (param *= 1 - lr*wd); 0: Adam (grad += wd*param) */
+    int32_t amsgrad;             /* 1: keep max_exp_avg_sq and normalize by it */
+    int32_t maximize;            /* 1: ascend (grad = -grad) */
+    float grad_scale;
+} zx_adam_hparams;
+
+/* One Adam/AdamW step over n elements. max_exp_avg_sq is required iff amsgrad. */
+zx_status zx_adam_step(zx_isa isa, size_t n, float *param, const float *grad,
+                       float *exp_avg, float *exp_avg_sq, float *max_exp_avg_sq,
+                       void *param_lp, zx_dtype lp_dtype,
+                       const zx_adam_hparams *hp);
+
+typedef struct zx_sgd_hparams {
+    double lr;
+    double momentum;             /* 0 disables the momentum buffer */
+    double dampening;
+    double weight_decay;
+    int32_t nesterov;
+    int32_t maximize;
+    int32_t first_step;          /* 1: the momentum buffer is initialized to d_p (torch's clone) */
+    float grad_scale;
+} zx_sgd_hparams;
+
+/* One SGD step over n elements. momentum_buf is required iff momentum != 0. */
+zx_status zx_sgd_step(zx_isa isa, size_t n, float *param, const float *grad,
+                      float *momentum_buf, void *param_lp, zx_dtype lp_dtype,
+                      const zx_sgd_hparams *hp);
+
+/* Fused gradient scan: *sumsq += sum((grad[i]*scale)^2) accumulated in double
+ * over the finite elements, *nonfinite += count of inf/nan elements. */
+zx_status zx_grad_sumsq(zx_isa isa, size_t n, const float *grad, float scale,
+                        double *sumsq, int64_t *nonfinite);
+
+/* Reduce `nslices` consecutive slices of slice_n elements each (src is
+ * nslices*slice_n long, slice j at src + j*slice_n) into dst:
+ *   dst[i] = (accumulate ? dst[i] : 0) + scale * sum_j src[j*slice_n + i]
+ * summing j in increasing order. dst may alias src's slice 0 only when
+ * accumulate is 0. (The local half of a reduce-scatter built from all-to-all.) */
+zx_status zx_sum_slices(zx_isa isa, size_t slice_n, int32_t nslices, const float *src,
+                        float *dst, int32_t accumulate, float scale);
+
+/* x[i] *= s */
+zx_status zx_scale(zx_isa isa, size_t n, float *x, float s);
+
+/* dst[i] = (dst_dtype) src[i], round to nearest even; dst_dtype BF16 or F16
+ * (F32 is a plain copy). */
+zx_status zx_cast_from_f32(zx_isa isa, size_t n, const float *src, void *dst, zx_dtype dst_dtype);
+
+/* dst[i] = (float) src[i] for a BF16/F16/F32 source. */
+zx_status zx_cast_to_f32(zx_isa isa, size_t n, const void *src, zx_dtype src_dtype, float *dst);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ZX_CORE_H */

@@ -1,0 +1,264 @@
+/* zx_kernels.c — the public CPU kernel entry points of zx_core.h.
+ *
+ * Each entry point (1) validates its arguments and returns a zx_status (never
+ * exits), (2) turns the double hyperparameters into the fp32 scalars torch.optim
+ * would use, once per call (zx_*_consts), and (3) dispatches on the caller's isa
+ * to the reference (zx_kernels_ref.c) or a SIMD kernel (zx_kernels_avx2.c,
+ * zx_kernels_avx512.c). n == 0 is a valid no-op; pointers may then be NULL.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "zx_kernels_internal.h"
+
+/* ------------------------------------------------------------------ dispatch */
+
+static zx_status check_isa(zx_isa isa) {
+    return zx_cpu_supports(isa) ? ZX_OK : ZX_ERR_UNSUPPORTED;
+}
+
+static void adam_isa(zx_isa isa, size_t n, float *param, const float *grad, float *m,
+                     float *v, float *v_max, const zx_adam_consts *c) {
+    switch (isa) {
+#if ZX_HAVE_X86_SIMD
+    case ZX_ISA_AVX512: zx_adam_avx512(n, param, grad, m, v, v_max, c); return;
+    case ZX_ISA_AVX2: zx_adam_avx2(n, param, grad, m, v, v_max, c); return;
+#endif
+    default: zx_adam_ref(n, param, grad, m, v, v_max, c); return;
+    }
+}
+
+static void sgd_isa(zx_isa isa, size_t n, float *param, const float *grad, float *buf,
+                    const zx_sgd_consts *c) {
+    switch (isa) {
+#if ZX_HAVE_X86_SIMD
+    case ZX_ISA_AVX512: zx_sgd_avx512(n, param, grad, buf, c); return;
+    case ZX_ISA_AVX2: zx_sgd_avx2(n, param, grad, buf, c); return;
+#endif
+    default: zx_sgd_ref(n, param, grad, buf, c); return;
+    }
+}
+
+/* dtype is ZX_BF16 or ZX_F16 */
+static void cast_from_f32_isa(zx_isa isa, size_t n, const float *src, void *dst,
+                              zx_dtype dtype) {
+    switch (isa) {
+#if ZX_HAVE_X86_SIMD
+    case ZX_ISA_AVX512: zx_cast_from_f32_avx512(n, src, dst, dtype); return;
+    case ZX_ISA_AVX2: zx_cast_from_f32_avx2(n, src, dst, dtype); return;
+#endif
+    default: zx_cast_from_f32_ref(n, src, dst, dtype); return;
+    }
+}
+
+static int is_lp_dtype(zx_dtype d) { return d == ZX_BF16 || d == ZX_F16; }
+
+/* x >= 0, false for NaN */
+static int nonneg(double x) { return x >= 0.0; }
+
+/* ------------------------------------------------------------------ Adam */
+
+static zx_adam_consts adam_consts(const zx_adam_hparams *hp) {
+    zx_adam_consts c;
+    memset(&c, 0, sizeof c);
+    /* grad = grad * grad_scale, negated for maximize (sign flips are exact) */
+    c.grad_scale = hp->maximize ? -hp->grad_scale : hp->grad_scale;
+    /* torch applies weight decay only when weight_decay != 0 */
+    c.decoupled = hp->weight_decay != 0.0 && hp->decoupled;
+    c.l2 = hp->weight_decay != 0.0 && !hp->decoupled;
+    c.weight_decay = (float)hp->weight_decay;
+    c.decay_factor = (float)(1.0 - hp->lr * hp->weight_decay);
+    /* exp_avg.lerp_(grad, 1 - beta1): ATen picks its formula by the weight */
+    float w = (float)(1.0 - hp->beta1);
+    c.lerp_from_grad = !(w < 0.5f);
+    c.lerp_coeff = w < 0.5f ? w : w - 1.0f;
+    c.beta2 = (float)hp->beta2;
+    c.one_minus_beta2 = (float)(1.0 - hp->beta2);
+    /* bias corrections in double, as Python computes them */
+    double step = (double)hp->step;
+    double bias_correction1 = 1.0 - pow(hp->beta1, step);
+    double bias_correction2 = 1.0 - pow(hp->beta2, step);
+    double step_size = hp->lr / bias_correction1;
+    c.bc2_sqrt = (float)pow(bias_correction2, 0.5);
+    c.eps = (float)hp->eps;
+    c.neg_step_size = (float)(-step_size);
+    c.amsgrad = hp->amsgrad != 0;
+    return c;
+}
+
+zx_status zx_adam_step(zx_isa isa, size_t n, float *param, const float *grad,
+                       float *exp_avg, float *exp_avg_sq, float *max_exp_avg_sq,
+                       void *param_lp, zx_dtype lp_dtype, const zx_adam_hparams *hp) {
+    if (!hp) return ZX_ERR_INVALID_ARG;
+    if (hp->step < 1 || !nonneg(hp->lr) || !nonneg(hp->eps) || !nonneg(hp->weight_decay) ||
+        !(hp->beta1 >= 0.0 && hp->beta1 < 1.0) || !(hp->beta2 >= 0.0 && hp->beta2 < 1.0))
+        return ZX_ERR_INVALID_ARG;
+    if (param_lp && !is_lp_dtype(lp_dtype)) return ZX_ERR_INVALID_ARG;
+    zx_status s = check_isa(isa);
+    if (s != ZX_OK) return s;
+    if (n == 0) return ZX_OK;
+    if (!param || !grad || !exp_avg || !exp_avg_sq) return ZX_ERR_INVALID_ARG;
+    if (hp->amsgrad && !max_exp_avg_sq) return ZX_ERR_INVALID_ARG;
+
+    zx_adam_consts c = adam_consts(hp);
+    float *v_max = c.amsgrad ? max_exp_avg_sq : NULL;
+    if (!param_lp) {
+        adam_isa(isa, n, param, grad, exp_avg, exp_avg_sq, v_max, &c);
+        return ZX_OK;
+    }
+    /* Note [Low-precision copy-out in blocks] */
+    uint16_t *lp = (uint16_t *)param_lp;
+    for (size_t off = 0; off < n; off += ZX_LP_BLOCK_NUMEL) {
+        size_t len = n - off < ZX_LP_BLOCK_NUMEL ? n - off : ZX_LP_BLOCK_NUMEL;
+        adam_isa(isa, len, param + off, grad + off, exp_avg + off, exp_avg_sq + off,
+                 v_max ? v_max + off : NULL, &c);
+        cast_from_f32_isa(isa, len, param + off, lp + off, lp_dtype);
+    }
+    return ZX_OK;
+}
+
+/* ------------------------------------------------------------------ SGD */
+
+static zx_sgd_consts sgd_consts(const zx_sgd_hparams *hp) {
+    zx_sgd_consts c;
+    memset(&c, 0, sizeof c);
+    c.grad_scale = hp->maximize ? -hp->grad_scale : hp->grad_scale;
+    c.l2 = hp->weight_decay != 0.0;
+    c.weight_decay = (float)hp->weight_decay;
+    c.use_momentum = hp->momentum != 0.0;
+    c.first_step = hp->first_step != 0;
+    c.momentum = (float)hp->momentum;
+    c.one_minus_dampening = (float)(1.0 - hp->dampening);
+    c.nesterov = hp->nesterov != 0;
+    c.neg_lr = (float)(-hp->lr);
+    return c;
+}
+
+zx_status zx_sgd_step(zx_isa isa, size_t n, float *param, const float *grad,
+                      float *momentum_buf, void *param_lp, zx_dtype lp_dtype,
+                      const zx_sgd_hparams *hp) {
+    if (!hp) return ZX_ERR_INVALID_ARG;
+    if (!nonneg(hp->lr) || !nonneg(hp->momentum) || !nonneg(hp->weight_decay) ||
+        !isfinite(hp->dampening))
+        return ZX_ERR_INVALID_ARG;
+    /* torch: "Nesterov momentum requires a momentum and zero dampening" */
+    if (hp->nesterov && (hp->momentum <= 0.0 || hp->dampening != 0.0))
+        return ZX_ERR_INVALID_ARG;
+    if (param_lp && !is_lp_dtype(lp_dtype)) return ZX_ERR_INVALID_ARG;
+    zx_status s = check_isa(isa);
+    if (s != ZX_OK) return s;
+    if (n == 0) return ZX_OK;
+    if (!param || !grad) return ZX_ERR_INVALID_ARG;
+    if (hp->momentum != 0.0 && !momentum_buf) return ZX_ERR_INVALID_ARG;
+
+    zx_sgd_consts c = sgd_consts(hp);
+    float *buf = c.use_momentum ? momentum_buf : NULL;
+    if (!param_lp) {
+        sgd_isa(isa, n, param, grad, buf, &c);
+        return ZX_OK;
+    }
+    /* Note [Low-precision copy-out in blocks] */
+    uint16_t *lp = (uint16_t *)param_lp;
+    for (size_t off = 0; off < n; off += ZX_LP_BLOCK_NUMEL) {
+        size_t len = n - off < ZX_LP_BLOCK_NUMEL ? n - off : ZX_LP_BLOCK_NUMEL;
+        sgd_isa(isa, len, param + off, grad + off, buf ? buf + off : NULL, &c);
+        cast_from_f32_isa(isa, len, param + off, lp + off, lp_dtype);
+    }
+    return ZX_OK;
+}
+
+/* ------------------------------------------------------------------ scans, reductions, casts */
+
+zx_status zx_grad_sumsq(zx_isa isa, size_t n, const float *grad, float scale,
+                        double *sumsq, int64_t *nonfinite) {
+    if (!sumsq || !nonfinite) return ZX_ERR_INVALID_ARG;
+    zx_status s = check_isa(isa);
+    if (s != ZX_OK) return s;
+    if (n == 0) return ZX_OK;
+    if (!grad) return ZX_ERR_INVALID_ARG;
+    switch (isa) {
+#if ZX_HAVE_X86_SIMD
+    case ZX_ISA_AVX512: zx_grad_sumsq_avx512(n, grad, scale, sumsq, nonfinite); break;
+    case ZX_ISA_AVX2: zx_grad_sumsq_avx2(n, grad, scale, sumsq, nonfinite); break;
+#endif
+    default: zx_grad_sumsq_ref(n, grad, scale, sumsq, nonfinite); break;
+    }
+    return ZX_OK;
+}
+
+zx_status zx_sum_slices(zx_isa isa, size_t slice_n, int32_t nslices, const float *src,
+                        float *dst, int32_t accumulate, float scale) {
+    if (nslices < 1) return ZX_ERR_INVALID_ARG;
+    zx_status s = check_isa(isa);
+    if (s != ZX_OK) return s;
+    if (slice_n == 0) return ZX_OK;
+    if (!src || !dst) return ZX_ERR_INVALID_ARG;
+    if (slice_n > SIZE_MAX / sizeof(float) / (size_t)nslices) return ZX_ERR_OVERFLOW;
+    /* dst may be src's slice 0 (accumulate 0); any other overlap is an error */
+    uintptr_t s0 = (uintptr_t)src, s1 = (uintptr_t)(src + slice_n * (size_t)nslices);
+    uintptr_t d0 = (uintptr_t)dst, d1 = (uintptr_t)(dst + slice_n);
+    if (d0 < s1 && s0 < d1 && !(d0 == s0 && !accumulate)) return ZX_ERR_INVALID_ARG;
+    switch (isa) {
+#if ZX_HAVE_X86_SIMD
+    case ZX_ISA_AVX512:
+        zx_sum_slices_avx512(slice_n, slice_n, nslices, src, dst, accumulate, scale);
+        break;
+    case ZX_ISA_AVX2:
+        zx_sum_slices_avx2(slice_n, slice_n, nslices, src, dst, accumulate, scale);
+        break;
+#endif
+    default: zx_sum_slices_ref(slice_n, slice_n, nslices, src, dst, accumulate, scale); break;
+    }
+    return ZX_OK;
+}
+
+zx_status zx_scale(zx_isa isa, size_t n, float *x, float s) {
+    zx_status st = check_isa(isa);
+    if (st != ZX_OK) return st;
+    if (n == 0) return ZX_OK;
+    if (!x) return ZX_ERR_INVALID_ARG;
+    switch (isa) {
+#if ZX_HAVE_X86_SIMD
+    case ZX_ISA_AVX512: zx_scale_avx512(n, x, s); break;
+    case ZX_ISA_AVX2: zx_scale_avx2(n, x, s); break;
+#endif
+    default: zx_scale_ref(n, x, s); break;
+    }
+    return ZX_OK;
+}
+
+zx_status zx_cast_from_f32(zx_isa isa, size_t n, const float *src, void *dst,
+                           zx_dtype dst_dtype) {
+    if (dst_dtype != ZX_F32 && !is_lp_dtype(dst_dtype)) return ZX_ERR_INVALID_ARG;
+    zx_status s = check_isa(isa);
+    if (s != ZX_OK) return s;
+    if (n == 0) return ZX_OK;
+    if (!src || !dst) return ZX_ERR_INVALID_ARG;
+    if (dst_dtype == ZX_F32)
+        memmove(dst, src, n * sizeof(float));
+    else
+        cast_from_f32_isa(isa, n, src, dst, dst_dtype);
+    return ZX_OK;
+}
+
+zx_status zx_cast_to_f32(zx_isa isa, size_t n, const void *src, zx_dtype src_dtype,
+                         float *dst) {
+    if (src_dtype != ZX_F32 && !is_lp_dtype(src_dtype)) return ZX_ERR_INVALID_ARG;
+    zx_status s = check_isa(isa);
+    if (s != ZX_OK) return s;
+    if (n == 0) return ZX_OK;
+    if (!src || !dst) return ZX_ERR_INVALID_ARG;
+    if (src_dtype == ZX_F32) {
+        memmove(dst, src, n * sizeof(float));
+        return ZX_OK;
+    }
+    switch (isa) {
+#if ZX_HAVE_X86_SIMD
+    case ZX_ISA_AVX512: zx_cast_to_f32_avx512(n, src, src_dtype, dst); break;
+    case ZX_ISA_AVX2: zx_cast_to_f32_avx2(n, src, src_dtype, dst); break;
+#endif
+    default: zx_cast_to_f32_ref(n, src, src_dtype, dst); break;
+    }
+    return ZX_OK;
+}

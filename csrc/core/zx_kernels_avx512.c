@@ -1,0 +1,135 @@
+/* zx_kernels_avx512.c — AVX-512 (F, BW, VL) kernels, 16 fp32 lanes.
+ *
+ * Compiled with the core's plain flags: each function enables the ISA itself with
+ * a target attribute, and zx_kernels.c only calls here after zx_cpu_supports().
+ * The optimizer bodies come from zx_kernels_simd.inc (Note [One SIMD body, two
+ * vocabularies]); what is specific to AVX-512 lives here: the vocabulary, the
+ * gradient scan and the fp32 -> bf16/fp16 conversions. bf16 uses vcvtneps2bf16
+ * when the CPU has AVX512-BF16, else the same integer rounding as the reference.
+ */
+#include "zx_kernels_internal.h"
+
+#if ZX_HAVE_X86_SIMD
+#include <immintrin.h>
+
+#define ZX_SIMD_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define ZX_SIMD_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define ZX_SIMD_SUFFIX avx512
+
+/* ---- vocabulary ---- */
+typedef __m512 vec;
+#define VEC_WIDTH 16
+
+static inline ZX_SIMD_TARGET vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline ZX_SIMD_TARGET void vec_store(float *p, vec a) { _mm512_storeu_ps(p, a); }
+static inline ZX_SIMD_TARGET vec vec_set1(float a) { return _mm512_set1_ps(a); }
+static inline ZX_SIMD_TARGET vec vec_add(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline ZX_SIMD_TARGET vec vec_sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline ZX_SIMD_TARGET vec vec_mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline ZX_SIMD_TARGET vec vec_div(vec a, vec b) { return _mm512_div_ps(a, b); }
+static inline ZX_SIMD_TARGET vec vec_sqrt(vec a) { return _mm512_sqrt_ps(a); }
+static inline ZX_SIMD_TARGET vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+/* torch.maximum: vmaxps gives (a > b ? a : b); lanes with a NaN get a + b (NaN). */
+static inline ZX_SIMD_TARGET vec vec_max_nan(vec a, vec b) {
+    __mmask16 nan = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
+    return _mm512_mask_add_ps(_mm512_max_ps(a, b), nan, a, b);
+}
+static inline ZX_SIMD_TARGET vec vec_load_bf16(const uint16_t *p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline ZX_SIMD_TARGET vec vec_load_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+#include "zx_kernels_simd.inc"
+
+/* ---- gradient scan ---- */
+ZX_SIMD_TARGET
+void zx_grad_sumsq_avx512(size_t n, const float *grad, float scale, double *sumsq,
+                          int64_t *nonfinite) {
+    const __m512i exp_mask = _mm512_set1_epi32(0x7f800000);
+    const __m512d scale_d = _mm512_set1_pd((double)scale);
+    __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();
+    int64_t bad = 0;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 g = _mm512_loadu_ps(grad + i);
+        /* finite <=> exponent bits not all ones */
+        __m512i e = _mm512_and_si512(_mm512_castps_si512(g), exp_mask);
+        __mmask16 finite = _mm512_cmpneq_epi32_mask(e, exp_mask);
+        bad += 16 - __builtin_popcount((unsigned)finite);
+        g = _mm512_maskz_mov_ps(finite, g);  /* inf/nan lanes add 0 */
+        __m256 g_lo = _mm512_castps512_ps256(g);
+        __m256 g_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1));
+        __m512d x_lo = _mm512_mul_pd(_mm512_cvtps_pd(g_lo), scale_d);  /* exact */
+        __m512d x_hi = _mm512_mul_pd(_mm512_cvtps_pd(g_hi), scale_d);
+        acc_lo = _mm512_fmadd_pd(x_lo, x_lo, acc_lo);
+        acc_hi = _mm512_fmadd_pd(x_hi, x_hi, acc_hi);
+    }
+    double sum = _mm512_reduce_add_pd(_mm512_add_pd(acc_lo, acc_hi));
+    zx_grad_sumsq_ref(n - i, grad + i, scale, &sum, &bad);
+    *sumsq += sum;
+    *nonfinite += bad;
+}
+
+/* ---- fp32 -> bf16 / fp16 ---- */
+
+/* Round 16 fp32 to bf16 exactly like zx_f32_to_bf16_ref, with integer arithmetic. */
+static inline ZX_SIMD_TARGET __m256i bf16_round_int(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i hi = _mm512_srli_epi32(u, 16);
+    __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x0040));  /* quiet NaN */
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static ZX_SIMD_TARGET void cast_bf16_int(size_t n, const float *src, uint16_t *dst) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), bf16_round_int(_mm512_loadu_ps(src + i)));
+    zx_cast_from_f32_ref(n - i, src + i, dst + i, ZX_BF16);
+}
+
+/* vcvtneps2bf16 rounds to nearest even and quiets NaN like the reference, but
+ * flushes subnormal inputs to zero; those (rare) vectors are redone in integers. */
+static ZX_SIMD_TARGET_BF16 void cast_bf16_native(size_t n, const float *src, uint16_t *dst) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    const __m512i min_normal = _mm512_set1_epi32(0x00800000);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(src + i);
+        __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
+        __m512i a = _mm512_and_si512(_mm512_castps_si512(x), abs_mask);
+        __mmask16 sub = _mm512_cmplt_epi32_mask(a, min_normal) &
+                        _mm512_test_epi32_mask(a, a);
+        if (sub) r = bf16_round_int(x);
+        _mm256_storeu_si256((__m256i *)(dst + i), r);
+    }
+    zx_cast_from_f32_ref(n - i, src + i, dst + i, ZX_BF16);
+}
+
+ZX_SIMD_TARGET
+void zx_cast_from_f32_avx512(size_t n, const float *src, void *dst, zx_dtype dtype) {
+    uint16_t *out = (uint16_t *)dst;
+    if (dtype == ZX_BF16) {
+        if (zx_cpu_has_avx512_bf16())
+            cast_bf16_native(n, src, out);
+        else
+            cast_bf16_int(n, src, out);
+        return;
+    }
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm256_storeu_si256((__m256i *)(out + i), h);
+    }
+    zx_cast_from_f32_ref(n - i, src + i, out + i, ZX_F16);
+}
+
+#else
+typedef int zx_kernels_avx512_unused; /* ISO C wants a non-empty file */
+#endif

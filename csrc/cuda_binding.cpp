@@ -1,0 +1,271 @@
+// cuda_binding.cpp — torch-facing wrappers of the CUDA kernels (csrc/cuda/zx_cuda.h).
+//
+// zx_bind_cuda(m) adds cuda_adam_step, cuda_sgd_step, cuda_grad_sumsq,
+// cuda_grad_sumsq_into, cuda_scale, cuda_sum_slices, cuda_cast_from_f32,
+// cuda_cast_to_f32 and cuda_increment_step to the extension module. They take
+// CUDA tensors, check them (contiguous, one device, dtype, length), and enqueue
+// the kernel on the current CUDA stream (at::cuda::getCurrentCUDAStream()) of the
+// tensors' device; nothing
+// synchronizes except cuda_grad_sumsq, which returns host numbers.
+// Signatures are those of the CPU functions (adam_step, sgd_step, grad_sumsq, ...)
+// without the leading `isa` argument.
+//
+// Built by setup.py only in the CUDA extension, with -DZX_WITH_CUDA and the .cu
+// files of csrc/cuda; without ZX_WITH_CUDA zx_bind_cuda adds nothing, so the
+// CPU-only build stays complete and the Python side tests for
+// hasattr(zero_ext._C, "cuda_adam_step").
+#include <torch/extension.h>
+
+void zx_bind_cuda(pybind11::module_ &m);
+
+#ifdef ZX_WITH_CUDA
+
+#include <c10/cuda/CUDAGuard.h>   // c10::cuda::CUDAGuard
+#include <c10/cuda/CUDAStream.h>  // c10::cuda::getCurrentCUDAStream (= at::cuda::getCurrentCUDAStream,
+                                  // without ATen/cuda/CUDAContext.h's cuBLAS/cuSPARSE headers)
+
+#include <optional>
+#include <tuple>
+
+#include "cuda/zx_cuda.h"
+
+namespace {
+
+// Turn a non-OK status into a Python RuntimeError naming the call.
+void zx_check_status(zx_status st, const char *what) {
+    TORCH_CHECK(st == ZX_OK, what, " failed: ", zx_status_string(st),
+                " (a CUDA launch error reads as 'unsupported': check that the extension was built "
+                "for this GPU's architecture, see setup.py's -gencode list)");
+}
+
+// t is a contiguous CUDA tensor of dtype `dtype` on `device` with `numel` elements.
+void zx_check_tensor(const at::Tensor &t, const char *name, at::ScalarType dtype,
+                     const at::Device &device, int64_t numel) {
+    TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor (got ", t.device(), ")");
+    TORCH_CHECK(t.device() == device, name, " is on ", t.device(), " but the parameter is on ", device,
+                "; move all step tensors to one device");
+    TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, " (got ", t.scalar_type(), ")");
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous (call .contiguous() or use a flat shard)");
+    TORCH_CHECK(numel < 0 || t.numel() == numel, name, " has ", t.numel(), " elements, expected ", numel);
+}
+
+// The zx_dtype of a low-precision copy-out tensor (bf16 or fp16 only).
+zx_dtype zx_lp_dtype(const at::Tensor &t, const char *name) {
+    if (t.scalar_type() == at::kBFloat16) return ZX_BF16;
+    if (t.scalar_type() == at::kHalf) return ZX_F16;
+    TORCH_CHECK(false, name, " must be bfloat16 or float16 (got ", t.scalar_type(), ")");
+    return ZX_F32;
+}
+
+zx_dtype zx_any_dtype(const at::Tensor &t, const char *name) {
+    if (t.scalar_type() == at::kFloat) return ZX_F32;
+    return zx_lp_dtype(t, name);
+}
+
+// The current stream of the current device (set by the CUDAGuard before each call).
+void *zx_current_stream() { return static_cast<void *>(c10::cuda::getCurrentCUDAStream().stream()); }
+
+void zx_py_cuda_adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                          std::optional<at::Tensor> max_exp_avg_sq, std::optional<at::Tensor> param_lp,
+                          double lr, double beta1, double beta2, double eps, double weight_decay,
+                          int64_t step, bool decoupled, bool amsgrad, bool maximize, double grad_scale,
+                          std::optional<at::Tensor> step_tensor) {
+    TORCH_CHECK(param.is_cuda(), "param must be a CUDA tensor (use adam_step for CPU tensors)");
+    const at::Device device = param.device();
+    const int64_t n = param.numel();
+    zx_check_tensor(param, "param", at::kFloat, device, n);
+    zx_check_tensor(grad, "grad", at::kFloat, device, n);
+    zx_check_tensor(exp_avg, "exp_avg", at::kFloat, device, n);
+    zx_check_tensor(exp_avg_sq, "exp_avg_sq", at::kFloat, device, n);
+    float *max_ptr = nullptr;
+    if (amsgrad) {
+        TORCH_CHECK(max_exp_avg_sq.has_value(), "amsgrad=True needs max_exp_avg_sq");
+        zx_check_tensor(*max_exp_avg_sq, "max_exp_avg_sq", at::kFloat, device, n);
+        max_ptr = max_exp_avg_sq->data_ptr<float>();
+    }
+    void *lp_ptr = nullptr;
+    zx_dtype lp_dtype = ZX_BF16;
+    if (param_lp.has_value()) {
+        lp_dtype = zx_lp_dtype(*param_lp, "param_lp");
+        zx_check_tensor(*param_lp, "param_lp", param_lp->scalar_type(), device, n);
+        lp_ptr = param_lp->data_ptr();
+    }
+    const int64_t *step_ptr = nullptr;
+    if (step_tensor.has_value()) {
+        zx_check_tensor(*step_tensor, "step_tensor", at::kLong, device, 1);
+        step_ptr = step_tensor->data_ptr<int64_t>();
+    } else {
+        TORCH_CHECK(step >= 1, "step must be >= 1 (the count after this step's increment), got ", step);
+    }
+    zx_adam_hparams hp;
+    hp.lr = lr;
+    hp.beta1 = beta1;
+    hp.beta2 = beta2;
+    hp.eps = eps;
+    hp.weight_decay = weight_decay;
+    hp.step = step;
+    hp.decoupled = decoupled ? 1 : 0;
+    hp.amsgrad = amsgrad ? 1 : 0;
+    hp.maximize = maximize ? 1 : 0;
+    hp.grad_scale = (float)grad_scale;
+    c10::cuda::CUDAGuard guard(device);
+    zx_check_status(zx_cuda_adam_step((size_t)n, param.data_ptr<float>(), grad.data_ptr<float>(),
+                                      exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), max_ptr,
+                                      lp_ptr, lp_dtype, &hp, step_ptr, zx_current_stream()),
+                    "cuda_adam_step");
+}
+
+void zx_py_cuda_increment_step(at::Tensor step_tensor) {
+    TORCH_CHECK(step_tensor.is_cuda(), "step_tensor must be a CUDA int64 tensor of one element");
+    zx_check_tensor(step_tensor, "step_tensor", at::kLong, step_tensor.device(), 1);
+    c10::cuda::CUDAGuard guard(step_tensor.device());
+    zx_check_status(zx_cuda_increment_step(step_tensor.data_ptr<int64_t>(), zx_current_stream()),
+                    "cuda_increment_step");
+}
+
+void zx_py_cuda_sgd_step(at::Tensor param, at::Tensor grad, std::optional<at::Tensor> momentum_buf,
+                         std::optional<at::Tensor> param_lp, double lr, double momentum, double dampening,
+                         double weight_decay, bool nesterov, bool maximize, bool first_step,
+                         double grad_scale) {
+    TORCH_CHECK(param.is_cuda(), "param must be a CUDA tensor (use sgd_step for CPU tensors)");
+    const at::Device device = param.device();
+    const int64_t n = param.numel();
+    zx_check_tensor(param, "param", at::kFloat, device, n);
+    zx_check_tensor(grad, "grad", at::kFloat, device, n);
+    float *buf_ptr = nullptr;
+    if (momentum != 0.0) {
+        TORCH_CHECK(momentum_buf.has_value(), "momentum != 0 needs momentum_buf");
+        zx_check_tensor(*momentum_buf, "momentum_buf", at::kFloat, device, n);
+        buf_ptr = momentum_buf->data_ptr<float>();
+    }
+    void *lp_ptr = nullptr;
+    zx_dtype lp_dtype = ZX_BF16;
+    if (param_lp.has_value()) {
+        lp_dtype = zx_lp_dtype(*param_lp, "param_lp");
+        zx_check_tensor(*param_lp, "param_lp", param_lp->scalar_type(), device, n);
+        lp_ptr = param_lp->data_ptr();
+    }
+    zx_sgd_hparams hp;
+    hp.lr = lr;
+    hp.momentum = momentum;
+    hp.dampening = dampening;
+    hp.weight_decay = weight_decay;
+    hp.nesterov = nesterov ? 1 : 0;
+    hp.maximize = maximize ? 1 : 0;
+    hp.first_step = first_step ? 1 : 0;
+    hp.grad_scale = (float)grad_scale;
+    c10::cuda::CUDAGuard guard(device);
+    zx_check_status(zx_cuda_sgd_step((size_t)n, param.data_ptr<float>(), grad.data_ptr<float>(), buf_ptr,
+                                     lp_ptr, lp_dtype, &hp, zx_current_stream()),
+                    "cuda_sgd_step");
+}
+
+// Accumulate into a device float[2] (no synchronization): out2 += [sumsq, nonfinite].
+void zx_py_cuda_grad_sumsq_into(at::Tensor grad, double scale, at::Tensor out2) {
+    TORCH_CHECK(grad.is_cuda(), "grad must be a CUDA tensor (use grad_sumsq for CPU tensors)");
+    zx_check_tensor(grad, "grad", at::kFloat, grad.device(), -1);
+    zx_check_tensor(out2, "out2", at::kFloat, grad.device(), 2);
+    c10::cuda::CUDAGuard guard(grad.device());
+    zx_check_status(zx_cuda_grad_sumsq((size_t)grad.numel(), grad.data_ptr<float>(), (float)scale,
+                                       out2.data_ptr<float>(), zx_current_stream()),
+                    "cuda_grad_sumsq");
+}
+
+// (sumsq, nonfinite) as host numbers: waits for the stream.
+std::tuple<double, int64_t> zx_py_cuda_grad_sumsq(at::Tensor grad, double scale) {
+    TORCH_CHECK(grad.is_cuda(), "grad must be a CUDA tensor (use grad_sumsq for CPU tensors)");
+    at::Tensor out2 = at::zeros({2}, grad.options().dtype(at::kFloat));
+    zx_py_cuda_grad_sumsq_into(grad, scale, out2);
+    at::Tensor host = out2.cpu();
+    const float *h = host.data_ptr<float>();
+    return std::make_tuple((double)h[0], (int64_t)h[1]);
+}
+
+void zx_py_cuda_scale(at::Tensor x, double s) {
+    TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor (use scale for CPU tensors)");
+    zx_check_tensor(x, "x", at::kFloat, x.device(), -1);
+    c10::cuda::CUDAGuard guard(x.device());
+    zx_check_status(zx_cuda_scale((size_t)x.numel(), x.data_ptr<float>(), (float)s, zx_current_stream()),
+                    "cuda_scale");
+}
+
+// dst (slice_n,) = (accumulate ? dst : 0) + scale * sum of the nslices slices of src (nslices*slice_n,).
+void zx_py_cuda_sum_slices(at::Tensor src, at::Tensor dst, int64_t nslices, bool accumulate, double scale) {
+    TORCH_CHECK(dst.is_cuda(), "dst must be a CUDA tensor (use sum_slices for CPU tensors)");
+    TORCH_CHECK(nslices >= 1 && nslices <= INT32_MAX, "nslices must be in [1, 2^31), got ", nslices);
+    const int64_t slice_n = dst.numel();
+    zx_check_tensor(dst, "dst", at::kFloat, dst.device(), slice_n);
+    zx_check_tensor(src, "src", at::kFloat, dst.device(), nslices * slice_n);
+    c10::cuda::CUDAGuard guard(dst.device());
+    zx_check_status(zx_cuda_sum_slices((size_t)slice_n, (int32_t)nslices, src.data_ptr<float>(),
+                                       dst.data_ptr<float>(), accumulate ? 1 : 0, (float)scale,
+                                       zx_current_stream()),
+                    "cuda_sum_slices (dst may alias src's slice 0 only with accumulate=False)");
+}
+
+// dst = src.to(dst.dtype), round to nearest even; dst bf16/fp16/fp32.
+void zx_py_cuda_cast_from_f32(at::Tensor src, at::Tensor dst) {
+    TORCH_CHECK(src.is_cuda(), "src must be a CUDA tensor (use cast_from_f32 for CPU tensors)");
+    zx_check_tensor(src, "src", at::kFloat, src.device(), -1);
+    zx_dtype dst_dtype = zx_any_dtype(dst, "dst");
+    zx_check_tensor(dst, "dst", dst.scalar_type(), src.device(), src.numel());
+    c10::cuda::CUDAGuard guard(src.device());
+    zx_check_status(zx_cuda_cast_from_f32((size_t)src.numel(), src.data_ptr<float>(), dst.data_ptr(),
+                                          dst_dtype, zx_current_stream()),
+                    "cuda_cast_from_f32");
+}
+
+// dst (fp32) = src (bf16/fp16/fp32), exact.
+void zx_py_cuda_cast_to_f32(at::Tensor src, at::Tensor dst) {
+    TORCH_CHECK(dst.is_cuda(), "dst must be a CUDA tensor (use cast_to_f32 for CPU tensors)");
+    zx_check_tensor(dst, "dst", at::kFloat, dst.device(), -1);
+    zx_dtype src_dtype = zx_any_dtype(src, "src");
+    zx_check_tensor(src, "src", src.scalar_type(), dst.device(), dst.numel());
+    c10::cuda::CUDAGuard guard(dst.device());
+    zx_check_status(zx_cuda_cast_to_f32((size_t)dst.numel(), src.data_ptr(), src_dtype,
+                                        dst.data_ptr<float>(), zx_current_stream()),
+                    "cuda_cast_to_f32");
+}
+
+}  // namespace
+
+void zx_bind_cuda(pybind11::module_ &m) {
+    namespace py = pybind11;
+    m.def("cuda_adam_step", &zx_py_cuda_adam_step,
+          "One Adam/AdamW step on CUDA tensors (fp32 state, optional bf16/fp16 copy-out). "
+          "step_tensor: optional CUDA int64 (1,) read on the device instead of `step` (CUDA graphs).",
+          py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+          py::arg("max_exp_avg_sq"), py::arg("param_lp"), py::arg("lr"), py::arg("beta1"),
+          py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
+          py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"), py::arg("grad_scale"),
+          py::kw_only(), py::arg("step_tensor") = py::none());
+    m.def("cuda_increment_step", &zx_py_cuda_increment_step,
+          "step_tensor += 1 on the current stream (pairs with cuda_adam_step(step_tensor=...)).",
+          py::arg("step_tensor"));
+    m.def("cuda_sgd_step", &zx_py_cuda_sgd_step,
+          "One SGD step on CUDA tensors (momentum, dampening, Nesterov; optional copy-out).",
+          py::arg("param"), py::arg("grad"), py::arg("momentum_buf"), py::arg("param_lp"), py::arg("lr"),
+          py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("nesterov"),
+          py::arg("maximize"), py::arg("first_step"), py::arg("grad_scale"));
+    m.def("cuda_grad_sumsq", &zx_py_cuda_grad_sumsq,
+          "(sum of (grad*scale)^2 over finite elements, count of inf/nan) of a CUDA tensor; synchronizes.",
+          py::arg("grad"), py::arg("scale"));
+    m.def("cuda_grad_sumsq_into", &zx_py_cuda_grad_sumsq_into,
+          "out2 (CUDA float32 (2,)) += [sumsq, nonfinite] without synchronizing.",
+          py::arg("grad"), py::arg("scale"), py::arg("out2"));
+    m.def("cuda_scale", &zx_py_cuda_scale, "x *= s on a CUDA float32 tensor.", py::arg("x"), py::arg("s"));
+    m.def("cuda_sum_slices", &zx_py_cuda_sum_slices,
+          "dst = (accumulate ? dst : 0) + scale * sum_j src[j*len(dst):(j+1)*len(dst)], j increasing.",
+          py::arg("src"), py::arg("dst"), py::arg("nslices"), py::arg("accumulate"), py::arg("scale"));
+    m.def("cuda_cast_from_f32", &zx_py_cuda_cast_from_f32,
+          "dst = src cast to dst.dtype (bf16/fp16 round to nearest even; fp32 copy).",
+          py::arg("src"), py::arg("dst"));
+    m.def("cuda_cast_to_f32", &zx_py_cuda_cast_to_f32, "dst (fp32) = src (bf16/fp16/fp32).",
+          py::arg("src"), py::arg("dst"));
+}
+
+#else  // !ZX_WITH_CUDA
+
+void zx_bind_cuda(pybind11::module_ &m) { (void)m; }
+
+#endif  // ZX_WITH_CUDA

@@ -1,0 +1,568 @@
+// engine.cpp — see engine.h. Stages 0-2 on CPU: layout from the C planner,
+// gradient readiness, in-order asynchronous reductions, fused optimizer steps,
+// parameter all-gather. Every collective goes through the user's ProcessGroup.
+#include "engine.h"
+
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <mutex>
+#include <sstream>
+
+#include "kernels_binding.h"   // defines: zx_check, parse_isa
+
+// Note [Collective entry points]
+//   _allgather_base, _reduce_scatter_base and alltoall_base are deprecated in
+//   torch 2.13 in favour of *_single, which torch 2.11 (the GPU machine) lacks;
+//   the old names exist in both, so we keep them and silence the warning.
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+namespace zx {
+
+// Note [Gradient sums in stages 1-2]
+//   Stage 0 divides each bucket by N before its SUM all-reduce, as DDP does, so
+//   param.grad holds the average. Stages 1-2 reduce with SUM (never AVG: gloo's
+//   AVG has been wrong) and keep the *sum* in the owned gradient slice; the
+//   1/N is folded into the optimizer kernel's grad_scale (and into the norm).
+//   Keeping sums makes a second backward without zero_grad() still correct:
+//   after a stage-1 reduce-scatter the non-owned parts of the bucket are
+//   zeroed, so the next reduce-scatter adds exactly the new gradients.
+
+static constexpr int64_t kGrain = 1 << 16;   // elements per parallel task
+
+template <class F>
+void Engine::parallel(int64_t n, F &&fn) const {
+    if (n <= 0) return;
+    at::parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) { fn(lo, hi); });
+}
+
+Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups,
+               c10::optional<ProcessGroupPtr> pg, EngineOptions opts)
+    : params_(std::move(params)), pg_(std::move(pg)), opts_(std::move(opts)) {
+    const int64_t n = (int64_t)params_.size();
+    TORCH_CHECK(n > 0, "zero_ext: the optimizer has no trainable parameters");
+    TORCH_CHECK((int64_t)groups.size() == n, "zero_ext: one group index per parameter expected");
+    TORCH_CHECK(opts_.stage >= 0 && opts_.stage <= 2, "zero_ext: the engine runs stages 0-2, got ", opts_.stage);
+    if (pg_.has_value()) {
+        rank_ = (*pg_)->getRank();
+        world_ = (*pg_)->getSize();
+    }
+    parts_ = opts_.stage == 0 ? 1 : world_;
+    isa_ = opts_.isa == "auto" ? zx_cpu_best_isa() : parse_isa(opts_.isa);
+    TORCH_CHECK(zx_cpu_supports(isa_), "zero_ext: this CPU cannot run isa='", opts_.isa,
+                "'; use isa='auto'");
+
+    // Plan: reverse registration order, which is roughly gradient-ready order.
+    std::vector<int64_t> numel(n), order(n);
+    std::vector<int32_t> dtype(n, ZX_F32), group(n);
+    for (int64_t i = 0; i < n; i++) {
+        const at::Tensor &p = params_[i];
+        TORCH_CHECK(p.scalar_type() == at::kFloat, "zero_ext: parameter ", i, " is ", p.scalar_type(),
+                    "; stages 0-2 keep float32 parameters (cast the model with model.float())");
+        TORCH_CHECK(p.device().is_cpu(), "zero_ext: parameter ", i, " is on ", p.device(),
+                    "; this build runs on CPU tensors");
+        numel[i] = p.numel();
+        group[i] = (int32_t)groups[i];
+        order[i] = n - 1 - i;
+    }
+    zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), nullptr, order.data(),
+                      (int32_t)parts_, opts_.bucket_bytes, opts_.first_bucket_bytes, opts_.align};
+    zx_check(zx_plan_create(&pp, &plan_), "planning the bucket layout");
+    shard_numel_ = zx_plan_shard_numel(plan_);
+
+    // Buckets as tensors; parameters (and stage 0/1 gradients) become views.
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const int64_t nb = zx_plan_num_buckets(plan_);
+    buckets_.resize(nb);
+    bucket_of_.assign(n, -1);
+    offset_of_.assign(n, 0);
+    grad_views_.resize(n);
+    ready_.assign(n, 0);
+    for (int64_t b = 0; b < nb; b++) {
+        zx_bucket_info bi;
+        zx_check(zx_plan_bucket(plan_, b, &bi), "reading the plan");
+        Bucket &bk = buckets_[b];
+        bk.group = bi.group;
+        bk.numel = bi.numel;
+        bk.padded_numel = bi.padded_numel;
+        bk.slice_numel = bi.slice_numel;
+        bk.shard_offset = zx_plan_shard_offset(plan_, b);
+        bk.pending = bi.num_params;
+        bk.flat_param = at::zeros({bi.padded_numel}, f32);
+        if (opts_.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, f32);
+        max_padded_ = std::max(max_padded_, bi.padded_numel);
+        for (int64_t k = 0; k < bi.num_params; k++) {
+            int64_t i;
+            zx_check(zx_plan_bucket_param(plan_, b, k, &i), "reading the plan");
+            zx_param_loc loc;
+            zx_check(zx_plan_param(plan_, i, &loc), "reading the plan");
+            bk.params.push_back(i);
+            bucket_of_[i] = b;
+            offset_of_[i] = loc.offset;
+            at::Tensor &p = params_[i];
+            at::Tensor view = bk.flat_param.narrow(0, loc.offset, loc.numel).view(p.sizes());
+            {
+                at::NoGradGuard ng;
+                view.copy_(p);
+            }
+            p.set_data(view);
+            if (opts_.stage <= 1) {
+                grad_views_[i] = bk.flat_grad.narrow(0, loc.offset, loc.numel).view(p.sizes());
+                if (p.grad().defined()) grad_views_[i].copy_(p.grad());
+                p.mutable_grad() = at::Tensor();
+            } else {
+                p.mutable_grad() = at::Tensor();
+            }
+        }
+    }
+    if (opts_.stage == 2) grad_shard_ = at::zeros({shard_numel_}, f32);
+    const bool needs_slots = (opts_.stage == 2) || (opts_.stage == 1 && world_ > 1);
+    if (needs_slots) {
+        const int64_t k = std::max<int64_t>(1, opts_.grad_ring_buckets);
+        for (int64_t s = 0; s < k; s++) {
+            Slot sl;
+            if (opts_.stage == 2) sl.send = at::zeros({max_padded_}, f32);
+            if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / parts_}, f32);
+            slots_.push_back(std::move(sl));
+        }
+    }
+}
+
+Engine::~Engine() {
+    // Outstanding collectives must finish before their buffers go away.
+    try {
+        for (auto &w : inflight_) w.second->wait();
+        for (auto &w : gather_works_) w->wait();
+    } catch (...) {
+    }
+    zx_plan_free(plan_);
+}
+
+at::Tensor Engine::owned_slice(const at::Tensor &flat, const Bucket &bk) const {
+    const int64_t r = opts_.stage == 0 ? 0 : rank_;
+    return flat.narrow(0, r * bk.slice_numel, bk.slice_numel);
+}
+
+at::Tensor Engine::grad_shard_slice(const Bucket &bk) {
+    if (opts_.stage == 2) return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+    return owned_slice(bk.flat_grad, bk);
+}
+
+double Engine::grad_divisor() const { return opts_.stage == 0 ? 1.0 : (double)world_; }
+
+// ------------------------------------------------------------------ backward
+
+void Engine::ensure_grad_view(int64_t i) {
+    at::Tensor &p = params_[i];
+    const at::Tensor &g = p.grad();
+    const at::Tensor &view = grad_views_[i];
+    if (g.defined() && g.data_ptr() == view.data_ptr()) return;
+    // Autograd made a fresh tensor (first backward or after zero_grad(set_to_none)):
+    // the bucket region was zeroed by zero_grad, so this gradient replaces it.
+    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: parameter ", i,
+                " got a sparse gradient; use dense embeddings (sparse=False)");
+    if (g.defined()) view.copy_(g);
+    p.mutable_grad() = view;
+}
+
+void Engine::stage_grad(int64_t i) {
+    at::Tensor &p = params_[i];
+    const at::Tensor g = p.grad();
+    Bucket &bk = buckets_[bucket_of_[i]];
+    if (bk.slot < 0) acquire_slot(bucket_of_[i]);
+    at::Tensor dst = slots_[bk.slot].send.narrow(0, offset_of_[i], p.numel());
+    if (g.defined()) {
+        TORCH_CHECK(!g.is_sparse(), "zero_ext: parameter ", i,
+                    " got a sparse gradient; use dense embeddings (sparse=False)");
+        dst.view(p.sizes()).copy_(g);
+    } else {
+        dst.zero_();
+    }
+    p.mutable_grad() = at::Tensor();   // stage 2 keeps no full gradient
+}
+
+void Engine::mark_ready(int64_t i) {
+    TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: bad parameter index ", i);
+    if (opts_.stage <= 1) ensure_grad_view(i);
+    const bool reduce_now = opts_.stage == 2 || require_sync_;
+    if (!reduce_now) return;
+    if (opts_.stage == 2) stage_grad(i);
+    TORCH_CHECK(!ready_[i], "zero_ext: parameter ", i,
+                " was marked ready twice in one backward pass; if you call backward() "
+                "twice, call it under model.no_sync() for all but the last, or step in between");
+    ready_[i] = 1;
+    Bucket &bk = buckets_[bucket_of_[i]];
+    if (--bk.pending == 0) {
+        // Launch strictly in bucket order so that every rank issues the same collectives.
+        while (next_launch_ < (int64_t)buckets_.size() && buckets_[next_launch_].pending == 0)
+            launch(next_launch_++);
+    }
+}
+
+void Engine::finalize_backward() {
+    const bool reduce_now = opts_.stage == 2 || require_sync_;
+    if (!reduce_now) return;
+    // Parameters that got no gradient this pass: their region holds zeros or
+    // earlier accumulated gradients (stage 0/1), or is zero-filled (stage 2).
+    for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
+        if (ready_[i]) continue;
+        if (opts_.stage == 2) stage_grad(i);
+        ready_[i] = 1;
+        buckets_[bucket_of_[i]].pending--;
+    }
+    while (next_launch_ < (int64_t)buckets_.size()) launch(next_launch_++);
+    // Reset readiness for the next backward.
+    std::fill(ready_.begin(), ready_.end(), 0);
+    for (auto &bk : buckets_) {
+        bk.pending = (int64_t)bk.params.size();
+        bk.launched = false;
+    }
+    next_launch_ = 0;
+    reductions_++;
+}
+
+int64_t Engine::acquire_slot(int64_t b) {
+    for (int64_t s = 0; s < (int64_t)slots_.size(); s++) {
+        if (slots_[s].owner < 0) {
+            slots_[s].owner = b;
+            buckets_[b].slot = s;
+            return s;
+        }
+    }
+    // All slots busy: finish the oldest launched reduction and take its slot.
+    if (!inflight_.empty()) {
+        const int64_t done = inflight_.front().first;
+        complete(done);
+        return acquire_slot(b);
+    }
+    // Every slot is held by a bucket still filling (gradients arrived out of
+    // bucket order): grow the ring by one; bounded by the number of buckets.
+    Slot sl;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    if (opts_.stage == 2) sl.send = at::zeros({max_padded_}, f32);
+    if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / parts_}, f32);
+    slots_.push_back(std::move(sl));
+    return acquire_slot(b);
+}
+
+void Engine::release_slot(int64_t b) {
+    Bucket &bk = buckets_[b];
+    if (bk.slot >= 0) slots_[bk.slot].owner = -1;
+    bk.slot = -1;
+}
+
+void Engine::launch(int64_t b) {
+    Bucket &bk = buckets_[b];
+    bk.launched = true;
+    if (opts_.stage == 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
+    if (opts_.stage == 2) {
+        // Zero the padding so it never feeds the optimizer garbage.
+        slots_[bk.slot].send.narrow(0, bk.numel, bk.padded_numel - bk.numel).zero_();
+    }
+    if (world_ == 1) {
+        if (opts_.stage == 2) {
+            at::Tensor src = slots_[bk.slot].send.narrow(0, 0, bk.padded_numel);
+            grad_shard_slice(bk).add_(src);
+            release_slot(b);
+        }
+        return;
+    }
+    auto &pg = *pg_;
+    c10::intrusive_ptr<c10d::Work> work;
+    if (opts_.stage == 0) {
+        bk.flat_grad.div_((double)world_);
+        std::vector<at::Tensor> t{bk.flat_grad};
+        c10d::AllreduceOptions o;
+        o.reduceOp = c10d::ReduceOp::SUM;
+        work = pg->allreduce(t, o);
+        count(c_allreduce_, bk.padded_numel);
+    } else {
+        at::Tensor send = opts_.stage == 2 ? slots_[bk.slot].send.narrow(0, 0, bk.padded_numel) : bk.flat_grad;
+        if (bk.slot < 0) acquire_slot(b);
+        Slot &sl = slots_[bk.slot];
+        if (opts_.alltoall_reduce_scatter) {
+            // Note [Reduce-scatter on gloo]: gloo's reduce_scatter is an
+            // all-reduce underneath (2x the bytes); an equal-split all-to-all
+            // moves exactly one slice to each peer, and zx_sum_slices adds them.
+            at::Tensor recv = sl.recv.narrow(0, 0, bk.padded_numel);
+            std::vector<int64_t> splits;   // empty: equal splits
+            work = pg->alltoall_base(recv, send, splits, splits);
+        } else {
+            at::Tensor recv = sl.recv.narrow(0, 0, bk.slice_numel);
+            c10d::ReduceScatterOptions o;
+            o.reduceOp = c10d::ReduceOp::SUM;
+            work = pg->_reduce_scatter_base(recv, send, o);
+        }
+        count(c_reduce_scatter_, bk.padded_numel);
+    }
+    inflight_.emplace_back(b, std::move(work));
+}
+
+void Engine::complete(int64_t b) {
+    // Works finish in launch order; complete everything up to b.
+    while (!inflight_.empty()) {
+        auto [cur, work] = inflight_.front();
+        inflight_.pop_front();
+        work->wait();
+        Bucket &bk = buckets_[cur];
+        if (opts_.stage >= 1) {
+            Slot &sl = slots_[bk.slot];
+            at::Tensor dst = grad_shard_slice(bk);
+            const int accumulate = opts_.stage == 2 ? 1 : 0;
+            if (opts_.alltoall_reduce_scatter) {
+                const float *src = sl.recv.data_ptr<float>();
+                float *d = dst.data_ptr<float>();
+                const int64_t sn = bk.slice_numel;
+                const int32_t np = (int32_t)parts_;
+                parallel(sn, [&](int64_t lo, int64_t hi) {
+                    if (hi - lo == sn) {   // one task: one pass over all slices
+                        zx_check(zx_sum_slices(isa_, (size_t)sn, np, src, d, accumulate, 1.0f),
+                                 "summing reduce-scatter slices");
+                        return;
+                    }
+                    // Several tasks: each adds columns [lo, hi) of the N slices.
+                    for (int32_t j = 0; j < np; j++)
+                        zx_check(zx_sum_slices(isa_, (size_t)(hi - lo), 1, src + j * sn + lo, d + lo,
+                                               (accumulate || j > 0) ? 1 : 0, 1.0f),
+                                 "summing reduce-scatter slices");
+                });
+            } else if (accumulate) {
+                dst.add_(sl.recv.narrow(0, 0, bk.slice_numel));
+            } else {
+                dst.copy_(sl.recv.narrow(0, 0, bk.slice_numel));
+            }
+            if (opts_.stage == 1) {
+                // Note [Gradient sums in stages 1-2]: zero what this rank does not own.
+                const int64_t lo = rank_ * bk.slice_numel, hi = lo + bk.slice_numel;
+                if (lo > 0) bk.flat_grad.narrow(0, 0, lo).zero_();
+                if (hi < bk.padded_numel) bk.flat_grad.narrow(0, hi, bk.padded_numel - hi).zero_();
+            }
+            release_slot(cur);
+        }
+        if (cur == b) break;
+    }
+}
+
+void Engine::wait_reductions() {
+    while (!inflight_.empty()) complete(inflight_.back().first);
+}
+
+// ------------------------------------------------------------------ optimizer
+
+void Engine::step_adam(const std::vector<zx_adam_hparams> &hps) {
+    wait_reductions();
+    wait_params();
+    at::Tensor m = state("exp_avg"), v = state("exp_avg_sq");
+    bool ams = false;
+    for (const auto &h : hps) ams = ams || h.amsgrad;
+    at::Tensor vmax = ams ? state("max_exp_avg_sq") : at::Tensor();
+    for (auto &bk : buckets_) {
+        TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
+        const zx_adam_hparams &hp = hps[bk.group];
+        float *p = owned_slice(bk.flat_param, bk).data_ptr<float>();
+        const float *g = grad_shard_slice(bk).data_ptr<float>();
+        float *mp = m.data_ptr<float>() + bk.shard_offset, *vp = v.data_ptr<float>() + bk.shard_offset;
+        float *xp = hp.amsgrad ? vmax.data_ptr<float>() + bk.shard_offset : nullptr;
+        parallel(bk.slice_numel, [&](int64_t lo, int64_t hi) {
+            zx_check(zx_adam_step(isa_, (size_t)(hi - lo), p + lo, g + lo, mp + lo, vp + lo,
+                                  xp ? xp + lo : nullptr, nullptr, ZX_F32, &hp),
+                     "Adam step");
+        });
+    }
+}
+
+void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps) {
+    wait_reductions();
+    wait_params();
+    bool momentum = false;
+    for (const auto &h : hps) momentum = momentum || h.momentum != 0.0;
+    at::Tensor buf = momentum ? state("momentum_buffer") : at::Tensor();
+    for (auto &bk : buckets_) {
+        TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
+        const zx_sgd_hparams &hp = hps[bk.group];
+        float *p = owned_slice(bk.flat_param, bk).data_ptr<float>();
+        const float *g = grad_shard_slice(bk).data_ptr<float>();
+        float *bp = hp.momentum != 0.0 ? buf.data_ptr<float>() + bk.shard_offset : nullptr;
+        parallel(bk.slice_numel, [&](int64_t lo, int64_t hi) {
+            zx_check(zx_sgd_step(isa_, (size_t)(hi - lo), p + lo, g + lo, bp ? bp + lo : nullptr,
+                                 nullptr, ZX_F32, &hp),
+                     "SGD step");
+        });
+    }
+}
+
+std::vector<at::Tensor> Engine::param_shards() {
+    std::vector<at::Tensor> out;
+    for (auto &bk : buckets_) out.push_back(owned_slice(bk.flat_param, bk));
+    return out;
+}
+
+std::vector<at::Tensor> Engine::grad_shards() {
+    std::vector<at::Tensor> out;
+    for (auto &bk : buckets_) out.push_back(grad_shard_slice(bk));
+    return out;
+}
+
+std::vector<int64_t> Engine::bucket_groups() {
+    std::vector<int64_t> out;
+    for (auto &bk : buckets_) out.push_back(bk.group);
+    return out;
+}
+
+void Engine::scale_grads(double factor) {
+    wait_reductions();
+    if (factor == 1.0) return;
+    for (auto &bk : buckets_) {
+        float *g = grad_shard_slice(bk).data_ptr<float>();
+        parallel(bk.slice_numel, [&](int64_t lo, int64_t hi) {
+            zx_check(zx_scale(isa_, (size_t)(hi - lo), g + lo, (float)factor), "scaling gradients");
+        });
+    }
+}
+
+std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
+    wait_reductions();
+    double sumsq = 0.0;
+    int64_t nonfinite = 0;
+    for (auto &bk : buckets_) {
+        const float *g = grad_shard_slice(bk).data_ptr<float>();
+        std::mutex mu;
+        parallel(bk.slice_numel, [&](int64_t lo, int64_t hi) {
+            double s = 0.0;
+            int64_t nf = 0;
+            zx_check(zx_grad_sumsq(isa_, (size_t)(hi - lo), g + lo, (float)scale, &s, &nf), "gradient norm");
+            std::lock_guard<std::mutex> lock(mu);
+            sumsq += s;
+            nonfinite += nf;
+        });
+    }
+    if (parts_ > 1) {
+        // One small all-reduce carries both the norm and the inf/nan count.
+        at::Tensor t = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+        t[0] = sumsq;
+        t[1] = (double)nonfinite;
+        std::vector<at::Tensor> ts{t};
+        c10d::AllreduceOptions o;
+        o.reduceOp = c10d::ReduceOp::SUM;
+        (*pg_)->allreduce(ts, o)->wait();
+        count(c_allreduce_, 2);
+        c_allreduce_.bytes += 8;   // two doubles, not two floats
+        sumsq = t[0].item<double>();
+        nonfinite = (int64_t)t[1].item<double>();
+    }
+    return {sumsq, nonfinite};
+}
+
+void Engine::all_gather_params() {
+    if (parts_ == 1) return;
+    wait_params();
+    for (auto &bk : buckets_) {
+        at::Tensor in = owned_slice(bk.flat_param, bk);
+        gather_works_.push_back((*pg_)->_allgather_base(bk.flat_param, in));
+        count(c_allgather_, bk.padded_numel);
+    }
+}
+
+void Engine::wait_params() {
+    for (auto &w : gather_works_) w->wait();
+    gather_works_.clear();
+}
+
+void Engine::zero_grad(bool set_to_none) {
+    wait_reductions();
+    for (auto &bk : buckets_)
+        if (bk.flat_grad.defined()) bk.flat_grad.zero_();
+    if (grad_shard_.defined()) grad_shard_.zero_();
+    for (auto &p : params_) {
+        if (set_to_none) p.mutable_grad() = at::Tensor();
+    }
+}
+
+void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {
+    if (world_ == 1 || tensors.empty()) return;
+    for (auto &t : tensors) {
+        std::vector<at::Tensor> one{t};
+        c10d::BroadcastOptions o;
+        o.rootRank = src;
+        (*pg_)->broadcast(one, o)->wait();
+        c_broadcast_.calls++;
+        c_broadcast_.numel += t.numel();
+        c_broadcast_.bytes += t.numel() * (int64_t)t.element_size();
+    }
+}
+
+// ------------------------------------------------------------------ state
+
+at::Tensor Engine::state(const std::string &name) {
+    auto it = states_.find(name);
+    if (it != states_.end()) return it->second;
+    at::Tensor t = at::zeros({shard_numel_}, at::TensorOptions().dtype(at::kFloat));
+    states_[name] = t;
+    return t;
+}
+
+static py::dict counter_dict(const CommCounter &c) {
+    py::dict d;
+    d["calls"] = c.calls;
+    d["numel"] = c.numel;
+    d["bytes"] = c.bytes;
+    return d;
+}
+
+py::dict Engine::stats() const {
+    int64_t param_bytes = 0, grad_bytes = 0, numel = 0, padded = 0;
+    for (const auto &bk : buckets_) {
+        param_bytes += bk.flat_param.nbytes();
+        if (bk.flat_grad.defined()) grad_bytes += bk.flat_grad.nbytes();
+        numel += bk.numel;
+        padded += bk.padded_numel;
+    }
+    if (grad_shard_.defined()) grad_bytes += grad_shard_.nbytes();
+    int64_t state_bytes = 0;
+    for (const auto &kv : states_) state_bytes += kv.second.nbytes();
+    int64_t ring_bytes = 0;
+    for (const auto &s : slots_) {
+        if (s.send.defined()) ring_bytes += s.send.nbytes();
+        if (s.recv.defined()) ring_bytes += s.recv.nbytes();
+    }
+    py::dict msb;
+    msb["parameters"] = param_bytes;
+    msb["gradients"] = grad_bytes;
+    msb["master_weights"] = 0;   // fp32 parameters: the owned slice is the master
+    msb["optimizer_states"] = state_bytes;
+    msb["total"] = param_bytes + grad_bytes + state_bytes;
+    py::dict buf;
+    buf["grad_ring"] = ring_bytes;
+    buf["ring_slots"] = (int64_t)slots_.size();
+    buf["total"] = ring_bytes;
+    py::dict comm;
+    comm["all_reduce"] = counter_dict(c_allreduce_);
+    comm["reduce_scatter"] = counter_dict(c_reduce_scatter_);
+    comm["all_gather"] = counter_dict(c_allgather_);
+    comm["broadcast"] = counter_dict(c_broadcast_);
+    py::dict d;
+    d["stage"] = opts_.stage;
+    d["world_size"] = world_;
+    d["rank"] = rank_;
+    d["isa"] = std::string(zx_isa_name(isa_));
+    d["num_params"] = numel;
+    d["padded_numel"] = padded;
+    d["shard_numel"] = shard_numel_;
+    d["num_buckets"] = (int64_t)buckets_.size();
+    d["reduce_scatter_impl"] = std::string(opts_.alltoall_reduce_scatter ? "alltoall" : "native");
+    d["model_state_bytes"] = msb;
+    d["buffer_bytes"] = buf;
+    d["comm"] = comm;
+    d["reductions"] = reductions_;
+    return d;
+}
+
+std::string Engine::describe_plan() const {
+    size_t need = 0;
+    zx_plan_describe(plan_, nullptr, 0, &need);
+    std::string s(need + 1, '\0');
+    zx_check(zx_plan_describe(plan_, s.data(), s.size(), &need), "describing the plan");
+    s.resize(need);
+    return s;
+}
+
+}  // namespace zx

@@ -1,0 +1,144 @@
+// engine.h — the torch-facing ZeRO engine (stages 0-2): flat buckets, gradient
+// readiness, asynchronous collectives on a c10d ProcessGroup, fused steps.
+//
+// The C planner (core/zx_plan.c) decides every offset; this file only turns
+// the plan into tensors and drives the collectives. Python glue (zero_ext/)
+// creates one Engine per zeroify() call and calls into it from thin hooks.
+#pragma once
+
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <deque>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/zx_core.h"
+
+namespace zx {
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+struct EngineOptions {
+    int64_t stage = 2;                 // 0 (DDP), 1, 2
+    int64_t bucket_bytes = 16 << 20;   // cap per bucket
+    int64_t first_bucket_bytes = 1 << 20;
+    int64_t align = 16;                // slice alignment, elements
+    bool alltoall_reduce_scatter = false;  // reduce-scatter = all-to-all + local sum (gloo)
+    int64_t grad_ring_buckets = 2;     // stage 2: staging buffers in the ring
+    std::string isa = "auto";          // kernel ISA: auto/scalar/avx2/avx512
+};
+
+// Cumulative counters of one collective kind. numel/bytes are the size of the
+// collective's full (unsharded) buffer: a reduce-scatter of a bucket counts the
+// bucket, an all-gather counts the gathered bucket, an all-reduce its tensor.
+struct CommCounter {
+    int64_t calls = 0;
+    int64_t numel = 0;
+    int64_t bytes = 0;
+};
+
+// One bucket of the plan, as tensors. Note [Gradient layout]:
+//   stage 0/1: flat_grad persists; param.grad is a view of it, so autograd
+//              accumulates straight into the bucket (DDP's gradient_as_bucket_view).
+//   stage 2:   no flat_grad; each gradient is copied into a ring slot as it
+//              arrives, the slot is reduce-scattered into grad_shard_ and reused.
+struct Bucket {
+    int64_t group = 0;                 // param group index
+    std::vector<int64_t> params;       // engine parameter indices, layout order
+    int64_t numel = 0;                 // elements of parameters (unpadded)
+    int64_t padded_numel = 0;          // numel padded to partitions*align
+    int64_t slice_numel = 0;           // padded_numel / partitions: one rank's share
+    int64_t shard_offset = 0;          // where this bucket's slice sits in a shard
+    at::Tensor flat_param;             // (padded_numel,) fp32; parameters are views
+    at::Tensor flat_grad;              // (padded_numel,) fp32 in stage 0/1, else undefined
+    int64_t pending = 0;               // parameters not yet ready in this backward
+    int64_t slot = -1;                 // ring slot held (stage 2 / all-to-all), or -1
+    bool launched = false;             // its reduction was launched in this backward
+};
+
+// A staging/receive pair of the ring (Note [Gradient layout]).
+struct Slot {
+    at::Tensor send;                   // (max padded_numel,) stage 2 gradient staging
+    at::Tensor recv;                   // (max padded_numel,) all-to-all receive / RS output
+    int64_t owner = -1;                // bucket holding the slot, -1 when free
+};
+
+class Engine {
+public:
+    Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups,
+           c10::optional<ProcessGroupPtr> pg, EngineOptions opts);
+    ~Engine();
+
+    // --- backward ---
+    void mark_ready(int64_t i);        // param i's gradient is final for this backward
+    void finalize_backward();          // end of backward: unused params, launch the rest
+    void wait_reductions();            // block until every launched reduction is done
+    void set_require_sync(bool sync) { require_sync_ = sync; }
+    bool require_sync() const { return require_sync_; }
+
+    // --- optimizer ---
+    // Fused AdamW/Adam step over this rank's shard. hparams: one dict per param group.
+    void step_adam(const std::vector<zx_adam_hparams> &hparams);
+    void step_sgd(const std::vector<zx_sgd_hparams> &hparams);
+    // Generic path: this rank's parameter / gradient shard views, one per bucket.
+    std::vector<at::Tensor> param_shards();
+    std::vector<at::Tensor> grad_shards();
+    std::vector<int64_t> bucket_groups();
+    void scale_grads(double factor);   // grad shards *= factor (generic path)
+    // Local sum of squares over the gradient shard (times scale) and inf/nan
+    // count, all-reduced across ranks in stages 1-2. Returns (sumsq, nonfinite).
+    std::pair<double, int64_t> grad_sumsq(double scale);
+    void all_gather_params();          // launch: every rank's slices -> full buckets
+    void wait_params();                // block until the parameter gather is done
+    void zero_grad(bool set_to_none);
+    void broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src);
+
+    // --- state ---
+    // Flat optimizer state over the shard (exp_avg, ...), created zero-filled on demand.
+    at::Tensor state(const std::string &name);
+    std::map<std::string, at::Tensor> &states() { return states_; }
+    py::dict stats() const;
+    std::string describe_plan() const;
+    int64_t rank() const { return rank_; }
+    int64_t world_size() const { return world_; }
+    int64_t partitions() const { return parts_; }
+    double grad_divisor() const;       // what shard gradients must be divided by
+    std::string isa_name() const { return zx_isa_name(isa_); }
+
+private:
+    void launch(int64_t b);
+    void complete(int64_t b);          // wait for b's reduction and post-process it
+    int64_t acquire_slot(int64_t b);
+    void release_slot(int64_t b);
+    void stage_grad(int64_t i);        // stage 2: copy param i's grad into its bucket's slot
+    void ensure_grad_view(int64_t i);  // stage 0/1: param i's grad is its bucket view
+    at::Tensor owned_slice(const at::Tensor &flat, const Bucket &bk) const;
+    at::Tensor grad_shard_slice(const Bucket &bk);
+    void count(CommCounter &c, int64_t numel) { c.calls++; c.numel += numel; c.bytes += numel * 4; }
+    template <class F> void parallel(int64_t n, F &&fn) const;
+
+    std::vector<at::Tensor> params_;
+    std::vector<at::Tensor> grad_views_;   // stage 0/1: param i's view into flat_grad
+    std::vector<int64_t> bucket_of_, offset_of_;
+    std::vector<char> ready_;
+    std::vector<Bucket> buckets_;
+    std::vector<Slot> slots_;
+    int64_t max_padded_ = 0;
+    zx_plan *plan_ = nullptr;
+    c10::optional<ProcessGroupPtr> pg_;
+    EngineOptions opts_;
+    int64_t rank_ = 0, world_ = 1, parts_ = 1, shard_numel_ = 0;
+    zx_isa isa_ = ZX_ISA_SCALAR;
+    bool require_sync_ = true;
+    int64_t next_launch_ = 0;
+    std::deque<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> inflight_;
+    std::vector<c10::intrusive_ptr<c10d::Work>> gather_works_;
+    at::Tensor grad_shard_;                // stage 2: (shard_numel,) fp32 gradient sums
+    std::map<std::string, at::Tensor> states_;
+    CommCounter c_allreduce_, c_reduce_scatter_, c_allgather_, c_broadcast_;
+    int64_t reductions_ = 0;               // backward passes whose gradients were reduced
+};
+
+}  // namespace zx

@@ -1,0 +1,296 @@
+// kernels_binding.cpp — torch-facing wrappers of the C core's CPU kernels.
+//
+// zx_bind_kernels(m) adds to the extension module (zero_ext._C):
+//   isa_supported(name) -> bool          best_isa() -> str
+//   adam_step, sgd_step                  one optimizer step on flat fp32 tensors
+//   grad_sumsq(isa, grad, scale) -> (sumsq, nonfinite)
+//   sum_slices, scale, cast_from_f32, cast_to_f32
+// Every function takes the isa by name ("scalar", "avx2", "avx512" or "auto") and
+// contiguous CPU tensors (fp32; a copy-out param_lp is bf16 or fp16), checks them
+// with messages that say what to fix, releases the GIL and splits the work over
+// torch's intra-op threads (at::parallel_for, kGrainNumel elements a task) — the
+// threads come from torch.set_num_threads, not from OpenMP pragmas here.
+// Used by tests/test_kernels.py and benchmarks/bench_optimizer.py; the engine calls
+// the C functions directly.
+#include "kernels_binding.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+namespace py = pybind11;
+
+constexpr int64_t kGrainNumel = 1 << 16;  // elements per parallel task
+
+// The Python spelling of a dtype, for error messages ("torch.float32").
+std::string dtype_name(at::ScalarType t) {
+    switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    default: return std::string("torch.") + c10::toString(t);
+    }
+}
+
+// "auto" -> the best ISA; otherwise the named one, which this CPU must support.
+zx_isa isa_arg(const std::string &name) {
+    zx_isa isa = name == "auto" ? zx_cpu_best_isa() : parse_isa(name);
+    TORCH_CHECK(zx_cpu_supports(isa), "zero_ext: this CPU cannot run isa='", name,
+                "'; check isa_supported(name) first or pass isa='auto'");
+    return isa;
+}
+
+// t is a contiguous CPU tensor of `dtype` with `numel` elements (numel < 0: any).
+void check_cpu(const at::Tensor &t, const char *name, at::ScalarType dtype, int64_t numel) {
+    TORCH_CHECK(t.device().is_cpu(), "zero_ext: ", name, " must be a CPU tensor (got ", t.device(),
+                "); the cuda_* functions take CUDA tensors");
+    TORCH_CHECK(t.scalar_type() == dtype, "zero_ext: ", name, " must be ", dtype_name(dtype), " (got ",
+                dtype_name(t.scalar_type()), ")");
+    TORCH_CHECK(t.is_contiguous(), "zero_ext: ", name,
+                " must be contiguous (pass a flat shard or call .contiguous())");
+    TORCH_CHECK(numel < 0 || t.numel() == numel, "zero_ext: ", name, " has ", t.numel(),
+                " elements, expected ", numel, " (the same as param / dst)");
+}
+
+// The zx_dtype of a bf16/fp16 CPU tensor with `numel` elements.
+zx_dtype check_lp(const at::Tensor &t, const char *name, int64_t numel) {
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, "zero_ext: ", name,
+                " must be torch.bfloat16 or torch.float16 (got ", dtype_name(t.scalar_type()), ")");
+    check_cpu(t, name, t.scalar_type(), numel);
+    return t.scalar_type() == at::kBFloat16 ? ZX_BF16 : ZX_F16;
+}
+
+// The zx_dtype of a bf16/fp16/fp32 CPU tensor with `numel` elements.
+zx_dtype check_any(const at::Tensor &t, const char *name, int64_t numel) {
+    if (t.scalar_type() == at::kFloat) {
+        check_cpu(t, name, at::kFloat, numel);
+        return ZX_F32;
+    }
+    return check_lp(t, name, numel);
+}
+
+// Run fn(lo, hi) -> zx_status over [0, n) on torch's intra-op threads without the
+// GIL; throws for the first non-OK status once all tasks are done.
+template <class F>
+void parallel_status(int64_t n, const char *what, F &&fn) {
+    std::atomic<int> status{ZX_OK};
+    {
+        py::gil_scoped_release no_gil;
+        at::parallel_for(0, n, kGrainNumel, [&](int64_t lo, int64_t hi) {
+            zx_status s = fn(lo, hi);
+            if (s != ZX_OK) status.store((int)s);
+        });
+    }
+    zx_check((zx_status)status.load(), what);
+}
+
+uint16_t *lp_ptr(const std::optional<at::Tensor> &t) {
+    return t ? static_cast<uint16_t *>(t->data_ptr()) : nullptr;
+}
+
+void py_adam_step(const std::string &isa_name, at::Tensor param, at::Tensor grad, at::Tensor exp_avg,
+                  at::Tensor exp_avg_sq, std::optional<at::Tensor> max_exp_avg_sq,
+                  std::optional<at::Tensor> param_lp, double lr, double beta1, double beta2, double eps,
+                  double weight_decay, int64_t step, bool decoupled, bool amsgrad, bool maximize,
+                  double grad_scale) {
+    const zx_isa isa = isa_arg(isa_name);
+    const int64_t n = param.numel();
+    check_cpu(param, "param", at::kFloat, n);
+    check_cpu(grad, "grad", at::kFloat, n);
+    check_cpu(exp_avg, "exp_avg", at::kFloat, n);
+    check_cpu(exp_avg_sq, "exp_avg_sq", at::kFloat, n);
+    TORCH_CHECK(!amsgrad || max_exp_avg_sq.has_value(),
+                "zero_ext: amsgrad=True needs max_exp_avg_sq (a float32 tensor shaped like param)");
+    float *v_max = nullptr;
+    if (amsgrad) {
+        check_cpu(*max_exp_avg_sq, "max_exp_avg_sq", at::kFloat, n);
+        v_max = max_exp_avg_sq->data_ptr<float>();
+    }
+    zx_dtype lp_dtype = param_lp ? check_lp(*param_lp, "param_lp", n) : ZX_F32;
+    zx_adam_hparams hp{};
+    hp.lr = lr;
+    hp.beta1 = beta1;
+    hp.beta2 = beta2;
+    hp.eps = eps;
+    hp.weight_decay = weight_decay;
+    hp.step = step;
+    hp.decoupled = decoupled;
+    hp.amsgrad = amsgrad;
+    hp.maximize = maximize;
+    hp.grad_scale = (float)grad_scale;
+    float *p = param.data_ptr<float>(), *m = exp_avg.data_ptr<float>(), *v = exp_avg_sq.data_ptr<float>();
+    const float *g = grad.data_ptr<float>();
+    uint16_t *lp = lp_ptr(param_lp);
+    // n = 0 validates the hyperparameters even for an empty tensor
+    zx_check(zx_adam_step(isa, 0, p, g, m, v, v_max, lp, lp_dtype, &hp),
+             "adam_step (check lr >= 0, 0 <= betas < 1, eps >= 0, weight_decay >= 0, step >= 1)");
+    parallel_status(n, "adam_step", [&](int64_t lo, int64_t hi) {
+        return zx_adam_step(isa, (size_t)(hi - lo), p + lo, g + lo, m + lo, v + lo,
+                            v_max ? v_max + lo : nullptr, lp ? lp + lo : nullptr, lp_dtype, &hp);
+    });
+}
+
+void py_sgd_step(const std::string &isa_name, at::Tensor param, at::Tensor grad,
+                 std::optional<at::Tensor> momentum_buf, std::optional<at::Tensor> param_lp, double lr,
+                 double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
+                 bool first_step, double grad_scale) {
+    const zx_isa isa = isa_arg(isa_name);
+    const int64_t n = param.numel();
+    check_cpu(param, "param", at::kFloat, n);
+    check_cpu(grad, "grad", at::kFloat, n);
+    TORCH_CHECK(momentum == 0.0 || momentum_buf.has_value(),
+                "zero_ext: momentum != 0 needs momentum_buf (a float32 tensor shaped like param)");
+    float *buf = nullptr;
+    if (momentum != 0.0) {
+        check_cpu(*momentum_buf, "momentum_buf", at::kFloat, n);
+        buf = momentum_buf->data_ptr<float>();
+    }
+    zx_dtype lp_dtype = param_lp ? check_lp(*param_lp, "param_lp", n) : ZX_F32;
+    zx_sgd_hparams hp{};
+    hp.lr = lr;
+    hp.momentum = momentum;
+    hp.dampening = dampening;
+    hp.weight_decay = weight_decay;
+    hp.nesterov = nesterov;
+    hp.maximize = maximize;
+    hp.first_step = first_step;
+    hp.grad_scale = (float)grad_scale;
+    float *p = param.data_ptr<float>();
+    const float *g = grad.data_ptr<float>();
+    uint16_t *lp = lp_ptr(param_lp);
+    zx_check(zx_sgd_step(isa, 0, p, g, buf, lp, lp_dtype, &hp),
+             "sgd_step (check lr >= 0, momentum >= 0, weight_decay >= 0; nesterov needs momentum > 0 "
+             "and dampening 0)");
+    parallel_status(n, "sgd_step", [&](int64_t lo, int64_t hi) {
+        return zx_sgd_step(isa, (size_t)(hi - lo), p + lo, g + lo, buf ? buf + lo : nullptr,
+                           lp ? lp + lo : nullptr, lp_dtype, &hp);
+    });
+}
+
+// Chunks of kGrainNumel are summed separately and their sums added in chunk
+// order, so the result does not depend on the number of threads.
+std::tuple<double, int64_t> py_grad_sumsq(const std::string &isa_name, at::Tensor grad, double scale) {
+    const zx_isa isa = isa_arg(isa_name);
+    check_cpu(grad, "grad", at::kFloat, -1);
+    const int64_t n = grad.numel();
+    const int64_t chunks = (n + kGrainNumel - 1) / kGrainNumel;
+    std::vector<double> sums(chunks, 0.0);
+    std::vector<int64_t> counts(chunks, 0);
+    const float *g = grad.data_ptr<float>();
+    std::atomic<int> status{ZX_OK};
+    {
+        py::gil_scoped_release no_gil;
+        at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+            for (int64_t c = c0; c < c1; c++) {
+                int64_t lo = c * kGrainNumel, hi = std::min(n, lo + kGrainNumel);
+                zx_status s = zx_grad_sumsq(isa, (size_t)(hi - lo), g + lo, (float)scale, &sums[c],
+                                            &counts[c]);
+                if (s != ZX_OK) status.store((int)s);
+            }
+        });
+    }
+    zx_check((zx_status)status.load(), "grad_sumsq");
+    double sumsq = 0.0;
+    int64_t nonfinite = 0;
+    for (int64_t c = 0; c < chunks; c++) {
+        sumsq += sums[c];
+        nonfinite += counts[c];
+    }
+    return {sumsq, nonfinite};
+}
+
+// One call on the whole slice: zx_sum_slices has no stride argument, so a
+// sub-range of dst cannot be handed to another thread.
+void py_sum_slices(const std::string &isa_name, at::Tensor src, int64_t nslices, at::Tensor dst,
+                   bool accumulate, double scale) {
+    const zx_isa isa = isa_arg(isa_name);
+    TORCH_CHECK(nslices >= 1 && nslices <= INT32_MAX, "zero_ext: nslices must be >= 1, got ", nslices);
+    check_cpu(dst, "dst", at::kFloat, -1);
+    check_cpu(src, "src", at::kFloat, nslices * dst.numel());
+    const float *s = src.data_ptr<float>();
+    float *d = dst.data_ptr<float>();
+    zx_status st;
+    {
+        py::gil_scoped_release no_gil;
+        st = zx_sum_slices(isa, (size_t)dst.numel(), (int32_t)nslices, s, d, accumulate, (float)scale);
+    }
+    zx_check(st, "sum_slices (dst may overlap src only as its slice 0 with accumulate=False)");
+}
+
+void py_scale(const std::string &isa_name, at::Tensor x, double s) {
+    const zx_isa isa = isa_arg(isa_name);
+    check_cpu(x, "x", at::kFloat, -1);
+    float *p = x.data_ptr<float>();
+    parallel_status(x.numel(), "scale", [&](int64_t lo, int64_t hi) {
+        return zx_scale(isa, (size_t)(hi - lo), p + lo, (float)s);
+    });
+}
+
+void py_cast_from_f32(const std::string &isa_name, at::Tensor src, at::Tensor dst) {
+    const zx_isa isa = isa_arg(isa_name);
+    check_cpu(src, "src", at::kFloat, -1);
+    const zx_dtype dt = check_any(dst, "dst", src.numel());
+    const float *s = src.data_ptr<float>();
+    char *d = static_cast<char *>(dst.data_ptr());
+    const size_t elem_bytes = zx_dtype_size(dt);
+    parallel_status(src.numel(), "cast_from_f32", [&](int64_t lo, int64_t hi) {
+        return zx_cast_from_f32(isa, (size_t)(hi - lo), s + lo, d + (size_t)lo * elem_bytes, dt);
+    });
+}
+
+void py_cast_to_f32(const std::string &isa_name, at::Tensor src, at::Tensor dst) {
+    const zx_isa isa = isa_arg(isa_name);
+    check_cpu(dst, "dst", at::kFloat, -1);
+    const zx_dtype dt = check_any(src, "src", dst.numel());
+    const char *s = static_cast<const char *>(src.data_ptr());
+    float *d = dst.data_ptr<float>();
+    const size_t elem_bytes = zx_dtype_size(dt);
+    parallel_status(dst.numel(), "cast_to_f32", [&](int64_t lo, int64_t hi) {
+        return zx_cast_to_f32(isa, (size_t)(hi - lo), s + (size_t)lo * elem_bytes, dt, d + lo);
+    });
+}
+
+}  // namespace
+
+void zx_bind_kernels(pybind11::module_ &m) {
+    m.def("isa_supported", [](const std::string &name) { return zx_cpu_supports(parse_isa(name)) != 0; },
+          "True when this CPU (and build) can run the named ISA: 'scalar', 'avx2', 'avx512'.",
+          py::arg("name"));
+    m.def("best_isa", []() { return std::string(zx_isa_name(zx_cpu_best_isa())); },
+          "The widest ISA this CPU supports ('avx512', 'avx2' or 'scalar').");
+    m.def("adam_step", &py_adam_step,
+          "One Adam (decoupled=False) / AdamW (decoupled=True) step on flat CPU float32 tensors, "
+          "torch.optim arithmetic; step counts this step (>= 1); optional bf16/fp16 copy-out to "
+          "param_lp; max_exp_avg_sq is needed when amsgrad.",
+          py::arg("isa"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+          py::arg("max_exp_avg_sq"), py::arg("param_lp"), py::arg("lr"), py::arg("beta1"),
+          py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
+          py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"), py::arg("grad_scale"));
+    m.def("sgd_step", &py_sgd_step,
+          "One SGD step on flat CPU float32 tensors (momentum, dampening, Nesterov, weight decay, "
+          "maximize); first_step initializes momentum_buf to the gradient like torch.",
+          py::arg("isa"), py::arg("param"), py::arg("grad"), py::arg("momentum_buf"), py::arg("param_lp"),
+          py::arg("lr"), py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"),
+          py::arg("nesterov"), py::arg("maximize"), py::arg("first_step"), py::arg("grad_scale"));
+    m.def("grad_sumsq", &py_grad_sumsq,
+          "(sum over finite elements of (grad*scale)^2 in double, count of inf/nan elements).",
+          py::arg("isa"), py::arg("grad"), py::arg("scale"));
+    m.def("sum_slices", &py_sum_slices,
+          "dst = (dst if accumulate else 0) + scale * sum_j src[j*len(dst):(j+1)*len(dst)], j increasing.",
+          py::arg("isa"), py::arg("src"), py::arg("nslices"), py::arg("dst"), py::arg("accumulate"),
+          py::arg("scale"));
+    m.def("scale", &py_scale, "x *= s on a CPU float32 tensor.", py::arg("isa"), py::arg("x"),
+          py::arg("s"));
+    m.def("cast_from_f32", &py_cast_from_f32,
+          "dst = src cast to dst.dtype (bf16/fp16: round to nearest even; fp32: copy).", py::arg("isa"),
+          py::arg("src"), py::arg("dst"));
+    m.def("cast_to_f32", &py_cast_to_f32, "dst (float32) = src (bf16/fp16/fp32), exact.", py::arg("isa"),
+          py::arg("src"), py::arg("dst"));
+}

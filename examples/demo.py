@@ -1,0 +1,131 @@
+"""Side-by-side demo: zero_ext ZeRO stages against torch DDP, 2 CPU ranks, tiny GPT.
+
+    make demo
+    python examples/demo.py                          # columns: ddp, stage 0, stage 2
+    python examples/demo.py --stages ddp 0 1 2 --steps 100
+
+Each column is one job
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --stage S --json ...
+(or --ddp), all with the same seed, model, data and thread count, run one after the
+other. The table compares final losses (stage 0..2 should match DDP to a few decimals),
+median step time, model-state bytes per rank, and bytes communicated per step, from
+zero_ext's counters and on the wire (loopback). Takes a few minutes on 2 cores.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TRAIN_GPT = Path(__file__).resolve().parent / "train_gpt.py"
+
+
+def run_train_gpt(script_args, json_path, nproc=2, capture=False):
+    """Run train_gpt.py under torchrun with nproc gloo ranks; return the summary it writes to json_path.
+
+    capture=True keeps the job's output unless it fails (then it is printed and
+    CalledProcessError raised); otherwise the output streams to the terminal.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(TRAIN_GPT), *script_args, "--json", str(json_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")               # train_gpt.py sets torch threads itself
+    result = subprocess.run(command, env=env, text=True,
+                            stdout=subprocess.PIPE if capture else None,
+                            stderr=subprocess.STDOUT if capture else None)
+    if result.returncode != 0:
+        if capture:
+            print(result.stdout)
+        raise subprocess.CalledProcessError(result.returncode, command)
+    return json.loads(Path(json_path).read_text())
+
+
+# Column names: torch DDP with torch.optim.AdamW (default, foreach or fused
+# implementation) or a zero_ext stage.
+SYSTEMS = ["ddp", "ddp-foreach", "ddp-fused", "0", "1", "2", "3"]
+
+
+def system_args(system):
+    """train_gpt.py flags for a column name of SYSTEMS."""
+    if system == "ddp":
+        return ["--ddp"]
+    if system.startswith("ddp-"):
+        return ["--ddp", "--adamw", system[len("ddp-"):]]
+    return ["--stage", system]
+
+
+def system_label(system):
+    if system == "ddp":
+        return "DDP"
+    if system.startswith("ddp-"):
+        return f"DDP ({system[len('ddp-'):]} AdamW)"
+    return f"stage {system}"
+
+
+def format_table(header, rows):
+    """Plain-text table: first column left-aligned, the others right-aligned."""
+    table = [list(map(str, header))] + [list(map(str, row)) for row in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+
+    def line(row):
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:])]
+        return "  ".join(cells)
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(table[0]), rule] + [line(row) for row in table[1:]])
+
+
+def format_bytes(n):
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", nargs="+", default=["ddp", "0", "2"], choices=SYSTEMS,
+                        help="columns, in order: 'ddp' (torch DDP + AdamW; ddp-fused: fused AdamW) "
+                             "and/or zero_ext stages")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--nproc", type=int, default=2)
+    args = parser.parse_args()
+
+    summaries = {}
+    with tempfile.TemporaryDirectory(prefix="zero_ext_demo_") as tmp:
+        for system in args.stages:
+            name = system_label(system)
+            print(f"\n=== {name}: torchrun --nproc_per_node={args.nproc} train_gpt.py "
+                  f"{' '.join(system_args(system))} --steps {args.steps}", flush=True)
+            summaries[name] = run_train_gpt(system_args(system) + ["--steps", str(args.steps)],
+                                            Path(tmp) / f"{system}.json", nproc=args.nproc)
+
+    ddp = summaries.get("DDP")
+    rows = [
+        ["final train loss"] + [f"{s['final_train_loss']:.4f}" for s in summaries.values()],
+        ["final val loss"] + [f"{s['final_val_loss']:.4f}" for s in summaries.values()],
+        ["median step time (ms)"] + [f"{s['step_time_ms']['median']:.1f}" for s in summaries.values()],
+        ["step time / DDP"] + [f"{s['step_time_ms']['median'] / ddp['step_time_ms']['median']:.2f}x"
+                               if ddp else "n/a" for s in summaries.values()],
+        ["tokens/s"] + [f"{s['tokens_per_s']:.0f}" for s in summaries.values()],
+        ["model-state bytes / rank"] + [format_bytes(max(s["model_state_bytes_per_rank"])) for s in summaries.values()],
+        ["buffer bytes / rank"] + [format_bytes(s["buffer_bytes"]) for s in summaries.values()],
+        ["comm bytes / step / rank"] + [format_bytes(s["comm_bytes_per_step"]) +
+                                        (" (theory)" if s["comm_source"] == "theory" else "")
+                                        for s in summaries.values()],
+        ["loopback bytes / step"] + [format_bytes(s["wire_bytes_per_step"]) for s in summaries.values()],
+    ]
+    first = next(iter(summaries.values()))
+    print(f"\nGPT {first['num_params']:,} parameters | {args.nproc} gloo ranks x {first['threads_per_rank']} thread | "
+          f"{first['tokens_per_step']:,} tokens/step | {args.steps} steps | torch {first['torch_version']}")
+    print(format_table(["metric"] + list(summaries), rows))
+    print("model-state bytes: parameters + gradients + master weights + optimizer states (DESIGN.md section 6);\n"
+          "comm bytes: per rank, all-reduce counted twice; loopback bytes: all ranks, measured by the kernel.")
+
+
+if __name__ == "__main__":
+    main()

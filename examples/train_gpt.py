@@ -1,0 +1,306 @@
+"""Train the small GPT of examples/gpt.py on tinyshakespeare with zero_ext ZeRO.
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --stage 2
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --ddp    # baseline
+    python examples/train_gpt.py --stage 2 --steps 50                       # one process
+
+--stage 0 has plain DDP semantics (nothing partitioned), 1 partitions the optimizer
+states, 2 also the gradients. --ddp runs torch's DistributedDataParallel with the same
+torch.optim.AdamW instead of zero_ext, as the baseline; --stage is then ignored.
+Every rank draws its own batches from a generator seeded with seed + 1000 * rank, so
+two runs with the same flags see exactly the same data.
+
+--json OUT makes rank 0 write a summary (losses, step times, model-state bytes,
+communication per step); examples/demo.py and benchmarks/bench_step.py read it.
+Timing and communication are measured over the steps after --warmup, between barriers:
+the step times on rank 0, zero_ext's own collective counters (opt.stats()), and the
+bytes sent on the loopback interface by all ranks (/proc/net/dev, gloo on one host).
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from gpt import GPT, CharDataset, GPTConfig
+
+DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage (default 2)")
+    parser.add_argument("--ddp", action="store_true", help="baseline: torch DDP + the same AdamW, no zero_ext")
+    parser.add_argument("--zero-config", type=json.loads, default={},
+                        help='extra zeroify options as JSON, e.g. \'{"reduce_scatter": "native"}\'')
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps before the timed window")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-step")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables clipping")
+    parser.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step (no_sync on all but the last)")
+    parser.add_argument("--adamw", default="default", choices=["default", "foreach", "fused"],
+                        help="torch.optim.AdamW implementation (matters for --ddp only; zero_ext uses its own kernel)")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--eval-iters", type=int, default=20, help="batches per split for the final loss estimate")
+    parser.add_argument("--sample-chars", type=int, default=200, help="characters to generate at the end; 0 for none")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per rank (default: 1 when world size > 1, else torch's default)")
+    parser.add_argument("--dtype", default="fp32", help="only fp32 for now")
+    parser.add_argument("--json", type=Path, default=None, help="rank 0 writes the run summary here")
+    args = parser.parse_args(argv)
+    if args.dtype != "fp32":
+        parser.error(f"--dtype {args.dtype} is not supported yet: train_gpt.py runs fp32 only (drop the flag)")
+    if args.accum < 1 or args.steps < 1:
+        parser.error("--accum and --steps must be >= 1")
+    return args
+
+
+def setup_distributed(threads):
+    """Join the torchrun process group (gloo) if there is one. Returns (rank, world_size, threads)."""
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend="gloo")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        assert rank == int(os.environ["RANK"]), "rank from the process group differs from $RANK"
+        assert world_size == int(os.environ["WORLD_SIZE"])
+    else:
+        rank, world_size = 0, 1
+    if threads is None:
+        threads = 1 if world_size > 1 else torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return rank, world_size, threads
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def build_optimizer(model, lr, weight_decay, adamw_impl):
+    """AdamW with weight decay on matrices and embeddings only (not on biases or LayerNorms)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[adamw_impl]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **impl)
+
+
+def wrap_for_data_parallel(model, opt, args):
+    """torch DDP (--ddp) or zero_ext.zeroify. Returns (model, opt)."""
+    if args.ddp:
+        assert dist.is_initialized(), "--ddp needs a process group: run under torchrun (--nproc_per_node=1 is fine)"
+        return DistributedDataParallel(model), opt
+    import zero_ext
+    return zero_ext.zeroify(model, opt, stage=args.stage, **args.zero_config)
+
+
+def train_step(model, opt, data, args, generator):
+    """One optimizer step of args.accum micro-steps. Returns the mean micro-step loss (float)."""
+    opt.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for micro in range(args.accum):
+        x, y = data.get_batch("train", args.batch_size, args.block_size, generator)
+        is_last = micro == args.accum - 1
+        with contextlib.nullcontext() if is_last else model.no_sync():   # sync only on the last
+            _, loss = model(x, y)
+            (loss / args.accum).backward()
+        loss_sum += loss.item()
+    if args.grad_clip > 0:
+        if args.ddp:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        else:
+            opt.clip_grad_norm_(args.grad_clip)
+    opt.step()
+    return loss_sum / args.accum
+
+
+@torch.no_grad()
+def estimate_loss(model, data, args):
+    """Mean loss over args.eval_iters fixed batches per split (the same on every rank and run)."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        generator = torch.Generator().manual_seed(args.seed)
+        total = 0.0
+        for _ in range(args.eval_iters):
+            x, y = data.get_batch(split, args.batch_size, args.block_size, generator)
+            total += model(x, y)[1].item()
+        losses[split] = total / args.eval_iters
+    model.train()
+    return losses
+
+
+def loopback_tx_bytes():
+    """Bytes sent so far on the loopback interface 'lo' (Linux /proc/net/dev), or None."""
+    try:
+        with open("/proc/net/dev") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    for line in lines[2:]:                       # two header lines
+        name, fields = line.split(":", 1)
+        if name.strip() == "lo":
+            return int(fields.split()[8])        # 8 receive columns, then transmit bytes
+    return None
+
+
+def comm_counters(opt, args):
+    """zero_ext's cumulative collective counters: (total bytes, {kind: bytes}); (None, {}) for --ddp."""
+    if args.ddp:
+        return None, {}
+    stats = opt.stats()
+    return stats["comm_bytes"], {kind: c["bytes"] for kind, c in stats["comm"].items()}
+
+
+def memory_report(model, opt, args):
+    """(model-state bytes dict, buffer bytes) of this rank.
+
+    zero_ext reports its own; for DDP the parameters, gradients and AdamW states are
+    summed here (DDP's own bucket buffers are not visible, so buffer bytes is None).
+    """
+    if not args.ddp:
+        stats = opt.stats()
+        return dict(stats["model_state_bytes"]), stats["buffer_bytes"]["total"]
+    params = list(model.parameters())                          # shared parameters once
+    state = {
+        "parameters": sum(p.numel() * p.element_size() for p in params),
+        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "master_weights": 0,
+        "optimizer_states": sum(t.numel() * t.element_size() for s in opt.state.values()
+                                for t in s.values() if torch.is_tensor(t) and t.dim() > 0),
+    }
+    state["total"] = sum(state.values())
+    return state, None
+
+
+def train(args):
+    """Build, train, measure, report. Returns the summary dict on every rank."""
+    rank, world_size, threads = setup_distributed(args.threads)
+    is_master = rank == 0
+
+    def log(message):
+        if is_master:
+            print(message, flush=True)
+
+    data = CharDataset(args.data)
+    torch.manual_seed(args.seed)                               # same initial weights on every rank
+    config = GPTConfig(vocab_size=data.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                       n_head=args.n_head, n_embd=args.n_embd)
+    model = GPT(config)
+    num_params = model.num_params()
+    opt = build_optimizer(model, args.lr, args.weight_decay, args.adamw)
+    model, opt = wrap_for_data_parallel(model, opt, args)
+    system = "ddp" if args.ddp else f"stage {args.stage}"
+    tokens_per_step = args.batch_size * args.block_size * args.accum * world_size
+    log(f"{system} | world size {world_size} | {threads} thread(s) per rank | {num_params:,} parameters | "
+        f"{tokens_per_step:,} tokens per step | torch {torch.__version__}")
+
+    generator = torch.Generator().manual_seed(args.seed + 1000 * rank)
+    warmup = min(args.warmup, args.steps - 1)
+    step_times, losses = [], []
+    for step in range(args.steps):
+        if step == warmup:                                     # the timed window starts here
+            barrier()
+            wire_start = loopback_tx_bytes()
+            comm_start, kinds_start = comm_counters(opt, args)
+        t0 = time.perf_counter()
+        loss = train_step(model, opt, data, args, generator)
+        step_times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        if step % args.log_every == 0 or step == args.steps - 1:
+            log(f"step {step:5d} | loss {loss:.4f} | {1000 * step_times[-1]:7.1f} ms | "
+                f"{tokens_per_step / step_times[-1]:8.0f} tokens/s")
+    barrier()
+    wire_end = loopback_tx_bytes()
+    comm_end, kinds_end = comm_counters(opt, args)
+    timed = step_times[warmup:]
+    timed_steps = len(timed)
+
+    final = estimate_loss(model, data, args)
+    model_state, buffer_bytes = memory_report(model, opt, args)
+    model_state_per_rank = [model_state["total"]] * world_size
+    if dist.is_initialized():
+        dist.all_gather_object(model_state_per_rank, model_state["total"])
+    if args.ddp:                                               # no counters: DDP all-reduces 2 x 4 bytes x params
+        comm_per_step, comm_source = 2 * 4 * num_params, "theory"
+        comm_kinds_per_step = {"all_reduce": comm_per_step}
+    else:
+        comm_per_step, comm_source = (comm_end - comm_start) / timed_steps, "counters"
+        comm_kinds_per_step = {k: (kinds_end[k] - kinds_start.get(k, 0)) / timed_steps for k in kinds_end}
+    wire_per_step = None if wire_start is None else (wire_end - wire_start) / timed_steps
+    median_s = statistics.median(timed)
+    stats = None if args.ddp else opt.stats()
+
+    summary = {
+        "system": system,
+        "stage": None if args.ddp else args.stage,
+        "world_size": world_size,
+        "threads_per_rank": threads,
+        "torch_version": torch.__version__,
+        "isa": torch.backends.cpu.get_cpu_capability() if args.ddp else stats["isa"],
+        "num_params": num_params,
+        "tokens_per_step": tokens_per_step,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "steps": args.steps,
+        "timed_steps": timed_steps,
+        "losses": losses,                                      # rank 0's training loss per step
+        "final_train_loss": final["train"],
+        "final_val_loss": final["val"],
+        "step_time_ms": {"median": 1000 * median_s, "min": 1000 * min(timed), "max": 1000 * max(timed),
+                         "mean": 1000 * statistics.mean(timed)},
+        "tokens_per_s": tokens_per_step / median_s,
+        "model_state_bytes": model_state,                      # rank 0
+        "model_state_bytes_per_rank": model_state_per_rank,   # totals, by rank
+        "buffer_bytes": buffer_bytes,
+        "comm_bytes_per_step": comm_per_step,                  # per rank; all_reduce counted twice
+        "comm_bytes_per_step_by_kind": comm_kinds_per_step,
+        "comm_source": comm_source,
+        "wire_bytes_per_step": wire_per_step,                  # loopback, all ranks together
+        "zero_ext_stats": stats,
+    }
+
+    log(f"final | train loss {final['train']:.4f} | val loss {final['val']:.4f} | "
+        f"median step {1000 * median_s:.1f} ms | {tokens_per_step / median_s:.0f} tokens/s")
+    log(f"model-state bytes per rank: {model_state_per_rank} "
+        f"({', '.join(f'{k} {v:,}' for k, v in model_state.items() if k != 'total')}); "
+        f"buffer bytes: {buffer_bytes if buffer_bytes is not None else 'n/a'}")
+    wire_text = "n/a" if wire_per_step is None else f"{wire_per_step:,.0f}"
+    log(f"communication per step: {comm_per_step:,.0f} bytes per rank ({comm_source}; "
+        f"{', '.join(f'{k} {v:,.0f}' for k, v in comm_kinds_per_step.items())}) | "
+        f"loopback wire bytes, all ranks: {wire_text}")
+    if is_master and args.sample_chars > 0:
+        start = torch.tensor([data.encode("\n")], dtype=torch.long)
+        sample_generator = torch.Generator().manual_seed(args.seed)
+        out = model.module.generate(start, args.sample_chars, generator=sample_generator)
+        summary["sample"] = data.decode(out[0].tolist())
+        print("sample:\n" + summary["sample"], flush=True)
+    if is_master and args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    train(args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Training cases shared by the multi-process tests: a model, an optimizer and
+data built identically for DDP + torch (the reference) and for zero_ext."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpt import GPT, GPTConfig
+
+
+class MLP(nn.Module):
+    """Odd sizes so the parameter count divides no world size 2-4 evenly."""
+
+    def __init__(self, d_in=13, hidden=37, d_out=5, depth=3):
+        super().__init__()
+        dims = [d_in] + [hidden] * (depth - 1) + [d_out]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+
+    def forward(self, x, y):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return nn.functional.mse_loss(x, y)
+
+
+TINY_GPT = dict(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=24)
+
+
+@dataclass
+class Case:
+    name: str
+    model: str = "mlp"               # "mlp" | "gpt" | "mlp_big"
+    optimizer: str = "adamw"         # a torch.optim class name, lower case
+    opt_kwargs: dict = field(default_factory=dict)
+    stage: int = 2
+    steps: int = 20
+    accum: int = 1                   # micro-steps per step (all but the last under no_sync)
+    two_groups: bool = False
+    scheduler: bool = False          # StepLR(step_size=5, gamma=0.5)
+    frozen: bool = False             # freeze one parameter on both sides
+    clip: float | None = None        # clip_grad_norm_ before each step
+    config: dict = field(default_factory=dict)
+
+
+OPTIMIZERS = {
+    "adamw": lambda: (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adam": lambda: (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.01)),
+    "sgd": lambda: (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
+}
+
+
+def build_model(kind: str) -> nn.Module:
+    torch.manual_seed(1234)
+    if kind == "mlp":
+        return MLP()
+    if kind == "mlp_big":
+        return MLP(d_in=101, hidden=331, d_out=7, depth=4)
+    if kind == "gpt":
+        return GPT(GPTConfig(**TINY_GPT))
+    raise ValueError(kind)
+
+
+def batch(kind: str, rank: int, step: int, micro: int):
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    if kind == "gpt":
+        idx = torch.randint(0, TINY_GPT["vocab_size"], (4, TINY_GPT["block_size"] + 1), generator=g)
+        return idx[:, :-1], idx[:, 1:]
+    d_in, d_out = (101, 7) if kind == "mlp_big" else (13, 5)
+    return torch.randn(8, d_in, generator=g), torch.randn(8, d_out, generator=g)
+
+
+def loss_of(kind: str, model, x, y):
+    out = model(x, y)
+    return out[1] if kind == "gpt" else out
+
+
+def make_optimizer(case: Case, model: nn.Module):
+    cls_kw = OPTIMIZERS.get(case.optimizer)
+    if cls_kw is None:
+        cls = getattr(torch.optim, case.optimizer)
+        kw = {}
+    else:
+        cls, kw = cls_kw()
+    kw = {**kw, **case.opt_kwargs}
+    params = [p for p in model.parameters() if p.requires_grad]
+    if case.two_groups:
+        decay = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        lr = kw.get("lr", 1e-2)
+        groups = [{"params": decay}, {"params": rest, "lr": lr * 0.5, "weight_decay": 0.0}]
+        return cls(groups, **kw)
+    return cls(params, **kw)
+
+
+def freeze_one(model: nn.Module) -> None:
+    first = next(iter(model.parameters()))
+    first.requires_grad_(False)
+
+
+def train_pair(case: Case, rank: int, world: int):
+    """Train DDP + torch and zero_ext side by side on the same data; returns the
+    parameter differences and zero_ext's stats."""
+    import zero_ext
+
+    ref = build_model(case.model)
+    mine = copy.deepcopy(ref)
+    if case.frozen:
+        freeze_one(ref)
+        freeze_one(mine)
+    ddp = nn.parallel.DistributedDataParallel(ref) if world > 1 else ref
+    opt_ref = make_optimizer(case, ref)
+    zm, zo = zero_ext.zeroify(mine, make_optimizer(case, mine), stage=case.stage, **case.config)
+    scheds = []
+    if case.scheduler:
+        scheds = [torch.optim.lr_scheduler.StepLR(opt_ref, step_size=5, gamma=0.5),
+                  torch.optim.lr_scheduler.StepLR(zo, step_size=5, gamma=0.5)]
+    norms = []
+    for step in range(case.steps):
+        for micro in range(case.accum):
+            x, y = batch(case.model, rank, step, micro)
+            last = micro == case.accum - 1
+            with (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()):
+                (loss_of(case.model, ddp, x, y) / case.accum).backward()
+            with (contextlib.nullcontext() if last else zm.no_sync()):
+                (loss_of(case.model, zm, x, y) / case.accum).backward()
+        if case.clip is not None:
+            n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
+            n_mine = zo.clip_grad_norm_(case.clip)
+            norms.append((float(n_ref), float(n_mine)))
+        opt_ref.step()
+        opt_ref.zero_grad()
+        zo.step()
+        zo.zero_grad()
+        for s in scheds:
+            s.step()
+    max_abs, worst_rel = 0.0, 0.0
+    for (name, a), b in zip(ref.named_parameters(), mine.parameters()):
+        d = (a.detach() - b.detach()).abs().max().item()
+        rel = ((a.detach() - b.detach()).norm() / a.detach().norm().clamp_min(1e-30)).item()
+        max_abs, worst_rel = max(max_abs, d), max(worst_rel, rel)
+    psi = sum(p.numel() for p in mine.parameters() if p.requires_grad)
+    moved = sum(p.detach().sub(q.detach()).abs().sum().item() for p, q in
+                zip(mine.parameters(), build_model(case.model).parameters()))
+    return {"max_abs": max_abs, "rel": worst_rel, "stats": zo.stats(), "psi": psi, "norms": norms,
+            "moved": moved, "lrs": [g["lr"] for g in zo.param_groups]}
+
+
+def run_cases(rank: int, world: int, cases: list):
+    out = {}
+    for case in cases:
+        out[case.name] = train_pair(case, rank, world)
+        if dist.is_initialized():
+            dist.barrier()
+    return out

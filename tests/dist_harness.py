@@ -1,0 +1,76 @@
+"""Run a function on N real processes joined by a gloo process group.
+
+    results = run_world(fn, world_size, *args, timeout_s=300)
+
+fn(rank, world_size, *args) runs in each process after init_process_group('gloo')
+(FileStore rendezvous in a temp dir, so no ports); its return value comes back
+per rank. A worker's exception fails the call with the worker's traceback, and a
+run that outlives timeout_s is killed, so no test can hang.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _entry(rank, world, store_path, out_dir, fn, args, init_pg):
+    for p in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init_pg:
+            dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if init_pg and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_world(fn, world_size: int, *args, timeout_s: float = 300, init_pg: bool = True,
+              expect_errors: bool = False):
+    """Returns [result of rank 0, ..., result of rank N-1]. With expect_errors=True
+    returns the per-rank dicts {"ok", "result"|"error"} instead of raising."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_entry, args=(world_size, store, tmp, fn, args, init_pg),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout_s}s "
+                                       f"(a rank is hanging)")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        outs = []
+        for r in range(world_size):
+            path = os.path.join(tmp, f"rank{r}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} of {fn.__name__} exited without a result")
+            outs.append(torch.load(path, weights_only=False))
+    if expect_errors:
+        return outs
+    for r, o in enumerate(outs):
+        if not o["ok"]:
+            raise AssertionError(f"rank {r} failed: {o['error']}\n{o['trace']}")
+    return [o["result"] for o in outs]

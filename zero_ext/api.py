@@ -1,0 +1,178 @@
+"""zeroify(): the one entry point. Validates everything before any collective,
+checks once that all ranks agree, then builds the C++ engine, the module
+wrapper and the optimizer wrapper."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C
+from .config import ZeroConfig, make_config
+from .model import ZeroModel
+from .optim import ELEMENTWISE, FUSED, ZeroOptimizer
+
+
+class ZeroInputError(ValueError):
+    """A bad argument to zeroify(), detected before any collective."""
+
+
+def _fail(msg: str) -> None:
+    raise ZeroInputError("zero_ext: " + msg)
+
+
+def _resolve_group(pg):
+    """(process group or None, rank, world size)."""
+    if pg is None:
+        if dist.is_available() and dist.is_initialized():
+            pg = dist.group.WORLD
+        else:
+            return None, 0, 1
+    if not isinstance(pg, dist.ProcessGroup):
+        raise TypeError(f"zero_ext: process_group must be a torch.distributed.ProcessGroup, "
+                        f"got {type(pg).__name__}")
+    return pg, pg.rank(), pg.size()
+
+
+def _inspect(model, optimizer, cfg: ZeroConfig):
+    """Rank-local checks. Returns (trainable params, their group ids, frozen params,
+    fused?, fingerprint text)."""
+    if not isinstance(model, nn.Module):
+        _fail(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, (ZeroModel, nn.parallel.DistributedDataParallel)):
+        _fail(f"model is already wrapped ({type(model).__name__}); pass the plain module")
+    if isinstance(optimizer, ZeroOptimizer):
+        _fail("optimizer is already a zero_ext optimizer; pass the plain torch optimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        _fail(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    cls = type(optimizer)
+    if not issubclass(cls, ELEMENTWISE):
+        _fail(f"{cls.__name__} is not an elementwise optimizer (its update of one element depends on "
+              f"others, e.g. through per-tensor norms or factored statistics), so it cannot run on a "
+              f"flat shard. Supported: {', '.join(c.__name__ for c in ELEMENTWISE)}")
+    for g in optimizer.param_groups:
+        for flag in ("capturable", "differentiable"):
+            if g.get(flag):
+                _fail(f"{cls.__name__}({flag}=True) is not supported; construct it with {flag}=False")
+    fused = issubclass(cls, FUSED) and cfg.fused != "never"
+    if cfg.fused == "always" and not fused:
+        _fail(f"fused='always' but {cls.__name__} has no fused kernel (fused ones: "
+              f"{', '.join(c.__name__ for c in FUSED)}); use fused='auto'")
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    for m in model.modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            _fail(f"{type(m).__name__} with sparse=True produces sparse gradients, which cannot be "
+                  f"sharded; construct it with sparse=False")
+    params, groups, seen = [], [], set()
+    for gi, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            if id(p) not in names:
+                _fail(f"a parameter of the optimizer (shape {tuple(p.shape)}, param group {gi}) is not a "
+                      f"parameter of the model; build the optimizer from model.parameters()")
+            if id(p) in seen:
+                _fail(f"parameter {names[id(p)]!r} appears twice in the optimizer")
+            seen.add(id(p))
+            if p.requires_grad:
+                params.append(p)
+                groups.append(gi)
+    if not params:
+        _fail("the optimizer has no parameter with requires_grad=True")
+    devices = {p.device.type for p in model.parameters()}
+    if len(devices) > 1:
+        _fail(f"the model's parameters are on different device types {sorted(devices)}; move the "
+              f"whole model to one device (model.to(device)) first")
+    for p in params:
+        if p.device.type != "cpu":
+            _fail(f"parameter {names[id(p)]!r} is on {p.device}; this build of zero_ext runs on CPU "
+                  f"(gloo); the CUDA engine is not built yet")
+        if p.dtype != torch.float32:
+            _fail(f"parameter {names[id(p)]!r} is {p.dtype}; stages 0-2 keep float32 parameters "
+                  f"(call model.float() before zeroify)")
+        if p.is_sparse or not p.is_contiguous() and p.layout != torch.strided:
+            _fail(f"parameter {names[id(p)]!r} is not a dense strided tensor")
+    frozen = [p for p in model.parameters() if id(p) not in seen or not p.requires_grad]
+    text = repr((cls.__name__, cfg.to_dict(),
+                 [(names[id(p)], tuple(p.shape), str(p.dtype), gi) for p, gi in zip(params, groups)],
+                 [(tuple(p.shape), str(p.dtype)) for p in frozen]))
+    return params, groups, frozen, fused, text
+
+
+def _verify_across_ranks(pg, rank: int, world: int, fingerprint: int, error: Exception | None) -> None:
+    """One small all-gather: every rank learns whether every other rank accepted
+    its inputs and wraps the same parameters and config. Raises on all ranks, so
+    no rank is left waiting in a later collective."""
+    mine = torch.tensor([0 if error is None else 1, fingerprint], dtype=torch.int64)
+    everyone = torch.zeros(world * 2, dtype=torch.int64)
+    dist.all_gather_into_tensor(everyone, mine, group=pg)
+    everyone = everyone.view(world, 2)
+    if error is not None:
+        raise error
+    failed = [r for r in range(world) if everyone[r, 0] != 0]
+    if failed:
+        raise ZeroInputError(f"zero_ext: rank(s) {failed} rejected their zeroify() inputs (their error is in "
+                             f"their own log); no training collective was started on any rank")
+    differ = [r for r in range(world) if everyone[r, 1] != fingerprint]
+    if differ:
+        raise ZeroInputError(f"zero_ext: rank(s) {differ} wrap different parameters, param groups, optimizer "
+                             f"or config than rank {rank}; every rank must build the same model and call "
+                             f"zeroify() with the same options")
+
+
+def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | None = None,
+            config: ZeroConfig | dict | str | None = None, **options):
+    """Wrap `model` and `optimizer` for ZeRO data parallelism; returns (model, optimizer).
+
+    stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded).
+    config: a ZeroConfig, a dict or a JSON file path; **options override its fields.
+    Every rank of the process group must call zeroify with the same model and options.
+    """
+    error = None
+    cfg = None
+    try:
+        cfg = make_config(config, stage, options)
+    except (ValueError, TypeError) as e:
+        error = e
+    pg_arg = cfg.process_group if cfg is not None else options.get("process_group")
+    pg, rank, world = _resolve_group(pg_arg)
+    params = groups = frozen = None
+    fused, text = False, ""
+    if error is None:
+        try:
+            params, groups, frozen, fused, text = _inspect(model, optimizer, cfg)
+        except (ValueError, TypeError) as e:
+            error = e
+    fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+    verify = cfg.verify_across_ranks if cfg is not None else True
+    if world > 1 and verify and dist.get_backend(pg) != "fake":   # fake moves no data
+        _verify_across_ranks(pg, rank, world, fingerprint, error)
+    elif error is not None:
+        raise error
+
+    opts = _C.EngineOptions()
+    opts.stage = cfg.stage
+    opts.bucket_bytes = cfg.bucket_bytes
+    opts.first_bucket_bytes = cfg.first_bucket_bytes
+    opts.align = cfg.align
+    backend = dist.get_backend(pg) if pg is not None else "none"
+    opts.alltoall_reduce_scatter = cfg.reduce_scatter == "alltoall" or (
+        cfg.reduce_scatter == "auto" and backend == "gloo")
+    opts.grad_ring_buckets = cfg.grad_ring_buckets
+    opts.isa = cfg.isa
+    engine = _C.Engine(params, groups, pg if world > 1 else None, opts)
+
+    # Every rank starts from rank 0's parameters and buffers, as DDP does.
+    buffers = [b for b in model.buffers() if b.numel() > 0]
+    with torch.no_grad():
+        engine.broadcast_tensors([p for p in params] + [p.data for p in frozen] + buffers, 0)
+
+    wrapped = ZeroModel(model, engine, cfg, buffers)
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
+    zopt = ZeroOptimizer(optimizer, engine, cfg, fused, fingerprint, pg)
+    zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+    if cfg.log_plan and rank == 0:
+        print(engine.describe_plan(), flush=True)
+    return wrapped, zopt

@@ -1,0 +1,151 @@
+"""ZeroConfig: every option of zeroify(), validated before any collective.
+
+A config comes from keyword arguments, a dict, or a JSON file:
+
+    ZeroConfig(stage=2, bucket_bytes=8 << 20)
+    ZeroConfig.from_dict({"stage": 2})
+    ZeroConfig.from_json("zero.json")
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from typing import Any
+
+_REDUCE_SCATTER = ("auto", "native", "alltoall")
+_ISAS = ("auto", "scalar", "avx2", "avx512")
+_FUSED = ("auto", "always", "never")
+
+
+@dataclasses.dataclass
+class ZeroConfig:
+    """Options of zeroify(). See README "Options" for the full story of each.
+
+    stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded).
+    process_group: the torch.distributed group to shard over; None = the default
+        group if one is initialized, else a single process (world size 1).
+    bucket_bytes: gradient/parameter bucket size in bytes.
+    first_bucket_bytes: size of the first bucket (small, so communication starts early).
+    align: slice alignment in elements (each bucket is padded to world_size*align).
+    reduce_scatter: "auto" (all-to-all + local sum on gloo, native otherwise),
+        "native" (the backend's reduce_scatter), or "alltoall".
+    grad_ring_buckets: stage 2: how many bucket-sized staging buffers the gradient ring holds.
+    overlap_param_gather: stages 1-2: leave the post-step parameter all-gather running
+        and wait for it at the next forward (or any zero_ext call that reads parameters).
+    broadcast_buffers: broadcast module buffers from rank 0 before every forward (as DDP).
+    verify_across_ranks: check once, with one small all-gather, that every rank wraps
+        the same parameters and the same config.
+    fused: "auto" uses the C kernels for Adam/AdamW/SGD; "never" runs the torch optimizer
+        over the local shard; "always" raises if the optimizer has no fused kernel.
+    isa: CPU kernel instruction set: "auto" (best available), "scalar", "avx2", "avx512".
+    log_plan: print the bucket plan on rank 0.
+    """
+
+    stage: int = 2
+    process_group: Any = None
+    bucket_bytes: int = 16 << 20
+    first_bucket_bytes: int = 1 << 20
+    align: int = 16
+    reduce_scatter: str = "auto"
+    grad_ring_buckets: int = 2
+    overlap_param_gather: bool = False
+    broadcast_buffers: bool = True
+    verify_across_ranks: bool = True
+    fused: str = "auto"
+    isa: str = "auto"
+    log_plan: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def from_dict(cls, d: dict) -> "ZeroConfig":
+        if not isinstance(d, dict):
+            raise TypeError(f"zero_ext: a config must be a dict, got {type(d).__name__}")
+        check_keys(d)
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path: str) -> "ZeroConfig":
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"zero_ext: config file {path!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"zero_ext: config file {path!r} is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("process_group")
+        return d
+
+    # ------------------------------------------------------------------ check
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError("zero_ext: " + msg)
+
+        def integer(name: str, lo: int) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"zero_ext: {name} must be an int, got {type(v).__name__} ({v!r})")
+            need(v >= lo, f"{name} must be >= {lo}, got {v}")
+
+        def boolean(name: str) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise TypeError(f"zero_ext: {name} must be True or False, got {v!r}")
+
+        def choice(name: str, options: tuple) -> None:
+            v = getattr(self, name)
+            need(v in options, f"{name} must be one of {', '.join(map(repr, options))}; got {v!r}")
+
+        integer("stage", 0)
+        need(self.stage <= 2, f"stage must be 0, 1 or 2, got {self.stage} (stage 3 is not available yet)")
+        integer("bucket_bytes", 1024)
+        integer("first_bucket_bytes", 1024)
+        integer("align", 1)
+        integer("grad_ring_buckets", 1)
+        choice("reduce_scatter", _REDUCE_SCATTER)
+        choice("fused", _FUSED)
+        choice("isa", _ISAS)
+        for b in ("overlap_param_gather", "broadcast_buffers", "verify_across_ranks", "log_plan"):
+            boolean(b)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
+
+
+def check_keys(d: dict) -> None:
+    """Raise for option names ZeroConfig does not know, suggesting the closest one."""
+    for k in d:
+        if k not in _FIELDS:
+            close = difflib.get_close_matches(str(k), _FIELDS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"zero_ext: unknown config option {k!r}.{hint} "
+                             f"Known options: {', '.join(_FIELDS)}")
+
+
+def make_config(config: ZeroConfig | dict | str | None, stage: int | None, overrides: dict) -> ZeroConfig:
+    """Merge a base config (object, dict or JSON path) with keyword overrides."""
+    if config is None:
+        base: dict = {}
+    elif isinstance(config, ZeroConfig):
+        base = dataclasses.asdict(config)
+        base["process_group"] = config.process_group
+    elif isinstance(config, dict):
+        check_keys(config)
+        base = dict(config)
+    elif isinstance(config, str):
+        base = dataclasses.asdict(ZeroConfig.from_json(config))
+    else:
+        raise TypeError(f"zero_ext: config must be a ZeroConfig, dict or JSON path, got {type(config).__name__}")
+    check_keys(overrides)
+    base.update(overrides)
+    if stage is not None:
+        base["stage"] = stage
+    return ZeroConfig(**base)

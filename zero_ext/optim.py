@@ -1,0 +1,196 @@
+"""ZeroOptimizer: the torch.optim.Optimizer that zeroify() returns.
+
+It keeps the user's param_groups live (LR schedulers work) and drives the C++
+engine: fused C kernels for Adam/AdamW/SGD, or the user's own torch optimizer
+class run over 1-D views of this rank's shard for any other elementwise one.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+# Optimizers whose update is elementwise: they may run over a flat shard.
+FUSED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+ELEMENTWISE = FUSED + tuple(getattr(torch.optim, n) for n in (
+    "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop") if hasattr(torch.optim, n))
+
+STATE_FORMAT = 1
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose state is sharded across ranks (see zeroify)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine, config, fused: bool, fingerprint: int,
+                 process_group=None):
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups      # the user's own dicts: live
+        self.state = defaultdict(dict)                  # per-parameter state lives in the engine
+        self.wrapped_class = type(optimizer)
+        self._engine = engine
+        self._config = config
+        self._fused = fused
+        self._fingerprint = fingerprint
+        self._pg = process_group
+        self._steps = [0] * len(self.param_groups)      # optimizer steps taken, per group
+        self._clip_coef = 1.0                           # folded into the next step
+        self._shard_opt = None
+        self._shard_group_ids: list[int] = []
+        if not fused:
+            self._build_shard_optimizer()
+
+    # ------------------------------------------------------------------ step
+    def _build_shard_optimizer(self) -> None:
+        shards, grads = self._engine.param_shards(), self._engine.grad_shards()
+        by_group: dict[int, list] = {}
+        for s, g, gi in zip(shards, grads, self._engine.bucket_groups()):
+            s.grad = g
+            by_group.setdefault(gi, []).append(s)
+        self._shard_group_ids = sorted(by_group)
+        groups = [dict(self._hyper(gi), params=by_group[gi]) for gi in self._shard_group_ids]
+        self._shard_opt = self.wrapped_class(groups)
+
+    def _hyper(self, gi: int) -> dict:
+        return {k: v for k, v in self.param_groups[gi].items() if k != "params"}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale = self._clip_coef / self._engine.grad_divisor()
+        self._clip_coef = 1.0
+        for gi in range(len(self.param_groups)):
+            self._steps[gi] += 1
+        if self._fused:
+            self._fused_step(scale)
+        else:
+            self._engine.scale_grads(scale)
+            for inner, gi in zip(self._shard_opt.param_groups, self._shard_group_ids):
+                inner.update(self._hyper(gi))
+            self._shard_opt.step()
+        self._engine.all_gather_params()
+        if not self._config.overlap_param_gather:
+            self._engine.wait_params()
+        return loss
+
+    def _fused_step(self, scale: float) -> None:
+        hps = []
+        if issubclass(self.wrapped_class, (torch.optim.Adam, torch.optim.AdamW)):
+            for gi, g in enumerate(self.param_groups):
+                beta1, beta2 = g["betas"]
+                hps.append(dict(
+                    lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(g["eps"]),
+                    weight_decay=float(g["weight_decay"]), step=self._steps[gi],
+                    decoupled=bool(g.get("decoupled_weight_decay",
+                                         issubclass(self.wrapped_class, torch.optim.AdamW))),
+                    amsgrad=bool(g.get("amsgrad", False)), maximize=bool(g.get("maximize", False)),
+                    grad_scale=scale))
+            self._engine.step_adam(hps)
+        else:
+            for gi, g in enumerate(self.param_groups):
+                hps.append(dict(
+                    lr=float(g["lr"]), momentum=float(g["momentum"]), dampening=float(g["dampening"]),
+                    weight_decay=float(g["weight_decay"]), nesterov=bool(g["nesterov"]),
+                    maximize=bool(g.get("maximize", False)), first_step=self._steps[gi] == 1,
+                    grad_scale=scale))
+            self._engine.step_sgd(hps)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm, as torch.nn.utils.clip_grad_norm_ would on the
+        full averaged gradients; returns the total norm (before clipping). The clipping
+        factor is folded into the next step() rather than applied in a separate pass."""
+        norm_type = float(norm_type)
+        if norm_type == 2.0:
+            sumsq, nonfinite = self._engine.grad_sumsq(1.0 / self._engine.grad_divisor())
+            total = math.sqrt(sumsq) if nonfinite == 0 else math.inf
+        elif norm_type == math.inf:
+            self._engine.wait_reductions()
+            local = max((g.abs().max().item() for g in self._engine.grad_shards() if g.numel()), default=0.0)
+            t = torch.tensor([local / self._engine.grad_divisor()], dtype=torch.float64)
+            if self._engine.partitions > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
+            total = t.item()
+        else:
+            raise ValueError(f"zero_ext: clip_grad_norm_ supports norm_type 2.0 and inf, got {norm_type}")
+        coef = float(max_norm) / (total + 1e-6)
+        if coef < 1.0:
+            self._clip_coef *= coef
+        return torch.tensor(total)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """This rank's sharded state (load back with the same world size and stage)."""
+        self._engine.wait_reductions()
+        groups = []
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(len(g["params"])))
+            groups.append(d)
+        return {
+            "state": {},
+            "param_groups": groups,
+            "zero_ext": {
+                "format": STATE_FORMAT,
+                "stage": self._config.stage,
+                "world_size": self._engine.world_size,
+                "rank": self._engine.rank,
+                "fingerprint": self._fingerprint,
+                "optimizer": self.wrapped_class.__name__,
+                "steps": list(self._steps),
+                "flat_state": {k: v.clone() for k, v in self._engine.states().items()},
+                "shard_optimizer": self._shard_opt.state_dict() if self._shard_opt is not None else None,
+            },
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        z = state_dict.get("zero_ext") if isinstance(state_dict, dict) else None
+        if z is None:
+            raise ValueError("zero_ext: this is not a zero_ext optimizer state dict (no 'zero_ext' entry); "
+                             "load the state of the plain optimizer before calling zeroify()")
+        if z.get("format") != STATE_FORMAT:
+            raise ValueError(f"zero_ext: optimizer state format {z.get('format')} is not {STATE_FORMAT}")
+        mine = (self._config.stage, self._engine.world_size, self._engine.rank, self.wrapped_class.__name__)
+        theirs = (z["stage"], z["world_size"], z["rank"], z["optimizer"])
+        if mine != theirs:
+            raise ValueError(f"zero_ext: optimizer state saved at (stage, world_size, rank, optimizer) = "
+                             f"{theirs} cannot load at {mine}; this state_dict round-trips only at the same "
+                             f"stage, world size and rank")
+        if z["fingerprint"] != self._fingerprint:
+            raise ValueError("zero_ext: optimizer state was saved for different parameters (shapes, groups or "
+                             "config differ); build the same model and config before loading")
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError("zero_ext: the saved state has a different number of param groups")
+        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        for name, t in z["flat_state"].items():
+            self._engine.state(name).copy_(t)
+        self._steps = list(z["steps"])
+        if self._shard_opt is not None and z["shard_optimizer"] is not None:
+            self._shard_opt.load_state_dict(z["shard_optimizer"])
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """A dict describing this rank (see README "stats()")."""
+        s = self._engine.stats()
+        s["optimizer"] = self.wrapped_class.__name__
+        s["fused"] = self._fused
+        s["steps"] = max(self._steps) if self._steps else 0
+        comm = s["comm"]
+        # Ring-cost equivalent: an all-reduce moves as much as reduce-scatter + all-gather.
+        s["comm_bytes"] = (comm["reduce_scatter"]["bytes"] + comm["all_gather"]["bytes"]
+                           + 2 * comm["all_reduce"]["bytes"])
+        s["frozen_parameter_bytes"] = self._frozen_bytes
+        return s
+
+    _frozen_bytes = 0
+
+    def describe_plan(self) -> str:
+        return self._engine.describe_plan()
