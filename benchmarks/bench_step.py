@@ -11,9 +11,13 @@ reports its own median step time over the steps after warmup; the ratio to DDP i
 within a repetition, then the median (min/max) over repetitions is printed.
 Also reported: model-state bytes per rank (opt.stats(); summed tensors for DDP), bytes
 communicated per step per rank (zero_ext's counters, all-reduce counted twice; DDP:
-theory 2 x 4 bytes x params), and bytes sent on the loopback interface per step by all
-ranks (/proc/net/dev, read by rank 0 between barriers around the timed steps).
-Targets: stage 1/2 step time <= 1.05x DDP; loopback bytes per step <= DDP's.
+theory 2 x 4 bytes x params), the bytes sent on the loopback interface per step by all
+ranks (/proc/net/dev, read by rank 0 between barriers around the timed steps; other
+programs' loopback traffic only adds, so the minimum over repetitions is shown) and the
+bytes the ranks wrote per step (/proc/self/io wchar summed over ranks: gloo's socket
+writes, not disturbed by other programs).
+Targets: stage 1/2 step time <= 1.05x DDP; bytes per step on the wire <= DDP's.
+Timings drift on a shared machine: run it when nothing else is busy.
 Writes benchmarks/results/bench_step.json.
 """
 
@@ -75,14 +79,17 @@ def main():
                 summary.pop("losses")
                 runs[system].append(summary)
                 print(f"rep {rep} {system:>9}: median step {summary['step_time_ms']['median']:7.2f} ms | "
-                      f"loopback {format_bytes(summary['wire_bytes_per_step'])}/step", flush=True)
+                      f"loopback {format_bytes(summary['wire_bytes_per_step'])}/step | "
+                      f"written {format_bytes(summary['written_bytes_per_step'])}/step", flush=True)
 
     ddp_ms = [r["step_time_ms"]["median"] for r in runs["ddp"]]
-    ddp_wire = statistics.median(r["wire_bytes_per_step"] for r in runs["ddp"])
+    ddp_wire = min(r["wire_bytes_per_step"] for r in runs["ddp"])
+    ddp_written = statistics.median(r["written_bytes_per_step"] for r in runs["ddp"])
     results = {}
     for system, system_runs in runs.items():
         ms = [r["step_time_ms"]["median"] for r in system_runs]
-        wire = statistics.median(r["wire_bytes_per_step"] for r in system_runs)
+        wire = min(r["wire_bytes_per_step"] for r in system_runs)
+        written = statistics.median(r["written_bytes_per_step"] for r in system_runs)
         results[system] = {
             "step_time_ms": spread(ms),
             "ratio_vs_ddp": spread([m / d for m, d in zip(ms, ddp_ms)]),
@@ -92,15 +99,17 @@ def main():
             "comm_bytes_per_step": statistics.median(r["comm_bytes_per_step"] for r in system_runs),
             "comm_bytes_per_step_by_kind": system_runs[0]["comm_bytes_per_step_by_kind"],
             "comm_source": system_runs[0]["comm_source"],
-            "wire_bytes_per_step": wire,
+            "wire_bytes_per_step": wire,                     # min over reps
             "wire_ratio_vs_ddp": wire / ddp_wire,
+            "written_bytes_per_step": written,               # median over reps
+            "written_ratio_vs_ddp": written / ddp_written,
             "final_val_loss": [r["final_val_loss"] for r in system_runs],
             "runs": system_runs,
         }
 
     first = runs["ddp"][0]
     header = ["system", "step ms (median)", "vs DDP median [min, max]", "model state/rank", "buffers/rank",
-              "comm/step/rank", "loopback/step", "loopback vs DDP"]
+              "comm/step/rank", "loopback/step", "vs DDP", "written/step", "vs DDP"]
     rows = []
     for system, r in results.items():
         ratio = r["ratio_vs_ddp"]
@@ -113,6 +122,8 @@ def main():
             format_bytes(r["comm_bytes_per_step"]) + (" (theory)" if r["comm_source"] == "theory" else ""),
             format_bytes(r["wire_bytes_per_step"]),
             f"{r['wire_ratio_vs_ddp']:.3f}x",
+            format_bytes(r["written_bytes_per_step"]),
+            f"{r['written_ratio_vs_ddp']:.3f}x",
         ])
     print(f"\n{cpu_model()} | torch {first['torch_version']} | ISA {first['isa']} | "
           f"{first['world_size']} gloo ranks x {first['threads_per_rank']} thread | {first['num_params']:,} params | "
@@ -122,10 +133,10 @@ def main():
         if system in results:
             r = results[system]
             step_ok = r["ratio_vs_ddp"]["median"] <= STEP_TIME_TARGET
-            wire_ok = r["wire_ratio_vs_ddp"] <= WIRE_TOLERANCE
+            wire_ok = max(r["wire_ratio_vs_ddp"], r["written_ratio_vs_ddp"]) <= WIRE_TOLERANCE
             print(f"stage {system}: step time {r['ratio_vs_ddp']['median']:.3f}x DDP "
-                  f"(target <= {STEP_TIME_TARGET}x: {'met' if step_ok else 'MISSED'}); "
-                  f"loopback bytes {r['wire_ratio_vs_ddp']:.3f}x DDP "
+                  f"(target <= {STEP_TIME_TARGET}x: {'met' if step_ok else 'MISSED'}); bytes on the wire "
+                  f"{r['wire_ratio_vs_ddp']:.3f}x (loopback), {r['written_ratio_vs_ddp']:.3f}x (written) DDP's "
                   f"(target <= DDP, {WIRE_TOLERANCE}x tolerance: {'met' if wire_ok else 'MISSED'})")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)

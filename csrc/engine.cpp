@@ -210,11 +210,15 @@ void Engine::finalize_backward() {
         buckets_[bucket_of_[i]].pending--;
     }
     while (next_launch_ < (int64_t)buckets_.size()) launch(next_launch_++);
+    // Note [Reductions end with backward]: as DDP's reducer does, wait here.
+    // The reductions overlapped the rest of backward; the step needs them next
+    // anyway, and no later backward may write into a bucket (stage 0/1) or a
+    // ring slot (stage 2) that a collective is still reading.
+    wait_reductions();
     // Reset readiness for the next backward.
     std::fill(ready_.begin(), ready_.end(), 0);
     for (auto &bk : buckets_) {
         bk.pending = (int64_t)bk.params.size();
-        bk.launched = false;
     }
     next_launch_ = 0;
     reductions_++;
@@ -252,7 +256,6 @@ void Engine::release_slot(int64_t b) {
 
 void Engine::launch(int64_t b) {
     Bucket &bk = buckets_[b];
-    bk.launched = true;
     if (opts_.stage == 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
     if (opts_.stage == 2) {
         // Zero the padding so it never feeds the optimizer garbage.

@@ -55,7 +55,6 @@ struct Bucket {
     at::Tensor flat_grad;              // (padded_numel,) fp32 in stage 0/1, else undefined
     int64_t pending = 0;               // parameters not yet ready in this backward
     int64_t slot = -1;                 // ring slot held (stage 2 / all-to-all), or -1
-    bool launched = false;             // its reduction was launched in this backward
 };
 
 // A staging/receive pair of the ring (Note [Gradient layout]).

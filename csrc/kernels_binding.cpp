@@ -35,6 +35,9 @@ std::string dtype_name(at::ScalarType t) {
     case at::kDouble: return "torch.float64";
     case at::kBFloat16: return "torch.bfloat16";
     case at::kHalf: return "torch.float16";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
     default: return std::string("torch.") + c10::toString(t);
     }
 }

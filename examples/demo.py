@@ -7,9 +7,10 @@
 Each column is one job
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --stage S --json ...
 (or --ddp), all with the same seed, model, data and thread count, run one after the
-other. The table compares final losses (stage 0..2 should match DDP to a few decimals),
-median step time, model-state bytes per rank, and bytes communicated per step, from
-zero_ext's counters and on the wire (loopback). Takes a few minutes on 2 cores.
+other. The table compares final losses (stages 0..2 compute what DDP computes, up to
+rounding, so the curves agree closely), median step time, model-state bytes per rank,
+and bytes communicated per step: zero_ext's counters, the loopback interface and the
+bytes the ranks wrote. Takes about 2-3 minutes on 2 cores.
 """
 
 import argparse
@@ -118,13 +119,16 @@ def main():
                                         (" (theory)" if s["comm_source"] == "theory" else "")
                                         for s in summaries.values()],
         ["loopback bytes / step"] + [format_bytes(s["wire_bytes_per_step"]) for s in summaries.values()],
+        ["bytes written / step"] + [format_bytes(s["written_bytes_per_step"]) for s in summaries.values()],
     ]
     first = next(iter(summaries.values()))
     print(f"\nGPT {first['num_params']:,} parameters | {args.nproc} gloo ranks x {first['threads_per_rank']} thread | "
           f"{first['tokens_per_step']:,} tokens/step | {args.steps} steps | torch {first['torch_version']}")
     print(format_table(["metric"] + list(summaries), rows))
     print("model-state bytes: parameters + gradients + master weights + optimizer states (DESIGN.md section 6);\n"
-          "comm bytes: per rank, all-reduce counted twice; loopback bytes: all ranks, measured by the kernel.")
+          "comm bytes: zero_ext's counters per rank, all-reduce counted twice (ring-cost equivalent);\n"
+          "loopback bytes: all ranks, /proc/net/dev (includes other programs' loopback traffic);\n"
+          "bytes written: all ranks, /proc/self/io (gloo's socket writes, plus a few log lines).")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,11 @@ two runs with the same flags see exactly the same data.
 --json OUT makes rank 0 write a summary (losses, step times, model-state bytes,
 communication per step); examples/demo.py and benchmarks/bench_step.py read it.
 Timing and communication are measured over the steps after --warmup, between barriers:
-the step times on rank 0, zero_ext's own collective counters (opt.stats()), and the
-bytes sent on the loopback interface by all ranks (/proc/net/dev, gloo on one host).
+the step times on rank 0, zero_ext's own collective counters (opt.stats()), the bytes
+sent on the loopback interface (/proc/net/dev; gloo on one host, so this is the wire
+traffic of all ranks, plus that of anything else running on the machine), and the
+bytes the rank processes wrote (/proc/self/io wchar, summed over ranks: gloo's socket
+writes, immune to other processes' traffic).
 """
 
 import argparse
@@ -159,6 +162,18 @@ def loopback_tx_bytes():
     return None
 
 
+def process_write_bytes():
+    """Bytes this process has written so far, sockets included (Linux /proc/self/io wchar), or None."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def comm_counters(opt, args):
     """zero_ext's cumulative collective counters: (total bytes, {kind: bytes}); (None, {}) for --ddp."""
     if args.ddp:
@@ -170,8 +185,10 @@ def comm_counters(opt, args):
 def memory_report(model, opt, args):
     """(model-state bytes dict, buffer bytes) of this rank.
 
-    zero_ext reports its own; for DDP the parameters, gradients and AdamW states are
-    summed here (DDP's own bucket buffers are not visible, so buffer bytes is None).
+    zero_ext reports its own. For DDP the parameters, gradients and AdamW states are
+    summed here, and its buffers are the reducer's gradient buckets (a copy of the
+    gradients unless gradient_as_bucket_view=True), read from DDP's logging data, a
+    private torch API: None where that is unavailable.
     """
     if not args.ddp:
         stats = opt.stats()
@@ -185,7 +202,13 @@ def memory_report(model, opt, args):
                                 for t in s.values() if torch.is_tensor(t) and t.dim() > 0),
     }
     state["total"] = sum(state.values())
-    return state, None
+    try:
+        logging_data = model._get_ddp_logging_data()
+        bucket_bytes = sum(int(b) for b in str(logging_data["bucket_sizes"]).split(",") if b.strip())
+        buffer_bytes = 0 if logging_data["gradient_as_bucket_view"] else bucket_bytes
+    except (AttributeError, KeyError, ValueError):
+        buffer_bytes = None
+    return state, buffer_bytes
 
 
 def train(args):
@@ -217,6 +240,7 @@ def train(args):
         if step == warmup:                                     # the timed window starts here
             barrier()
             wire_start = loopback_tx_bytes()
+            written_start = process_write_bytes()
             comm_start, kinds_start = comm_counters(opt, args)
         t0 = time.perf_counter()
         loss = train_step(model, opt, data, args, generator)
@@ -227,15 +251,19 @@ def train(args):
                 f"{tokens_per_step / step_times[-1]:8.0f} tokens/s")
     barrier()
     wire_end = loopback_tx_bytes()
+    written_end = process_write_bytes()
     comm_end, kinds_end = comm_counters(opt, args)
     timed = step_times[warmup:]
     timed_steps = len(timed)
 
     final = estimate_loss(model, data, args)
     model_state, buffer_bytes = memory_report(model, opt, args)
-    model_state_per_rank = [model_state["total"]] * world_size
+    written = None if written_start is None else written_end - written_start
+    per_rank = [(model_state["total"], written)] * world_size  # (model-state bytes, bytes written) by rank
     if dist.is_initialized():
-        dist.all_gather_object(model_state_per_rank, model_state["total"])
+        dist.all_gather_object(per_rank, (model_state["total"], written))
+    model_state_per_rank = [total for total, _ in per_rank]
+    written_per_step = None if written is None else sum(w for _, w in per_rank) / timed_steps
     if args.ddp:                                               # no counters: DDP all-reduces 2 x 4 bytes x params
         comm_per_step, comm_source = 2 * 4 * num_params, "theory"
         comm_kinds_per_step = {"all_reduce": comm_per_step}
@@ -271,6 +299,7 @@ def train(args):
         "comm_bytes_per_step_by_kind": comm_kinds_per_step,
         "comm_source": comm_source,
         "wire_bytes_per_step": wire_per_step,                  # loopback, all ranks together
+        "written_bytes_per_step": written_per_step,            # /proc/self/io wchar, all ranks together
         "zero_ext_stats": stats,
     }
 
@@ -280,9 +309,10 @@ def train(args):
         f"({', '.join(f'{k} {v:,}' for k, v in model_state.items() if k != 'total')}); "
         f"buffer bytes: {buffer_bytes if buffer_bytes is not None else 'n/a'}")
     wire_text = "n/a" if wire_per_step is None else f"{wire_per_step:,.0f}"
+    written_text = "n/a" if written_per_step is None else f"{written_per_step:,.0f}"
     log(f"communication per step: {comm_per_step:,.0f} bytes per rank ({comm_source}; "
         f"{', '.join(f'{k} {v:,.0f}' for k, v in comm_kinds_per_step.items())}) | "
-        f"loopback wire bytes, all ranks: {wire_text}")
+        f"all ranks: loopback {wire_text}, written by the ranks {written_text}")
     if is_master and args.sample_chars > 0:
         start = torch.tensor([data.encode("\n")], dtype=torch.long)
         sample_generator = torch.Generator().manual_seed(args.seed)

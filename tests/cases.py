@@ -29,7 +29,16 @@ class MLP(nn.Module):
         return nn.functional.mse_loss(x, y)
 
 
-TINY_GPT = dict(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=24)
+# Adam amplifies rounding noise in near-zero gradients into O(lr) steps, so two
+# correct implementations drift apart at a rate set by the model and lr, not by
+# their correctness. Measured on this GPT, torch's own AdamW(fused=True) against
+# AdamW(foreach=False), 20 steps: 1.0e-3 relative at lr=1e-2, 2.8e-7 at lr=3e-3
+# without biases, 1.3e-4 at lr=3e-3 with biases (the key part of qkv.bias has a
+# gradient that is exactly zero in exact arithmetic: softmax ignores a shift shared
+# by all keys, so in floating point it is pure noise). Our fused kernel equals
+# torch's fused one bit for bit there. So the parity tests use lr=3e-3 and a GPT
+# without biases, where the 1e-5 bound measures us and not Adam's conditioning.
+TINY_GPT = dict(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=24, bias=False)
 
 
 @dataclass
@@ -49,8 +58,8 @@ class Case:
 
 
 OPTIMIZERS = {
-    "adamw": lambda: (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-    "adam": lambda: (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.01)),
+    "adamw": lambda: (torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1)),
+    "adam": lambda: (torch.optim.Adam, dict(lr=3e-3, weight_decay=0.01)),
     "sgd": lambda: (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
 }
 
@@ -70,7 +79,7 @@ def batch(kind: str, rank: int, step: int, micro: int):
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
     if kind == "gpt":
         idx = torch.randint(0, TINY_GPT["vocab_size"], (4, TINY_GPT["block_size"] + 1), generator=g)
-        return idx[:, :-1], idx[:, 1:]
+        return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     d_in, d_out = (101, 7) if kind == "mlp_big" else (13, 5)
     return torch.randn(8, d_in, generator=g), torch.randn(8, d_out, generator=g)
 

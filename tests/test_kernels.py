@@ -337,7 +337,7 @@ def test_bad_arguments_raise():
     with pytest.raises(RuntimeError, match="max_exp_avg_sq"):
         C.adam_step("scalar", p, g, m, s, None, None, 0.001, 0.9, 0.999, 1e-8, 0.0, 1, True, True,
                     False, 1.0)
-    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+    with pytest.raises(RuntimeError, match="bfloat16 or torch.float16"):
         C.adam_step("scalar", p, g, m, s, None, torch.zeros(n, dtype=torch.int16), *args)
     with pytest.raises(RuntimeError, match="invalid argument"):
         C.adam_step("scalar", p, g, m, s, None, None, 0.001, 1.0, 0.999, 1e-8, 0.0, 1, True, False,

@@ -105,9 +105,9 @@ def _verify_across_ranks(pg, rank: int, world: int, fingerprint: int, error: Exc
     its inputs and wraps the same parameters and config. Raises on all ranks, so
     no rank is left waiting in a later collective."""
     mine = torch.tensor([0 if error is None else 1, fingerprint], dtype=torch.int64)
-    everyone = torch.zeros(world * 2, dtype=torch.int64)
-    dist.all_gather_into_tensor(everyone, mine, group=pg)
-    everyone = everyone.view(world, 2)
+    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=pg)
+    everyone = torch.stack(gathered)
     if error is not None:
         raise error
     failed = [r for r in range(world) if everyone[r, 0] != 0]
