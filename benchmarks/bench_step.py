@@ -23,6 +23,7 @@ Writes benchmarks/results/bench_step.json.
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -70,6 +71,7 @@ def main():
     job_args = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--log-every", str(10 ** 9),
                 "--eval-iters", "2", "--sample-chars", "0", *args.train_args]
 
+    load_before = os.getloadavg()[0]         # 1-minute load average: > 0.5 means someone else is busy
     runs = {system: [] for system in args.systems}
     with tempfile.TemporaryDirectory(prefix="zero_ext_bench_") as tmp:
         for rep in range(args.reps):
@@ -107,6 +109,7 @@ def main():
             "runs": system_runs,
         }
 
+    load_after = os.getloadavg()[0]
     first = runs["ddp"][0]
     header = ["system", "step ms (median)", "vs DDP median [min, max]", "model state/rank", "buffers/rank",
               "comm/step/rank", "loopback/step", "vs DDP", "written/step", "vs DDP"]
@@ -127,7 +130,8 @@ def main():
         ])
     print(f"\n{cpu_model()} | torch {first['torch_version']} | ISA {first['isa']} | "
           f"{first['world_size']} gloo ranks x {first['threads_per_rank']} thread | {first['num_params']:,} params | "
-          f"{first['tokens_per_step']:,} tokens/step | {args.reps} reps x {args.steps - args.warmup} timed steps")
+          f"{first['tokens_per_step']:,} tokens/step | {args.reps} reps x {args.steps - args.warmup} timed steps | "
+          f"load average {load_before:.1f} before, {load_after:.1f} after")
     print(format_table(header, rows))
     for system in ("1", "2"):
         if system in results:
@@ -151,6 +155,7 @@ def main():
         "reps": args.reps,
         "steps": args.steps,
         "warmup": args.warmup,
+        "load_average": {"before": load_before, "after": load_after},
         "train_args": job_args,
         "targets": {"step_time_vs_ddp": STEP_TIME_TARGET, "wire_vs_ddp": WIRE_TOLERANCE},
         "systems": results,

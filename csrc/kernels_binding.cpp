@@ -16,7 +16,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>

@@ -50,10 +50,12 @@ def parse_args(argv=None):
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    parser.add_argument("--lr-warmup", type=int, default=20, help="steps of linear learning-rate warmup")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables clipping")
-    parser.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step (no_sync on all but the last)")
+    parser.add_argument("--accum", type=int, default=1,
+                        help="micro-steps per optimizer step (no_sync on all but the last)")
     parser.add_argument("--adamw", default="default", choices=["default", "foreach", "fused"],
                         help="torch.optim.AdamW implementation (matters for --ddp only; zero_ext uses its own kernel)")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -112,8 +114,15 @@ def wrap_for_data_parallel(model, opt, args):
     return zero_ext.zeroify(model, opt, stage=args.stage, **args.zero_config)
 
 
-def train_step(model, opt, data, args, generator):
+def learning_rate(step, args):
+    """Linear warmup to args.lr over args.lr_warmup steps, then constant."""
+    return args.lr * min(1.0, (step + 1) / max(1, args.lr_warmup))
+
+
+def train_step(model, opt, data, args, generator, lr):
     """One optimizer step of args.accum micro-steps. Returns the mean micro-step loss (float)."""
+    for group in opt.param_groups:          # zero_ext keeps the user's param_groups live, as torch does
+        group["lr"] = lr
     opt.zero_grad(set_to_none=True)
     loss_sum = 0.0
     for micro in range(args.accum):
@@ -243,7 +252,7 @@ def train(args):
             written_start = process_write_bytes()
             comm_start, kinds_start = comm_counters(opt, args)
         t0 = time.perf_counter()
-        loss = train_step(model, opt, data, args, generator)
+        loss = train_step(model, opt, data, args, generator, learning_rate(step, args))
         step_times.append(time.perf_counter() - t0)
         losses.append(loss)
         if step % args.log_every == 0 or step == args.steps - 1:

@@ -155,7 +155,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     opts.stage = cfg.stage
     opts.bucket_bytes = cfg.bucket_bytes
     opts.first_bucket_bytes = cfg.first_bucket_bytes
-    opts.align = cfg.align
+    opts.align = cfg.resolved_align(world)
     backend = dist.get_backend(pg) if pg is not None else "none"
     opts.alltoall_reduce_scatter = cfg.reduce_scatter == "alltoall" or (
         cfg.reduce_scatter == "auto" and backend == "gloo")

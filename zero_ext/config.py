@@ -27,7 +27,9 @@ class ZeroConfig:
         group if one is initialized, else a single process (world size 1).
     bucket_bytes: gradient/parameter bucket size in bytes.
     first_bucket_bytes: size of the first bucket (small, so communication starts early).
-    align: slice alignment in elements (each bucket is padded to world_size*align).
+    align: slice alignment in elements (each bucket is padded to world_size*align);
+        "auto" = 16 (64-byte slices) up to 64 ranks, 1 beyond, so that padding stays
+        negligible at large N.
     reduce_scatter: "auto" (all-to-all + local sum on gloo, native otherwise),
         "native" (the backend's reduce_scatter), or "alltoall".
     grad_ring_buckets: stage 2: how many bucket-sized staging buffers the gradient ring holds.
@@ -46,7 +48,7 @@ class ZeroConfig:
     process_group: Any = None
     bucket_bytes: int = 16 << 20
     first_bucket_bytes: int = 1 << 20
-    align: int = 16
+    align: int | str = "auto"
     reduce_scatter: str = "auto"
     grad_ring_buckets: int = 2
     overlap_param_gather: bool = False
@@ -78,6 +80,11 @@ class ZeroConfig:
             raise ValueError(f"zero_ext: config file {path!r} is not valid JSON: {e}") from None
         return cls.from_dict(d)
 
+    def resolved_align(self, world_size: int) -> int:
+        if self.align == "auto":
+            return 16 if world_size <= 64 else 1
+        return self.align
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("process_group")
@@ -108,7 +115,8 @@ class ZeroConfig:
         need(self.stage <= 2, f"stage must be 0, 1 or 2, got {self.stage} (stage 3 is not available yet)")
         integer("bucket_bytes", 1024)
         integer("first_bucket_bytes", 1024)
-        integer("align", 1)
+        if self.align != "auto":
+            integer("align", 1)
         integer("grad_ring_buckets", 1)
         choice("reduce_scatter", _REDUCE_SCATTER)
         choice("fused", _FUSED)
