@@ -57,7 +57,10 @@ setup(
     libraries=[("zxcore", {
         "sources": core_sources,
         "include_dirs": ["csrc/core"],
+        # -std=c11, not gnu11: GCC must not contract a*b+c into FMAs on its own
+        # (the kernels are bit-exact against the scalar reference; see zx_kernels_simd.inc).
         "cflags": ["-O3", "-std=c11", "-fPIC", "-Wall", "-Wextra"],
+        "obj_deps": {"": rel("csrc/core/*.h") + rel("csrc/core/*.inc")},
     })],
     ext_modules=[Extension(
         name="zero_ext._C",
