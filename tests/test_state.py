@@ -1,0 +1,131 @@
+"""Optimizer and model state: a same-world-size state_dict round trip resumes
+training bit for bit; model.state_dict() has the plain module's keys; ZeroConfig
+comes from keywords, dicts and JSON files."""
+import json
+
+import pytest
+import torch
+
+from dist_harness import run_world
+
+
+def _train(zm, zo, kind, rank, steps, start):
+    from cases import batch, loss_of
+    for step in range(start, start + steps):
+        x, y = batch(kind, rank, step, 0)
+        loss_of(kind, zm, x, y).backward()
+        zo.clip_grad_norm_(0.5)
+        zo.step()
+        zo.zero_grad()
+
+
+def _round_trip_worker(rank, world, stage, opt_name, fused):
+    import zero_ext
+    from cases import build_model
+
+    def fresh():
+        model = build_model("gpt")
+        opt = getattr(torch.optim, opt_name)(model.parameters(), lr=3e-3)
+        sched = torch.optim.lr_scheduler.StepLR
+        zm, zo = zero_ext.zeroify(model, opt, stage=stage, fused=fused)
+        return model, zm, zo, sched(zo, step_size=3, gamma=0.5)
+
+    model, zm, zo, sched = fresh()               # uninterrupted: 12 steps
+    for k in range(4):
+        _train(zm, zo, "gpt", rank, 3, 3 * k)
+        sched.step()
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model, zm, zo, sched = fresh()               # 6 steps, save, rebuild, load, 6 more
+    for k in range(2):
+        _train(zm, zo, "gpt", rank, 3, 3 * k)
+        sched.step()
+    saved = (zm.state_dict(), zo.state_dict(), sched.state_dict())
+    assert set(saved[0]) == set(build_model("gpt").state_dict()), "model keys are the plain module's"
+    model, zm, zo, sched = fresh()
+    zm.load_state_dict(saved[0])
+    zo.load_state_dict(saved[1])
+    sched.load_state_dict(saved[2])
+    for k in range(2, 4):
+        _train(zm, zo, "gpt", rank, 3, 3 * k)
+        sched.step()
+    resumed = [p.detach().clone() for p in model.parameters()]
+    diff = max((a - b).abs().max().item() for a, b in zip(straight, resumed))
+    moved = max((a - b).abs().max().item() for a, b in zip(straight, build_model("gpt").parameters()))
+    # loading into another world size / stage is refused with a clear message
+    other = dict(saved[1])
+    other["zero_ext"] = dict(other["zero_ext"], world_size=world + 1)
+    try:
+        zo.load_state_dict(other)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"diff": diff, "moved": moved, "refused": refused, "lr": zo.param_groups[0]["lr"]}
+
+
+COMBOS = [(stage, opt, fused) for stage in (0, 1, 2)
+          for opt, fused in (("AdamW", "auto"), ("SGD", "auto"), ("RMSprop", "never"))]
+
+
+def _round_trips(rank, world):
+    return {c: _round_trip_worker(rank, world, *c) for c in COMBOS}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_state_dict_round_trip(world):
+    for rank, res in enumerate(run_world(_round_trips, world)):
+        for (stage, opt_name, fused), r in res.items():
+                name = f"world {world} stage {stage} {opt_name} rank {rank}"
+                assert r["moved"] > 1e-4, name
+                assert r["diff"] == 0.0, f"{name}: resumed run differs by {r['diff']}"
+                assert "cannot load" in r["refused"], name
+                assert r["lr"] == pytest.approx(3e-3 * 0.5 ** (4 // 3)), name   # StepLR(3, 0.5), 4 epochs
+
+
+def test_config_sources(tmp_path):
+    from zero_ext import ZeroConfig
+    from zero_ext.config import make_config
+
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps({"stage": 1, "bucket_bytes": 65536}))
+    a = ZeroConfig.from_json(str(path))
+    b = ZeroConfig.from_dict({"stage": 1, "bucket_bytes": 65536})
+    c = make_config(str(path), None, {"reduce_scatter": "native"})
+    assert a == b and a.stage == 1 and a.bucket_bytes == 65536
+    assert c.stage == 1 and c.reduce_scatter == "native"
+    assert make_config(a, 2, {}).stage == 2          # keyword stage wins
+    with pytest.raises(ValueError, match="unknown config option 'stagee'"):
+        ZeroConfig.from_dict({"stagee": 1})
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ZeroConfig.from_json(str(path))
+    with pytest.raises(TypeError, match="overlap_param_gather must be True or False"):
+        ZeroConfig(overlap_param_gather="yes")
+    assert ZeroConfig().resolved_align(8) == 16 and ZeroConfig().resolved_align(1024) == 1
+
+
+def test_single_process_without_process_group():
+    """No process group: world size 1, no collectives, same maths as the torch optimizer."""
+    import copy
+
+    import torch.distributed as dist
+
+    import zero_ext
+    from cases import MLP
+
+    assert not dist.is_initialized()
+    torch.manual_seed(0)
+    ref = MLP()
+    mine = copy.deepcopy(ref)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    zm, zo = zero_ext.zeroify(mine, torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9), stage=2)
+    for _ in range(5):
+        x, y = torch.randn(4, 13), torch.randn(4, 5)
+        ref(x, y).backward()
+        zm(x, y).backward()
+        o_ref.step(), o_ref.zero_grad(), zo.step(), zo.zero_grad()
+    for a, b in zip(ref.parameters(), mine.parameters()):
+        assert torch.equal(a, b)
+    s = zo.stats()
+    assert s["world_size"] == 1 and s["comm_bytes"] == 0
+    assert "bucket" in zo.describe_plan()
