@@ -99,6 +99,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     grad_scale=scale))
             self._engine.step_sgd(hps)
 
+    def synchronize(self) -> None:
+        """Wait for every outstanding collective (reductions, the parameter gather);
+        only needed with overlap_param_gather=True before reading parameters directly."""
+        self._engine.wait_reductions()
+        self._engine.wait_params()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.zero_grad(set_to_none)
 
