@@ -72,13 +72,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("isa", &zx::EngineOptions::isa);
 
     py::class_<zx::Engine>(m, "Engine")
-        .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> groups, py::object pg,
-                         const zx::EngineOptions &opts) {
+        .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> groups,
+                         std::vector<int64_t> units, py::object pg, const zx::EngineOptions &opts) {
                  c10::optional<zx::ProcessGroupPtr> p;
                  if (!pg.is_none()) p = pg.cast<zx::ProcessGroupPtr>();
-                 return std::make_unique<zx::Engine>(std::move(params), std::move(groups), p, opts);
+                 return std::make_unique<zx::Engine>(std::move(params), std::move(groups), std::move(units),
+                                                     p, opts);
              }),
-             py::arg("params"), py::arg("groups"), py::arg("process_group"), py::arg("options"))
+             py::arg("params"), py::arg("groups"), py::arg("units"), py::arg("process_group"),
+             py::arg("options"))
+        .def("gather_unit", &zx::Engine::gather_unit, py::arg("unit"), py::arg("wait") = true,
+             py::call_guard<py::gil_scoped_release>())
+        .def("release_unit", &zx::Engine::release_unit, py::call_guard<py::gil_scoped_release>())
+        .def("unit_gathered", &zx::Engine::unit_gathered)
+        .def_property_readonly("num_units", &zx::Engine::num_units)
         .def("mark_ready", &zx::Engine::mark_ready, py::call_guard<py::gil_scoped_release>())
         .def("finalize_backward", &zx::Engine::finalize_backward, py::call_guard<py::gil_scoped_release>())
         .def("wait_reductions", &zx::Engine::wait_reductions, py::call_guard<py::gil_scoped_release>())

@@ -4,6 +4,7 @@
 #include "engine.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/native/Resize.h>
 #include <cmath>
 #include <mutex>
 #include <sstream>
@@ -27,6 +28,19 @@ namespace zx {
 //   after a stage-1 reduce-scatter the non-owned parts of the bucket are
 //   zeroed, so the next reduce-scatter adds exactly the new gradients.
 
+// Note [Stage 3 parameter lifetime]
+//   Only param_shard_ (this rank's slices) persists. Each bucket's flat_param
+//   keeps its tensor and storage object, but the storage is resized to 0 bytes
+//   when released and back to full size when gathered, as FSDP2 does: the
+//   parameters stay views of it and autograd's saved tensors stay aliases, so a
+//   unit gathered again before its backward is seen by them. A bucket is
+//   gathered before its unit's forward, released after it (Python hooks),
+//   gathered again before its backward, and released as soon as its last
+//   gradient is staged (mark_ready). The root unit (0) stays gathered from its
+//   forward to the end of backward. While released, the parameters themselves
+//   point at a 0-element tensor (set_data), so reading one outside forward gives
+//   an empty tensor rather than reading freed memory; gathering points them back.
+
 static constexpr int64_t kGrain = 1 << 16;   // elements per parallel task
 
 template <class F>
@@ -35,13 +49,15 @@ void Engine::parallel(int64_t n, F &&fn) const {
     at::parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) { fn(lo, hi); });
 }
 
-Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups,
+Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std::vector<int64_t> units,
                c10::optional<ProcessGroupPtr> pg, EngineOptions opts)
     : params_(std::move(params)), pg_(std::move(pg)), opts_(std::move(opts)) {
     const int64_t n = (int64_t)params_.size();
     TORCH_CHECK(n > 0, "zero_ext: the optimizer has no trainable parameters");
     TORCH_CHECK((int64_t)groups.size() == n, "zero_ext: one group index per parameter expected");
-    TORCH_CHECK(opts_.stage >= 0 && opts_.stage <= 2, "zero_ext: the engine runs stages 0-2, got ", opts_.stage);
+    TORCH_CHECK(opts_.stage >= 0 && opts_.stage <= 3, "zero_ext: the engine runs stages 0-3, got ", opts_.stage);
+    const bool s3 = opts_.stage == 3;
+    TORCH_CHECK(!s3 || (int64_t)units.size() == n, "zero_ext: stage 3 needs one unit id per parameter");
     if (pg_.has_value()) {
         rank_ = (*pg_)->getRank();
         world_ = (*pg_)->getSize();
@@ -51,9 +67,10 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups,
     TORCH_CHECK(zx_cpu_supports(isa_), "zero_ext: this CPU cannot run isa='", opts_.isa,
                 "'; use isa='auto'");
 
-    // Plan: reverse registration order, which is roughly gradient-ready order.
+    // Plan: reverse registration order, which is roughly gradient-ready order;
+    // stage 3: units in reverse forward order, so buckets again follow backward.
     std::vector<int64_t> numel(n), order(n);
-    std::vector<int32_t> dtype(n, ZX_F32), group(n);
+    std::vector<int32_t> dtype(n, ZX_F32), group(n), unit(n, 0);
     for (int64_t i = 0; i < n; i++) {
         const at::Tensor &p = params_[i];
         TORCH_CHECK(p.scalar_type() == at::kFloat, "zero_ext: parameter ", i, " is ", p.scalar_type(),
@@ -63,9 +80,14 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups,
         numel[i] = p.numel();
         group[i] = (int32_t)groups[i];
         order[i] = n - 1 - i;
+        if (s3) unit[i] = (int32_t)units[i];
     }
-    zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), nullptr, order.data(),
-                      (int32_t)parts_, opts_.bucket_bytes, opts_.first_bucket_bytes, opts_.align};
+    if (s3) std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return unit[a] > unit[b]; });
+    // Stage 3: one bucket per (unit, group); the unit is the granularity.
+    const int64_t cap = s3 ? INT64_MAX / 4 : opts_.bucket_bytes;
+    const int64_t first_cap = s3 ? INT64_MAX / 4 : opts_.first_bucket_bytes;
+    zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), s3 ? unit.data() : nullptr,
+                      order.data(), (int32_t)parts_, cap, first_cap, opts_.align};
     zx_check(zx_plan_create(&pp, &plan_), "planning the bucket layout");
     shard_numel_ = zx_plan_shard_numel(plan_);
 
@@ -76,6 +98,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups,
     bucket_of_.assign(n, -1);
     offset_of_.assign(n, 0);
     grad_views_.resize(n);
+    if (s3) param_views_.resize(n);
     ready_.assign(n, 0);
     for (int64_t b = 0; b < nb; b++) {
         zx_bucket_info bi;
@@ -87,6 +110,8 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups,
         bk.slice_numel = bi.slice_numel;
         bk.shard_offset = zx_plan_shard_offset(plan_, b);
         bk.pending = bi.num_params;
+        bk.unit = bi.unit;
+        bk.gathered = true;
         bk.flat_param = at::zeros({bi.padded_numel}, f32);
         if (opts_.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, f32);
         max_padded_ = std::max(max_padded_, bi.padded_numel);
@@ -105,6 +130,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups,
                 view.copy_(p);
             }
             p.set_data(view);
+            if (s3) param_views_[i] = view;
             if (opts_.stage <= 1) {
                 grad_views_[i] = bk.flat_grad.narrow(0, loc.offset, loc.numel).view(p.sizes());
                 if (p.grad().defined()) grad_views_[i].copy_(p.grad());
@@ -114,13 +140,26 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups,
             }
         }
     }
-    if (opts_.stage == 2) grad_shard_ = at::zeros({shard_numel_}, f32);
-    const bool needs_slots = (opts_.stage == 2) || (opts_.stage == 1 && world_ > 1);
+    if (opts_.stage >= 2) grad_shard_ = at::zeros({shard_numel_}, f32);
+    if (s3) {
+        // Keep only this rank's slices (Note [Stage 3 parameter lifetime]).
+        param_shard_ = at::zeros({shard_numel_}, f32);
+        for (int64_t b = 0; b < nb; b++) {
+            Bucket &bk = buckets_[b];
+            param_shard_.narrow(0, bk.shard_offset, bk.slice_numel).copy_(owned_slice(bk.flat_param, bk));
+            if ((int64_t)unit_buckets_.size() <= bk.unit) unit_buckets_.resize(bk.unit + 1);
+            unit_buckets_[bk.unit].push_back(b);
+            gathered_bytes_ += bk.flat_param.nbytes();
+            release_bucket(bk);
+        }
+        peak_gathered_bytes_ = 0;
+    }
+    const bool needs_slots = (opts_.stage >= 2) || (opts_.stage == 1 && world_ > 1);
     if (needs_slots) {
         const int64_t k = std::max<int64_t>(1, opts_.grad_ring_buckets);
         for (int64_t s = 0; s < k; s++) {
             Slot sl;
-            if (opts_.stage == 2) sl.send = at::zeros({max_padded_}, f32);
+            if (opts_.stage >= 2) sl.send = at::zeros({max_padded_}, f32);
             if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / parts_}, f32);
             slots_.push_back(std::move(sl));
         }
@@ -132,6 +171,8 @@ Engine::~Engine() {
     try {
         for (auto &w : inflight_) w.second->wait();
         for (auto &w : gather_works_) w->wait();
+        for (auto &bk : buckets_)
+            if (bk.gather_work) bk.gather_work->wait();
     } catch (...) {
     }
     zx_plan_free(plan_);
@@ -143,8 +184,13 @@ at::Tensor Engine::owned_slice(const at::Tensor &flat, const Bucket &bk) const {
 }
 
 at::Tensor Engine::grad_shard_slice(const Bucket &bk) {
-    if (opts_.stage == 2) return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+    if (opts_.stage >= 2) return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
     return owned_slice(bk.flat_grad, bk);
+}
+
+float *Engine::master(Bucket &bk) {
+    if (opts_.stage == 3) return param_shard_.data_ptr<float>() + bk.shard_offset;
+    return owned_slice(bk.flat_param, bk).data_ptr<float>();
 }
 
 double Engine::grad_divisor() const { return opts_.stage == 0 ? 1.0 : (double)world_; }
@@ -183,15 +229,17 @@ void Engine::stage_grad(int64_t i) {
 void Engine::mark_ready(int64_t i) {
     TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: bad parameter index ", i);
     if (opts_.stage <= 1) ensure_grad_view(i);
-    const bool reduce_now = opts_.stage == 2 || require_sync_;
+    const bool reduce_now = opts_.stage >= 2 || require_sync_;
     if (!reduce_now) return;
-    if (opts_.stage == 2) stage_grad(i);
+    if (opts_.stage >= 2) stage_grad(i);
     TORCH_CHECK(!ready_[i], "zero_ext: parameter ", i,
                 " was marked ready twice in one backward pass; if you call backward() "
                 "twice, call it under model.no_sync() for all but the last, or step in between");
     ready_[i] = 1;
     Bucket &bk = buckets_[bucket_of_[i]];
     if (--bk.pending == 0) {
+        // Stage 3: its backward is over; the root unit waits for the end.
+        if (opts_.stage == 3 && bk.unit != 0) release_bucket(bk);
         // Launch strictly in bucket order so that every rank issues the same collectives.
         while (next_launch_ < (int64_t)buckets_.size() && buckets_[next_launch_].pending == 0)
             launch(next_launch_++);
@@ -199,13 +247,13 @@ void Engine::mark_ready(int64_t i) {
 }
 
 void Engine::finalize_backward() {
-    const bool reduce_now = opts_.stage == 2 || require_sync_;
+    const bool reduce_now = opts_.stage >= 2 || require_sync_;
     if (!reduce_now) return;
     // Parameters that got no gradient this pass: their region holds zeros or
     // earlier accumulated gradients (stage 0/1), or is zero-filled (stage 2).
     for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
         if (ready_[i]) continue;
-        if (opts_.stage == 2) stage_grad(i);
+        if (opts_.stage >= 2) stage_grad(i);
         ready_[i] = 1;
         buckets_[bucket_of_[i]].pending--;
     }
@@ -215,6 +263,8 @@ void Engine::finalize_backward() {
     // anyway, and no later backward may write into a bucket (stage 0/1) or a
     // ring slot (stage 2) that a collective is still reading.
     wait_reductions();
+    if (opts_.stage == 3)
+        for (auto &bk : buckets_) release_bucket(bk);
     // Reset readiness for the next backward.
     std::fill(ready_.begin(), ready_.end(), 0);
     for (auto &bk : buckets_) {
@@ -242,7 +292,7 @@ int64_t Engine::acquire_slot(int64_t b) {
     // bucket order): grow the ring by one; bounded by the number of buckets.
     Slot sl;
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    if (opts_.stage == 2) sl.send = at::zeros({max_padded_}, f32);
+    if (opts_.stage >= 2) sl.send = at::zeros({max_padded_}, f32);
     if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / parts_}, f32);
     slots_.push_back(std::move(sl));
     return acquire_slot(b);
@@ -256,13 +306,13 @@ void Engine::release_slot(int64_t b) {
 
 void Engine::launch(int64_t b) {
     Bucket &bk = buckets_[b];
-    if (opts_.stage == 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
-    if (opts_.stage == 2) {
+    if (opts_.stage >= 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
+    if (opts_.stage >= 2) {
         // Zero the padding so it never feeds the optimizer garbage.
         slots_[bk.slot].send.narrow(0, bk.numel, bk.padded_numel - bk.numel).zero_();
     }
     if (world_ == 1) {
-        if (opts_.stage == 2) {
+        if (opts_.stage >= 2) {
             at::Tensor src = slots_[bk.slot].send.narrow(0, 0, bk.padded_numel);
             grad_shard_slice(bk).add_(src);
             release_slot(b);
@@ -279,7 +329,7 @@ void Engine::launch(int64_t b) {
         work = pg->allreduce(t, o);
         count(c_allreduce_, bk.padded_numel);
     } else {
-        at::Tensor send = opts_.stage == 2 ? slots_[bk.slot].send.narrow(0, 0, bk.padded_numel) : bk.flat_grad;
+        at::Tensor send = opts_.stage >= 2 ? slots_[bk.slot].send.narrow(0, 0, bk.padded_numel) : bk.flat_grad;
         if (bk.slot < 0) acquire_slot(b);
         Slot &sl = slots_[bk.slot];
         if (opts_.alltoall_reduce_scatter) {
@@ -310,7 +360,7 @@ void Engine::complete(int64_t b) {
         if (opts_.stage >= 1) {
             Slot &sl = slots_[bk.slot];
             at::Tensor dst = grad_shard_slice(bk);
-            const int accumulate = opts_.stage == 2 ? 1 : 0;
+            const int accumulate = opts_.stage >= 2 ? 1 : 0;
             if (opts_.alltoall_reduce_scatter) {
                 const float *src = sl.recv.data_ptr<float>();
                 float *d = dst.data_ptr<float>();
@@ -361,7 +411,7 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps) {
     for (auto &bk : buckets_) {
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
         const zx_adam_hparams &hp = hps[bk.group];
-        float *p = owned_slice(bk.flat_param, bk).data_ptr<float>();
+        float *p = master(bk);
         const float *g = grad_shard_slice(bk).data_ptr<float>();
         float *mp = m.data_ptr<float>() + bk.shard_offset, *vp = v.data_ptr<float>() + bk.shard_offset;
         float *xp = hp.amsgrad ? vmax.data_ptr<float>() + bk.shard_offset : nullptr;
@@ -382,7 +432,7 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps) {
     for (auto &bk : buckets_) {
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
         const zx_sgd_hparams &hp = hps[bk.group];
-        float *p = owned_slice(bk.flat_param, bk).data_ptr<float>();
+        float *p = master(bk);
         const float *g = grad_shard_slice(bk).data_ptr<float>();
         float *bp = hp.momentum != 0.0 ? buf.data_ptr<float>() + bk.shard_offset : nullptr;
         parallel(bk.slice_numel, [&](int64_t lo, int64_t hi) {
@@ -395,7 +445,9 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps) {
 
 std::vector<at::Tensor> Engine::param_shards() {
     std::vector<at::Tensor> out;
-    for (auto &bk : buckets_) out.push_back(owned_slice(bk.flat_param, bk));
+    for (auto &bk : buckets_)
+        out.push_back(opts_.stage == 3 ? param_shard_.narrow(0, bk.shard_offset, bk.slice_numel)
+                                       : owned_slice(bk.flat_param, bk));
     return out;
 }
 
@@ -456,7 +508,7 @@ std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
 }
 
 void Engine::all_gather_params() {
-    if (parts_ == 1) return;
+    if (parts_ == 1 || opts_.stage == 3) return;   // stage 3 gathers per unit, on demand
     wait_params();
     for (auto &bk : buckets_) {
         at::Tensor in = owned_slice(bk.flat_param, bk);
@@ -493,6 +545,70 @@ void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {
     }
 }
 
+// ------------------------------------------------------------------ stage 3
+
+void Engine::wait_gather(Bucket &bk) {
+    if (bk.gather_work) {
+        bk.gather_work->wait();
+        bk.gather_work.reset();
+    }
+}
+
+void Engine::release_bucket(Bucket &bk) {
+    wait_gather(bk);
+    if (!bk.gathered) return;
+    at::native::resize_bytes_cpu(bk.flat_param.storage().unsafeGetStorageImpl(), 0);
+    gathered_bytes_ -= bk.flat_param.numel() * 4;
+    bk.gathered = false;
+    const at::Tensor empty = at::empty({0}, bk.flat_param.options());
+    for (int64_t i : bk.params) params_[i].set_data(empty);
+}
+
+void Engine::mark_gathered(Bucket &bk) {
+    wait_gather(bk);
+    if (bk.gathered) return;
+    bk.gathered = true;
+    for (int64_t i : bk.params) params_[i].set_data(param_views_[i]);
+}
+
+bool Engine::gather_unit(int64_t u, bool wait) {
+    TORCH_CHECK(opts_.stage == 3, "zero_ext: gather_unit is a stage-3 operation");
+    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
+    bool prefetched = true;
+    for (int64_t b : unit_buckets_[u]) {
+        Bucket &bk = buckets_[b];
+        if (bk.gathered) continue;
+        if (!bk.gather_work) {
+            prefetched = false;
+            at::native::resize_bytes_cpu(bk.flat_param.storage().unsafeGetStorageImpl(),
+                                         (size_t)bk.flat_param.numel() * 4);
+            gathered_bytes_ += bk.flat_param.numel() * 4;
+            peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+            at::Tensor in = param_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+            if (world_ == 1) {
+                bk.flat_param.copy_(in);
+                mark_gathered(bk);
+                continue;
+            }
+            bk.gather_work = (*pg_)->_allgather_base(bk.flat_param, in);
+            count(c_allgather_, bk.padded_numel);
+        }
+        if (wait) mark_gathered(bk);
+    }
+    return prefetched;
+}
+
+void Engine::release_unit(int64_t u) {
+    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
+    for (int64_t b : unit_buckets_[u]) release_bucket(buckets_[b]);
+}
+
+bool Engine::unit_gathered(int64_t u) const {
+    for (int64_t b : unit_buckets_.at(u))
+        if (!buckets_[b].gathered) return false;
+    return true;
+}
+
 // ------------------------------------------------------------------ state
 
 at::Tensor Engine::state(const std::string &name) {
@@ -514,12 +630,13 @@ static py::dict counter_dict(const CommCounter &c) {
 py::dict Engine::stats() const {
     int64_t param_bytes = 0, grad_bytes = 0, numel = 0, padded = 0;
     for (const auto &bk : buckets_) {
-        param_bytes += bk.flat_param.nbytes();
+        if (opts_.stage < 3) param_bytes += bk.flat_param.nbytes();
         if (bk.flat_grad.defined()) grad_bytes += bk.flat_grad.nbytes();
         numel += bk.numel;
         padded += bk.padded_numel;
     }
     if (grad_shard_.defined()) grad_bytes += grad_shard_.nbytes();
+    if (param_shard_.defined()) param_bytes += param_shard_.nbytes();
     int64_t state_bytes = 0;
     for (const auto &kv : states_) state_bytes += kv.second.nbytes();
     int64_t ring_bytes = 0;
@@ -536,7 +653,9 @@ py::dict Engine::stats() const {
     py::dict buf;
     buf["grad_ring"] = ring_bytes;
     buf["ring_slots"] = (int64_t)slots_.size();
-    buf["total"] = ring_bytes;
+    buf["gathered_params"] = gathered_bytes_;            // stage 3: full units held now
+    buf["peak_gathered_params"] = peak_gathered_bytes_;  // stage 3: most held at once
+    buf["total"] = ring_bytes + gathered_bytes_;
     py::dict comm;
     comm["all_reduce"] = counter_dict(c_allreduce_);
     comm["reduce_scatter"] = counter_dict(c_reduce_scatter_);
@@ -556,6 +675,7 @@ py::dict Engine::stats() const {
     d["buffer_bytes"] = buf;
     d["comm"] = comm;
     d["reductions"] = reductions_;
+    d["num_units"] = (int64_t)unit_buckets_.size();
     return d;
 }
 

@@ -1,5 +1,6 @@
-// engine.h — the torch-facing ZeRO engine (stages 0-2): flat buckets, gradient
-// readiness, asynchronous collectives on a c10d ProcessGroup, fused steps.
+// engine.h — the torch-facing ZeRO engine (stages 0-3): flat buckets, gradient
+// readiness, asynchronous collectives on a c10d ProcessGroup, fused steps, and
+// (stage 3) parameter buckets gathered per unit on demand.
 //
 // The C planner (core/zx_plan.c) decides every offset; this file only turns
 // the plan into tensors and drives the collectives. Python glue (zero_ext/)
@@ -21,7 +22,7 @@ namespace zx {
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 struct EngineOptions {
-    int64_t stage = 2;                 // 0 (DDP), 1, 2
+    int64_t stage = 2;                 // 0 (DDP), 1, 2, 3
     int64_t bucket_bytes = 16 << 20;   // cap per bucket
     int64_t first_bucket_bytes = 1 << 20;
     int64_t align = 16;                // slice alignment, elements
@@ -55,6 +56,10 @@ struct Bucket {
     at::Tensor flat_grad;              // (padded_numel,) fp32 in stage 0/1, else undefined
     int64_t pending = 0;               // parameters not yet ready in this backward
     int64_t slot = -1;                 // ring slot held (stage 2 / all-to-all), or -1
+    // stage 3 (Note [Stage 3 parameter lifetime]):
+    int64_t unit = 0;                  // the unit whose parameters this bucket holds
+    bool gathered = false;             // flat_param holds the full parameters
+    c10::intrusive_ptr<c10d::Work> gather_work;  // all-gather in flight, if any
 };
 
 // A staging/receive pair of the ring (Note [Gradient layout]).
@@ -66,7 +71,8 @@ struct Slot {
 
 class Engine {
 public:
-    Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups,
+    // units: stage 3 only, one unit id per parameter (0 = the root unit).
+    Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std::vector<int64_t> units,
            c10::optional<ProcessGroupPtr> pg, EngineOptions opts);
     ~Engine();
 
@@ -94,6 +100,15 @@ public:
     void zero_grad(bool set_to_none);
     void broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src);
 
+    // --- stage 3 ---
+    // Make unit u's parameters whole: launch its all-gather if it is neither
+    // gathered nor in flight, and with wait=true block until it is done.
+    // Returns true when the gather had already been launched (prefetched).
+    bool gather_unit(int64_t u, bool wait);
+    void release_unit(int64_t u);      // free the full parameters (storage resized to 0)
+    bool unit_gathered(int64_t u) const;
+    int64_t num_units() const { return (int64_t)unit_buckets_.size(); }
+
     // --- state ---
     // Flat optimizer state over the shard (exp_avg, ...), created zero-filled on demand.
     at::Tensor state(const std::string &name);
@@ -113,6 +128,10 @@ private:
     void release_slot(int64_t b);
     void stage_grad(int64_t i);        // stage 2: copy param i's grad into its bucket's slot
     void ensure_grad_view(int64_t i);  // stage 0/1: param i's grad is its bucket view
+    void wait_gather(Bucket &bk);
+    void release_bucket(Bucket &bk);
+    void mark_gathered(Bucket &bk);    // stage 3: parameters point at the full bucket again
+    float *master(Bucket &bk);         // this rank's fp32 parameter slice
     at::Tensor owned_slice(const at::Tensor &flat, const Bucket &bk) const;
     at::Tensor grad_shard_slice(const Bucket &bk);
     void count(CommCounter &c, int64_t numel) { c.calls++; c.numel += numel; c.bytes += numel * 4; }
@@ -120,6 +139,7 @@ private:
 
     std::vector<at::Tensor> params_;
     std::vector<at::Tensor> grad_views_;   // stage 0/1: param i's view into flat_grad
+    std::vector<at::Tensor> param_views_;  // stage 3: param i's view into flat_param
     std::vector<int64_t> bucket_of_, offset_of_;
     std::vector<char> ready_;
     std::vector<Bucket> buckets_;
@@ -134,7 +154,10 @@ private:
     int64_t next_launch_ = 0;
     std::deque<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> inflight_;
     std::vector<c10::intrusive_ptr<c10d::Work>> gather_works_;
-    at::Tensor grad_shard_;                // stage 2: (shard_numel,) fp32 gradient sums
+    at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) fp32 gradient sums
+    at::Tensor param_shard_;               // stage 3: (shard_numel,) fp32 owned parameter slices
+    std::vector<std::vector<int64_t>> unit_buckets_;  // stage 3: unit -> its buckets
+    int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
     std::map<std::string, at::Tensor> states_;
     CommCounter c_allreduce_, c_reduce_scatter_, c_allgather_, c_broadcast_;
     int64_t reductions_ = 0;               // backward passes whose gradients were reduced

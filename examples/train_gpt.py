@@ -338,6 +338,11 @@ def main(argv=None):
     args = parse_args(argv)
     train(args)
     if dist.is_initialized():
+        # Ranks leave together, after rank 0's sample and JSON. The barrier holds no
+        # Python tensors, so no gloo worker thread is still releasing one while the
+        # interpreter shuts down (that aborts the process if the process group is
+        # still alive then, as it is while zero_ext's engine holds it).
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -38,6 +38,26 @@ class MLP(nn.Module):
 # by all keys, so in floating point it is pure noise). Our fused kernel equals
 # torch's fused one bit for bit there. So the parity tests use lr=3e-3 and a GPT
 # without biases, where the 1e-5 bound measures us and not Adam's conditioning.
+class TwiceMLP(MLP):
+    """Applies its middle layer twice in one forward (a module reused)."""
+
+    def forward(self, x, y):
+        h = torch.tanh(self.layers[0](x))
+        h = torch.tanh(self.layers[1](h))
+        h = torch.tanh(self.layers[1](h))
+        return nn.functional.mse_loss(self.layers[2](h), y)
+
+
+class CheckpointMLP(MLP):
+    """Hidden layers under activation checkpointing (recomputed in backward)."""
+
+    def forward(self, x, y):
+        from torch.utils.checkpoint import checkpoint
+        for i, layer in enumerate(self.layers[:-1]):
+            x = checkpoint(lambda t, f=layer: torch.tanh(f(t)), x, use_reentrant=False)
+        return nn.functional.mse_loss(self.layers[-1](x), y)
+
+
 TINY_GPT = dict(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=24, bias=False)
 
 
@@ -54,6 +74,7 @@ class Case:
     scheduler: bool = False          # StepLR(step_size=5, gamma=0.5)
     frozen: bool = False             # freeze one parameter on both sides
     clip: float | None = None        # clip_grad_norm_ before each step
+    eval_every: int | None = None    # gpt: a generation + a reversed-block pass every k steps
     config: dict = field(default_factory=dict)
 
 
@@ -70,6 +91,10 @@ def build_model(kind: str) -> nn.Module:
         return MLP()
     if kind == "mlp_big":
         return MLP(d_in=101, hidden=331, d_out=7, depth=4)
+    if kind == "mlp_twice":
+        return TwiceMLP()
+    if kind == "mlp_ckpt":
+        return CheckpointMLP(depth=4)
     if kind == "gpt":
         return GPT(GPTConfig(**TINY_GPT))
     raise ValueError(kind)
@@ -107,6 +132,19 @@ def make_optimizer(case: Case, model: nn.Module):
     return cls(params, **kw)
 
 
+@torch.no_grad()
+def eval_pass(model, step: int):
+    """An inference pass in another module order than training: greedy-free sampled
+    generation, then the blocks run in reverse order. `model` is the plain module."""
+    g = torch.Generator().manual_seed(step)
+    idx = torch.randint(0, TINY_GPT["vocab_size"], (2, 4), generator=g)
+    tokens = model.generate(idx, 6, generator=torch.Generator().manual_seed(step))
+    x = model.wte(idx) if hasattr(model, "wte") else None
+    for block in reversed(list(model.blocks)):
+        x = block(x)
+    return tokens, x
+
+
 def freeze_one(model: nn.Module) -> None:
     first = next(iter(model.parameters()))
     first.requires_grad_(False)
@@ -129,7 +167,7 @@ def train_pair(case: Case, rank: int, world: int):
     if case.scheduler:
         scheds = [torch.optim.lr_scheduler.StepLR(opt_ref, step_size=5, gamma=0.5),
                   torch.optim.lr_scheduler.StepLR(zo, step_size=5, gamma=0.5)]
-    norms = []
+    norms, evals = [], []
     for step in range(case.steps):
         for micro in range(case.accum):
             x, y = batch(case.model, rank, step, micro)
@@ -148,15 +186,23 @@ def train_pair(case: Case, rank: int, world: int):
         zo.zero_grad()
         for s in scheds:
             s.step()
+        if case.eval_every and step % case.eval_every == 0:
+            t_ref, x_ref = eval_pass(ref, step)
+            t_mine, x_mine = eval_pass(zm.module, step)
+            assert torch.equal(t_ref, t_mine), f"{case.name}: generated tokens differ at step {step}"
+            evals.append((x_ref - x_mine).abs().max().item())
     max_abs, worst_rel = 0.0, 0.0
-    for (name, a), b in zip(ref.named_parameters(), mine.parameters()):
-        d = (a.detach() - b.detach()).abs().max().item()
-        rel = ((a.detach() - b.detach()).norm() / a.detach().norm().clamp_min(1e-30)).item()
+    mine_sd = zm.state_dict()             # stage 3: gathered unit by unit
+    for name, a in ref.named_parameters():
+        a, b = a.detach(), mine_sd[name]
+        d = (a - b).abs().max().item()
+        rel = ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
         max_abs, worst_rel = max(max_abs, d), max(worst_rel, rel)
-    psi = sum(p.numel() for p in mine.parameters() if p.requires_grad)
-    moved = sum(p.detach().sub(q.detach()).abs().sum().item() for p, q in
-                zip(mine.parameters(), build_model(case.model).parameters()))
+    psi = sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    start = build_model(case.model).state_dict()
+    moved = sum((mine_sd[n] - start[n]).abs().sum().item() for n, _ in ref.named_parameters())
     return {"max_abs": max_abs, "rel": worst_rel, "stats": zo.stats(), "psi": psi, "norms": norms,
+            "evals": evals,
             "moved": moved, "lrs": [g["lr"] for g in zo.param_groups]}
 
 

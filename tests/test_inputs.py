@@ -71,7 +71,7 @@ def _bad_input_worker(rank, world, case):
 
 CASES = {
     "unknown_key": "unknown config option 'bucket_byte'. Did you mean 'bucket_bytes'",
-    "stage_range": "stage must be 0, 1 or 2",
+    "stage_range": "stage must be 0, 1, 2 or 3",
     "bad_type": "bucket_bytes must be an int",
     "bad_choice": "reduce_scatter must be one of",
     "sparse": "sparse=True produces sparse gradients",

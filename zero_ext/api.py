@@ -13,6 +13,7 @@ from . import _C
 from .config import ZeroConfig, make_config
 from .model import ZeroModel
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer
+from .units import assign_units
 
 
 class ZeroInputError(ValueError):
@@ -121,11 +122,29 @@ def _verify_across_ranks(pg, rank: int, world: int, fingerprint: int, error: Exc
                              f"zeroify() with the same options")
 
 
+def _broadcast_from_first(pg, tensors) -> None:
+    """Every rank starts from the first rank's parameters and buffers, as DDP does
+    (one coalesced broadcast per dtype)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict = {}
+    for t in tensors:
+        if t.numel() > 0:
+            by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for ts in by_dtype.values():
+            flat = _flatten_dense_tensors([t.data for t in ts])
+            dist.broadcast(flat, src=dist.get_global_rank(pg, 0), group=pg)
+            for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
+                t.data.copy_(v)
+
+
 def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | None = None,
             config: ZeroConfig | dict | str | None = None, **options):
     """Wrap `model` and `optimizer` for ZeRO data parallelism; returns (model, optimizer).
 
-    stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded).
+    stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded),
+        3 (+ parameters sharded, gathered per unit).
     config: a ZeroConfig, a dict or a JSON file path; **options override its fields.
     Every rank of the process group must call zeroify with the same model and options.
     """
@@ -161,18 +180,20 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         cfg.reduce_scatter == "auto" and backend == "gloo")
     opts.grad_ring_buckets = cfg.grad_ring_buckets
     opts.isa = cfg.isa
-    engine = _C.Engine(params, groups, pg if world > 1 else None, opts)
+    if world > 1:
+        _broadcast_from_first(pg, list(model.parameters()) + list(model.buffers()))
+    units, unit_modules, root_holders = [], [model], []
+    if cfg.stage == 3:
+        units, unit_modules, root_holders = assign_units(model, params, cfg.unit_modules, cfg.unit_numel, cfg.min_unit_numel)
+    engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)
 
-    # Every rank starts from rank 0's parameters and buffers, as DDP does.
     buffers = [b for b in model.buffers() if b.numel() > 0]
-    with torch.no_grad():
-        engine.broadcast_tensors([p for p in params] + [p.data for p in frozen] + buffers, 0)
-
-    wrapped = ZeroModel(model, engine, cfg, buffers)
+    wrapped = ZeroModel(model, engine, cfg, buffers, unit_modules, root_holders)
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
     zopt = ZeroOptimizer(optimizer, engine, cfg, fused, fingerprint, pg)
     zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+    zopt._units = wrapped._units
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)
     return wrapped, zopt

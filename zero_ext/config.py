@@ -22,7 +22,8 @@ _FUSED = ("auto", "always", "never")
 class ZeroConfig:
     """Options of zeroify(). See README "Options" for the full story of each.
 
-    stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded).
+    stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded),
+        3 (+ parameters sharded, gathered per unit on demand).
     process_group: the torch.distributed group to shard over; None = the default
         group if one is initialized, else a single process (world size 1).
     bucket_bytes: gradient/parameter bucket size in bytes.
@@ -42,6 +43,13 @@ class ZeroConfig:
         over the local shard; "always" raises if the optimizer has no fused kernel.
     isa: CPU kernel instruction set: "auto" (best available), "scalar", "avx2", "avx512".
     log_plan: print the bucket plan on rank 0.
+    unit_modules: stage 3: module class names whose instances form units (e.g.
+        ["Block"]); None = automatic, by parameter count along module boundaries.
+    unit_numel: stage 3, automatic units: most trainable elements in one unit
+        (None = a quarter of the model).
+    min_unit_numel: stage 3: smaller units join the root unit, which stays
+        gathered from the start of forward to the end of backward.
+    prefetch_depth: stage 3: how many units ahead to all-gather while one computes.
     """
 
     stage: int = 2
@@ -57,6 +65,10 @@ class ZeroConfig:
     fused: str = "auto"
     isa: str = "auto"
     log_plan: bool = False
+    unit_modules: list | None = None
+    unit_numel: int | None = None
+    min_unit_numel: int = 1024
+    prefetch_depth: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +100,8 @@ class ZeroConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("process_group")
+        if d["unit_modules"] is not None:
+            d["unit_modules"] = [c if isinstance(c, str) else c.__name__ for c in d["unit_modules"]]
         return d
 
     # ------------------------------------------------------------------ check
@@ -112,12 +126,20 @@ class ZeroConfig:
             need(v in options, f"{name} must be one of {', '.join(map(repr, options))}; got {v!r}")
 
         integer("stage", 0)
-        need(self.stage <= 2, f"stage must be 0, 1 or 2, got {self.stage} (stage 3 is not available yet)")
+        need(self.stage <= 3, f"stage must be 0, 1, 2 or 3, got {self.stage}")
         integer("bucket_bytes", 1024)
         integer("first_bucket_bytes", 1024)
         if self.align != "auto":
             integer("align", 1)
         integer("grad_ring_buckets", 1)
+        integer("min_unit_numel", 0)
+        integer("prefetch_depth", 0)
+        if self.unit_numel is not None:
+            integer("unit_numel", 1)
+        if self.unit_modules is not None:
+            ok = isinstance(self.unit_modules, (list, tuple)) and all(
+                isinstance(c, (str, type)) for c in self.unit_modules)
+            need(ok, "unit_modules must be a list of module class names (or classes), e.g. ['Block']")
         choice("reduce_scatter", _REDUCE_SCATTER)
         choice("fused", _FUSED)
         choice("isa", _ISAS)

@@ -194,9 +194,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         s["comm_bytes"] = (comm["reduce_scatter"]["bytes"] + comm["all_gather"]["bytes"]
                            + 2 * comm["all_reduce"]["bytes"])
         s["frozen_parameter_bytes"] = self._frozen_bytes
+        if self._units is not None:
+            s["unit_fetches"] = self._units.fetches
+            s["out_of_order_fetches"] = self._units.out_of_order
         return s
 
     _frozen_bytes = 0
+    _units = None          # stage 3: the model's unit hooks (fetch counters)
 
     def describe_plan(self) -> str:
         return self._engine.describe_plan()

@@ -1,0 +1,283 @@
+"""Train a small ResNet-style CNN image classifier with zero_ext ZeRO, on generated data.
+
+    torchrun --standalone --nproc_per_node=2 examples/train_cnn.py --stage 2
+    torchrun --standalone --nproc_per_node=2 examples/train_cnn.py --ddp     # baseline
+    python examples/train_cnn.py --stage 2 --steps 50                        # one process
+    python examples/train_cnn.py --tiny --steps 10                           # seconds, for tests
+
+The images are CIFAR-shaped (3x32x32, 10 classes) and generated, so nothing is
+downloaded: a fixed random "teacher" gives each class a smooth random template image
+(the same on every rank, from --seed), and a sample is its class's template plus
+Gaussian noise. The CNN has to learn the ten templates; the loss falls and the
+accuracy leaves chance (10%) within a few dozen steps.
+
+The model has BatchNorm, so it has buffers (running mean/variance) besides its
+parameters: zero_ext, like DDP, broadcasts them from rank 0 before every forward
+(option broadcast_buffers=True, the default), so all ranks evaluate the same model.
+The optimizer is SGD with Nesterov momentum, the classic choice for ResNets; zero_ext
+runs it as a fused C kernel over this rank's shard.
+
+--stage 0 has plain DDP semantics (nothing partitioned), 1 partitions the optimizer
+states (the momentum), 2 also the gradients. --ddp runs torch's DistributedDataParallel
+with the same optimizer instead of zero_ext; --stage is then ignored. Every rank draws
+its own batches from a generator seeded with seed + 1000 * rank.
+--json OUT makes rank 0 write a summary (losses, accuracy, step times, model-state bytes).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+try:
+    from tqdm import tqdm          # optional: progress bar on rank 0
+except ImportError:
+    tqdm = None
+
+NUM_CLASSES = 10
+IMAGE_SHAPE = (3, 32, 32)          # channels, height, width (CIFAR-10)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2], help="ZeRO stage (default 2)")
+    parser.add_argument("--ddp", action="store_true", help="baseline: torch DDP + the same SGD, no zero_ext")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=None, help="images per rank per step (default 32; 16 with --tiny)")
+    parser.add_argument("--width", type=int, default=None, help="channels of the first stage (default 32; 4 with --tiny)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--weight-decay", type=float, default=5e-4)
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables clipping")
+    parser.add_argument("--noise", type=float, default=1.0, help="std of the Gaussian noise added to the templates")
+    parser.add_argument("--eval-size", type=int, default=256, help="held-out images for the final loss/accuracy")
+    parser.add_argument("--tiny", action="store_true", help="a very small model and batch (for tests)")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per rank (default: 1 when world size > 1, else torch's default)")
+    parser.add_argument("--dtype", default="fp32", help="only fp32 for now")
+    parser.add_argument("--json", type=Path, default=None, help="rank 0 writes the run summary here")
+    args = parser.parse_args(argv)
+    if args.dtype != "fp32":
+        parser.error(f"--dtype {args.dtype} is not supported yet: train_cnn.py runs fp32 only (drop the flag)")
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if args.batch_size is None:
+        args.batch_size = 16 if args.tiny else 32
+    if args.width is None:
+        args.width = 4 if args.tiny else 32
+    if args.tiny:
+        args.eval_size = min(args.eval_size, 64)
+    return args
+
+
+# ----------------------------------------------------------------------------- model
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with BatchNorm, plus the input (projected when the shape changes)."""
+
+    def __init__(self, in_channels, out_channels, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                                          nn.BatchNorm2d(out_channels))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """stem (3 -> w) | block w, w | block w -> 2w, /2 | block 2w -> 4w, /2 | global avg pool | linear."""
+
+    def __init__(self, width, num_classes=NUM_CLASSES):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(IMAGE_SHAPE[0], width, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU())
+        self.blocks = nn.Sequential(BasicBlock(width, width, stride=1),           # 32x32
+                                    BasicBlock(width, 2 * width, stride=2),       # 16x16
+                                    BasicBlock(2 * width, 4 * width, stride=2))   # 8x8
+        self.head = nn.Linear(4 * width, num_classes)
+
+    def forward(self, x):
+        """x: (B, 3, 32, 32) float. Returns logits (B, num_classes)."""
+        x = self.blocks(self.stem(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+# ----------------------------------------------------------------------------- data
+
+class TeacherImages:
+    """Class-conditional images: the class's fixed smooth template + Gaussian noise."""
+
+    def __init__(self, seed, noise):
+        generator = torch.Generator().manual_seed(seed)                      # same on every rank
+        coarse = torch.randn(NUM_CLASSES, IMAGE_SHAPE[0], 4, 4, generator=generator)
+        self.templates = F.interpolate(coarse, size=IMAGE_SHAPE[1:], mode="bilinear",
+                                       align_corners=False)                  # (10, 3, 32, 32)
+        self.noise = noise
+
+    def get_batch(self, batch_size, generator):
+        """x (B, 3, 32, 32) float32, y (B,) int64; all randomness from `generator`."""
+        y = torch.randint(NUM_CLASSES, (batch_size,), generator=generator)
+        x = self.templates[y] + self.noise * torch.randn(batch_size, *IMAGE_SHAPE, generator=generator)
+        return x, y
+
+
+# ----------------------------------------------------------------------------- training
+
+def setup_distributed(threads):
+    """Join the torchrun process group (gloo) if there is one. Returns (rank, world_size, threads)."""
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend="gloo")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        assert rank == int(os.environ["RANK"]), "rank from the process group differs from $RANK"
+        assert world_size == int(os.environ["WORLD_SIZE"])
+    else:
+        rank, world_size = 0, 1
+    if threads is None:
+        threads = 1 if world_size > 1 else torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return rank, world_size, threads
+
+
+def wrap_for_data_parallel(model, opt, args):
+    """torch DDP (--ddp) or zero_ext.zeroify. Returns (model, opt)."""
+    if args.ddp:
+        assert dist.is_initialized(), "--ddp needs a process group: run under torchrun (--nproc_per_node=1 is fine)"
+        return DistributedDataParallel(model), opt
+    import zero_ext
+    return zero_ext.zeroify(model, opt, stage=args.stage)      # the one zero_ext line
+
+
+def model_state_bytes(model, opt, args):
+    """Model state this rank holds: zero_ext reports its own; for DDP sum parameters, gradients, SGD momentum."""
+    if not args.ddp:
+        return dict(opt.stats()["model_state_bytes"])
+    params = list(model.parameters())
+    state = {
+        "parameters": sum(p.numel() * p.element_size() for p in params),
+        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "master_weights": 0,
+        "optimizer_states": sum(t.numel() * t.element_size() for s in opt.state.values()
+                                for t in s.values() if torch.is_tensor(t) and t.dim() > 0),
+    }
+    state["total"] = sum(state.values())
+    return state
+
+
+@torch.no_grad()
+def evaluate(model, data, args):
+    """(loss, accuracy) on args.eval_size held-out images, the same on every rank and run."""
+    model.eval()                                               # BatchNorm uses its running statistics
+    generator = torch.Generator().manual_seed(args.seed + 999_999)
+    x, y = data.get_batch(args.eval_size, generator)
+    logits = model(x)
+    model.train()
+    return F.cross_entropy(logits, y).item(), (logits.argmax(dim=1) == y).float().mean().item()
+
+
+def train(args):
+    """Build, train, evaluate, report. Returns the summary dict on every rank."""
+    rank, world_size, threads = setup_distributed(args.threads)
+    is_master = rank == 0
+
+    def log(message):
+        if is_master:
+            print(message, flush=True)
+
+    data = TeacherImages(args.seed, args.noise)
+    torch.manual_seed(args.seed)                               # same initial weights on every rank
+    model = ResNet(args.width)
+    num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=True,
+                          weight_decay=args.weight_decay)
+    model, opt = wrap_for_data_parallel(model, opt, args)
+    system = "ddp" if args.ddp else f"stage {args.stage}"
+    log(f"{system} | world size {world_size} | {threads} thread(s) per rank | {num_params:,} parameters | "
+        f"{args.batch_size * world_size} images per step | torch {torch.__version__}")
+
+    generator = torch.Generator().manual_seed(args.seed + 1000 * rank)   # this rank's own batches
+    steps = range(args.steps)
+    if is_master and tqdm is not None:
+        steps = tqdm(steps, desc=system, mininterval=1.0)
+    losses, accuracies, step_times = [], [], []
+    for step in steps:
+        x, y = data.get_batch(args.batch_size, generator)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()                                        # gradients are reduced during backward
+        if args.grad_clip > 0:
+            if args.ddp:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            else:
+                opt.clip_grad_norm_(args.grad_clip)            # the global norm over all shards
+        opt.step()
+        step_times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        accuracies.append((logits.argmax(dim=1) == y).float().mean().item())
+        if is_master and tqdm is not None:
+            steps.set_postfix(loss=f"{losses[-1]:.4f}", acc=f"{accuracies[-1]:.2f}", refresh=False)
+        elif step % args.log_every == 0 or step == args.steps - 1:
+            log(f"step {step:5d} | loss {losses[-1]:.4f} | acc {accuracies[-1]:.2f} | "
+                f"{1000 * step_times[-1]:7.1f} ms")
+
+    eval_loss, eval_acc = evaluate(model, data, args)
+    state = model_state_bytes(model, opt, args)
+    state_per_rank = [state["total"]] * world_size
+    if dist.is_initialized():
+        dist.all_gather_object(state_per_rank, state["total"])
+    window = max(1, args.steps // 5)                           # smooth the noisy per-batch losses
+    summary = {
+        "system": system,
+        "stage": None if args.ddp else args.stage,
+        "world_size": world_size,
+        "num_params": num_params,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "losses": losses,                                      # rank 0's training loss per step
+        "initial_loss": statistics.mean(losses[:window]),      # mean of the first steps (~ln 10 = 2.30)
+        "final_loss": statistics.mean(losses[-window:]),       # mean of the last steps
+        "final_train_accuracy": statistics.mean(accuracies[-window:]),
+        "eval_loss": eval_loss,
+        "eval_accuracy": eval_acc,
+        "step_time_ms": 1000 * statistics.median(step_times),
+        "model_state_bytes": state,                            # rank 0
+        "model_state_bytes_per_rank": state_per_rank,
+        "zero_ext_stats": None if args.ddp else opt.stats(),
+    }
+    log(f"summary: {system} | final loss {summary['final_loss']:.4f} (initial {summary['initial_loss']:.4f}) | "
+        f"eval loss {eval_loss:.4f} | eval accuracy {eval_acc:.3f} | "
+        f"step {summary['step_time_ms']:.1f} ms | model-state bytes per rank {state_per_rank}")
+    if is_master and args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    train(args)
+    if dist.is_initialized():
+        dist.barrier()                                         # ranks leave together, after rank 0's JSON
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

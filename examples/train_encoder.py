@@ -1,0 +1,280 @@
+"""Train a small BERT-style encoder classifier with zero_ext ZeRO, on generated token sequences.
+
+    torchrun --standalone --nproc_per_node=2 examples/train_encoder.py --stage 2
+    torchrun --standalone --nproc_per_node=2 examples/train_encoder.py --ddp     # baseline
+    python examples/train_encoder.py --stage 1 --steps 100                       # one process
+    python examples/train_encoder.py --tiny --steps 10                           # seconds, for tests
+
+The model is a compact encoder built from torch.nn.TransformerEncoderLayer: token +
+position embeddings, a [CLS] token in front of every sequence, pre-LayerNorm encoder
+layers, and a linear classifier on the [CLS] position. It needs nothing beyond torch.
+A Hugging Face model works the same way, with no weight download:
+
+    from transformers import BertConfig, BertForSequenceClassification
+    model = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=64,
+        num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, num_labels=2))
+    model, opt = zero_ext.zeroify(model, opt, stage=2)    # forward(input_ids=x, labels=y).loss
+
+The data are generated: a sequence is [CLS] then filler tokens, with token A and token
+B each placed once at random positions; the label is 1 when A comes before B. A bag of
+words cannot solve this: the encoder has to use the position embeddings, through
+attention. The loss falls below ln 2 and the accuracy leaves chance (50%) in a few
+dozen steps.
+
+--stage 0 has plain DDP semantics (nothing partitioned), 1 partitions the AdamW states,
+2 also the gradients. --ddp runs torch's DistributedDataParallel with the same AdamW
+instead of zero_ext; --stage is then ignored. Every rank draws its own batches from a
+generator seeded with seed + 1000 * rank.
+--json OUT makes rank 0 write a summary (losses, accuracy, step times, model-state bytes).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+try:
+    from tqdm import tqdm          # optional: progress bar on rank 0
+except ImportError:
+    tqdm = None
+
+CLS, TOKEN_A, TOKEN_B = 0, 1, 2    # special tokens; ids >= FIRST_FILLER are filler
+FIRST_FILLER = 3
+NUM_CLASSES = 2                    # 1: A before B, 0: B before A
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2], help="ZeRO stage (default 2)")
+    parser.add_argument("--ddp", action="store_true", help="baseline: torch DDP + the same AdamW, no zero_ext")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per rank per step (default 32; 16 with --tiny)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, [CLS] included (default 32; 12 with --tiny)")
+    parser.add_argument("--vocab-size", type=int, default=32)
+    parser.add_argument("--n-layer", type=int, default=None, help="encoder layers (default 2; 1 with --tiny)")
+    parser.add_argument("--n-head", type=int, default=None, help="attention heads (default 4; 2 with --tiny)")
+    parser.add_argument("--d-model", type=int, default=None, help="hidden size (default 64; 32 with --tiny)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables clipping")
+    parser.add_argument("--eval-size", type=int, default=512, help="held-out sequences for the final loss/accuracy")
+    parser.add_argument("--tiny", action="store_true", help="a very small model and batch (for tests)")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per rank (default: 1 when world size > 1, else torch's default)")
+    parser.add_argument("--dtype", default="fp32", help="only fp32 for now")
+    parser.add_argument("--json", type=Path, default=None, help="rank 0 writes the run summary here")
+    args = parser.parse_args(argv)
+    if args.dtype != "fp32":
+        parser.error(f"--dtype {args.dtype} is not supported yet: train_encoder.py runs fp32 only (drop the flag)")
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    for name, default, tiny in (("batch_size", 32, 16), ("seq_len", 32, 12), ("n_layer", 2, 1),
+                                ("n_head", 4, 2), ("d_model", 64, 32)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else default)
+    if args.seq_len < 3 or args.vocab_size <= FIRST_FILLER:
+        parser.error(f"--seq-len must be >= 3 and --vocab-size > {FIRST_FILLER}")
+    if args.d_model % args.n_head != 0:
+        parser.error("--d-model must be divisible by --n-head")
+    return args
+
+
+# ----------------------------------------------------------------------------- model
+
+class Encoder(nn.Module):
+    """Embeddings | n_layer pre-LayerNorm TransformerEncoderLayers | LayerNorm | linear head on [CLS]."""
+
+    def __init__(self, vocab_size, seq_len, d_model, n_head, n_layer, num_classes=NUM_CLASSES):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.layers = nn.ModuleList([
+            nn.TransformerEncoderLayer(d_model, n_head, dim_feedforward=4 * d_model, dropout=0.0,
+                                       activation="gelu", batch_first=True, norm_first=True)
+            for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def forward(self, idx):
+        """idx: (B, T) int64 token ids, idx[:, 0] == CLS. Returns logits (B, num_classes)."""
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)                 # (B, T, d_model)
+        for layer in self.layers:
+            x = layer(x)                                         # no padding, so no mask
+        return self.head(self.ln_f(x[:, 0]))                     # [CLS] pooling
+
+
+# ----------------------------------------------------------------------------- data
+
+def get_batch(batch_size, seq_len, vocab_size, generator):
+    """x (B, seq_len) int64: [CLS], fillers, one A and one B; y (B,) = 1 if A comes before B."""
+    x = torch.randint(FIRST_FILLER, vocab_size, (batch_size, seq_len), generator=generator)
+    x[:, 0] = CLS
+    # two distinct positions in 1..seq_len-1 per sequence: a random permutation's first two
+    positions = torch.rand(batch_size, seq_len - 1, generator=generator).argsort(dim=1)[:, :2] + 1
+    pos_a, pos_b = positions[:, 0], positions[:, 1]
+    rows = torch.arange(batch_size)
+    x[rows, pos_a] = TOKEN_A
+    x[rows, pos_b] = TOKEN_B
+    return x, (pos_a < pos_b).long()
+
+
+# ----------------------------------------------------------------------------- training
+
+def setup_distributed(threads):
+    """Join the torchrun process group (gloo) if there is one. Returns (rank, world_size, threads)."""
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend="gloo")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        assert rank == int(os.environ["RANK"]), "rank from the process group differs from $RANK"
+        assert world_size == int(os.environ["WORLD_SIZE"])
+    else:
+        rank, world_size = 0, 1
+    if threads is None:
+        threads = 1 if world_size > 1 else torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return rank, world_size, threads
+
+
+def build_optimizer(model, lr, weight_decay):
+    """AdamW with weight decay on matrices and embeddings only (not on biases or LayerNorms)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
+
+
+def wrap_for_data_parallel(model, opt, args):
+    """torch DDP (--ddp) or zero_ext.zeroify. Returns (model, opt)."""
+    if args.ddp:
+        assert dist.is_initialized(), "--ddp needs a process group: run under torchrun (--nproc_per_node=1 is fine)"
+        return DistributedDataParallel(model), opt
+    import zero_ext
+    return zero_ext.zeroify(model, opt, stage=args.stage)      # the one zero_ext line
+
+
+def model_state_bytes(model, opt, args):
+    """Model state this rank holds: zero_ext reports its own; for DDP sum parameters, gradients, AdamW moments."""
+    if not args.ddp:
+        return dict(opt.stats()["model_state_bytes"])
+    params = list(model.parameters())
+    state = {
+        "parameters": sum(p.numel() * p.element_size() for p in params),
+        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "master_weights": 0,
+        "optimizer_states": sum(t.numel() * t.element_size() for s in opt.state.values()
+                                for t in s.values() if torch.is_tensor(t) and t.dim() > 0),
+    }
+    state["total"] = sum(state.values())
+    return state
+
+
+@torch.no_grad()
+def evaluate(model, args):
+    """(loss, accuracy) on args.eval_size held-out sequences, the same on every rank and run."""
+    model.eval()
+    generator = torch.Generator().manual_seed(args.seed + 999_999)
+    x, y = get_batch(args.eval_size, args.seq_len, args.vocab_size, generator)
+    logits = model(x)
+    model.train()
+    return F.cross_entropy(logits, y).item(), (logits.argmax(dim=1) == y).float().mean().item()
+
+
+def train(args):
+    """Build, train, evaluate, report. Returns the summary dict on every rank."""
+    rank, world_size, threads = setup_distributed(args.threads)
+    is_master = rank == 0
+
+    def log(message):
+        if is_master:
+            print(message, flush=True)
+
+    torch.manual_seed(args.seed)                               # same initial weights on every rank
+    model = Encoder(args.vocab_size, args.seq_len, args.d_model, args.n_head, args.n_layer)
+    num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    opt = build_optimizer(model, args.lr, args.weight_decay)
+    model, opt = wrap_for_data_parallel(model, opt, args)
+    system = "ddp" if args.ddp else f"stage {args.stage}"
+    log(f"{system} | world size {world_size} | {threads} thread(s) per rank | {num_params:,} parameters | "
+        f"{args.batch_size * world_size} sequences per step | torch {torch.__version__}")
+
+    generator = torch.Generator().manual_seed(args.seed + 1000 * rank)   # this rank's own batches
+    steps = range(args.steps)
+    if is_master and tqdm is not None:
+        steps = tqdm(steps, desc=system, mininterval=1.0)
+    losses, accuracies, step_times = [], [], []
+    for step in steps:
+        x, y = get_batch(args.batch_size, args.seq_len, args.vocab_size, generator)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()                                        # gradients are reduced during backward
+        if args.grad_clip > 0:
+            if args.ddp:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            else:
+                opt.clip_grad_norm_(args.grad_clip)            # the global norm over all shards
+        opt.step()
+        step_times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        accuracies.append((logits.argmax(dim=1) == y).float().mean().item())
+        if is_master and tqdm is not None:
+            steps.set_postfix(loss=f"{losses[-1]:.4f}", acc=f"{accuracies[-1]:.2f}", refresh=False)
+        elif step % args.log_every == 0 or step == args.steps - 1:
+            log(f"step {step:5d} | loss {losses[-1]:.4f} | acc {accuracies[-1]:.2f} | "
+                f"{1000 * step_times[-1]:7.1f} ms")
+
+    eval_loss, eval_acc = evaluate(model, args)
+    state = model_state_bytes(model, opt, args)
+    state_per_rank = [state["total"]] * world_size
+    if dist.is_initialized():
+        dist.all_gather_object(state_per_rank, state["total"])
+    window = max(1, args.steps // 5)                           # smooth the noisy per-batch losses
+    summary = {
+        "system": system,
+        "stage": None if args.ddp else args.stage,
+        "world_size": world_size,
+        "num_params": num_params,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "losses": losses,                                      # rank 0's training loss per step
+        "initial_loss": statistics.mean(losses[:window]),      # mean of the first steps (~ln 2 = 0.69)
+        "final_loss": statistics.mean(losses[-window:]),       # mean of the last steps
+        "final_train_accuracy": statistics.mean(accuracies[-window:]),
+        "eval_loss": eval_loss,
+        "eval_accuracy": eval_acc,
+        "step_time_ms": 1000 * statistics.median(step_times),
+        "model_state_bytes": state,                            # rank 0
+        "model_state_bytes_per_rank": state_per_rank,
+        "zero_ext_stats": None if args.ddp else opt.stats(),
+    }
+    log(f"summary: {system} | final loss {summary['final_loss']:.4f} (initial {summary['initial_loss']:.4f}) | "
+        f"eval loss {eval_loss:.4f} | eval accuracy {eval_acc:.3f} | "
+        f"step {summary['step_time_ms']:.1f} ms | model-state bytes per rank {state_per_rank}")
+    if is_master and args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    train(args)
+    if dist.is_initialized():
+        dist.barrier()                                         # ranks leave together, after rank 0's JSON
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

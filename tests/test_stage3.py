@@ -1,0 +1,108 @@
+"""Stage 3 (parameters sharded, gathered per unit): parity with DDP on the GPT with
+a tied embedding/head, a model applying one module twice, a frozen embedding,
+activation checkpointing and a loop alternating training with generation and an
+inference pass in another module order; communication 2Ψ all-gather + Ψ
+reduce-scatter per step; memory 16Ψ/N with gather buffers bounded by the prefetch
+depth; the full state_dict gathered unit by unit."""
+import pytest
+
+from cases import Case, run_cases
+from dist_harness import run_world
+from test_parity import check
+
+UNITS = dict(unit_modules=["Linear", "Block"], min_unit_numel=0)
+
+
+def stage3_cases():
+    cases = []
+    for opt in ("adamw", "sgd"):
+        cases += [
+            Case(f"s3-gpt-tied-{opt}", model="gpt", optimizer=opt, stage=3, config=dict(UNITS)),
+            Case(f"s3-twice-{opt}", model="mlp_twice", optimizer=opt, stage=3, config=dict(UNITS)),
+            Case(f"s3-ckpt-{opt}", model="mlp_ckpt", optimizer=opt, stage=3, config=dict(UNITS)),
+        ]
+    cases += [
+        Case("s3-gpt-frozen-emb", model="gpt", stage=3, frozen=True, config=dict(UNITS)),
+        Case("s3-gpt-eval-loop", model="gpt", optimizer="sgd", stage=3, eval_every=4, config=dict(UNITS)),
+        Case("s3-gpt-auto-units", model="gpt", stage=3),
+        Case("s3-accum-groups", model="gpt", stage=3, accum=2, two_groups=True, scheduler=True, clip=0.05,
+             config=dict(UNITS, prefetch_depth=2)),
+        Case("s3-mlp-generic", model="mlp", optimizer="RMSprop", stage=3, config=dict(UNITS, fused="never")),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_stage3_parity_with_ddp(world):
+    cases = stage3_cases()
+    results = run_world(run_cases, world, cases, timeout_s=900)
+    for rank, res in enumerate(results):
+        for case in cases:
+            r = res[case.name]
+            name = f"world {world} rank {rank} {case.name}"
+            check(name, r, "sgd" if case.optimizer == "sgd" else "adamw")
+            s = r["stats"]
+            assert s["stage"] == 3 and s["num_units"] >= 2, name
+            if case.eval_every:
+                assert r["evals"] and max(r["evals"]) <= 1e-6, f"{name}: eval outputs differ: {r['evals']}"
+                assert s["out_of_order_fetches"] > 0, f"{name}: the reversed pass must be counted"
+            if world > 1 and case.accum == 1 and not case.eval_every:
+                psi, pad = r["psi"], s["padded_numel"] - s["num_params"]
+                comm, steps = s["comm"], case.steps
+                rs = comm["reduce_scatter"]["numel"] / steps
+                ag = comm["all_gather"]["numel"] / steps
+                assert psi <= rs <= psi + pad, f"{name}: reduce-scatter {rs}/step vs Ψ={psi}"
+                # forward + backward gathers: 2Ψ, less the root unit, which stays whole
+                assert 1.5 * psi <= ag <= 2 * (psi + pad), f"{name}: all-gather {ag}/step vs 2Ψ={2 * psi}"
+                assert comm["all_reduce"]["numel"] == 0
+
+
+def _memory_worker(rank, world, fake_world):
+    import torch
+    import torch.distributed as dist
+
+    import zero_ext
+    from cases import batch, build_model, loss_of
+
+    if fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
+    model = build_model("mlp_big")
+    psi = sum(p.numel() for p in model.parameters())
+    unit_numel = max(sum(p.numel() for p in m.parameters()) for m in model.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    zm, zo = zero_ext.zeroify(model, opt, stage=3, **UNITS)
+    for step in range(2):
+        x, y = batch("mlp_big", rank, step, 0)
+        loss_of("mlp_big", zm, x, y).backward()
+        zo.step()
+        zo.zero_grad()
+    sd = zm.state_dict()
+    full = build_model("mlp_big").state_dict()
+    same_keys = list(sd) == list(full) and all(sd[k].shape == full[k].shape for k in sd)
+    if fake_world:
+        dist.destroy_process_group()
+    return {"stats": zo.stats(), "psi": psi, "unit_numel": unit_numel, "same_keys": same_keys}
+
+
+def _check_memory(r, n):
+    s, psi = r["stats"], r["psi"]
+    msb = s["model_state_bytes"]
+    want = 16 * psi / n
+    assert abs(msb["total"] - want) <= 0.01 * want + 4 * 16 * 64 * s["num_units"], (msb, want)
+    buf = s["buffer_bytes"]
+    assert buf["gathered_params"] == 0, "everything is released after the step"
+    depth = 1
+    assert 0 < buf["peak_gathered_params"] <= (depth + 2) * (r["unit_numel"] + 64 * n) * 4, buf
+    assert r["same_keys"], "the gathered state_dict has the plain module's keys and shapes"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage3_memory_real_ranks(world):
+    for r in run_world(_memory_worker, world, None):
+        _check_memory(r, world)
+
+
+@pytest.mark.parametrize("n", [16, 256])
+def test_stage3_memory_fake_backend(n):
+    _check_memory(run_world(_memory_worker, 1, n, init_pg=False)[0], n)

@@ -1,0 +1,73 @@
+"""Stage 3 units: which module subtree each trainable parameter is gathered with.
+
+A unit is a module whose parameters are all-gathered together before its forward
+(and backward) and released after. Unit 0 is the root: parameters outside every
+unit, and parameters shared by two units or used outside their unit (tied
+weights), which stay gathered from the start of forward to the end of backward.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_unit_numel: int):
+    """Returns (unit id per parameter of `params`, unit modules with index 0 the model,
+    the modules other than the model that hold root-unit parameters directly).
+
+    unit_modules: class names (or classes) that form units; None = automatic:
+        walking down from the root, a child holding at most `unit_numel` trainable
+        elements (default: a quarter of them) becomes a unit, a larger one is split
+        into its children. Units under min_unit_numel elements join the root.
+    """
+    trainable = {id(p) for p in params}
+
+    def numel(m):
+        return sum(p.numel() for p in m.parameters() if id(p) in trainable)
+
+    total = sum(p.numel() for p in params)
+    cap = unit_numel if unit_numel is not None else max(total // 4, 1)
+    names = None
+    if unit_modules is not None:
+        names = {c if isinstance(c, str) else c.__name__ for c in unit_modules}
+
+    units = [model]
+
+    def visit(m):
+        for child in m.children():
+            n = numel(child)
+            if n == 0:
+                continue
+            if names is not None:
+                if type(child).__name__ in names:
+                    units.append(child)
+                else:
+                    visit(child)
+                continue
+            has_sub = any(numel(c) for c in child.children())
+            if n <= cap or not has_sub:
+                if n >= min_unit_numel:
+                    units.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    # Nearest unit ancestor of every module registration, then each parameter's
+    # owner; a parameter seen from two units goes to the root.
+    index = {id(m): k for k, m in enumerate(units)}
+    owner: dict[int, int] = {}
+
+    def walk(m, cur):
+        k = index.get(id(m), cur)
+        for p in m.parameters(recurse=False):
+            if id(p) in trainable:
+                owner[id(p)] = k if owner.get(id(p), k) == k else 0
+        for c in m.children():
+            walk(c, k)
+
+    walk(model, 0)
+    # Renumber so that unit ids are contiguous over units that own parameters.
+    used = sorted({owner[id(p)] for p in params} | {0})
+    renum = {old: new for new, old in enumerate(used)}
+    root_holders = [m for m in model.modules() if m is not model and any(
+        owner.get(id(p)) == 0 for p in m.parameters(recurse=False))]
+    return [renum[owner[id(p)]] for p in params], [units[k] for k in used], root_holders
