@@ -123,6 +123,7 @@ def test_cnn_two_ranks_stage2_matches_ddp(tmp_path):
     assert zero["world_size"] == 2 and ddp["world_size"] == 2
     assert_learned(zero, min_accuracy=0.5)
     assert zero["losses"] == pytest.approx(ddp["losses"], rel=1e-3, abs=1e-4)
+    assert zero["eval_loss"] == pytest.approx(ddp["eval_loss"], rel=1e-3)   # running stats as DDP's
     assert zero["eval_accuracy"] == pytest.approx(ddp["eval_accuracy"], abs=0.02)
     # SGD with momentum: DDP holds 12 bytes per parameter, stage 2 about 4 + 8/N.
     assert max(zero["model_state_bytes_per_rank"]) < 0.75 * min(ddp["model_state_bytes_per_rank"])

@@ -52,8 +52,11 @@ def test_stage3_parity_with_ddp(world):
                 rs = comm["reduce_scatter"]["numel"] / steps
                 ag = comm["all_gather"]["numel"] / steps
                 assert psi <= rs <= psi + pad, f"{name}: reduce-scatter {rs}/step vs Ψ={psi}"
-                # forward + backward gathers: 2Ψ, less the root unit, which stays whole
-                assert 1.5 * psi <= ag <= 2 * (psi + pad), f"{name}: all-gather {ag}/step vs 2Ψ={2 * psi}"
+                # forward + backward gathers: 2Ψ, less the root unit and the last unit,
+                # which stay whole; the first forward, before the unit sequence is
+                # learned, may gather a reused unit once more (at most Ψ in all)
+                ag_max = 2 * (psi + pad) + (psi + pad) / steps
+                assert 1.5 * psi <= ag <= ag_max, f"{name}: all-gather {ag}/step vs 2Ψ={2 * psi}"
                 assert comm["all_reduce"]["numel"] == 0
 
 

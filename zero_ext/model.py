@@ -202,8 +202,11 @@ class _UnitHooks:
                     t.register_hook(functools.partial(self._pre_backward, k))
         if _in_backward():                # recomputation keeps it for its backward
             return
-        if k not in self._upcoming(self.order, self.cursor, -1):   # not needed again at once
-            self.engine.release_unit(k)
+        if k in self._upcoming(self.order, self.cursor, -1):       # needed again at once
+            return
+        if torch.is_grad_enabled() and self.learned and self.cursor >= len(self.order):
+            return                        # the last unit of forward is the first of backward
+        self.engine.release_unit(k)
 
     def _pre_backward(self, k, grad):
         self.wrapper._begin_backward()
