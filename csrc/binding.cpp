@@ -85,6 +85,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::call_guard<py::gil_scoped_release>())
         .def("release_unit", &zx::Engine::release_unit, py::call_guard<py::gil_scoped_release>())
         .def("unit_gathered", &zx::Engine::unit_gathered)
+        .def("commit_unit", &zx::Engine::commit_unit, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("num_units", &zx::Engine::num_units)
         .def("mark_ready", &zx::Engine::mark_ready, py::call_guard<py::gil_scoped_release>())
         .def("finalize_backward", &zx::Engine::finalize_backward, py::call_guard<py::gil_scoped_release>())

@@ -603,6 +603,16 @@ void Engine::release_unit(int64_t u) {
     for (int64_t b : unit_buckets_[u]) release_bucket(buckets_[b]);
 }
 
+void Engine::commit_unit(int64_t u, int64_t src) {
+    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
+    for (int64_t b : unit_buckets_[u]) {
+        Bucket &bk = buckets_[b];
+        TORCH_CHECK(bk.gathered, "zero_ext: commit_unit needs unit ", u, " gathered");
+        broadcast_tensors({bk.flat_param}, src);
+        param_shard_.narrow(0, bk.shard_offset, bk.slice_numel).copy_(owned_slice(bk.flat_param, bk));
+    }
+}
+
 bool Engine::unit_gathered(int64_t u) const {
     for (int64_t b : unit_buckets_.at(u))
         if (!buckets_[b].gathered) return false;

@@ -107,6 +107,9 @@ public:
     bool gather_unit(int64_t u, bool wait);
     void release_unit(int64_t u);      // free the full parameters (storage resized to 0)
     bool unit_gathered(int64_t u) const;
+    // After the gathered unit u was edited on rank src (group rank): broadcast its
+    // buckets from src and write every rank's owned slice back into its shard.
+    void commit_unit(int64_t u, int64_t src);
     int64_t num_units() const { return (int64_t)unit_buckets_.size(); }
 
     // --- state ---

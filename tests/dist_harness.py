@@ -70,7 +70,9 @@ def run_world(fn, world_size: int, *args, timeout_s: float = 300, init_pg: bool 
             outs.append(torch.load(path, weights_only=False))
     if expect_errors:
         return outs
-    for r, o in enumerate(outs):
-        if not o["ok"]:
-            raise AssertionError(f"rank {r} failed: {o['error']}\n{o['trace']}")
+    failed = [(r, o) for r, o in enumerate(outs) if not o["ok"]]
+    if failed:
+        # a rank's own error first; "connection closed" on the others is its echo
+        failed.sort(key=lambda ro: "Connection closed" in ro[1]["error"])
+        raise AssertionError("\n".join(f"rank {r} failed: {o['error']}\n{o['trace']}" for r, o in failed))
     return [o["result"] for o in outs]

@@ -11,6 +11,7 @@ from torch import nn
 
 from . import _C
 from .config import ZeroConfig, make_config
+from .gather import OWNER_ATTR
 from .model import ZeroModel
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer
 from .units import assign_units
@@ -191,6 +192,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     wrapped = ZeroModel(model, engine, cfg, buffers, unit_modules, root_holders)
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
+        setattr(p, OWNER_ATTR, (wrapped, units[i] if units else 0))
     zopt = ZeroOptimizer(optimizer, engine, cfg, fused, fingerprint, pg)
     zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     zopt._units = wrapped._units

@@ -1,0 +1,72 @@
+"""zero_ext.gathered_parameters: read (or, with a modifier rank, edit) full
+parameters of a zeroified model, whatever the stage.
+
+    with zero_ext.gathered_parameters(model.module.head, modifier_rank=0):
+        if rank == 0:
+            model.module.head.weight.zero_()       # every rank sees this afterwards
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+# Set by zeroify on each parameter it manages: (ZeroModel, unit id).
+OWNER_ATTR = "_zero_ext_owner"
+
+
+@contextlib.contextmanager
+def gathered_parameters(params_or_module, modifier_rank: int | None = None):
+    """Inside the block the given parameters (a module's, or an iterable of them)
+    are whole on every rank. With modifier_rank=r (a rank of the model's process
+    group), what rank r wrote to them is broadcast to every rank and written back
+    into every rank's shard on exit. Without it they are read-only: an in-place
+    change (tracked by the parameters' version counters) raises on exit, and the
+    change is discarded in stage 3."""
+    if isinstance(params_or_module, nn.Module):
+        params = list(params_or_module.parameters())
+    elif isinstance(params_or_module, torch.Tensor):
+        params = [params_or_module]
+    else:
+        params = list(params_or_module)
+    owned = [(p, getattr(p, OWNER_ATTR)) for p in params if hasattr(p, OWNER_ATTR)]
+    # Frozen parameters are replicated whole on every rank: nothing to gather.
+    replicated = [p for p in params if not hasattr(p, OWNER_ATTR) and not p.requires_grad]
+    if len(owned) + len(replicated) != len(params) or not owned:
+        raise ValueError("zero_ext: gathered_parameters takes parameters of a model returned by zeroify() "
+                         "that its optimizer trains (or frozen ones beside them)")
+    wrappers = {id(o[0]): o[0] for _, o in owned}
+    if len(wrappers) != 1:
+        raise ValueError("zero_ext: gathered_parameters takes parameters of one zeroified model at a time")
+    wrapper = next(iter(wrappers.values()))
+    engine = wrapper._engine
+    world = engine.world_size
+    if modifier_rank is not None and not 0 <= modifier_rank < world:
+        raise ValueError(f"zero_ext: modifier_rank must be in [0, {world}), got {modifier_rank}")
+    stage3 = wrapper._units is not None
+    units = sorted({o[1] for _, o in owned}) if stage3 else []
+    engine.wait_params()
+    was_gathered = {u: engine.unit_gathered(u) for u in units}
+    for u in units:
+        engine.gather_unit(u, True)
+    versions = [p._version for p in params]
+    try:
+        yield params
+    finally:
+        changed = any(p._version != v for p, v in zip(params, versions))
+        if modifier_rank is not None:
+            with torch.no_grad():
+                if stage3:
+                    for u in units:
+                        engine.commit_unit(u, modifier_rank)
+                else:
+                    engine.broadcast_tensors([p.data for p, _ in owned], modifier_rank)
+                engine.broadcast_tensors([p.data for p in replicated], modifier_rank)
+        for u in units:
+            if not was_gathered[u]:
+                engine.release_unit(u)
+        if changed and modifier_rank is None:
+            raise RuntimeError("zero_ext: parameters were modified inside gathered_parameters() without a "
+                               "modifier_rank; they are read-only there (stage 3 discards the change). "
+                               "Pass modifier_rank=<rank whose edits to keep>")
