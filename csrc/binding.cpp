@@ -69,7 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("align", &zx::EngineOptions::align)
         .def_readwrite("alltoall_reduce_scatter", &zx::EngineOptions::alltoall_reduce_scatter)
         .def_readwrite("grad_ring_buckets", &zx::EngineOptions::grad_ring_buckets)
-        .def_readwrite("isa", &zx::EngineOptions::isa);
+        .def_readwrite("isa", &zx::EngineOptions::isa)
+        .def_readwrite("copy_params", &zx::EngineOptions::copy_params);
 
     py::class_<zx::Engine>(m, "Engine")
         .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> groups,

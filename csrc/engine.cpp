@@ -95,6 +95,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     const int64_t nb = zx_plan_num_buckets(plan_);
     buckets_.resize(nb);
+    if (s3) param_shard_ = at::zeros({shard_numel_}, f32);
     bucket_of_.assign(n, -1);
     offset_of_.assign(n, 0);
     grad_views_.resize(n);
@@ -112,7 +113,9 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         bk.pending = bi.num_params;
         bk.unit = bi.unit;
         bk.gathered = true;
-        bk.flat_param = at::zeros({bi.padded_numel}, f32);
+        // Stage 3 without values: never touch the pages (peak = shards + one unit).
+        bk.flat_param = s3 && !opts_.copy_params ? at::empty({bi.padded_numel}, f32)
+                                                 : at::zeros({bi.padded_numel}, f32);
         if (opts_.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, f32);
         max_padded_ = std::max(max_padded_, bi.padded_numel);
         for (int64_t k = 0; k < bi.num_params; k++) {
@@ -125,7 +128,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             offset_of_[i] = loc.offset;
             at::Tensor &p = params_[i];
             at::Tensor view = bk.flat_param.narrow(0, loc.offset, loc.numel).view(p.sizes());
-            {
+            if (opts_.copy_params) {
                 at::NoGradGuard ng;
                 view.copy_(p);
             }
@@ -139,31 +142,19 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                 p.mutable_grad() = at::Tensor();
             }
         }
-    }
-    if (opts_.stage >= 2) grad_shard_ = at::zeros({shard_numel_}, f32);
-    if (s3) {
-        // Keep only this rank's slices (Note [Stage 3 parameter lifetime]).
-        param_shard_ = at::zeros({shard_numel_}, f32);
-        for (int64_t b = 0; b < nb; b++) {
-            Bucket &bk = buckets_[b];
-            param_shard_.narrow(0, bk.shard_offset, bk.slice_numel).copy_(owned_slice(bk.flat_param, bk));
+        if (s3) {
+            // Keep only this rank's slice (Note [Stage 3 parameter lifetime]).
+            if (opts_.copy_params)
+                param_shard_.narrow(0, bk.shard_offset, bk.slice_numel).copy_(owned_slice(bk.flat_param, bk));
             if ((int64_t)unit_buckets_.size() <= bk.unit) unit_buckets_.resize(bk.unit + 1);
             unit_buckets_[bk.unit].push_back(b);
             gathered_bytes_ += bk.flat_param.nbytes();
             release_bucket(bk);
         }
-        peak_gathered_bytes_ = 0;
     }
-    const bool needs_slots = (opts_.stage >= 2) || (opts_.stage == 1 && world_ > 1);
-    if (needs_slots) {
-        const int64_t k = std::max<int64_t>(1, opts_.grad_ring_buckets);
-        for (int64_t s = 0; s < k; s++) {
-            Slot sl;
-            if (opts_.stage >= 2) sl.send = at::zeros({max_padded_}, f32);
-            if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / parts_}, f32);
-            slots_.push_back(std::move(sl));
-        }
-    }
+    if (s3) peak_gathered_bytes_ = 0;
+    // The gradient shard and the ring are allocated at the first backward
+    // (grad_shard_slice, acquire_slot), so building the model costs no more.
 }
 
 Engine::~Engine() {
@@ -184,7 +175,10 @@ at::Tensor Engine::owned_slice(const at::Tensor &flat, const Bucket &bk) const {
 }
 
 at::Tensor Engine::grad_shard_slice(const Bucket &bk) {
-    if (opts_.stage >= 2) return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+    if (opts_.stage >= 2) {
+        if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, at::TensorOptions().dtype(at::kFloat));
+        return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+    }
     return owned_slice(bk.flat_grad, bk);
 }
 
@@ -282,14 +276,16 @@ int64_t Engine::acquire_slot(int64_t b) {
             return s;
         }
     }
-    // All slots busy: finish the oldest launched reduction and take its slot.
-    if (!inflight_.empty()) {
+    // All slots busy: the ring grows to grad_ring_buckets first, then finishes
+    // the oldest launched reduction and takes its slot.
+    if ((int64_t)slots_.size() >= std::max<int64_t>(1, opts_.grad_ring_buckets) && !inflight_.empty()) {
         const int64_t done = inflight_.front().first;
         complete(done);
         return acquire_slot(b);
     }
-    // Every slot is held by a bucket still filling (gradients arrived out of
-    // bucket order): grow the ring by one; bounded by the number of buckets.
+    // Below its configured size, or every slot held by a bucket still filling
+    // (gradients arrived out of bucket order): grow the ring by one; bounded by
+    // the number of buckets.
     Slot sl;
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     if (opts_.stage >= 2) sl.send = at::zeros({max_padded_}, f32);

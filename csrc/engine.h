@@ -29,6 +29,8 @@ struct EngineOptions {
     bool alltoall_reduce_scatter = false;  // reduce-scatter = all-to-all + local sum (gloo)
     int64_t grad_ring_buckets = 2;     // stage 2: staging buffers in the ring
     std::string isa = "auto";          // kernel ISA: auto/scalar/avx2/avx512
+    bool copy_params = true;           // false: parameters hold no values yet (stage 3,
+                                       // materialized unit by unit afterwards)
 };
 
 // Cumulative counters of one collective kind. numel/bytes are the size of the

@@ -80,7 +80,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, init=True):
+        """init=False keeps only each layer's own default initialization (what a
+        model built on the meta device and materialized by zero_ext stage 3 replays
+        before its init_fn)."""
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)   # token embedding
@@ -94,6 +97,8 @@ class GPT(nn.Module):
 
         # Deterministic given torch.manual_seed: modules are initialised in
         # registration order. Residual projections get a smaller std (GPT-2 paper).
+        if not init:
+            return
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * config.n_layer)
         for block in self.blocks:

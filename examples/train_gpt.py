@@ -322,12 +322,14 @@ def train(args):
     log(f"communication per step: {comm_per_step:,.0f} bytes per rank ({comm_source}; "
         f"{', '.join(f'{k} {v:,.0f}' for k, v in comm_kinds_per_step.items())}) | "
         f"all ranks: loopback {wire_text}, written by the ranks {written_text}")
-    if is_master and args.sample_chars > 0:
+    if args.sample_chars > 0:
+        # Every rank generates the same sample: at stage 3 the module's forward gathers
+        # parameters, a collective that all ranks must join.
         start = torch.tensor([data.encode("\n")], dtype=torch.long)
         sample_generator = torch.Generator().manual_seed(args.seed)
         out = model.module.generate(start, args.sample_chars, generator=sample_generator)
         summary["sample"] = data.decode(out[0].tolist())
-        print("sample:\n" + summary["sample"], flush=True)
+        log("sample:\n" + summary["sample"])
     if is_master and args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=1))

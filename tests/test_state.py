@@ -129,3 +129,24 @@ def test_single_process_without_process_group():
     s = zo.stats()
     assert s["world_size"] == 1 and s["comm_bytes"] == 0
     assert "bucket" in zo.describe_plan()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_wrappers_are_freed(stage):
+    """No reference cycle through C++ keeps the engine (and so the process group's
+    buffers) alive after the user drops the model and optimizer."""
+    import gc
+    import weakref
+
+    import zero_ext
+    from cases import MLP
+
+    model = MLP()
+    zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters()), stage=stage,
+                              unit_modules=["Linear"] if stage == 3 else None)
+    zm(torch.randn(4, 13), torch.randn(4, 5)).backward()
+    zo.step()
+    refs = [weakref.ref(zm), weakref.ref(zo), weakref.ref(zo._engine)]
+    del zm, zo, model
+    gc.collect()
+    assert all(r() is None for r in refs), "zeroify's objects outlive their last user reference"

@@ -4,6 +4,7 @@ wrapper and the optimizer wrapper."""
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ from torch import nn
 from . import _C
 from .config import ZeroConfig, make_config
 from .gather import OWNER_ATTR
+from .materialize import initialize_by_unit, is_meta, replace_meta
 from .model import ZeroModel
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer
 from .units import assign_units
@@ -38,7 +40,7 @@ def _resolve_group(pg):
     return pg, pg.rank(), pg.size()
 
 
-def _inspect(model, optimizer, cfg: ZeroConfig):
+def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
     """Rank-local checks. Returns (trainable params, their group ids, frozen params,
     fused?, fingerprint text)."""
     if not isinstance(model, nn.Module):
@@ -86,8 +88,11 @@ def _inspect(model, optimizer, cfg: ZeroConfig):
     if len(devices) > 1:
         _fail(f"the model's parameters are on different device types {sorted(devices)}; move the "
               f"whole model to one device (model.to(device)) first")
+    if meta and cfg.stage != 3:
+        _fail(f"the model is on the meta device; building it sharded needs stage=3 (got stage={cfg.stage}), "
+              f"or build it on the CPU")
     for p in params:
-        if p.device.type != "cpu":
+        if p.device.type not in ("cpu", "meta"):
             _fail(f"parameter {names[id(p)]!r} is on {p.device}; this build of zero_ext runs on CPU "
                   f"(gloo); the CUDA engine is not built yet")
         if p.dtype != torch.float32:
@@ -141,12 +146,14 @@ def _broadcast_from_first(pg, tensors) -> None:
 
 
 def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | None = None,
-            config: ZeroConfig | dict | str | None = None, **options):
+            config: ZeroConfig | dict | str | None = None, init_fn=None, **options):
     """Wrap `model` and `optimizer` for ZeRO data parallelism; returns (model, optimizer).
 
     stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded),
         3 (+ parameters sharded, gathered per unit).
     config: a ZeroConfig, a dict or a JSON file path; **options override its fields.
+    init_fn: stage 3, a model built on the meta device: called on each module (in
+        model.apply order) to initialize it; default: module.reset_parameters().
     Every rank of the process group must call zeroify with the same model and options.
     """
     error = None
@@ -161,7 +168,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     fused, text = False, ""
     if error is None:
         try:
-            params, groups, frozen, fused, text = _inspect(model, optimizer, cfg)
+            meta = isinstance(model, nn.Module) and is_meta(model)
+            params, groups, frozen, fused, text = _inspect(model, optimizer, cfg, meta)
         except (ValueError, TypeError) as e:
             error = e
     fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
@@ -181,18 +189,28 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         cfg.reduce_scatter == "auto" and backend == "gloo")
     opts.grad_ring_buckets = cfg.grad_ring_buckets
     opts.isa = cfg.isa
-    if world > 1:
+    meta = is_meta(model)
+    if meta:
+        replace_meta(model, optimizer)           # untouched CPU storage, same ties
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        opts.copy_params = False
+    elif world > 1:
         _broadcast_from_first(pg, list(model.parameters()) + list(model.buffers()))
     units, unit_modules, root_holders = [], [model], []
     if cfg.stage == 3:
         units, unit_modules, root_holders = assign_units(model, params, cfg.unit_modules, cfg.unit_numel, cfg.min_unit_numel)
     engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)
+    if meta:
+        initialize_by_unit(model, engine, {id(p): u for p, u in zip(params, units)}, init_fn)
+        if world > 1:
+            _broadcast_from_first(pg, frozen + list(model.buffers()))
 
     buffers = [b for b in model.buffers() if b.numel() > 0]
     wrapped = ZeroModel(model, engine, cfg, buffers, unit_modules, root_holders)
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
-        setattr(p, OWNER_ATTR, (wrapped, units[i] if units else 0))
+        setattr(p, OWNER_ATTR, (weakref.ref(wrapped), units[i] if units else 0))
     zopt = ZeroOptimizer(optimizer, engine, cfg, fused, fingerprint, pg)
     zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     zopt._units = wrapped._units

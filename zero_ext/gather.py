@@ -12,7 +12,8 @@ import contextlib
 import torch
 from torch import nn
 
-# Set by zeroify on each parameter it manages: (ZeroModel, unit id).
+# Set by zeroify on each parameter it manages: (weakref to the ZeroModel, unit id)
+# (weak: Note [No cycles through C++] in model.py).
 OWNER_ATTR = "_zero_ext_owner"
 
 
@@ -36,6 +37,9 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
     if len(owned) + len(replicated) != len(params) or not owned:
         raise ValueError("zero_ext: gathered_parameters takes parameters of a model returned by zeroify() "
                          "that its optimizer trains (or frozen ones beside them)")
+    owned = [(p, (o[0](), o[1])) for p, o in owned]
+    if any(o[0] is None for _, o in owned):
+        raise ValueError("zero_ext: the zeroified model these parameters belonged to no longer exists")
     wrappers = {id(o[0]): o[0] for _, o in owned}
     if len(wrappers) != 1:
         raise ValueError("zero_ext: gathered_parameters takes parameters of one zeroified model at a time")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -64,13 +65,19 @@ class ZeroModel(nn.Module):
         self._engine.wait_params()
         return self.module.load_state_dict(state_dict, strict=strict)
 
-    # Autograd hook plumbing (kept here so the closure holds no optimizer).
+    # Autograd hook plumbing. Note [No cycles through C++]: the engine holds the
+    # parameters in C++, and the hooks live on the parameters, so a hook that
+    # held the wrapper (or the engine) strongly would form a cycle Python's GC
+    # cannot see, keeping the engine and its process group alive past
+    # destroy_process_group(). Hooks hold a weak reference instead.
     def _grad_hook(self, index: int):
-        engine = self._engine
+        ref = weakref.ref(self)
 
         def hook(param: torch.Tensor) -> None:
-            self._begin_backward()
-            engine.mark_ready(index)
+            wrapper = ref()
+            if wrapper is not None:
+                wrapper._begin_backward()
+                wrapper._engine.mark_ready(index)
 
         return hook
 
