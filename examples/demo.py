@@ -89,7 +89,7 @@ def format_bytes(n):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stages", nargs="+", default=["ddp", "0", "2"], choices=SYSTEMS,
+    parser.add_argument("--stages", nargs="+", default=["ddp", "0", "2", "3"], choices=SYSTEMS,
                         help="columns, in order: 'ddp' (torch DDP + AdamW; ddp-fused: fused AdamW) "
                              "and/or zero_ext stages")
     parser.add_argument("--steps", type=int, default=200)

@@ -181,7 +181,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
 
     opts = _C.EngineOptions()
     opts.stage = cfg.stage
-    opts.bucket_bytes = cfg.bucket_bytes
+    opts.bucket_bytes = cfg.resolved_bucket_bytes(sum(p.numel() * p.element_size() for p in params))
     opts.first_bucket_bytes = cfg.first_bucket_bytes
     opts.align = cfg.resolved_align(world)
     backend = dist.get_backend(pg) if pg is not None else "none"

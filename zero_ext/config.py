@@ -26,7 +26,9 @@ class ZeroConfig:
         3 (+ parameters sharded, gathered per unit on demand).
     process_group: the torch.distributed group to shard over; None = the default
         group if one is initialized, else a single process (world size 1).
-    bucket_bytes: gradient/parameter bucket size in bytes.
+    bucket_bytes: gradient/parameter bucket size in bytes; "auto" = an eighth of the
+        trainable bytes, clamped to [1 MiB, 16 MiB] (the stage 1-2 ring holds two
+        buckets' worth of staging and receive buffers, so small models get small ones).
     first_bucket_bytes: size of the first bucket (small, so communication starts early).
     align: slice alignment in elements (each bucket is padded to world_size*align);
         "auto" = 16 (64-byte slices) up to 64 ranks, 1 beyond, so that padding stays
@@ -54,7 +56,7 @@ class ZeroConfig:
 
     stage: int = 2
     process_group: Any = None
-    bucket_bytes: int = 16 << 20
+    bucket_bytes: int | str = "auto"
     first_bucket_bytes: int = 1 << 20
     align: int | str = "auto"
     reduce_scatter: str = "auto"
@@ -92,6 +94,11 @@ class ZeroConfig:
             raise ValueError(f"zero_ext: config file {path!r} is not valid JSON: {e}") from None
         return cls.from_dict(d)
 
+    def resolved_bucket_bytes(self, trainable_bytes: int) -> int:
+        if self.bucket_bytes == "auto":
+            return min(16 << 20, max(1 << 20, trainable_bytes // 8))
+        return self.bucket_bytes
+
     def resolved_align(self, world_size: int) -> int:
         if self.align == "auto":
             return 16 if world_size <= 64 else 1
@@ -127,7 +134,8 @@ class ZeroConfig:
 
         integer("stage", 0)
         need(self.stage <= 3, f"stage must be 0, 1, 2 or 3, got {self.stage}")
-        integer("bucket_bytes", 1024)
+        if self.bucket_bytes != "auto":
+            integer("bucket_bytes", 1024)
         integer("first_bucket_bytes", 1024)
         if self.align != "auto":
             integer("align", 1)
