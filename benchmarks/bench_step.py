@@ -1,4 +1,4 @@
-"""Training-step benchmark: zero_ext stages 0-2 against torch DDP, 2 gloo ranks, tiny GPT.
+"""Training-step benchmark: zero_ext stages 0-3 against torch DDP and FSDP2, 2 gloo ranks, tiny GPT.
 
     python benchmarks/bench_step.py              # 5 repetitions, 60 steps per job
     python benchmarks/bench_step.py --quick      # 3 repetitions, 30 steps per job
@@ -6,17 +6,26 @@
 
 Every job is `torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --json ...`
 with the GPT of train_gpt.py's defaults (same seed, data, 1 thread per rank). Jobs are
-interleaved, one per system per repetition (ddp 0 1 2 ddp 0 1 2 ...), and each job
-reports its own median step time over the steps after warmup; the ratio to DDP is taken
-within a repetition, then the median (min/max) over repetitions is printed.
-Also reported: model-state bytes per rank (opt.stats(); summed tensors for DDP), bytes
-communicated per step per rank (zero_ext's counters, all-reduce counted twice; DDP:
-theory 2 x 4 bytes x params), the bytes sent on the loopback interface per step by all
+interleaved, one per system per repetition (ddp 0 1 2 3 fsdp2 ddp 0 ...), and each job
+reports its own median step time over the steps after warmup; the ratios to DDP and to
+FSDP2 are taken within a repetition, then the median (min/max) over repetitions is printed.
+FSDP2 is torch's fully_shard (train_gpt.py --fsdp2: each Block, then the root, on a CPU
+device mesh, SUM reduction forced and divided by the world size, torch.optim.AdamW on the
+DTensor shards). Should it fail to run (a torch without gloo support for it), its row
+and JSON entry say "did not run: <reason>" and the other systems are still measured.
+Also reported: model-state bytes per rank (opt.stats(); summed tensors for DDP, summed
+local DTensor shards of parameters, gradients and AdamW states for FSDP2), the peak
+resident set size per rank (VmHWM from /proc/self/status at the end of each job: the
+whole process, interpreter and data included; the largest rank, median over
+repetitions), bytes communicated per step per rank (zero_ext's counters, all-reduce
+counted twice; DDP: theory 2 x 4 bytes x params; FSDP2 has no counters: the bytes its
+ranks wrote, below, divided by N - 1, the same convention), the bytes sent on the loopback interface per step by all
 ranks (/proc/net/dev, read by rank 0 between barriers around the timed steps; other
 programs' loopback traffic only adds, so the minimum over repetitions is shown) and the
 bytes the ranks wrote per step (/proc/self/io wchar summed over ranks: gloo's socket
 writes, not disturbed by other programs).
-Targets: stage 1/2 step time <= 1.05x DDP; bytes per step on the wire <= DDP's.
+Targets: stage 1/2 step time <= 1.05x DDP; bytes per step on the wire <= DDP's;
+stage 3 step time <= 1.3x DDP and <= 1.0x FSDP2.
 Timings drift on a shared machine: run it when nothing else is busy.
 Writes benchmarks/results/bench_step.json.
 """
@@ -24,7 +33,9 @@ Writes benchmarks/results/bench_step.json.
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +46,9 @@ from demo import SYSTEMS, format_bytes, format_table, run_train_gpt, system_args
 
 RESULTS = REPO / "benchmarks" / "results" / "bench_step.json"
 STEP_TIME_TARGET = 1.05          # stage 1/2 median step time / DDP's
+STAGE3_VS_DDP_TARGET = 1.3       # stage 3 median step time / DDP's
+STAGE3_VS_FSDP2_TARGET = 1.0     # stage 3 median step time / FSDP2's
+OPTIONAL_SYSTEMS = {"fsdp2"}     # peers that may not run on this torch/backend: reported, not fatal
 WIRE_TOLERANCE = 1.01            # loopback bytes / DDP's; 1% for gloo/TCP control traffic
 
 
@@ -53,11 +67,27 @@ def spread(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def failure_reason(output):
+    """The most telling line of a failed job's output: a rank's last exception (not torchrun's
+    ChildFailedError wrapper), else the last line."""
+    lines = [line.strip() for line in (output or "").splitlines() if line.strip()]
+    for line in reversed(lines):
+        match = re.search(r"([A-Za-z_][\w.]*(?:Error|Exception)): (.*)", line)
+        if match and not match.group(1).endswith("ChildFailedError"):
+            return f"{match.group(1)}: {match.group(2)}"[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def median_known(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", nargs="+", default=["ddp", "0", "1", "2"], choices=SYSTEMS,
+    parser.add_argument("--systems", nargs="+", default=["ddp", "0", "1", "2", "3", "fsdp2"], choices=SYSTEMS,
                         help="'ddp' (the baseline, always needed), 'ddp-foreach'/'ddp-fused' (DDP with that "
-                             "torch AdamW), zero_ext stages")
+                             "torch AdamW), 'fsdp2' (torch fully_shard), zero_ext stages")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60, help="steps per job, including --warmup")
     parser.add_argument("--warmup", type=int, default=10)
@@ -73,11 +103,21 @@ def main():
 
     load_before = os.getloadavg()[0]         # 1-minute load average: > 0.5 means someone else is busy
     runs = {system: [] for system in args.systems}
+    did_not_run = {}                         # system -> reason, for OPTIONAL_SYSTEMS that failed
     with tempfile.TemporaryDirectory(prefix="zero_ext_bench_") as tmp:
         for rep in range(args.reps):
             for system in args.systems:
-                summary = run_train_gpt(system_args(system) + job_args, Path(tmp) / f"{system}_{rep}.json",
-                                        capture=True)
+                if system in did_not_run:
+                    continue
+                try:
+                    summary = run_train_gpt(system_args(system) + job_args, Path(tmp) / f"{system}_{rep}.json",
+                                            capture=True)
+                except subprocess.CalledProcessError as error:
+                    if system not in OPTIONAL_SYSTEMS:
+                        raise
+                    did_not_run[system] = failure_reason(error.output)
+                    print(f"rep {rep} {system:>9}: did not run: {did_not_run[system]}", flush=True)
+                    continue
                 summary.pop("losses")
                 runs[system].append(summary)
                 print(f"rep {rep} {system:>9}: median step {summary['step_time_ms']['median']:7.2f} ms | "
@@ -85,20 +125,33 @@ def main():
                       f"written {format_bytes(summary['written_bytes_per_step'])}/step", flush=True)
 
     ddp_ms = [r["step_time_ms"]["median"] for r in runs["ddp"]]
+    fsdp2_ms = None if "fsdp2" in did_not_run else [r["step_time_ms"]["median"] for r in runs.get("fsdp2", [])] or None
     ddp_wire = min(r["wire_bytes_per_step"] for r in runs["ddp"])
     ddp_written = statistics.median(r["written_bytes_per_step"] for r in runs["ddp"])
     results = {}
     for system, system_runs in runs.items():
+        if system in did_not_run:
+            results[system] = {"did_not_run": did_not_run[system],
+                               "command": "torchrun --standalone --nproc_per_node=2 examples/train_gpt.py "
+                                          + " ".join(system_args(system) + job_args)}
+            continue
         ms = [r["step_time_ms"]["median"] for r in system_runs]
         wire = min(r["wire_bytes_per_step"] for r in system_runs)
         written = statistics.median(r["written_bytes_per_step"] for r in system_runs)
+        peak_rss = [None if None in r["peak_rss_bytes_per_rank"] else max(r["peak_rss_bytes_per_rank"])
+                    for r in system_runs]
         results[system] = {
             "step_time_ms": spread(ms),
             "ratio_vs_ddp": spread([m / d for m, d in zip(ms, ddp_ms)]),
+            # same repetition's FSDP2 job; None where FSDP2 was not in --systems or did not run
+            "ratio_vs_fsdp2": spread([m / f for m, f in zip(ms, fsdp2_ms)]) if fsdp2_ms else None,
             "model_state_bytes_per_rank": system_runs[0]["model_state_bytes_per_rank"],
             "model_state_bytes": system_runs[0]["model_state_bytes"],
             "buffer_bytes": system_runs[0]["buffer_bytes"],
-            "comm_bytes_per_step": statistics.median(r["comm_bytes_per_step"] for r in system_runs),
+            # VmHWM (/proc/self/status) at the end of the job, largest rank; median over repetitions
+            "peak_rss_bytes_per_rank": median_known(peak_rss),
+            "peak_rss_source": "VmHWM of /proc/self/status at the end of the job, max over ranks, median over reps",
+            "comm_bytes_per_step": median_known(r["comm_bytes_per_step"] for r in system_runs),
             "comm_bytes_per_step_by_kind": system_runs[0]["comm_bytes_per_step_by_kind"],
             "comm_source": system_runs[0]["comm_source"],
             "wire_bytes_per_step": wire,                     # min over reps
@@ -111,18 +164,28 @@ def main():
 
     load_after = os.getloadavg()[0]
     first = runs["ddp"][0]
-    header = ["system", "step ms (median)", "vs DDP median [min, max]", "model state/rank", "buffers/rank",
-              "comm/step/rank", "loopback/step", "vs DDP", "written/step", "vs DDP"]
+    header = ["system", "step ms (median)", "vs DDP median [min, max]", "vs FSDP2 median [min, max]",
+              "model state/rank", "buffers/rank", "peak RSS/rank", "comm/step/rank", "loopback/step", "vs DDP",
+              "written/step", "vs DDP"]
+
+    def ratio_text(ratio):
+        return "n/a" if ratio is None else f"{ratio['median']:.3f}x [{ratio['min']:.3f}, {ratio['max']:.3f}]"
+
     rows = []
     for system, r in results.items():
-        ratio = r["ratio_vs_ddp"]
+        if "did_not_run" in r:
+            rows.append([system_label(system), "did not run"] + ["-"] * (len(header) - 2))
+            continue
         rows.append([
             system_label(system),
             f"{r['step_time_ms']['median']:.2f}",
-            f"{ratio['median']:.3f}x [{ratio['min']:.3f}, {ratio['max']:.3f}]",
+            ratio_text(r["ratio_vs_ddp"]),
+            ratio_text(r["ratio_vs_fsdp2"]),
             format_bytes(max(r["model_state_bytes_per_rank"])),
             format_bytes(r["buffer_bytes"]),
-            format_bytes(r["comm_bytes_per_step"]) + (" (theory)" if r["comm_source"] == "theory" else ""),
+            format_bytes(r["peak_rss_bytes_per_rank"]),
+            format_bytes(r["comm_bytes_per_step"])
+            + {"theory": " (theory)", "written": " (written)"}.get(r["comm_source"], ""),
             format_bytes(r["wire_bytes_per_step"]),
             f"{r['wire_ratio_vs_ddp']:.3f}x",
             format_bytes(r["written_bytes_per_step"]),
@@ -133,8 +196,14 @@ def main():
           f"{first['tokens_per_step']:,} tokens/step | {args.reps} reps x {args.steps - args.warmup} timed steps | "
           f"load average {load_before:.1f} before, {load_after:.1f} after")
     print(format_table(header, rows))
+    for system, reason in did_not_run.items():
+        print(f"{system_label(system)}: did not run: {reason}")
+    print("model state: parameters + gradients + master weights + optimizer states held by the rank between steps "
+          "(FSDP2: local DTensor shards); peak RSS: VmHWM of the whole rank process at the end of the job;\n"
+          "comm/step/rank: zero_ext's counters, DDP's all-reduce in theory, FSDP2's bytes written / (ranks - 1); "
+          "loopback and written: all ranks together.")
     for system in ("1", "2"):
-        if system in results:
+        if system in results and "did_not_run" not in results[system]:
             r = results[system]
             step_ok = r["ratio_vs_ddp"]["median"] <= STEP_TIME_TARGET
             wire_ok = max(r["wire_ratio_vs_ddp"], r["written_ratio_vs_ddp"]) <= WIRE_TOLERANCE
@@ -142,6 +211,19 @@ def main():
                   f"(target <= {STEP_TIME_TARGET}x: {'met' if step_ok else 'MISSED'}); bytes on the wire "
                   f"{r['wire_ratio_vs_ddp']:.3f}x (loopback), {r['written_ratio_vs_ddp']:.3f}x (written) DDP's "
                   f"(target <= DDP, {WIRE_TOLERANCE}x tolerance: {'met' if wire_ok else 'MISSED'})")
+    if "3" in results:
+        r = results["3"]
+        vs_ddp = r["ratio_vs_ddp"]["median"]
+        text = (f"stage 3: step time {vs_ddp:.3f}x DDP (target <= {STAGE3_VS_DDP_TARGET}x: "
+                f"{'met' if vs_ddp <= STAGE3_VS_DDP_TARGET else 'MISSED'}); ")
+        if r["ratio_vs_fsdp2"] is not None:
+            vs_fsdp2 = r["ratio_vs_fsdp2"]["median"]
+            text += (f"{vs_fsdp2:.3f}x FSDP2 (target <= {STAGE3_VS_FSDP2_TARGET}x: "
+                     f"{'met' if vs_fsdp2 <= STAGE3_VS_FSDP2_TARGET else 'MISSED'})")
+        else:
+            text += "vs FSDP2: n/a (" + (f"FSDP2 did not run: {did_not_run['fsdp2']}" if "fsdp2" in did_not_run
+                                         else "fsdp2 not in --systems") + ")"
+        print(text)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
@@ -157,7 +239,9 @@ def main():
         "warmup": args.warmup,
         "load_average": {"before": load_before, "after": load_after},
         "train_args": job_args,
-        "targets": {"step_time_vs_ddp": STEP_TIME_TARGET, "wire_vs_ddp": WIRE_TOLERANCE},
+        "targets": {"step_time_vs_ddp": STEP_TIME_TARGET, "wire_vs_ddp": WIRE_TOLERANCE,
+                    "stage3_step_time_vs_ddp": STAGE3_VS_DDP_TARGET,
+                    "stage3_step_time_vs_fsdp2": STAGE3_VS_FSDP2_TARGET},
         "systems": results,
     }, indent=1))
     print(f"wrote {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}")

@@ -28,7 +28,8 @@ def run_train_gpt(script_args, json_path, nproc=2, capture=False):
     """Run train_gpt.py under torchrun with nproc gloo ranks; return the summary it writes to json_path.
 
     capture=True keeps the job's output unless it fails (then it is printed and
-    CalledProcessError raised); otherwise the output streams to the terminal.
+    CalledProcessError raised, the output in its .output); otherwise the output streams
+    to the terminal.
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(TRAIN_GPT), *script_args, "--json", str(json_path)]
@@ -39,13 +40,13 @@ def run_train_gpt(script_args, json_path, nproc=2, capture=False):
     if result.returncode != 0:
         if capture:
             print(result.stdout)
-        raise subprocess.CalledProcessError(result.returncode, command)
+        raise subprocess.CalledProcessError(result.returncode, command, output=result.stdout)
     return json.loads(Path(json_path).read_text())
 
 
 # Column names: torch DDP with torch.optim.AdamW (default, foreach or fused
-# implementation) or a zero_ext stage.
-SYSTEMS = ["ddp", "ddp-foreach", "ddp-fused", "0", "1", "2", "3"]
+# implementation), torch FSDP2 (fully_shard) with torch.optim.AdamW, or a zero_ext stage.
+SYSTEMS = ["ddp", "ddp-foreach", "ddp-fused", "fsdp2", "0", "1", "2", "3"]
 
 
 def system_args(system):
@@ -54,6 +55,8 @@ def system_args(system):
         return ["--ddp"]
     if system.startswith("ddp-"):
         return ["--ddp", "--adamw", system[len("ddp-"):]]
+    if system == "fsdp2":
+        return ["--fsdp2"]
     return ["--stage", system]
 
 
@@ -62,6 +65,8 @@ def system_label(system):
         return "DDP"
     if system.startswith("ddp-"):
         return f"DDP ({system[len('ddp-'):]} AdamW)"
+    if system == "fsdp2":
+        return "FSDP2"
     return f"stage {system}"
 
 
@@ -87,11 +92,16 @@ def format_bytes(n):
         n /= 1024
 
 
+def max_known(values):
+    """The largest of values, or None when any is unknown (None) or there are none."""
+    return None if not values or None in values else max(values)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", nargs="+", default=["ddp", "0", "2", "3"], choices=SYSTEMS,
-                        help="columns, in order: 'ddp' (torch DDP + AdamW; ddp-fused: fused AdamW) "
-                             "and/or zero_ext stages")
+                        help="columns, in order: 'ddp' (torch DDP + AdamW; ddp-fused: fused AdamW), "
+                             "'fsdp2' (torch fully_shard + AdamW) and/or zero_ext stages")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
@@ -115,8 +125,10 @@ def main():
         ["tokens/s"] + [f"{s['tokens_per_s']:.0f}" for s in summaries.values()],
         ["model-state bytes / rank"] + [format_bytes(max(s["model_state_bytes_per_rank"])) for s in summaries.values()],
         ["buffer bytes / rank"] + [format_bytes(s["buffer_bytes"]) for s in summaries.values()],
+        ["peak RSS / rank (VmHWM)"] + [format_bytes(max_known(s.get("peak_rss_bytes_per_rank", [])))
+                                       for s in summaries.values()],
         ["comm bytes / step / rank"] + [format_bytes(s["comm_bytes_per_step"]) +
-                                        (" (theory)" if s["comm_source"] == "theory" else "")
+                                        ({"theory": " (theory)", "written": " (written)"}.get(s["comm_source"], ""))
                                         for s in summaries.values()],
         ["loopback bytes / step"] + [format_bytes(s["wire_bytes_per_step"]) for s in summaries.values()],
         ["bytes written / step"] + [format_bytes(s["written_bytes_per_step"]) for s in summaries.values()],
@@ -127,8 +139,10 @@ def main():
     print(format_table(["metric"] + list(summaries), rows))
     print("model-state bytes: parameters + gradients + master weights + optimizer states (DESIGN.md section 6);\n"
           "comm bytes: zero_ext's counters per rank, all-reduce counted twice (ring-cost equivalent);\n"
+          "  DDP: theory; FSDP2: bytes written by all ranks / (ranks - 1), the same convention;\n"
           "loopback bytes: all ranks, /proc/net/dev (includes other programs' loopback traffic);\n"
-          "bytes written: all ranks, /proc/self/io (gloo's socket writes, plus a few log lines).")
+          "bytes written: all ranks, /proc/self/io (gloo's socket writes, plus a few log lines);\n"
+          "peak RSS: VmHWM of /proc/self/status at the end of the run (the whole process).")
 
 
 if __name__ == "__main__":

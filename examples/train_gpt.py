@@ -2,11 +2,19 @@
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --stage 2
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --ddp    # baseline
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp2  # torch FSDP2 peer
     python examples/train_gpt.py --stage 2 --steps 50                       # one process
 
 --stage 0 has plain DDP semantics (nothing partitioned), 1 partitions the optimizer
 states, 2 also the gradients. --ddp runs torch's DistributedDataParallel with the same
 torch.optim.AdamW instead of zero_ext, as the baseline; --stage is then ignored.
+--fsdp2 runs torch FSDP2 (torch.distributed.fsdp.fully_shard) with the same AdamW on
+the DTensor parameters: a CPU device mesh over all ranks, each Block sharded, then the
+root. The reduction is pinned, not left to the backend (gloo has lacked AVG, and FSDP2
+on gloo has summed instead of averaging in some torch versions; 2.13's default does
+average): SUM only on the comms (set_force_sum_reduction_for_comms), then a division by
+the world size (set_gradient_divide_factor), the same mean gradient as DDP's; the
+per-step losses match --ddp's to ~5e-7.
 Every rank draws its own batches from a generator seeded with seed + 1000 * rank, so
 two runs with the same flags see exactly the same data.
 
@@ -17,7 +25,9 @@ the step times on rank 0, zero_ext's own collective counters (opt.stats()), the 
 sent on the loopback interface (/proc/net/dev; gloo on one host, so this is the wire
 traffic of all ranks, plus that of anything else running on the machine), and the
 bytes the rank processes wrote (/proc/self/io wchar, summed over ranks: gloo's socket
-writes, immune to other processes' traffic).
+writes, immune to other processes' traffic). At the end every rank reads its peak
+resident set size (VmHWM in /proc/self/status: the whole process, interpreter, torch
+and data included, not just the model state) into "peak_rss_bytes_per_rank".
 """
 
 import argparse
@@ -41,6 +51,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage (default 2)")
     parser.add_argument("--ddp", action="store_true", help="baseline: torch DDP + the same AdamW, no zero_ext")
+    parser.add_argument("--fsdp2", action="store_true",
+                        help="peer: torch FSDP2 (fully_shard per Block, then the root; CPU mesh, SUM reduction "
+                             "divided by the world size) + the same AdamW, no zero_ext")
     parser.add_argument("--zero-config", type=json.loads, default={},
                         help='extra zeroify options as JSON, e.g. \'{"reduce_scatter": "native"}\'')
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
@@ -72,6 +85,8 @@ def parse_args(argv=None):
         parser.error(f"--dtype {args.dtype} is not supported yet: train_gpt.py runs fp32 only (drop the flag)")
     if args.accum < 1 or args.steps < 1:
         parser.error("--accum and --steps must be >= 1")
+    if args.ddp and args.fsdp2:
+        parser.error("--ddp and --fsdp2 are exclusive")
     return args
 
 
@@ -105,11 +120,38 @@ def build_optimizer(model, lr, weight_decay, adamw_impl):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **impl)
 
 
+def shard_fsdp2(model):
+    """torch FSDP2: fully_shard each Block, then the root, on a CPU mesh over all ranks.
+
+    Must run before the optimizer is built (the parameters become DTensors). The
+    reduction is pinned rather than left to the backend's AVG (which gloo has lacked):
+    FSDP2 is told to use SUM only and to divide the gradients by the world size itself,
+    so the reduced gradient is the mean over ranks, as DDP's.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # Both setters apply to every FSDP module's parameter groups, so each module is set.
+    for module in model.modules():
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(float(world_size))
+    return model
+
+
 def wrap_for_data_parallel(model, opt, args):
-    """torch DDP (--ddp) or zero_ext.zeroify. Returns (model, opt)."""
+    """torch DDP (--ddp), FSDP2 (--fsdp2: already sharded, see shard_fsdp2) or zero_ext.zeroify.
+    Returns (model, opt)."""
     if args.ddp:
         assert dist.is_initialized(), "--ddp needs a process group: run under torchrun (--nproc_per_node=1 is fine)"
         return DistributedDataParallel(model), opt
+    if args.fsdp2:
+        return model, opt
     import zero_ext
     return zero_ext.zeroify(model, opt, stage=args.stage, **args.zero_config)
 
@@ -128,12 +170,17 @@ def train_step(model, opt, data, args, generator, lr):
     for micro in range(args.accum):
         x, y = data.get_batch("train", args.batch_size, args.block_size, generator)
         is_last = micro == args.accum - 1
-        with contextlib.nullcontext() if is_last else model.no_sync():   # sync only on the last
+        if args.fsdp2:                     # FSDP2 has no no_sync(): gradient sync is a module flag
+            model.set_requires_gradient_sync(is_last)
+            sync_context = contextlib.nullcontext()
+        else:
+            sync_context = contextlib.nullcontext() if is_last else model.no_sync()   # sync only on the last
+        with sync_context:
             _, loss = model(x, y)
             (loss / args.accum).backward()
         loss_sum += loss.item()
     if args.grad_clip > 0:
-        if args.ddp:
+        if args.ddp or args.fsdp2:         # torch's clip handles FSDP2's DTensor gradients
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         else:
             opt.clip_grad_norm_(args.grad_clip)
@@ -183,9 +230,22 @@ def process_write_bytes():
     return None
 
 
+def peak_rss_bytes():
+    """This process's peak resident set size (VmHWM in /proc/self/status), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * {"kB": 1024}.get(unit, 1)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def comm_counters(opt, args):
-    """zero_ext's cumulative collective counters: (total bytes, {kind: bytes}); (None, {}) for --ddp."""
-    if args.ddp:
+    """zero_ext's cumulative collective counters: (total bytes, {kind: bytes}); (None, {}) for --ddp/--fsdp2."""
+    if args.ddp or args.fsdp2:
         return None, {}
     stats = opt.stats()
     return stats["comm_bytes"], {kind: c["bytes"] for kind, c in stats["comm"].items()}
@@ -198,19 +258,33 @@ def memory_report(model, opt, args):
     summed here, and its buffers are the reducer's gradient buckets (a copy of the
     gradients unless gradient_as_bucket_view=True), read from DDP's logging data, a
     private torch API: None where that is unavailable.
+    For FSDP2 the same sums are taken over the local shards (DTensor.to_local()) of the
+    parameters, their gradients and the AdamW states, i.e. what this rank holds between
+    steps; its transient all-gather / reduce-scatter buffers have no public size, so
+    buffer bytes are None (the peak RSS shows them, among everything else).
     """
-    if not args.ddp:
+    if not (args.ddp or args.fsdp2):
         stats = opt.stats()
         return dict(stats["model_state_bytes"]), stats["buffer_bytes"]["total"]
+
+    if args.fsdp2:
+        model.reshard()          # the root keeps its parameters unsharded after a forward (the evaluation)
+
+    def nbytes(t):
+        t = t.to_local() if hasattr(t, "to_local") else t     # DTensor: this rank's shard
+        return t.numel() * t.element_size()
+
     params = list(model.parameters())                          # shared parameters once
     state = {
-        "parameters": sum(p.numel() * p.element_size() for p in params),
-        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "parameters": sum(nbytes(p) for p in params),
+        "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
         "master_weights": 0,
-        "optimizer_states": sum(t.numel() * t.element_size() for s in opt.state.values()
+        "optimizer_states": sum(nbytes(t) for s in opt.state.values()
                                 for t in s.values() if torch.is_tensor(t) and t.dim() > 0),
     }
     state["total"] = sum(state.values())
+    if args.fsdp2:
+        return state, None
     try:
         logging_data = model._get_ddp_logging_data()
         bucket_bytes = sum(int(b) for b in str(logging_data["bucket_sizes"]).split(",") if b.strip())
@@ -235,9 +309,12 @@ def train(args):
                        n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(config)
     num_params = model.num_params()
+    if args.fsdp2:
+        assert dist.is_initialized(), "--fsdp2 needs a process group: run under torchrun (--nproc_per_node=1 is fine)"
+        model = shard_fsdp2(model)                             # before the optimizer: params become DTensors
     opt = build_optimizer(model, args.lr, args.weight_decay, args.adamw)
     model, opt = wrap_for_data_parallel(model, opt, args)
-    system = "ddp" if args.ddp else f"stage {args.stage}"
+    system = "ddp" if args.ddp else "fsdp2" if args.fsdp2 else f"stage {args.stage}"
     tokens_per_step = args.batch_size * args.block_size * args.accum * world_size
     log(f"{system} | world size {world_size} | {threads} thread(s) per rank | {num_params:,} parameters | "
         f"{tokens_per_step:,} tokens per step | torch {torch.__version__}")
@@ -268,28 +345,39 @@ def train(args):
     final = estimate_loss(model, data, args)
     model_state, buffer_bytes = memory_report(model, opt, args)
     written = None if written_start is None else written_end - written_start
-    per_rank = [(model_state["total"], written)] * world_size  # (model-state bytes, bytes written) by rank
+    peak_rss = peak_rss_bytes()
+    # (model-state bytes, bytes written, peak RSS) by rank
+    per_rank = [(model_state["total"], written, peak_rss)] * world_size
     if dist.is_initialized():
-        dist.all_gather_object(per_rank, (model_state["total"], written))
-    model_state_per_rank = [total for total, _ in per_rank]
-    written_per_step = None if written is None else sum(w for _, w in per_rank) / timed_steps
+        dist.all_gather_object(per_rank, (model_state["total"], written, peak_rss))
+    model_state_per_rank = [total for total, _, _ in per_rank]
+    peak_rss_per_rank = [rss for _, _, rss in per_rank]
+    written_per_step = None if written is None else sum(w for _, w, _ in per_rank) / timed_steps
     if args.ddp:                                               # no counters: DDP all-reduces 2 x 4 bytes x params
         comm_per_step, comm_source = 2 * 4 * num_params, "theory"
         comm_kinds_per_step = {"all_reduce": comm_per_step}
+    elif args.fsdp2:
+        # No counters: the bytes all ranks wrote (gloo's socket writes) / (N - 1). Each rank
+        # sends (N - 1)/N of a collective's tensor, so this is the counters' convention (a
+        # collective at its full tensor size, all-reduce twice); at N = 2 zero_ext's counters
+        # and its ranks' written bytes agree to 0.1%.
+        comm_per_step = None if written_per_step is None else written_per_step / max(1, world_size - 1)
+        comm_source = "written"
+        comm_kinds_per_step = {}
     else:
         comm_per_step, comm_source = (comm_end - comm_start) / timed_steps, "counters"
         comm_kinds_per_step = {k: (kinds_end[k] - kinds_start.get(k, 0)) / timed_steps for k in kinds_end}
     wire_per_step = None if wire_start is None else (wire_end - wire_start) / timed_steps
     median_s = statistics.median(timed)
-    stats = None if args.ddp else opt.stats()
+    stats = None if (args.ddp or args.fsdp2) else opt.stats()
 
     summary = {
         "system": system,
-        "stage": None if args.ddp else args.stage,
+        "stage": None if (args.ddp or args.fsdp2) else args.stage,
         "world_size": world_size,
         "threads_per_rank": threads,
         "torch_version": torch.__version__,
-        "isa": torch.backends.cpu.get_cpu_capability() if args.ddp else stats["isa"],
+        "isa": torch.backends.cpu.get_cpu_capability() if stats is None else stats["isa"],
         "num_params": num_params,
         "tokens_per_step": tokens_per_step,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -304,6 +392,7 @@ def train(args):
         "model_state_bytes": model_state,                      # rank 0
         "model_state_bytes_per_rank": model_state_per_rank,   # totals, by rank
         "buffer_bytes": buffer_bytes,
+        "peak_rss_bytes_per_rank": peak_rss_per_rank,         # VmHWM at the end, by rank (whole process)
         "comm_bytes_per_step": comm_per_step,                  # per rank; all_reduce counted twice
         "comm_bytes_per_step_by_kind": comm_kinds_per_step,
         "comm_source": comm_source,
@@ -319,7 +408,9 @@ def train(args):
         f"buffer bytes: {buffer_bytes if buffer_bytes is not None else 'n/a'}")
     wire_text = "n/a" if wire_per_step is None else f"{wire_per_step:,.0f}"
     written_text = "n/a" if written_per_step is None else f"{written_per_step:,.0f}"
-    log(f"communication per step: {comm_per_step:,.0f} bytes per rank ({comm_source}; "
+    comm_text = "n/a" if comm_per_step is None else f"{comm_per_step:,.0f}"
+    log(f"peak RSS per rank (VmHWM): {peak_rss_per_rank}")
+    log(f"communication per step: {comm_text} bytes per rank ({comm_source}; "
         f"{', '.join(f'{k} {v:,.0f}' for k, v in comm_kinds_per_step.items())}) | "
         f"all ranks: loopback {wire_text}, written by the ranks {written_text}")
     if args.sample_chars > 0:
@@ -327,7 +418,7 @@ def train(args):
         # parameters, a collective that all ranks must join.
         start = torch.tensor([data.encode("\n")], dtype=torch.long)
         sample_generator = torch.Generator().manual_seed(args.seed)
-        out = model.module.generate(start, args.sample_chars, generator=sample_generator)
+        out = getattr(model, "module", model).generate(start, args.sample_chars, generator=sample_generator)
         summary["sample"] = data.decode(out[0].tolist())
         log("sample:\n" + summary["sample"])
     if is_master and args.json is not None:
