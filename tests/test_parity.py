@@ -36,6 +36,8 @@ def extra_cases():
                                                                             bucket_bytes=4096)),
             Case(f"small-buckets-sgd-s{stage}", model="gpt", stage=stage, optimizer="sgd",
                  config=dict(bucket_bytes=2048, first_bucket_bytes=1024, grad_ring_buckets=1)),
+            Case(f"overlap-gather-s{stage}", model="gpt", stage=stage, clip=0.05,
+                 config=dict(overlap_param_gather=True, bucket_bytes=4096, first_bucket_bytes=1024)),
         ]
     return cases
 
