@@ -43,6 +43,18 @@ namespace zx {
 
 static constexpr int64_t kGrain = 1 << 16;   // elements per parallel task
 
+// Every wait on a collective goes through here, so that a peer that died (or a
+// timeout of the process group) surfaces as one message naming what failed.
+static void wait_work(const c10::intrusive_ptr<c10d::Work> &work, const char *what) {
+    try {
+        work->wait();
+    } catch (const std::exception &e) {
+        TORCH_CHECK(false, "zero_ext: ", what, " failed: ", e.what(),
+                    "\nAnother rank probably died, or stopped calling the same collectives; "
+                    "this rank cannot continue. Restart the job from the last checkpoint.");
+    }
+}
+
 template <class F>
 void Engine::parallel(int64_t n, F &&fn) const {
     if (n <= 0) return;
@@ -351,7 +363,7 @@ void Engine::complete(int64_t b) {
     while (!inflight_.empty()) {
         auto [cur, work] = inflight_.front();
         inflight_.pop_front();
-        work->wait();
+        wait_work(work, opts_.stage == 0 ? "gradient all-reduce" : "gradient reduce-scatter");
         Bucket &bk = buckets_[cur];
         if (opts_.stage >= 1) {
             Slot &sl = slots_[bk.slot];
@@ -494,7 +506,7 @@ std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
         std::vector<at::Tensor> ts{t};
         c10d::AllreduceOptions o;
         o.reduceOp = c10d::ReduceOp::SUM;
-        (*pg_)->allreduce(ts, o)->wait();
+        wait_work((*pg_)->allreduce(ts, o), "gradient-norm all-reduce");
         count(c_allreduce_, 2);
         c_allreduce_.bytes += 8;   // two doubles, not two floats
         sumsq = t[0].item<double>();
@@ -514,7 +526,7 @@ void Engine::all_gather_params() {
 }
 
 void Engine::wait_params() {
-    for (auto &w : gather_works_) w->wait();
+    for (auto &w : gather_works_) wait_work(w, "parameter all-gather");
     gather_works_.clear();
 }
 
@@ -534,7 +546,7 @@ void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {
         std::vector<at::Tensor> one{t};
         c10d::BroadcastOptions o;
         o.rootRank = src;
-        (*pg_)->broadcast(one, o)->wait();
+        wait_work((*pg_)->broadcast(one, o), "broadcast");
         c_broadcast_.calls++;
         c_broadcast_.numel += t.numel();
         c_broadcast_.bytes += t.numel() * (int64_t)t.element_size();
@@ -545,8 +557,9 @@ void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {
 
 void Engine::wait_gather(Bucket &bk) {
     if (bk.gather_work) {
-        bk.gather_work->wait();
+        auto work = std::move(bk.gather_work);
         bk.gather_work.reset();
+        wait_work(work, "unit all-gather");
     }
 }
 
