@@ -24,7 +24,7 @@ $(VENV)/.deps: Makefile
 	else \
 	    $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
 	fi
-	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 ninja pytest numpy
+	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 ninja pytest numpy nbconvert nbclient ipykernel matplotlib
 	@touch $@
 
 venv: $(VENV)/.deps
@@ -52,6 +52,9 @@ demo: build
 bench: build
 	$(PY) benchmarks/bench_optimizer.py
 	$(PY) benchmarks/bench_step.py
+	$(PY) benchmarks/bench_memory.py
+	$(PY) -m nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1800 \
+	    --output-dir benchmarks/results --output zero_vs_ddp.executed.ipynb benchmarks/zero_vs_ddp.ipynb
 
 clean:
 	rm -rf build zero_ext/*.so $(VENV)/.built

@@ -15,8 +15,11 @@ device, wraps it with zeroify(stage=s) and an fp32 torch.optim.AdamW, and runs o
 forward/backward/step so the Adam moments exist. Stages 0-2 materialize the model on
 the CPU first (uninitialized values then a constant fill: values do not change
 memory); stage 3 is built sharded with `init_fn`, `unit_modules=["Block"]`.
-It reports opt.stats()["model_state_bytes"] and ["buffer_bytes"] (fixed buffers, which
-DESIGN §6 keeps outside the formulas), and the process's peak RSS (VmHWM) for context.
+It reports opt.stats()["model_state_bytes"] (the "measured" column) and
+["buffer_bytes"]: "buffers" is its total (gradient staging/receive rings, fixed by the
+config, which DESIGN §6 keeps outside the formulas), "gathered peak" the most stage-3
+full units held at once (transient, not in the total). Peak RSS (VmHWM) of the worker,
+torch's own ~300 MiB included, is shown for context.
 
 Formulas (fp32, Adam; Psi trainable parameters, N ranks; DESIGN.md §6):
     stage 0  16 Psi            stage 2  4 Psi + 12 Psi / N
@@ -216,7 +219,7 @@ def main():
     psi = ok[0]["num_params"] if ok else None
     print(f"Ψ = {psi:,} trainable parameters ({psi * 4 / MiB:.1f} MiB fp32)" if psi else "no point succeeded")
     hdr = (f"{'stage':>5} {'N':>5} {'rank':>4} {'measured MiB':>13} {'formula MiB':>12} {'formula':>11} "
-           f"{'ratio':>7} {'buffers MiB':>11} {'peak RSS MiB':>12}  within 1%")
+           f"{'ratio':>7} {'buffers MiB':>11} {'gathered peak':>13} {'peak RSS MiB':>12}  within 1%")
     print(hdr)
     print("-" * len(hdr))
     for r in results:
@@ -225,9 +228,10 @@ def main():
                   f"{r['error'].strip().splitlines()[-1] if r['error'].strip() else ''}")
             continue
         rss = r["peak_rss_bytes"] / MiB if r["peak_rss_bytes"] else float("nan")
+        gathered = r["buffer_bytes"].get("peak_gathered_params", 0) / MiB
         print(f"{r['stage']:>5} {r['world_size']:>5} {r['rank']:>4} {r['model_state_bytes']['total'] / MiB:>13.3f} "
               f"{r['formula_bytes'] / MiB:>12.3f} {r['formula']:>11} {r['ratio']:>7.4f} "
-              f"{r['buffer_bytes']['total'] / MiB:>11.3f} {rss:>12.1f}  {'yes' if r['within_1pct'] else 'NO'}")
+              f"{r['buffer_bytes']['total'] / MiB:>11.3f} {gathered:>13.3f} {rss:>12.1f}  {'yes' if r['within_1pct'] else 'NO'}")
     n_ok = sum(r["within_1pct"] for r in ok)
     print(f"{n_ok}/{len(results)} points within 1% of the formula; {len(results) - len(ok)} failed; "
           f"{total_s:.1f} s")
