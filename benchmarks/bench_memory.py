@@ -35,12 +35,13 @@ overrides either).
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from machine import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "bench_memory.json"
@@ -54,17 +55,6 @@ FORMULAS = {
 }
 FULL = dict(width=1024, layers=8, worlds=[2 ** k for k in range(11)])      # 67.2M parameters
 QUICK = dict(width=256, layers=4, worlds=[1, 4, 64, 1024])                 # 2.1M parameters
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ----------------------------------------------------------------------------- worker

@@ -26,7 +26,6 @@ Writes benchmarks/results/bench_optimizer.json (--quick: bench_optimizer_quick.j
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 
 import zero_ext._C as C
+from machine import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "bench_optimizer.json"
@@ -42,17 +42,6 @@ COPY_FRACTION_TARGET = 0.8  # ours effective bandwidth / copy bandwidth
 BYTES_FP32 = 28             # read p, g, m, v; write p, m, v
 BYTES_BF16 = 30             # ... + write the bf16 copy
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class Ours:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
+from machine import cpu_model  # noqa: E402
 from demo import SYSTEMS, format_bytes, format_table, run_train_gpt, system_args, system_label  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "bench_step.json"
@@ -50,17 +51,6 @@ STAGE3_VS_DDP_TARGET = 1.3       # stage 3 median step time / DDP's
 STAGE3_VS_FSDP2_TARGET = 1.0     # stage 3 median step time / FSDP2's
 OPTIONAL_SYSTEMS = {"fsdp2"}     # peers that may not run on this torch/backend: reported, not fatal
 WIRE_TOLERANCE = 1.01            # loopback bytes / DDP's; 1% for gloo/TCP control traffic
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def spread(values):
