@@ -32,14 +32,15 @@ with_cuda = (
     and __import__("torch").version.cuda is not None
 )
 
-cxx_flags = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+# The C++ standard is torch's choice (C++20 for 2.13): its headers need it.
+cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden"]
 if with_cuda:
     Extension = cpp_extension.CUDAExtension
     sources = cpp_sources + cuda_sources
     macros = [("ZX_WITH_CUDA", "1")]
     extra = {
         "cxx": cxx_flags + ["-DZX_WITH_CUDA"],
-        "nvcc": ["-O3", "-std=c++17", "-DZX_WITH_CUDA",
+        "nvcc": ["-O3", "-DZX_WITH_CUDA",
                  "-gencode=arch=compute_80,code=sm_80",
                  "-gencode=arch=compute_90,code=sm_90",
                  "-gencode=arch=compute_90,code=compute_90"],

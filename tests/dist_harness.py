@@ -9,6 +9,7 @@ run that outlives timeout_s is killed, so no test can hang.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -37,11 +38,19 @@ def _entry(rank, world, store_path, out_dir, fn, args, init_pg):
         torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        # Drop every reference to the process group (a saved exception's frames hold
+        # one) before destroying it, then leave without interpreter finalization:
+        # gloo's threads can abort ("terminate called without an active exception")
+        # when a process group is torn down during Py_Finalize. The result is saved.
+        gc.collect()
         if init_pg and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_world(fn, world_size: int, *args, timeout_s: float = 300, init_pg: bool = True,
