@@ -33,7 +33,6 @@ and data included, not just the model state) into "peak_rss_bytes_per_rank".
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -41,6 +40,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+from common import setup_distributed
 
 from gpt import GPT, CharDataset, GPTConfig
 
@@ -88,21 +89,6 @@ def parse_args(argv=None):
     if args.ddp and args.fsdp2:
         parser.error("--ddp and --fsdp2 are exclusive")
     return args
-
-
-def setup_distributed(threads):
-    """Join the torchrun process group (gloo) if there is one. Returns (rank, world_size, threads)."""
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend="gloo")
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        assert rank == int(os.environ["RANK"]), "rank from the process group differs from $RANK"
-        assert world_size == int(os.environ["WORLD_SIZE"])
-    else:
-        rank, world_size = 0, 1
-    if threads is None:
-        threads = 1 if world_size > 1 else torch.get_num_threads()
-    torch.set_num_threads(threads)
-    return rank, world_size, threads
 
 
 def barrier():
