@@ -106,6 +106,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("param_shards", &zx::Engine::param_shards)
         .def("grad_shards", &zx::Engine::grad_shards)
         .def("bucket_groups", &zx::Engine::bucket_groups)
+        .def("fragments", &zx::Engine::fragments, py::arg("rank"))
+        .def("publish_params", &zx::Engine::publish_params, py::call_guard<py::gil_scoped_release>())
         .def("scale_grads", &zx::Engine::scale_grads, py::call_guard<py::gil_scoped_release>())
         .def("grad_sumsq", &zx::Engine::grad_sumsq, py::call_guard<py::gil_scoped_release>())
         .def("all_gather_params", &zx::Engine::all_gather_params, py::call_guard<py::gil_scoped_release>())

@@ -471,6 +471,32 @@ std::vector<int64_t> Engine::bucket_groups() {
     return out;
 }
 
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(int64_t r) const {
+    TORCH_CHECK(r >= 0 && r < std::max<int64_t>(parts_, 1), "zero_ext: no rank ", r, " among ", parts_, " partitions");
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
+    std::vector<zx_fragment> fr;
+    for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
+        int64_t count = 0;
+        zx_plan_fragments(plan_, b, (int32_t)r, nullptr, 0, &count);
+        fr.resize((size_t)count);
+        zx_check(zx_plan_fragments(plan_, b, (int32_t)r, fr.data(), count, &count), "reading the plan");
+        for (const auto &f : fr)
+            out.emplace_back(f.param, f.param_offset, buckets_[b].shard_offset + f.slice_offset, f.numel);
+    }
+    return out;
+}
+
+void Engine::publish_params() {
+    wait_params();
+    if (opts_.stage == 3) {
+        // Gathered units hold stale values: release them; the next gather reads the shards.
+        for (auto &bk : buckets_) release_bucket(bk);
+        return;
+    }
+    all_gather_params();
+    wait_params();
+}
+
 void Engine::scale_grads(double factor) {
     wait_reductions();
     if (factor == 1.0) return;

@@ -93,6 +93,12 @@ public:
     std::vector<at::Tensor> param_shards();
     std::vector<at::Tensor> grad_shards();
     std::vector<int64_t> bucket_groups();
+    // Where rank r's shard holds pieces of parameters (any r, from the plan):
+    // (param index, offset in the flattened parameter, offset in the flat shard, numel).
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
+    // After the fp32 master shards (param_shards()) were overwritten, e.g. by a
+    // checkpoint load: make the parameters every rank computes with equal them again.
+    void publish_params();
     void scale_grads(double factor);   // grad shards *= factor (generic path)
     // Local sum of squares over the gradient shard (times scale) and inf/nan
     // count, all-reduced across ranks in stages 1-2. Returns (sumsq, nonfinite).

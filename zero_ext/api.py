@@ -214,6 +214,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     zopt = ZeroOptimizer(optimizer, engine, cfg, fused, fingerprint, pg)
     zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     zopt._units = wrapped._units
+    zopt._params = params            # engine parameter i = params[i]
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)
     return wrapped, zopt
