@@ -70,7 +70,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("alltoall_reduce_scatter", &zx::EngineOptions::alltoall_reduce_scatter)
         .def_readwrite("grad_ring_buckets", &zx::EngineOptions::grad_ring_buckets)
         .def_readwrite("isa", &zx::EngineOptions::isa)
-        .def_readwrite("copy_params", &zx::EngineOptions::copy_params);
+        .def_readwrite("copy_params", &zx::EngineOptions::copy_params)
+        .def_readwrite("param_dtype", &zx::EngineOptions::param_dtype)
+        .def_readwrite("reduce_dtype", &zx::EngineOptions::reduce_dtype);
+
+    // The loss-scaling state machine of the C core (zx_scaler.c), state and all.
+    py::class_<zx_loss_scaler>(m, "LossScaler")
+        .def(py::init([](double scale, double growth_factor, double backoff_factor, int64_t growth_interval,
+                         int64_t hysteresis, double min_scale, double max_scale, bool dynamic) {
+                 zx_loss_scaler s{};
+                 s.scale = scale;
+                 s.growth_factor = growth_factor;
+                 s.backoff_factor = backoff_factor;
+                 s.growth_interval = growth_interval;
+                 s.hysteresis = hysteresis;
+                 s.min_scale = min_scale;
+                 s.max_scale = max_scale;
+                 s.dynamic = dynamic ? 1 : 0;
+                 zx_check(zx_scaler_init(&s), "configuring the loss scaler (check its options)");
+                 return s;
+             }),
+             py::arg("scale"), py::arg("growth_factor"), py::arg("backoff_factor"), py::arg("growth_interval"),
+             py::arg("hysteresis"), py::arg("min_scale"), py::arg("max_scale"), py::arg("dynamic"))
+        .def("update", [](zx_loss_scaler &s, bool found_nonfinite) {
+            int32_t skip = 0;
+            zx_check(zx_scaler_update(&s, found_nonfinite ? 1 : 0, &skip), "updating the loss scaler");
+            return skip != 0;
+        }, "Report this step's overflow; returns True when the step must be skipped.")
+        .def_readwrite("scale", &zx_loss_scaler::scale)
+        .def_readonly("growth_factor", &zx_loss_scaler::growth_factor)
+        .def_readonly("backoff_factor", &zx_loss_scaler::backoff_factor)
+        .def_readonly("growth_interval", &zx_loss_scaler::growth_interval)
+        .def_readonly("hysteresis", &zx_loss_scaler::hysteresis)
+        .def_readonly("min_scale", &zx_loss_scaler::min_scale)
+        .def_readonly("max_scale", &zx_loss_scaler::max_scale)
+        .def_readonly("dynamic", &zx_loss_scaler::dynamic)
+        .def_readwrite("good_steps", &zx_loss_scaler::good_steps)
+        .def_readwrite("hysteresis_left", &zx_loss_scaler::hysteresis_left)
+        .def_readwrite("skipped", &zx_loss_scaler::skipped);
 
     py::class_<zx::Engine>(m, "Engine")
         .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> groups,
@@ -108,6 +145,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("bucket_groups", &zx::Engine::bucket_groups)
         .def("fragments", &zx::Engine::fragments, py::arg("rank"))
         .def("publish_params", &zx::Engine::publish_params, py::call_guard<py::gil_scoped_release>())
+        .def("cast_masters", &zx::Engine::cast_masters, py::call_guard<py::gil_scoped_release>())
+        .def("absorb_param_edits", &zx::Engine::absorb_param_edits, py::call_guard<py::gil_scoped_release>())
+        .def("open_unit_fp32", &zx::Engine::open_unit_fp32, py::call_guard<py::gil_scoped_release>())
         .def("scale_grads", &zx::Engine::scale_grads, py::call_guard<py::gil_scoped_release>())
         .def("grad_sumsq", &zx::Engine::grad_sumsq, py::call_guard<py::gil_scoped_release>())
         .def("all_gather_params", &zx::Engine::all_gather_params, py::call_guard<py::gil_scoped_release>())

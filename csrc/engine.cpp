@@ -29,7 +29,8 @@ namespace zx {
 //   zeroed, so the next reduce-scatter adds exactly the new gradients.
 
 // Note [Stage 3 parameter lifetime]
-//   Only param_shard_ (this rank's slices) persists. Each bucket's flat_param
+//   Only master_shard_ (this rank's slices; and lp_shard_, their low-precision
+//   copy, with a low param_dtype) persists. Each bucket's flat_param
 //   keeps its tensor and storage object, but the storage is resized to 0 bytes
 //   when released and back to full size when gathered, as FSDP2 does: the
 //   parameters stay views of it and autograd's saved tensors stay aliases, so a
@@ -41,7 +42,34 @@ namespace zx {
 //   point at a 0-element tensor (set_data), so reading one outside forward gives
 //   an empty tensor rather than reading freed memory; gathering points them back.
 
+// Note [Mixed precision]
+//   param_dtype (pdt_) is what parameters compute in and are all-gathered as;
+//   reduce_dtype (rdt_) what gradients accumulate and are reduced in; master
+//   weights and optimizer states are always fp32 over this rank's shard.
+//   With pdt_ = fp32 the owned slice of a stage 0-2 bucket *is* the master; else
+//   master_shard_ holds it and the fused step writes the low-precision copy in
+//   the same pass straight into what is gathered next: the owned slice of the
+//   bucket (stages 0-2; the all-gather runs in place) or lp_shard_ (stage 3).
+//   Autograd produces gradients in pdt_. When rdt_ == pdt_ stage 0/1 gradients
+//   are views of flat_grad as in fp32; otherwise the hook adds each gradient
+//   into the reduce_dtype bucket and drops it, so accumulation over micro-steps
+//   happens in reduce_dtype, never silently in bf16. Stage 2/3 cast into the
+//   ring as they stage. Kernels read fp32 gradients: low-precision ones are
+//   converted in small cache-resident chunks (with_f32_grads).
+//   Memory per element: stage 3 = 4 (master) + 2 (lp shard) + |rdt| + 8 over N;
+//   with rdt = pdt = bf16 every stage matches the ZeRO paper's mixed-precision
+//   formulas (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N); fp32 reduce adds 2 bytes per
+//   gradient element (6Ψ+12Ψ/N, 2Ψ+16Ψ/N, 18Ψ/N).
+
 static constexpr int64_t kGrain = 1 << 16;   // elements per parallel task
+
+static std::pair<at::ScalarType, zx_dtype> parse_dtype(const std::string &name, const char *what) {
+    if (name == "fp32") return {at::kFloat, ZX_F32};
+    if (name == "bf16") return {at::kBFloat16, ZX_BF16};
+    if (name == "fp16") return {at::kHalf, ZX_F16};
+    TORCH_CHECK(false, "zero_ext: ", what, " must be 'fp32', 'bf16' or 'fp16', got '", name, "'");
+    return {at::kFloat, ZX_F32};
+}
 
 // Every wait on a collective goes through here, so that a peer that died (or a
 // timeout of the process group) surfaces as one message naming what failed.
@@ -76,13 +104,17 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     }
     parts_ = opts_.stage == 0 ? 1 : world_;
     isa_ = opts_.isa == "auto" ? zx_cpu_best_isa() : parse_isa(opts_.isa);
+    std::tie(pdt_, pzx_) = parse_dtype(opts_.param_dtype, "param_dtype");
+    std::tie(rdt_, rzx_) = parse_dtype(opts_.reduce_dtype, "reduce_dtype");
+    lp_ = pdt_ != at::kFloat;
+    grad_views_ok_ = rdt_ == pdt_;
     TORCH_CHECK(zx_cpu_supports(isa_), "zero_ext: this CPU cannot run isa='", opts_.isa,
                 "'; use isa='auto'");
 
     // Plan: reverse registration order, which is roughly gradient-ready order;
     // stage 3: units in reverse forward order, so buckets again follow backward.
     std::vector<int64_t> numel(n), order(n);
-    std::vector<int32_t> dtype(n, ZX_F32), group(n), unit(n, 0);
+    std::vector<int32_t> dtype(n, pzx_), group(n), unit(n, 0);
     for (int64_t i = 0; i < n; i++) {
         const at::Tensor &p = params_[i];
         TORCH_CHECK(p.scalar_type() == at::kFloat, "zero_ext: parameter ", i, " is ", p.scalar_type(),
@@ -105,9 +137,11 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
 
     // Buckets as tensors; parameters (and stage 0/1 gradients) become views.
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const auto pt = at::TensorOptions().dtype(pdt_), rt = at::TensorOptions().dtype(rdt_);
     const int64_t nb = zx_plan_num_buckets(plan_);
     buckets_.resize(nb);
-    if (s3) param_shard_ = at::zeros({shard_numel_}, f32);
+    if (s3 || lp_) master_shard_ = at::zeros({shard_numel_}, f32);
+    if (s3 && lp_) lp_shard_ = at::zeros({shard_numel_}, pt);
     bucket_of_.assign(n, -1);
     offset_of_.assign(n, 0);
     grad_views_.resize(n);
@@ -126,9 +160,11 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         bk.unit = bi.unit;
         bk.gathered = true;
         // Stage 3 without values: never touch the pages (peak = shards + one unit).
-        bk.flat_param = s3 && !opts_.copy_params ? at::empty({bi.padded_numel}, f32)
-                                                 : at::zeros({bi.padded_numel}, f32);
-        if (opts_.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, f32);
+        bk.flat_param = s3 && !opts_.copy_params ? at::empty({bi.padded_numel}, pt)
+                                                 : at::zeros({bi.padded_numel}, pt);
+        if (opts_.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, rt);
+        // Low precision: the fp32 values, from which the master is taken.
+        at::Tensor src32 = lp_ && opts_.copy_params ? at::zeros({bi.padded_numel}, f32) : at::Tensor();
         max_padded_ = std::max(max_padded_, bi.padded_numel);
         for (int64_t k = 0; k < bi.num_params; k++) {
             int64_t i;
@@ -142,7 +178,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             at::Tensor view = bk.flat_param.narrow(0, loc.offset, loc.numel).view(p.sizes());
             if (opts_.copy_params) {
                 at::NoGradGuard ng;
-                view.copy_(p);
+                (lp_ ? src32.narrow(0, loc.offset, loc.numel).view(p.sizes()) : view).copy_(p);
             }
             p.set_data(view);
             if (s3) param_views_[i] = view;
@@ -154,10 +190,15 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                 p.mutable_grad() = at::Tensor();
             }
         }
+        if (opts_.copy_params && lp_) {
+            bk.flat_param.copy_(src32);                            // rounds to param_dtype
+            master_slice(bk).copy_(owned_slice(src32, bk));
+            if (s3) lp_slice(bk).copy_(owned_slice(bk.flat_param, bk));
+        } else if (opts_.copy_params && s3) {
+            master_slice(bk).copy_(owned_slice(bk.flat_param, bk));
+        }
         if (s3) {
             // Keep only this rank's slice (Note [Stage 3 parameter lifetime]).
-            if (opts_.copy_params)
-                param_shard_.narrow(0, bk.shard_offset, bk.slice_numel).copy_(owned_slice(bk.flat_param, bk));
             if ((int64_t)unit_buckets_.size() <= bk.unit) unit_buckets_.resize(bk.unit + 1);
             unit_buckets_[bk.unit].push_back(b);
             gathered_bytes_ += bk.flat_param.nbytes();
@@ -188,15 +229,47 @@ at::Tensor Engine::owned_slice(const at::Tensor &flat, const Bucket &bk) const {
 
 at::Tensor Engine::grad_shard_slice(const Bucket &bk) {
     if (opts_.stage >= 2) {
-        if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, at::TensorOptions().dtype(at::kFloat));
+        if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, at::TensorOptions().dtype(rdt_));
         return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
     }
     return owned_slice(bk.flat_grad, bk);
 }
 
-float *Engine::master(Bucket &bk) {
-    if (opts_.stage == 3) return param_shard_.data_ptr<float>() + bk.shard_offset;
-    return owned_slice(bk.flat_param, bk).data_ptr<float>();
+at::Tensor Engine::master_slice(Bucket &bk) {
+    if (master_shard_.defined()) return master_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+    return owned_slice(bk.flat_param, bk);
+}
+
+float *Engine::master(Bucket &bk) { return master_slice(bk).data_ptr<float>(); }
+
+at::Tensor Engine::lp_slice(Bucket &bk) {
+    if (opts_.stage == 3) return (lp_ ? lp_shard_ : master_shard_).narrow(0, bk.shard_offset, bk.slice_numel);
+    return owned_slice(bk.flat_param, bk);
+}
+
+void *Engine::lp_out(Bucket &bk) { return lp_ ? lp_slice(bk).data_ptr() : nullptr; }
+
+void Engine::absorb(at::Tensor master, const at::Tensor &lp_new) {
+    // Only elements whose low-precision value changed take the new value.
+    at::Tensor changed = lp_new.ne(master.to(pdt_));
+    master.copy_(at::where(changed, lp_new.to(at::kFloat), master));
+}
+
+template <class F>
+void Engine::with_f32_grads(const at::Tensor &grad, int64_t lo, int64_t hi, F &&fn) const {
+    if (rdt_ == at::kFloat) {
+        fn(grad.data_ptr<float>() + lo, lo, hi);
+        return;
+    }
+    constexpr int64_t kChunk = 2048;   // 8 KiB: stays in L1 between the cast and the kernel
+    float buf[kChunk];
+    const char *base = (const char *)grad.data_ptr();
+    const int64_t es = grad.element_size();
+    for (int64_t a = lo; a < hi; a += kChunk) {
+        const int64_t b = std::min(hi, a + kChunk);
+        zx_check(zx_cast_to_f32(isa_, (size_t)(b - a), base + a * es, rzx_, buf), "converting gradients");
+        fn(buf, a, b);
+    }
 }
 
 double Engine::grad_divisor() const { return opts_.stage == 0 ? 1.0 : (double)world_; }
@@ -207,11 +280,19 @@ void Engine::ensure_grad_view(int64_t i) {
     at::Tensor &p = params_[i];
     const at::Tensor &g = p.grad();
     const at::Tensor &view = grad_views_[i];
+    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: parameter ", i,
+                " got a sparse gradient; use dense embeddings (sparse=False)");
+    if (!grad_views_ok_) {
+        // Note [Mixed precision]: accumulate in reduce_dtype, keep no param.grad.
+        if (g.defined()) {
+            view.add_(g);
+            p.mutable_grad() = at::Tensor();
+        }
+        return;
+    }
     if (g.defined() && g.data_ptr() == view.data_ptr()) return;
     // Autograd made a fresh tensor (first backward or after zero_grad(set_to_none)):
     // the bucket region was zeroed by zero_grad, so this gradient replaces it.
-    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: parameter ", i,
-                " got a sparse gradient; use dense embeddings (sparse=False)");
     if (g.defined()) view.copy_(g);
     p.mutable_grad() = view;
 }
@@ -299,9 +380,9 @@ int64_t Engine::acquire_slot(int64_t b) {
     // (gradients arrived out of bucket order): grow the ring by one; bounded by
     // the number of buckets.
     Slot sl;
-    const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    if (opts_.stage >= 2) sl.send = at::zeros({max_padded_}, f32);
-    if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / parts_}, f32);
+    const auto rt = at::TensorOptions().dtype(rdt_);
+    if (opts_.stage >= 2) sl.send = at::zeros({max_padded_}, rt);
+    if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / parts_}, rt);
     slots_.push_back(std::move(sl));
     return acquire_slot(b);
 }
@@ -335,7 +416,7 @@ void Engine::launch(int64_t b) {
         c10d::AllreduceOptions o;
         o.reduceOp = c10d::ReduceOp::SUM;
         work = pg->allreduce(t, o);
-        count(c_allreduce_, bk.padded_numel);
+        count(c_allreduce_, bk.padded_numel, bk.flat_grad.element_size());
     } else {
         at::Tensor send = opts_.stage >= 2 ? slots_[bk.slot].send.narrow(0, 0, bk.padded_numel) : bk.flat_grad;
         if (bk.slot < 0) acquire_slot(b);
@@ -353,7 +434,7 @@ void Engine::launch(int64_t b) {
             o.reduceOp = c10d::ReduceOp::SUM;
             work = pg->_reduce_scatter_base(recv, send, o);
         }
-        count(c_reduce_scatter_, bk.padded_numel);
+        count(c_reduce_scatter_, bk.padded_numel, send.element_size());
     }
     inflight_.emplace_back(b, std::move(work));
 }
@@ -369,7 +450,13 @@ void Engine::complete(int64_t b) {
             Slot &sl = slots_[bk.slot];
             at::Tensor dst = grad_shard_slice(bk);
             const int accumulate = opts_.stage >= 2 ? 1 : 0;
-            if (opts_.alltoall_reduce_scatter) {
+            if (opts_.alltoall_reduce_scatter && rdt_ != at::kFloat) {
+                // Low-precision reduce: add the N slices in fp32 and round once.
+                at::Tensor sum = sl.recv.narrow(0, 0, bk.padded_numel).view({parts_, bk.slice_numel})
+                                     .to(at::kFloat).sum(0);
+                if (accumulate) sum.add_(dst);
+                dst.copy_(sum);
+            } else if (opts_.alltoall_reduce_scatter) {
                 const float *src = sl.recv.data_ptr<float>();
                 float *d = dst.data_ptr<float>();
                 const int64_t sn = bk.slice_numel;
@@ -420,13 +507,16 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps) {
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
         const zx_adam_hparams &hp = hps[bk.group];
         float *p = master(bk);
-        const float *g = grad_shard_slice(bk).data_ptr<float>();
+        char *lp = (char *)lp_out(bk);
+        const at::Tensor gs = grad_shard_slice(bk);
         float *mp = m.data_ptr<float>() + bk.shard_offset, *vp = v.data_ptr<float>() + bk.shard_offset;
         float *xp = hp.amsgrad ? vmax.data_ptr<float>() + bk.shard_offset : nullptr;
         parallel(bk.slice_numel, [&](int64_t lo, int64_t hi) {
-            zx_check(zx_adam_step(isa_, (size_t)(hi - lo), p + lo, g + lo, mp + lo, vp + lo,
-                                  xp ? xp + lo : nullptr, nullptr, ZX_F32, &hp),
-                     "Adam step");
+            with_f32_grads(gs, lo, hi, [&](const float *g, int64_t a, int64_t b) {
+                zx_check(zx_adam_step(isa_, (size_t)(b - a), p + a, g, mp + a, vp + a, xp ? xp + a : nullptr,
+                                      lp ? lp + a * 2 : nullptr, pzx_, &hp),
+                         "Adam step");
+            });
         });
     }
 }
@@ -441,21 +531,22 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps) {
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
         const zx_sgd_hparams &hp = hps[bk.group];
         float *p = master(bk);
-        const float *g = grad_shard_slice(bk).data_ptr<float>();
+        char *lp = (char *)lp_out(bk);
+        const at::Tensor gs = grad_shard_slice(bk);
         float *bp = hp.momentum != 0.0 ? buf.data_ptr<float>() + bk.shard_offset : nullptr;
         parallel(bk.slice_numel, [&](int64_t lo, int64_t hi) {
-            zx_check(zx_sgd_step(isa_, (size_t)(hi - lo), p + lo, g + lo, bp ? bp + lo : nullptr,
-                                 nullptr, ZX_F32, &hp),
-                     "SGD step");
+            with_f32_grads(gs, lo, hi, [&](const float *g, int64_t a, int64_t b) {
+                zx_check(zx_sgd_step(isa_, (size_t)(b - a), p + a, g, bp ? bp + a : nullptr,
+                                     lp ? lp + a * 2 : nullptr, pzx_, &hp),
+                         "SGD step");
+            });
         });
     }
 }
 
 std::vector<at::Tensor> Engine::param_shards() {
     std::vector<at::Tensor> out;
-    for (auto &bk : buckets_)
-        out.push_back(opts_.stage == 3 ? param_shard_.narrow(0, bk.shard_offset, bk.slice_numel)
-                                       : owned_slice(bk.flat_param, bk));
+    for (auto &bk : buckets_) out.push_back(master_slice(bk));
     return out;
 }
 
@@ -488,6 +579,7 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(in
 
 void Engine::publish_params() {
     wait_params();
+    cast_masters();
     if (opts_.stage == 3) {
         // Gathered units hold stale values: release them; the next gather reads the shards.
         for (auto &bk : buckets_) release_bucket(bk);
@@ -501,7 +593,12 @@ void Engine::scale_grads(double factor) {
     wait_reductions();
     if (factor == 1.0) return;
     for (auto &bk : buckets_) {
-        float *g = grad_shard_slice(bk).data_ptr<float>();
+        at::Tensor gs = grad_shard_slice(bk);
+        if (rdt_ != at::kFloat) {
+            gs.mul_(factor);
+            continue;
+        }
+        float *g = gs.data_ptr<float>();
         parallel(bk.slice_numel, [&](int64_t lo, int64_t hi) {
             zx_check(zx_scale(isa_, (size_t)(hi - lo), g + lo, (float)factor), "scaling gradients");
         });
@@ -513,12 +610,14 @@ std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
     double sumsq = 0.0;
     int64_t nonfinite = 0;
     for (auto &bk : buckets_) {
-        const float *g = grad_shard_slice(bk).data_ptr<float>();
+        const at::Tensor gs = grad_shard_slice(bk);
         std::mutex mu;
         parallel(bk.slice_numel, [&](int64_t lo, int64_t hi) {
             double s = 0.0;
             int64_t nf = 0;
-            zx_check(zx_grad_sumsq(isa_, (size_t)(hi - lo), g + lo, (float)scale, &s, &nf), "gradient norm");
+            with_f32_grads(gs, lo, hi, [&](const float *g, int64_t a, int64_t b) {
+                zx_check(zx_grad_sumsq(isa_, (size_t)(b - a), g, (float)scale, &s, &nf), "gradient norm");
+            });
             std::lock_guard<std::mutex> lock(mu);
             sumsq += s;
             nonfinite += nf;
@@ -533,21 +632,39 @@ std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
         c10d::AllreduceOptions o;
         o.reduceOp = c10d::ReduceOp::SUM;
         wait_work((*pg_)->allreduce(ts, o), "gradient-norm all-reduce");
-        count(c_allreduce_, 2);
-        c_allreduce_.bytes += 8;   // two doubles, not two floats
+        count(c_allreduce_, 2, 8);   // two doubles
         sumsq = t[0].item<double>();
         nonfinite = (int64_t)t[1].item<double>();
     }
     return {sumsq, nonfinite};
 }
 
+void Engine::cast_masters() {
+    if (!lp_) return;
+    wait_params();
+    for (auto &bk : buckets_) {
+        const float *p = master(bk);
+        char *lp = (char *)lp_slice(bk).data_ptr();
+        parallel(bk.slice_numel, [&](int64_t lo, int64_t hi) {
+            zx_check(zx_cast_from_f32(isa_, (size_t)(hi - lo), p + lo, lp + lo * 2, pzx_), "casting parameters");
+        });
+    }
+}
+
+void Engine::absorb_param_edits() {
+    TORCH_CHECK(opts_.stage <= 2, "zero_ext: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
+    wait_params();
+    if (!lp_) return;   // the owned slice is the master
+    for (auto &bk : buckets_) absorb(master_slice(bk), owned_slice(bk.flat_param, bk));
+}
+
 void Engine::all_gather_params() {
     if (parts_ == 1 || opts_.stage == 3) return;   // stage 3 gathers per unit, on demand
     wait_params();
     for (auto &bk : buckets_) {
-        at::Tensor in = owned_slice(bk.flat_param, bk);
+        at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
         gather_works_.push_back((*pg_)->_allgather_base(bk.flat_param, in));
-        count(c_allgather_, bk.padded_numel);
+        count(c_allgather_, bk.padded_numel, bk.flat_param.element_size());
     }
 }
 
@@ -591,11 +708,16 @@ void Engine::wait_gather(Bucket &bk) {
 
 void Engine::release_bucket(Bucket &bk) {
     wait_gather(bk);
+    const at::Tensor empty = at::empty({0}, bk.flat_param.options());
+    if (bk.staging.defined()) {
+        gathered_bytes_ -= bk.staging.nbytes();
+        bk.staging = at::Tensor();
+        for (int64_t i : bk.params) params_[i].set_data(empty);
+    }
     if (!bk.gathered) return;
     at::native::resize_bytes_cpu(bk.flat_param.storage().unsafeGetStorageImpl(), 0);
-    gathered_bytes_ -= bk.flat_param.numel() * 4;
+    gathered_bytes_ -= bk.flat_param.numel() * bk.flat_param.element_size();
     bk.gathered = false;
-    const at::Tensor empty = at::empty({0}, bk.flat_param.options());
     for (int64_t i : bk.params) params_[i].set_data(empty);
 }
 
@@ -615,18 +737,18 @@ bool Engine::gather_unit(int64_t u, bool wait) {
         if (bk.gathered) continue;
         if (!bk.gather_work) {
             prefetched = false;
-            at::native::resize_bytes_cpu(bk.flat_param.storage().unsafeGetStorageImpl(),
-                                         (size_t)bk.flat_param.numel() * 4);
-            gathered_bytes_ += bk.flat_param.numel() * 4;
+            const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
+            at::native::resize_bytes_cpu(bk.flat_param.storage().unsafeGetStorageImpl(), (size_t)bytes);
+            gathered_bytes_ += bytes;
             peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-            at::Tensor in = param_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+            at::Tensor in = lp_slice(bk);
             if (world_ == 1) {
                 bk.flat_param.copy_(in);
                 mark_gathered(bk);
                 continue;
             }
             bk.gather_work = (*pg_)->_allgather_base(bk.flat_param, in);
-            count(c_allgather_, bk.padded_numel);
+            count(c_allgather_, bk.padded_numel, bk.flat_param.element_size());
         }
         if (wait) mark_gathered(bk);
     }
@@ -642,9 +764,41 @@ void Engine::commit_unit(int64_t u, int64_t src) {
     TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
     for (int64_t b : unit_buckets_[u]) {
         Bucket &bk = buckets_[b];
+        if (bk.staging.defined()) {   // open_unit_fp32: full-precision values
+            broadcast_tensors({bk.staging}, src);
+            master_slice(bk).copy_(owned_slice(bk.staging, bk));
+            if (lp_) lp_slice(bk).copy_(owned_slice(bk.staging, bk));
+            release_bucket(bk);
+            continue;
+        }
         TORCH_CHECK(bk.gathered, "zero_ext: commit_unit needs unit ", u, " gathered");
         broadcast_tensors({bk.flat_param}, src);
-        param_shard_.narrow(0, bk.shard_offset, bk.slice_numel).copy_(owned_slice(bk.flat_param, bk));
+        const at::Tensor owned = owned_slice(bk.flat_param, bk);
+        if (lp_) {
+            absorb(master_slice(bk), owned);
+            lp_slice(bk).copy_(owned);
+        } else {
+            master_slice(bk).copy_(owned);
+        }
+    }
+}
+
+void Engine::open_unit_fp32(int64_t u) {
+    TORCH_CHECK(opts_.stage == 3, "zero_ext: open_unit_fp32 is a stage-3 operation");
+    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
+    if (!lp_) {
+        gather_unit(u, true);
+        return;
+    }
+    for (int64_t b : unit_buckets_[u]) {
+        Bucket &bk = buckets_[b];
+        release_bucket(bk);
+        bk.staging = at::zeros({bk.padded_numel}, at::TensorOptions().dtype(at::kFloat));
+        gathered_bytes_ += bk.staging.nbytes();
+        peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+        for (int64_t i : bk.params)
+            params_[i].set_data(bk.staging.narrow(0, offset_of_[i], param_views_[i].numel())
+                                    .view(param_views_[i].sizes()));
     }
 }
 
@@ -681,7 +835,9 @@ py::dict Engine::stats() const {
         padded += bk.padded_numel;
     }
     if (grad_shard_.defined()) grad_bytes += grad_shard_.nbytes();
-    if (param_shard_.defined()) param_bytes += param_shard_.nbytes();
+    int64_t master_bytes = 0;
+    if (opts_.stage == 3) param_bytes += (lp_ ? lp_shard_ : master_shard_).nbytes();
+    if (lp_) master_bytes = master_shard_.nbytes();
     int64_t state_bytes = 0;
     for (const auto &kv : states_) state_bytes += kv.second.nbytes();
     int64_t ring_bytes = 0;
@@ -692,9 +848,9 @@ py::dict Engine::stats() const {
     py::dict msb;
     msb["parameters"] = param_bytes;
     msb["gradients"] = grad_bytes;
-    msb["master_weights"] = 0;   // fp32 parameters: the owned slice is the master
+    msb["master_weights"] = master_bytes;   // 0 with fp32 parameters: the owned slice is the master
     msb["optimizer_states"] = state_bytes;
-    msb["total"] = param_bytes + grad_bytes + state_bytes;
+    msb["total"] = param_bytes + grad_bytes + master_bytes + state_bytes;
     py::dict buf;
     buf["grad_ring"] = ring_bytes;
     buf["ring_slots"] = (int64_t)slots_.size();
@@ -715,6 +871,8 @@ py::dict Engine::stats() const {
     d["padded_numel"] = padded;
     d["shard_numel"] = shard_numel_;
     d["num_buckets"] = (int64_t)buckets_.size();
+    d["param_dtype"] = opts_.param_dtype;
+    d["reduce_dtype"] = opts_.reduce_dtype;
     d["reduce_scatter_impl"] = std::string(opts_.alltoall_reduce_scatter ? "alltoall" : "native");
     d["model_state_bytes"] = msb;
     d["buffer_bytes"] = buf;

@@ -31,6 +31,8 @@ struct EngineOptions {
     std::string isa = "auto";          // kernel ISA: auto/scalar/avx2/avx512
     bool copy_params = true;           // false: parameters hold no values yet (stage 3,
                                        // materialized unit by unit afterwards)
+    std::string param_dtype = "fp32";  // what parameters compute in and are gathered as: fp32/bf16/fp16
+    std::string reduce_dtype = "fp32"; // what gradients accumulate and are reduced in
 };
 
 // Cumulative counters of one collective kind. numel/bytes are the size of the
@@ -47,6 +49,9 @@ struct CommCounter {
 //              accumulates straight into the bucket (DDP's gradient_as_bucket_view).
 //   stage 2:   no flat_grad; each gradient is copied into a ring slot as it
 //              arrives, the slot is reduce-scattered into grad_shard_ and reused.
+//   Mixed precision (Note [Mixed precision]): flat_param holds param_dtype,
+//   flat_grad / ring / grad_shard_ hold reduce_dtype; when the two differ,
+//   stage 0/1 gradients are added into flat_grad by the hook (not views).
 struct Bucket {
     int64_t group = 0;                 // param group index
     std::vector<int64_t> params;       // engine parameter indices, layout order
@@ -54,8 +59,9 @@ struct Bucket {
     int64_t padded_numel = 0;          // numel padded to partitions*align
     int64_t slice_numel = 0;           // padded_numel / partitions: one rank's share
     int64_t shard_offset = 0;          // where this bucket's slice sits in a shard
-    at::Tensor flat_param;             // (padded_numel,) fp32; parameters are views
-    at::Tensor flat_grad;              // (padded_numel,) fp32 in stage 0/1, else undefined
+    at::Tensor flat_param;             // (padded_numel,) param_dtype; parameters are views
+    at::Tensor flat_grad;              // (padded_numel,) reduce_dtype in stage 0/1, else undefined
+    at::Tensor staging;                // stage 3, low precision: fp32 full values while initializing
     int64_t pending = 0;               // parameters not yet ready in this backward
     int64_t slot = -1;                 // ring slot held (stage 2 / all-to-all), or -1
     // stage 3 (Note [Stage 3 parameter lifetime]):
@@ -103,6 +109,9 @@ public:
     // Local sum of squares over the gradient shard (times scale) and inf/nan
     // count, all-reduced across ranks in stages 1-2. Returns (sumsq, nonfinite).
     std::pair<double, int64_t> grad_sumsq(double scale);
+    // Write the low-precision copy of the fp32 master shard where the next
+    // gather reads it (the fused steps do this themselves, in the same pass).
+    void cast_masters();
     void all_gather_params();          // launch: every rank's slices -> full buckets
     void wait_params();                // block until the parameter gather is done
     void zero_grad(bool set_to_none);
@@ -117,7 +126,15 @@ public:
     bool unit_gathered(int64_t u) const;
     // After the gathered unit u was edited on rank src (group rank): broadcast its
     // buckets from src and write every rank's owned slice back into its shard.
+    // With a low param_dtype an edit only replaces the master elements whose
+    // low-precision value changed, so untouched ones keep their fp32 bits.
     void commit_unit(int64_t u, int64_t src);
+    // Stage 3 initialization: point unit u's parameters at fp32 buffers (at full
+    // precision even when param_dtype is low); commit_unit then shards them.
+    void open_unit_fp32(int64_t u);
+    // Stages 0-2: parameters were edited in place (gathered_parameters): fold
+    // the edits into the fp32 master (only changed elements, as commit_unit).
+    void absorb_param_edits();
     int64_t num_units() const { return (int64_t)unit_buckets_.size(); }
 
     // --- state ---
@@ -143,10 +160,15 @@ private:
     void release_bucket(Bucket &bk);
     void mark_gathered(Bucket &bk);    // stage 3: parameters point at the full bucket again
     float *master(Bucket &bk);         // this rank's fp32 parameter slice
+    void *lp_out(Bucket &bk);          // where the step writes the low-precision copy, or null
+    at::Tensor master_slice(Bucket &bk);
+    at::Tensor lp_slice(Bucket &bk);   // the gather input (stage 3) / owned slice of flat_param
+    void absorb(at::Tensor master, const at::Tensor &lp_new);
     at::Tensor owned_slice(const at::Tensor &flat, const Bucket &bk) const;
     at::Tensor grad_shard_slice(const Bucket &bk);
-    void count(CommCounter &c, int64_t numel) { c.calls++; c.numel += numel; c.bytes += numel * 4; }
+    void count(CommCounter &c, int64_t numel, int64_t elem) { c.calls++; c.numel += numel; c.bytes += numel * elem; }
     template <class F> void parallel(int64_t n, F &&fn) const;
+    template <class F> void with_f32_grads(const at::Tensor &grad, int64_t lo, int64_t hi, F &&fn) const;
 
     std::vector<at::Tensor> params_;
     std::vector<at::Tensor> grad_views_;   // stage 0/1: param i's view into flat_grad
@@ -165,8 +187,13 @@ private:
     int64_t next_launch_ = 0;
     std::deque<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> inflight_;
     std::vector<c10::intrusive_ptr<c10d::Work>> gather_works_;
-    at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) fp32 gradient sums
-    at::Tensor param_shard_;               // stage 3: (shard_numel,) fp32 owned parameter slices
+    at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) reduce_dtype gradient sums
+    at::Tensor master_shard_;              // stage 3 or low precision: (shard_numel,) fp32 master
+    at::Tensor lp_shard_;                  // stage 3, low precision: (shard_numel,) gather input
+    at::ScalarType pdt_ = at::kFloat, rdt_ = at::kFloat;
+    zx_dtype pzx_ = ZX_F32, rzx_ = ZX_F32;
+    bool lp_ = false;                      // param_dtype is not fp32
+    bool grad_views_ok_ = true;            // stage 0/1: param.grad may be a view of flat_grad
     std::vector<std::vector<int64_t>> unit_buckets_;  // stage 3: unit -> its buckets
     int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
     std::map<std::string, at::Tensor> states_;

@@ -61,6 +61,9 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
             if g.get(flag):
                 _fail(f"{cls.__name__}({flag}=True) is not supported; construct it with {flag}=False")
     fused = issubclass(cls, FUSED) and cfg.fused != "never"
+    if not fused and cfg.reduce_dtype != "fp32":
+        _fail(f"reduce_dtype={cfg.reduce_dtype!r} needs a fused optimizer (Adam, AdamW, SGD): {cls.__name__} "
+              f"runs as a torch optimizer over fp32 shards and needs fp32 gradients; use reduce_dtype='fp32'")
     if cfg.fused == "always" and not fused:
         _fail(f"fused='always' but {cls.__name__} has no fused kernel (fused ones: "
               f"{', '.join(c.__name__ for c in FUSED)}); use fused='auto'")
@@ -96,8 +99,9 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
             _fail(f"parameter {names[id(p)]!r} is on {p.device}; this build of zero_ext runs on CPU "
                   f"(gloo); the CUDA engine is not built yet")
         if p.dtype != torch.float32:
-            _fail(f"parameter {names[id(p)]!r} is {p.dtype}; stages 0-2 keep float32 parameters "
-                  f"(call model.float() before zeroify)")
+            _fail(f"parameter {names[id(p)]!r} is {p.dtype}; give zeroify() the model in float32 "
+                  f"(model.float()) and choose the compute precision with param_dtype='bf16' or 'fp16': "
+                  f"the fp32 master weights are taken from it")
         if p.is_sparse or not p.is_contiguous() and p.layout != torch.strided:
             _fail(f"parameter {names[id(p)]!r} is not a dense strided tensor")
     frozen = [p for p in model.parameters() if id(p) not in seen or not p.requires_grad]
@@ -189,6 +193,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         cfg.reduce_scatter == "auto" and backend == "gloo")
     opts.grad_ring_buckets = cfg.grad_ring_buckets
     opts.isa = cfg.isa
+    opts.param_dtype = cfg.param_dtype
+    opts.reduce_dtype = cfg.reduce_dtype
     meta = is_meta(model)
     if meta:
         replace_meta(model, optimizer)           # untouched CPU storage, same ties
@@ -206,6 +212,12 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         if world > 1:
             _broadcast_from_first(pg, frozen + list(model.buffers()))
 
+    if cfg.param_dtype != "fp32":
+        # Frozen parameters have no master: they simply compute in param_dtype too.
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
+        with torch.no_grad():
+            for p in frozen:
+                p.data = p.data.to(low)
     buffers = [b for b in model.buffers() if b.numel() > 0]
     wrapped = ZeroModel(model, engine, cfg, buffers, unit_modules, root_holders)
     for i, p in enumerate(params):

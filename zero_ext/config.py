@@ -16,6 +16,16 @@ from typing import Any
 _REDUCE_SCATTER = ("auto", "native", "alltoall")
 _ISAS = ("auto", "scalar", "avx2", "avx512")
 _FUSED = ("auto", "always", "never")
+_DTYPES = ("fp32", "bf16", "fp16")
+_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
+                  "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+
+
+def dtype_name(v: Any) -> Any:
+    """'fp32' / 'bf16' / 'fp16' for a torch dtype or any usual spelling; v unchanged otherwise."""
+    if not isinstance(v, str) and hasattr(v, "is_floating_point"):   # a torch.dtype
+        v = str(v).replace("torch.", "")
+    return _DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
 
 
 @dataclasses.dataclass
@@ -52,6 +62,19 @@ class ZeroConfig:
     min_unit_numel: stage 3: smaller units join the root unit, which stays
         gathered from the start of forward to the end of backward.
     prefetch_depth: stage 3: how many units ahead to all-gather while one computes.
+    param_dtype: what parameters compute in and are all-gathered as: "fp32", "bf16" or
+        "fp16" (or the torch dtype). The model is given in fp32; the fp32 master weights
+        and optimizer states live only in this rank's shard.
+    reduce_dtype: what gradients accumulate and are reduced in (default "fp32", even with
+        a bf16/fp16 param_dtype; "bf16"/"fp16" halve the reduce-scatter bytes).
+    loss_scale: "auto" (dynamic with fp16 params, none otherwise), "dynamic", None (no
+        scaling), or a number (a static scale). With a scale, call opt.backward(loss) (or
+        opt.scale_loss(loss).backward()); an inf/nan gradient on any rank skips the step.
+    initial_loss_scale, loss_scale_growth_factor, loss_scale_backoff_factor,
+    loss_scale_growth_interval, loss_scale_hysteresis, min_loss_scale, max_loss_scale:
+        dynamic scaling: start at initial_loss_scale; after growth_interval overflow-free
+        steps multiply by growth_factor (up to max); after `hysteresis` consecutive
+        overflowing steps multiply by backoff_factor (down to min).
     """
 
     stage: int = 2
@@ -71,6 +94,16 @@ class ZeroConfig:
     unit_numel: int | None = None
     min_unit_numel: int = 1024
     prefetch_depth: int = 1
+    param_dtype: Any = "fp32"
+    reduce_dtype: Any = "fp32"
+    loss_scale: Any = "auto"
+    initial_loss_scale: float = 2.0 ** 16
+    loss_scale_growth_factor: float = 2.0
+    loss_scale_backoff_factor: float = 0.5
+    loss_scale_growth_interval: int = 2000
+    loss_scale_hysteresis: int = 1
+    min_loss_scale: float = 1.0
+    max_loss_scale: float = 2.0 ** 24
 
     def __post_init__(self) -> None:
         self.validate()
@@ -103,6 +136,12 @@ class ZeroConfig:
         if self.align == "auto":
             return 16 if world_size <= 64 else 1
         return self.align
+
+    def resolved_loss_scale(self):
+        """None (no scaling), "dynamic", or a static number."""
+        if self.loss_scale == "auto":
+            return "dynamic" if self.param_dtype == "fp16" else None
+        return self.loss_scale
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -148,6 +187,28 @@ class ZeroConfig:
             ok = isinstance(self.unit_modules, (list, tuple)) and all(
                 isinstance(c, (str, type)) for c in self.unit_modules)
             need(ok, "unit_modules must be a list of module class names (or classes), e.g. ['Block']")
+        self.param_dtype = dtype_name(self.param_dtype)
+        self.reduce_dtype = dtype_name(self.reduce_dtype)
+        choice("param_dtype", _DTYPES)
+        choice("reduce_dtype", _DTYPES)
+        if isinstance(self.loss_scale, str):
+            choice("loss_scale", ("auto", "dynamic"))
+        elif self.loss_scale is not None:
+            need(isinstance(self.loss_scale, (int, float)) and not isinstance(self.loss_scale, bool)
+                 and self.loss_scale > 0, f"loss_scale must be 'auto', 'dynamic', None or a positive number, "
+                 f"got {self.loss_scale!r}")
+
+        def number(name: str, ok, what: str) -> None:
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v), f"{name} must be {what}, got {v!r}")
+
+        number("initial_loss_scale", lambda v: v > 0, "> 0")
+        number("loss_scale_growth_factor", lambda v: v > 1, "> 1")
+        number("loss_scale_backoff_factor", lambda v: 0 < v < 1, "in (0, 1)")
+        number("min_loss_scale", lambda v: v > 0, "> 0")
+        number("max_loss_scale", lambda v: v >= self.min_loss_scale, ">= min_loss_scale")
+        integer("loss_scale_growth_interval", 1)
+        integer("loss_scale_hysteresis", 1)
         choice("reduce_scatter", _REDUCE_SCATTER)
         choice("fused", _FUSED)
         choice("isa", _ISAS)

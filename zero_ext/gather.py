@@ -66,6 +66,7 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
                         engine.commit_unit(u, modifier_rank)
                 else:
                     engine.broadcast_tensors([p.data for p, _ in owned], modifier_rank)
+                    engine.absorb_param_edits()   # low precision: fold the edits into the fp32 master
                 engine.broadcast_tensors([p.data for p in replicated], modifier_rank)
         for u in units:
             if not was_gathered[u]:

@@ -50,7 +50,7 @@ def _post_order(m: nn.Module):
 def _by_unit(model: nn.Module, engine, unit_of: dict, fn) -> None:
     """Run fn(module) over the modules in model.apply order with each module's
     units whole; publish (broadcast from rank 0) and free each unit once done."""
-    engine.gather_unit(0, True)
+    engine.open_unit_fp32(0)
     whole = {0}
     seen = set()
     for m in _post_order(model):
@@ -63,7 +63,7 @@ def _by_unit(model: nn.Module, engine, unit_of: dict, fn) -> None:
             engine.release_unit(u)
             whole.discard(u)
         for u in sorted(need - whole):
-            engine.gather_unit(u, True)
+            engine.open_unit_fp32(u)   # full precision even with a low param_dtype
             whole.add(u)
         fn(m)
     for u in sorted(whole):

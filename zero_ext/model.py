@@ -29,11 +29,17 @@ class ZeroModel(nn.Module):
         self._buffers_to_sync = buffers
         self._callback_queued = False
         self._units = _UnitHooks(self, unit_modules, root_holders) if config.stage == 3 else None
+        self._compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.param_dtype)
 
     def forward(self, *args, **kwargs):
         self._engine.wait_params()
         if self._config.broadcast_buffers and self._buffers_to_sync and self._engine.world_size > 1:
             self._engine.broadcast_tensors(self._buffers_to_sync, 0)
+        if self._compute_dtype is not None:
+            # As FSDP's MixedPrecision(cast_forward_inputs=True): floating-point inputs
+            # are cast to the parameters' dtype; integer ones (token ids) are left alone.
+            args, kwargs = torch.utils._pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(self._compute_dtype) if t.is_floating_point() else t, (args, kwargs))
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

@@ -12,6 +12,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from . import _C
+
 # Optimizers whose update is elementwise: they may run over a flat shard.
 FUSED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 ELEMENTWISE = FUSED + tuple(getattr(torch.optim, n) for n in (
@@ -38,8 +40,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._clip_coef = 1.0                           # folded into the next step
         self._shard_opt = None
         self._shard_group_ids: list[int] = []
+        self._found_inf = None                          # this step's inf/nan verdict, once known
+        self.loss_scaler = self._make_scaler(config)
+        self.skipped_steps = 0
         if not fused:
             self._build_shard_optimizer()
+
+    # ------------------------------------------------------------------ loss scaling
+    @staticmethod
+    def _make_scaler(config):
+        mode = config.resolved_loss_scale()
+        if mode is None:
+            return None
+        dynamic = mode == "dynamic"
+        return _C.LossScaler(
+            scale=float(config.initial_loss_scale if dynamic else mode),
+            growth_factor=float(config.loss_scale_growth_factor),
+            backoff_factor=float(config.loss_scale_backoff_factor),
+            growth_interval=int(config.loss_scale_growth_interval), hysteresis=int(config.loss_scale_hysteresis),
+            min_scale=float(min(config.min_loss_scale, config.initial_loss_scale if dynamic else mode)),
+            max_scale=float(max(config.max_loss_scale, config.initial_loss_scale if dynamic else mode)),
+            dynamic=dynamic)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss times the current loss scale (loss itself without loss scaling);
+        call .backward() on the result."""
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """scale_loss(loss).backward(**kwargs): use it in place of loss.backward()."""
+        self.scale_loss(loss).backward(**kwargs)
+
+    def _grad_scale(self) -> float:
+        """What shard gradients are multiplied by to become the averaged unscaled ones."""
+        return 1.0 / (self._engine.grad_divisor() * self.loss_scale)
 
     # ------------------------------------------------------------------ step
     def _build_shard_optimizer(self) -> None:
@@ -61,8 +100,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scale = self._clip_coef / self._engine.grad_divisor()
+        scale = self._clip_coef * self._grad_scale()
         self._clip_coef = 1.0
+        if self.loss_scaler is not None:
+            # One all-reduce decides for every rank (shared with the norm when
+            # clip_grad_norm_ ran): an inf/nan anywhere skips the step everywhere.
+            found = self._found_inf
+            if found is None:
+                found = self._engine.grad_sumsq(1.0)[1] > 0
+            self._found_inf = None
+            if self.loss_scaler.update(bool(found)):
+                self.skipped_steps += 1
+                return loss
         for gi in range(len(self.param_groups)):
             self._steps[gi] += 1
         if self._fused:
@@ -72,6 +121,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for inner, gi in zip(self._shard_opt.param_groups, self._shard_group_ids):
                 inner.update(self._hyper(gi))
             self._shard_opt.step()
+            self._engine.cast_masters()   # low precision: the copy that is gathered next
         self._engine.all_gather_params()
         if not self._config.overlap_param_gather:
             self._engine.wait_params()
@@ -115,17 +165,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         factor is folded into the next step() rather than applied in a separate pass."""
         norm_type = float(norm_type)
         if norm_type == 2.0:
-            sumsq, nonfinite = self._engine.grad_sumsq(1.0 / self._engine.grad_divisor())
+            sumsq, nonfinite = self._engine.grad_sumsq(self._grad_scale())
             total = math.sqrt(sumsq) if nonfinite == 0 else math.inf
         elif norm_type == math.inf:
             self._engine.wait_reductions()
             local = max((g.abs().max().item() for g in self._engine.grad_shards() if g.numel()), default=0.0)
-            t = torch.tensor([local / self._engine.grad_divisor()], dtype=torch.float64)
+            t = torch.tensor([local * self._grad_scale()], dtype=torch.float64)
             if self._engine.partitions > 1:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
             total = t.item()
+            nonfinite = 0 if math.isfinite(total) else 1
         else:
             raise ValueError(f"zero_ext: clip_grad_norm_ supports norm_type 2.0 and inf, got {norm_type}")
+        self._found_inf = nonfinite > 0
         coef = float(max_norm) / (total + 1e-6)
         if coef < 1.0:
             self._clip_coef *= coef
@@ -153,6 +205,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "steps": list(self._steps),
                 "flat_state": {k: v.clone() for k, v in self._engine.states().items()},
                 "shard_optimizer": self._shard_opt.state_dict() if self._shard_opt is not None else None,
+                "loss_scaler": self.scaler_state_dict(),
+                "skipped_steps": self.skipped_steps,
             },
         }
 
@@ -181,6 +235,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._steps = list(z["steps"])
         if self._shard_opt is not None and z["shard_optimizer"] is not None:
             self._shard_opt.load_state_dict(z["shard_optimizer"])
+        self.load_scaler_state_dict(z.get("loss_scaler"))
+        self.skipped_steps = int(z.get("skipped_steps", 0))
+
+    def scaler_state_dict(self) -> dict | None:
+        """The loss scaler's state (None without loss scaling)."""
+        s = self.loss_scaler
+        if s is None:
+            return None
+        return {"scale": s.scale, "good_steps": s.good_steps, "hysteresis_left": s.hysteresis_left,
+                "skipped": s.skipped, "dynamic": bool(s.dynamic)}
+
+    def load_scaler_state_dict(self, d: dict | None) -> None:
+        if d is None or self.loss_scaler is None:
+            return
+        s = self.loss_scaler
+        s.scale, s.good_steps, s.hysteresis_left, s.skipped = (
+            float(d["scale"]), int(d["good_steps"]), int(d["hysteresis_left"]), int(d["skipped"]))
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -188,6 +259,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         s = self._engine.stats()
         s["optimizer"] = self.wrapped_class.__name__
         s["fused"] = self._fused
+        s["loss_scale"] = self.loss_scale if self.loss_scaler is not None else None
+        s["skipped_steps"] = self.skipped_steps
         s["steps"] = max(self._steps) if self._steps else 0
         comm = s["comm"]
         # Ring-cost equivalent: an all-reduce moves as much as reduce-scatter + all-gather.

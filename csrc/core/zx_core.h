@@ -9,6 +9,7 @@
  *   zx_plan.c     partition planner (DESIGN §3)          defines: zx_plan_*
  *   zx_cpu.c      run-time ISA detection                  defines: zx_cpu_*
  *   zx_kernels*.c optimizer / norm / reduce / cast kernels defines: zx_adam_step, ...
+ *   zx_scaler.c   dynamic loss-scaling state machine      defines: zx_scaler_*
  */
 #ifndef ZX_CORE_H
 #define ZX_CORE_H
@@ -204,6 +205,41 @@ zx_status zx_cast_from_f32(zx_isa isa, size_t n, const float *src, void *dst, zx
 
 /* dst[i] = (float) src[i] for a BF16/F16/F32 source. */
 zx_status zx_cast_to_f32(zx_isa isa, size_t n, const void *src, zx_dtype src_dtype, float *dst);
+
+/* ------------------------------------------------------------------ loss scaler
+ * Dynamic loss scaling for fp16 (DESIGN §4). After every backward the caller
+ * reports whether any gradient element on any rank was inf/nan (one all-reduce
+ * it already does for the norm); the machine says whether to skip the step and
+ * moves the scale:
+ *   overflow:    the step is skipped. If `hysteresis_left` > 1 it is decremented
+ *                and the scale kept (a lone spike does not halve the scale);
+ *                otherwise scale = max(scale * backoff_factor, min_scale) and
+ *                hysteresis_left is refilled. good_steps restarts at 0.
+ *   no overflow: good_steps += 1 and hysteresis_left is refilled; once good_steps
+ *                reaches growth_interval, scale = min(scale * growth_factor,
+ *                max_scale) and good_steps restarts at 0.
+ * A static scaler (dynamic = 0) never changes its scale but still skips
+ * overflowing steps (an inf would otherwise poison the fp32 master weights).
+ */
+typedef struct zx_loss_scaler {
+    double scale;                /* the current loss scale, > 0 */
+    double growth_factor;        /* > 1 */
+    double backoff_factor;       /* in (0, 1) */
+    double min_scale;            /* > 0: the scale never drops below it */
+    double max_scale;            /* >= scale: the scale never grows past it */
+    int64_t growth_interval;     /* >= 1 overflow-free steps before growing */
+    int64_t hysteresis;          /* >= 1 consecutive overflows before backing off */
+    int32_t dynamic;             /* 0: static scale */
+    /* state */
+    int64_t good_steps;          /* overflow-free steps since the last change */
+    int64_t hysteresis_left;     /* overflows still tolerated before a backoff */
+    int64_t skipped;             /* steps skipped so far */
+} zx_loss_scaler;
+
+/* Checks the configuration fields and resets the state. */
+zx_status zx_scaler_init(zx_loss_scaler *s);
+/* One step's verdict: *skip = 1 when the step must be skipped. */
+zx_status zx_scaler_update(zx_loss_scaler *s, int32_t found_nonfinite, int32_t *skip);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,91 @@
+/* test_scaler.c — the loss-scaling state machine against a transcript written
+ * out by hand from its specification (zx_core.h), and its argument checks.
+ * Run: make -C csrc/core test (under AddressSanitizer + UBSan). */
+#include "../zx_core.h"
+
+#include <stdio.h>
+
+static int passed = 0, failed = 0;
+#define CHECK(cond, ...)                                                    \
+    do {                                                                    \
+        if (cond) { passed++; }                                             \
+        else { failed++; fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
+               fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); }       \
+    } while (0)
+
+static zx_loss_scaler make(double scale, int64_t interval, int64_t hysteresis, int dynamic) {
+    zx_loss_scaler s = {0};
+    s.scale = scale;
+    s.growth_factor = 2.0;
+    s.backoff_factor = 0.5;
+    s.min_scale = 1.0;
+    s.max_scale = 1 << 24;
+    s.growth_interval = interval;
+    s.hysteresis = hysteresis;
+    s.dynamic = dynamic;
+    return s;
+}
+
+/* overflow pattern -> expected (skip, scale after) per step */
+static void transcript(void) {
+    zx_loss_scaler s = make(1024.0, 3, 2, 1);
+    CHECK(zx_scaler_init(&s) == ZX_OK, "init");
+    const int overflow[] = {0, 0, 0, 1, 1, 0, 1, 0, 1, 1, 1, 1, 0, 0, 0};
+    const int skip_want[] = {0, 0, 0, 1, 1, 0, 1, 0, 1, 1, 1, 1, 0, 0, 0};
+    /* 3 good steps grow 1024 -> 2048; the first overflow is absorbed by
+     * hysteresis, the second halves; a good step refills hysteresis; ... */
+    const double scale_want[] = {1024, 1024, 2048, 2048, 1024, 1024, 1024, 1024, 1024, 512, 512, 256,
+                                 256, 256, 512};
+    for (int i = 0; i < 15; i++) {
+        int32_t skip = -1;
+        CHECK(zx_scaler_update(&s, overflow[i], &skip) == ZX_OK, "update %d", i);
+        CHECK(skip == skip_want[i], "step %d: skip %d, want %d", i, skip, skip_want[i]);
+        CHECK(s.scale == scale_want[i], "step %d: scale %g, want %g", i, s.scale, scale_want[i]);
+    }
+    CHECK(s.skipped == 7, "skipped %lld", (long long)s.skipped);
+}
+
+static void bounds(void) {
+    zx_loss_scaler s = make(2.0, 1, 1, 1);
+    CHECK(zx_scaler_init(&s) == ZX_OK, "init");
+    int32_t skip;
+    for (int i = 0; i < 5; i++) zx_scaler_update(&s, 1, &skip);
+    CHECK(s.scale == 1.0, "min_scale floor: %g", s.scale);
+    s.max_scale = 8.0;
+    for (int i = 0; i < 10; i++) zx_scaler_update(&s, 0, &skip);
+    CHECK(s.scale == 8.0, "max_scale cap: %g", s.scale);
+    zx_loss_scaler st = make(128.0, 1, 1, 0);
+    CHECK(zx_scaler_init(&st) == ZX_OK, "static init");
+    zx_scaler_update(&st, 1, &skip);
+    CHECK(skip == 1 && st.scale == 128.0, "static: skip %d scale %g", skip, st.scale);
+    zx_scaler_update(&st, 0, &skip);
+    CHECK(skip == 0 && st.scale == 128.0, "static: skip %d scale %g", skip, st.scale);
+}
+
+static void bad_args(void) {
+    zx_loss_scaler s = make(0.0, 1, 1, 1);
+    CHECK(zx_scaler_init(&s) == ZX_ERR_INVALID_ARG, "scale 0");
+    s = make(16.0, 0, 1, 1);
+    CHECK(zx_scaler_init(&s) == ZX_ERR_INVALID_ARG, "interval 0");
+    s = make(16.0, 1, 0, 1);
+    CHECK(zx_scaler_init(&s) == ZX_ERR_INVALID_ARG, "hysteresis 0");
+    s = make(16.0, 1, 1, 1);
+    s.backoff_factor = 1.0;
+    CHECK(zx_scaler_init(&s) == ZX_ERR_INVALID_ARG, "backoff 1");
+    s = make(16.0, 1, 1, 1);
+    s.growth_factor = 1.0;
+    CHECK(zx_scaler_init(&s) == ZX_ERR_INVALID_ARG, "growth 1");
+    s = make(0.5, 1, 1, 1);
+    CHECK(zx_scaler_init(&s) == ZX_ERR_INVALID_ARG, "below min_scale");
+    int32_t skip;
+    CHECK(zx_scaler_update(NULL, 0, &skip) == ZX_ERR_INVALID_ARG, "NULL scaler");
+    CHECK(zx_scaler_init(NULL) == ZX_ERR_INVALID_ARG, "NULL init");
+}
+
+int main(void) {
+    transcript();
+    bounds();
+    bad_args();
+    printf("test_scaler: %d checks passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
