@@ -2,6 +2,7 @@
 train_gpt.py: distributed setup, wrapping for DDP or zero_ext, model-state bytes,
 and the end-of-run summary. Kept small so each example still reads top to bottom."""
 
+import contextlib
 import json
 import os
 import statistics
@@ -27,13 +28,38 @@ def setup_distributed(threads):
     return rank, world_size, threads
 
 
+def add_precision_argument(parser):
+    """--dtype fp32/bf16/fp16: zero_ext's param_dtype; DDP runs bf16 under torch.autocast."""
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="compute precision: zero_ext param_dtype (fp32 master weights in the shard, fp32 "
+                             "gradient reduction; fp16 adds dynamic loss scaling); --ddp: torch.autocast (bf16)")
+
+
+def check_precision(parser, args):
+    if args.dtype == "fp16" and args.ddp:
+        parser.error("--dtype fp16 is for zero_ext (it scales the loss itself); use --dtype bf16 with --ddp")
+
+
 def wrap_for_data_parallel(model, opt, args):
     """torch DDP (--ddp) or zero_ext.zeroify. Returns (model, opt)."""
     if args.ddp:
         assert dist.is_initialized(), "--ddp needs a process group: run under torchrun (--nproc_per_node=1 is fine)"
         return DistributedDataParallel(model), opt
     import zero_ext
-    return zero_ext.zeroify(model, opt, stage=args.stage)      # the one zero_ext line
+    return zero_ext.zeroify(model, opt, stage=args.stage, param_dtype=args.dtype)   # the one zero_ext line
+
+
+def autocast(args):
+    """The forward's precision context: DDP + bf16 runs under torch.autocast; zero_ext
+    needs none (its parameters already are bf16/fp16 and it casts float inputs)."""
+    if args.ddp and args.dtype == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def backward(loss, opt):
+    """loss.backward(), through zero_ext's loss scale when it has one (fp16)."""
+    (opt.scale_loss(loss) if hasattr(opt, "scale_loss") else loss).backward()
 
 
 def model_state_bytes(model, opt, args):

@@ -1,14 +1,15 @@
 """Side-by-side demo: zero_ext ZeRO stages against torch DDP, 2 CPU ranks, tiny GPT.
 
     make demo
-    python examples/demo.py                          # columns: ddp, stage 0, stage 2
+    python examples/demo.py                          # columns: ddp, stages 0, 2, 3, stage 3 in bf16
     python examples/demo.py --stages ddp 0 1 2 --steps 100
 
 Each column is one job
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --stage S --json ...
 (or --ddp), all with the same seed, model, data and thread count, run one after the
-other. The table compares final losses (stages 0..2 compute what DDP computes, up to
-rounding, so the curves agree closely), median step time, model-state bytes per rank,
+other. The table compares final losses (stages 0..3 compute what DDP computes, up to
+rounding, so the curves agree closely; the bf16 column computes in bf16 with fp32
+master weights, so its loss differs slightly), median step time, model-state bytes per rank,
 and bytes communicated per step: zero_ext's counters, the loopback interface and the
 bytes the ranks wrote. Takes about 2-3 minutes on 2 cores.
 """
@@ -47,10 +48,30 @@ def run_train_gpt(script_args, json_path, nproc=2, capture=False):
 # Column names: torch DDP with torch.optim.AdamW (default, foreach or fused
 # implementation), torch FSDP2 (fully_shard) with torch.optim.AdamW, or a zero_ext stage.
 SYSTEMS = ["ddp", "ddp-foreach", "ddp-fused", "fsdp2", "0", "1", "2", "3"]
+# Any of them with a precision suffix: "3-bf16" (zero_ext param_dtype=bf16), "ddp-bf16"
+# (DDP under torch.autocast), "fsdp2-bf16" (MixedPrecisionPolicy), "2-fp16" (zero_ext only).
+DTYPES = ["bf16", "fp16"]
+
+
+def split_dtype(system):
+    """("3", "bf16") for "3-bf16"; (system, None) without a suffix."""
+    base, _, suffix = system.rpartition("-")
+    return (base, suffix) if suffix in DTYPES and base else (system, None)
+
+
+def check_system(system):
+    base, dtype = split_dtype(system)
+    if base not in SYSTEMS or (dtype == "fp16" and not base.isdigit()):
+        raise argparse.ArgumentTypeError(f"unknown column {system!r}: one of {', '.join(SYSTEMS)}, optionally "
+                                         f"with -bf16 (or -fp16 for zero_ext stages)")
+    return system
 
 
 def system_args(system):
-    """train_gpt.py flags for a column name of SYSTEMS."""
+    """train_gpt.py flags for a column name of SYSTEMS (with an optional precision suffix)."""
+    system, dtype = split_dtype(system)
+    if dtype is not None:
+        return system_args(system) + ["--dtype", dtype]
     if system == "ddp":
         return ["--ddp"]
     if system.startswith("ddp-"):
@@ -61,6 +82,9 @@ def system_args(system):
 
 
 def system_label(system):
+    system, dtype = split_dtype(system)
+    if dtype is not None:
+        return f"{system_label(system)} {dtype}"
     if system == "ddp":
         return "DDP"
     if system.startswith("ddp-"):
@@ -99,9 +123,10 @@ def max_known(values):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stages", nargs="+", default=["ddp", "0", "2", "3"], choices=SYSTEMS,
+    parser.add_argument("--stages", nargs="+", default=["ddp", "0", "2", "3", "3-bf16"], type=check_system,
                         help="columns, in order: 'ddp' (torch DDP + AdamW; ddp-fused: fused AdamW), "
-                             "'fsdp2' (torch fully_shard + AdamW) and/or zero_ext stages")
+                             "'fsdp2' (torch fully_shard + AdamW) and/or zero_ext stages; a '-bf16' suffix "
+                             "computes in bf16 (zero_ext: param_dtype with fp32 masters; DDP: autocast)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()

@@ -33,7 +33,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import setup_distributed, summarize, wrap_for_data_parallel
+from common import add_precision_argument, autocast, backward, check_precision, setup_distributed, summarize, \
+    wrap_for_data_parallel
 
 try:
     from tqdm import tqdm          # optional: progress bar on rank 0
@@ -46,7 +47,7 @@ IMAGE_SHAPE = (3, 32, 32)          # channels, height, width (CIFAR-10)
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2], help="ZeRO stage (default 2)")
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage (default 2)")
     parser.add_argument("--ddp", action="store_true", help="baseline: torch DDP + the same SGD, no zero_ext")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=None, help="images per rank per step (default 32; 16 with --tiny)")
@@ -62,11 +63,10 @@ def parse_args(argv=None):
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per rank (default: 1 when world size > 1, else torch's default)")
-    parser.add_argument("--dtype", default="fp32", help="only fp32 for now")
+    add_precision_argument(parser)
     parser.add_argument("--json", type=Path, default=None, help="rank 0 writes the run summary here")
     args = parser.parse_args(argv)
-    if args.dtype != "fp32":
-        parser.error(f"--dtype {args.dtype} is not supported yet: train_cnn.py runs fp32 only (drop the flag)")
+    check_precision(parser, args)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     if args.batch_size is None:
@@ -145,7 +145,8 @@ def evaluate(model, data, args):
     model.eval()                                               # BatchNorm uses its running statistics
     generator = torch.Generator().manual_seed(args.seed + 999_999)
     x, y = data.get_batch(args.eval_size, generator)
-    logits = model(x)
+    with autocast(args):
+        logits = model(x).float()
     model.train()
     return F.cross_entropy(logits, y).item(), (logits.argmax(dim=1) == y).float().mean().item()
 
@@ -179,9 +180,10 @@ def train(args):
         x, y = data.get_batch(args.batch_size, generator)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        logits = model(x)
-        loss = F.cross_entropy(logits, y)
-        loss.backward()                                        # gradients are reduced during backward
+        with autocast(args):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float(), y)
+        backward(loss, opt)                                    # gradients are reduced during backward
         if args.grad_clip > 0:
             if args.ddp:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)

@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --stage 2
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --ddp    # baseline
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp2  # torch FSDP2 peer
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --stage 3 --dtype bf16
     python examples/train_gpt.py --stage 2 --steps 50                       # one process
 
 --stage 0 has plain DDP semantics (nothing partitioned), 1 partitions the optimizer
@@ -79,11 +80,14 @@ def parse_args(argv=None):
     parser.add_argument("--sample-chars", type=int, default=200, help="characters to generate at the end; 0 for none")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per rank (default: 1 when world size > 1, else torch's default)")
-    parser.add_argument("--dtype", default="fp32", help="only fp32 for now")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="compute precision. zero_ext: param_dtype (fp32 master weights in the shard, fp32 "
+                             "gradient reduction; fp16 adds dynamic loss scaling); --ddp: torch.autocast; "
+                             "--fsdp2: MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)")
     parser.add_argument("--json", type=Path, default=None, help="rank 0 writes the run summary here")
     args = parser.parse_args(argv)
-    if args.dtype != "fp32":
-        parser.error(f"--dtype {args.dtype} is not supported yet: train_gpt.py runs fp32 only (drop the flag)")
+    if args.dtype == "fp16" and (args.ddp or args.fsdp2):
+        parser.error("--dtype fp16 is for zero_ext (it scales the loss itself); use --dtype bf16 with --ddp/--fsdp2")
     if args.accum < 1 or args.steps < 1:
         parser.error("--accum and --steps must be >= 1")
     if args.ddp and args.fsdp2:
@@ -106,7 +110,7 @@ def build_optimizer(model, lr, weight_decay, adamw_impl):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **impl)
 
 
-def shard_fsdp2(model):
+def shard_fsdp2(model, dtype="fp32"):
     """torch FSDP2: fully_shard each Block, then the root, on a CPU mesh over all ranks.
 
     Must run before the optimizer is built (the parameters become DTensors). The
@@ -115,13 +119,15 @@ def shard_fsdp2(model):
     so the reduced gradient is the mean over ranks, as DDP's.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world_size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if dtype == "bf16" else None,
+                                  reduce_dtype=torch.float32)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     # Both setters apply to every FSDP module's parameter groups, so each module is set.
     for module in model.modules():
         if hasattr(module, "set_force_sum_reduction_for_comms"):
@@ -139,7 +145,8 @@ def wrap_for_data_parallel(model, opt, args):
     if args.fsdp2:
         return model, opt
     import zero_ext
-    return zero_ext.zeroify(model, opt, stage=args.stage, **args.zero_config)
+    options = {"param_dtype": args.dtype, **args.zero_config}
+    return zero_ext.zeroify(model, opt, stage=args.stage, **options)
 
 
 def learning_rate(step, args):
@@ -161,9 +168,16 @@ def train_step(model, opt, data, args, generator, lr):
             sync_context = contextlib.nullcontext()
         else:
             sync_context = contextlib.nullcontext() if is_last else model.no_sync()   # sync only on the last
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.ddp and args.dtype == "bf16" \
+            else contextlib.nullcontext()
         with sync_context:
-            _, loss = model(x, y)
-            (loss / args.accum).backward()
+            with autocast:
+                _, loss = model(x, y)
+            loss = loss.float()
+            scaled = loss / args.accum
+            if hasattr(opt, "scale_loss"):     # zero_ext: times the loss scale with fp16 (else unchanged)
+                scaled = opt.scale_loss(scaled)
+            scaled.backward()
         loss_sum += loss.item()
     if args.grad_clip > 0:
         if args.ddp or args.fsdp2:         # torch's clip handles FSDP2's DTensor gradients
@@ -297,12 +311,12 @@ def train(args):
     num_params = model.num_params()
     if args.fsdp2:
         assert dist.is_initialized(), "--fsdp2 needs a process group: run under torchrun (--nproc_per_node=1 is fine)"
-        model = shard_fsdp2(model)                             # before the optimizer: params become DTensors
+        model = shard_fsdp2(model, args.dtype)                 # before the optimizer: params become DTensors
     opt = build_optimizer(model, args.lr, args.weight_decay, args.adamw)
     model, opt = wrap_for_data_parallel(model, opt, args)
     system = "ddp" if args.ddp else "fsdp2" if args.fsdp2 else f"stage {args.stage}"
     tokens_per_step = args.batch_size * args.block_size * args.accum * world_size
-    log(f"{system} | world size {world_size} | {threads} thread(s) per rank | {num_params:,} parameters | "
+    log(f"{system} | {args.dtype} | world size {world_size} | {threads} thread(s) per rank | {num_params:,} parameters | "
         f"{tokens_per_step:,} tokens per step | torch {torch.__version__}")
 
     generator = torch.Generator().manual_seed(args.seed + 1000 * rank)
@@ -361,6 +375,7 @@ def train(args):
         "system": system,
         "stage": None if (args.ddp or args.fsdp2) else args.stage,
         "world_size": world_size,
+        "dtype": args.dtype,
         "threads_per_rank": threads,
         "torch_version": torch.__version__,
         "isa": torch.backends.cpu.get_cpu_capability() if stats is None else stats["isa"],

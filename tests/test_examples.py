@@ -81,12 +81,22 @@ def test_classifier_one_process(script, min_accuracy, tmp_path):
     assert_learned(summary, min_accuracy)
 
 
-def test_classifier_rejects_other_dtypes():
+@pytest.mark.parametrize("script, min_accuracy", [("train_cnn.py", 0.5), ("train_encoder.py", 0.75)])
+def test_classifier_bf16_stage3_one_process(script, min_accuracy, tmp_path):
+    """--dtype bf16 at stage 3: bf16 compute (BatchNorm statistics included) with fp32
+    master weights still learns."""
+    summary = run_classifier(script, tmp_path, ["--stage", "3", "--dtype", "bf16", "--steps", "60"])
+    assert summary["zero_ext_stats"]["param_dtype"] == "bf16" and summary["stage"] == 3
+    assert summary["model_state_bytes"]["master_weights"] > 0
+    assert_learned(summary, min_accuracy)
+
+
+def test_classifier_rejects_fp16_for_ddp():
     path = os.path.join(EXAMPLES, "train_cnn.py")
-    result = subprocess.run([sys.executable, path, "--tiny", "--dtype", "bf16"], cwd=ROOT,
+    result = subprocess.run([sys.executable, path, "--tiny", "--ddp", "--dtype", "fp16"], cwd=ROOT,
                             capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode != 0
-    assert "--dtype bf16 is not supported yet" in result.stderr, result.stderr
+    assert "--dtype fp16 is for zero_ext" in result.stderr, result.stderr
 
 
 def parse_linear_regression(output):
@@ -101,16 +111,18 @@ def test_linear_regression_one_process():
     parse_linear_regression(run_example("linear_regression.py", []))
 
 
-def test_gpt_one_process(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpt_one_process(tmp_path, dtype):
     # train_gpt.py prints no "summary:" line; its last report starts with "final |".
     out = tmp_path / "gpt.json"
-    output = run_example("train_gpt.py", ["--stage", "2", "--steps", "10", "--warmup", "1", "--lr-warmup", "1",
+    output = run_example("train_gpt.py", ["--stage", "2", "--dtype", dtype, "--steps", "10", "--warmup", "1", "--lr-warmup", "1",
                                           "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
                                           "--block-size", "16", "--batch-size", "4", "--eval-iters", "2",
                                           "--sample-chars", "0", "--threads", "1", "--json", str(out)])
     summary_line(output, prefix="final |")
     summary = json.loads(out.read_text())
     assert summary["final_train_loss"] < summary["losses"][0] - 0.05, (summary["losses"], summary["final_train_loss"])
+    assert summary["dtype"] == dtype == summary["zero_ext_stats"]["param_dtype"]
 
 
 # ----------------------------------------------------------------------------- torchrun, 2 ranks

@@ -61,6 +61,15 @@ def _bad_input_worker(rank, world, case):
     elif case == "fused_always_generic":
         opt = torch.optim.Adagrad(model.parameters())
         kwargs["fused"] = "always"
+    elif case == "bad_param_dtype":
+        kwargs["param_dtype"] = "fp8"
+    elif case == "bad_loss_scale":
+        kwargs["loss_scale"] = -4.0
+    elif case == "bf16_reduce_generic":
+        opt = torch.optim.RMSprop(model.parameters())
+        kwargs.update(param_dtype=torch.bfloat16, reduce_dtype="bf16")
+    elif case == "bad_backoff":
+        kwargs["loss_scale_backoff_factor"] = 2.0
     elif case == "missing_json":
         kwargs["config"] = "/nonexistent/zero.json"
     else:
@@ -83,7 +92,11 @@ CASES = {
     "sparse_adam": "SparseAdam is not an elementwise optimizer",
     "not_optimizer": "optimizer must be a torch.optim.Optimizer",
     "not_module": "model must be a torch.nn.Module",
-    "double_params": "keep float32 parameters",
+    "double_params": "give zeroify() the model in float32",
+    "bad_param_dtype": "param_dtype must be one of",
+    "bad_loss_scale": "loss_scale must be 'auto', 'dynamic', None or a positive number",
+    "bf16_reduce_generic": "reduce_dtype='bf16' needs a fused optimizer",
+    "bad_backoff": "loss_scale_backoff_factor must be in (0, 1)",
     "no_trainable": "no parameter with requires_grad=True",
     "already_wrapped": "already wrapped (DistributedDataParallel)",
     "differentiable": "differentiable=True) is not supported",

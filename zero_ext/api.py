@@ -213,11 +213,17 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
             _broadcast_from_first(pg, frozen + list(model.buffers()))
 
     if cfg.param_dtype != "fp32":
-        # Frozen parameters have no master: they simply compute in param_dtype too.
+        # Frozen parameters have no master: they simply compute in param_dtype too,
+        # as do floating-point buffers (BatchNorm's running statistics must match
+        # its weight's dtype).
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
         with torch.no_grad():
             for p in frozen:
                 p.data = p.data.to(low)
+            for m in model.modules():
+                for name, b in m._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        m._buffers[name] = b.to(low)
     buffers = [b for b in model.buffers() if b.numel() > 0]
     wrapped = ZeroModel(model, engine, cfg, buffers, unit_modules, root_holders)
     for i, p in enumerate(params):

@@ -17,7 +17,8 @@ def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_u
     unit_modules: class names (or classes) that form units; None = automatic:
         walking down from the root, a child holding at most `unit_numel` trainable
         elements (default: a quarter of them) becomes a unit, a larger one is split
-        into its children. Units under min_unit_numel elements join the root.
+        into its children unless it holds parameters of its own (then it stays whole).
+        Units under min_unit_numel elements join the root.
     """
     trainable = {id(p) for p in params}
 
@@ -43,8 +44,12 @@ def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_u
                 else:
                     visit(child)
                 continue
+            # A module holding parameters of its own is not split: its forward may read
+            # its children's parameters directly (nn.MultiheadAttention uses
+            # out_proj.weight without calling out_proj), so they must be gathered with it.
+            own = any(id(p) in trainable for p in child.parameters(recurse=False))
             has_sub = any(numel(c) for c in child.children())
-            if n <= cap or not has_sub:
+            if n <= cap or not has_sub or own:
                 if n >= min_unit_numel:
                     units.append(child)
             else:
