@@ -40,13 +40,13 @@ static void sgd_isa(zx_isa isa, size_t n, float *param, const float *grad, float
     }
 }
 
-/* dtype is ZX_BF16 or ZX_F16 */
+/* dtype is ZX_BF16 or ZX_F16; stream: Note [Streaming copy-out] (zx_kernels_avx512.c) */
 static void cast_from_f32_isa(zx_isa isa, size_t n, const float *src, void *dst,
-                              zx_dtype dtype) {
+                              zx_dtype dtype, int stream) {
     switch (isa) {
 #if ZX_HAVE_X86_SIMD
-    case ZX_ISA_AVX512: zx_cast_from_f32_avx512(n, src, dst, dtype); return;
-    case ZX_ISA_AVX2: zx_cast_from_f32_avx2(n, src, dst, dtype); return;
+    case ZX_ISA_AVX512: zx_cast_from_f32_avx512(n, src, dst, dtype, stream); return;
+    case ZX_ISA_AVX2: zx_cast_from_f32_avx2(n, src, dst, dtype, stream); return;
 #endif
     default: zx_cast_from_f32_ref(n, src, dst, dtype); return;
     }
@@ -113,7 +113,7 @@ zx_status zx_adam_step(zx_isa isa, size_t n, float *param, const float *grad,
         size_t len = n - off < ZX_LP_BLOCK_NUMEL ? n - off : ZX_LP_BLOCK_NUMEL;
         adam_isa(isa, len, param + off, grad + off, exp_avg + off, exp_avg_sq + off,
                  v_max ? v_max + off : NULL, &c);
-        cast_from_f32_isa(isa, len, param + off, lp + off, lp_dtype);
+        cast_from_f32_isa(isa, len, param + off, lp + off, lp_dtype, 1);
     }
     return ZX_OK;
 }
@@ -163,7 +163,7 @@ zx_status zx_sgd_step(zx_isa isa, size_t n, float *param, const float *grad,
     for (size_t off = 0; off < n; off += ZX_LP_BLOCK_NUMEL) {
         size_t len = n - off < ZX_LP_BLOCK_NUMEL ? n - off : ZX_LP_BLOCK_NUMEL;
         sgd_isa(isa, len, param + off, grad + off, buf ? buf + off : NULL, &c);
-        cast_from_f32_isa(isa, len, param + off, lp + off, lp_dtype);
+        cast_from_f32_isa(isa, len, param + off, lp + off, lp_dtype, 1);
     }
     return ZX_OK;
 }
@@ -238,7 +238,7 @@ zx_status zx_cast_from_f32(zx_isa isa, size_t n, const float *src, void *dst,
     if (dst_dtype == ZX_F32)
         memmove(dst, src, n * sizeof(float));
     else
-        cast_from_f32_isa(isa, n, src, dst, dst_dtype);
+        cast_from_f32_isa(isa, n, src, dst, dst_dtype, 0);
     return ZX_OK;
 }
 

@@ -88,7 +88,8 @@ static inline ZX_SIMD_TARGET __m128i bf16_round_int(__m256 x) {
 }
 
 ZX_SIMD_TARGET
-void zx_cast_from_f32_avx2(size_t n, const float *src, void *dst, zx_dtype dtype) {
+void zx_cast_from_f32_avx2(size_t n, const float *src, void *dst, zx_dtype dtype, int stream) {
+    (void)stream;   /* Note [Streaming copy-out]: AVX-512 only */
     uint16_t *out = (uint16_t *)dst;
     size_t i = 0;
     if (dtype == ZX_BF16) {

@@ -112,7 +112,7 @@ float zx_f16_to_f32_ref(uint16_t h);
                              const float *src, float *dst, int32_t accumulate,         \
                              float scale);                                             \
     void zx_scale_##sfx(size_t n, float *x, float s);                                  \
-    void zx_cast_from_f32_##sfx(size_t n, const float *src, void *dst, zx_dtype dtype); \
+    void zx_cast_from_f32_##sfx(size_t n, const float *src, void *dst, zx_dtype dtype, int stream); \
     void zx_cast_to_f32_##sfx(size_t n, const void *src, zx_dtype dtype, float *dst);
 ZX_DECLARE_SIMD_KERNELS(avx2)
 ZX_DECLARE_SIMD_KERNELS(avx512)
