@@ -201,9 +201,9 @@ def test_bf16_follows_fp32_and_matches_emulation(world):
 
 
 def test_bf16_reduce_world3():
-    """bf16 reduce (opt-in) at a world size that divides nothing: still the emulated
-    arithmetic? No — the emulation reduces in fp32; so here only the loss curve and
-    the norm are checked, and that the reduce-scatter carried bf16."""
+    """reduce_dtype=bf16 (opt-in) at a world size that divides nothing: the emulation
+    reduces in fp32, so only the loss (within 0.15 of fp32 DDP at every step) and the
+    norm (2% of the fp32-reduced one) are checked, and that bf16 was reduced."""
     results = run_world(_bf16_worker, 3, (2, 3), 60, "bf16", timeout_s=600)
     for out in results:
         for stage in (2, 3):
