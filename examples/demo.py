@@ -45,8 +45,10 @@ def run_train_gpt(script_args, json_path, nproc=2, capture=False):
 
 
 # Column names: torch DDP with torch.optim.AdamW (default, foreach or fused
-# implementation), torch FSDP2 (fully_shard) with torch.optim.AdamW, or a zero_ext stage.
-SYSTEMS = ["ddp", "ddp-foreach", "ddp-fused", "fsdp2", "0", "1", "2", "3"]
+# implementation), torch FSDP2 (fully_shard), torch ZeroRedundancyOptimizer (with DDP),
+# DeepSpeed ZeRO-1/2 (if installed), all with torch.optim.AdamW, or a zero_ext stage.
+SYSTEMS = ["ddp", "ddp-foreach", "ddp-fused", "fsdp2", "zero-redundancy", "deepspeed-1", "deepspeed-2",
+           "0", "1", "2", "3"]
 
 
 def system_args(system):
@@ -57,6 +59,10 @@ def system_args(system):
         return ["--ddp", "--adamw", system[len("ddp-"):]]
     if system == "fsdp2":
         return ["--fsdp2"]
+    if system == "zero-redundancy":
+        return ["--zero-redundancy"]
+    if system.startswith("deepspeed-"):
+        return ["--deepspeed", system[len("deepspeed-"):]]
     return ["--stage", system]
 
 
@@ -67,6 +73,10 @@ def system_label(system):
         return f"DDP ({system[len('ddp-'):]} AdamW)"
     if system == "fsdp2":
         return "FSDP2"
+    if system == "zero-redundancy":
+        return "ZeroRedundancyOptimizer"
+    if system.startswith("deepspeed-"):
+        return f"DeepSpeed ZeRO-{system[len('deepspeed-'):]}"
     return f"stage {system}"
 
 
@@ -101,7 +111,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", nargs="+", default=["ddp", "0", "2", "3"], choices=SYSTEMS,
                         help="columns, in order: 'ddp' (torch DDP + AdamW; ddp-fused: fused AdamW), "
-                             "'fsdp2' (torch fully_shard + AdamW) and/or zero_ext stages")
+                             "'fsdp2' (torch fully_shard + AdamW), 'zero-redundancy' (torch "
+                             "ZeroRedundancyOptimizer), 'deepspeed-1'/'deepspeed-2' (needs deepspeed) "
+                             "and/or zero_ext stages")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
@@ -139,7 +151,8 @@ def main():
     print(format_table(["metric"] + list(summaries), rows))
     print("model-state bytes: parameters + gradients + master weights + optimizer states (DESIGN.md section 6);\n"
           "comm bytes: zero_ext's counters per rank, all-reduce counted twice (ring-cost equivalent);\n"
-          "  DDP: theory; FSDP2: bytes written by all ranks / (ranks - 1), the same convention;\n"
+          "  DDP: theory; FSDP2, ZeroRedundancyOptimizer, DeepSpeed: bytes written by all ranks / (ranks - 1),\n"
+          "  the same convention;\n"
           "loopback bytes: all ranks, /proc/net/dev (includes other programs' loopback traffic);\n"
           "bytes written: all ranks, /proc/self/io (gloo's socket writes, plus a few log lines);\n"
           "peak RSS: VmHWM of /proc/self/status at the end of the run (the whole process).")
