@@ -1,7 +1,7 @@
 # zero_ext — set-up, build, test, demo. Every target does its own set-up and is idempotent.
 #   make test    build everything (venv, torch, the extension) and pass the tests
 #   make demo    the main job: GPT training on 2 CPU ranks, ZeRO vs DDP, side by side
-#   make bench   the benchmarks (tables + JSON under benchmarks/results/)
+#   make bench   the benchmarks (tables + JSON under benchmarks/results/); installs DeepSpeed, a peer
 # A user with a torch of their own (e.g. CUDA) keeps it: make ZX_SYSTEM_TORCH=1 ...
 # builds the venv on top of the system site-packages and installs no torch.
 
@@ -9,6 +9,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+DEEPSPEED_VERSION ?= 0.19.8
 ZX_SYSTEM_TORCH ?= 0
 PYTEST_ARGS ?=
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/core/*.c csrc/core/*.h csrc/core/*.inc csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh) setup.py
@@ -49,7 +50,21 @@ test: core-test pytest
 demo: build
 	$(PY) examples/demo.py
 
-bench: build
+# DeepSpeed is a peer in bench_step.py, for make bench only (make test never needs it). It
+# builds against the venv's torch (no build isolation, which would fetch another torch);
+# if it does not install, the benchmark reports it as not installed and pip's output
+# stays in benchmarks/results/deepspeed_install.log.
+$(VENV)/.bench-deps: $(VENV)/.deps
+	@mkdir -p benchmarks/results
+	@if $(PY) -m pip install -q --no-build-isolation "deepspeed==$(DEEPSPEED_VERSION)" \
+	        > benchmarks/results/deepspeed_install.log 2>&1; then \
+	    echo "deepspeed $(DEEPSPEED_VERSION) installed"; \
+	else \
+	    echo "deepspeed $(DEEPSPEED_VERSION) did not install (see benchmarks/results/deepspeed_install.log)"; \
+	fi
+	@touch $@
+
+bench: build $(VENV)/.bench-deps
 	$(PY) benchmarks/bench_optimizer.py
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_memory.py

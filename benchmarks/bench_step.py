@@ -1,4 +1,5 @@
-"""Training-step benchmark: zero_ext stages 0-3 against torch DDP and FSDP2, 2 gloo ranks, tiny GPT.
+"""Training-step benchmark: zero_ext stages 0-3 against torch DDP, FSDP2, ZeroRedundancyOptimizer and
+DeepSpeed ZeRO-1/2 (when installed), 2 gloo ranks, tiny GPT.
 
     python benchmarks/bench_step.py              # 5 repetitions, 60 steps per job
     python benchmarks/bench_step.py --quick      # 3 repetitions, 30 steps per job
@@ -13,6 +14,11 @@ FSDP2 is torch's fully_shard (train_gpt.py --fsdp2: each Block, then the root, o
 device mesh, SUM reduction forced and divided by the world size, torch.optim.AdamW on the
 DTensor shards). Should it fail to run (a torch without gloo support for it), its row
 and JSON entry say "did not run: <reason>" and the other systems are still measured.
+ZeroRedundancyOptimizer is torch's (train_gpt.py --zero-redundancy: DDP for the gradients,
+the same AdamW sharded by whole parameters), DeepSpeed's ZeRO-1/2 engine runs on its CPU
+accelerator over gloo (--deepspeed 1|2; `make bench` installs deepspeed, `make test` does
+not); both are optional in the same way, and a DeepSpeed that is not installed is reported
+as such without launching a job.
 Also reported: model-state bytes per rank (opt.stats(); summed tensors for DDP, summed
 local DTensor shards of parameters, gradients and AdamW states for FSDP2), the peak
 resident set size per rank (VmHWM from /proc/self/status at the end of each job: the
@@ -24,6 +30,12 @@ ranks (/proc/net/dev, read by rank 0 between barriers around the timed steps; ot
 programs' loopback traffic only adds, so the minimum over repetitions is shown) and the
 bytes the ranks wrote per step (/proc/self/io wchar summed over ranks: gloo's socket
 writes, not disturbed by other programs).
+Every system also gets the theory for its bytes per step per rank (theory_comm_bytes_per_step,
+the counters' convention: DDP and stages 0-2 2Ψ, stage 3, FSDP2, ZeroRedundancyOptimizer and
+DeepSpeed 3Ψ elements of 4 bytes) and for the loopback bytes of all ranks ((N - 1) x that: each
+rank of a ring sends (N - 1)/N of every collective), and "checks" records whether stages 1/2
+move no more than DDP and fewer than ZeroRedundancyOptimizer and DeepSpeed, and stage 3 no
+more than FSDP2, on the counters and on the wire.
 Targets: stage 1/2 step time <= 1.05x DDP; bytes per step on the wire <= DDP's;
 stage 3 step time <= 1.3x DDP and <= 1.0x FSDP2.
 Timings drift on a shared machine: run it when nothing else is busy.
@@ -31,6 +43,7 @@ Writes benchmarks/results/bench_step.json.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -49,7 +62,24 @@ RESULTS = REPO / "benchmarks" / "results" / "bench_step.json"
 STEP_TIME_TARGET = 1.05          # stage 1/2 median step time / DDP's
 STAGE3_VS_DDP_TARGET = 1.3       # stage 3 median step time / DDP's
 STAGE3_VS_FSDP2_TARGET = 1.0     # stage 3 median step time / FSDP2's
-OPTIONAL_SYSTEMS = {"fsdp2"}     # peers that may not run on this torch/backend: reported, not fatal
+# peers that may not run on this torch/backend or not be installed: reported, not fatal
+OPTIONAL_SYSTEMS = {"fsdp2", "zero-redundancy", "deepspeed-1", "deepspeed-2"}
+DEFAULT_SYSTEMS = ["ddp", "0", "1", "2", "3", "fsdp2", "zero-redundancy", "deepspeed-1", "deepspeed-2"]
+BYTES_PER_ELEMENT = 4            # fp32 gradients and parameters on the wire
+# Communication per rank per step in elements of Ψ, the ZeRO paper's cost model (a collective
+# at its full tensor size, all-reduce twice), and what each system issues.
+THEORY = {
+    "ddp": (2, "all-reduce of the gradients 2Ψ"),
+    "0": (2, "all-reduce of the gradients 2Ψ"),
+    "1": (2, "reduce-scatter Ψ + all-gather Ψ"),
+    "2": (2, "reduce-scatter Ψ + all-gather Ψ"),
+    "3": (3, "all-gather Ψ (forward) + all-gather Ψ (backward) + reduce-scatter Ψ"),
+    "fsdp2": (3, "all-gather Ψ (forward) + all-gather Ψ (backward) + reduce-scatter Ψ"),
+    "zero-redundancy": (3, "DDP's all-reduce 2Ψ + each owner broadcasts its parameters, Ψ in all"),
+    "deepspeed-1": (3, "all-reduce of the gradient buckets 2Ψ (a bucket spanning several ranks' partitions "
+                       "is all-reduced: use_multi_rank_bucket_allreduce, on by default) + all-gather Ψ"),
+    "deepspeed-2": (3, "all-reduce of the gradient buckets 2Ψ (as ZeRO-1) + all-gather Ψ"),
+}
 WIRE_TOLERANCE = 1.01            # loopback bytes / DDP's; 1% for gloo/TCP control traffic
 
 
@@ -68,6 +98,42 @@ def failure_reason(output):
     return lines[-1][:300] if lines else "no output"
 
 
+def theory_comm_bytes(system, num_params):
+    """(bytes per rank per step in the counters' convention, formula) for a system of SYSTEMS."""
+    elements, formula = THEORY["ddp" if system.startswith("ddp") else system]
+    return elements * BYTES_PER_ELEMENT * num_params, formula
+
+
+def communication_checks(results, world_size):
+    """Issue claims: stages 1/2 move no more than DDP and fewer than ZeroRedundancyOptimizer and
+    DeepSpeed, stage 3 no more than FSDP2; on our counters (peers: theory for DDP, bytes written /
+    (N - 1) for the others), on the loopback wire and on the bytes written. "No more" allows
+    WIRE_TOLERANCE for gloo/TCP control traffic. A pair with a system that did not run is skipped
+    with the reason."""
+    claims = [(ours, peer, relation) for ours in ("1", "2")
+              for peer, relation in (("ddp", "<="), ("zero-redundancy", "<"), ("deepspeed-1", "<"),
+                                     ("deepspeed-2", "<"))] + [("3", "fsdp2", "<=")]
+    checks = {}
+    for ours, peer, relation in claims:
+        name = f"stage {ours} {relation} {peer}"
+        if ours not in results or peer not in results:
+            continue
+        if "did_not_run" in results[ours] or "did_not_run" in results[peer]:
+            checks[name] = {"skipped": results[peer].get("did_not_run") or results[ours].get("did_not_run")}
+            continue
+        check = {}
+        for metric in ("comm_bytes_per_step", "wire_bytes_per_step", "written_bytes_per_step"):
+            a, b = results[ours][metric], results[peer][metric]
+            if a is None or b is None:
+                check[metric] = None
+                continue
+            ok = a <= b * WIRE_TOLERANCE if relation == "<=" else a < b
+            check[metric] = {"ours": a, "peer": b, "ratio": a / b, "holds": ok}
+        check["holds"] = all(c["holds"] for c in check.values() if c is not None)
+        checks[name] = check
+    return checks
+
+
 def median_known(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -75,9 +141,10 @@ def median_known(values):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", nargs="+", default=["ddp", "0", "1", "2", "3", "fsdp2"], choices=SYSTEMS,
+    parser.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS, choices=SYSTEMS,
                         help="'ddp' (the baseline, always needed), 'ddp-foreach'/'ddp-fused' (DDP with that "
-                             "torch AdamW), 'fsdp2' (torch fully_shard), zero_ext stages")
+                             "torch AdamW), 'fsdp2' (torch fully_shard), 'zero-redundancy' (torch "
+                             "ZeroRedundancyOptimizer), 'deepspeed-1'/'deepspeed-2', zero_ext stages")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60, help="steps per job, including --warmup")
     parser.add_argument("--warmup", type=int, default=10)
@@ -94,6 +161,15 @@ def main():
     load_before = os.getloadavg()[0]         # 1-minute load average: > 0.5 means someone else is busy
     runs = {system: [] for system in args.systems}
     did_not_run = {}                         # system -> reason, for OPTIONAL_SYSTEMS that failed
+    if importlib.util.find_spec("deepspeed") is None:
+        install_log = REPO / "benchmarks" / "results" / "deepspeed_install.log"
+        reason = "deepspeed is not installed in this Python (`make bench` installs it: pip install " \
+                 "--no-build-isolation deepspeed==0.19.8)"
+        if install_log.exists() and install_log.read_text().strip():
+            reason += "; make bench's install failed: " + failure_reason(install_log.read_text())
+        for system in args.systems:
+            if system.startswith("deepspeed-"):
+                did_not_run[system] = reason
     with tempfile.TemporaryDirectory(prefix="zero_ext_bench_") as tmp:
         for rep in range(args.reps):
             for system in args.systems:
@@ -118,10 +194,14 @@ def main():
     fsdp2_ms = None if "fsdp2" in did_not_run else [r["step_time_ms"]["median"] for r in runs.get("fsdp2", [])] or None
     ddp_wire = min(r["wire_bytes_per_step"] for r in runs["ddp"])
     ddp_written = statistics.median(r["written_bytes_per_step"] for r in runs["ddp"])
+    num_params = runs["ddp"][0]["num_params"]
+    world_size = runs["ddp"][0]["world_size"]
     results = {}
     for system, system_runs in runs.items():
+        theory, formula = theory_comm_bytes(system, num_params)
         if system in did_not_run:
             results[system] = {"did_not_run": did_not_run[system],
+                               "theory_comm_bytes_per_step": theory, "theory_formula": formula,
                                "command": "torchrun --standalone --nproc_per_node=2 examples/train_gpt.py "
                                           + " ".join(system_args(system) + job_args)}
             continue
@@ -148,15 +228,24 @@ def main():
             "wire_ratio_vs_ddp": wire / ddp_wire,
             "written_bytes_per_step": written,               # median over reps
             "written_ratio_vs_ddp": written / ddp_written,
+            # theory: per rank, counters' convention; on the wire: all ranks, (N - 1) x that
+            "theory_comm_bytes_per_step": theory,
+            "theory_formula": formula,
+            "theory_wire_bytes_per_step": theory * (world_size - 1),
+            "comm_vs_theory": median_known(r["comm_bytes_per_step"] for r in system_runs) / theory
+            if median_known(r["comm_bytes_per_step"] for r in system_runs) is not None else None,
+            "wire_vs_theory": wire / (theory * (world_size - 1)) if world_size > 1 else None,
+            "written_vs_theory": written / (theory * (world_size - 1)) if world_size > 1 else None,
             "final_val_loss": [r["final_val_loss"] for r in system_runs],
             "runs": system_runs,
         }
 
+    checks = communication_checks(results, world_size)
     load_after = os.getloadavg()[0]
     first = runs["ddp"][0]
     header = ["system", "step ms (median)", "vs DDP median [min, max]", "vs FSDP2 median [min, max]",
-              "model state/rank", "buffers/rank", "peak RSS/rank", "comm/step/rank", "loopback/step", "vs DDP",
-              "written/step", "vs DDP"]
+              "model state/rank", "buffers/rank", "peak RSS/rank", "comm/step/rank", "theory/rank",
+              "loopback/step", "vs DDP", "vs theory", "written/step", "vs DDP"]
 
     def ratio_text(ratio):
         return "n/a" if ratio is None else f"{ratio['median']:.3f}x [{ratio['min']:.3f}, {ratio['max']:.3f}]"
@@ -176,8 +265,10 @@ def main():
             format_bytes(r["peak_rss_bytes_per_rank"]),
             format_bytes(r["comm_bytes_per_step"])
             + {"theory": " (theory)", "written": " (written)"}.get(r["comm_source"], ""),
+            format_bytes(r["theory_comm_bytes_per_step"]),
             format_bytes(r["wire_bytes_per_step"]),
             f"{r['wire_ratio_vs_ddp']:.3f}x",
+            "n/a" if r["wire_vs_theory"] is None else f"{r['wire_vs_theory']:.3f}x",
             format_bytes(r["written_bytes_per_step"]),
             f"{r['written_ratio_vs_ddp']:.3f}x",
         ])
@@ -190,8 +281,16 @@ def main():
         print(f"{system_label(system)}: did not run: {reason}")
     print("model state: parameters + gradients + master weights + optimizer states held by the rank between steps "
           "(FSDP2: local DTensor shards); peak RSS: VmHWM of the whole rank process at the end of the job;\n"
-          "comm/step/rank: zero_ext's counters, DDP's all-reduce in theory, FSDP2's bytes written / (ranks - 1); "
-          "loopback and written: all ranks together.")
+          "comm/step/rank: zero_ext's counters, DDP's all-reduce in theory, the other peers' bytes written / (ranks - 1); "
+          "loopback and written: all ranks together; theory/rank: the system's collectives in the counters' "
+          "convention, wire theory (N - 1) x that.")
+    for name, check in checks.items():
+        if "skipped" in check:
+            print(f"{name}: skipped ({check['skipped']})")
+            continue
+        parts = [f"{metric.split('_')[0]} {c['ratio']:.3f}x" for metric, c in check.items()
+                 if isinstance(c, dict)]
+        print(f"{name} (bytes per step, ours / peer): {', '.join(parts)}: {'holds' if check['holds'] else 'FAILS'}")
     for system in ("1", "2"):
         if system in results and "did_not_run" not in results[system]:
             r = results[system]
@@ -233,6 +332,7 @@ def main():
                     "stage3_step_time_vs_ddp": STAGE3_VS_DDP_TARGET,
                     "stage3_step_time_vs_fsdp2": STAGE3_VS_FSDP2_TARGET},
         "systems": results,
+        "checks": checks,
     }, indent=1))
     print(f"wrote {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}")
 

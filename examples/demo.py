@@ -46,8 +46,10 @@ def run_train_gpt(script_args, json_path, nproc=2, capture=False):
 
 
 # Column names: torch DDP with torch.optim.AdamW (default, foreach or fused
-# implementation), torch FSDP2 (fully_shard) with torch.optim.AdamW, or a zero_ext stage.
-SYSTEMS = ["ddp", "ddp-foreach", "ddp-fused", "fsdp2", "0", "1", "2", "3"]
+# implementation), torch FSDP2 (fully_shard), torch ZeroRedundancyOptimizer (with DDP),
+# DeepSpeed ZeRO-1/2 (if installed), all with torch.optim.AdamW, or a zero_ext stage.
+SYSTEMS = ["ddp", "ddp-foreach", "ddp-fused", "fsdp2", "zero-redundancy", "deepspeed-1", "deepspeed-2",
+           "0", "1", "2", "3"]
 # Any of them with a precision suffix: "3-bf16" (zero_ext param_dtype=bf16), "ddp-bf16"
 # (DDP under torch.autocast), "fsdp2-bf16" (MixedPrecisionPolicy), "2-fp16" (zero_ext only).
 DTYPES = ["bf16", "fp16"]
@@ -78,6 +80,10 @@ def system_args(system):
         return ["--ddp", "--adamw", system[len("ddp-"):]]
     if system == "fsdp2":
         return ["--fsdp2"]
+    if system == "zero-redundancy":
+        return ["--zero-redundancy"]
+    if system.startswith("deepspeed-"):
+        return ["--deepspeed", system[len("deepspeed-"):]]
     return ["--stage", system]
 
 
@@ -91,6 +97,10 @@ def system_label(system):
         return f"DDP ({system[len('ddp-'):]} AdamW)"
     if system == "fsdp2":
         return "FSDP2"
+    if system == "zero-redundancy":
+        return "ZeroRedundancyOptimizer"
+    if system.startswith("deepspeed-"):
+        return f"DeepSpeed ZeRO-{system[len('deepspeed-'):]}"
     return f"stage {system}"
 
 
@@ -125,8 +135,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", nargs="+", default=["ddp", "0", "2", "3", "3-bf16"], type=check_system,
                         help="columns, in order: 'ddp' (torch DDP + AdamW; ddp-fused: fused AdamW), "
-                             "'fsdp2' (torch fully_shard + AdamW) and/or zero_ext stages; a '-bf16' suffix "
-                             "computes in bf16 (zero_ext: param_dtype with fp32 masters; DDP: autocast)")
+                             "'fsdp2' (torch fully_shard + AdamW), 'zero-redundancy' (torch "
+                             "ZeroRedundancyOptimizer), 'deepspeed-1'/'deepspeed-2' (needs deepspeed) "
+                             "and/or zero_ext stages; a '-bf16' suffix computes in bf16 (zero_ext: "
+                             "param_dtype with fp32 masters; DDP: autocast)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
@@ -164,7 +176,8 @@ def main():
     print(format_table(["metric"] + list(summaries), rows))
     print("model-state bytes: parameters + gradients + master weights + optimizer states (DESIGN.md section 6);\n"
           "comm bytes: zero_ext's counters per rank, all-reduce counted twice (ring-cost equivalent);\n"
-          "  DDP: theory; FSDP2: bytes written by all ranks / (ranks - 1), the same convention;\n"
+          "  DDP: theory; FSDP2, ZeroRedundancyOptimizer, DeepSpeed: bytes written by all ranks / (ranks - 1),\n"
+          "  the same convention;\n"
           "loopback bytes: all ranks, /proc/net/dev (includes other programs' loopback traffic);\n"
           "bytes written: all ranks, /proc/self/io (gloo's socket writes, plus a few log lines);\n"
           "peak RSS: VmHWM of /proc/self/status at the end of the run (the whole process).")

@@ -3,6 +3,8 @@
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --stage 2
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --ddp    # baseline
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp2  # torch FSDP2 peer
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --zero-redundancy  # torch ZeroRedundancyOptimizer
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --deepspeed 2      # DeepSpeed ZeRO-2, if installed
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --stage 3 --dtype bf16
     python examples/train_gpt.py --stage 2 --steps 50                       # one process
 
@@ -16,6 +18,9 @@ on gloo has summed instead of averaging in some torch versions; 2.13's default d
 average): SUM only on the comms (set_force_sum_reduction_for_comms), then a division by
 the world size (set_gradient_divide_factor), the same mean gradient as DDP's; the
 per-step losses match --ddp's to ~5e-7.
+--zero-redundancy (torch's ZeroRedundancyOptimizer over the same AdamW, DDP for the
+gradients) and --deepspeed S (DeepSpeed's ZeRO-1/2 engine, CPU accelerator, gloo) are the
+other peers; examples/peers.py says how each is set up and measured.
 Every rank draws its own batches from a generator seeded with seed + 1000 * rank, so
 two runs with the same flags see exactly the same data.
 
@@ -42,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+import peers
 from common import setup_distributed
 
 from gpt import GPT, CharDataset, GPTConfig
@@ -56,6 +62,10 @@ def parse_args(argv=None):
     parser.add_argument("--fsdp2", action="store_true",
                         help="peer: torch FSDP2 (fully_shard per Block, then the root; CPU mesh, SUM reduction "
                              "divided by the world size) + the same AdamW, no zero_ext")
+    parser.add_argument("--zero-redundancy", action="store_true",
+                        help="peer: torch ZeroRedundancyOptimizer over the same AdamW, DDP for the gradients")
+    parser.add_argument("--deepspeed", type=int, default=None, choices=[1, 2],
+                        help="peer: DeepSpeed ZeRO stage 1 or 2 engine (CPU, gloo) with the same AdamW")
     parser.add_argument("--zero-config", type=json.loads, default={},
                         help='extra zeroify options as JSON, e.g. \'{"reduce_scatter": "native"}\'')
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
@@ -86,12 +96,14 @@ def parse_args(argv=None):
                              "--fsdp2: MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)")
     parser.add_argument("--json", type=Path, default=None, help="rank 0 writes the run summary here")
     args = parser.parse_args(argv)
-    if args.dtype == "fp16" and (args.ddp or args.fsdp2):
-        parser.error("--dtype fp16 is for zero_ext (it scales the loss itself); use --dtype bf16 with --ddp/--fsdp2")
+    if args.dtype == "fp16" and (args.ddp or args.fsdp2 or args.zero_redundancy or args.deepspeed is not None):
+        parser.error("--dtype fp16 is for zero_ext (it scales the loss itself); use --dtype bf16 with a peer")
+    if args.dtype != "fp32" and args.deepspeed is not None:
+        parser.error("--deepspeed runs fp32 here (its bf16 mode is not wired up in this script)")
     if args.accum < 1 or args.steps < 1:
         parser.error("--accum and --steps must be >= 1")
-    if args.ddp and args.fsdp2:
-        parser.error("--ddp and --fsdp2 are exclusive")
+    if sum([args.ddp, args.fsdp2, args.zero_redundancy, args.deepspeed is not None]) > 1:
+        parser.error("--ddp, --fsdp2, --zero-redundancy and --deepspeed are exclusive")
     return args
 
 
@@ -144,6 +156,10 @@ def wrap_for_data_parallel(model, opt, args):
         return DistributedDataParallel(model), opt
     if args.fsdp2:
         return model, opt
+    if args.zero_redundancy:
+        return peers.zero_redundancy(model, opt)
+    if args.deepspeed is not None:
+        return peers.deepspeed_engine(model, opt, args)
     import zero_ext
     options = {"param_dtype": args.dtype, **args.zero_config}
     return zero_ext.zeroify(model, opt, stage=args.stage, **options)
@@ -168,8 +184,8 @@ def train_step(model, opt, data, args, generator, lr):
             sync_context = contextlib.nullcontext()
         else:
             sync_context = contextlib.nullcontext() if is_last else model.no_sync()   # sync only on the last
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.ddp and args.dtype == "bf16" \
-            else contextlib.nullcontext()
+        bf16_peer = (args.ddp or args.zero_redundancy) and args.dtype == "bf16"
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16_peer else contextlib.nullcontext()
         with sync_context:
             with autocast:
                 _, loss = model(x, y)
@@ -180,7 +196,7 @@ def train_step(model, opt, data, args, generator, lr):
             scaled.backward()
         loss_sum += loss.item()
     if args.grad_clip > 0:
-        if args.ddp or args.fsdp2:         # torch's clip handles FSDP2's DTensor gradients
+        if args.ddp or args.fsdp2 or args.zero_redundancy:   # torch's clip handles FSDP2's DTensor gradients
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         else:
             opt.clip_grad_norm_(args.grad_clip)
@@ -243,15 +259,22 @@ def peak_rss_bytes():
     return None
 
 
+def peer(args):
+    """The torch or DeepSpeed system run instead of zero_ext ("ddp", "fsdp2", ...), or None for zero_ext."""
+    if args.deepspeed is not None:
+        return f"deepspeed {args.deepspeed}"
+    return "ddp" if args.ddp else "fsdp2" if args.fsdp2 else "zero_redundancy" if args.zero_redundancy else None
+
+
 def comm_counters(opt, args):
-    """zero_ext's cumulative collective counters: (total bytes, {kind: bytes}); (None, {}) for --ddp/--fsdp2."""
-    if args.ddp or args.fsdp2:
+    """zero_ext's cumulative collective counters: (total bytes, {kind: bytes}); (None, {}) for the peers."""
+    if peer(args):
         return None, {}
     stats = opt.stats()
     return stats["comm_bytes"], {kind: c["bytes"] for kind, c in stats["comm"].items()}
 
 
-def memory_report(model, opt, args):
+def memory_report(model, opt, args, deepspeed_grad_bytes=0):
     """(model-state bytes dict, buffer bytes) of this rank.
 
     zero_ext reports its own. For DDP the parameters, gradients and AdamW states are
@@ -262,10 +285,14 @@ def memory_report(model, opt, args):
     parameters, their gradients and the AdamW states, i.e. what this rank holds between
     steps; its transient all-gather / reduce-scatter buffers have no public size, so
     buffer bytes are None (the peak RSS shows them, among everything else).
+    ZeroRedundancyOptimizer and DeepSpeed: see examples/peers.py (DeepSpeed's gradients are
+    measured before its last step, deepspeed_grad_bytes; its buckets have no public size).
     """
-    if not (args.ddp or args.fsdp2):
+    if not peer(args):
         stats = opt.stats()
         return dict(stats["model_state_bytes"]), stats["buffer_bytes"]["total"]
+    if args.deepspeed is not None:
+        return peers.deepspeed_state_bytes(model, opt, deepspeed_grad_bytes), None
 
     if args.fsdp2:
         model.reshard()          # the root keeps its parameters unsharded after a forward (the evaluation)
@@ -285,6 +312,8 @@ def memory_report(model, opt, args):
     state["total"] = sum(state.values())
     if args.fsdp2:
         return state, None
+    if args.zero_redundancy:                                   # only the owned parameters' moments
+        state = peers.zero_redundancy_state_bytes(model, opt)
     try:
         logging_data = model._get_ddp_logging_data()
         bucket_bytes = sum(int(b) for b in str(logging_data["bucket_sizes"]).split(",") if b.strip())
@@ -314,7 +343,7 @@ def train(args):
         model = shard_fsdp2(model, args.dtype)                 # before the optimizer: params become DTensors
     opt = build_optimizer(model, args.lr, args.weight_decay, args.adamw)
     model, opt = wrap_for_data_parallel(model, opt, args)
-    system = "ddp" if args.ddp else "fsdp2" if args.fsdp2 else f"stage {args.stage}"
+    system = peer(args) or f"stage {args.stage}"
     tokens_per_step = args.batch_size * args.block_size * args.accum * world_size
     log(f"{system} | {args.dtype} | world size {world_size} | {threads} thread(s) per rank | {num_params:,} parameters | "
         f"{tokens_per_step:,} tokens per step | torch {torch.__version__}")
@@ -322,6 +351,7 @@ def train(args):
     generator = torch.Generator().manual_seed(args.seed + 1000 * rank)
     warmup = min(args.warmup, args.steps - 1)
     step_times, losses = [], []
+    deepspeed_grad_bytes = []                                  # --deepspeed: measured before the last step
     for step in range(args.steps):
         if step == warmup:                                     # the timed window starts here
             barrier()
@@ -329,7 +359,11 @@ def train(args):
             written_start = process_write_bytes()
             comm_start, kinds_start = comm_counters(opt, args)
         t0 = time.perf_counter()
-        loss = train_step(model, opt, data, args, generator, learning_rate(step, args))
+        if args.deepspeed is not None:                         # the engine owns backward and step
+            loss = peers.deepspeed_train_step(model, opt, data, args, generator, learning_rate(step, args),
+                                              deepspeed_grad_bytes if step == args.steps - 1 else None)
+        else:
+            loss = train_step(model, opt, data, args, generator, learning_rate(step, args))
         step_times.append(time.perf_counter() - t0)
         losses.append(loss)
         if step % args.log_every == 0 or step == args.steps - 1:
@@ -343,7 +377,7 @@ def train(args):
     timed_steps = len(timed)
 
     final = estimate_loss(model, data, args)
-    model_state, buffer_bytes = memory_report(model, opt, args)
+    model_state, buffer_bytes = memory_report(model, opt, args, sum(deepspeed_grad_bytes))
     written = None if written_start is None else written_end - written_start
     peak_rss = peak_rss_bytes()
     # (model-state bytes, bytes written, peak RSS) by rank
@@ -356,7 +390,7 @@ def train(args):
     if args.ddp:                                               # no counters: DDP all-reduces 2 x 4 bytes x params
         comm_per_step, comm_source = 2 * 4 * num_params, "theory"
         comm_kinds_per_step = {"all_reduce": comm_per_step}
-    elif args.fsdp2:
+    elif peer(args):                                           # FSDP2, ZeroRedundancyOptimizer, DeepSpeed
         # No counters: the bytes all ranks wrote (gloo's socket writes) / (N - 1). Each rank
         # sends (N - 1)/N of a collective's tensor, so this is the counters' convention (a
         # collective at its full tensor size, all-reduce twice); at N = 2 zero_ext's counters
@@ -369,11 +403,11 @@ def train(args):
         comm_kinds_per_step = {k: (kinds_end[k] - kinds_start.get(k, 0)) / timed_steps for k in kinds_end}
     wire_per_step = None if wire_start is None else (wire_end - wire_start) / timed_steps
     median_s = statistics.median(timed)
-    stats = None if (args.ddp or args.fsdp2) else opt.stats()
+    stats = None if peer(args) else opt.stats()
 
     summary = {
         "system": system,
-        "stage": None if (args.ddp or args.fsdp2) else args.stage,
+        "stage": None if peer(args) else args.stage,
         "world_size": world_size,
         "dtype": args.dtype,
         "threads_per_rank": threads,
