@@ -25,7 +25,7 @@ $(VENV)/.deps: Makefile
 	else \
 	    $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
 	fi
-	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 ninja pytest numpy nbconvert nbclient ipykernel matplotlib
+	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 ninja pytest numpy nbconvert nbclient ipykernel matplotlib tqdm
 	@touch $@
 
 venv: $(VENV)/.deps
