@@ -256,44 +256,44 @@ def _dying_world(rank, world, tmp, how):
     zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage,
                               **(dict(unit_modules=["Linear"]) if stage == 3 else {}))
     path = os.path.join(tmp, how)
-    for step in range(8):
-        x, y = batch("mlp", rank, step, 0)
-        loss = loss_of("mlp", zm, x, y)
-        if how == "step" and step == 5 and rank == world - 1:
-            os.kill(os.getpid(), signal.SIGKILL)               # mid-step: after forward, before backward
-        loss.backward()
-        zo.step()
-        zo.zero_grad()
-        if step == 2:
-            zero_ext.save(path, zm, zo, extra={"step": step})
-            sd = _snapshot(zm)
-            if rank == 0:
-                torch.save(sd, path + "-ref.pt")
-        if how == "save" and step == 4:
-            if rank == world - 1:                               # dies while writing its shard
-                from torch.distributed.checkpoint import FileSystemWriter
-                FileSystemWriter.write_data = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-            zero_ext.save(path, zm, zo, extra={"step": step})
+
+    def die():
+        with open(path + "-killed", "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    try:
+        for step in range(8):
+            x, y = batch("mlp", rank, step, 0)
+            loss = loss_of("mlp", zm, x, y)
+            if how == "step" and step == 5 and rank == world - 1:
+                die()                                           # mid-step: after forward, before backward
+            loss.backward()
+            zo.step()
+            zo.zero_grad()
+            if step == 2:
+                zero_ext.save(path, zm, zo, extra={"step": step})
+                sd = _snapshot(zm)
+                if rank == 0:
+                    torch.save(sd, path + "-ref.pt")
+            if how == "save" and step == 4:
+                if rank == world - 1:                           # dies while writing its shard
+                    from torch.distributed.checkpoint import FileSystemWriter
+                    FileSystemWriter.write_data = lambda *a, **k: die()
+                zero_ext.save(path, zm, zo, extra={"step": step})
+    except Exception:
+        with open(f"{path}-failed{rank}", "w") as f:
+            f.write(repr(time.time()))
+        raise
     return "finished"
-
-
-def _load_world(rank, world, paths):
-    import zero_ext
-    from cases import build_model
-    out = {}
-    for path in paths:
-        model = build_model("mlp")
-        zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=1)
-        extra = zero_ext.load(path, zm, zo)
-        ref = torch.load(path + "-ref.pt")
-        out[path] = {"extra": extra, "equal": all(torch.equal(v, _snapshot(zm)[k]) for k, v in ref.items())}
-    return out
 
 
 def test_dead_rank_fails_the_others_and_checkpoint_survives(tmp_path):
     """A rank SIGKILLed mid-step (stage 3), or mid-save while writing its shard (stage
     2): the others exit with an error naming it within seconds, and the last complete
     checkpoint loads at another world size and stage with exactly the saved values."""
+    import zero_ext
+    from cases import build_model
     tmp = str(tmp_path)
     for how in ("step", "save"):
         t0 = time.monotonic()
@@ -307,12 +307,21 @@ def test_dead_rank_fails_the_others_and_checkpoint_survives(tmp_path):
                 assert "zero_ext:" in msg and "Another rank probably died" in msg, msg
             else:
                 assert "CheckpointError" in msg and "failed on rank" in msg and "untouched" in msg, msg
-        assert elapsed < 60, f"{how}: the surviving ranks took {elapsed:.0f}s to fail"
+        path = os.path.join(tmp, how)
+        killed = float(open(path + "-killed").read())
+        latency = [float(open(f"{path}-failed{r}").read()) - killed for r in (0, 1)]
+        print(f"\nkilled mid-{how}: the other ranks failed {max(latency):.2f}s later (whole run {elapsed:.0f}s)")
+        assert max(latency) < 20, f"{how}: the surviving ranks took {latency}s to fail"
+        assert elapsed < 60, f"{how}: the run took {elapsed:.0f}s"
     assert os.path.isdir(os.path.join(tmp, "save.tmp")), "the interrupted save left its temporary directory"
-    res = run_world(_load_world, 2, [os.path.join(tmp, "step"), os.path.join(tmp, "save")], timeout_s=120)
-    for r in res:
-        for path, v in r.items():
-            assert v["extra"] == {"step": 2} and v["equal"], (path, v)
+    for how in ("step", "save"):                     # loads in this process: one rank, stage 1
+        path = os.path.join(tmp, how)
+        model = build_model("mlp")
+        zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=1)
+        assert zero_ext.load(path, zm, zo) == {"step": 2}
+        ref = torch.load(path + "-ref.pt")
+        for k, v in ref.items():
+            assert torch.equal(v, zm.state_dict()[k]), (how, k)
 
 
 # ----------------------------------------------------------------------------- must-show 5
