@@ -139,8 +139,7 @@ class _Shard:
         if self.views is None:
             return {}
         out = {}
-        for b, v in enumerate(self.views):
-            gi = self.engine.bucket_groups()[b]
+        for v, gi in zip(self.views, self.engine.bucket_groups()):
             s = self.opt._shard_opt.state.get(v, {})
             if gi not in out and s:
                 out[gi] = {k: (t.clone() if torch.is_tensor(t) else t) for k, t in s.items()
@@ -159,9 +158,10 @@ def _per_element(t, view) -> bool:
 def _sharded(numel: int, chunks: list, local: list, rank: int):
     """A 1-D ShardedTensor of `numel` fp32 elements: `chunks` = every rank's pieces
     (rank, offset, numel), `local` = this rank's (offset, tensor). Built from the
-    plan without communication (ShardedTensorBase's constructor checks the pieces
-    tile the tensor but, unlike ShardedTensor's, needs no process group). DCP saves
-    and reshards ShardedTensors on torch 2.11 and 2.13 alike."""
+    plan without communication: ShardedTensorBase's constructor checks that the
+    pieces tile the tensor but, unlike ShardedTensor's, needs no process group. It is
+    torch's one private API used here (present since torch 2.0; tested on 2.13).
+    DTensor, DCP's other sharded type, cannot express uneven element-granular pieces."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -432,10 +432,10 @@ def load(path, model, optimizer, *, scheduler=None):
             error = _mismatch(manifest, layout, real)
         except CheckpointError as e:
             error = str(e)
-    if pg is not None:
-        box = [error, manifest]
+    if pg is not None:                      # rank 0's verdict and directory hold for every rank
+        box = [error, manifest, real]
         dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
-        error, manifest = box
+        error, manifest, real = box
     if error is not None:
         raise CheckpointError(error)
 
