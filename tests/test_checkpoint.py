@@ -21,7 +21,7 @@ ROWS = 12                  # global batch: divisible by 1, 2, 3, 4
 SAVE_CFG = dict(bucket_bytes=16384, first_bucket_bytes=4096)     # several buckets, straddling parameters
 LOAD_CFG = dict(bucket_bytes=24576, first_bucket_bytes=8192)     # another layout on purpose
 # (optimizer, fused, stage) also saved at N=4 for test_other_optimizers_and_paths
-OTHERS = [("sgd", "auto", 1), ("RMSprop", "never", 2), ("adamw", "never", 3)]
+OTHERS = [("sgd", "auto", 0), ("RMSprop", "never", 2), ("adamw", "never", 3)]    # stage 0: rank 0 writes
 
 
 def _batch(step, rank, world):
@@ -433,8 +433,9 @@ def _others_resume_world(rank, world, tmp):
 
 
 def test_other_optimizers_and_paths(saved):
-    """Fused SGD (momentum), RMSprop and AdamW on the generic path (torch's optimizer
-    over the shard, fused='never'): saved at N=4, resumed at N=3 in another stage,
+    """Fused SGD (momentum; saved in stage 0, where only rank 0 writes), RMSprop and
+    AdamW on the generic path (torch's optimizer over the shard, fused='never'): saved
+    at N=4, resumed at N=3 in another stage,
     and consolidated offline into the plain torch optimizer, all continue as the
     uninterrupted run; a fused AdamW checkpoint also loads into the generic path."""
     from zero_ext.checkpoint import consolidate
@@ -456,3 +457,38 @@ def test_other_optimizers_and_paths(saved):
         _train(model, opt, sched, 0, 1, range(5, 10), lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
         rel = _rel(ref[name], model.state_dict())
         assert rel <= ADAMW_REL, f"{name}: plain continuation differs by {rel:.3g}"
+
+
+class _Scaler:
+    """Stands in for the loss scaler of mixed precision (opt.loss_scaler)."""
+
+    def __init__(self, scale):
+        self.scale, self.growth_tracker = scale, 0
+
+    def state_dict(self):
+        return {"scale": torch.tensor(self.scale), "growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, sd):
+        self.scale, self.growth_tracker = float(sd["scale"]), sd["growth_tracker"]
+
+
+def test_single_process_loss_scaler_and_extra(tmp_path):
+    """Without a process group (world size 1): the loss scaler's state, `extra` with
+    tensors, and a save over an existing checkpoint (replaced, no leftovers)."""
+    import zero_ext
+    from zero_ext.checkpoint import consolidate
+    path = str(tmp_path / "ck")
+    zm, zo, sched = _fresh(2, {})
+    zo.loss_scaler = _Scaler(1024.0)
+    _train(zm, zo, sched, 0, 1, range(3), _zclip(zo))
+    zero_ext.save(path, zm, zo, extra={"step": 3})
+    zo.loss_scaler.scale, zo.loss_scaler.growth_tracker = 512.0, 7
+    extra = {"step": 4, "rng": torch.get_rng_state(), "note": "plain data"}
+    zero_ext.save(path, zm, zo, extra=extra, scheduler=sched)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    zm2, zo2, sched2 = _fresh(3, {})
+    zo2.loss_scaler = _Scaler(1.0)
+    got = zero_ext.load(path, zm2, zo2, scheduler=sched2)
+    assert got["step"] == 4 and torch.equal(got["rng"], extra["rng"]) and got["note"] == "plain data"
+    assert (zo2.loss_scaler.scale, zo2.loss_scaler.growth_tracker) == (512.0, 7)
+    assert consolidate(path)["loss_scaler"]["growth_tracker"] == 7
