@@ -34,9 +34,11 @@ def _batch(step, rank, world):
 
 
 def _plain(optimizer="adamw"):
-    """The plain GPT and an optimizer with two param groups, as every run builds them."""
+    """The plain GPT (its position embedding frozen: a replicated, unsharded tensor in
+    every stage) and an optimizer with two param groups, as every run builds them."""
     from cases import Case, build_model, make_optimizer
     model = build_model("gpt")
+    model.wpe.weight.requires_grad_(False)
     # RMSprop's first step is about 10 * lr * sign(g): torch's default lr=1e-2 moves every
     # weight by 0.1 and makes any two runs (even N=1 vs N=2, no checkpoint) differ by 26%.
     kw = dict(lr=3e-4) if optimizer == "RMSprop" else {}
