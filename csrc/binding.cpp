@@ -97,6 +97,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             zx_check(zx_scaler_update(&s, found_nonfinite ? 1 : 0, &skip), "updating the loss scaler");
             return skip != 0;
         }, "Report this step's overflow; returns True when the step must be skipped.")
+        .def("state_dict", [](const zx_loss_scaler &s) {
+            py::dict d;
+            d["scale"] = s.scale;
+            d["good_steps"] = s.good_steps;
+            d["hysteresis_left"] = s.hysteresis_left;
+            d["skipped"] = s.skipped;
+            d["dynamic"] = s.dynamic != 0;
+            return d;
+        }, "The scaler's state (its configuration comes from the ZeroConfig).")
+        .def("load_state_dict", [](zx_loss_scaler &s, const py::dict &d) {
+            const double scale = d["scale"].cast<double>();
+            TORCH_CHECK(scale > 0.0, "zero_ext: a loss-scaler state with scale ", scale, " cannot be loaded");
+            s.scale = scale;
+            s.good_steps = d["good_steps"].cast<int64_t>();
+            s.hysteresis_left = d["hysteresis_left"].cast<int64_t>();
+            s.skipped = d["skipped"].cast<int64_t>();
+        })
         .def_readwrite("scale", &zx_loss_scaler::scale)
         .def_readonly("growth_factor", &zx_loss_scaler::growth_factor)
         .def_readonly("backoff_factor", &zx_loss_scaler::backoff_factor)

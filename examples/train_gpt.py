@@ -7,6 +7,8 @@
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --deepspeed 2      # DeepSpeed ZeRO-2, if installed
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --stage 3 --dtype bf16
     python examples/train_gpt.py --stage 2 --steps 50                       # one process
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --save-every 50 --checkpoint ckpt/gpt
+    torchrun --standalone --nproc_per_node=3 examples/train_gpt.py --stage 3 --resume ckpt/gpt
 
 --stage 0 has plain DDP semantics (nothing partitioned), 1 partitions the optimizer
 states, 2 also the gradients. --ddp runs torch's DistributedDataParallel with the same
@@ -23,6 +25,12 @@ gradients) and --deepspeed S (DeepSpeed's ZeRO-1/2 engine, CPU accelerator, gloo
 other peers; examples/peers.py says how each is set up and measured.
 Every rank draws its own batches from a generator seeded with seed + 1000 * rank, so
 two runs with the same flags see exactly the same data.
+
+--save-every K writes a zero_ext checkpoint (zero_ext.save: every rank its shard,
+replaced atomically) to --checkpoint every K steps and after the last; --resume PATH
+loads one (saved at any world size and stage) and continues from its step up to
+--steps. After a resume each rank's batches come from a generator seeded with
+seed + 1000 * rank + the resumed step, so the data differ from an uninterrupted run's.
 
 --json OUT makes rank 0 write a summary (losses, step times, model-state bytes,
 communication per step); examples/demo.py and benchmarks/bench_step.py read it.
@@ -95,6 +103,12 @@ def parse_args(argv=None):
                              "gradient reduction; fp16 adds dynamic loss scaling); --ddp: torch.autocast; "
                              "--fsdp2: MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)")
     parser.add_argument("--json", type=Path, default=None, help="rank 0 writes the run summary here")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="save a checkpoint every K steps and after the last (0: never)")
+    parser.add_argument("--checkpoint", type=Path, default=Path("checkpoints/train_gpt"),
+                        help="checkpoint directory that --save-every writes")
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="continue from this checkpoint (saved at any world size and stage)")
     args = parser.parse_args(argv)
     if args.dtype == "fp16" and (args.ddp or args.fsdp2 or args.zero_redundancy or args.deepspeed is not None):
         parser.error("--dtype fp16 is for zero_ext (it scales the loss itself); use --dtype bf16 with a peer")
@@ -104,6 +118,9 @@ def parse_args(argv=None):
         parser.error("--accum and --steps must be >= 1")
     if sum([args.ddp, args.fsdp2, args.zero_redundancy, args.deepspeed is not None]) > 1:
         parser.error("--ddp, --fsdp2, --zero-redundancy and --deepspeed are exclusive")
+    if (args.ddp or args.fsdp2 or args.zero_redundancy or args.deepspeed is not None) and \
+            (args.save_every or args.resume):
+        parser.error("--save-every and --resume are zero_ext checkpoints; drop the peer flag")
     return args
 
 
@@ -349,10 +366,18 @@ def train(args):
         f"{tokens_per_step:,} tokens per step | torch {torch.__version__}")
 
     generator = torch.Generator().manual_seed(args.seed + 1000 * rank)
-    warmup = min(args.warmup, args.steps - 1)
+    start_step = 0
+    if args.resume is not None:
+        import zero_ext
+        start_step = zero_ext.load(args.resume, model, opt)["step"]
+        generator.manual_seed(args.seed + 1000 * rank + start_step)
+        log(f"resumed from {args.resume} at step {start_step}")
+        if start_step >= args.steps:
+            raise SystemExit(f"the checkpoint is at step {start_step}; raise --steps to train further")
+    warmup = min(start_step + args.warmup, args.steps - 1)
     step_times, losses = [], []
     deepspeed_grad_bytes = []                                  # --deepspeed: measured before the last step
-    for step in range(args.steps):
+    for step in range(start_step, args.steps):
         if step == warmup:                                     # the timed window starts here
             barrier()
             wire_start = loopback_tx_bytes()
@@ -369,11 +394,15 @@ def train(args):
         if step % args.log_every == 0 or step == args.steps - 1:
             log(f"step {step:5d} | loss {loss:.4f} | {1000 * step_times[-1]:7.1f} ms | "
                 f"{tokens_per_step / step_times[-1]:8.0f} tokens/s")
+        if args.save_every and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
+            import zero_ext
+            zero_ext.save(args.checkpoint, model, opt, extra={"step": step + 1})
+            log(f"saved {args.checkpoint} at step {step + 1}")
     barrier()
     wire_end = loopback_tx_bytes()
     written_end = process_write_bytes()
     comm_end, kinds_end = comm_counters(opt, args)
-    timed = step_times[warmup:]
+    timed = step_times[warmup - start_step:]
     timed_steps = len(timed)
 
     final = estimate_loss(model, data, args)

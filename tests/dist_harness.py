@@ -53,6 +53,18 @@ def _entry(rank, world, store_path, out_dir, fn, args, init_pg):
         os._exit(0)
 
 
+def _joined(ctx, expect_errors: bool) -> bool:
+    """True once every rank has exited. With expect_errors a rank may be killed on
+    purpose (SIGKILL): poll instead of ctx.join(), which would terminate the others
+    before they report how they failed."""
+    if not expect_errors:
+        return ctx.join(timeout=1.0)
+    if any(p.is_alive() for p in ctx.processes):
+        time.sleep(0.2)
+        return False
+    return True
+
+
 def run_world(fn, world_size: int, *args, timeout_s: float = 300, init_pg: bool = True,
               expect_errors: bool = False):
     """Returns [result of rank 0, ..., result of rank N-1]. With expect_errors=True
@@ -63,7 +75,7 @@ def run_world(fn, world_size: int, *args, timeout_s: float = 300, init_pg: bool 
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
-            while not ctx.join(timeout=1.0):
+            while not _joined(ctx, expect_errors):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout_s}s "
                                        f"(a rank is hanging)")

@@ -206,6 +206,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     units, unit_modules, root_holders = [], [model], []
     if cfg.stage == 3:
         units, unit_modules, root_holders = assign_units(model, params, cfg.unit_modules, cfg.unit_numel, cfg.min_unit_numel)
+    shapes = [tuple(p.shape) for p in params]   # stage 3 empties them: checkpoints need them
     engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)
     if meta:
         initialize_by_unit(model, engine, {id(p): u for p, u in zip(params, units)}, init_fn)
@@ -233,6 +234,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     zopt._units = wrapped._units
     zopt._params = params            # engine parameter i = params[i]
+    zopt._param_shapes = shapes      # logical shape of engine parameter i
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)
     return wrapped, zopt

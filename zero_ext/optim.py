@@ -240,18 +240,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def scaler_state_dict(self) -> dict | None:
         """The loss scaler's state (None without loss scaling)."""
-        s = self.loss_scaler
-        if s is None:
-            return None
-        return {"scale": s.scale, "good_steps": s.good_steps, "hysteresis_left": s.hysteresis_left,
-                "skipped": s.skipped, "dynamic": bool(s.dynamic)}
+        return self.loss_scaler.state_dict() if self.loss_scaler is not None else None
 
     def load_scaler_state_dict(self, d: dict | None) -> None:
-        if d is None or self.loss_scaler is None:
-            return
-        s = self.loss_scaler
-        s.scale, s.good_steps, s.hysteresis_left, s.skipped = (
-            float(d["scale"]), int(d["good_steps"]), int(d["hysteresis_left"]), int(d["skipped"]))
+        if d is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(d)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

@@ -1,0 +1,637 @@
+"""Checkpoints that survive a change of world size and stage (DESIGN §7, §8).
+
+    zero_ext.save("ckpt", model, opt, extra={"step": step}, scheduler=sched)   # every rank
+    extra = zero_ext.load("ckpt", model, opt, scheduler=sched)                # any N, any stage
+    full = zero_ext.consolidated_state_dict(model, opt, to=0)   # {"model", "optimizer"} on rank 0
+    python -m zero_ext.consolidate ckpt full.pt                 # offline, no process group
+
+Note [Checkpoint format]: a checkpoint is a directory written by
+torch.distributed.checkpoint (DCP: `.metadata` + one `__<rank>_0.distcp` file per
+writing rank) plus our manifest `zero_ext.json`. Every tensor is a *logical* one,
+independent of the layout that wrote it:
+
+    model/<name>          trainable parameter, flattened to (numel,) fp32: the master
+                          weights. Each rank writes only its fragments (engine.fragments:
+                          contiguous pieces of the flattened parameter), as the local
+                          shards of a ShardedTensor; DCP records every piece's offset.
+    optim/<state>/<name>  a per-element optimizer state (exp_avg, momentum_buffer, ...),
+                          the same pieces.
+    model/<name>          frozen parameter or buffer: a plain tensor of its own shape,
+                          written once (by rank 0; they are replicated).
+    zero_ext/objects      uint8 bytes of torch.save({param_groups hyperparameters, step
+                          counts per group, scalar optimizer state, loss-scaler and
+                          LR-scheduler state dicts, extra}); read back with
+                          weights_only=True, so only plain data and tensors are inside.
+
+Loading hands DCP this rank's fragments in the *new* layout; DCP reads the overlap of
+each with the saved pieces (its resharding), straight into the master and state
+shards, then engine.publish_params() makes the parameters equal the masters again.
+The manifest describes the model (names, shapes, param groups, optimizer class) and
+every file (bytes, CRC32), so a checkpoint of another model, a truncated, corrupt or
+missing file is refused with its own message on every rank before anything is read.
+
+Note [Atomic save]: ranks write into the sibling directory <path>.tmp; rank 0 then
+checksums the files, writes the manifest last, renames <path> to <path>.old, <path>.tmp
+to <path>, and removes <path>.old. A crash before the first rename leaves <path>
+untouched; a crash between the renames leaves a complete <path>.old, which load()
+falls back to. A directory without a manifest is never loaded.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import io
+import json
+import os
+import shutil
+import warnings
+import zlib
+
+import torch
+import torch.distributed as dist
+
+FORMAT = 1
+MANIFEST = "zero_ext.json"
+OBJECTS = "zero_ext/objects"
+_ADAM_FAMILY = ("Adam", "AdamW")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded (missing, incomplete, corrupt, another model)
+    or a save that failed. Raised on every rank."""
+
+
+# --------------------------------------------------------------------------- layout
+def _layout(model, optimizer) -> dict:
+    """The model as a checkpoint sees it (identical on every rank):
+    params: trainable name -> {shape, group}, in engine order; plain: frozen
+    parameters and buffers name -> {shape, dtype}; keys: state_dict key -> the
+    name its tensor is stored under (tied parameters share one); groups: the names in
+    each param group, in order (torch optimizer state dicts index them so)."""
+    from .model import ZeroModel
+    from .optim import ZeroOptimizer
+
+    if not isinstance(model, ZeroModel) or not isinstance(optimizer, ZeroOptimizer):
+        raise TypeError("zero_ext: save/load take the (model, optimizer) pair returned by zeroify()")
+    module = model.module
+    names = {}
+    for n, p in module.named_parameters():
+        names.setdefault(id(p), n)
+    shapes = getattr(optimizer, "_param_shapes", None) or [tuple(p.shape) for p in optimizer._params]
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    params = {names[id(p)]: {"shape": list(s), "group": group_of[id(p)]}
+              for p, s in zip(optimizer._params, shapes)}
+    keys, plain = {}, {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        name = names.get(id(t), key)
+        keys[key] = name
+        if name not in params and name not in plain:
+            plain[name] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+    groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    return {"params": params, "plain": plain, "keys": keys, "groups": groups,
+            "optimizer": optimizer.wrapped_class.__name__}
+
+
+def _plain_tensors(model, layout) -> dict:
+    sd = model.module.state_dict(keep_vars=True)
+    return {name: sd[key].detach() for key, name in layout["keys"].items() if name in layout["plain"]}
+
+
+class _Shard:
+    """This rank's view of the sharded state: per bucket, the master weights and
+    each per-element optimizer state, plus where fragments sit (Note [Checkpoint format])."""
+
+    def __init__(self, optimizer):
+        self.opt = optimizer
+        self.engine = e = optimizer._engine
+        self.masters = e.param_shards()                     # per bucket, 1-D views
+        self.offsets, off = [], 0                           # bucket b's offset in the flat shard
+        for t in self.masters:
+            self.offsets.append(off)
+            off += t.numel()
+        self.numel = [0] * len(optimizer._params)           # elements of each parameter
+        for r in range(e.partitions):
+            for i, _, _, n in e.fragments(r):
+                self.numel[i] += n
+        self.views = None                                   # generic path: bucket -> shard view
+        if optimizer._shard_opt is not None:
+            groups = e.bucket_groups()
+            inner = {gi: list(g["params"]) for gi, g in
+                     zip(optimizer._shard_group_ids, optimizer._shard_opt.param_groups)}
+            self.views = [inner[groups[b]].pop(0) for b in range(len(groups))]
+
+    def bucket_of(self, shard_offset: int) -> int:
+        return bisect.bisect_right(self.offsets, shard_offset) - 1
+
+    def states(self) -> dict:
+        """name -> per-bucket 1-D tensors of each per-element optimizer state."""
+        if self.views is None:
+            out = {}
+            for name, flat in self.engine.states().items():
+                out[name] = [flat.narrow(0, o, m.numel()) for o, m in zip(self.offsets, self.masters)]
+            return out
+        state = self.opt._shard_opt.state
+        names = sorted({k for v in self.views for k, t in state.get(v, {}).items() if _per_element(t, v)})
+        return {n: [state[v][n] for v in self.views] for n in names}
+
+    def scalar_state(self) -> dict:
+        """Generic path: group -> the optimizer's non-per-element state ("step", ...)."""
+        if self.views is None:
+            return {}
+        out = {}
+        for v, gi in zip(self.views, self.engine.bucket_groups()):
+            s = self.opt._shard_opt.state.get(v, {})
+            if gi not in out and s:
+                out[gi] = {k: (t.clone() if torch.is_tensor(t) else t) for k, t in s.items()
+                           if not _per_element(t, v)}
+        return out
+
+    def local(self, pieces: list, shard_offset: int, n: int) -> torch.Tensor:
+        b = self.bucket_of(shard_offset)
+        return pieces[b].narrow(0, shard_offset - self.offsets[b], n)
+
+
+def _per_element(t, view) -> bool:
+    return torch.is_tensor(t) and t.dim() == 1 and t.shape == view.shape
+
+
+def _sharded(numel: int, chunks: list, local: list, rank: int):
+    """A 1-D ShardedTensor of `numel` fp32 elements: `chunks` = every rank's pieces
+    (rank, offset, numel), `local` = this rank's (offset, tensor). Built from the
+    plan without communication: ShardedTensorBase's constructor checks that the
+    pieces tile the tensor but, unlike ShardedTensor's, needs no process group. It is
+    torch's one private API used here (present since torch 2.0; tested on 2.13).
+    DTensor, DCP's other sharded type, cannot express uneven element-granular pieces."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    md = ShardedTensorMetadata(
+        shards_metadata=[ShardMetadata([o], [n], f"rank:{r}/cpu") for r, o, n in chunks],
+        size=torch.Size([numel]),
+        tensor_properties=TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False,
+                                           memory_format=torch.contiguous_format, pin_memory=False))
+    shards = [Shard(t, ShardMetadata([o], [t.numel()], f"rank:{rank}/cpu")) for o, t in local]
+    st = ShardedTensorBase._init_from_local_shards_and_global_metadata(shards, md)
+    st._process_group = None     # what ShardedTensor's own constructor sets; its size() reads it
+    return st
+
+
+def _sharded_entries(shard: _Shard, names: list, pieces_by_kind: dict, writing: bool) -> dict:
+    """DCP entries for every sharded tensor kind ("model", "optim/<state>"): this
+    rank's fragments in the current layout. Stage 0 (one partition): rank 0's plan
+    holds everything and every rank holds all of it; only rank 0 writes it."""
+    e = shard.engine
+    parts, rank = e.partitions, e.rank
+    chunks: list = [[] for _ in names]
+    for r in range(parts):
+        for i, poff, _, n in e.fragments(r):
+            chunks[i].append((r, poff, n))
+    mine = e.fragments(rank if parts > 1 else 0)
+    if writing and parts == 1 and rank != 0:
+        mine = []
+    out = {}
+    for kind, pieces in pieces_by_kind.items():
+        local: list = [[] for _ in names]
+        for i, poff, soff, n in mine:
+            local[i].append((poff, shard.local(pieces, soff, n)))
+        for i, name in enumerate(names):
+            if local[i] and shard.numel[i] > 0:
+                out[f"{kind}/{name}"] = _sharded(shard.numel[i], chunks[i], local[i], rank)
+    return out
+
+
+def _engine_names(optimizer, layout) -> list:
+    return list(layout["params"])                         # engine order (dicts keep it)
+
+
+def _pg(optimizer):
+    return optimizer._pg if optimizer._engine.world_size > 1 else None
+
+
+def _decide(pg, error: str | None, src_rank: int = 0):
+    """Rank 0's verdict reaches every rank: all raise the same error or none does."""
+    if pg is not None:
+        box = [error]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, src_rank), group=pg)
+        error = box[0]
+    if error is not None:
+        raise CheckpointError(error)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns that ShardedTensor is deprecated in favour of DTensor (which cannot
+    express our uneven element-granular pieces) and, without a process group, that
+    it runs in one process; neither is news to the user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- save
+def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
+    """Write a checkpoint of `model` and `optimizer` (as returned by zeroify) to the
+    directory `path`; every rank calls it. Each rank writes only its shard; the
+    result loads at any world size and stage (Note [Checkpoint format]) and replaces
+    an existing checkpoint at `path` atomically (Note [Atomic save]). `extra`: plain
+    data (dicts, lists, numbers, strings, tensors) returned by load(); `scheduler`:
+    an LR scheduler whose state_dict() is saved too."""
+    path = os.path.abspath(os.fspath(path))
+    engine = optimizer._engine
+    pg, rank = _pg(optimizer), engine.rank
+    engine.wait_reductions()
+    engine.wait_params()
+    layout = _layout(model, optimizer)
+    shard = _Shard(optimizer)
+    states = shard.states()
+    tmp = path + ".tmp"
+    error = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"zero_ext: cannot create {tmp!r} to save a checkpoint: {e}"
+    _decide(pg, error)
+
+    names = _engine_names(optimizer, layout)
+    kinds = {"model": shard.masters, **{f"optim/{s}": p for s, p in states.items()}}
+    with _quiet():
+        sd = _sharded_entries(shard, names, kinds, writing=True)
+    objects = None
+    if rank == 0:
+        scaler = getattr(optimizer, "loss_scaler", None)
+        objects = {
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            "steps": list(optimizer._steps),
+            "scalar_state": shard.scalar_state(),
+            "loss_scaler": scaler.state_dict() if scaler is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "extra": extra,
+        }
+        buf = io.BytesIO()
+        torch.save(objects, buf)
+        sd[OBJECTS] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        sd.update({f"model/{n}": t for n, t in _plain_tensors(model, layout).items()})
+    try:
+        from torch.distributed import checkpoint as dcp
+        with _quiet():
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+                     process_group=pg, no_dist=pg is None)
+    except Exception as e:  # noqa: BLE001 - DCP raises the same failure on every rank
+        raise CheckpointError(f"zero_ext: saving checkpoint {path!r} failed on rank {rank} ({type(e).__name__}: "
+                              f"{e}); another rank may have died. The previous checkpoint at {path!r}, if any, "
+                              f"is untouched") from e
+
+    error = None
+    if rank == 0:
+        try:
+            files = {f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "crc32": _crc32(os.path.join(tmp, f))}
+                     for f in sorted(os.listdir(tmp))}
+            manifest = dict(layout, format=FORMAT, stage=model._config.stage, world_size=engine.world_size,
+                            partitions=engine.partitions, torch=torch.__version__, states=sorted(states),
+                            objects_bytes=int(sd[OBJECTS].numel()), files=files)
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            _replace(tmp, path)
+        except OSError as e:
+            error = f"zero_ext: finishing checkpoint {path!r} failed: {e}"
+    _decide(pg, error)
+
+
+def _replace(tmp: str, path: str) -> None:
+    """Note [Atomic save]."""
+    old = path + ".old"
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- verify
+def resolve(path) -> str:
+    """The checkpoint directory to read for `path`: `path` itself, or `path`.old when a
+    save was interrupted between its two renames (Note [Atomic save])."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(os.path.join(path, MANIFEST)) and os.path.exists(os.path.join(path + ".old", MANIFEST)):
+        return path + ".old"
+    return path
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of checkpoint `path` after checking every file it lists (present,
+    size, CRC32). Raises CheckpointError naming what is wrong."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"zero_ext: no checkpoint at {path!r} (no such directory)")
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.exists(mpath):
+        raise CheckpointError(f"zero_ext: {path!r} is not a complete zero_ext checkpoint: its manifest {MANIFEST} "
+                              f"is missing (an interrupted save leaves its files in <path>.tmp and the previous "
+                              f"checkpoint in place; was this written by zero_ext.save?)")
+    try:
+        with open(mpath) as f:
+            m = json.load(f)
+        files = m["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"zero_ext: the manifest {mpath!r} is corrupt ({e})") from None
+    if m.get("format") != FORMAT:
+        raise CheckpointError(f"zero_ext: checkpoint {path!r} has format {m.get('format')!r}; this zero_ext "
+                              f"reads format {FORMAT}")
+    for name, info in files.items():
+        fp = os.path.join(path, name)
+        who = f" (the shard written by rank {name[2:].split('_')[0]})" if name.endswith(".distcp") else ""
+        if not os.path.exists(fp):
+            raise CheckpointError(f"zero_ext: checkpoint {path!r} is incomplete: file {name!r}{who} is missing")
+        size = os.path.getsize(fp)
+        if size != info["bytes"]:
+            what = "truncated" if size < info["bytes"] else "longer than written"
+            raise CheckpointError(f"zero_ext: checkpoint {path!r} is damaged: file {name!r}{who} is {what} "
+                                  f"({size} bytes, {info['bytes']} were written)")
+        crc = _crc32(fp)
+        if crc != info["crc32"]:
+            raise CheckpointError(f"zero_ext: checkpoint {path!r} is corrupt: file {name!r}{who} has CRC32 "
+                                  f"{crc:08x}, {info['crc32']:08x} was written")
+    return m
+
+
+def _mismatch(m: dict, layout: dict, path: str) -> str | None:
+    """Why checkpoint manifest `m` does not fit the model/optimizer `layout`, or None."""
+    problems = []
+    for kind, label in (("params", "trainable parameters"), ("plain", "frozen parameters/buffers")):
+        saved, here = m[kind], layout[kind]
+        missing = [n for n in here if n not in saved]
+        unexpected = [n for n in saved if n not in here]
+        shapes = [f"{n} {tuple(saved[n]['shape'])} saved, {tuple(here[n]['shape'])} here"
+                  for n in here if n in saved and saved[n]["shape"] != here[n]["shape"]]
+        if missing:
+            problems.append(f"{label} not in the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            problems.append(f"{label} of the checkpoint not in this model: {unexpected[:5]}"
+                            f"{' ...' if len(unexpected) > 5 else ''}")
+        if shapes:
+            problems.append("shapes differ: " + "; ".join(shapes[:5]))
+    if problems:
+        return (f"zero_ext: checkpoint {path!r} is of another model: " + " | ".join(problems)
+                + ". Build the same model as the one saved")
+    if m["optimizer"] != layout["optimizer"]:
+        return (f"zero_ext: checkpoint {path!r} holds {m['optimizer']} state; this optimizer is "
+                f"{layout['optimizer']}. Wrap the same optimizer class")
+    if m["groups"] != layout["groups"]:
+        return (f"zero_ext: checkpoint {path!r} has param groups {[len(g) for g in m['groups']]} (parameters per "
+                f"group) that differ from this optimizer's {[len(g) for g in layout['groups']]}; build the optimizer "
+                f"with the same param groups")
+    return None
+
+
+# --------------------------------------------------------------------------- load
+def load(path, model, optimizer, *, scheduler=None):
+    """Load checkpoint `path` (written by save() at any world size and stage) into
+    `model` and `optimizer` from zeroify(); every rank calls it. Restores the master
+    weights, optimizer state, step counts, param-group hyperparameters, loss-scaler
+    and (if given) scheduler state; returns the `extra` that was saved. Checks first
+    (rank 0 reads the manifest and every file's size and CRC32, and compares the
+    model) and raises the same CheckpointError on every rank if anything is wrong."""
+    engine = optimizer._engine
+    pg, rank = _pg(optimizer), engine.rank
+    engine.wait_reductions()
+    engine.wait_params()
+    layout = _layout(model, optimizer)
+    real = resolve(path)
+    error, manifest = None, None
+    if rank == 0:
+        try:
+            manifest = read_manifest(real)
+            error = _mismatch(manifest, layout, real)
+        except CheckpointError as e:
+            error = str(e)
+    if pg is not None:                      # rank 0's verdict and directory hold for every rank
+        box = [error, manifest, real]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+        error, manifest, real = box
+    if error is not None:
+        raise CheckpointError(error)
+
+    shard = _Shard(optimizer)
+    saved_states = manifest["states"]
+    states = _prepare_states(optimizer, shard, saved_states)
+    names = _engine_names(optimizer, layout)
+    kinds = {"model": shard.masters, **{f"optim/{s}": states[s] for s in saved_states}}
+    with _quiet():
+        sd = _sharded_entries(shard, names, kinds, writing=False)
+    sd.update({f"model/{n}": t for n, t in _plain_tensors(model, layout).items()})
+    sd[OBJECTS] = torch.empty(manifest["objects_bytes"], dtype=torch.uint8)
+    try:
+        from torch.distributed import checkpoint as dcp
+        with torch.no_grad(), _quiet():
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(real), process_group=pg, no_dist=pg is None)
+    except Exception as e:  # noqa: BLE001 - DCP raises the same failure on every rank
+        raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed on rank {rank} ({type(e).__name__}: "
+                              f"{e}); the model and optimizer may be partly loaded: load again or rebuild them") from e
+    objects = _objects(sd[OBJECTS], real)
+
+    for g, saved in zip(optimizer.param_groups, objects["param_groups"]):
+        g.update(saved)
+    optimizer._steps = list(objects["steps"])
+    if shard.views is not None:
+        _restore_scalars(optimizer, shard, objects)
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is not None and objects["loss_scaler"] is not None:
+        scaler.load_state_dict(objects["loss_scaler"])
+    if scheduler is not None and objects["scheduler"] is not None:
+        scheduler.load_state_dict(objects["scheduler"])
+    engine.publish_params()
+    return objects["extra"]
+
+
+def _prepare_states(optimizer, shard: _Shard, saved: list) -> dict:
+    """Per-bucket tensors that the saved per-element states load into; states the
+    checkpoint does not have (it was saved before the first step) are cleared."""
+    if shard.views is None:
+        e = shard.engine
+        for name, flat in e.states().items():
+            if name not in saved:
+                flat.zero_()
+        for name in saved:
+            e.state(name)
+        return shard.states()
+    st = optimizer._shard_opt.state
+    for v in shard.views:
+        st[v] = {name: torch.zeros_like(v) for name in saved}
+    return {name: [st[v][name] for v in shard.views] for name in saved}
+
+
+def _restore_scalars(optimizer, shard: _Shard, objects: dict) -> None:
+    """Generic path: put back the scalar state ("step", ...) of every bucket view;
+    a checkpoint from the fused path has step counts only."""
+    groups = shard.engine.bucket_groups()
+    st = optimizer._shard_opt.state
+    for b, v in enumerate(shard.views):
+        gi = groups[b]
+        scal = objects["scalar_state"].get(gi)
+        if scal is None and objects["steps"][gi] > 0 and st[v]:
+            scal = {"step": torch.tensor(float(objects["steps"][gi]))}
+        for k, t in (scal or {}).items():
+            st[v][k] = t.clone() if torch.is_tensor(t) else t
+        if not st[v]:
+            del st[v]
+
+
+def _objects(t: torch.Tensor, path: str) -> dict:
+    try:
+        return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"zero_ext: the saved objects of checkpoint {path!r} cannot be read ({e})") from e
+
+
+# --------------------------------------------------------------------------- consolidate
+def optimizer_state_dict(layout: dict, tensors: dict, objects: dict) -> dict:
+    """A torch.optim state dict for the wrapped class from per-parameter full tensors:
+    tensors[state][name] = the state of trainable parameter `name`, shaped like it.
+    Parameters are numbered across param groups in order, as torch numbers them."""
+    index, groups = {}, []
+    for gi, names in enumerate(layout["groups"]):
+        ids = []
+        for n in names:
+            index[n] = len(index)
+            ids.append(index[n])
+        groups.append(dict(objects["param_groups"][gi], params=ids))
+    state = {}
+    for name, info in layout["params"].items():
+        gi = info["group"]
+        steps = objects["steps"][gi]
+        s = {}
+        scal = objects["scalar_state"].get(gi)
+        if scal is not None:
+            s.update({k: (t.clone() if torch.is_tensor(t) else t) for k, t in scal.items()})
+        elif layout["optimizer"] in _ADAM_FAMILY and steps > 0:
+            s["step"] = torch.tensor(float(steps))
+        for st, per_param in tensors.items():
+            s[st] = per_param[name]
+        if s and (steps > 0 or scal):
+            state[index[name]] = s
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def consolidate(path) -> dict:
+    """Read checkpoint `path` into plain full tensors, without a process group:
+    {"model": the module's state_dict, "optimizer": a state dict that a plain torch
+    optimizer of the wrapped class loads, "extra", "scheduler", "loss_scaler"}."""
+    real = resolve(path)
+    m = read_manifest(real)
+    sd = {OBJECTS: torch.empty(m["objects_bytes"], dtype=torch.uint8)}
+    flat = {}
+    for name, info in m["params"].items():
+        numel = 1
+        for d in info["shape"]:
+            numel *= d
+        for kind in ["model"] + [f"optim/{s}" for s in m["states"]]:
+            flat[(kind, name)] = torch.empty(numel)
+            if numel:
+                sd[f"{kind}/{name}"] = flat[(kind, name)]
+    for name, info in m["plain"].items():
+        sd[f"model/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
+    from torch.distributed import checkpoint as dcp
+    try:
+        with _quiet():
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(real), no_dist=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed ({type(e).__name__}: {e})") from e
+    objects = _objects(sd[OBJECTS], real)
+    values = {name: flat[("model", name)].view(info["shape"]) for name, info in m["params"].items()}
+    values.update({name: sd[f"model/{name}"] for name in m["plain"]})
+    model_sd = {key: values[name] for key, name in m["keys"].items()}
+    tensors = {s: {name: flat[(f"optim/{s}", name)].view(info["shape"]) for name, info in m["params"].items()}
+               for s in m["states"]}
+    return {"model": model_sd, "optimizer": optimizer_state_dict(m, tensors, objects),
+            "extra": objects["extra"], "scheduler": objects["scheduler"], "loss_scaler": objects["loss_scaler"]}
+
+
+@torch.no_grad()
+def consolidated_state_dict(model, optimizer, to: int = 0):
+    """The full model state_dict and a plain torch.optim state dict of the wrapped
+    class, assembled on rank `to` (of the model's process group): {"model",
+    "optimizer"} there, None on the other ranks; every rank calls it. Streamed bucket
+    by bucket and rank by rank with point-to-point sends, so besides the result the
+    receiving rank holds one bucket slice at a time (its extra memory is bounded by
+    a bucket, not the model) and the senders send views of their shards."""
+    engine = optimizer._engine
+    pg, rank, parts = _pg(optimizer), engine.rank, engine.partitions
+    engine.wait_reductions()
+    engine.wait_params()
+    layout = _layout(model, optimizer)
+    shard = _Shard(optimizer)
+    states = shard.states()
+    kinds = {"model": shard.masters, **{f"optim/{s}": p for s, p in states.items()}}
+    names = _engine_names(optimizer, layout)
+    receiving = rank == to
+    out = {k: [torch.empty(n) for n in shard.numel] for k in kinds} if receiving else None
+
+    def place(kind, frags, src, base):
+        for i, poff, soff, n in frags:
+            out[kind][i].narrow(0, poff, n).copy_(src.narrow(0, soff - base, n))
+
+    if parts == 1:                                   # everything is here (stage 0 / one rank)
+        if receiving:
+            for kind, pieces in kinds.items():
+                for i, poff, soff, n in engine.fragments(0):
+                    out[kind][i].narrow(0, poff, n).copy_(shard.local(pieces, soff, n))
+    else:
+        by_bucket = [[[] for _ in shard.masters] for _ in range(parts)]   # rank -> bucket -> fragments
+        if receiving:
+            for r in range(parts):
+                for f in engine.fragments(r):
+                    by_bucket[r][shard.bucket_of(f[2])].append(f)
+        buf = torch.empty(max(m.numel() for m in shard.masters)) if receiving else None
+        dst = dist.get_global_rank(pg, to)
+        for b, m in enumerate(shard.masters):
+            n_b, base = m.numel(), shard.offsets[b]
+            for kind, pieces in kinds.items():
+                for r in range(parts):
+                    if r == to:
+                        if receiving:
+                            place(kind, by_bucket[r][b], pieces[b], base)
+                    elif receiving:
+                        dist.recv(buf[:n_b], src=dist.get_global_rank(pg, r), group=pg)
+                        place(kind, by_bucket[r][b], buf[:n_b], base)
+                    elif rank == r:
+                        dist.send(pieces[b].contiguous(), dst=dst, group=pg)
+        del buf
+    if not receiving:
+        return None
+    scalar = shard.scalar_state()
+    objects = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+               "steps": list(optimizer._steps), "scalar_state": scalar}
+    values = {name: out["model"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
+    values.update({n: t.clone() for n, t in _plain_tensors(model, layout).items()})
+    model_sd = {key: values[name] for key, name in layout["keys"].items()}
+    tensors = {s: {name: out[f"optim/{s}"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
+               for s in states}
+    return {"model": model_sd, "optimizer": optimizer_state_dict(layout, tensors, objects)}
