@@ -466,36 +466,60 @@ def test_other_optimizers_and_paths(saved):
         assert rel <= ADAMW_REL, f"{name}: plain continuation differs by {rel:.3g}"
 
 
-class _Scaler:
-    """Stands in for the loss scaler of mixed precision (opt.loss_scaler)."""
-
-    def __init__(self, scale):
-        self.scale, self.growth_tracker = scale, 0
-
-    def state_dict(self):
-        return {"scale": torch.tensor(self.scale), "growth_tracker": self.growth_tracker}
-
-    def load_state_dict(self, sd):
-        self.scale, self.growth_tracker = float(sd["scale"]), sd["growth_tracker"]
-
-
 def test_single_process_loss_scaler_and_extra(tmp_path):
-    """Without a process group (world size 1): the loss scaler's state, `extra` with
-    tensors, and a save over an existing checkpoint (replaced, no leftovers)."""
+    """Without a process group (world size 1): `extra` with tensors, and a save over an
+    existing checkpoint (replaced, no leftovers)."""
     import zero_ext
-    from zero_ext.checkpoint import consolidate
     path = str(tmp_path / "ck")
     zm, zo, sched = _fresh(2, {})
-    zo.loss_scaler = _Scaler(1024.0)
     _train(zm, zo, sched, 0, 1, range(3), _zclip(zo))
     zero_ext.save(path, zm, zo, extra={"step": 3})
-    zo.loss_scaler.scale, zo.loss_scaler.growth_tracker = 512.0, 7
     extra = {"step": 4, "rng": torch.get_rng_state(), "note": "plain data"}
     zero_ext.save(path, zm, zo, extra=extra, scheduler=sched)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     zm2, zo2, sched2 = _fresh(3, {})
-    zo2.loss_scaler = _Scaler(1.0)
     got = zero_ext.load(path, zm2, zo2, scheduler=sched2)
     assert got["step"] == 4 and torch.equal(got["rng"], extra["rng"]) and got["note"] == "plain data"
-    assert (zo2.loss_scaler.scale, zo2.loss_scaler.growth_tracker) == (512.0, 7)
-    assert consolidate(path)["loss_scaler"]["growth_tracker"] == 7
+
+
+# ----------------------------------------------------------------------------- mixed precision
+MP_CFG = dict(param_dtype="fp16", initial_loss_scale=2.0 ** 8, loss_scale_growth_interval=2)
+
+
+def _mp_save_world(rank, world, path):
+    import zero_ext
+    zm, zo, sched = _fresh(2, {**SAVE_CFG, **MP_CFG})
+    for step in range(5):
+        x, y = _batch(step, rank, world)
+        zo.backward(zm(x, y)[1])
+        zo.clip_grad_norm_(1.0)
+        zo.step()
+        zo.zero_grad()
+    zero_ext.save(path, zm, zo, extra={"step": 5})
+    full = zero_ext.consolidated_state_dict(zm, zo, to=0)
+    return {"full": full, "scaler": zo.loss_scaler.state_dict()} if rank == 0 else None
+
+
+def test_mixed_precision_checkpoint(tmp_path):
+    """fp16 with dynamic loss scaling, saved at N=2 in stage 2, loaded by one process in
+    stage 3: the fp32 masters and Adam states come back bit for bit (not the fp16 copy),
+    the fp16 parameters are the masters rounded, and the loss scaler's state (scale
+    grown twice, its counters) is restored."""
+    import zero_ext
+    path = str(tmp_path / "mp")
+    saved = run_world(_mp_save_world, 2, path, timeout_s=240)[0]
+    assert saved["scaler"]["scale"] == 2.0 ** 10, saved["scaler"]          # grew at steps 2 and 4
+    zm, zo, sched = _fresh(3, {**LOAD_CFG, **MP_CFG})
+    assert zero_ext.load(path, zm, zo) == {"step": 5}
+    assert zo.loss_scaler.state_dict() == saved["scaler"]
+    full = zero_ext.consolidated_state_dict(zm, zo)
+    for k, v in saved["full"]["model"].items():   # the frozen wpe computes (and is kept) in fp16
+        assert v.dtype == (torch.float16 if k == "wpe.weight" else torch.float32), (k, v.dtype)
+        assert torch.equal(full["model"][k], v), k
+    for i, st in saved["full"]["optimizer"]["state"].items():
+        for name, t in st.items():
+            assert torch.equal(torch.as_tensor(full["optimizer"]["state"][i][name]), torch.as_tensor(t)), (i, name)
+    low = zm.state_dict()                                                   # gathered fp16 parameters
+    for k, v in saved["full"]["model"].items():
+        if k in low and low[k].dtype == torch.float16 and k != "wpe.weight":
+            assert torch.equal(low[k], v.half()), k
