@@ -107,8 +107,19 @@ zx_status zx_adam_step(zx_isa isa, size_t n, float *param, const float *grad,
         adam_isa(isa, n, param, grad, exp_avg, exp_avg_sq, v_max, &c);
         return ZX_OK;
     }
-    /* Note [Low-precision copy-out in blocks] */
     uint16_t *lp = (uint16_t *)param_lp;
+#if ZX_HAVE_X86_SIMD
+    /* The SIMD bodies write the copy from registers (zx_adam_lp_*): one pass. */
+    if (isa == ZX_ISA_AVX512) {
+        zx_adam_lp_avx512(n, param, grad, exp_avg, exp_avg_sq, v_max, &c, lp, lp_dtype);
+        return ZX_OK;
+    }
+    if (isa == ZX_ISA_AVX2) {
+        zx_adam_lp_avx2(n, param, grad, exp_avg, exp_avg_sq, v_max, &c, lp, lp_dtype);
+        return ZX_OK;
+    }
+#endif
+    /* Note [Low-precision copy-out in blocks] */
     for (size_t off = 0; off < n; off += ZX_LP_BLOCK_NUMEL) {
         size_t len = n - off < ZX_LP_BLOCK_NUMEL ? n - off : ZX_LP_BLOCK_NUMEL;
         adam_isa(isa, len, param + off, grad + off, exp_avg + off, exp_avg_sq + off,

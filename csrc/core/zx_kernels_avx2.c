@@ -40,6 +40,33 @@ static inline ZX_SIMD_TARGET vec vec_load_f16(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
+/* Round 8 fp32 to bf16 exactly like zx_f32_to_bf16_ref, with integer arithmetic. */
+static inline ZX_SIMD_TARGET __m128i bf16_round_int(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i hi = _mm256_srli_epi32(u, 16);
+    __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_srli_epi32(r, 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x0040));
+    r = _mm256_blendv_epi8(r, quiet, nan);
+    /* 8 x u32 (each <= 0xffff) -> 8 x u16 */
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* One vector of the low-precision copy (lp_dtype ZX_BF16 or ZX_F16), streamed past the
+ * caches when `stream` (Note [Streaming copy-out] in zx_kernels_avx512.c; dst then
+ * 16-byte aligned). */
+static inline ZX_SIMD_TARGET void vec_store_lp(uint16_t *dst, vec a, int lp_dtype, int stream) {
+    __m128i r = lp_dtype == ZX_BF16 ? bf16_round_int(a) : _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT);
+    if (stream)
+        _mm_stream_si128((__m128i *)dst, r);
+    else
+        _mm_storeu_si128((__m128i *)dst, r);
+}
+#define VEC_LP_ALIGN 16
+static inline ZX_SIMD_TARGET void vec_store_fence(void) { _mm_sfence(); }
+
 #include "zx_kernels_simd.inc"
 
 /* ---- gradient scan ---- */
@@ -72,20 +99,6 @@ void zx_grad_sumsq_avx2(size_t n, const float *grad, float scale, double *sumsq,
 }
 
 /* ---- fp32 -> bf16 / fp16 ---- */
-
-/* Round 8 fp32 to bf16 exactly like zx_f32_to_bf16_ref, with integer arithmetic. */
-static inline ZX_SIMD_TARGET __m128i bf16_round_int(__m256 x) {
-    __m256i u = _mm256_castps_si256(x);
-    __m256i hi = _mm256_srli_epi32(u, 16);
-    __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-    r = _mm256_srli_epi32(r, 16);
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x0040));
-    r = _mm256_blendv_epi8(r, quiet, nan);
-    /* 8 x u32 (each <= 0xffff) -> 8 x u16 */
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
 
 ZX_SIMD_TARGET
 void zx_cast_from_f32_avx2(size_t n, const float *src, void *dst, zx_dtype dtype, int stream) {

@@ -42,39 +42,6 @@ static inline ZX_SIMD_TARGET vec vec_load_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-#include "zx_kernels_simd.inc"
-
-/* ---- gradient scan ---- */
-ZX_SIMD_TARGET
-void zx_grad_sumsq_avx512(size_t n, const float *grad, float scale, double *sumsq,
-                          int64_t *nonfinite) {
-    const __m512i exp_mask = _mm512_set1_epi32(0x7f800000);
-    const __m512d scale_d = _mm512_set1_pd((double)scale);
-    __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();
-    int64_t bad = 0;
-    size_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 g = _mm512_loadu_ps(grad + i);
-        /* finite <=> exponent bits not all ones */
-        __m512i e = _mm512_and_si512(_mm512_castps_si512(g), exp_mask);
-        __mmask16 finite = _mm512_cmpneq_epi32_mask(e, exp_mask);
-        bad += 16 - __builtin_popcount((unsigned)finite);
-        g = _mm512_maskz_mov_ps(finite, g);  /* inf/nan lanes add 0 */
-        __m256 g_lo = _mm512_castps512_ps256(g);
-        __m256 g_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1));
-        __m512d x_lo = _mm512_mul_pd(_mm512_cvtps_pd(g_lo), scale_d);  /* exact */
-        __m512d x_hi = _mm512_mul_pd(_mm512_cvtps_pd(g_hi), scale_d);
-        acc_lo = _mm512_fmadd_pd(x_lo, x_lo, acc_lo);
-        acc_hi = _mm512_fmadd_pd(x_hi, x_hi, acc_hi);
-    }
-    double sum = _mm512_reduce_add_pd(_mm512_add_pd(acc_lo, acc_hi));
-    zx_grad_sumsq_ref(n - i, grad + i, scale, &sum, &bad);
-    *sumsq += sum;
-    *nonfinite += bad;
-}
-
-/* ---- fp32 -> bf16 / fp16 ---- */
-
 /* Round 16 fp32 to bf16 exactly like zx_f32_to_bf16_ref, with integer arithmetic. */
 static inline ZX_SIMD_TARGET __m256i bf16_round_int(__m512 x) {
     __m512i u = _mm512_castps_si512(x);
@@ -108,6 +75,51 @@ static size_t stream_head(size_t n, const uint16_t *dst, int stream) {
     if ((uintptr_t)dst & 1) head = n;   /* odd address: never aligned, no streaming */
     return head < n ? head : n;
 }
+
+/* One vector of the low-precision copy (lp_dtype ZX_BF16 or ZX_F16), streamed past the
+ * caches when `stream` (Note [Streaming copy-out]; dst then 32-byte aligned). */
+static inline ZX_SIMD_TARGET void vec_store_lp(uint16_t *dst, vec a, int lp_dtype, int stream) {
+    __m256i r = lp_dtype == ZX_BF16 ? bf16_round_int(a) : _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT);
+    if (stream)
+        _mm256_stream_si256((__m256i *)dst, r);
+    else
+        _mm256_storeu_si256((__m256i *)dst, r);
+}
+#define VEC_LP_ALIGN 32
+static inline ZX_SIMD_TARGET void vec_store_fence(void) { _mm_sfence(); }
+
+#include "zx_kernels_simd.inc"
+
+/* ---- gradient scan ---- */
+ZX_SIMD_TARGET
+void zx_grad_sumsq_avx512(size_t n, const float *grad, float scale, double *sumsq,
+                          int64_t *nonfinite) {
+    const __m512i exp_mask = _mm512_set1_epi32(0x7f800000);
+    const __m512d scale_d = _mm512_set1_pd((double)scale);
+    __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();
+    int64_t bad = 0;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 g = _mm512_loadu_ps(grad + i);
+        /* finite <=> exponent bits not all ones */
+        __m512i e = _mm512_and_si512(_mm512_castps_si512(g), exp_mask);
+        __mmask16 finite = _mm512_cmpneq_epi32_mask(e, exp_mask);
+        bad += 16 - __builtin_popcount((unsigned)finite);
+        g = _mm512_maskz_mov_ps(finite, g);  /* inf/nan lanes add 0 */
+        __m256 g_lo = _mm512_castps512_ps256(g);
+        __m256 g_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1));
+        __m512d x_lo = _mm512_mul_pd(_mm512_cvtps_pd(g_lo), scale_d);  /* exact */
+        __m512d x_hi = _mm512_mul_pd(_mm512_cvtps_pd(g_hi), scale_d);
+        acc_lo = _mm512_fmadd_pd(x_lo, x_lo, acc_lo);
+        acc_hi = _mm512_fmadd_pd(x_hi, x_hi, acc_hi);
+    }
+    double sum = _mm512_reduce_add_pd(_mm512_add_pd(acc_lo, acc_hi));
+    zx_grad_sumsq_ref(n - i, grad + i, scale, &sum, &bad);
+    *sumsq += sum;
+    *nonfinite += bad;
+}
+
+/* ---- fp32 -> bf16 / fp16 ---- */
 
 static ZX_SIMD_TARGET void cast_bf16_int(size_t n, const float *src, uint16_t *dst, int stream) {
     size_t i = stream_head(n, dst, stream);

@@ -104,6 +104,9 @@ float zx_f16_to_f32_ref(uint16_t h);
     void zx_adam_##sfx(size_t n, float *param, const float *grad, float *exp_avg,      \
                        float *exp_avg_sq, float *max_exp_avg_sq,                       \
                        const zx_adam_consts *c);                                       \
+    void zx_adam_lp_##sfx(size_t n, float *param, const float *grad, float *exp_avg,   \
+                          float *exp_avg_sq, float *max_exp_avg_sq,                    \
+                          const zx_adam_consts *c, uint16_t *lp, zx_dtype lp_dtype);   \
     void zx_sgd_##sfx(size_t n, float *param, const float *grad, float *momentum_buf,  \
                       const zx_sgd_consts *c);                                         \
     void zx_grad_sumsq_##sfx(size_t n, const float *grad, float scale, double *sumsq,  \
