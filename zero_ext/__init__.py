@@ -4,6 +4,9 @@
 
 See README.md for the options and how it works.
 """
+import atexit
+import gc
+
 from .api import ZeroInputError, zeroify
 from .checkpoint import CheckpointError, consolidated_state_dict, load, save
 from .config import ZeroConfig
@@ -14,3 +17,12 @@ from .optim import ZeroOptimizer
 __all__ = ["zeroify", "ZeroConfig", "ZeroModel", "ZeroOptimizer", "ZeroInputError", "gathered_parameters",
            "save", "load", "consolidated_state_dict", "CheckpointError"]
 __version__ = "0.1.0"
+
+# Note [Process groups at exit]
+#   An engine holds its process group. Garbage that is only freed by the cyclic
+#   collector can keep an engine alive after dist.destroy_process_group() — e.g. a
+#   caught ImportError's traceback from a lazy torch import, whose frames reach
+#   the frame that built the engine. Left to interpreter finalization, destroying
+#   a gloo process group can abort the process ("terminate called without an
+#   active exception"). Collect such cycles at exit, while the interpreter is whole.
+atexit.register(gc.collect)
