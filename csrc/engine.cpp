@@ -708,16 +708,18 @@ void Engine::wait_gather(Bucket &bk) {
 
 void Engine::release_bucket(Bucket &bk) {
     wait_gather(bk);
-    const at::Tensor empty = at::empty({0}, bk.flat_param.options());
-    if (bk.staging.defined()) {
+    const bool staged = bk.staging.defined();
+    if (!staged && !bk.gathered) return;   // the common case after backward: nothing held
+    if (staged) {
         gathered_bytes_ -= bk.staging.nbytes();
         bk.staging = at::Tensor();
-        for (int64_t i : bk.params) params_[i].set_data(empty);
     }
-    if (!bk.gathered) return;
-    at::native::resize_bytes_cpu(bk.flat_param.storage().unsafeGetStorageImpl(), 0);
-    gathered_bytes_ -= bk.flat_param.numel() * bk.flat_param.element_size();
-    bk.gathered = false;
+    if (bk.gathered) {
+        at::native::resize_bytes_cpu(bk.flat_param.storage().unsafeGetStorageImpl(), 0);
+        gathered_bytes_ -= bk.flat_param.numel() * bk.flat_param.element_size();
+        bk.gathered = false;
+    }
+    const at::Tensor empty = at::empty({0}, bk.flat_param.options());
     for (int64_t i : bk.params) params_[i].set_data(empty);
 }
 

@@ -6,11 +6,18 @@ import contextlib
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
+
+try:
+    from tqdm import tqdm          # optional: progress bar on rank 0
+except ImportError:
+    tqdm = None
 
 
 def setup_distributed(threads):
@@ -111,3 +118,76 @@ def summarize(args, system, world_size, num_params, model, opt, losses, accuraci
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=1))
     return summary
+
+
+@torch.no_grad()
+def evaluate(model, get_batch, args):
+    """(loss, accuracy) on args.eval_size held-out examples, the same on every rank and run."""
+    model.eval()                                               # e.g. BatchNorm uses its running statistics
+    generator = torch.Generator().manual_seed(args.seed + 999_999)
+    x, y = get_batch(args.eval_size, generator)
+    with autocast(args):
+        logits = model(x).float()
+    model.train()
+    return F.cross_entropy(logits, y).item(), (logits.argmax(dim=1) == y).float().mean().item()
+
+
+def train_classifier(model, opt, get_batch, args, unit):
+    """The classifier examples' run: wrap (DDP or zeroify), train args.steps steps of
+    cross-entropy on get_batch(n, generator) -> (x, y) with progress on rank 0,
+    evaluate, summarize. `unit` names one example in the log ("images"). Returns the
+    summary dict on every rank."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    is_master = rank == 0
+
+    def log(message):
+        if is_master:
+            print(message, flush=True)
+
+    num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model, opt = wrap_for_data_parallel(model, opt, args)
+    system = "ddp" if args.ddp else f"stage {args.stage}"
+    log(f"{system} | world size {world_size} | {torch.get_num_threads()} thread(s) per rank | "
+        f"{num_params:,} parameters | {args.batch_size * world_size} {unit} per step | torch {torch.__version__}")
+
+    generator = torch.Generator().manual_seed(args.seed + 1000 * rank)   # this rank's own batches
+    steps = range(args.steps)
+    if is_master and tqdm is not None:
+        steps = tqdm(steps, desc=system, mininterval=1.0)
+    losses, accuracies, step_times = [], [], []
+    for step in steps:
+        x, y = get_batch(args.batch_size, generator)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with autocast(args):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float(), y)
+        backward(loss, opt)                                    # gradients are reduced during backward
+        if args.grad_clip > 0:
+            if args.ddp:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            else:
+                opt.clip_grad_norm_(args.grad_clip)            # the global norm over all shards
+        opt.step()
+        step_times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        accuracies.append((logits.argmax(dim=1) == y).float().mean().item())
+        if is_master and tqdm is not None:
+            steps.set_postfix(loss=f"{losses[-1]:.4f}", acc=f"{accuracies[-1]:.2f}", refresh=False)
+        elif step % args.log_every == 0 or step == args.steps - 1:
+            log(f"step {step:5d} | loss {losses[-1]:.4f} | acc {accuracies[-1]:.2f} | "
+                f"{1000 * step_times[-1]:7.1f} ms")
+
+    eval_loss, eval_acc = evaluate(model, get_batch, args)
+    return summarize(args, system, world_size, num_params, model, opt, losses, accuracies, step_times,
+                     eval_loss, eval_acc, log, is_master)
+
+
+def leave_together():
+    """Ranks leave together (after rank 0's JSON), then the process group goes. The
+    barrier holds no Python tensors, so no gloo worker thread is still releasing one
+    while the interpreter shuts down (that aborts the process if the process group is
+    still alive then, as it is while zero_ext's engine holds it)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

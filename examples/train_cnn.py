@@ -25,21 +25,13 @@ its own batches from a generator seeded with seed + 1000 * rank.
 """
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import add_precision_argument, autocast, backward, check_precision, setup_distributed, summarize, \
-    wrap_for_data_parallel
-
-try:
-    from tqdm import tqdm          # optional: progress bar on rank 0
-except ImportError:
-    tqdm = None
+from common import add_precision_argument, check_precision, leave_together, setup_distributed, train_classifier
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 32, 32)          # channels, height, width (CIFAR-10)
@@ -139,78 +131,21 @@ class TeacherImages:
 
 # ----------------------------------------------------------------------------- training
 
-@torch.no_grad()
-def evaluate(model, data, args):
-    """(loss, accuracy) on args.eval_size held-out images, the same on every rank and run."""
-    model.eval()                                               # BatchNorm uses its running statistics
-    generator = torch.Generator().manual_seed(args.seed + 999_999)
-    x, y = data.get_batch(args.eval_size, generator)
-    with autocast(args):
-        logits = model(x).float()
-    model.train()
-    return F.cross_entropy(logits, y).item(), (logits.argmax(dim=1) == y).float().mean().item()
-
-
 def train(args):
     """Build, train, evaluate, report. Returns the summary dict on every rank."""
-    rank, world_size, threads = setup_distributed(args.threads)
-    is_master = rank == 0
-
-    def log(message):
-        if is_master:
-            print(message, flush=True)
-
+    setup_distributed(args.threads)
     data = TeacherImages(args.seed, args.noise)
     torch.manual_seed(args.seed)                               # same initial weights on every rank
     model = ResNet(args.width)
-    num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, nesterov=True,
                           weight_decay=args.weight_decay)
-    model, opt = wrap_for_data_parallel(model, opt, args)
-    system = "ddp" if args.ddp else f"stage {args.stage}"
-    log(f"{system} | world size {world_size} | {threads} thread(s) per rank | {num_params:,} parameters | "
-        f"{args.batch_size * world_size} images per step | torch {torch.__version__}")
-
-    generator = torch.Generator().manual_seed(args.seed + 1000 * rank)   # this rank's own batches
-    steps = range(args.steps)
-    if is_master and tqdm is not None:
-        steps = tqdm(steps, desc=system, mininterval=1.0)
-    losses, accuracies, step_times = [], [], []
-    for step in steps:
-        x, y = data.get_batch(args.batch_size, generator)
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with autocast(args):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float(), y)
-        backward(loss, opt)                                    # gradients are reduced during backward
-        if args.grad_clip > 0:
-            if args.ddp:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            else:
-                opt.clip_grad_norm_(args.grad_clip)            # the global norm over all shards
-        opt.step()
-        step_times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        accuracies.append((logits.argmax(dim=1) == y).float().mean().item())
-        if is_master and tqdm is not None:
-            steps.set_postfix(loss=f"{losses[-1]:.4f}", acc=f"{accuracies[-1]:.2f}", refresh=False)
-        elif step % args.log_every == 0 or step == args.steps - 1:
-            log(f"step {step:5d} | loss {losses[-1]:.4f} | acc {accuracies[-1]:.2f} | "
-                f"{1000 * step_times[-1]:7.1f} ms")
-
-    eval_loss, eval_acc = evaluate(model, data, args)
-    summary = summarize(args, system, world_size, num_params, model, opt, losses, accuracies, step_times,
-                        eval_loss, eval_acc, log, is_master)
-    return summary
+    return train_classifier(model, opt, data.get_batch, args, "images")
 
 
 def main(argv=None):
     args = parse_args(argv)
     train(args)
-    if dist.is_initialized():
-        dist.barrier()                                         # ranks leave together, after rank 0's JSON
-        dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import peers
-from common import setup_distributed
+from common import leave_together, setup_distributed
 
 from gpt import GPT, CharDataset, GPTConfig
 
@@ -494,13 +494,7 @@ def train(args):
 def main(argv=None):
     args = parse_args(argv)
     train(args)
-    if dist.is_initialized():
-        # Ranks leave together, after rank 0's sample and JSON. The barrier holds no
-        # Python tensors, so no gloo worker thread is still releasing one while the
-        # interpreter shuts down (that aborts the process if the process group is
-        # still alive then, as it is while zero_ext's engine holds it).
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_together()                   # after rank 0's sample and JSON
 
 
 if __name__ == "__main__":

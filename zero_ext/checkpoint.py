@@ -205,6 +205,14 @@ def _engine_names(optimizer, layout) -> list:
     return list(layout["params"])                         # engine order (dicts keep it)
 
 
+def _settle(model, optimizer):
+    """(engine, process group, layout), once every outstanding collective is done."""
+    engine = optimizer._engine
+    engine.wait_reductions()
+    engine.wait_params()
+    return engine, _pg(optimizer), _layout(model, optimizer)
+
+
 def _pg(optimizer):
     return optimizer._pg if optimizer._engine.world_size > 1 else None
 
@@ -260,11 +268,8 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
     data (dicts, lists, numbers, strings, tensors) returned by load(); `scheduler`:
     an LR scheduler whose state_dict() is saved too."""
     path = os.path.abspath(os.fspath(path))
-    engine = optimizer._engine
-    pg, rank = _pg(optimizer), engine.rank
-    engine.wait_reductions()
-    engine.wait_params()
-    layout = _layout(model, optimizer)
+    engine, pg, layout = _settle(model, optimizer)
+    rank = engine.rank
     shard = _Shard(optimizer)
     states = shard.states()
     tmp = path + ".tmp"
@@ -419,11 +424,8 @@ def load(path, model, optimizer, *, scheduler=None):
     and (if given) scheduler state; returns the `extra` that was saved. Checks first
     (rank 0 reads the manifest and every file's size and CRC32, and compares the
     model) and raises the same CheckpointError on every rank if anything is wrong."""
-    engine = optimizer._engine
-    pg, rank = _pg(optimizer), engine.rank
-    engine.wait_reductions()
-    engine.wait_params()
-    layout = _layout(model, optimizer)
+    engine, pg, layout = _settle(model, optimizer)
+    rank = engine.rank
     real = resolve(path)
     error, manifest = None, None
     if rank == 0:
@@ -582,11 +584,8 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
     by bucket and rank by rank with point-to-point sends, so besides the result the
     receiving rank holds one bucket slice at a time (its extra memory is bounded by
     a bucket, not the model) and the senders send views of their shards."""
-    engine = optimizer._engine
-    pg, rank, parts = _pg(optimizer), engine.rank, engine.partitions
-    engine.wait_reductions()
-    engine.wait_params()
-    layout = _layout(model, optimizer)
+    engine, pg, layout = _settle(model, optimizer)
+    rank, parts = engine.rank, engine.partitions
     shard = _Shard(optimizer)
     states = shard.states()
     kinds = {"model": shard.masters, **{f"optim/{s}": p for s, p in states.items()}}

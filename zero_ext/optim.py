@@ -53,13 +53,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if mode is None:
             return None
         dynamic = mode == "dynamic"
+        scale = float(config.initial_loss_scale if dynamic else mode)
         return _C.LossScaler(
-            scale=float(config.initial_loss_scale if dynamic else mode),
-            growth_factor=float(config.loss_scale_growth_factor),
+            scale=scale, growth_factor=float(config.loss_scale_growth_factor),
             backoff_factor=float(config.loss_scale_backoff_factor),
             growth_interval=int(config.loss_scale_growth_interval), hysteresis=int(config.loss_scale_hysteresis),
-            min_scale=float(min(config.min_loss_scale, config.initial_loss_scale if dynamic else mode)),
-            max_scale=float(max(config.max_loss_scale, config.initial_loss_scale if dynamic else mode)),
+            min_scale=min(float(config.min_loss_scale), scale), max_scale=max(float(config.max_loss_scale), scale),
             dynamic=dynamic)
 
     @property

@@ -19,22 +19,7 @@
 #include "zx_core.h"
 #include "zx_kernels_internal.h"
 
-/* ------------------------------------------------------------------ tiny framework */
-static long g_passed, g_failed;
-
-#define CHECK(cond, ...)                                                  \
-    do {                                                                  \
-        if (cond) {                                                       \
-            g_passed++;                                                   \
-        } else {                                                          \
-            g_failed++;                                                   \
-            if (g_failed <= 40) {                                         \
-                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);      \
-                fprintf(stderr, __VA_ARGS__);                             \
-                fputc('\n', stderr);                                      \
-            }                                                             \
-        }                                                                 \
-    } while (0)
+#include "check.h"
 
 #define ZX_TEST_MAX_ULP 0
 

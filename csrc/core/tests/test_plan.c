@@ -6,13 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int passed = 0, failed = 0;
-#define CHECK(cond, ...)                                                    \
-    do {                                                                    \
-        if (cond) { passed++; }                                             \
-        else { failed++; fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-               fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); }       \
-    } while (0)
+#include "check.h"
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static uint64_t rnd(void) { /* xorshift64* */
@@ -167,6 +161,6 @@ static void check_errors(void) {
 int main(void) {
     check_errors();
     for (int t = 0; t < 2000; t++) check_random_plan(t);
-    printf("test_plan: %d passed, %d failed\n", passed, failed);
-    return failed ? 1 : 0;
+    printf("test_plan: %ld passed, %ld failed\n", g_passed, g_failed);
+    return g_failed ? 1 : 0;
 }

@@ -5,13 +5,7 @@
 
 #include <stdio.h>
 
-static int passed = 0, failed = 0;
-#define CHECK(cond, ...)                                                    \
-    do {                                                                    \
-        if (cond) { passed++; }                                             \
-        else { failed++; fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-               fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); }       \
-    } while (0)
+#include "check.h"
 
 static zx_loss_scaler make(double scale, int64_t interval, int64_t hysteresis, int dynamic) {
     zx_loss_scaler s = {0};
@@ -86,6 +80,6 @@ int main(void) {
     transcript();
     bounds();
     bad_args();
-    printf("test_scaler: %d checks passed, %d failed\n", passed, failed);
-    return failed ? 1 : 0;
+    printf("test_scaler: %ld checks passed, %ld failed\n", g_passed, g_failed);
+    return g_failed ? 1 : 0;
 }
