@@ -2,6 +2,8 @@
 #   make test    build everything (venv, torch, the extension) and pass the tests
 #   make demo    the main job: GPT training on 2 CPU ranks, ZeRO vs DDP, side by side
 #   make bench   the benchmarks (tables + JSON under benchmarks/results/); installs DeepSpeed, a peer
+#   make gpu-check  on a GPU machine whose python has torch+CUDA, pybind11, ninja, pytest:
+#                builds, runs the GPU tests, compute-sanitizer and GPU benchmarks; installs nothing
 # A user with a torch of their own (e.g. CUDA) keeps it: make ZX_SYSTEM_TORCH=1 ...
 # builds the venv on top of the system site-packages and installs no torch.
 
@@ -12,9 +14,9 @@ TORCH_VERSION ?= 2.13.0
 DEEPSPEED_VERSION ?= 0.19.8
 ZX_SYSTEM_TORCH ?= 0
 PYTEST_ARGS ?=
-SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/core/*.c csrc/core/*.h csrc/core/*.inc csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh) setup.py
+SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/engine/*.cpp csrc/engine/*.h csrc/core/*.c csrc/core/*.h csrc/core/*.inc csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh) setup.py
 
-.PHONY: all venv build test core-test pytest demo bench clean
+.PHONY: all venv build test core-test pytest demo bench gpu-check clean
 
 all: build
 
@@ -70,6 +72,10 @@ bench: build $(VENV)/.bench-deps
 	$(PY) benchmarks/bench_memory.py
 	$(PY) -m nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1800 \
 	    --output-dir benchmarks/results --output zero_vs_ddp.executed.ipynb benchmarks/zero_vs_ddp.ipynb
+
+# No venv, no pip: the GPU machine has no package registry (see .ci/gpu-check).
+gpu-check:
+	PYTHON=$(PYTHON) bash .ci/gpu-check
 
 clean:
 	rm -rf build zero_ext/*.so $(VENV)/.built

@@ -22,7 +22,7 @@ def rel(pattern):
 
 
 core_sources = rel("csrc/core/*.c")
-cpp_sources = rel("csrc/*.cpp")
+cpp_sources = rel("csrc/*.cpp") + rel("csrc/engine/*.cpp")
 cuda_sources = rel("csrc/cuda/*.cu")
 
 with_cuda = (

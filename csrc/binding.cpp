@@ -3,7 +3,7 @@
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "engine.h"
+#include "engine/engine.h"
 #include "kernels_binding.h"   // defines: zx_bind_kernels
 
 void zx_bind_cuda(pybind11::module_ &m);   // cuda_binding.cpp (a no-op without CUDA)

@@ -4,6 +4,7 @@ Nothing here runs a kernel: it only makes a syntax or type error in the CUDA cod
 fail CI on machines without a GPU (DESIGN §9). Skipped when nvcc is not on PATH.
 Run: pytest tests/test_cuda_compile.py -v
 """
+import os
 import pathlib
 import shutil
 import subprocess
@@ -43,3 +44,29 @@ def test_nvcc_compiles(source, arch, tmp_path):
     # Warnings are not errors, but show them (pytest -s / on failure of a later assert).
     if proc.stderr.strip():
         print(f"nvcc warnings for {source.name} ({arch}):\n{proc.stderr}")
+
+
+# The host side of the CUDA build (the CUDA kernel table of the engine and the CUDA
+# bindings) only compiles in the CUDA extension; check it here with the CPU wheel's
+# headers (which include c10/cuda and ATen/native/cuda) and the toolkit's, so that a
+# type error in it fails CI without a GPU machine.
+HOST_SOURCES = [ROOT / "csrc" / "engine" / "kernels_cuda.cpp", ROOT / "csrc" / "cuda_binding.cpp"]
+
+
+@pytest.mark.parametrize("source", HOST_SOURCES, ids=lambda p: p.name)
+def test_cuda_host_code_compiles(source):
+    import sysconfig
+
+    import torch
+    from torch.utils import cpp_extension
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH: the CUDA host code is not compiled (install the CUDA toolkit)")
+    cuda_home = cpp_extension.CUDA_HOME or str(pathlib.Path(nvcc).resolve().parents[1])
+    cxx = shutil.which("c++") or shutil.which("g++")
+    includes = cpp_extension.include_paths() + [str(ROOT / "csrc"), str(ROOT / "csrc" / "core"),
+                                                os.path.join(cuda_home, "include"), sysconfig.get_paths()["include"]]
+    cmd = [cxx, "-std=c++20", "-fsyntax-only", "-DZX_WITH_CUDA", "-DTORCH_EXTENSION_NAME=_C",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-Wall", "-Wno-unused-parameter"] + [f"-I{p}" for p in includes] + [str(source)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, f"{source.name} does not compile with -DZX_WITH_CUDA:\n{proc.stderr[-4000:]}"

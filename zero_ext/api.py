@@ -95,9 +95,12 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
         _fail(f"the model is on the meta device; building it sharded needs stage=3 (got stage={cfg.stage}), "
               f"or build it on the CPU")
     for p in params:
-        if p.device.type not in ("cpu", "meta"):
-            _fail(f"parameter {names[id(p)]!r} is on {p.device}; this build of zero_ext runs on CPU "
-                  f"(gloo); the CUDA engine is not built yet")
+        if p.device.type == "cuda" and not hasattr(_C, "cuda_adam_step"):
+            _fail(f"parameter {names[id(p)]!r} is on {p.device}, but this build of zero_ext has no CUDA "
+                  f"kernels (it was built with a CPU-only torch or without nvcc); rebuild it where torch has "
+                  f"CUDA and nvcc is on the PATH, or train on the CPU")
+        if p.device.type not in ("cpu", "cuda", "meta"):
+            _fail(f"parameter {names[id(p)]!r} is on {p.device}; zero_ext runs on CPU and CUDA tensors")
         if p.dtype != torch.float32:
             _fail(f"parameter {names[id(p)]!r} is {p.dtype}; give zeroify() the model in float32 "
                   f"(model.float()) and choose the compute precision with param_dtype='bf16' or 'fp16': "

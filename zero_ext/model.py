@@ -99,7 +99,7 @@ class ZeroModel(nn.Module):
 
 class _UnitHooks:
     """Stage 3: gather each unit before its forward and backward, release it after
-    (Note [Stage 3 parameter lifetime] in csrc/engine.cpp), and prefetch the next
+    (Note [Stage 3 parameter lifetime] in csrc/engine/gatherer.cpp), and prefetch the next
     units. The forward's unit sequence starts as registration order and is learned
     (repeats included) from the first forward; backward follows the reverse of the
     current forward's recorded sequence. A forward that runs units in another

@@ -2,9 +2,18 @@
 // readiness, asynchronous collectives on a c10d ProcessGroup, fused steps, and
 // (stage 3) parameter buckets gathered per unit on demand.
 //
-// The C planner (core/zx_plan.c) decides every offset; this file only turns
+// The C planner (core/zx_plan.c) decides every offset; the engine only turns
 // the plan into tensors and drives the collectives. Python glue (zero_ext/)
 // creates one Engine per zeroify() call and calls into it from thin hooks.
+//
+// One class, one file per concern (csrc/engine/):
+//   layout.cpp       the buckets, shards and views built from the plan; state; stats
+//   reducer.cpp      gradient readiness, the ring, reduce-scatter / all-reduce
+//   gatherer.cpp     parameter all-gather (stages 0-2) and stage-3 units
+//   stepper.cpp      optimizer steps, gradient norm and scaling, casts
+//   comm.h/.cpp      Communicator: collectives on the process group, counters
+//   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
+//                    the per-device kernel table (Note [Kernel table])
 #pragma once
 
 #include <torch/extension.h>
@@ -16,10 +25,10 @@
 #include <vector>
 
 #include "core/zx_core.h"
+#include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
+#include "engine/kernels.h"   // defines: Kernels, make_kernels
 
 namespace zx {
-
-using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 struct EngineOptions {
     int64_t stage = 2;                 // 0 (DDP), 1, 2, 3
@@ -33,15 +42,6 @@ struct EngineOptions {
                                        // materialized unit by unit afterwards)
     std::string param_dtype = "fp32";  // what parameters compute in and are gathered as: fp32/bf16/fp16
     std::string reduce_dtype = "fp32"; // what gradients accumulate and are reduced in
-};
-
-// Cumulative counters of one collective kind. numel/bytes are the size of the
-// collective's full (unsharded) buffer: a reduce-scatter of a bucket counts the
-// bucket, an all-gather counts the gathered bucket, an all-reduce its tensor.
-struct CommCounter {
-    int64_t calls = 0;
-    int64_t numel = 0;
-    int64_t bytes = 0;
 };
 
 // One bucket of the plan, as tensors. Note [Gradient layout]:
@@ -67,7 +67,7 @@ struct Bucket {
     // stage 3 (Note [Stage 3 parameter lifetime]):
     int64_t unit = 0;                  // the unit whose parameters this bucket holds
     bool gathered = false;             // flat_param holds the full parameters
-    c10::intrusive_ptr<c10d::Work> gather_work;  // all-gather in flight, if any
+    WorkPtr gather_work;  // all-gather in flight, if any
 };
 
 // A staging/receive pair of the ring (Note [Gradient layout]).
@@ -145,6 +145,7 @@ public:
     std::string describe_plan() const;
     int64_t rank() const { return rank_; }
     int64_t world_size() const { return world_; }
+    const char *kernels_name() const { return kern_->name(); }
     int64_t partitions() const { return parts_; }
     double grad_divisor() const;       // what shard gradients must be divided by
     std::string isa_name() const { return zx_isa_name(isa_); }
@@ -166,9 +167,7 @@ private:
     void absorb(at::Tensor master, const at::Tensor &lp_new);
     at::Tensor owned_slice(const at::Tensor &flat, const Bucket &bk) const;
     at::Tensor grad_shard_slice(const Bucket &bk);
-    void count(CommCounter &c, int64_t numel, int64_t elem) { c.calls++; c.numel += numel; c.bytes += numel * elem; }
-    template <class F> void parallel(int64_t n, F &&fn) const;
-    template <class F> void with_f32_grads(const at::Tensor &grad, int64_t lo, int64_t hi, F &&fn) const;
+    at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(dev_); }
 
     std::vector<at::Tensor> params_;
     std::vector<at::Tensor> grad_views_;   // stage 0/1: param i's view into flat_grad
@@ -179,14 +178,16 @@ private:
     std::vector<Slot> slots_;
     int64_t max_padded_ = 0;
     zx_plan *plan_ = nullptr;
-    c10::optional<ProcessGroupPtr> pg_;
+    Communicator comm_;
     EngineOptions opts_;
     int64_t rank_ = 0, world_ = 1, parts_ = 1, shard_numel_ = 0;
-    zx_isa isa_ = ZX_ISA_SCALAR;
+    zx_isa isa_ = ZX_ISA_SCALAR;            // CPU kernels' ISA (reported by stats())
+    at::Device dev_ = at::kCPU;             // the parameters' device: every buffer lives there
+    std::unique_ptr<Kernels> kern_;         // Note [Kernel table]
     bool require_sync_ = true;
     int64_t next_launch_ = 0;
-    std::deque<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> inflight_;
-    std::vector<c10::intrusive_ptr<c10d::Work>> gather_works_;
+    std::deque<std::pair<int64_t, WorkPtr>> inflight_;
+    std::vector<WorkPtr> gather_works_;
     at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) reduce_dtype gradient sums
     at::Tensor master_shard_;              // stage 3 or low precision: (shard_numel,) fp32 master
     at::Tensor lp_shard_;                  // stage 3, low precision: (shard_numel,) gather input
@@ -197,7 +198,6 @@ private:
     std::vector<std::vector<int64_t>> unit_buckets_;  // stage 3: unit -> its buckets
     int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
     std::map<std::string, at::Tensor> states_;
-    CommCounter c_allreduce_, c_reduce_scatter_, c_allgather_, c_broadcast_;
     int64_t reductions_ = 0;               // backward passes whose gradients were reduced
 };
 

@@ -1,0 +1,69 @@
+// comm.cpp — see comm.h.
+#include "engine/comm.h"
+
+// Note [Collective entry points]
+//   _allgather_base, _reduce_scatter_base and alltoall_base are deprecated in
+//   torch 2.13 in favour of *_single, which torch 2.11 (the GPU machine) lacks;
+//   the old names exist in both, so we keep them and silence the warning.
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+namespace zx {
+
+Communicator::Communicator(c10::optional<ProcessGroupPtr> pg) : pg_(std::move(pg)) {
+    if (pg_.has_value()) {
+        rank_ = (*pg_)->getRank();
+        world_ = (*pg_)->getSize();
+    }
+}
+
+void Communicator::wait(const WorkPtr &work, const char *what) {
+    try {
+        work->wait();
+    } catch (const std::exception &e) {
+        TORCH_CHECK(false, "zero_ext: ", what, " failed: ", e.what(),
+                    "\nAnother rank probably died, or stopped calling the same collectives; "
+                    "this rank cannot continue. Restart the job from the last checkpoint.");
+    }
+}
+
+WorkPtr Communicator::all_reduce_sum(at::Tensor t) {
+    c_all_reduce.add(t.numel(), t.element_size());
+    std::vector<at::Tensor> ts{std::move(t)};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;   // never AVG: gloo's AVG has been wrong
+    return (*pg_)->allreduce(ts, o);
+}
+
+void Communicator::all_reduce_sum_blocking(at::Tensor t, const char *what) {
+    wait(all_reduce_sum(std::move(t)), what);
+}
+
+WorkPtr Communicator::reduce_scatter_sum(at::Tensor recv, at::Tensor send) {
+    c_reduce_scatter.add(send.numel(), send.element_size());
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;
+    return (*pg_)->_reduce_scatter_base(recv, send, o);
+}
+
+WorkPtr Communicator::all_to_all(at::Tensor recv, at::Tensor send, int64_t logical_numel) {
+    // Counted as the reduce-scatter it implements.
+    c_reduce_scatter.add(logical_numel, send.element_size());
+    std::vector<int64_t> splits;   // empty: equal splits
+    return (*pg_)->alltoall_base(recv, send, splits, splits);
+}
+
+WorkPtr Communicator::all_gather(at::Tensor out, at::Tensor in) {
+    c_all_gather.add(out.numel(), out.element_size());
+    return (*pg_)->_allgather_base(out, in);
+}
+
+void Communicator::broadcast(at::Tensor t, int64_t src) {
+    if (world_ == 1) return;
+    c_broadcast.add(t.numel(), t.element_size());
+    std::vector<at::Tensor> one{std::move(t)};
+    c10d::BroadcastOptions o;
+    o.rootRank = src;
+    wait((*pg_)->broadcast(one, o), "broadcast");
+}
+
+}  // namespace zx

@@ -1,0 +1,58 @@
+// comm.h — the engine's collectives on the user's c10d ProcessGroup, and their
+// counters. Every collective the engine issues goes through a Communicator, so
+// that one place counts bytes per kind (stats()["comm"]) and turns a failed
+// wait into one message.
+#pragma once
+
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <vector>
+
+namespace zx {
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// Cumulative counters of one collective kind. numel/bytes are the size of the
+// collective's full (unsharded) buffer: a reduce-scatter of a bucket counts the
+// bucket, an all-gather counts the gathered bucket, an all-reduce its tensor.
+struct CommCounter {
+    int64_t calls = 0;
+    int64_t numel = 0;
+    int64_t bytes = 0;
+    void add(int64_t n, int64_t elem_bytes) { calls++; numel += n; bytes += n * elem_bytes; }
+};
+
+class Communicator {
+public:
+    explicit Communicator(c10::optional<ProcessGroupPtr> pg);
+
+    int64_t rank() const { return rank_; }
+    int64_t world() const { return world_; }
+
+    // Asynchronous collectives; the caller waits with wait().
+    WorkPtr all_reduce_sum(at::Tensor t);
+    // send (N equal slices) -> recv: the SUM of every rank's slice r on rank r.
+    WorkPtr reduce_scatter_sum(at::Tensor recv, at::Tensor send);
+    // send (N equal slices) -> recv (N slices: slice j from rank j), for a
+    // reduce-scatter summed locally (Note [Reduce-scatter on gloo]).
+    WorkPtr all_to_all(at::Tensor recv, at::Tensor send, int64_t logical_numel);
+    // in (one slice) -> out (N slices); in may be the owned slice of out.
+    WorkPtr all_gather(at::Tensor out, at::Tensor in);
+    // Blocking.
+    void broadcast(at::Tensor t, int64_t src);
+    void all_reduce_sum_blocking(at::Tensor t, const char *what);
+
+    // Every wait on a collective goes through here, so that a peer that died
+    // (or a timeout of the process group) surfaces as one message naming what failed.
+    static void wait(const WorkPtr &work, const char *what);
+
+    CommCounter c_all_reduce, c_reduce_scatter, c_all_gather, c_broadcast;
+
+private:
+    c10::optional<ProcessGroupPtr> pg_;
+    int64_t rank_ = 0, world_ = 1;
+};
+
+}  // namespace zx

@@ -1,0 +1,54 @@
+// kernels.h — the engine's kernels for one device, chosen once at construction.
+//
+// Note [Kernel table]
+//   Every arithmetic pass the engine makes over a bucket slice (optimizer
+//   steps, gradient scan, scaling, casts, the local sum of an all-to-all
+//   reduce-scatter) goes through one Kernels object, made by make_kernels()
+//   for the parameters' device when the Engine is built. The engine itself
+//   never asks which device it runs on:
+//     CPU  (kernels_cpu.cpp):  the C core (csrc/core), on torch's intra-op
+//                              threads (at::parallel_for), ISA chosen at run time;
+//     CUDA (kernels_cuda.cpp): the csrc/cuda launchers on torch's current stream
+//                              (built only when the extension is built with CUDA).
+//   Pointers are device pointers of the table's device. Gradients arrive in
+//   reduce_dtype; the table converts low-precision ones to fp32 on the way in.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <memory>
+#include <utility>
+
+#include "core/zx_core.h"
+
+namespace zx {
+
+class Kernels {
+public:
+    virtual ~Kernels() = default;
+    virtual const char *name() const = 0;   // "cpu-avx512", "cuda", ...
+
+    // One Adam/AdamW (resp. SGD) step over n elements: fp32 param/state arrays,
+    // grad (n elements of reduce_dtype, contiguous), optional low-precision copy.
+    virtual void adam(int64_t n, float *param, const at::Tensor &grad, float *m, float *v, float *vmax,
+                      void *lp, zx_dtype lp_dtype, const zx_adam_hparams &hp) = 0;
+    virtual void sgd(int64_t n, float *param, const at::Tensor &grad, float *buf, void *lp, zx_dtype lp_dtype,
+                     const zx_sgd_hparams &hp) = 0;
+    // Sum of squares of grad*scale over the finite elements, and the count of
+    // inf/nan elements; added into *sumsq / *nonfinite.
+    virtual void grad_sumsq(const at::Tensor &grad, double scale, double *sumsq, int64_t *nonfinite) = 0;
+    virtual void scale(int64_t n, float *x, float s) = 0;
+    virtual void cast_from_f32(int64_t n, const float *src, void *dst, zx_dtype dst_dtype) = 0;
+    // dst = (accumulate ? dst : 0) + sum_j src[j*slice_n + i], j ascending.
+    virtual void sum_slices(int64_t slice_n, int32_t nslices, const float *src, float *dst, bool accumulate) = 0;
+    // Set the byte size of a tensor's storage (stage 3 frees a released unit's
+    // parameters this way, keeping the storage object that autograd aliases).
+    virtual void resize_storage(const at::Tensor &t, int64_t bytes) = 0;
+};
+
+// isa: the CPU ISA ("auto" already resolved); ignored for CUDA.
+std::unique_ptr<Kernels> make_kernels(const at::Device &device, zx_isa isa, zx_dtype reduce_dtype);
+std::unique_ptr<Kernels> make_cpu_kernels(zx_isa isa, zx_dtype reduce_dtype);
+std::unique_ptr<Kernels> make_cuda_kernels(const at::Device &device, zx_dtype reduce_dtype);  // null without CUDA
+
+}  // namespace zx

@@ -1,0 +1,142 @@
+// kernels_cpu.cpp — the CPU kernel table (Note [Kernel table]): the C core's
+// kernels over bucket slices, split into tasks on torch's intra-op threads.
+#include <ATen/Parallel.h>
+#include <ATen/native/Resize.h>
+
+#include <mutex>
+
+#include "engine/kernels.h"
+#include "kernels_binding.h"   // defines: zx_check
+
+namespace zx {
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;   // elements per parallel task
+
+class CpuKernels final : public Kernels {
+public:
+    CpuKernels(zx_isa isa, zx_dtype rdt) : isa_(isa), rdt_(rdt) {
+        snprintf(name_, sizeof name_, "cpu-%s", zx_isa_name(isa));
+    }
+    const char *name() const override { return name_; }
+
+    void adam(int64_t n, float *p, const at::Tensor &grad, float *m, float *v, float *vmax, void *lp,
+              zx_dtype lp_dtype, const zx_adam_hparams &hp) override {
+        char *lpc = (char *)lp;
+        parallel(n, [&](int64_t lo, int64_t hi) {
+            with_f32_grads(grad, lo, hi, [&](const float *g, int64_t a, int64_t b) {
+                zx_check(zx_adam_step(isa_, (size_t)(b - a), p + a, g, m + a, v + a, vmax ? vmax + a : nullptr,
+                                      lpc ? lpc + a * 2 : nullptr, lp_dtype, &hp),
+                         "Adam step");
+            });
+        });
+    }
+
+    void sgd(int64_t n, float *p, const at::Tensor &grad, float *buf, void *lp, zx_dtype lp_dtype,
+             const zx_sgd_hparams &hp) override {
+        char *lpc = (char *)lp;
+        parallel(n, [&](int64_t lo, int64_t hi) {
+            with_f32_grads(grad, lo, hi, [&](const float *g, int64_t a, int64_t b) {
+                zx_check(zx_sgd_step(isa_, (size_t)(b - a), p + a, g, buf ? buf + a : nullptr,
+                                     lpc ? lpc + a * 2 : nullptr, lp_dtype, &hp),
+                         "SGD step");
+            });
+        });
+    }
+
+    void grad_sumsq(const at::Tensor &grad, double scale, double *sumsq, int64_t *nonfinite) override {
+        std::mutex mu;
+        parallel(grad.numel(), [&](int64_t lo, int64_t hi) {
+            double s = 0.0;
+            int64_t nf = 0;
+            with_f32_grads(grad, lo, hi, [&](const float *g, int64_t a, int64_t b) {
+                zx_check(zx_grad_sumsq(isa_, (size_t)(b - a), g, (float)scale, &s, &nf), "gradient norm");
+            });
+            std::lock_guard<std::mutex> lock(mu);
+            *sumsq += s;
+            *nonfinite += nf;
+        });
+    }
+
+    void scale(int64_t n, float *x, float s) override {
+        parallel(n, [&](int64_t lo, int64_t hi) {
+            zx_check(zx_scale(isa_, (size_t)(hi - lo), x + lo, s), "scaling gradients");
+        });
+    }
+
+    void cast_from_f32(int64_t n, const float *src, void *dst, zx_dtype dt) override {
+        char *d = (char *)dst;
+        parallel(n, [&](int64_t lo, int64_t hi) {
+            zx_check(zx_cast_from_f32(isa_, (size_t)(hi - lo), src + lo, d + lo * 2, dt), "casting parameters");
+        });
+    }
+
+    void sum_slices(int64_t sn, int32_t np, const float *src, float *dst, bool accumulate) override {
+        parallel(sn, [&](int64_t lo, int64_t hi) {
+            if (hi - lo == sn) {   // one task: one pass over all slices
+                zx_check(zx_sum_slices(isa_, (size_t)sn, np, src, dst, accumulate ? 1 : 0, 1.0f),
+                         "summing reduce-scatter slices");
+                return;
+            }
+            // Several tasks: each adds columns [lo, hi) of the N slices.
+            for (int32_t j = 0; j < np; j++)
+                zx_check(zx_sum_slices(isa_, (size_t)(hi - lo), 1, src + j * sn + lo, dst + lo,
+                                       (accumulate || j > 0) ? 1 : 0, 1.0f),
+                         "summing reduce-scatter slices");
+        });
+    }
+
+    void resize_storage(const at::Tensor &t, int64_t bytes) override {
+        at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), (size_t)bytes);
+    }
+
+private:
+    template <class F>
+    void parallel(int64_t n, F &&fn) const {
+        if (n <= 0) return;
+        at::parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) { fn(lo, hi); });
+    }
+
+    // Kernels read fp32 gradients: a low-precision one is converted in small
+    // cache-resident chunks (Note [Mixed precision]).
+    template <class F>
+    void with_f32_grads(const at::Tensor &grad, int64_t lo, int64_t hi, F &&fn) const {
+        if (rdt_ == ZX_F32) {
+            fn(grad.data_ptr<float>() + lo, lo, hi);
+            return;
+        }
+        constexpr int64_t kChunk = 2048;   // 8 KiB: stays in L1 between the cast and the kernel
+        float buf[kChunk];
+        const char *base = (const char *)grad.data_ptr();
+        const int64_t es = grad.element_size();
+        for (int64_t a = lo; a < hi; a += kChunk) {
+            const int64_t b = std::min(hi, a + kChunk);
+            zx_check(zx_cast_to_f32(isa_, (size_t)(b - a), base + a * es, rdt_, buf), "converting gradients");
+            fn(buf, a, b);
+        }
+    }
+
+    zx_isa isa_;
+    zx_dtype rdt_;
+    char name_[32];
+};
+
+}  // namespace
+
+std::unique_ptr<Kernels> make_cpu_kernels(zx_isa isa, zx_dtype rdt) { return std::make_unique<CpuKernels>(isa, rdt); }
+
+std::unique_ptr<Kernels> make_kernels(const at::Device &device, zx_isa isa, zx_dtype rdt) {
+    if (device.is_cpu()) return make_cpu_kernels(isa, rdt);
+    if (device.is_cuda()) {
+        auto k = make_cuda_kernels(device, rdt);
+        TORCH_CHECK(k, "zero_ext: the parameters are on ", device, " but this build of zero_ext has no CUDA "
+                    "kernels (torch without CUDA, or nvcc missing at build time); rebuild on a machine with "
+                    "both, or move the model to the CPU");
+        return k;
+    }
+    TORCH_CHECK(false, "zero_ext: parameters on ", device, " are not supported; use CPU or CUDA tensors");
+    return nullptr;
+}
+
+}  // namespace zx

@@ -1,0 +1,116 @@
+// kernels_cuda.cpp — the CUDA kernel table (Note [Kernel table]): the
+// csrc/cuda launchers, enqueued on torch's current stream of the parameters'
+// device. Built only with ZX_WITH_CUDA (setup.py, when torch has CUDA and nvcc
+// is present); otherwise make_cuda_kernels returns null and the engine refuses
+// CUDA parameters with a message saying why.
+//
+// Not yet verified on a GPU (see README, "GPUs"): grad_sumsq reads its two
+// numbers back to the host, which the no-host-synchronization goal of the GPU
+// issue replaces with a device-side clip factor and overflow flag.
+#include "engine/kernels.h"
+
+#ifdef ZX_WITH_CUDA
+
+#include <ATen/native/cuda/Resize.h>   // at::native::resize_bytes_cuda
+#include <c10/cuda/CUDAGuard.h>    // c10::cuda::CUDAGuard
+#include <c10/cuda/CUDAStream.h>   // c10::cuda::getCurrentCUDAStream
+
+#include "cuda/zx_cuda.h"
+#include "kernels_binding.h"       // defines: zx_check
+
+namespace zx {
+
+namespace {
+
+class CudaKernels final : public Kernels {
+public:
+    CudaKernels(const at::Device &dev, zx_dtype rdt) : dev_(dev), rdt_(rdt) {}
+    const char *name() const override { return "cuda"; }
+
+    void adam(int64_t n, float *p, const at::Tensor &grad, float *m, float *v, float *vmax, void *lp,
+              zx_dtype lp_dtype, const zx_adam_hparams &hp) override {
+        if (n <= 0) return;
+        c10::cuda::CUDAGuard guard(dev_);
+        zx_check(zx_cuda_adam_step((size_t)n, p, f32(grad), m, v, vmax, lp, lp_dtype, &hp, nullptr, stream()),
+                 "CUDA Adam step");
+    }
+
+    void sgd(int64_t n, float *p, const at::Tensor &grad, float *buf, void *lp, zx_dtype lp_dtype,
+             const zx_sgd_hparams &hp) override {
+        if (n <= 0) return;
+        c10::cuda::CUDAGuard guard(dev_);
+        zx_check(zx_cuda_sgd_step((size_t)n, p, f32(grad), buf, lp, lp_dtype, &hp, stream()), "CUDA SGD step");
+    }
+
+    void grad_sumsq(const at::Tensor &grad, double scale, double *sumsq, int64_t *nonfinite) override {
+        if (grad.numel() == 0) return;
+        c10::cuda::CUDAGuard guard(dev_);
+        if (!out2_.defined()) out2_ = at::zeros({2}, at::TensorOptions().dtype(at::kFloat).device(dev_));
+        out2_.zero_();
+        zx_check(zx_cuda_grad_sumsq((size_t)grad.numel(), f32(grad), (float)scale, out2_.data_ptr<float>(),
+                                    stream()),
+                 "CUDA gradient norm");
+        at::Tensor host = out2_.cpu();   // a host synchronization (see the file's header)
+        *sumsq += host[0].item<float>();
+        *nonfinite += (int64_t)host[1].item<float>();
+    }
+
+    void scale(int64_t n, float *x, float s) override {
+        if (n <= 0) return;
+        c10::cuda::CUDAGuard guard(dev_);
+        zx_check(zx_cuda_scale((size_t)n, x, s, stream()), "CUDA gradient scaling");
+    }
+
+    void cast_from_f32(int64_t n, const float *src, void *dst, zx_dtype dt) override {
+        if (n <= 0) return;
+        c10::cuda::CUDAGuard guard(dev_);
+        zx_check(zx_cuda_cast_from_f32((size_t)n, src, dst, dt, stream()), "CUDA cast");
+    }
+
+    void sum_slices(int64_t sn, int32_t np, const float *src, float *dst, bool accumulate) override {
+        if (sn <= 0) return;
+        c10::cuda::CUDAGuard guard(dev_);
+        zx_check(zx_cuda_sum_slices((size_t)sn, np, src, dst, accumulate ? 1 : 0, 1.0f, stream()),
+                 "CUDA slice sum");
+    }
+
+    void resize_storage(const at::Tensor &t, int64_t bytes) override {
+        c10::cuda::CUDAGuard guard(dev_);
+        at::native::resize_bytes_cuda(t.storage().unsafeGetStorageImpl(), (size_t)bytes);
+    }
+
+private:
+    void *stream() const { return (void *)c10::cuda::getCurrentCUDAStream(dev_.index()).stream(); }
+
+    // fp32 view of a gradient slice: low-precision ones are converted into a
+    // persistent scratch buffer (grown, never shrunk: no allocation per step).
+    const float *f32(const at::Tensor &grad) {
+        if (rdt_ == ZX_F32) return grad.data_ptr<float>();
+        if (!scratch_.defined() || scratch_.numel() < grad.numel())
+            scratch_ = at::empty({grad.numel()}, at::TensorOptions().dtype(at::kFloat).device(dev_));
+        zx_check(zx_cuda_cast_to_f32((size_t)grad.numel(), grad.data_ptr(), rdt_, scratch_.data_ptr<float>(),
+                                     stream()),
+                 "CUDA gradient conversion");
+        return scratch_.data_ptr<float>();
+    }
+
+    at::Device dev_;
+    zx_dtype rdt_;
+    at::Tensor scratch_, out2_;
+};
+
+}  // namespace
+
+std::unique_ptr<Kernels> make_cuda_kernels(const at::Device &device, zx_dtype rdt) {
+    return std::make_unique<CudaKernels>(device, rdt);
+}
+
+}  // namespace zx
+
+#else  // !ZX_WITH_CUDA
+
+namespace zx {
+std::unique_ptr<Kernels> make_cuda_kernels(const at::Device &, zx_dtype) { return nullptr; }
+}  // namespace zx
+
+#endif

@@ -1,0 +1,298 @@
+// layout.cpp — the Engine built from the plan: buckets as flat tensors on the
+// parameters' device, parameters (and stage 0/1 gradients) as views into them,
+// the fp32 master and optimizer states over this rank's shard; where each
+// piece lives (slices, fragments); stats() and the printable plan.
+#include "engine/engine.h"
+
+#include "kernels_binding.h"   // defines: zx_check, parse_isa
+
+namespace zx {
+
+// Note [Mixed precision]
+//   param_dtype (pdt_) is what parameters compute in and are all-gathered as;
+//   reduce_dtype (rdt_) what gradients accumulate and are reduced in; master
+//   weights and optimizer states are always fp32 over this rank's shard.
+//   With pdt_ = fp32 the owned slice of a stage 0-2 bucket *is* the master; else
+//   master_shard_ holds it and the fused step writes the low-precision copy in
+//   the same pass straight into what is gathered next: the owned slice of the
+//   bucket (stages 0-2; the all-gather runs in place) or lp_shard_ (stage 3).
+//   Autograd produces gradients in pdt_. When rdt_ == pdt_ stage 0/1 gradients
+//   are views of flat_grad as in fp32; otherwise the hook adds each gradient
+//   into the reduce_dtype bucket and drops it, so accumulation over micro-steps
+//   happens in reduce_dtype, never silently in bf16. Stage 2/3 cast into the
+//   ring as they stage. Kernels read fp32 gradients: low-precision ones are
+//   converted in small cache-resident chunks (with_f32_grads).
+//   Memory per element: stage 3 = 4 (master) + 2 (lp shard) + |rdt| + 8 over N;
+//   with rdt = pdt = bf16 every stage matches the ZeRO paper's mixed-precision
+//   formulas (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N); fp32 reduce adds 2 bytes per
+//   gradient element (6Ψ+12Ψ/N, 2Ψ+16Ψ/N, 18Ψ/N).
+
+static std::pair<at::ScalarType, zx_dtype> parse_dtype(const std::string &name, const char *what) {
+    if (name == "fp32") return {at::kFloat, ZX_F32};
+    if (name == "bf16") return {at::kBFloat16, ZX_BF16};
+    if (name == "fp16") return {at::kHalf, ZX_F16};
+    TORCH_CHECK(false, "zero_ext: ", what, " must be 'fp32', 'bf16' or 'fp16', got '", name, "'");
+    return {at::kFloat, ZX_F32};
+}
+
+Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std::vector<int64_t> units,
+               c10::optional<ProcessGroupPtr> pg, EngineOptions opts)
+    : params_(std::move(params)), comm_(std::move(pg)), opts_(std::move(opts)) {
+    const int64_t n = (int64_t)params_.size();
+    TORCH_CHECK(n > 0, "zero_ext: the optimizer has no trainable parameters");
+    TORCH_CHECK((int64_t)groups.size() == n, "zero_ext: one group index per parameter expected");
+    TORCH_CHECK(opts_.stage >= 0 && opts_.stage <= 3, "zero_ext: the engine runs stages 0-3, got ", opts_.stage);
+    const bool s3 = opts_.stage == 3;
+    TORCH_CHECK(!s3 || (int64_t)units.size() == n, "zero_ext: stage 3 needs one unit id per parameter");
+    rank_ = comm_.rank();
+    world_ = comm_.world();
+    parts_ = opts_.stage == 0 ? 1 : world_;
+    isa_ = opts_.isa == "auto" ? zx_cpu_best_isa() : parse_isa(opts_.isa);
+    std::tie(pdt_, pzx_) = parse_dtype(opts_.param_dtype, "param_dtype");
+    std::tie(rdt_, rzx_) = parse_dtype(opts_.reduce_dtype, "reduce_dtype");
+    lp_ = pdt_ != at::kFloat;
+    grad_views_ok_ = rdt_ == pdt_;
+    TORCH_CHECK(zx_cpu_supports(isa_), "zero_ext: this CPU cannot run isa='", opts_.isa,
+                "'; use isa='auto'");
+    dev_ = params_[0].device();
+
+    // Plan: reverse registration order, which is roughly gradient-ready order;
+    // stage 3: units in reverse forward order, so buckets again follow backward.
+    std::vector<int64_t> numel(n), order(n);
+    std::vector<int32_t> dtype(n, pzx_), group(n), unit(n, 0);
+    for (int64_t i = 0; i < n; i++) {
+        const at::Tensor &p = params_[i];
+        TORCH_CHECK(p.scalar_type() == at::kFloat, "zero_ext: parameter ", i, " is ", p.scalar_type(),
+                    "; stages 0-2 keep float32 parameters (cast the model with model.float())");
+        TORCH_CHECK(p.device() == dev_, "zero_ext: parameter ", i, " is on ", p.device(), " but parameter 0 "
+                    "is on ", dev_, "; every trainable parameter must be on one device (call model.to(device) "
+                    "before zeroify)");
+        numel[i] = p.numel();
+        group[i] = (int32_t)groups[i];
+        order[i] = n - 1 - i;
+        if (s3) unit[i] = (int32_t)units[i];
+    }
+    if (s3) std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return unit[a] > unit[b]; });
+    // Stage 3: one bucket per (unit, group); the unit is the granularity.
+    const int64_t cap = s3 ? INT64_MAX / 4 : opts_.bucket_bytes;
+    const int64_t first_cap = s3 ? INT64_MAX / 4 : opts_.first_bucket_bytes;
+    zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), s3 ? unit.data() : nullptr,
+                      order.data(), (int32_t)parts_, cap, first_cap, opts_.align};
+    zx_check(zx_plan_create(&pp, &plan_), "planning the bucket layout");
+    shard_numel_ = zx_plan_shard_numel(plan_);
+
+    // Buckets as tensors; parameters (and stage 0/1 gradients) become views.
+    kern_ = make_kernels(dev_, isa_, rzx_);
+    const auto f32 = on_device(at::kFloat), pt = on_device(pdt_), rt = on_device(rdt_);
+    const int64_t nb = zx_plan_num_buckets(plan_);
+    buckets_.resize(nb);
+    if (s3 || lp_) master_shard_ = at::zeros({shard_numel_}, f32);
+    if (s3 && lp_) lp_shard_ = at::zeros({shard_numel_}, pt);
+    bucket_of_.assign(n, -1);
+    offset_of_.assign(n, 0);
+    grad_views_.resize(n);
+    if (s3) param_views_.resize(n);
+    ready_.assign(n, 0);
+    for (int64_t b = 0; b < nb; b++) {
+        zx_bucket_info bi;
+        zx_check(zx_plan_bucket(plan_, b, &bi), "reading the plan");
+        Bucket &bk = buckets_[b];
+        bk.group = bi.group;
+        bk.numel = bi.numel;
+        bk.padded_numel = bi.padded_numel;
+        bk.slice_numel = bi.slice_numel;
+        bk.shard_offset = zx_plan_shard_offset(plan_, b);
+        bk.pending = bi.num_params;
+        bk.unit = bi.unit;
+        bk.gathered = true;
+        // Stage 3 without values: never touch the pages (peak = shards + one unit).
+        bk.flat_param = s3 && !opts_.copy_params ? at::empty({bi.padded_numel}, pt)
+                                                 : at::zeros({bi.padded_numel}, pt);
+        if (opts_.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, rt);
+        // Low precision: the fp32 values, from which the master is taken.
+        at::Tensor src32 = lp_ && opts_.copy_params ? at::zeros({bi.padded_numel}, f32) : at::Tensor();
+        max_padded_ = std::max(max_padded_, bi.padded_numel);
+        for (int64_t k = 0; k < bi.num_params; k++) {
+            int64_t i;
+            zx_check(zx_plan_bucket_param(plan_, b, k, &i), "reading the plan");
+            zx_param_loc loc;
+            zx_check(zx_plan_param(plan_, i, &loc), "reading the plan");
+            bk.params.push_back(i);
+            bucket_of_[i] = b;
+            offset_of_[i] = loc.offset;
+            at::Tensor &p = params_[i];
+            at::Tensor view = bk.flat_param.narrow(0, loc.offset, loc.numel).view(p.sizes());
+            if (opts_.copy_params) {
+                at::NoGradGuard ng;
+                (lp_ ? src32.narrow(0, loc.offset, loc.numel).view(p.sizes()) : view).copy_(p);
+            }
+            p.set_data(view);
+            if (s3) param_views_[i] = view;
+            if (opts_.stage <= 1) {
+                grad_views_[i] = bk.flat_grad.narrow(0, loc.offset, loc.numel).view(p.sizes());
+                if (p.grad().defined()) grad_views_[i].copy_(p.grad());
+                p.mutable_grad() = at::Tensor();
+            } else {
+                p.mutable_grad() = at::Tensor();
+            }
+        }
+        if (opts_.copy_params && lp_) {
+            bk.flat_param.copy_(src32);                            // rounds to param_dtype
+            master_slice(bk).copy_(owned_slice(src32, bk));
+            if (s3) lp_slice(bk).copy_(owned_slice(bk.flat_param, bk));
+        } else if (opts_.copy_params && s3) {
+            master_slice(bk).copy_(owned_slice(bk.flat_param, bk));
+        }
+        if (s3) {
+            // Keep only this rank's slice (Note [Stage 3 parameter lifetime]).
+            if ((int64_t)unit_buckets_.size() <= bk.unit) unit_buckets_.resize(bk.unit + 1);
+            unit_buckets_[bk.unit].push_back(b);
+            gathered_bytes_ += bk.flat_param.nbytes();
+            release_bucket(bk);
+        }
+    }
+    if (s3) peak_gathered_bytes_ = 0;
+    // The gradient shard and the ring are allocated at the first backward
+    // (grad_shard_slice, acquire_slot), so building the model costs no more.
+}
+
+Engine::~Engine() {
+    // Outstanding collectives must finish before their buffers go away.
+    try {
+        for (auto &w : inflight_) w.second->wait();
+        for (auto &w : gather_works_) w->wait();
+        for (auto &bk : buckets_)
+            if (bk.gather_work) bk.gather_work->wait();
+    } catch (...) {
+    }
+    zx_plan_free(plan_);
+}
+
+at::Tensor Engine::owned_slice(const at::Tensor &flat, const Bucket &bk) const {
+    const int64_t r = opts_.stage == 0 ? 0 : rank_;
+    return flat.narrow(0, r * bk.slice_numel, bk.slice_numel);
+}
+
+at::Tensor Engine::grad_shard_slice(const Bucket &bk) {
+    if (opts_.stage >= 2) {
+        if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, on_device(rdt_));
+        return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+    }
+    return owned_slice(bk.flat_grad, bk);
+}
+
+at::Tensor Engine::master_slice(Bucket &bk) {
+    if (master_shard_.defined()) return master_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+    return owned_slice(bk.flat_param, bk);
+}
+
+float *Engine::master(Bucket &bk) { return master_slice(bk).data_ptr<float>(); }
+
+at::Tensor Engine::lp_slice(Bucket &bk) {
+    if (opts_.stage == 3) return (lp_ ? lp_shard_ : master_shard_).narrow(0, bk.shard_offset, bk.slice_numel);
+    return owned_slice(bk.flat_param, bk);
+}
+
+void *Engine::lp_out(Bucket &bk) { return lp_ ? lp_slice(bk).data_ptr() : nullptr; }
+
+double Engine::grad_divisor() const { return opts_.stage == 0 ? 1.0 : (double)world_; }
+
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(int64_t r) const {
+    TORCH_CHECK(r >= 0 && r < std::max<int64_t>(parts_, 1), "zero_ext: no rank ", r, " among ", parts_, " partitions");
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
+    std::vector<zx_fragment> fr;
+    for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
+        int64_t count = 0;
+        zx_plan_fragments(plan_, b, (int32_t)r, nullptr, 0, &count);
+        fr.resize((size_t)count);
+        zx_check(zx_plan_fragments(plan_, b, (int32_t)r, fr.data(), count, &count), "reading the plan");
+        for (const auto &f : fr)
+            out.emplace_back(f.param, f.param_offset, buckets_[b].shard_offset + f.slice_offset, f.numel);
+    }
+    return out;
+}
+
+at::Tensor Engine::state(const std::string &name) {
+    auto it = states_.find(name);
+    if (it != states_.end()) return it->second;
+    at::Tensor t = at::zeros({shard_numel_}, on_device(at::kFloat));
+    states_[name] = t;
+    return t;
+}
+
+static py::dict counter_dict(const CommCounter &c) {
+    py::dict d;
+    d["calls"] = c.calls;
+    d["numel"] = c.numel;
+    d["bytes"] = c.bytes;
+    return d;
+}
+
+py::dict Engine::stats() const {
+    int64_t param_bytes = 0, grad_bytes = 0, numel = 0, padded = 0;
+    for (const auto &bk : buckets_) {
+        if (opts_.stage < 3) param_bytes += bk.flat_param.nbytes();
+        if (bk.flat_grad.defined()) grad_bytes += bk.flat_grad.nbytes();
+        numel += bk.numel;
+        padded += bk.padded_numel;
+    }
+    if (grad_shard_.defined()) grad_bytes += grad_shard_.nbytes();
+    int64_t master_bytes = 0;
+    if (opts_.stage == 3) param_bytes += (lp_ ? lp_shard_ : master_shard_).nbytes();
+    if (lp_) master_bytes = master_shard_.nbytes();
+    int64_t state_bytes = 0;
+    for (const auto &kv : states_) state_bytes += kv.second.nbytes();
+    int64_t ring_bytes = 0;
+    for (const auto &s : slots_) {
+        if (s.send.defined()) ring_bytes += s.send.nbytes();
+        if (s.recv.defined()) ring_bytes += s.recv.nbytes();
+    }
+    py::dict msb;
+    msb["parameters"] = param_bytes;
+    msb["gradients"] = grad_bytes;
+    msb["master_weights"] = master_bytes;   // 0 with fp32 parameters: the owned slice is the master
+    msb["optimizer_states"] = state_bytes;
+    msb["total"] = param_bytes + grad_bytes + master_bytes + state_bytes;
+    py::dict buf;
+    buf["grad_ring"] = ring_bytes;
+    buf["ring_slots"] = (int64_t)slots_.size();
+    buf["gathered_params"] = gathered_bytes_;            // stage 3: full units held now
+    buf["peak_gathered_params"] = peak_gathered_bytes_;  // stage 3: most held at once
+    buf["total"] = ring_bytes + gathered_bytes_;
+    py::dict comm;
+    comm["all_reduce"] = counter_dict(comm_.c_all_reduce);
+    comm["reduce_scatter"] = counter_dict(comm_.c_reduce_scatter);
+    comm["all_gather"] = counter_dict(comm_.c_all_gather);
+    comm["broadcast"] = counter_dict(comm_.c_broadcast);
+    py::dict d;
+    d["stage"] = opts_.stage;
+    d["world_size"] = world_;
+    d["rank"] = rank_;
+    d["isa"] = std::string(zx_isa_name(isa_));
+    d["device"] = dev_.str();
+    d["kernels"] = std::string(kern_->name());
+    d["num_params"] = numel;
+    d["padded_numel"] = padded;
+    d["shard_numel"] = shard_numel_;
+    d["num_buckets"] = (int64_t)buckets_.size();
+    d["param_dtype"] = opts_.param_dtype;
+    d["reduce_dtype"] = opts_.reduce_dtype;
+    d["reduce_scatter_impl"] = std::string(opts_.alltoall_reduce_scatter ? "alltoall" : "native");
+    d["model_state_bytes"] = msb;
+    d["buffer_bytes"] = buf;
+    d["comm"] = comm;
+    d["reductions"] = reductions_;
+    d["num_units"] = (int64_t)unit_buckets_.size();
+    return d;
+}
+
+std::string Engine::describe_plan() const {
+    size_t need = 0;
+    zx_plan_describe(plan_, nullptr, 0, &need);
+    std::string s(need + 1, '\0');
+    zx_check(zx_plan_describe(plan_, s.data(), s.size(), &need), "describing the plan");
+    s.resize(need);
+    return s;
+}
+
+}  // namespace zx

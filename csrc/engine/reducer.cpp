@@ -1,0 +1,222 @@
+// reducer.cpp — backward: gradient readiness, the stage-2 ring of staging
+// buffers, reductions launched strictly in bucket order (all-reduce in stage 0,
+// reduce-scatter or all-to-all + local sum in stages 1-3), zero_grad.
+#include "engine/engine.h"
+
+#include "kernels_binding.h"   // defines: zx_check, parse_isa
+
+namespace zx {
+
+// Note [Gradient sums in stages 1-2]
+//   Stage 0 divides each bucket by N before its SUM all-reduce, as DDP does, so
+//   param.grad holds the average. Stages 1-2 reduce with SUM (never AVG: gloo's
+//   AVG has been wrong) and keep the *sum* in the owned gradient slice; the
+//   1/N is folded into the optimizer kernel's grad_scale (and into the norm).
+//   Keeping sums makes a second backward without zero_grad() still correct:
+//   after a stage-1 reduce-scatter the non-owned parts of the bucket are
+//   zeroed, so the next reduce-scatter adds exactly the new gradients.
+
+void Engine::ensure_grad_view(int64_t i) {
+    at::Tensor &p = params_[i];
+    const at::Tensor &g = p.grad();
+    const at::Tensor &view = grad_views_[i];
+    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: parameter ", i,
+                " got a sparse gradient; use dense embeddings (sparse=False)");
+    if (!grad_views_ok_) {
+        // Note [Mixed precision]: accumulate in reduce_dtype, keep no param.grad.
+        if (g.defined()) {
+            view.add_(g);
+            p.mutable_grad() = at::Tensor();
+        }
+        return;
+    }
+    if (g.defined() && g.data_ptr() == view.data_ptr()) return;
+    // Autograd made a fresh tensor (first backward or after zero_grad(set_to_none)):
+    // the bucket region was zeroed by zero_grad, so this gradient replaces it.
+    if (g.defined()) view.copy_(g);
+    p.mutable_grad() = view;
+}
+
+void Engine::stage_grad(int64_t i) {
+    at::Tensor &p = params_[i];
+    const at::Tensor g = p.grad();
+    Bucket &bk = buckets_[bucket_of_[i]];
+    if (bk.slot < 0) acquire_slot(bucket_of_[i]);
+    at::Tensor dst = slots_[bk.slot].send.narrow(0, offset_of_[i], p.numel());
+    if (g.defined()) {
+        TORCH_CHECK(!g.is_sparse(), "zero_ext: parameter ", i,
+                    " got a sparse gradient; use dense embeddings (sparse=False)");
+        dst.view(p.sizes()).copy_(g);
+    } else {
+        dst.zero_();
+    }
+    p.mutable_grad() = at::Tensor();   // stage 2 keeps no full gradient
+}
+
+void Engine::mark_ready(int64_t i) {
+    TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: bad parameter index ", i);
+    if (opts_.stage <= 1) ensure_grad_view(i);
+    const bool reduce_now = opts_.stage >= 2 || require_sync_;
+    if (!reduce_now) return;
+    if (opts_.stage >= 2) stage_grad(i);
+    TORCH_CHECK(!ready_[i], "zero_ext: parameter ", i,
+                " was marked ready twice in one backward pass; if you call backward() "
+                "twice, call it under model.no_sync() for all but the last, or step in between");
+    ready_[i] = 1;
+    Bucket &bk = buckets_[bucket_of_[i]];
+    if (--bk.pending == 0) {
+        // Stage 3: its backward is over; the root unit waits for the end.
+        if (opts_.stage == 3 && bk.unit != 0) release_bucket(bk);
+        // Launch strictly in bucket order so that every rank issues the same collectives.
+        while (next_launch_ < (int64_t)buckets_.size() && buckets_[next_launch_].pending == 0)
+            launch(next_launch_++);
+    }
+}
+
+void Engine::finalize_backward() {
+    const bool reduce_now = opts_.stage >= 2 || require_sync_;
+    if (!reduce_now) return;
+    // Parameters that got no gradient this pass: their region holds zeros or
+    // earlier accumulated gradients (stage 0/1), or is zero-filled (stage 2).
+    for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
+        if (ready_[i]) continue;
+        if (opts_.stage >= 2) stage_grad(i);
+        ready_[i] = 1;
+        buckets_[bucket_of_[i]].pending--;
+    }
+    while (next_launch_ < (int64_t)buckets_.size()) launch(next_launch_++);
+    // Note [Reductions end with backward]: as DDP's reducer does, wait here.
+    // The reductions overlapped the rest of backward; the step needs them next
+    // anyway, and no later backward may write into a bucket (stage 0/1) or a
+    // ring slot (stage 2) that a collective is still reading.
+    wait_reductions();
+    if (opts_.stage == 3)
+        for (auto &bk : buckets_) release_bucket(bk);
+    // Reset readiness for the next backward.
+    std::fill(ready_.begin(), ready_.end(), 0);
+    for (auto &bk : buckets_) {
+        bk.pending = (int64_t)bk.params.size();
+    }
+    next_launch_ = 0;
+    reductions_++;
+}
+
+int64_t Engine::acquire_slot(int64_t b) {
+    for (int64_t s = 0; s < (int64_t)slots_.size(); s++) {
+        if (slots_[s].owner < 0) {
+            slots_[s].owner = b;
+            buckets_[b].slot = s;
+            return s;
+        }
+    }
+    // All slots busy: the ring grows to grad_ring_buckets first, then finishes
+    // the oldest launched reduction and takes its slot.
+    if ((int64_t)slots_.size() >= std::max<int64_t>(1, opts_.grad_ring_buckets) && !inflight_.empty()) {
+        const int64_t done = inflight_.front().first;
+        complete(done);
+        return acquire_slot(b);
+    }
+    // Below its configured size, or every slot held by a bucket still filling
+    // (gradients arrived out of bucket order): grow the ring by one; bounded by
+    // the number of buckets.
+    Slot sl;
+    const auto rt = on_device(rdt_);
+    if (opts_.stage >= 2) sl.send = at::zeros({max_padded_}, rt);
+    if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / parts_}, rt);
+    slots_.push_back(std::move(sl));
+    return acquire_slot(b);
+}
+
+void Engine::release_slot(int64_t b) {
+    Bucket &bk = buckets_[b];
+    if (bk.slot >= 0) slots_[bk.slot].owner = -1;
+    bk.slot = -1;
+}
+
+void Engine::launch(int64_t b) {
+    Bucket &bk = buckets_[b];
+    if (opts_.stage >= 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
+    if (opts_.stage >= 2) {
+        // Zero the padding so it never feeds the optimizer garbage.
+        slots_[bk.slot].send.narrow(0, bk.numel, bk.padded_numel - bk.numel).zero_();
+    }
+    if (world_ == 1) {
+        if (opts_.stage >= 2) {
+            at::Tensor src = slots_[bk.slot].send.narrow(0, 0, bk.padded_numel);
+            grad_shard_slice(bk).add_(src);
+            release_slot(b);
+        }
+        return;
+    }
+    WorkPtr work;
+    if (opts_.stage == 0) {
+        bk.flat_grad.div_((double)world_);
+        work = comm_.all_reduce_sum(bk.flat_grad);
+    } else {
+        at::Tensor send = opts_.stage >= 2 ? slots_[bk.slot].send.narrow(0, 0, bk.padded_numel) : bk.flat_grad;
+        if (bk.slot < 0) acquire_slot(b);
+        Slot &sl = slots_[bk.slot];
+        if (opts_.alltoall_reduce_scatter) {
+            // Note [Reduce-scatter on gloo]: gloo's reduce_scatter is an
+            // all-reduce underneath (2x the bytes); an equal-split all-to-all
+            // moves exactly one slice to each peer, and sum_slices adds them.
+            work = comm_.all_to_all(sl.recv.narrow(0, 0, bk.padded_numel), send, bk.padded_numel);
+        } else {
+            work = comm_.reduce_scatter_sum(sl.recv.narrow(0, 0, bk.slice_numel), send);
+        }
+    }
+    inflight_.emplace_back(b, std::move(work));
+}
+
+void Engine::complete(int64_t b) {
+    // Works finish in launch order; complete everything up to b.
+    while (!inflight_.empty()) {
+        auto [cur, work] = inflight_.front();
+        inflight_.pop_front();
+        Communicator::wait(work, opts_.stage == 0 ? "gradient all-reduce" : "gradient reduce-scatter");
+        Bucket &bk = buckets_[cur];
+        if (opts_.stage >= 1) {
+            Slot &sl = slots_[bk.slot];
+            at::Tensor dst = grad_shard_slice(bk);
+            const int accumulate = opts_.stage >= 2 ? 1 : 0;
+            if (opts_.alltoall_reduce_scatter && rdt_ != at::kFloat) {
+                // Low-precision reduce: add the N slices in fp32 and round once.
+                at::Tensor sum = sl.recv.narrow(0, 0, bk.padded_numel).view({parts_, bk.slice_numel})
+                                     .to(at::kFloat).sum(0);
+                if (accumulate) sum.add_(dst);
+                dst.copy_(sum);
+            } else if (opts_.alltoall_reduce_scatter) {
+                kern_->sum_slices(bk.slice_numel, (int32_t)parts_, sl.recv.data_ptr<float>(), dst.data_ptr<float>(),
+                                  accumulate);
+            } else if (accumulate) {
+                dst.add_(sl.recv.narrow(0, 0, bk.slice_numel));
+            } else {
+                dst.copy_(sl.recv.narrow(0, 0, bk.slice_numel));
+            }
+            if (opts_.stage == 1) {
+                // Note [Gradient sums in stages 1-2]: zero what this rank does not own.
+                const int64_t lo = rank_ * bk.slice_numel, hi = lo + bk.slice_numel;
+                if (lo > 0) bk.flat_grad.narrow(0, 0, lo).zero_();
+                if (hi < bk.padded_numel) bk.flat_grad.narrow(0, hi, bk.padded_numel - hi).zero_();
+            }
+            release_slot(cur);
+        }
+        if (cur == b) break;
+    }
+}
+
+void Engine::wait_reductions() {
+    while (!inflight_.empty()) complete(inflight_.back().first);
+}
+
+void Engine::zero_grad(bool set_to_none) {
+    wait_reductions();
+    for (auto &bk : buckets_)
+        if (bk.flat_grad.defined()) bk.flat_grad.zero_();
+    if (grad_shard_.defined()) grad_shard_.zero_();
+    for (auto &p : params_) {
+        if (set_to_none) p.mutable_grad() = at::Tensor();
+    }
+}
+
+}  // namespace zx

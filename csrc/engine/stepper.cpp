@@ -1,0 +1,105 @@
+// stepper.cpp — the optimizer side: fused Adam/AdamW and SGD steps over each
+// bucket's slice of the shard through the kernel table (Note [Kernel table]),
+// shard views for generic optimizers, gradient norm / inf-nan scan, scaling,
+// and the low-precision copy of the master.
+#include "engine/engine.h"
+
+#include "kernels_binding.h"   // defines: zx_check, parse_isa
+
+namespace zx {
+
+void Engine::step_adam(const std::vector<zx_adam_hparams> &hps) {
+    wait_reductions();
+    wait_params();
+    at::Tensor m = state("exp_avg"), v = state("exp_avg_sq");
+    bool ams = false;
+    for (const auto &h : hps) ams = ams || h.amsgrad;
+    at::Tensor vmax = ams ? state("max_exp_avg_sq") : at::Tensor();
+    for (auto &bk : buckets_) {
+        TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
+        const zx_adam_hparams &hp = hps[bk.group];
+        float *p = master(bk);
+        char *lp = (char *)lp_out(bk);
+        const at::Tensor gs = grad_shard_slice(bk);
+        float *mp = m.data_ptr<float>() + bk.shard_offset, *vp = v.data_ptr<float>() + bk.shard_offset;
+        float *xp = hp.amsgrad ? vmax.data_ptr<float>() + bk.shard_offset : nullptr;
+        kern_->adam(bk.slice_numel, p, gs, mp, vp, xp, lp, pzx_, hp);
+    }
+}
+
+void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps) {
+    wait_reductions();
+    wait_params();
+    bool momentum = false;
+    for (const auto &h : hps) momentum = momentum || h.momentum != 0.0;
+    at::Tensor buf = momentum ? state("momentum_buffer") : at::Tensor();
+    for (auto &bk : buckets_) {
+        TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
+        const zx_sgd_hparams &hp = hps[bk.group];
+        float *p = master(bk);
+        char *lp = (char *)lp_out(bk);
+        const at::Tensor gs = grad_shard_slice(bk);
+        float *bp = hp.momentum != 0.0 ? buf.data_ptr<float>() + bk.shard_offset : nullptr;
+        kern_->sgd(bk.slice_numel, p, gs, bp, lp, pzx_, hp);
+    }
+}
+
+std::vector<at::Tensor> Engine::param_shards() {
+    std::vector<at::Tensor> out;
+    for (auto &bk : buckets_) out.push_back(master_slice(bk));
+    return out;
+}
+
+std::vector<at::Tensor> Engine::grad_shards() {
+    std::vector<at::Tensor> out;
+    for (auto &bk : buckets_) out.push_back(grad_shard_slice(bk));
+    return out;
+}
+
+std::vector<int64_t> Engine::bucket_groups() {
+    std::vector<int64_t> out;
+    for (auto &bk : buckets_) out.push_back(bk.group);
+    return out;
+}
+
+void Engine::scale_grads(double factor) {
+    wait_reductions();
+    if (factor == 1.0) return;
+    for (auto &bk : buckets_) {
+        at::Tensor gs = grad_shard_slice(bk);
+        if (rdt_ != at::kFloat) {
+            gs.mul_(factor);
+            continue;
+        }
+        kern_->scale(bk.slice_numel, gs.data_ptr<float>(), (float)factor);
+    }
+}
+
+std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
+    wait_reductions();
+    double sumsq = 0.0;
+    int64_t nonfinite = 0;
+    for (auto &bk : buckets_) kern_->grad_sumsq(grad_shard_slice(bk), scale, &sumsq, &nonfinite);
+    if (parts_ > 1) {
+        // One small all-reduce carries both the norm and the inf/nan count.
+        at::Tensor t = at::empty({2}, at::TensorOptions().dtype(at::kDouble).device(dev_));
+        t[0] = sumsq;
+        t[1] = (double)nonfinite;
+        comm_.all_reduce_sum_blocking(t, "gradient-norm all-reduce");
+        sumsq = t[0].item<double>();
+        nonfinite = (int64_t)t[1].item<double>();
+    }
+    return {sumsq, nonfinite};
+}
+
+void Engine::cast_masters() {
+    if (!lp_) return;
+    wait_params();
+    for (auto &bk : buckets_) {
+        const float *p = master(bk);
+        char *lp = (char *)lp_slice(bk).data_ptr();
+        kern_->cast_from_f32(bk.slice_numel, p, lp, pzx_);
+    }
+}
+
+}  // namespace zx
