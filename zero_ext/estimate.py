@@ -211,6 +211,8 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     else:
         root_padded = sum(r[3] for r in rows if r[1] == 0)
         comm = accum * (padded * rs + 2 * (padded - root_padded) * ps + root_padded * ps)
+    if world_size == 1:
+        comm = 0                                      # the engine issues no collective
     return {
         "stage": s, "world_size": world_size, "param_dtype": pdt, "reduce_dtype": rdt,
         "optimizer": cls.__name__, "fused": fused, "states_per_element": max(counts) if fused else counts,
