@@ -182,9 +182,9 @@ class ZeroConfig:
 
         if self.stage != "auto":
             if isinstance(self.stage, str):
-                raise ValueError(f"zero_ext: stage must be 0, 1, 2, 3 or 'auto', got {self.stage!r}")
+                raise ValueError(f"zero_ext: stage must be 0, 1, 2 or 3 (or 'auto'), got {self.stage!r}")
             integer("stage", 0)
-            need(self.stage <= 3, f"stage must be 0, 1, 2, 3 or 'auto', got {self.stage}")
+            need(self.stage <= 3, f"stage must be 0, 1, 2 or 3 (or 'auto'), got {self.stage}")
         if self.memory_budget is not None:
             number_ok = isinstance(self.memory_budget, (int, float)) and not isinstance(self.memory_budget, bool)
             need(number_ok and self.memory_budget > 0,
