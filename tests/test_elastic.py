@@ -24,7 +24,7 @@ import torch
 from dist_harness import ROOT
 
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
-STEPS, EVERY = 400, 10
+STEPS, EVERY = 600, 10
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
          "--stage", "2", "--threads", "1", "--warmup", "0", "--eval-iters", "1", "--sample-chars", "0",
          "--log-every", "100000", "--lr", "1e-3"]
