@@ -7,6 +7,7 @@
 #include "kernels_binding.h"   // defines: zx_bind_kernels
 
 void zx_bind_cuda(pybind11::module_ &m);   // cuda_binding.cpp (a no-op without CUDA)
+void zx_bind_plan(pybind11::module_ &m);   // plan_binding.cpp (the planner, for estimate_memory)
 
 namespace {
 
@@ -60,6 +61,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "zero_ext C/C++ core: ZeRO engine, planner and optimizer kernels";
     zx_bind_kernels(m);
     zx_bind_cuda(m);
+    zx_bind_plan(m);
 
     py::class_<zx::EngineOptions>(m, "EngineOptions")
         .def(py::init<>())

@@ -81,7 +81,7 @@ def deepspeed_engine(model, opt, args):
     return engine, ds_opt
 
 
-def deepspeed_train_step(engine, ds_opt, data, args, generator, lr, grad_bytes=None):
+def deepspeed_train_step(engine, ds_opt, stream, args, lr, grad_bytes=None):
     """train_gpt.train_step for a DeepSpeed engine: the engine divides the loss by its
     gradient_accumulation_steps, reduces gradients in its hooks, and at the accumulation
     boundary clips (its config) and steps. grad_bytes (a list) gets the gradient bytes the
@@ -89,8 +89,8 @@ def deepspeed_train_step(engine, ds_opt, data, args, generator, lr, grad_bytes=N
     for group in ds_opt.param_groups:                          # the client AdamW's groups
         group["lr"] = lr
     loss_sum = 0.0
-    for _ in range(args.accum):
-        x, y = data.get_batch("train", args.batch_size, args.block_size, generator)
+    for micro in range(args.accum):
+        x, y = stream.batch(micro)
         _, loss = engine(x, y)
         engine.backward(loss)
         if grad_bytes is not None and engine.is_gradient_accumulation_boundary():

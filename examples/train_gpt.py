@@ -23,14 +23,26 @@ per-step losses match --ddp's to ~5e-7.
 --zero-redundancy (torch's ZeroRedundancyOptimizer over the same AdamW, DDP for the
 gradients) and --deepspeed S (DeepSpeed's ZeRO-1/2 engine, CPU accelerator, gloo) are the
 other peers; examples/peers.py says how each is set up and measured.
-Every rank draws its own batches from a generator seeded with seed + 1000 * rank, so
-two runs with the same flags see exactly the same data.
+The training data is one sequence of samples shared by all ranks (SampleStream): epoch
+e is a permutation, seeded with seed + e, of the train split's non-overlapping windows of
+block_size + 1 characters. Each optimizer step the ranks together take the next
+world_size x accum x batch_size samples, rank r's micro-step m the batch_size samples at
+position + (m x world_size + r) x batch_size; the position (samples consumed) then moves
+past them. Two runs with the same flags see exactly the same data.
 
 --save-every K writes a zero_ext checkpoint (zero_ext.save: every rank its shard,
-replaced atomically) to --checkpoint every K steps and after the last; --resume PATH
-loads one (saved at any world size and stage) and continues from its step up to
---steps. After a resume each rank's batches come from a generator seeded with
-seed + 1000 * rank + the resumed step, so the data differ from an uninterrupted run's.
+replaced atomically) to --checkpoint every K steps and after the last, with the step and
+the data position in its extra. When --checkpoint already holds a checkpoint (and
+--save-every is given) the script resumes from it by itself; --resume PATH loads another
+one. A checkpoint saved at any world size and stage loads at any other, and training
+continues from its step with the samples that follow its data position: after a restart
+at a new world size no sample is repeated or skipped (the ranks then split each step's
+samples N' ways instead of N; a step's batch is world_size x accum x batch_size samples,
+so the global batch changes with the world size, the per-rank batch does not). That is
+how an elastic torchrun job runs (README, "Elastic training"):
+
+    torchrun --nnodes=1:2 --nproc_per_node=2 --max-restarts=3 --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST:29400 --rdzv-id=gpt examples/train_gpt.py --save-every 50 --checkpoint ckpt/gpt
 
 --json OUT makes rank 0 write a summary (losses, step times, model-state bytes,
 communication per step); examples/demo.py and benchmarks/bench_step.py read it.
@@ -47,6 +59,7 @@ and data included, not just the model state) into "peak_rss_bytes_per_rank".
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -124,6 +137,13 @@ def parse_args(argv=None):
     return args
 
 
+def has_checkpoint(path):
+    """True when `path` (or the `path`.old a save interrupted between its renames left)
+    holds a complete zero_ext checkpoint."""
+    from zero_ext.checkpoint import MANIFEST, resolve
+    return (Path(resolve(str(path))) / MANIFEST).exists()
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -187,14 +207,46 @@ def learning_rate(step, args):
     return args.lr * min(1.0, (step + 1) / max(1, args.lr_warmup))
 
 
-def train_step(model, opt, data, args, generator, lr):
+class SampleStream:
+    """The train split as one sequence of samples that all ranks share (module docstring).
+
+    position: samples consumed by the steps before this one (what a checkpoint stores).
+    batch(m): this rank's micro-step m of the current step; advance() moves past the step.
+    """
+
+    def __init__(self, data, args, rank, world_size, position=0):
+        self.split = data.splits["train"]
+        self.block_size, self.batch_size, self.accum = args.block_size, args.batch_size, args.accum
+        self.seed, self.rank, self.world_size = args.seed, rank, world_size
+        self.num_windows = (len(self.split) - 1) // self.block_size
+        self.position = position
+        self._epoch, self._order = None, None
+
+    def _start(self, sample):
+        epoch, index = divmod(sample, self.num_windows)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = torch.randperm(self.num_windows, generator=torch.Generator().manual_seed(self.seed + epoch))
+        return int(self._order[index]) * self.block_size
+
+    def batch(self, micro):
+        first = self.position + (micro * self.world_size + self.rank) * self.batch_size
+        rows = [self.split[s:s + self.block_size + 1] for s in (self._start(first + i) for i in range(self.batch_size))]
+        chunk = torch.stack(rows).long()
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def advance(self):
+        self.position += self.world_size * self.accum * self.batch_size
+
+
+def train_step(model, opt, stream, args, lr):
     """One optimizer step of args.accum micro-steps. Returns the mean micro-step loss (float)."""
     for group in opt.param_groups:          # zero_ext keeps the user's param_groups live, as torch does
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
     loss_sum = 0.0
     for micro in range(args.accum):
-        x, y = data.get_batch("train", args.batch_size, args.block_size, generator)
+        x, y = stream.batch(micro)
         is_last = micro == args.accum - 1
         if args.fsdp2:                     # FSDP2 has no no_sync(): gradient sync is a module flag
             model.set_requires_gradient_sync(is_last)
@@ -365,15 +417,24 @@ def train(args):
     log(f"{system} | {args.dtype} | world size {world_size} | {threads} thread(s) per rank | {num_params:,} parameters | "
         f"{tokens_per_step:,} tokens per step | torch {torch.__version__}")
 
-    generator = torch.Generator().manual_seed(args.seed + 1000 * rank)
-    start_step = 0
-    if args.resume is not None:
+    start_step, position = 0, 0
+    resume = args.resume
+    if resume is None and args.save_every and has_checkpoint(args.checkpoint):
+        resume = args.checkpoint                               # a restarted job picks up where it was
+    if resume is not None:
         import zero_ext
-        start_step = zero_ext.load(args.resume, model, opt)["step"]
-        generator.manual_seed(args.seed + 1000 * rank + start_step)
-        log(f"resumed from {args.resume} at step {start_step}")
+        extra = zero_ext.load(resume, model, opt)
+        start_step = extra["step"]
+        position = extra.get("samples", 0)
+        log(f"resumed from {resume} at step {start_step} (samples consumed {position:,}), saved at world size "
+            f"{extra.get('world_size', '?')}, now world size {world_size}; torchrun restart "
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', 'n/a')}")
         if start_step >= args.steps:
-            raise SystemExit(f"the checkpoint is at step {start_step}; raise --steps to train further")
+            if args.resume is not None:
+                raise SystemExit(f"the checkpoint is at step {start_step}; raise --steps to train further")
+            log(f"the checkpoint is at step {start_step} >= --steps {args.steps}: nothing left to train")
+            return None
+    stream = SampleStream(data, args, rank, world_size, position)
     warmup = min(start_step + args.warmup, args.steps - 1)
     step_times, losses = [], []
     deepspeed_grad_bytes = []                                  # --deepspeed: measured before the last step
@@ -385,10 +446,11 @@ def train(args):
             comm_start, kinds_start = comm_counters(opt, args)
         t0 = time.perf_counter()
         if args.deepspeed is not None:                         # the engine owns backward and step
-            loss = peers.deepspeed_train_step(model, opt, data, args, generator, learning_rate(step, args),
+            loss = peers.deepspeed_train_step(model, opt, stream, args, learning_rate(step, args),
                                               deepspeed_grad_bytes if step == args.steps - 1 else None)
         else:
-            loss = train_step(model, opt, data, args, generator, learning_rate(step, args))
+            loss = train_step(model, opt, stream, args, learning_rate(step, args))
+        stream.advance()
         step_times.append(time.perf_counter() - t0)
         losses.append(loss)
         if step % args.log_every == 0 or step == args.steps - 1:
@@ -396,8 +458,10 @@ def train(args):
                 f"{tokens_per_step / step_times[-1]:8.0f} tokens/s")
         if args.save_every and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
             import zero_ext
-            zero_ext.save(args.checkpoint, model, opt, extra={"step": step + 1})
-            log(f"saved {args.checkpoint} at step {step + 1}")
+            zero_ext.save(args.checkpoint, model, opt,
+                          extra={"step": step + 1, "samples": stream.position, "world_size": world_size})
+            log(f"saved {args.checkpoint} at step {step + 1} (samples consumed {stream.position:,}, "
+                f"world size {world_size})")
     barrier()
     wire_end = loopback_tx_bytes()
     written_end = process_write_bytes()

@@ -15,8 +15,17 @@ from .model import ZeroModel
 from .optim import ZeroOptimizer
 
 __all__ = ["zeroify", "ZeroConfig", "ZeroModel", "ZeroOptimizer", "ZeroInputError", "gathered_parameters",
-           "save", "load", "consolidated_state_dict", "CheckpointError"]
+           "save", "load", "consolidated_state_dict", "CheckpointError", "estimate_memory"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # estimate_memory is imported on first use, so that `python -m zero_ext.estimate`
+    # does not find its own module already imported by the package.
+    if name == "estimate_memory":
+        from .estimate import estimate_memory
+        return estimate_memory
+    raise AttributeError(f"module 'zero_ext' has no attribute {name!r}")
 
 # Note [Process groups at exit]
 #   An engine holds its process group. Garbage that is only freed by the cyclic

@@ -152,12 +152,30 @@ def _broadcast_from_first(pg, tensors) -> None:
                 t.data.copy_(v)
 
 
-def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | None = None,
+def _resolve_auto_stage(model, optimizer, cfg: ZeroConfig, pg, rank: int, world: int):
+    """stage="auto": set cfg.stage from the memory estimate (zero_ext/auto.py) and say
+    why on rank 0. Returns the error instead of raising it, so that zeroify raises it
+    on every rank (as any input error) rather than leave one waiting."""
+    if not isinstance(model, nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
+        return None                      # _inspect names the problem
+    from .auto import choose_stage
+    try:
+        backend = dist.get_backend(pg) if pg is not None else "none"
+        cfg.stage, why = choose_stage(model, optimizer, cfg, world, backend, meta=is_meta(model))
+    except (ValueError, TypeError) as e:
+        return e
+    if rank == 0:
+        print(why, flush=True)
+    return None
+
+
+def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | str | None = None,
             config: ZeroConfig | dict | str | None = None, init_fn=None, **options):
     """Wrap `model` and `optimizer` for ZeRO data parallelism; returns (model, optimizer).
 
     stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded),
-        3 (+ parameters sharded, gathered per unit).
+        3 (+ parameters sharded, gathered per unit), or "auto" (the stage that fits
+        memory_budget with the least communication; see zero_ext/auto.py).
     config: a ZeroConfig, a dict or a JSON file path; **options override its fields.
     init_fn: stage 3, a model built on the meta device: called on each module (in
         model.apply order) to initialize it; default: module.reset_parameters().
@@ -171,6 +189,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         error = e
     pg_arg = cfg.process_group if cfg is not None else options.get("process_group")
     pg, rank, world = _resolve_group(pg_arg)
+    if error is None and cfg.stage == "auto":
+        error = _resolve_auto_stage(model, optimizer, cfg, pg, rank, world)
     params = groups = frozen = None
     fused, text = False, ""
     if error is None:

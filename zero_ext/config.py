@@ -33,7 +33,14 @@ class ZeroConfig:
     """Options of zeroify(). See README "Options" for the full story of each.
 
     stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded),
-        3 (+ parameters sharded, gathered per unit on demand).
+        3 (+ parameters sharded, gathered per unit on demand), or "auto": the stage
+        whose estimated memory (zero_ext.estimate_memory) fits memory_budget with the
+        fewest bytes communicated per step (zeroify says why on rank 0).
+    memory_budget: stage="auto": bytes one rank may hold for model state, fixed
+        buffers and frozen parameters; None = what is free (CUDA: free device memory;
+        CPU: MemAvailable / the ranks on this machine), the smallest over ranks.
+    accumulation_steps: stage="auto": micro-steps per optimizer step, which multiply
+        stages 2-3's communication.
     process_group: the torch.distributed group to shard over; None = the default
         group if one is initialized, else a single process (world size 1).
     bucket_bytes: gradient/parameter bucket size in bytes; "auto" = an eighth of the
@@ -77,7 +84,7 @@ class ZeroConfig:
         overflowing steps multiply by backoff_factor (down to min).
     """
 
-    stage: int = 2
+    stage: int | str = 2
     process_group: Any = None
     bucket_bytes: int | str = "auto"
     first_bucket_bytes: int = 1 << 20
@@ -104,6 +111,8 @@ class ZeroConfig:
     loss_scale_hysteresis: int = 1
     min_loss_scale: float = 1.0
     max_loss_scale: float = 2.0 ** 24
+    memory_budget: int | float | None = None
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -171,8 +180,16 @@ class ZeroConfig:
             v = getattr(self, name)
             need(v in options, f"{name} must be one of {', '.join(map(repr, options))}; got {v!r}")
 
-        integer("stage", 0)
-        need(self.stage <= 3, f"stage must be 0, 1, 2 or 3, got {self.stage}")
+        if self.stage != "auto":
+            if isinstance(self.stage, str):
+                raise ValueError(f"zero_ext: stage must be 0, 1, 2 or 3 (or 'auto'), got {self.stage!r}")
+            integer("stage", 0)
+            need(self.stage <= 3, f"stage must be 0, 1, 2 or 3 (or 'auto'), got {self.stage}")
+        if self.memory_budget is not None:
+            number_ok = isinstance(self.memory_budget, (int, float)) and not isinstance(self.memory_budget, bool)
+            need(number_ok and self.memory_budget > 0,
+                 f"memory_budget must be a number of bytes > 0 or None, got {self.memory_budget!r}")
+        integer("accumulation_steps", 1)
         if self.bucket_bytes != "auto":
             integer("bucket_bytes", 1024)
         integer("first_bucket_bytes", 1024)

@@ -259,6 +259,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         s["comm_bytes"] = (comm["reduce_scatter"]["bytes"] + comm["all_gather"]["bytes"]
                            + 2 * comm["all_reduce"]["bytes"])
         s["frozen_parameter_bytes"] = self._frozen_bytes
+        if self._shard_opt is not None:   # generic path: the torch optimizer's per-element states
+            msb = s["model_state_bytes"]
+            extra = sum(t.nbytes for st in self._shard_opt.state.values() for t in st.values()
+                        if torch.is_tensor(t) and t.dim() > 0)
+            msb["optimizer_states"] += extra
+            msb["total"] += extra
         if self._units is not None:
             s["unit_fetches"] = self._units.fetches
             s["out_of_order_fetches"] = self._units.out_of_order

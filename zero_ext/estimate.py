@@ -1,0 +1,280 @@
+"""Per-rank memory of a zero_ext run, predicted before launch.
+
+    est = zero_ext.estimate_memory(model, world_size=64, stage=2, param_dtype="bf16", optimizer=opt)
+    est["model_state_bytes"]["total"], est["total"]
+
+    python -m zero_ext.estimate --params 7.5e9 --world 64 --param-dtype bf16 --reduce-dtype bf16
+
+The estimate follows what the engine allocates, byte for byte (csrc/engine.cpp:
+Note [Mixed precision] and Engine::stats()), with the bucket padding computed by the
+C planner itself (zero_ext._C.plan_layout), so it is what `opt.stats()` reports after
+the first step of a run with the same model, world size, stage and options:
+
+    parameters        stages 0-2: every bucket, padded, in param_dtype;
+                      stage 3: this rank's shard (param_dtype; fp32 when it is the master)
+    gradients         stages 0-1: every bucket in reduce_dtype; stages 2-3: the shard
+    master_weights    fp32 shard when param_dtype is bf16/fp16 (else the parameters are it)
+    optimizer_states  per-element states (Adam 2, +1 with amsgrad; SGD with momentum 1,
+                      without 0; other optimizers: counted by running one step of the
+                      optimizer class on a tiny tensor) x the shard, fp32
+    buffer_bytes      the gradient ring (staging + receive buffers, bounded by
+                      grad_ring_buckets) and, stage 3, the most full units held at once:
+                      the root unit + the computing unit + prefetch_depth units ahead
+                      (a model built on the meta device: at least the root and one unit
+                      in fp32 while they are initialized)
+    frozen            parameters that are not trained, replicated, in param_dtype
+
+Activations, the autograd graph and the framework's own memory are not included.
+A model may be given on the meta device (nothing is allocated); given a parameter
+count instead of a model, the model is taken as tensors of one bucket each (stage 3:
+units of unit_numel elements, a quarter of the model by default, and no root unit).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from torch import nn
+
+from .config import ZeroConfig, make_config
+
+_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+_ZX_DTYPE = {"fp32": 0, "bf16": 1, "fp16": 2}
+_FUSED_NAMES = ("AdamW", "Adam", "SGD")
+
+
+# ----------------------------------------------------------------------------- optimizer states
+
+def _optimizer_class_and_groups(optimizer):
+    """(class, [hyperparameters of each param group]) from an optimizer instance,
+    a class, or a name ("adamw", "sgd", "rmsprop", ...)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer), [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    if isinstance(optimizer, str):
+        names = {n.lower(): n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)}
+        if optimizer.lower() not in names:
+            raise ValueError(f"zero_ext: unknown optimizer {optimizer!r}; give a torch.optim class, an "
+                             f"instance, or one of {', '.join(sorted(names))}")
+        optimizer = getattr(torch.optim, names[optimizer.lower()])
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return optimizer, [{}]
+    raise TypeError(f"zero_ext: optimizer must be a torch.optim.Optimizer, its class or its name, "
+                    f"got {type(optimizer).__name__}")
+
+
+def states_per_element(cls, hyper: dict) -> int:
+    """How many per-element state tensors `cls(**hyper)` keeps for a parameter: found
+    by running one step on a tiny tensor and counting the state tensors of its size."""
+    p = nn.Parameter(torch.zeros(7))
+    p.grad = torch.full((7,), 0.5)
+    hyper = {k: v for k, v in hyper.items() if k not in ("foreach", "fused", "capturable", "differentiable")}
+    opt = cls([dict(hyper, params=[p])])
+    opt.step()
+    return sum(1 for t in opt.state[p].values() if torch.is_tensor(t) and t.numel() == p.numel() and t.dim() > 0)
+
+
+# ----------------------------------------------------------------------------- the model as sizes
+
+def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
+    """(trainable numels, their group index, stage-3 unit ids or None, frozen numel)."""
+    if isinstance(model_or_numel, nn.Module):
+        model = model_or_numel
+        if isinstance(optimizer, torch.optim.Optimizer):
+            seen, params, groups = set(), [], []
+            for gi, g in enumerate(optimizer.param_groups):
+                for p in g["params"]:
+                    if id(p) not in seen and p.requires_grad:
+                        seen.add(id(p))
+                        params.append(p)
+                        groups.append(gi)
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
+            groups = [0] * len(params)
+        if not params:
+            raise ValueError("zero_ext: the model has no trainable parameter")
+        ids = {id(p) for p in params}
+        frozen = sum(p.numel() for p in model.parameters() if id(p) not in ids)
+        units = None
+        if cfg.stage == 3:
+            from .units import assign_units
+            units = assign_units(model, params, cfg.unit_modules, cfg.unit_numel, cfg.min_unit_numel)[0]
+        return [p.numel() for p in params], groups, units, frozen
+    numel = int(model_or_numel)
+    if numel < 1:
+        raise ValueError(f"zero_ext: the parameter count must be >= 1, got {model_or_numel!r}")
+    if cfg.stage == 3:
+        per = cfg.unit_numel if cfg.unit_numel is not None else max(numel // 4, 1)
+        sizes = [per] * (numel // per) + ([numel % per] if numel % per else [])
+        return sizes, [0] * len(sizes), list(range(1, len(sizes) + 1)), 0
+    per = max(1, cfg.resolved_bucket_bytes(4 * numel) // _SIZE[cfg.param_dtype])
+    sizes = [per] * (numel // per) + ([numel % per] if numel % per else [])
+    return sizes, [0] * len(sizes), None, 0
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype="fp32", reduce_dtype="fp32",
+                    optimizer="adamw", backend: str = "gloo", config=None, **options) -> dict:
+    """Predict what one rank of a zero_ext run holds (see the module docstring).
+
+    model_or_numel: an nn.Module (any device, meta included) or a trainable parameter count.
+    world_size, stage: N and the ZeRO stage (0-3).
+    param_dtype, reduce_dtype: as zeroify's options ("fp32", "bf16", "fp16" or torch dtypes).
+    optimizer: a torch optimizer instance (its param groups and hyperparameters are used),
+        its class, or its name ("adamw", "sgd", "rmsprop", ...).
+    backend: the process group's backend ("gloo": reduce-scatter by all-to-all under
+        reduce_scatter="auto", which sizes the receive buffers; "nccl"/"fake": native).
+    config, **options: any other zeroify option that changes memory (bucket_bytes,
+        first_bucket_bytes, align, grad_ring_buckets, unit_modules, unit_numel,
+        min_unit_numel, prefetch_depth, reduce_scatter).
+
+    Returns a dict with the keys of opt.stats() it predicts ("model_state_bytes",
+    "buffer_bytes", "frozen_parameter_bytes", "num_params", "padded_numel",
+    "shard_numel", "num_buckets"), plus "total" (all of them), "comm_bytes_per_step"
+    (the collective bytes of one optimizer step, stats()'s convention, for
+    accumulation_steps micro-steps) and the inputs.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"zero_ext: world_size must be an int >= 1, got {world_size!r}")
+    options = dict(options, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    options.pop("process_group", None)
+    cfg = make_config(config, stage, options)
+    if not isinstance(cfg.stage, int):
+        raise ValueError(f"zero_ext: estimate_memory needs a stage 0-3, got {cfg.stage!r}")
+    cls, hypers = _optimizer_class_and_groups(optimizer)
+    numels, groups, units, frozen = _model_layout(model_or_numel, optimizer, cfg, hypers)
+    pdt, rdt = cfg.param_dtype, cfg.reduce_dtype
+    ps, rs = _SIZE[pdt], _SIZE[rdt]
+    lp = pdt != "fp32"
+    s = cfg.stage
+    parts = 1 if s == 0 else world_size
+    total_numel = sum(numels)
+    rows = _plan(numels, groups, units, cfg, world_size, parts)
+    padded = sum(r[3] for r in rows)
+    shard = sum(r[4] for r in rows)
+    max_padded = max(r[3] for r in rows)
+
+    fused = cls.__name__ in _FUSED_NAMES and issubclass(cls, tuple(getattr(torch.optim, n) for n in _FUSED_NAMES)) \
+        and cfg.fused != "never"
+    counts = [states_per_element(cls, h) for h in hypers]
+    if fused:        # the engine keeps each state over the whole shard (every group)
+        state_bytes = 4 * shard * max(counts)
+    else:            # the torch optimizer over each bucket's slice, by param group
+        state_bytes = sum(4 * r[4] * counts[min(r[0], len(counts) - 1)] for r in rows)
+
+    params_b = padded * ps if s < 3 else shard * (ps if lp else 4)
+    grads_b = padded * rs if s <= 1 else shard * rs
+    master_b = shard * 4 if lp else 0
+    msb = {"parameters": params_b, "gradients": grads_b, "master_weights": master_b,
+           "optimizer_states": state_bytes}
+    msb["total"] = sum(msb.values())
+
+    # The ring (Engine::acquire_slot): stage 1 needs it for the reduce-scatter output
+    # only with N > 1; stage 2-3 stage every gradient in it, one slot at N = 1 (reduced
+    # at once), else grad_ring_buckets slots (at most one per bucket).
+    alltoall = cfg.reduce_scatter == "alltoall" or (cfg.reduce_scatter == "auto" and backend == "gloo")
+    if s == 0 or (s == 1 and world_size == 1):
+        slots = 0
+    elif world_size == 1:
+        slots = 1
+    else:
+        slots = min(max(1, cfg.grad_ring_buckets), len(rows))
+    send = max_padded * rs if s >= 2 else 0
+    recv = ((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0
+    ring = slots * (send + recv)
+    buf = {"grad_ring": ring, "ring_slots": slots}
+    if s == 3:
+        unit_bytes: dict = {}
+        for r in rows:
+            unit_bytes[r[1]] = unit_bytes.get(r[1], 0) + r[3] * ps
+        root = unit_bytes.pop(0, 0)
+        seq = [unit_bytes[u] for u in sorted(unit_bytes)]
+        window = max(1, 1 + cfg.prefetch_depth)
+        best = max((sum(seq[i:i + window]) for i in range(max(1, len(seq) - window + 1))), default=0)
+        largest = max(seq, default=0)
+        peak = root + best
+        if _on_meta(model_or_numel):
+            # Built sharded (materialize.py): the root and one unit at a time are
+            # whole while initialized, in fp32 even with a low param_dtype.
+            peak = max(peak, (root + largest) * (4 // ps if lp else 1))
+        buf.update(gathered_root=root, gathered_unit=largest, prefetch=best - largest,
+                   peak_gathered_params=peak)
+    buf["total"] = ring + buf.get("peak_gathered_params", 0)
+    frozen_b = frozen * ps
+
+    accum = getattr(cfg, "accumulation_steps", 1)
+    if s == 0:
+        comm = 2 * padded * rs
+    elif s in (1, 2):
+        comm = (accum if s == 2 else 1) * padded * rs + padded * ps
+    else:
+        root_padded = sum(r[3] for r in rows if r[1] == 0)
+        comm = accum * (padded * rs + 2 * (padded - root_padded) * ps + root_padded * ps)
+    if world_size == 1:
+        comm = 0                                      # the engine issues no collective
+    return {
+        "stage": s, "world_size": world_size, "param_dtype": pdt, "reduce_dtype": rdt,
+        "optimizer": cls.__name__, "fused": fused, "states_per_element": max(counts) if fused else counts,
+        "num_params": total_numel, "padded_numel": padded, "shard_numel": shard, "num_buckets": len(rows),
+        "model_state_bytes": msb, "buffer_bytes": buf, "frozen_parameter_bytes": frozen_b,
+        "total": msb["total"] + buf["total"] + frozen_b,
+        "comm_bytes_per_step": comm, "accumulation_steps": accum,
+    }
+
+
+def _on_meta(model) -> bool:
+    return isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters())
+
+
+def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int, parts: int):
+    from . import _C
+    bucket = cfg.resolved_bucket_bytes(4 * sum(numels))
+    return _C.plan_layout(numels, groups, units or [], cfg.stage, parts, bucket, cfg.first_bucket_bytes,
+                          cfg.resolved_align(world_size), _ZX_DTYPE[cfg.param_dtype])
+
+
+# ----------------------------------------------------------------------------- command line
+
+def _table(numel, world, param_dtype, reduce_dtype, optimizer, accumulation_steps=1, unit=1e9,
+           unit_numel=None) -> str:
+    lines = []
+    name = "GB" if unit == 1e9 else "GiB"
+    head = (f"{'stage':>5} {'parameters':>11} {'gradients':>10} {'masters':>9} {'opt states':>11} "
+            f"{'model state':>12} {'buffers':>9} {'comm/step':>10}")
+    lines.append(f"Ψ = {numel:,.0f} trainable parameters, N = {world}, params {param_dtype}, reduce "
+                 f"{reduce_dtype}, {optimizer}; per rank, in {name} ({'10^9' if unit == 1e9 else '2^30'} bytes)")
+    lines.append(head)
+    lines.append("-" * len(head))
+    for stage in range(4):
+        e = estimate_memory(numel, world, stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                            optimizer=optimizer, accumulation_steps=accumulation_steps, unit_numel=unit_numel)
+        m, b = e["model_state_bytes"], e["buffer_bytes"]
+        lines.append(f"{stage:>5} {m['parameters'] / unit:>11.2f} {m['gradients'] / unit:>10.2f} "
+                     f"{m['master_weights'] / unit:>9.2f} {m['optimizer_states'] / unit:>11.2f} "
+                     f"{m['total'] / unit:>12.1f} {b['total'] / unit:>9.2f} {e['comm_bytes_per_step'] / unit:>10.1f}")
+    lines.append("model state = parameters + gradients + fp32 masters + optimizer states (the ZeRO paper's "
+                 "Table I); buffers = gradient ring and, stage 3, the gathered units (from a bare count: "
+                 f"units of {'a quarter of the model' if unit_numel is None else f'{unit_numel:,} parameters'}); comm/step = collective bytes per optimizer step")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m zero_ext.estimate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, required=True, help="trainable parameters, e.g. 7.5e9")
+    ap.add_argument("--world", type=int, required=True, help="world size N")
+    ap.add_argument("--param-dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
+    ap.add_argument("--reduce-dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
+    ap.add_argument("--optimizer", default="adamw", help="a torch.optim name (default adamw)")
+    ap.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step (communication)")
+    ap.add_argument("--unit-numel", type=float, default=None,
+                    help="stage 3: parameters per unit (default a quarter of the model)")
+    ap.add_argument("--gib", action="store_true", help="GiB (2^30 bytes) instead of GB (10^9, the paper's)")
+    args = ap.parse_args(argv)
+    print(_table(int(args.params), args.world, args.param_dtype, args.reduce_dtype, args.optimizer,
+                 args.accum, 2 ** 30 if args.gib else 1e9, None if args.unit_numel is None else int(args.unit_numel)))
+
+
+if __name__ == "__main__":
+    main()
