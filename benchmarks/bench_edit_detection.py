@@ -1,6 +1,6 @@
 """What detecting in-place parameter edits costs per training step (issue 18).
 
-    python benchmarks/bench_edit_detection.py            # ~1 min on 2 cores
+    python benchmarks/bench_edit_detection.py            # 1-2 min on 2 busy cores
     python benchmarks/bench_edit_detection.py --reps 9 --steps 40
 
 The model is the worst case for a per-tensor check: 1,202 small tensors (300
@@ -60,7 +60,7 @@ def timed_steps(zm, zo, x, steps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
