@@ -12,7 +12,7 @@ weights or raises a zero_ext error naming the fix; none is silently lost.
 """
 from __future__ import annotations
 
-import functools
+import bisect
 import itertools
 import weakref
 
@@ -38,8 +38,8 @@ class ZeroUsageError(RuntimeError):
 #   the parameter itself in the state dict's place, so torch's own copy is a
 #   no-op while its key bookkeeping (strict, missing/unexpected keys, error
 #   messages) stays torch's. The post-hook of the module load_state_dict was
-#   called on finishes: stage 3 with a low param_dtype recasts the master into
-#   the low-precision shard that units are gathered from. Frozen parameters and
+#   called on finishes: with a low param_dtype it recasts the master into the
+#   low-precision copy that is gathered next. Frozen parameters and
 #   buffers are copied by torch as usual. Every rank loads the same state dict
 #   (as with DDP); nothing is communicated.
 
@@ -51,7 +51,10 @@ class ZeroUsageError(RuntimeError):
 #   parameters are compared with the last snapshot; on a change the edits are
 #   folded into the master with engine.absorb_param_edits(), exactly as
 #   gathered_parameters(modifier_rank=...) does (only elements whose
-#   low-precision value changed). Stage 3: outside forward a parameter is a
+#   low-precision value changed; each rank folds its own shard, so, as with DDP,
+#   every rank makes the same edit). Reading 1,202 version counters costs
+#   0.3% of a stage-2 step (benchmarks/bench_edit_detection.py), so it stays in
+#   Python. Stage 3: outside forward a parameter is a
 #   0-element tensor, so an edit there changes nothing and is refused at the
 #   next step with an error pointing to gathered_parameters. Edits through
 #   `p.data` bypass the version counter and are not seen.
@@ -90,7 +93,7 @@ class ModelGuard:
         for m in model.modules():
             m.register_load_state_dict_pre_hook(self._pre_load)
             m.register_load_state_dict_post_hook(self._post_load)
-            m._apply = functools.partial(self._apply, weakref.ref(m))
+            m._apply = _GuardedApply(self, m)
 
     def _engine(self):
         w = self._wrapper()
@@ -154,7 +157,6 @@ class ModelGuard:
             for t in masters:
                 starts.append(off)
                 off += t.numel()
-            import bisect
             pieces: list = [[] for _ in self.params]
             rank = engine.rank if engine.partitions > 1 else 0
             for i, poff, soff, n in engine.fragments(rank):
@@ -224,8 +226,7 @@ class ModelGuard:
         self.accept()
 
     # ------------------------------------------------------------------ moves
-    def _apply(self, module_ref, fn, recurse=True):
-        module = module_ref()
+    def apply(self, module, fn, recurse=True):
         if self._wrapper() is None:            # the zeroified model is gone: plain torch
             return type(module)._apply(module, fn, recurse)
         for t in itertools.chain(module._parameters.values(), module._buffers.values()):
@@ -259,6 +260,29 @@ class ModelGuard:
                 f"which would detach it from what zero_ext manages; it was put back. "
                 f"{MOVE_FIX[0].upper()}{MOVE_FIX[1:]}")
         return result
+
+
+class _GuardedApply:
+    """A zeroified model's module._apply (Note [Moves after zeroify])."""
+
+    def __init__(self, guard: ModelGuard, module: nn.Module):
+        self.guard, self.module = guard, weakref.ref(module)
+
+    def __call__(self, fn, recurse=True):
+        return self.guard.apply(self.module(), fn, recurse)
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model.module) is not zeroified: its copy moves as torch moves
+        return _PlainApply(memo[id(self.module())])
+
+
+class _PlainApply:
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
+
+    def __call__(self, fn, recurse=True):
+        m = self.module()
+        return type(m)._apply(m, fn, recurse)
 
 
 def retire_optimizer(optimizer: torch.optim.Optimizer) -> None:

@@ -68,12 +68,12 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
                     engine.broadcast_tensors([p.data for p, _ in owned], modifier_rank)
                     engine.absorb_param_edits()   # low precision: fold the edits into the fp32 master
                 engine.broadcast_tensors([p.data for p in replicated], modifier_rank)
-            guard = getattr(wrapper, "_guard", None)
-            if guard is not None:
-                guard.accept([p for p, _ in owned])   # committed: not an edit outside (zero_ext/changes.py)
         for u in units:
             if not was_gathered[u]:
                 engine.release_unit(u)
+        guard = getattr(wrapper, "_guard", None)
+        if guard is not None:          # committed, or refused below: not an edit outside (changes.py)
+            guard.accept([p for p, _ in owned])
         if changed and modifier_rank is None:
             raise RuntimeError("zero_ext: parameters were modified inside gathered_parameters() without a "
                                "modifier_rank; they are read-only there (stage 3 discards the change). "
