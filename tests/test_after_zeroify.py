@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import zero_ext
-from zero_ext.changes import ZeroUsageError
+from zero_ext import ZeroUsageError
 from dist_harness import run_world
 
 STAGES = [0, 1, 2, 3]
