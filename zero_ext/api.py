@@ -74,7 +74,8 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
     names = {id(p): n for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         owner = getattr(p, OWNER_ATTR, None)
-        if owner is not None and owner[0]() is not None:
+        wrapper = owner[0]() if owner is not None else None
+        if wrapper is not None and wrapper._guard.owns(p):      # (not a deep copy of one)
             _fail(f"the model was already zeroified (parameter {n!r} lives in a zero_ext model's buckets); use "
                   f"the model and optimizer that the first zeroify() returned")
     for m in model.modules():

@@ -95,6 +95,9 @@ class ModelGuard:
             m.register_load_state_dict_post_hook(self._post_load)
             m._apply = _GuardedApply(self, m)
 
+    def owns(self, p: torch.Tensor) -> bool:
+        return id(p) in self.index and self.params[self.index[id(p)]] is p
+
     def _engine(self):
         w = self._wrapper()
         return None if w is None else w._engine
