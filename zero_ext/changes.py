@@ -173,7 +173,7 @@ class ModelGuard:
         engine = self._engine()
         if engine is None:
             return
-        if prefix == "":                       # the module load_state_dict was called on
+        if prefix == "" or self._loading is None:   # the module load_state_dict was called on
             engine.wait_params()
             self.check_edits()                 # earlier edits reach the master before any load
             self._loading = module
