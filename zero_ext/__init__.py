@@ -8,14 +8,15 @@ import atexit
 import gc
 
 from .api import ZeroInputError, zeroify
+from .changes import ZeroUsageError
 from .checkpoint import CheckpointError, consolidated_state_dict, load, save
 from .config import ZeroConfig
 from .gather import gathered_parameters
 from .model import ZeroModel
 from .optim import ZeroOptimizer
 
-__all__ = ["zeroify", "ZeroConfig", "ZeroModel", "ZeroOptimizer", "ZeroInputError", "gathered_parameters",
-           "save", "load", "consolidated_state_dict", "CheckpointError", "estimate_memory"]
+__all__ = ["zeroify", "ZeroConfig", "ZeroModel", "ZeroOptimizer", "ZeroInputError", "ZeroUsageError",
+           "gathered_parameters", "save", "load", "consolidated_state_dict", "CheckpointError", "estimate_memory"]
 __version__ = "0.1.0"
 
 

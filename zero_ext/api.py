@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C
+from .changes import ModelGuard, retire_optimizer
 from .config import ZeroConfig, make_config
 from .gather import OWNER_ATTR
 from .materialize import initialize_by_unit, is_meta, replace_meta
@@ -68,7 +69,15 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
         _fail(f"fused='always' but {cls.__name__} has no fused kernel (fused ones: "
               f"{', '.join(c.__name__ for c in FUSED)}); use fused='auto'")
 
+    if getattr(optimizer, "_zero_ext_wrapped", False):
+        _fail("this torch optimizer was already wrapped by zeroify(); use the optimizer that zeroify() returned")
     names = {id(p): n for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        owner = getattr(p, OWNER_ATTR, None)
+        wrapper = owner[0]() if owner is not None else None
+        if wrapper is not None and wrapper._guard.owns(p):      # (not a deep copy of one)
+            _fail(f"the model was already zeroified (parameter {n!r} lives in a zero_ext model's buckets); use "
+                  f"the model and optimizer that the first zeroify() returned")
     for m in model.modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
             _fail(f"{type(m).__name__} with sparse=True produces sparse gradients, which cannot be "
@@ -254,6 +263,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), units[i] if units else 0))
     zopt = ZeroOptimizer(optimizer, engine, cfg, fused, fingerprint, pg)
+    wrapped._guard = zopt._guard = ModelGuard(wrapped, model, params, shapes)
+    retire_optimizer(optimizer)
     zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     zopt._units = wrapped._units
     zopt._params = params            # engine parameter i = params[i]

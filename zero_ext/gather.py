@@ -71,6 +71,9 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
         for u in units:
             if not was_gathered[u]:
                 engine.release_unit(u)
+        guard = getattr(wrapper, "_guard", None)
+        if guard is not None:          # committed, or refused below: not an edit outside (changes.py)
+            guard.accept([p for p, _ in owned])
         if changed and modifier_rank is None:
             raise RuntimeError("zero_ext: parameters were modified inside gathered_parameters() without a "
                                "modifier_rank; they are read-only there (stage 3 discards the change). "

@@ -62,13 +62,12 @@ class ZeroModel(nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's load_state_dict on the plain module: every stage and param_dtype,
+        values reach the fp32 master weights exactly; stage 3 takes a full state
+        dict, each rank reading only its shard of it (zero_ext/changes.py)."""
         if assign:
             raise ValueError("zero_ext: load_state_dict(assign=True) would detach parameters from the "
                              "sharded buckets; use assign=False")
-        if self._units is not None:
-            raise NotImplementedError("zero_ext: loading a full state_dict into a stage-3 model is not "
-                                      "supported yet; load it into the plain model before zeroify()")
-        self._engine.wait_params()
         return self.module.load_state_dict(state_dict, strict=strict)
 
     # Autograd hook plumbing. Note [No cycles through C++]: the engine holds the

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from .changes import ADD_GROUP_FIX, ZeroUsageError
 
 # Optimizers whose update is elementwise: they may run over a flat shard.
 FUSED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -90,6 +91,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups = [dict(self._hyper(gi), params=by_group[gi]) for gi in self._shard_group_ids]
         self._shard_opt = self.wrapped_class(groups)
 
+    def add_param_group(self, param_group: dict) -> None:
+        if self._engine is None:                         # Optimizer.__init__ adds the groups
+            return super().add_param_group(param_group)
+        raise ZeroUsageError("zero_ext: add_param_group after zeroify() is not supported: the bucket layout of "
+                             "the parameters is fixed when zeroify() runs; " + ADD_GROUP_FIX)
+
     def _hyper(self, gi: int) -> dict:
         return {k: v for k, v in self.param_groups[gi].items() if k != "params"}
 
@@ -99,6 +106,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._guard is not None:
+            self._guard.check_edits()   # Note [Edits outside gathered_parameters] (changes.py)
         scale = self._clip_coef * self._grad_scale()
         self._clip_coef = 1.0
         if self.loss_scaler is not None:
@@ -270,6 +279,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             s["out_of_order_fetches"] = self._units.out_of_order
         return s
 
+    _engine = None
+    _guard = None          # the model's ModelGuard (changes.py)
     _frozen_bytes = 0
     _units = None          # stage 3: the model's unit hooks (fetch counters)
 

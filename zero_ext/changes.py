@@ -1,0 +1,311 @@
+"""What users do to a model after zeroify(): each either reaches the fp32 master
+weights or raises a zero_ext error naming the fix; none is silently lost.
+
+- load_state_dict, on the returned model, on `.module` or on any submodule, any
+  stage and param_dtype (Note [Loading into a zeroified model]).
+- In-place edits outside gathered_parameters (torch.nn.init.*, p.mul_() under
+  no_grad), found from the parameters' version counters once per step
+  (Note [Edits outside gathered_parameters]).
+- dtype/device moves (model.double(), .half(), .to(...), .cuda(), to_empty()),
+  refused at the call (Note [Moves after zeroify]).
+- The torch optimizer that zeroify() wrapped refuses step() and add_param_group().
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import weakref
+
+import torch
+from torch import nn
+
+
+class ZeroUsageError(RuntimeError):
+    """Something done to a zeroified model or its optimizer that would be silently
+    lost; the message names what to do instead."""
+
+
+# Note [Loading into a zeroified model]
+#   zeroify() registers a load_state_dict pre-hook and post-hook on every module
+#   of the model, so model.load_state_dict, model.module.load_state_dict and a
+#   submodule's load_state_dict all pass through them. For each trainable
+#   parameter the pre-hook finds in the state dict (logical shape checked, as
+#   torch checks it), it writes this rank's fragments of the value into the fp32
+#   master shard exactly (engine.fragments: no collective, no gathered unit: a
+#   rank reads only its 1/N of each tensor, so a memory-mapped full state dict
+#   costs about its shard), and copies the value into the parameter itself where
+#   that is whole (stages 0-2; a stage-3 unit gathered at the time). It then puts
+#   the parameter itself in the state dict's place, so torch's own copy is a
+#   no-op while its key bookkeeping (strict, missing/unexpected keys, error
+#   messages) stays torch's. The post-hook of the module load_state_dict was
+#   called on finishes: with a low param_dtype it recasts the master into the
+#   low-precision copy that is gathered next. Frozen parameters and
+#   buffers are copied by torch as usual. Every rank loads the same state dict
+#   (as with DDP); nothing is communicated.
+
+# Note [Edits outside gathered_parameters]
+#   Stages 0-2 in fp32: a parameter *is* its bucket view and the owned slice is
+#   the master, so an in-place edit made on every rank is simply kept; nothing is
+#   checked. With a low param_dtype the master is a separate fp32 shard: once per
+#   step (ZeroOptimizer.step, and before a load) the version counters of the
+#   parameters are compared with the last snapshot; on a change the edits are
+#   folded into the master with engine.absorb_param_edits(), exactly as
+#   gathered_parameters(modifier_rank=...) does (only elements whose
+#   low-precision value changed; each rank folds its own shard, so, as with DDP,
+#   every rank makes the same edit). Reading 1,202 version counters costs
+#   0.3% of a stage-2 step (benchmarks/bench_edit_detection.py), so it stays in
+#   Python. Stage 3: outside forward a parameter is a
+#   0-element tensor, so an edit there changes nothing and is refused at the
+#   next step with an error pointing to gathered_parameters. Edits through
+#   `p.data` bypass the version counter and are not seen.
+
+# Note [Moves after zeroify]
+#   Module._apply (behind .to(), .double(), .half(), .float(), .cuda(), .cpu(),
+#   .to_empty(), ...) replaces each parameter's data with fn(parameter), which
+#   would detach it from its bucket: training would stop updating it. Every
+#   module of a zeroified model gets an instance-level _apply that first applies
+#   fn to an empty tensor of each of its parameters' and buffers' dtype and
+#   device, refusing any change, and afterwards checks that each trainable
+#   parameter still is its bucket view (restoring it and refusing otherwise,
+#   e.g. to_empty()). Moves that change nothing (model.cpu() on the CPU) pass.
+
+MOVE_FIX = ("choose the compute precision with zeroify(..., param_dtype='bf16' or 'fp16') and move the model "
+            "to its device before zeroify(); to change either now, zero_ext.save() a checkpoint, rebuild and "
+            "zeroify() the model again with the new settings, and zero_ext.load() it")
+
+
+class ModelGuard:
+    """Installed by zeroify() on the model: load hooks, the per-step edit check and
+    the move guard. Holds the wrapper weakly (Note [No cycles through C++] in model.py)."""
+
+    def __init__(self, wrapper, model: nn.Module, params: list, shapes: list):
+        self._wrapper = weakref.ref(wrapper)
+        self._model = weakref.ref(model)
+        self.params = params                         # engine parameter i = params[i]
+        self.shapes = [torch.Size(s) for s in shapes]  # logical shapes (stage 3 empties them)
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.stage3 = wrapper._units is not None
+        self.low = wrapper._compute_dtype is not None
+        self.track = self.stage3 or self.low         # fp32 stages 0-2 keep edits by themselves
+        self.versions = self._versions()
+        self._pieces = None                          # per parameter: (offset in it, master view)
+        self._loading = None                         # the module whose load_state_dict is running
+        for m in model.modules():
+            m.register_load_state_dict_pre_hook(self._pre_load)
+            m.register_load_state_dict_post_hook(self._post_load)
+            m._apply = _GuardedApply(self, m)
+
+    def owns(self, p: torch.Tensor) -> bool:
+        return id(p) in self.index and self.params[self.index[id(p)]] is p
+
+    def _engine(self):
+        w = self._wrapper()
+        return None if w is None else w._engine
+
+    def _name(self, t: torch.Tensor) -> str:
+        model = self._model()
+        if model is not None:
+            for name, x in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                           model.named_buffers(remove_duplicate=False)):
+                if x is t:
+                    return name
+        return f"of shape {tuple(t.shape)}"
+
+    # ------------------------------------------------------------------ edits
+    def _versions(self) -> list:
+        return [p._version for p in self.params] if self.track else []
+
+    def accept(self, params=None) -> None:
+        """The parameters (default: all) as they are now are the model's: after a
+        load, or an edit that gathered_parameters committed."""
+        if not self.track:
+            return
+        if params is None:
+            self.versions = self._versions()
+            return
+        for p in params:
+            i = self.index.get(id(p))
+            if i is not None:
+                self.versions[i] = p._version
+
+    def check_edits(self) -> None:
+        """Once per step (Note [Edits outside gathered_parameters])."""
+        if not self.track:
+            return
+        now = self._versions()
+        if now == self.versions:
+            return
+        engine = self._engine()
+        if self.stage3:
+            changed = [i for i, (a, b) in enumerate(zip(now, self.versions)) if a != b]
+            self.versions = now
+            names = ", ".join(repr(self._name(self.params[i])) for i in changed[:3])
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            raise ZeroUsageError(
+                f"zero_ext: parameter(s) {names}{more} were modified in place outside gathered_parameters(); in "
+                f"stage 3 a parameter is an empty tensor outside forward, so the edit changed nothing. Make it "
+                f"inside `with zero_ext.gathered_parameters(module, modifier_rank=0):` (rank 0's values are then "
+                f"written into every rank's shard), or load values with model.load_state_dict()")
+        if engine is not None:
+            engine.absorb_param_edits()
+        self.versions = now
+
+    # ------------------------------------------------------------------ loads
+    def _master_pieces(self, engine) -> list:
+        """Per engine parameter: [(offset in the flattened parameter, view of this
+        rank's fp32 master shard)] for the fragments this rank owns."""
+        if self._pieces is None:
+            masters = engine.param_shards()
+            starts, off = [], 0
+            for t in masters:
+                starts.append(off)
+                off += t.numel()
+            pieces: list = [[] for _ in self.params]
+            rank = engine.rank if engine.partitions > 1 else 0
+            for i, poff, soff, n in engine.fragments(rank):
+                b = bisect.bisect_right(starts, soff) - 1
+                pieces[i].append((poff, masters[b].narrow(0, soff - starts[b], n)))
+            self._pieces = pieces
+        return self._pieces
+
+    def _pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                  error_msgs) -> None:
+        engine = self._engine()
+        if engine is None:
+            return
+        if prefix == "" or self._loading is None:   # the module load_state_dict was called on
+            engine.wait_params()
+            self.check_edits()                 # earlier edits reach the master before any load
+            self._loading = module
+        for name, p in module._parameters.items():
+            i = self.index.get(id(p)) if p is not None else None
+            key = prefix + name
+            if i is None or key not in state_dict:
+                continue
+            value = state_dict[key]
+            if not torch.overrides.is_tensor_like(value):
+                continue                       # torch reports it
+            if local_metadata.get("assign_to_params_buffers", False):
+                self._loading = None
+                raise ZeroUsageError(
+                    f"zero_ext: load_state_dict(assign=True) would replace {key!r}, which zero_ext keeps in its "
+                    f"sharded buckets, and training would stop updating it; use assign=False (the default): the "
+                    f"values are copied into the fp32 master weights")
+            if torch.__future__.get_swap_module_params_on_conversion():
+                self._loading = None
+                raise ZeroUsageError(
+                    "zero_ext: load_state_dict with torch.__future__.set_swap_module_params_on_conversion(True) "
+                    "would swap out parameters that zero_ext keeps in its buckets; set it back to False")
+            state_dict[key] = p                # torch's own copy becomes a no-op (Note [Loading ...])
+            shape = self.shapes[i]
+            if len(shape) == 0 and value.dim() == 1 and value.shape[0] == 1:
+                value = value[0]               # torch's 0.3 compatibility rule
+            if value.shape != shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                                  f"checkpoint, the shape in current model is {shape}.")
+                continue
+            try:
+                self._write(engine, i, p, value)
+            except Exception as ex:  # noqa: BLE001 - reported as torch reports a failed copy
+                error_msgs.append(f'While copying the parameter named "{key}", whose dimensions in the model '
+                                  f'are {shape} and whose dimensions in the checkpoint are {value.size()}, an '
+                                  f'exception occurred : {ex.args}.')
+
+    @torch.no_grad()
+    def _write(self, engine, i: int, p: torch.Tensor, value: torch.Tensor) -> None:
+        flat = value.detach().reshape(-1)
+        for poff, master in self._master_pieces(engine)[i]:
+            master.copy_(flat[poff:poff + master.numel()])
+        if p.numel() == flat.numel():          # whole here: stages 0-2, or a gathered stage-3 unit
+            p.data.copy_(value.detach().reshape(p.shape))
+
+    def _post_load(self, module, incompatible_keys) -> None:
+        if module is not self._loading:
+            return
+        self._loading = None
+        engine = self._engine()
+        if engine is not None and self.low:
+            engine.cast_masters()              # the low-precision copy: what is gathered next
+        self.accept()
+
+    # ------------------------------------------------------------------ moves
+    def apply(self, module, fn, recurse=True):
+        if self._wrapper() is None:            # the zeroified model is gone: plain torch
+            return type(module)._apply(module, fn, recurse)
+        for t in itertools.chain(module._parameters.values(), module._buffers.values()):
+            if t is None:
+                continue
+            try:
+                with torch.no_grad():
+                    out = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+                moved = not isinstance(out, torch.Tensor) or out.dtype != t.dtype or out.device != t.device
+                to = f"{out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+            except Exception as ex:  # noqa: BLE001 - e.g. .cuda() without CUDA
+                moved, to = True, f"something else ({type(ex).__name__}: {ex})"
+            if moved:
+                raise ZeroUsageError(
+                    f"zero_ext: this dtype/device change (model.to(), .double(), .half(), .float(), .cuda(), ...) "
+                    f"after zeroify() would turn {self._name(t)!r} from {t.dtype} on {t.device} into {to}, "
+                    f"detaching it from zero_ext's buckets (training would stop updating it); {MOVE_FIX}")
+        params = [(k, p, p.data) for k, p in module._parameters.items() if p is not None]
+        buffers = dict(module._buffers)
+        result = type(module)._apply(module, fn, recurse)
+        replaced = [k for k, p, data in params if module._parameters[k] is not p or p.data_ptr() != data.data_ptr()
+                    or p.dtype != data.dtype or p.shape != data.shape]
+        replaced += [k for k, b in buffers.items() if module._buffers[k] is not b]
+        if replaced:
+            for k, p, data in params:
+                module._parameters[k] = p
+                p.data = data
+            module._buffers.update(buffers)
+            raise ZeroUsageError(
+                f"zero_ext: this call (e.g. to_empty()) replaced {self._name(getattr(module, replaced[0]))!r}, "
+                f"which would detach it from what zero_ext manages; it was put back. "
+                f"{MOVE_FIX[0].upper()}{MOVE_FIX[1:]}")
+        return result
+
+
+class _GuardedApply:
+    """A zeroified model's module._apply (Note [Moves after zeroify])."""
+
+    def __init__(self, guard: ModelGuard, module: nn.Module):
+        self.guard, self.module = guard, weakref.ref(module)
+
+    def __call__(self, fn, recurse=True):
+        return self.guard.apply(self.module(), fn, recurse)
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model.module) is not zeroified: its copy moves as torch moves
+        return _PlainApply(memo[id(self.module())])
+
+
+class _PlainApply:
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
+
+    def __call__(self, fn, recurse=True):
+        m = self.module()
+        return type(m)._apply(m, fn, recurse)
+
+
+def retire_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """The torch optimizer zeroify() wrapped: its step() and add_param_group() now
+    raise (it shares its param_groups with the returned optimizer)."""
+
+    def step(*args, **kwargs):
+        raise ZeroUsageError(
+            "zero_ext: this torch optimizer was wrapped by zeroify(); step the optimizer zeroify() returned "
+            "instead: `model, opt = zero_ext.zeroify(model, opt, ...)` and call opt.step()")
+
+    def add_param_group(*args, **kwargs):
+        raise ZeroUsageError(
+            "zero_ext: this torch optimizer was wrapped by zeroify(), whose bucket layout is fixed; "
+            + ADD_GROUP_FIX)
+
+    optimizer.step = step
+    optimizer.add_param_group = add_param_group
+    optimizer._zero_ext_wrapped = True
+
+
+ADD_GROUP_FIX = ("put every param group in the torch optimizer before calling zeroify() (a group can start "
+                 "with lr=0 until it should train, and an LR scheduler can raise it later)")
