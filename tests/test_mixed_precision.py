@@ -28,7 +28,11 @@ from dist_harness import ROOT, run_world
 DATA = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")
 STEPS = 200
 CLIP = 1.0
-LOSS_TOLERANCE = 0.05     # |bf16 - fp32| of 20-step mean losses, nats
+LOSS_TOLERANCE = 0.1      # |bf16 - fp32| of 20-step mean losses, nats. Set by torch's bf16
+                          # matmuls, not by us (we equal the emulation to the ulp): up to
+                          # 0.05 on a Zen 4 with avx512_bf16, 0.063 (stage 0, N=2, steps
+                          # 60-80) on an AVX2-only EPYC, where torch computes bf16 GEMMs
+                          # another way
 MAX_ULPS = 2              # per step, ours vs the emulated step from our state. Mostly 0;
                           # 1 at steps where torch's fused AdamW rounds a bias correction
                           # or a sqrt differently (csrc/core/zx_kernels_ref.c follows the
