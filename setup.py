@@ -32,8 +32,37 @@ with_cuda = (
     and __import__("torch").version.cuda is not None
 )
 
+
+
+def intra_op_flags():
+    """Compile and link flags that let at::parallel_for in our C++ run on torch's
+    intra-op threads.
+
+    Note [Intra-op threads]
+      at::parallel_for is an inline template. In a torch built with the OpenMP
+      backend (AT_PARALLEL_OPENMP in ATen/Config.h, the pip wheels) its parallel
+      branch exists only where _OPENMP is defined; compiled without -fopenmp it
+      runs f(begin, end) on the calling thread. So the binding is compiled with
+      -fopenmp and linked against the OpenMP runtime torch itself ships (by path:
+      the library records that runtime's soname, which the loader finds already
+      loaded with torch), never a second runtime beside it. A torch that ships
+      none links the compiler's runtime, which is then ours too. With the native
+      backend torch exports invoke_parallel and no flag is needed. The C core
+      (zxcore) has no thread runtime: it only sees the [lo, hi) ranges.
+    """
+    config_h = os.path.join(cpp_extension.include_paths()[0], "ATen", "Config.h")
+    with open(config_h) as f:
+        if "#define AT_PARALLEL_OPENMP 1" not in f.read():
+            return [], []
+    torch_lib = os.path.join(os.path.dirname(os.path.abspath(cpp_extension.__file__)), "..", "lib")
+    shipped = sorted(p for name in ("libgomp", "libiomp5", "libomp")
+                     for p in glob.glob(os.path.join(torch_lib, name + "[.-]*so*")))
+    return ["-fopenmp"], [os.path.normpath(shipped[0])] if shipped else ["-fopenmp"]
+
+
+omp_compile, omp_link = intra_op_flags()
 # The C++ standard is torch's choice (C++20 for 2.13): its headers need it.
-cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden"]
+cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden"] + omp_compile
 if with_cuda:
     Extension = cpp_extension.CUDAExtension
     sources = cpp_sources + cuda_sources
@@ -69,6 +98,7 @@ setup(
         include_dirs=[os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc/core")],
         define_macros=macros,
         extra_compile_args=extra,
+        extra_link_args=omp_link,
     )],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )
