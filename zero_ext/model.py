@@ -152,10 +152,10 @@ class _UnitHooks:
     # -- prediction and prefetch
     def _upcoming(self, k: int) -> list:
         """The next `depth` distinct units after the cursor, other than k."""
-        out = []
-        for u, _ in self.order[self.cursor:]:
-            if len(out) >= self.depth:
-                break
+        out, order, i = [], self.order, self.cursor
+        while i < len(order) and len(out) < self.depth:
+            u = order[i][0]
+            i += 1
             if u != k and u not in out:
                 out.append(u)
         return out
@@ -173,9 +173,8 @@ class _UnitHooks:
                 self.cursor = i + 1       # else not predicted from here on: keep the cursor
                 break
         self.fetches += 1
-        if not (self.engine.unit_gathered(k) or self.engine.gather_unit(k, False)):
+        if not self.engine.unit_gathered(k) and not self.engine.gather_unit(k, True):
             self.out_of_order += 1
-        self.engine.gather_unit(k, True)
         for u in self._upcoming(k):
             self.engine.gather_unit(u, False)
 
@@ -232,10 +231,12 @@ class _UnitHooks:
 
     def _post_forward(self, k, module, args, kwargs, output):
         if torch.is_grad_enabled():
+            outs = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             # An input handed back unchanged (T5's position bias) gets its gradient
             # from later units: it says nothing about this unit's backward.
-            inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-            for t in tree_flatten(output)[0]:
+            inputs = [id(t) for t in (args if not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+                                      else tree_flatten((args, kwargs))[0])]
+            for t in outs:
                 if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in inputs:
                     t.register_hook(functools.partial(self._pre_backward, k))
         if _in_backward():                # recomputation keeps it for its backward
