@@ -7,7 +7,8 @@ tell, since the results are the same. So:
 * zero_ext._C.parallel_threads_seen(n) runs the kernels' own loop helper and
   counts the distinct threads that ran a task: exactly 1 with
   torch.set_num_threads(1), exactly 2 with 2 threads (it fails on a serial build);
-* the kernels' results do not depend on the thread count (bit for bit).
+* the kernels' and the engine's results (gradient norm, fused step) do not depend
+  on the thread count (bit for bit).
 
 Run: .venv/bin/python -m pytest -q tests/test_threads.py
 """
@@ -55,3 +56,31 @@ def test_results_do_not_depend_on_threads(threads):
     for a, b in zip(out[1][:4], out[2][:4]):
         assert torch.equal(a, b)
     assert out[1][4] == out[2][4]
+
+
+def test_engine_results_do_not_depend_on_threads(threads):
+    """The engine's loops (gradient norm, fused AdamW step) over a shard of several
+    64K-element tasks: the same bits with 1 and 2 threads, and torch's norm."""
+    import zero_ext
+
+    torch.manual_seed(1)
+    base = torch.nn.Linear(1000, 333)
+    x = torch.randn(8, 1000)
+    out = {}
+    for t in (1, 2):
+        threads(t)
+        model = torch.nn.Linear(1000, 333)
+        model.load_state_dict(base.state_dict())
+        zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=1)
+        zm(x).square().sum().backward()
+        norm = float(zo.clip_grad_norm_(1.0))
+        zo.step()
+        out[t] = (norm, [p.detach().clone() for p in model.parameters()])
+    ref_model = torch.nn.Linear(1000, 333)
+    ref_model.load_state_dict(base.state_dict())
+    ref_model(x).square().sum().backward()
+    ref = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ref_model.parameters()]).double()))
+    assert out[1][0] == out[2][0], f"gradient norm with 1 thread {out[1][0]!r}, with 2 {out[2][0]!r}"
+    assert abs(out[1][0] - ref) <= 1e-6 * ref, (out[1][0], ref)
+    for a, b in zip(out[1][1], out[2][1]):
+        assert torch.equal(a, b)
