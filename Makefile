@@ -69,6 +69,7 @@ $(VENV)/.bench-deps: $(VENV)/.deps
 bench: build $(VENV)/.bench-deps
 	$(PY) benchmarks/bench_optimizer.py
 	$(PY) benchmarks/bench_step.py
+	$(PY) benchmarks/bench_units.py
 	$(PY) benchmarks/bench_memory.py
 	$(PY) -m nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1800 \
 	    --output-dir benchmarks/results --output zero_vs_ddp.executed.ipynb benchmarks/zero_vs_ddp.ipynb

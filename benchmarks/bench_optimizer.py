@@ -22,11 +22,19 @@ write-allocate read of dst that a read-modify-write step does not, so a one-pass
 step can exceed 1.0 of it.)
 Targets: ours >= 1.3x torch fused; ours >= 0.8 of copy bandwidth; ours + bf16 out >= 1.3x
 torch fused + bf16 copy.
+
+Thread scaling (then, unless --no-scaling): ours fp32 against torch fused at every thread
+count from 1 to all cores (--scaling-threads), for an in-cache size (2^19 parameters: p, g,
+m, v are 8 MiB) and a DRAM size (64M), interleaved over thread counts and sides within
+each repetition; the copy is re-measured at each thread count. An in-cache step takes
+~0.1 ms, so each timing covers enough steps for >= 20 ms. Targets: in cache, 2 threads
+take <= 0.6x the 1-thread time; at the DRAM size ours >= torch fused at every count.
 Writes benchmarks/results/bench_optimizer.json (--quick: bench_optimizer_quick.json).
 """
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -39,6 +47,8 @@ from machine import cpu_model
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "bench_optimizer.json"
 SPEEDUP_TARGET = 1.3        # ours / torch fused (parameters per second)
+SCALING_TARGET = 0.6        # in cache: 2-thread time / 1-thread time, at most
+BATCH_S = 0.02              # scaling: steps per timing so that one timing lasts this long
 COPY_FRACTION_TARGET = 0.8  # ours effective bandwidth / copy bandwidth
 BYTES_FP32 = 28             # read p, g, m, v; write p, m, v
 BYTES_BF16 = 30             # ... + write the bf16 copy
@@ -126,6 +136,92 @@ def format_table(rows, header):
     return "\n".join(out)
 
 
+def default_thread_counts():
+    """1, 2, 4, ... and every core."""
+    n = os.cpu_count() or 1
+    counts = [1]
+    while counts[-1] * 2 < n:
+        counts.append(counts[-1] * 2)
+    return counts + ([n] if n > 1 else [])
+
+
+def scaling(sizes, thread_counts, reps, isa, copy):
+    """Ours fp32 vs torch fused, seconds per step at each (size, thread count), plus the
+    copy's bandwidth at each thread count. Interleaved: each repetition visits every
+    thread count, and at each one every side (the first side rotating)."""
+    sides = {}
+    for numel in sizes:
+        grad = torch.randn(numel) * 1e-2
+        sides[numel] = [("ours", Ours(numel, grad, isa, bf16_out=False)),
+                        ("torch fused", Torch(numel, grad, fused=True, bf16_copy=False))]
+    batch = {}                                         # steps per timing, at one thread
+    torch.set_num_threads(1)
+    for numel, pair in sides.items():
+        for name, obj in pair:
+            one = min(timed(obj.step) for _ in range(3))
+            batch[numel, name] = max(1, round(BATCH_S / one))
+    times = {(numel, t, name): [] for numel in sizes for t in thread_counts for name in ("ours", "torch fused")}
+    copy_times = {t: [] for t in thread_counts}
+    for rep in range(reps):
+        for t in thread_counts:
+            torch.set_num_threads(t)
+            todo = [("copy", None, copy, 1)] + [(name, numel, obj, batch[numel, name])
+                                               for numel, pair in sides.items() for name, obj in pair]
+            for k in range(len(todo)):
+                name, numel, obj, steps = todo[(rep + k) % len(todo)]
+                s = timed(lambda: [obj.step() for _ in range(steps)]) / steps
+                (copy_times[t] if name == "copy" else times[numel, t, name]).append(s)
+    copy_bw = {t: 8 * copy.src.numel() / statistics.median(v) for t, v in copy_times.items()}
+    rows = []
+    for numel in sizes:
+        for t in thread_counts:
+            row = dict(numel=numel, threads=t, copy_GBps=copy_bw[t] / 1e9)
+            for name in ("ours", "torch fused"):
+                v = times[numel, t, name]
+                med = statistics.median(v)
+                base = statistics.median(times[numel, thread_counts[0], name])
+                row[name] = dict(median_s=med, min_s=min(v), max_s=max(v), steps_per_timing=batch[numel, name],
+                                 params_per_s=numel / med, fraction_of_copy_bw=numel * BYTES_FP32 / med / copy_bw[t],
+                                 time_vs_1_thread=med / base)
+            row["ours_speedup_vs_fused"] = row["torch fused"]["median_s"] / row["ours"]["median_s"]
+            rows.append(row)
+    return rows
+
+
+def scaling_verdict(rows, in_cache, dram):
+    def at(numel, t):
+        return next((r for r in rows if r["numel"] == numel and r["threads"] == t), None)
+
+    two = at(in_cache, 2)
+    ratio = two["ours"]["time_vs_1_thread"] if two else None
+    dram_rows = [r for r in rows if r["numel"] == dram]
+    worst = min((r["ours_speedup_vs_fused"] for r in dram_rows), default=None)
+    return dict(in_cache_numel=in_cache, in_cache_2t_over_1t=ratio, in_cache_target=SCALING_TARGET,
+                in_cache_met=bool(ratio is not None and ratio <= SCALING_TARGET),
+                dram_numel=dram, dram_worst_speedup_vs_fused=worst,
+                dram_met=bool(worst is not None and worst >= 1.0))
+
+
+def print_scaling(rows, verdict):
+    table = []
+    for r in rows:
+        o, f = r["ours"], r["torch fused"]
+        table.append([f"{r['numel']:,}", r["threads"], f"{o['median_s'] * 1e3:.3f}", f"{o['time_vs_1_thread']:.2f}",
+                      f"{o['params_per_s'] / 1e9:.3f}", f"{o['fraction_of_copy_bw']:.2f}",
+                      f"{f['median_s'] * 1e3:.3f}", f"{f['time_vs_1_thread']:.2f}", f"{f['params_per_s'] / 1e9:.3f}",
+                      f"{f['fraction_of_copy_bw']:.2f}", f"{r['ours_speedup_vs_fused']:.2f}x",
+                      f"{r['copy_GBps']:.1f}"])
+    print(format_table(table, ["params", "threads", "ours ms", "vs 1t", "Gparams/s", "of copy bw",
+                               "fused ms", "vs 1t", "Gparams/s", "of copy bw", "ours vs fused", "copy GB/s"]))
+    v = verdict
+    if v["in_cache_2t_over_1t"] is not None:
+        print(f"targets: in cache ({v['in_cache_numel']:,}) 2 threads take {v['in_cache_2t_over_1t']:.2f}x the "
+              f"1-thread time (target <= {SCALING_TARGET}: {'met' if v['in_cache_met'] else 'NOT met'})")
+    if v["dram_worst_speedup_vs_fused"] is not None:
+        print(f"         DRAM ({v['dram_numel']:,}) ours vs torch fused at worst {v['dram_worst_speedup_vs_fused']:.2f}x "
+              f"over thread counts (target >= 1.0: {'met' if v['dram_met'] else 'NOT met'})")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=int, default=64 * 2**20, help="parameters (default 64M)")
@@ -135,9 +231,15 @@ def main():
     ap.add_argument("--isa", default="auto", help="our kernel's ISA (default: the best this CPU runs)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1M parameters, 5 repetitions")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--no-scaling", action="store_true", help="skip the thread-scaling table")
+    ap.add_argument("--scaling-sizes", default=f"{2**19},{64 * 2**20}",
+                    help="in-cache and DRAM sizes, comma separated (default 2^19,64M)")
+    ap.add_argument("--scaling-threads", default=",".join(map(str, default_thread_counts())),
+                    help="thread counts, comma separated (default 1, 2, 4, ... all cores)")
     args = ap.parse_args()
     if args.quick:
         args.numel, args.reps, args.warmup = 2**20, 5, 1
+        args.scaling_sizes = f"{2**19},{2**22}"
     args.reps = max(args.reps, 5)
     torch.set_num_threads(args.threads)
     isa = C.best_isa() if args.isa == "auto" else args.isa
@@ -221,6 +323,16 @@ def main():
         print(f"         ours + bf16 out {bf16_vs:.2f}x torch fused + bf16 copy_ "
               f"(target >= {SPEEDUP_TARGET}x: {'met' if verdict['bf16_copyout_met'] else 'NOT met'})")
 
+    scaling_rows, scaling_targets = None, None
+    if not args.no_scaling and fused:
+        sizes = [int(x) for x in args.scaling_sizes.split(",")]
+        counts = [int(x) for x in args.scaling_threads.split(",")]
+        print(f"\nthread scaling, ours fp32 vs torch fused, {args.reps} reps, threads {counts}:")
+        scaling_rows = scaling(sizes, counts, args.reps, isa, copy)
+        scaling_targets = scaling_verdict(scaling_rows, sizes[0], sizes[-1])
+        print_scaling(scaling_rows, scaling_targets)
+        torch.set_num_threads(args.threads)
+
     report = dict(
         benchmark="bench_optimizer", torch_version=torch.__version__, isa=isa,
         cpu_has_avx512_bf16=cpu_flag("avx512_bf16"),
@@ -228,7 +340,7 @@ def main():
         copy=dict(numel=copy_numel, bytes_moved=copy_bytes, median_s=statistics.median(copy_times),
                   min_s=min(copy_times), max_s=max(copy_times), GBps=copy_bw / 1e9),
         hyperparameters=dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD),
-        results=results, targets=verdict,
+        results=results, targets=verdict, scaling=scaling_rows, scaling_targets=scaling_targets,
     )
     if args.quick and args.out == RESULTS:
         args.out = RESULTS.with_name("bench_optimizer_quick.json")  # keep the full run's file

@@ -8,13 +8,14 @@
 // Every function takes the isa by name ("scalar", "avx2", "avx512" or "auto") and
 // contiguous CPU tensors (fp32; a copy-out param_lp is bf16 or fp16), checks them
 // with messages that say what to fix, releases the GIL and splits the work over
-// torch's intra-op threads (at::parallel_for, kGrainNumel elements a task) — the
-// threads come from torch.set_num_threads, not from OpenMP pragmas here.
+// torch's intra-op threads (zx_parallel_for, parallel.h) — the threads come from
+// torch.set_num_threads, not from OpenMP pragmas here.
+//   parallel_threads_seen(numel) -> int  threads that entered such a loop (tests)
 // Used by tests/test_kernels.py and benchmarks/bench_optimizer.py; the engine calls
 // the C functions directly.
 #include "kernels_binding.h"
 
-#include <ATen/Parallel.h>
+#include "parallel.h"   // defines: zx_parallel_for, zx_parallel_threads_seen
 
 #include <algorithm>
 #include <atomic>
@@ -28,7 +29,6 @@ namespace {
 
 namespace py = pybind11;
 
-constexpr int64_t kGrainNumel = 1 << 16;  // elements per parallel task
 
 // The Python spelling of a dtype, for error messages ("torch.float32").
 std::string dtype_name(at::ScalarType t) {
@@ -88,7 +88,7 @@ void parallel_status(int64_t n, const char *what, F &&fn) {
     std::atomic<int> status{ZX_OK};
     {
         py::gil_scoped_release no_gil;
-        at::parallel_for(0, n, kGrainNumel, [&](int64_t lo, int64_t hi) {
+        zx_parallel_for(n, [&](int64_t lo, int64_t hi) {
             zx_status s = fn(lo, hi);
             if (s != ZX_OK) status.store((int)s);
         });
@@ -179,13 +179,13 @@ void py_sgd_step(const std::string &isa_name, at::Tensor param, at::Tensor grad,
     });
 }
 
-// Chunks of kGrainNumel are summed separately and their sums added in chunk
+// Chunks of kParallelGrainNumel are summed separately and their sums added in chunk
 // order, so the result does not depend on the number of threads.
 std::tuple<double, int64_t> py_grad_sumsq(const std::string &isa_name, at::Tensor grad, double scale) {
     const zx_isa isa = isa_arg(isa_name);
     check_cpu(grad, "grad", at::kFloat, -1);
     const int64_t n = grad.numel();
-    const int64_t chunks = (n + kGrainNumel - 1) / kGrainNumel;
+    const int64_t chunks = (n + kParallelGrainNumel - 1) / kParallelGrainNumel;
     std::vector<double> sums(chunks, 0.0);
     std::vector<int64_t> counts(chunks, 0);
     const float *g = grad.data_ptr<float>();
@@ -194,7 +194,7 @@ std::tuple<double, int64_t> py_grad_sumsq(const std::string &isa_name, at::Tenso
         py::gil_scoped_release no_gil;
         at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
             for (int64_t c = c0; c < c1; c++) {
-                int64_t lo = c * kGrainNumel, hi = std::min(n, lo + kGrainNumel);
+                int64_t lo = c * kParallelGrainNumel, hi = std::min(n, lo + kParallelGrainNumel);
                 zx_status s = zx_grad_sumsq(isa, (size_t)(hi - lo), g + lo, (float)scale, &sums[c],
                                             &counts[c]);
                 if (s != ZX_OK) status.store((int)s);
@@ -296,6 +296,13 @@ void zx_bind_kernels(pybind11::module_ &m) {
     m.def("cast_from_f32", &py_cast_from_f32,
           "dst = src cast to dst.dtype (bf16/fp16: round to nearest even; fp32: copy).", py::arg("isa"),
           py::arg("src"), py::arg("dst"));
+    m.def("parallel_threads_seen", [](int64_t numel) {
+              py::gil_scoped_release no_gil;
+              return zx_parallel_threads_seen(numel);
+          },
+          "How many distinct threads ran a task of the kernels' parallel loop over numel elements "
+          "(at most torch.get_num_threads(); 1 means the loop ran serially).",
+          py::arg("numel"));
     m.def("cast_to_f32", &py_cast_to_f32, "dst (float32) = src (bf16/fp16/fp32), exact.", py::arg("isa"),
           py::arg("src"), py::arg("dst"));
 }

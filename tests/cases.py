@@ -59,6 +59,13 @@ class CheckpointMLP(MLP):
 
 
 TINY_GPT = dict(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=24, bias=False)
+GPT_KINDS = ("gpt", "gpt_ckpt")
+# tests/prefetch_models.py: unit sequences other than registration order
+PREFETCH_MODELS = {
+    "encdec": lambda m: m.EncDec(),
+    "gpt_ckpt": lambda m: m.CheckpointGPT(GPTConfig(**TINY_GPT)),
+    "head_late": lambda m: m.HeadLate(),
+}
 
 
 @dataclass
@@ -97,21 +104,27 @@ def build_model(kind: str) -> nn.Module:
         return CheckpointMLP(depth=4)
     if kind == "gpt":
         return GPT(GPTConfig(**TINY_GPT))
+    if kind in PREFETCH_MODELS:
+        import prefetch_models
+        return PREFETCH_MODELS[kind](prefetch_models)
     raise ValueError(kind)
+
 
 
 def batch(kind: str, rank: int, step: int, micro: int):
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
-    if kind == "gpt":
+    if kind in GPT_KINDS:
         idx = torch.randint(0, TINY_GPT["vocab_size"], (4, TINY_GPT["block_size"] + 1), generator=g)
         return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-    d_in, d_out = (101, 7) if kind == "mlp_big" else (13, 5)
+    if kind == "encdec":
+        return torch.randint(0, 29, (4, 9), generator=g), torch.randint(0, 29, (4, 7), generator=g)
+    d_in, d_out = {"mlp_big": (101, 7), "head_late": (11, 3)}.get(kind, (13, 5))
     return torch.randn(8, d_in, generator=g), torch.randn(8, d_out, generator=g)
 
 
 def loss_of(kind: str, model, x, y):
     out = model(x, y)
-    return out[1] if kind == "gpt" else out
+    return out[1] if kind in GPT_KINDS else out
 
 
 def make_optimizer(case: Case, model: nn.Module):
@@ -167,7 +180,7 @@ def train_pair(case: Case, rank: int, world: int):
     if case.scheduler:
         scheds = [torch.optim.lr_scheduler.StepLR(opt_ref, step_size=5, gamma=0.5),
                   torch.optim.lr_scheduler.StepLR(zo, step_size=5, gamma=0.5)]
-    norms, evals = [], []
+    norms, evals, unforeseen, gathered = [], [], [], []
     for step in range(case.steps):
         for micro in range(case.accum):
             x, y = batch(case.model, rank, step, micro)
@@ -186,6 +199,9 @@ def train_pair(case: Case, rank: int, world: int):
         zo.zero_grad()
         for s in scheds:
             s.step()
+        s = zo.stats()
+        unforeseen.append(s.get("out_of_order_fetches", 0))
+        gathered.append(s["comm"]["all_gather"]["numel"])
         if case.eval_every and step % case.eval_every == 0:
             t_ref, x_ref = eval_pass(ref, step)
             t_mine, x_mine = eval_pass(zm.module, step)
@@ -203,6 +219,8 @@ def train_pair(case: Case, rank: int, world: int):
     moved = sum((mine_sd[n] - start[n]).abs().sum().item() for n, _ in ref.named_parameters())
     return {"max_abs": max_abs, "rel": worst_rel, "stats": zo.stats(), "psi": psi, "norms": norms,
             "evals": evals,
+            # cumulative after each step: out_of_order_fetches, all-gathered elements
+            "unforeseen": unforeseen, "gathered": gathered,
             "moved": moved, "lrs": [g["lr"] for g in zo.param_groups]}
 
 

@@ -53,10 +53,11 @@ def test_stage3_parity_with_ddp(world):
                 ag = comm["all_gather"]["numel"] / steps
                 assert psi <= rs <= psi + pad, f"{name}: reduce-scatter {rs}/step vs Ψ={psi}"
                 # forward + backward gathers: 2Ψ, less the root unit and the last unit,
-                # which stay whole; the first forward, before the unit sequence is
+                # which stay whole (1.44Ψ for the GPT: its blocks are 43% of Ψ each, so
+                # more than Ψ); the first forward, before the unit sequence is
                 # learned, may gather a reused unit once more (at most Ψ in all)
                 ag_max = 2 * (psi + pad) + (psi + pad) / steps
-                assert 1.5 * psi <= ag <= ag_max, f"{name}: all-gather {ag}/step vs 2Ψ={2 * psi}"
+                assert psi < ag <= ag_max, f"{name}: all-gather {ag}/step vs 2Ψ={2 * psi}"
                 assert comm["all_reduce"]["numel"] == 0
 
 

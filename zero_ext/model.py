@@ -98,23 +98,38 @@ class ZeroModel(nn.Module):
 
 class _UnitHooks:
     """Stage 3: gather each unit before its forward and backward, release it after
-    (Note [Stage 3 parameter lifetime] in csrc/engine/gatherer.cpp), and prefetch the next
-    units. The forward's unit sequence starts as registration order and is learned
-    (repeats included) from the first forward; backward follows the reverse of the
-    current forward's recorded sequence. A forward that runs units in another
-    order (eval, generation, a branch) still prefetches from the predicted
-    sequence, resynchronizing on the unit it meets, and counts the fetches it did
-    not foresee in stats()["out_of_order_fetches"]."""
+    (Note [Stage 3 parameter lifetime] in csrc/engine/gatherer.cpp), and prefetch
+    the next units along the learned unit sequence (Note [Stage 3 unit sequence]).
+    Fetches that were not prefetched count in stats()["out_of_order_fetches"].
+
+    Note [Stage 3 unit sequence]
+      A pass is one call of the root module and, when gradients flow from it, the
+      backward that follows. Every time a pass needs a unit — its forward, its
+      backward (a hook on its outputs' gradients), its recomputation under
+      activation checkpointing — the unit is appended to the pass's record
+      (backward needs of one unit in a row count once). The record of the last
+      pass of the same kind (with or without autograd) predicts the next one:
+      each need moves a cursor past the unit's next occurrence in the prediction,
+      and the `depth` distinct units after the cursor are gathered ahead. So any
+      order that repeats — encoder-decoders whose encoder's backward waits for the
+      whole decoder, recomputation, modules run in another order than registered —
+      is prefetched exactly from its second pass on. Before a kind of pass has been
+      seen, the prediction is registration order, and backward the reverse of the
+      forward just run. A unit is released after its forward unless the prediction
+      needs it again within `depth` units (the last units of forward are the first
+      of backward); after its backward when its last gradient is staged (engine).
+    """
 
     def __init__(self, wrapper: ZeroModel, unit_modules: list, root_holders: list):
         self.wrapper = wrapper
         self.engine = wrapper._engine
         self.depth = wrapper._config.prefetch_depth
-        self.order = list(range(1, len(unit_modules)))   # predicted forward sequence
-        self.learned = False
+        self.learned: dict[bool, list] = {}             # pass kind (grad enabled) -> last record
+        self.order: list = []                           # this pass's prediction: (unit, in backward)
         self.cursor = 0                                 # next expected position in self.order
-        self.recorded: list[int] = []                   # this forward's sequence
-        self.back_cursor = 0                            # position in reversed(self.recorded)
+        self.recorded: list = []                        # this pass's record: (unit, in backward)
+        self.recording = False                          # a pass is running (or its backward)
+        self.grad_pass = False                          # the current pass runs with autograd
         self.out_of_order = 0
         self.fetches = 0
         self.in_root = False                            # inside the root module's forward
@@ -131,103 +146,106 @@ class _UnitHooks:
             if k == 0:
                 continue
             m.register_forward_pre_hook(functools.partial(self._pre_forward, k))
-            m.register_forward_hook(functools.partial(self._post_forward, k))
+            m.register_forward_hook(functools.partial(self._post_forward, k), with_kwargs=True)
 
     # -- prediction and prefetch
-    @staticmethod
-    def _advance(seq: list, cursor: int, k: int) -> int:
-        """The cursor after meeting unit k: past its next occurrence in seq."""
-        for i in range(cursor, len(seq)):
-            if seq[i] == k:
-                return i + 1
-        return cursor
-
-    def _upcoming(self, seq: list, cursor: int, k: int) -> list:
-        out = []
-        for u in seq[cursor:]:
-            if len(out) >= self.depth:
-                break
+    def _upcoming(self, k: int) -> list:
+        """The next `depth` distinct units after the cursor, other than k."""
+        out, order, i = [], self.order, self.cursor
+        while i < len(order) and len(out) < self.depth:
+            u = order[i][0]
+            i += 1
             if u != k and u not in out:
                 out.append(u)
         return out
 
-    def _fetch(self, k: int, upcoming: list) -> None:
-        """Make unit k whole; count it if it was not foreseen; prefetch `upcoming`."""
+    def _need(self, k: int) -> None:
+        """Unit k is needed now: record it, resynchronize the cursor on it, make it
+        whole (counting it if it was not foreseen) and prefetch what follows."""
+        need = (k, _in_backward())
+        # one backward need per unit in a row (a hook fires for each of its outputs);
+        # forward needs all count (a module called twice is needed twice)
+        if self.recording and not (need[1] and self.recorded and self.recorded[-1] == need):
+            self.recorded.append(need)
+        for i in range(self.cursor, len(self.order)):
+            if self.order[i][0] == k:
+                self.cursor = i + 1       # else not predicted from here on: keep the cursor
+                break
         self.fetches += 1
-        foreseen = self.engine.unit_gathered(k) or self.engine.gather_unit(k, False)
-        self.engine.gather_unit(k, True)
-        if not foreseen:
+        if not self.engine.unit_gathered(k) and not self.engine.gather_unit(k, True):
             self.out_of_order += 1
-        for u in upcoming:
+        for u in self._upcoming(k):
             self.engine.gather_unit(u, False)
 
     # -- root module
     def _root_pre_forward(self, module, args):
         if _in_backward():
             return
-        self.recorded = []
-        self.cursor = 0
-        self.in_root = True
+        if self.recording and self.recorded:
+            self.learned[self.grad_pass] = self.recorded   # the previous pass is complete
+        self.grad_pass = torch.is_grad_enabled()
+        known = self.learned.get(self.grad_pass)
+        self.order = known if known is not None else self._guess()
+        self.recorded, self.cursor, self.recording, self.in_root = [], 0, True, True
         self.engine.gather_unit(0, True)
-        for u in self._upcoming(self.order, 0, 0):
+        for u in self._upcoming(0):
             self.engine.gather_unit(u, False)
+
+    def _guess(self) -> list:
+        """Registration order, and (with autograd) its reverse for backward."""
+        fwd = [(k, False) for k in range(1, self.engine.num_units)]
+        return fwd + [(k, True) for k, _ in reversed(fwd)] if self.grad_pass else fwd
 
     def _root_post_forward(self, module, args, out):
         if _in_backward():
             return
         self.in_root = False
-        if not self.learned and self.recorded:
-            self.order = list(self.recorded)
-            self.learned = True
         backward_follows = torch.is_grad_enabled() and any(
             t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-        if backward_follows:
-            # backward starts with the last units of this forward: fetch them now
-            self.back_cursor = 0
-            for u in self._upcoming(list(reversed(self.recorded)), 0, 0):
-                self.engine.gather_unit(u, False)
-        else:
+        if not backward_follows:
+            self.recording = False
             for k in range(self.engine.num_units):   # no backward follows: free everything
                 self.engine.release_unit(k)
+            return
+        if self.grad_pass not in self.learned:
+            # first pass of its kind: backward is guessed as this forward reversed
+            self.order = self.recorded + [(k, True) for k, _ in reversed(self.recorded)]
+            self.cursor = len(self.recorded)
+        for u in self._upcoming(0):   # backward starts with these: fetch them now
+            self.engine.gather_unit(u, False)
 
     # -- module hooks
     def _holder_pre_forward(self, module, args):
         if not self.engine.unit_gathered(0):
-            self._fetch(0, [])
+            self.fetches += 1
+            self.out_of_order += 1
+            self.engine.gather_unit(0, True)
 
     def _holder_post_forward(self, module, args, output):
         if not self.in_root and not _in_backward() and not torch.is_grad_enabled():
             self.engine.release_unit(0)
 
     def _pre_forward(self, k, module, args):
-        if _in_backward():                # recomputation (checkpointing): already gathered
-            self._fetch(k, [])
-            return
-        self.recorded.append(k)
-        self.cursor = self._advance(self.order, self.cursor, k)
-        self._fetch(k, self._upcoming(self.order, self.cursor, k))
+        self._need(k)
 
-    def _post_forward(self, k, module, args, output):
+    def _post_forward(self, k, module, args, kwargs, output):
         if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            outs = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+            # An input handed back unchanged (T5's position bias) gets its gradient
+            # from later units: it says nothing about this unit's backward.
+            inputs = [id(t) for t in (args if not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+                                      else tree_flatten((args, kwargs))[0])]
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in inputs:
                     t.register_hook(functools.partial(self._pre_backward, k))
         if _in_backward():                # recomputation keeps it for its backward
             return
-        if k in self._upcoming(self.order, self.cursor, -1):       # needed again at once
-            return
-        if torch.is_grad_enabled() and self.learned and self.cursor >= len(self.order):
-            return                        # the last unit of forward is the first of backward
-        self.engine.release_unit(k)
+        if k not in self._upcoming(-1):   # not needed again at once
+            self.engine.release_unit(k)
 
     def _pre_backward(self, k, grad):
         self.wrapper._begin_backward()
-        seq = list(reversed(self.recorded))
-        self.back_cursor = self._advance(seq, self.back_cursor, k)
-        if not self.engine.unit_gathered(k):
-            self._fetch(k, [])
-        for u in self._upcoming(seq, self.back_cursor, k):
-            self.engine.gather_unit(u, False)
+        self._need(k)
         return None
 
     def full_state_dict(self, *args, **kwargs):

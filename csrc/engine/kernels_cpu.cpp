@@ -1,18 +1,17 @@
 // kernels_cpu.cpp — the CPU kernel table (Note [Kernel table]): the C core's
 // kernels over bucket slices, split into tasks on torch's intra-op threads.
-#include <ATen/Parallel.h>
 #include <ATen/native/Resize.h>
 
-#include <mutex>
+#include <algorithm>
+#include <vector>
 
 #include "engine/kernels.h"
 #include "kernels_binding.h"   // defines: zx_check
+#include "parallel.h"          // defines: zx_parallel_for, kParallelGrainNumel
 
 namespace zx {
 
 namespace {
-
-constexpr int64_t kGrain = 1 << 16;   // elements per parallel task
 
 class CpuKernels final : public Kernels {
 public:
@@ -45,18 +44,24 @@ public:
         });
     }
 
+    // Fixed kParallelGrainNumel chunks summed in chunk order: the norm's bits do not
+    // depend on the number of threads or on which finishes first.
     void grad_sumsq(const at::Tensor &grad, double scale, double *sumsq, int64_t *nonfinite) override {
-        std::mutex mu;
-        parallel(grad.numel(), [&](int64_t lo, int64_t hi) {
-            double s = 0.0;
-            int64_t nf = 0;
-            with_f32_grads(grad, lo, hi, [&](const float *g, int64_t a, int64_t b) {
-                zx_check(zx_grad_sumsq(isa_, (size_t)(b - a), g, (float)scale, &s, &nf), "gradient norm");
-            });
-            std::lock_guard<std::mutex> lock(mu);
-            *sumsq += s;
-            *nonfinite += nf;
+        const int64_t n = grad.numel(), chunks = (n + kParallelGrainNumel - 1) / kParallelGrainNumel;
+        std::vector<double> s(chunks, 0.0);
+        std::vector<int64_t> nf(chunks, 0);
+        at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+            for (int64_t c = c0; c < c1; c++)
+                with_f32_grads(grad, c * kParallelGrainNumel, std::min(n, (c + 1) * kParallelGrainNumel),
+                               [&](const float *g, int64_t a, int64_t b) {
+                                   zx_check(zx_grad_sumsq(isa_, (size_t)(b - a), g, (float)scale, &s[c], &nf[c]),
+                                            "gradient norm");
+                               });
         });
+        for (int64_t c = 0; c < chunks; c++) {
+            *sumsq += s[c];
+            *nonfinite += nf[c];
+        }
     }
 
     void scale(int64_t n, float *x, float s) override {
@@ -94,8 +99,7 @@ public:
 private:
     template <class F>
     void parallel(int64_t n, F &&fn) const {
-        if (n <= 0) return;
-        at::parallel_for(0, n, kGrain, [&](int64_t lo, int64_t hi) { fn(lo, hi); });
+        zx_parallel_for(n, fn);
     }
 
     // Kernels read fp32 gradients: a low-precision one is converted in small
