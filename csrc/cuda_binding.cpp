@@ -2,7 +2,8 @@
 //
 // zx_bind_cuda(m) adds cuda_adam_step, cuda_sgd_step, cuda_grad_sumsq,
 // cuda_grad_sumsq_into, cuda_scale, cuda_sum_slices, cuda_cast_from_f32,
-// cuda_cast_to_f32 and cuda_increment_step to the extension module. They take
+// cuda_cast_to_f32, cuda_increment_step and cuda_quantize, cuda_dequantize,
+// cuda_dequantize_sum to the extension module. They take
 // CUDA tensors, check them (contiguous, one device, dtype, length), and enqueue
 // the kernel on the current CUDA stream (at::cuda::getCurrentCUDAStream()) of the
 // tensors' device; nothing
@@ -227,6 +228,72 @@ void zx_py_cuda_cast_to_f32(at::Tensor src, at::Tensor dst) {
                     "cuda_cast_to_f32");
 }
 
+// ---- blockwise quantization (zx_cuda_quant.cu); formats as quant_sizes / quantize on the CPU ----
+
+// (bytes of codes, blocks) of a payload of n elements; raises for a bad format.
+std::tuple<int64_t, int64_t> zx_cuda_quant_sizes(int64_t bits, int64_t block_numel, int64_t n) {
+    TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+    TORCH_CHECK(block_numel >= 1 && (bits == 8 || block_numel % 2 == 0), "block_numel must be ",
+                bits == 4 ? "a positive even number for bits=4" : ">= 1", ", got ", block_numel);
+    size_t bytes = 0;
+    zx_check_status(zx_quant_bytes((int32_t)bits, (size_t)block_numel, (size_t)n, &bytes), "quant_bytes");
+    return {(int64_t)bytes, (int64_t)zx_quant_blocks((size_t)n, (size_t)block_numel)};
+}
+
+void zx_py_cuda_quantize(int64_t bits, int64_t block_numel, at::Tensor src, at::Tensor q, at::Tensor scales,
+                         std::optional<at::Tensor> residual) {
+    TORCH_CHECK(src.is_cuda(), "src must be a CUDA tensor (use quantize for CPU tensors)");
+    const at::Device device = src.device();
+    const int64_t n = src.numel();
+    zx_dtype dt = zx_any_dtype(src, "src");
+    zx_check_tensor(src, "src", src.scalar_type(), device, n);
+    auto [bytes, nblocks] = zx_cuda_quant_sizes(bits, block_numel, n);
+    zx_check_tensor(q, "q", at::kByte, device, bytes);
+    zx_check_tensor(scales, "scales", at::kFloat, device, nblocks);
+    float *r = nullptr;
+    if (residual) {
+        zx_check_tensor(*residual, "residual", at::kFloat, device, n);
+        r = residual->data_ptr<float>();
+    }
+    c10::cuda::CUDAGuard guard(device);
+    zx_check_status(zx_cuda_quantize((int32_t)bits, (size_t)block_numel, (size_t)n, src.data_ptr(), dt, r,
+                                     q.data_ptr(), scales.data_ptr<float>(), zx_current_stream()),
+                    "cuda_quantize");
+}
+
+void zx_py_cuda_dequantize(int64_t bits, int64_t block_numel, at::Tensor q, at::Tensor scales, at::Tensor dst) {
+    TORCH_CHECK(dst.is_cuda(), "dst must be a CUDA tensor (use dequantize for CPU tensors)");
+    const at::Device device = dst.device();
+    const int64_t n = dst.numel();
+    zx_dtype dt = zx_any_dtype(dst, "dst");
+    zx_check_tensor(dst, "dst", dst.scalar_type(), device, n);
+    auto [bytes, nblocks] = zx_cuda_quant_sizes(bits, block_numel, n);
+    zx_check_tensor(q, "q", at::kByte, device, bytes);
+    zx_check_tensor(scales, "scales", at::kFloat, device, nblocks);
+    c10::cuda::CUDAGuard guard(device);
+    zx_check_status(zx_cuda_dequantize((int32_t)bits, (size_t)block_numel, (size_t)n, q.data_ptr(),
+                                       scales.data_ptr<float>(), dst.data_ptr(), dt, zx_current_stream()),
+                    "cuda_dequantize");
+}
+
+void zx_py_cuda_dequantize_sum(int64_t bits, int64_t block_numel, at::Tensor q, at::Tensor scales,
+                               int64_t nslices, at::Tensor dst, bool accumulate, double scale) {
+    TORCH_CHECK(dst.is_cuda(), "dst must be a CUDA tensor (use dequantize_sum for CPU tensors)");
+    TORCH_CHECK(nslices >= 1 && nslices <= INT32_MAX, "nslices must be in [1, 2^31), got ", nslices);
+    const at::Device device = dst.device();
+    const int64_t n = dst.numel();
+    zx_check_tensor(dst, "dst", at::kFloat, device, n);
+    auto [bytes, nblocks] = zx_cuda_quant_sizes(bits, block_numel, n);
+    zx_check_tensor(q, "q", at::kByte, device, bytes * nslices);
+    zx_check_tensor(scales, "scales", at::kFloat, device, nblocks * nslices);
+    c10::cuda::CUDAGuard guard(device);
+    zx_check_status(zx_cuda_dequantize_sum((int32_t)bits, (size_t)block_numel, (size_t)n, (int32_t)nslices,
+                                           (size_t)nblocks, q.data_ptr(), scales.data_ptr<float>(),
+                                           dst.data_ptr<float>(), accumulate ? 1 : 0, (float)scale,
+                                           zx_current_stream()),
+                    "cuda_dequantize_sum");
+}
+
 }  // namespace
 
 void zx_bind_cuda(pybind11::module_ &m) {
@@ -262,6 +329,16 @@ void zx_bind_cuda(pybind11::module_ &m) {
           py::arg("src"), py::arg("dst"));
     m.def("cuda_cast_to_f32", &zx_py_cuda_cast_to_f32, "dst (fp32) = src (bf16/fp16/fp32).",
           py::arg("src"), py::arg("dst"));
+    m.def("cuda_quantize", &zx_py_cuda_quantize,
+          "quantize() on CUDA tensors: src (fp32/bf16/fp16) -> q (uint8) and scales (fp32), optional "
+          "error-feedback residual; bit-identical to the CPU.",
+          py::arg("bits"), py::arg("block_numel"), py::arg("src"), py::arg("q"), py::arg("scales"),
+          py::arg("residual") = py::none());
+    m.def("cuda_dequantize", &zx_py_cuda_dequantize, "dequantize() on CUDA tensors.", py::arg("bits"),
+          py::arg("block_numel"), py::arg("q"), py::arg("scales"), py::arg("dst"));
+    m.def("cuda_dequantize_sum", &zx_py_cuda_dequantize_sum, "dequantize_sum() on CUDA tensors.",
+          py::arg("bits"), py::arg("block_numel"), py::arg("q"), py::arg("scales"), py::arg("nslices"),
+          py::arg("dst"), py::arg("accumulate"), py::arg("scale"));
 }
 
 #else  // !ZX_WITH_CUDA

@@ -5,6 +5,7 @@
 //   adam_step, sgd_step                  one optimizer step on flat fp32 tensors
 //   grad_sumsq(isa, grad, scale) -> (sumsq, nonfinite)
 //   sum_slices, scale, cast_from_f32, cast_to_f32
+//   quant_sizes, quantize, dequantize, dequantize_sum   blockwise int8/int4 (zx_quant*.c)
 // Every function takes the isa by name ("scalar", "avx2", "avx512" or "auto") and
 // contiguous CPU tensors (fp32; a copy-out param_lp is bf16 or fp16), checks them
 // with messages that say what to fix, releases the GIL and splits the work over
@@ -262,6 +263,102 @@ void py_cast_to_f32(const std::string &isa_name, at::Tensor src, at::Tensor dst)
     });
 }
 
+// ---- blockwise quantization (zx_quant*.c) ----
+
+// Bytes of codes and blocks of a payload of n elements; raises for a bad format.
+std::tuple<int64_t, int64_t> quant_sizes(int64_t bits, int64_t block_numel, int64_t n) {
+    TORCH_CHECK(bits == 8 || bits == 4, "zero_ext: bits must be 8 or 4, got ", bits);
+    TORCH_CHECK(block_numel >= 1 && (bits == 8 || block_numel % 2 == 0), "zero_ext: block_numel must be ",
+                bits == 4 ? "a positive even number for bits=4" : ">= 1", ", got ", block_numel);
+    TORCH_CHECK(n >= 0, "zero_ext: n must be >= 0");
+    size_t bytes = 0;
+    zx_check(zx_quant_bytes((int32_t)bits, (size_t)block_numel, (size_t)n, &bytes), "quant_bytes");
+    return {(int64_t)bytes, (int64_t)zx_quant_blocks((size_t)n, (size_t)block_numel)};
+}
+
+// Run fn(block_lo, block_hi) over [0, nblocks) blocks, about kGrainNumel elements a task.
+template <class F>
+void parallel_blocks(int64_t nblocks, int64_t block_numel, const char *what, F &&fn) {
+    std::atomic<int> status{ZX_OK};
+    {
+        py::gil_scoped_release no_gil;
+        at::parallel_for(0, nblocks, std::max<int64_t>(1, kGrainNumel / block_numel),
+                         [&](int64_t lo, int64_t hi) {
+                             zx_status s = fn(lo, hi);
+                             if (s != ZX_OK) status.store((int)s);
+                         });
+    }
+    zx_check((zx_status)status.load(), what);
+}
+
+void check_payload(const at::Tensor &q, const at::Tensor &scales, int64_t bytes, int64_t nblocks) {
+    check_cpu(q, "q", at::kByte, bytes);
+    check_cpu(scales, "scales", at::kFloat, nblocks);
+}
+
+void py_quantize(const std::string &isa_name, int64_t bits, int64_t block_numel, at::Tensor src,
+                 at::Tensor q, at::Tensor scales, std::optional<at::Tensor> residual) {
+    const zx_isa isa = isa_arg(isa_name);
+    const int64_t n = src.numel();
+    const zx_dtype dt = check_any(src, "src", n);
+    auto [bytes, nblocks] = quant_sizes(bits, block_numel, n);
+    check_payload(q, scales, bytes, nblocks);
+    float *r = nullptr;
+    if (residual) {
+        check_cpu(*residual, "residual", at::kFloat, n);
+        r = residual->data_ptr<float>();
+    }
+    const char *s = static_cast<const char *>(src.data_ptr());
+    uint8_t *qp = q.data_ptr<uint8_t>();
+    float *sp = scales.data_ptr<float>();
+    const int64_t block_bytes = block_numel * bits / 8;
+    const size_t esz = zx_dtype_size(dt);
+    parallel_blocks(nblocks, block_numel, "quantize", [&](int64_t b0, int64_t b1) {
+        const int64_t lo = b0 * block_numel, hi = std::min(n, b1 * block_numel);
+        return zx_quantize(isa, (int32_t)bits, (size_t)block_numel, (size_t)(hi - lo), s + (size_t)lo * esz,
+                           dt, r ? r + lo : nullptr, qp + b0 * block_bytes, sp + b0);
+    });
+}
+
+void py_dequantize(const std::string &isa_name, int64_t bits, int64_t block_numel, at::Tensor q,
+                   at::Tensor scales, at::Tensor dst) {
+    const zx_isa isa = isa_arg(isa_name);
+    const int64_t n = dst.numel();
+    const zx_dtype dt = check_any(dst, "dst", n);
+    auto [bytes, nblocks] = quant_sizes(bits, block_numel, n);
+    check_payload(q, scales, bytes, nblocks);
+    char *d = static_cast<char *>(dst.data_ptr());
+    const uint8_t *qp = q.data_ptr<uint8_t>();
+    const float *sp = scales.data_ptr<float>();
+    const int64_t block_bytes = block_numel * bits / 8;
+    const size_t esz = zx_dtype_size(dt);
+    parallel_blocks(nblocks, block_numel, "dequantize", [&](int64_t b0, int64_t b1) {
+        const int64_t lo = b0 * block_numel, hi = std::min(n, b1 * block_numel);
+        return zx_dequantize(isa, (int32_t)bits, (size_t)block_numel, (size_t)(hi - lo), qp + b0 * block_bytes,
+                             sp + b0, d + (size_t)lo * esz, dt);
+    });
+}
+
+void py_dequantize_sum(const std::string &isa_name, int64_t bits, int64_t block_numel, at::Tensor q,
+                       at::Tensor scales, int64_t nslices, at::Tensor dst, bool accumulate, double scale) {
+    const zx_isa isa = isa_arg(isa_name);
+    TORCH_CHECK(nslices >= 1 && nslices <= INT32_MAX, "zero_ext: nslices must be >= 1, got ", nslices);
+    check_cpu(dst, "dst", at::kFloat, -1);
+    const int64_t n = dst.numel();
+    auto [bytes, nblocks] = quant_sizes(bits, block_numel, n);
+    check_payload(q, scales, bytes * nslices, nblocks * nslices);
+    float *d = dst.data_ptr<float>();
+    const uint8_t *qp = q.data_ptr<uint8_t>();
+    const float *sp = scales.data_ptr<float>();
+    const int64_t block_bytes = block_numel * bits / 8;
+    parallel_blocks(nblocks, block_numel, "dequantize_sum", [&](int64_t b0, int64_t b1) {
+        const int64_t lo = b0 * block_numel, hi = std::min(n, b1 * block_numel);
+        return zx_dequantize_sum(isa, (int32_t)bits, (size_t)block_numel, (size_t)(hi - lo), (int32_t)nslices,
+                                 (size_t)nblocks, qp + b0 * block_bytes, sp + b0, d + lo, accumulate,
+                                 (float)scale);
+    });
+}
+
 }  // namespace
 
 void zx_bind_kernels(pybind11::module_ &m) {
@@ -305,4 +402,22 @@ void zx_bind_kernels(pybind11::module_ &m) {
           py::arg("numel"));
     m.def("cast_to_f32", &py_cast_to_f32, "dst (float32) = src (bf16/fp16/fp32), exact.", py::arg("isa"),
           py::arg("src"), py::arg("dst"));
+    m.def("quant_sizes", &quant_sizes,
+          "(bytes of codes, number of scales) of a quantized payload of n elements: whole blocks of "
+          "block_numel, int8 (bits=8) or two int4 codes per byte (bits=4, block_numel even).",
+          py::arg("bits"), py::arg("block_numel"), py::arg("n"));
+    m.def("quantize", &py_quantize,
+          "Blockwise symmetric quantization of src (fp32/bf16/fp16) into q (uint8, quant_sizes bytes) and "
+          "scales (fp32, one per block); with residual (fp32 like src) quantizes src + residual and "
+          "stores the new residual (error feedback).",
+          py::arg("isa"), py::arg("bits"), py::arg("block_numel"), py::arg("src"), py::arg("q"),
+          py::arg("scales"), py::arg("residual") = py::none());
+    m.def("dequantize", &py_dequantize,
+          "dst (fp32/bf16/fp16) = code * scale of its block, rounded to dst.dtype.", py::arg("isa"),
+          py::arg("bits"), py::arg("block_numel"), py::arg("q"), py::arg("scales"), py::arg("dst"));
+    m.def("dequantize_sum", &py_dequantize_sum,
+          "dst = (dst if accumulate else 0) + scale * sum_j dequantized slice j (fp32, j increasing); q and "
+          "scales hold nslices payloads of len(dst) elements back to back.",
+          py::arg("isa"), py::arg("bits"), py::arg("block_numel"), py::arg("q"), py::arg("scales"),
+          py::arg("nslices"), py::arg("dst"), py::arg("accumulate"), py::arg("scale"));
 }

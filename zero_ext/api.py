@@ -221,8 +221,11 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     opts.first_bucket_bytes = cfg.first_bucket_bytes
     opts.align = cfg.resolved_align(world)
     backend = dist.get_backend(pg) if pg is not None else "none"
-    opts.alltoall_reduce_scatter = cfg.reduce_scatter == "alltoall" or (
+    opts.alltoall_reduce_scatter = cfg.reduce_scatter == "alltoall" or cfg.grad_quant is not None or (
         cfg.reduce_scatter == "auto" and backend == "gloo")
+    opts.grad_quant_bits = {None: 0, "int8": 8, "int4": 4}[cfg.grad_quant]
+    opts.grad_quant_error_feedback = cfg.grad_quant_error_feedback
+    opts.quant_block_numel = cfg.quant_block_numel
     opts.grad_ring_buckets = cfg.grad_ring_buckets
     opts.isa = cfg.isa
     opts.param_dtype = cfg.param_dtype

@@ -17,6 +17,7 @@ _REDUCE_SCATTER = ("auto", "native", "alltoall")
 _ISAS = ("auto", "scalar", "avx2", "avx512")
 _FUSED = ("auto", "always", "never")
 _DTYPES = ("fp32", "bf16", "fp16")
+_GRAD_QUANT = (None, "int8", "int4")
 _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
                   "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 
@@ -82,6 +83,15 @@ class ZeroConfig:
         dynamic scaling: start at initial_loss_scale; after growth_interval overflow-free
         steps multiply by growth_factor (up to max); after `hysteresis` consecutive
         overflowing steps multiply by backoff_factor (down to min).
+    grad_quant: None (exact, the default), "int8" or "int4": stages 1-3 send gradients to
+        their owners as blockwise symmetric int8/int4 codes with one fp32 scale per
+        quant_block_numel elements, by all-to-all, and each owner sums the N dequantized
+        slices in fp32 (each element is quantized once per step). An inf/nan gradient
+        still skips an fp16 step (its block dequantizes to NaN).
+    grad_quant_error_feedback: with grad_quant, each rank keeps what quantization lost
+        (fp32, one value per gradient element it sends) and adds it to the next step's
+        gradient before quantizing.
+    quant_block_numel: elements per quantization block (one fp32 scale each); even, >= 2.
     """
 
     stage: int | str = 2
@@ -113,6 +123,9 @@ class ZeroConfig:
     max_loss_scale: float = 2.0 ** 24
     memory_budget: int | float | None = None
     accumulation_steps: int = 1
+    grad_quant: str | None = None
+    grad_quant_error_feedback: bool = False
+    quant_block_numel: int = 256
 
     def __post_init__(self) -> None:
         self.validate()
@@ -229,8 +242,25 @@ class ZeroConfig:
         choice("reduce_scatter", _REDUCE_SCATTER)
         choice("fused", _FUSED)
         choice("isa", _ISAS)
-        for b in ("overlap_param_gather", "broadcast_buffers", "verify_across_ranks", "log_plan"):
+        for b in ("overlap_param_gather", "broadcast_buffers", "verify_across_ranks", "log_plan",
+                  "grad_quant_error_feedback"):
             boolean(b)
+        self._validate_quant(need, integer)
+
+    def _validate_quant(self, need, integer) -> None:
+        """The communication-quantization options (ZeroConfig docstring)."""
+        integer("quant_block_numel", 2)
+        need(self.quant_block_numel % 2 == 0, f"quant_block_numel must be even (int4 codes are packed two "
+             f"per byte), got {self.quant_block_numel}")
+        need(self.grad_quant in _GRAD_QUANT, f"grad_quant must be None, 'int8' or 'int4' (the supported bit "
+             f"widths); got {self.grad_quant!r}")
+        if self.grad_quant is not None:
+            need(self.stage >= 1, f"grad_quant={self.grad_quant!r} needs stage 1, 2 or 3 (stage 0 reduces "
+                 f"with an all-reduce, which has no quantized form); use stage=1 or grad_quant=None")
+            need(self.reduce_scatter != "native", f"grad_quant={self.grad_quant!r} reduces by all-to-all; "
+                 f"reduce_scatter='native' contradicts it (use 'auto' or 'alltoall')")
+        need(not self.grad_quant_error_feedback or self.grad_quant is not None,
+             "grad_quant_error_feedback=True needs grad_quant='int8' or 'int4'")
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))

@@ -10,6 +10,7 @@
  *   zx_cpu.c      run-time ISA detection                  defines: zx_cpu_*
  *   zx_kernels*.c optimizer / norm / reduce / cast kernels defines: zx_adam_step, ...
  *   zx_scaler.c   dynamic loss-scaling state machine      defines: zx_scaler_*
+ *   zx_quant*.c   blockwise int8/int4 quantization         defines: zx_quantize, ...
  */
 #ifndef ZX_CORE_H
 #define ZX_CORE_H
@@ -205,6 +206,63 @@ zx_status zx_cast_from_f32(zx_isa isa, size_t n, const float *src, void *dst, zx
 
 /* dst[i] = (float) src[i] for a BF16/F16/F32 source. */
 zx_status zx_cast_to_f32(zx_isa isa, size_t n, const void *src, zx_dtype src_dtype, float *dst);
+
+/* ------------------------------------------------------------------ blockwise quantization
+ * (zx_quant.c; Note [Blockwise quantization] there.) Symmetric integer codes with
+ * one fp32 scale per block of `block_numel` consecutive elements, for the
+ * communication-reducing modes (quantized gathers and gradient reduction).
+ *
+ *   bits         8 (int8 codes in [-127, 127], one byte each) or 4 (int4 codes in
+ *                [-7, 7], two per byte: element 2k in the low nibble, 2k+1 in the
+ *                high nibble); block_numel >= 1, and even when bits == 4
+ *   n            elements (any n >= 0); the last block may be partial: its codes
+ *                are padded with zeros up to the whole block, so a payload is
+ *                always zx_quant_blocks(n) whole blocks
+ *   scales       one fp32 per block: amax / qmax (qmax = 127 or 7), where amax is the
+ *                block's largest |x|, raised by one ulp when scale * qmax < amax
+ *                (so no code is ever clamped, subnormal blocks included); 0 for an
+ *                all-zero block; NaN for a block with
+ *                an inf or NaN, whose codes are then all 0, so that every dequantized
+ *                element of it is NaN (an overflowing gradient stays visible to
+ *                the fp16 inf/nan scan)
+ *   dequantized  (float) code * scale, one rounding; |x - dequantized| is at most
+ *                half a step (scale / 2) up to the fp32 rounding of x / scale
+ *
+ * Every ISA gives bit-identical codes, scales and outputs (only correctly rounded
+ * IEEE operations, no fused multiply-add); so does csrc/cuda/zx_cuda_quant.cu.
+ */
+
+/* Blocks of a payload of n elements: ceil(n / block_numel) (0 when block_numel is 0). */
+size_t zx_quant_blocks(size_t n, size_t block_numel);
+
+/* Bytes of codes of a payload of n elements: zx_quant_blocks(n) * block_numel * bits / 8.
+ * ZX_ERR_INVALID_ARG for a bad bits/block_numel pair, ZX_ERR_OVERFLOW if it overflows. */
+zx_status zx_quant_bytes(int32_t bits, size_t block_numel, size_t n, size_t *bytes);
+
+/* Quantize n elements of src (src_dtype F32, BF16 or F16) into codes q
+ * (zx_quant_bytes bytes) and scales (zx_quant_blocks floats).
+ * residual: NULL, or n fp32 values of error feedback: the block quantizes
+ * x = src[i] + residual[i] (fp32 add) and then stores residual[i] = x - dequantized;
+ * a block with an inf/NaN leaves its residual unchanged. */
+zx_status zx_quantize(zx_isa isa, int32_t bits, size_t block_numel, size_t n,
+                      const void *src, zx_dtype src_dtype, float *residual,
+                      void *q, float *scales);
+
+/* dst[i] = (dst_dtype) ((float) code_i * scale_of_its_block), i < n; dst_dtype F32,
+ * BF16 or F16 (round to nearest even). */
+zx_status zx_dequantize(zx_isa isa, int32_t bits, size_t block_numel, size_t n,
+                        const void *q, const float *scales, void *dst, zx_dtype dst_dtype);
+
+/* The receiving side of a quantized reduce-scatter by all-to-all: nslices payloads
+ * of n elements each, slice j's codes at q + j * slice_blocks * block_bytes and its
+ * scales at scales + j * slice_blocks (slice_blocks >= zx_quant_blocks(n); a caller
+ * splitting the work hands a range of whole blocks and keeps slice_blocks):
+ *   dst[i] = (accumulate ? dst[i] : 0) + scale * sum_j dequantized_j[i]
+ * summed in fp32 with j in increasing order (exactly zx_sum_slices of the
+ * dequantized slices). */
+zx_status zx_dequantize_sum(zx_isa isa, int32_t bits, size_t block_numel, size_t n,
+                            int32_t nslices, size_t slice_blocks, const void *q,
+                            const float *scales, float *dst, int32_t accumulate, float scale);
 
 /* ------------------------------------------------------------------ loss scaler
  * Dynamic loss scaling for fp16 (DESIGN §4). After every backward the caller

@@ -52,6 +52,16 @@ WorkPtr Communicator::all_to_all(at::Tensor recv, at::Tensor send, int64_t logic
     return (*pg_)->alltoall_base(recv, send, splits, splits);
 }
 
+std::pair<WorkPtr, WorkPtr> Communicator::all_to_all_quantized(at::Tensor codes_recv, at::Tensor codes_send,
+                                                             at::Tensor scales_recv, at::Tensor scales_send,
+                                                             int64_t logical_numel, int64_t logical_elem) {
+    c_reduce_scatter.add(logical_numel, logical_elem, codes_send.nbytes() + scales_send.nbytes());
+    std::vector<int64_t> splits;   // empty: equal splits
+    WorkPtr scales = (*pg_)->alltoall_base(scales_recv, scales_send, splits, splits);
+    WorkPtr codes = (*pg_)->alltoall_base(codes_recv, codes_send, splits, splits);
+    return {scales, codes};
+}
+
 WorkPtr Communicator::all_gather(at::Tensor out, at::Tensor in) {
     c_all_gather.add(out.numel(), out.element_size());
     return (*pg_)->_allgather_base(out, in);

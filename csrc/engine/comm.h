@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <utility>
 #include <vector>
 
 namespace zx {
@@ -21,7 +22,14 @@ struct CommCounter {
     int64_t calls = 0;
     int64_t numel = 0;
     int64_t bytes = 0;
-    void add(int64_t n, int64_t elem_bytes) { calls++; numel += n; bytes += n * elem_bytes; }
+    int64_t wire_bytes = 0;   // what the collectives carried: `bytes`, or codes + scales (grad_quant)
+    // wire < 0: the collective carried its logical bytes
+    void add(int64_t n, int64_t elem_bytes, int64_t wire = -1) {
+        calls++;
+        numel += n;
+        bytes += n * elem_bytes;
+        wire_bytes += wire < 0 ? n * elem_bytes : wire;
+    }
 };
 
 class Communicator {
@@ -38,6 +46,13 @@ public:
     // send (N equal slices) -> recv (N slices: slice j from rank j), for a
     // reduce-scatter summed locally (Note [Reduce-scatter on gloo]).
     WorkPtr all_to_all(at::Tensor recv, at::Tensor send, int64_t logical_numel);
+    // The quantized form (Note [Quantized gradient reduction] in quant_reduce.h): codes
+    // (bytes) and scales (fp32) of N equal slices, two all-to-alls; counted as a
+    // reduce-scatter of logical_numel elements of logical_elem bytes whose wire bytes
+    // are the codes' and scales'. Returns (scales' work, codes' work).
+    std::pair<WorkPtr, WorkPtr> all_to_all_quantized(at::Tensor codes_recv, at::Tensor codes_send,
+                                                     at::Tensor scales_recv, at::Tensor scales_send,
+                                                     int64_t logical_numel, int64_t logical_elem);
     // in (one slice) -> out (N slices); in may be the owned slice of out.
     WorkPtr all_gather(at::Tensor out, at::Tensor in);
     // Blocking.

@@ -27,6 +27,7 @@
 #include "core/zx_core.h"
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
+#include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
 
 namespace zx {
 
@@ -42,6 +43,9 @@ struct EngineOptions {
                                        // materialized unit by unit afterwards)
     std::string param_dtype = "fp32";  // what parameters compute in and are gathered as: fp32/bf16/fp16
     std::string reduce_dtype = "fp32"; // what gradients accumulate and are reduced in
+    int64_t grad_quant_bits = 0;       // 0: exact; 8/4: Note [Quantized gradient reduction]
+    bool grad_quant_error_feedback = false;
+    int64_t quant_block_numel = 256;   // elements per quantization scale
 };
 
 // One bucket of the plan, as tensors. Note [Gradient layout]:
@@ -199,6 +203,7 @@ private:
     int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
     std::map<std::string, at::Tensor> states_;
     int64_t reductions_ = 0;               // backward passes whose gradients were reduced
+    std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
 };
 
 }  // namespace zx

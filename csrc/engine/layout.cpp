@@ -83,6 +83,14 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
 
     // Buckets as tensors; parameters (and stage 0/1 gradients) become views.
     kern_ = make_kernels(dev_, isa_, rzx_);
+    if (opts_.grad_quant_bits != 0) {
+        TORCH_CHECK(opts_.stage >= 1 && opts_.alltoall_reduce_scatter,
+                    "zero_ext: grad_quant needs stage 1-3 and the all-to-all reduce-scatter");
+        TORCH_CHECK(dev_.is_cpu(), "zero_ext: grad_quant runs on CPU parameters in this version (the CUDA "
+                    "kernels exist, the engine does not route them yet); use grad_quant=None on ", dev_);
+        qreduce_ = std::make_unique<QuantReduce>((int32_t)opts_.grad_quant_bits, opts_.quant_block_numel,
+                                                 opts_.grad_quant_error_feedback, isa_, parts_);
+    }
     const auto f32 = on_device(at::kFloat), pt = on_device(pdt_), rt = on_device(rdt_);
     const int64_t nb = zx_plan_num_buckets(plan_);
     buckets_.resize(nb);
@@ -225,6 +233,7 @@ static py::dict counter_dict(const CommCounter &c) {
     d["calls"] = c.calls;
     d["numel"] = c.numel;
     d["bytes"] = c.bytes;
+    d["wire_bytes"] = c.wire_bytes;
     return d;
 }
 
@@ -258,7 +267,11 @@ py::dict Engine::stats() const {
     buf["ring_slots"] = (int64_t)slots_.size();
     buf["gathered_params"] = gathered_bytes_;            // stage 3: full units held now
     buf["peak_gathered_params"] = peak_gathered_bytes_;  // stage 3: most held at once
-    buf["total"] = ring_bytes + gathered_bytes_;
+    const int64_t quant_buffers = qreduce_ ? qreduce_->buffer_bytes() : 0;
+    const int64_t quant_residual = qreduce_ ? qreduce_->residual_bytes() : 0;
+    buf["quant_buffers"] = quant_buffers;    // grad_quant: codes/scales send + receive
+    buf["quant_residual"] = quant_residual;  // grad_quant_error_feedback: fp32 residuals
+    buf["total"] = ring_bytes + gathered_bytes_ + quant_buffers + quant_residual;
     py::dict comm;
     comm["all_reduce"] = counter_dict(comm_.c_all_reduce);
     comm["reduce_scatter"] = counter_dict(comm_.c_reduce_scatter);
@@ -277,7 +290,8 @@ py::dict Engine::stats() const {
     d["num_buckets"] = (int64_t)buckets_.size();
     d["param_dtype"] = opts_.param_dtype;
     d["reduce_dtype"] = opts_.reduce_dtype;
-    d["reduce_scatter_impl"] = std::string(opts_.alltoall_reduce_scatter ? "alltoall" : "native");
+    d["reduce_scatter_impl"] = std::string(qreduce_ ? (opts_.grad_quant_bits == 8 ? "alltoall-int8" : "alltoall-int4")
+                                           : opts_.alltoall_reduce_scatter ? "alltoall" : "native");
     d["model_state_bytes"] = msb;
     d["buffer_bytes"] = buf;
     d["comm"] = comm;

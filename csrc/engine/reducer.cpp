@@ -156,7 +156,10 @@ void Engine::launch(int64_t b) {
         at::Tensor send = opts_.stage >= 2 ? slots_[bk.slot].send.narrow(0, 0, bk.padded_numel) : bk.flat_grad;
         if (bk.slot < 0) acquire_slot(b);
         Slot &sl = slots_[bk.slot];
-        if (opts_.alltoall_reduce_scatter) {
+        if (qreduce_) {
+            // Note [Quantized gradient reduction] (quant_reduce.h)
+            work = qreduce_->launch(comm_, b, send, bk.slice_numel, bk.slot);
+        } else if (opts_.alltoall_reduce_scatter) {
             // Note [Reduce-scatter on gloo]: gloo's reduce_scatter is an
             // all-reduce underneath (2x the bytes); an equal-split all-to-all
             // moves exactly one slice to each peer, and sum_slices adds them.
@@ -179,7 +182,9 @@ void Engine::complete(int64_t b) {
             Slot &sl = slots_[bk.slot];
             at::Tensor dst = grad_shard_slice(bk);
             const int accumulate = opts_.stage >= 2 ? 1 : 0;
-            if (opts_.alltoall_reduce_scatter && rdt_ != at::kFloat) {
+            if (qreduce_) {
+                qreduce_->finish(bk.slot, bk.slice_numel, dst, accumulate != 0);
+            } else if (opts_.alltoall_reduce_scatter && rdt_ != at::kFloat) {
                 // Low-precision reduce: add the N slices in fp32 and round once.
                 at::Tensor sum = sl.recv.narrow(0, 0, bk.padded_numel).view({parts_, bk.slice_numel})
                                      .to(at::kFloat).sum(0);
