@@ -201,3 +201,36 @@ def test_bf16_llama_keeps_inv_freq_fp32():
         for stage in STAGES:
             assert out[(stage, "auto")] == ("torch.float32", True), (stage, out[(stage, "auto")])
             assert out[(stage, True)][0] == "torch.bfloat16", (stage, out[(stage, True)])
+
+
+def test_cast_buffers_option():
+    """One process: "auto" casts only torch's normalization statistics (their kernels
+    need the weight's dtype), False none, True every floating-point buffer; anything
+    else is refused before any work."""
+    import zero_ext
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.bn = nn.BatchNorm1d(4)
+            self.register_buffer("table", torch.linspace(0, 1, 4) / 3)
+
+        def forward(self, x):
+            return self.bn(self.lin(x)) * self.table.to(x.dtype)
+
+    dtypes = {}
+    for cast in ("auto", False, True):
+        model = Net()
+        table = model.table.clone()
+        zm, _ = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters()), stage=2, param_dtype="bf16",
+                                 cast_buffers=cast)
+        if cast is not False:    # (False: BatchNorm would meet bf16 weights with fp32 statistics)
+            zm(torch.randn(3, 4))
+        dtypes[cast] = (model.bn.running_mean.dtype, model.table.dtype, torch.equal(model.table.float(), table))
+    assert dtypes["auto"] == (torch.bfloat16, torch.float32, True)
+    assert dtypes[False] == (torch.float32, torch.float32, True)
+    assert dtypes[True][:2] == (torch.bfloat16, torch.bfloat16)
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="cast_buffers must be 'auto', True or False"):
+            zero_ext.ZeroConfig(cast_buffers=bad)
