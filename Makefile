@@ -12,6 +12,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 DEEPSPEED_VERSION ?= 0.19.8
+TRANSFORMERS_VERSION ?= 5.23.0
+PEFT_VERSION ?= 0.21.2
 ZX_SYSTEM_TORCH ?= 0
 PYTEST_ARGS ?=
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/engine/*.cpp csrc/engine/*.h csrc/core/*.c csrc/core/*.h csrc/core/*.inc csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh) setup.py
@@ -20,6 +22,8 @@ SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/engine/*.cpp csrc/engine/*.h csrc
 
 all: build
 
+# transformers and peft are test dependencies (tests/test_hf_models.py, tests/test_meta_init.py:
+# Hugging Face models built from small configs, nothing downloaded).
 $(VENV)/.deps: Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(if $(filter 1,$(ZX_SYSTEM_TORCH)),--system-site-packages) $(VENV)
 	@if $(PY) -c "import torch" 2>/dev/null; then \
@@ -27,7 +31,8 @@ $(VENV)/.deps: Makefile
 	else \
 	    $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
 	fi
-	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 ninja pytest numpy nbconvert nbclient ipykernel matplotlib tqdm
+	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 ninja pytest numpy nbconvert nbclient ipykernel matplotlib tqdm \
+	    "transformers==$(TRANSFORMERS_VERSION)" "peft==$(PEFT_VERSION)"
 	@touch $@
 
 venv: $(VENV)/.deps

@@ -1,7 +1,9 @@
 """Issue 3 must-show 4: a model built on the meta device is materialized unit by
 unit — it equals the unsharded model initialized with the same seed, and the peak
 resident-memory growth of each rank during zeroify stays within one unit + the
-shards + a bounded margin (measured from /proc, not assumed)."""
+shards + a bounded margin (measured from /proc, not assumed), also when the init_fn
+writes each unit's weight from its parent module (issue 14: the write opens the unit
+it touches, and only that one)."""
 import pytest
 import torch
 from torch import nn
@@ -60,6 +62,23 @@ def test_meta_model_equals_unsharded(use_init_fn):
         assert r["loss"] < r["loss0"], r
 
 
+class Wrap(nn.Module):
+    """A unit: a module whose only parameters are its child's."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@torch.no_grad()
+def seven_from_parent(m):
+    if isinstance(m, Wrap):
+        m.lin.weight[0].fill_(7.0)
+
+
 def _rss_worker(rank, world, layers, width):
     import ctypes
 
@@ -77,12 +96,17 @@ def _rss_worker(rank, world, layers, width):
         raise KeyError(key)
 
     with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        model = nn.Sequential(*[Wrap(width) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     open("/proc/self/clear_refs", "w").write("5")     # reset the peak (VmHWM) to now
     base = status("VmRSS:")
-    zm, zo = zero_ext.zeroify(model, opt, stage=3, unit_modules=["Linear"], min_unit_numel=0)
+    zm, zo = zero_ext.zeroify(model, opt, stage=3, unit_modules=["Wrap"], min_unit_numel=0,
+                              init_fn=seven_from_parent)
     peak = status("VmHWM:") - base
+    sevens = []
+    for k in (0, layers - 1):
+        with zero_ext.gathered_parameters(zm.module[k]):
+            sevens.append(bool((zm.module[k].lin.weight[0] == 7).all()))
     psi = layers * (width * width + width)      # (released parameters show 0 elements)
     # a few steps train it
     x = torch.randn(4, width)
@@ -90,7 +114,7 @@ def _rss_worker(rank, world, layers, width):
         zm(x).square().mean().backward()
         zo.step()
         zo.zero_grad()
-    return {"peak": peak, "psi": psi, "unit": (width * width + width) * 4,
+    return {"peak": peak, "psi": psi, "unit": (width * width + width) * 4, "sevens": sevens,
             "shard": zo.stats()["model_state_bytes"]["parameters"]}
 
 
@@ -100,6 +124,7 @@ def test_meta_build_peak_memory():
     full = outs[0]["psi"] * 4
     for rank, r in enumerate(outs):
         bound = r["unit"] + r["shard"] + 24 * 2**20
+        assert r["sevens"] == [True, True], "the parent's init_fn wrote into its child"
         assert r["shard"] <= full / world * 1.01
         assert r["peak"] <= bound, (f"rank {rank}: zeroify grew RSS by {r['peak'] / 2**20:.1f} MiB; "
                                     f"one unit + shard + 24 MiB = {bound / 2**20:.1f} MiB "

@@ -12,11 +12,13 @@ from .changes import ZeroUsageError
 from .checkpoint import CheckpointError, consolidated_state_dict, load, save
 from .config import ZeroConfig
 from .gather import gathered_parameters
+from .materialize import meta_parameters
 from .model import ZeroModel
 from .optim import ZeroOptimizer
 
 __all__ = ["zeroify", "ZeroConfig", "ZeroModel", "ZeroOptimizer", "ZeroInputError", "ZeroUsageError",
-           "gathered_parameters", "save", "load", "consolidated_state_dict", "CheckpointError", "estimate_memory"]
+           "gathered_parameters", "meta_parameters", "save", "load", "consolidated_state_dict", "CheckpointError",
+           "estimate_memory"]
 __version__ = "0.1.0"
 
 

@@ -15,7 +15,7 @@ from .changes import ModelGuard, retire_optimizer
 from .config import ZeroConfig, make_config
 from .gather import OWNER_ATTR
 from .materialize import initialize_by_unit, is_meta, replace_meta
-from .model import ZeroModel
+from .model import ZeroModel, cast_buffers
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer
 from .units import assign_units
 
@@ -187,7 +187,9 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         memory_budget with the least communication; see zero_ext/auto.py).
     config: a ZeroConfig, a dict or a JSON file path; **options override its fields.
     init_fn: stage 3, a model built on the meta device: called on each module (in
-        model.apply order) to initialize it; default: module.reset_parameters().
+        model.apply order) after each module's reset_parameters() to initialize it
+        (for a Hugging Face model: init_fn=model._init_weights); anything left
+        uninitialized raises.
     Every rank of the process group must call zeroify with the same model and options.
     """
     error = None
@@ -231,8 +233,9 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     opts.param_dtype = cfg.param_dtype
     opts.reduce_dtype = cfg.reduce_dtype
     meta = is_meta(model)
+    born: set = set()
     if meta:
-        replace_meta(model, optimizer)           # untouched CPU storage, same ties
+        born = replace_meta(model, optimizer)    # untouched CPU storage, same ties
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         frozen = [p for p in model.parameters() if not p.requires_grad]
         opts.copy_params = False
@@ -244,22 +247,18 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     shapes = [tuple(p.shape) for p in params]   # stage 3 empties them: checkpoints need them
     engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)
     if meta:
-        initialize_by_unit(model, engine, {id(p): u for p, u in zip(params, units)}, init_fn)
+        initialize_by_unit(model, engine, {id(p): u for p, u in zip(params, units)}, init_fn, born,
+                           pg if world > 1 else None)
         if world > 1:
             _broadcast_from_first(pg, frozen + list(model.buffers()))
 
     if cfg.param_dtype != "fp32":
-        # Frozen parameters have no master: they simply compute in param_dtype too,
-        # as do floating-point buffers (BatchNorm's running statistics must match
-        # its weight's dtype).
+        # Frozen parameters have no master: they simply compute in param_dtype too.
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
         with torch.no_grad():
             for p in frozen:
                 p.data = p.data.to(low)
-            for m in model.modules():
-                for name, b in m._buffers.items():
-                    if b is not None and b.is_floating_point():
-                        m._buffers[name] = b.to(low)
+        cast_buffers(model, low, cfg.cast_buffers)
     buffers = [b for b in model.buffers() if b.numel() > 0]
     wrapped = ZeroModel(model, engine, cfg, buffers, unit_modules, root_holders)
     for i, p in enumerate(params):

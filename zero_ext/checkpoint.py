@@ -1,4 +1,4 @@
-"""Checkpoints that survive a change of world size and stage (DESIGN §7, §8).
+"""Checkpoints that survive a change of world size and stage.
 
     zero_ext.save("ckpt", model, opt, extra={"step": step}, scheduler=sched)   # every rank
     extra = zero_ext.load("ckpt", model, opt, scheduler=sched)                # any N, any stage

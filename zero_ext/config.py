@@ -73,6 +73,10 @@ class ZeroConfig:
     param_dtype: what parameters compute in and are all-gathered as: "fp32", "bf16" or
         "fp16" (or the torch dtype). The model is given in fp32; the fp32 master weights
         and optimizer states live only in this rank's shard.
+    cast_buffers: with a low param_dtype, which floating-point buffers are cast to it:
+        "auto" (default) only the running statistics of torch's BatchNorm/InstanceNorm
+        layers (their kernels need their weight's dtype), so buffers such as RoPE's
+        inv_freq keep their precision; True all; False none.
     reduce_dtype: what gradients accumulate and are reduced in (default "fp32", even with
         a bf16/fp16 param_dtype; "bf16"/"fp16" halve the reduce-scatter bytes).
     loss_scale: "auto" (dynamic with fp16 params, none otherwise), "dynamic", None (no
@@ -113,6 +117,7 @@ class ZeroConfig:
     prefetch_depth: int = 1
     param_dtype: Any = "fp32"
     reduce_dtype: Any = "fp32"
+    cast_buffers: bool | str = "auto"
     loss_scale: Any = "auto"
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_growth_factor: float = 2.0
@@ -219,6 +224,8 @@ class ZeroConfig:
             need(ok, "unit_modules must be a list of module class names (or classes), e.g. ['Block']")
         self.param_dtype = dtype_name(self.param_dtype)
         self.reduce_dtype = dtype_name(self.reduce_dtype)
+        need(isinstance(self.cast_buffers, bool) or self.cast_buffers == "auto",
+             f"cast_buffers must be 'auto', True or False, got {self.cast_buffers!r}")
         choice("param_dtype", _DTYPES)
         choice("reduce_dtype", _DTYPES)
         if isinstance(self.loss_scale, str):

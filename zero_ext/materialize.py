@@ -1,44 +1,102 @@
-"""Stage 3 built sharded: a model constructed on the meta device is given real
-(but untouched) CPU parameters, handed to the engine, which keeps only shards,
-and is then initialized one unit at a time, so a rank never holds much more than
-one full unit beside its shards.
+"""Stage 3 built sharded: a model constructed on the meta device is given
+(untouched) CPU parameters, handed to the engine, which keeps only shards, and
+is then initialized with at most a few units whole at a time.
 
 Initialization replays building the model on the CPU (each module's
-reset_parameters(), children before parents) and then, if given,
-model.apply(init_fn). With the same seed, the result equals the unsharded model
-built and initialized that way. An init that reaches into other modules'
-parameters from a parent's __init__ is not replayed: move it into init_fn. The root unit stays whole throughout;
-every unit is broadcast from rank 0 as it is finished, so all ranks agree.
+reset_parameters(), children before parents, as their constructors ran it) and
+then, if given, model.apply(init_fn). Note [Meta builds lose nothing]:
+  * Every parameter write lands. A call (reset_parameters() or init_fn(m)) may
+    touch any parameter, not just m's own: HF's _init_weights on GPT2Attention
+    writes c_proj.weight, T5's on the root writes shared.weight. A torch-function
+    mode opens (all-gathers in fp32) the unit of every parameter a call touches
+    before the touching op runs, so nothing is written into a released, empty
+    tensor. Units touched by the running call stay whole until it returns; a unit
+    is committed (broadcast from rank 0, kept as shards) when a later call needs
+    another unit, and opened again (from its committed values) if touched again.
+    Peak: the root unit + the units one call touches (one unit for an init that
+    stays inside a unit) + this rank's shards.
+  * Nothing is left silently uninitialized. On its first opening every parameter
+    of a unit is filled with a NaN of a payload no init produces; at each commit
+    the parameters still holding it are noted. Tensors outside the engine (frozen
+    parameters, buffers) that were on the meta device are watched by a
+    torch-dispatch mode for writes (or replacement). Whatever no call initialized
+    is named in one error, raised on every rank after one tiny all-reduce, with
+    the fix: an init_fn that writes it (for Hugging Face models
+    init_fn=model._init_weights) or, for buffers a module computes in its
+    constructor, building under zero_ext.meta_parameters(), which keeps buffers
+    real.
+  * Equality. With the same seed on rank 0, the result equals, bit for bit, the
+    model built on the CPU and then model.apply(init_fn)'d, whenever its
+    constructors draw random numbers only inside reset_parameters() and finish in
+    module registration order (all of torch.nn). Models whose constructors
+    initialize in another order (Hugging Face's post_init, sub-models initialized
+    at their own construction) get the same initialization rule per tensor but
+    other random draws: equal in distribution, not in value.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+# A quiet NaN with a payload: what a parameter holds until an init writes it.
+_UNSET_BITS = 0x7FC0BEEF
 
 
 def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
 
 
-def replace_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+@contextlib.contextmanager
+def meta_parameters():
+    """Build a model whose parameters are on the meta device while its buffers
+    are computed for real (on the CPU), e.g. RoPE's inv_freq or BERT's
+    position_ids, which a build under torch.device("meta") loses:
+
+        with zero_ext.meta_parameters():
+            model = MyModel(config)
+
+    Each parameter exists on the CPU only while its constructor creates it."""
+    def to_meta(module, name, param):
+        if param is None or param.is_meta:
+            return None
+        return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def replace_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> set:
     """Swap every meta parameter/buffer for an uninitialized CPU one (pages not yet
-    touched, so no memory is resident), keeping ties and the optimizer's references."""
+    touched, so no memory is resident), keeping ties and the optimizer's references.
+    Returns the ids of the new tensors (what initialize_by_unit must see written)."""
     new: dict[int, nn.Parameter] = {}
+    born: set = set()
     for m in model.modules():
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta:
                 if id(p) not in new:
                     new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
                 m._parameters[name] = new[id(p)]
+                born.add(id(new[id(p)]))
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
+                born.add(id(m._buffers[name]))
     for g in optimizer.param_groups:
         g["params"] = [new.get(id(p), p) for p in g["params"]]
     # the optimizer also indexes its (empty) state by parameter
     optimizer.state = collections.defaultdict(dict, {new.get(id(p), p): s for p, s in optimizer.state.items()})
+    return born
 
 
 def _post_order(m: nn.Module):
@@ -47,38 +105,119 @@ def _post_order(m: nn.Module):
     yield m
 
 
-def _by_unit(model: nn.Module, engine, unit_of: dict, fn) -> None:
-    """Run fn(module) over the modules in model.apply order with each module's
-    units whole; publish (broadcast from rank 0) and free each unit once done."""
-    engine.open_unit_fp32(0)
-    whole = {0}
-    seen = set()
-    for m in _post_order(model):
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        need = {unit_of[id(p)] for p in m.parameters(recurse=False) if id(p) in unit_of}
-        for u in sorted(whole - need - {0}):           # finished: publish and free
-            engine.commit_unit(u, 0)
-            engine.release_unit(u)
-            whole.discard(u)
-        for u in sorted(need - whole):
-            engine.open_unit_fp32(u)   # full precision even with a low param_dtype
-            whole.add(u)
-        fn(m)
-    for u in sorted(whole):
-        engine.commit_unit(u, 0)
-        engine.release_unit(u)
+class _Units:
+    """Which units are whole while initializing, and what is still unset."""
+
+    def __init__(self, engine, unit_of: dict, members: dict):
+        self.engine = engine
+        self.unit_of = unit_of          # id(parameter) -> unit
+        self.members = members          # unit -> its parameters
+        self.whole: set = set()
+        self.in_call: set = set()       # units the running call touched
+        self.opened: set = set()        # units opened at least once
+        self.views: dict = {}           # id(parameter) -> data_ptr while whole
+        self.unset: dict = {}           # id(parameter) -> unset elements left at its unit's last commit
+
+    def need(self, u: int) -> None:
+        self.in_call.add(u)
+        if u in self.whole:
+            return
+        for v in sorted(self.whole - self.in_call - {0}):
+            self.close(v)
+        with _disable_current_modes():     # the engine's own tensor work is not an init's write
+            self.engine.open_unit_fp32(u)
+        self.whole.add(u)
+        for p in self.members.get(u, ()):
+            if u not in self.opened:
+                p.data.view(torch.int32).fill_(_UNSET_BITS)
+            self.views[id(p)] = p.data_ptr()
+        self.opened.add(u)
+
+    def close(self, u: int) -> None:
+        for p in self.members.get(u, ()):
+            if p.data_ptr() != self.views[id(p)]:
+                raise RuntimeError(f"zero_ext: an init replaced the tensor of a parameter of shape "
+                                   f"{tuple(p.shape)} (p.data = ... or a new nn.Parameter); initialize "
+                                   f"parameters in place (p.copy_(...), nn.init.*)")
+            self.unset[id(p)] = bool((p.data.view(torch.int32) == _UNSET_BITS).any())
+        with _disable_current_modes():
+            self.engine.commit_unit(u, 0)
+            self.engine.release_unit(u)
+        self.whole.discard(u)
+
+
+class _OpenOnTouch(TorchFunctionMode):
+    """Before any torch function runs on a managed parameter, make its unit whole."""
+
+    def __init__(self, units: _Units):
+        super().__init__()
+        self.units = units
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                u = self.units.unit_of.get(id(t))
+                if u is not None:
+                    self.units.need(u)
+        return func(*args, **kwargs)
+
+
+class _WriteLog(TorchDispatchMode):
+    """Records writes into the storages of the watched plain tensors."""
+
+    def __init__(self, storages: dict):
+        super().__init__()
+        self.storages = storages        # storage data_ptr -> id(tensor)
+        self.written: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            for t in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    key = self.storages.get(t.untyped_storage().data_ptr())
+                    if key is not None:
+                        self.written.add(key)
+        return func(*args, **kwargs)
+
+
+def _qualified(model: nn.Module) -> dict:
+    """id(parameter or buffer) -> "name (ModuleClass)" for messages."""
+    out = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for kind, items in (("parameter", m._parameters), ("buffer", m._buffers)):
+            for name, t in items.items():
+                if t is not None and id(t) not in out:
+                    full = f"{mname}.{name}" if mname else name
+                    out[id(t)] = f"{kind} {full!r} ({type(m).__name__})"
+    return out
 
 
 @torch.no_grad()
-def initialize_by_unit(model: nn.Module, engine, unit_of: dict, init_fn=None) -> None:
+def initialize_by_unit(model: nn.Module, engine, unit_of: dict, init_fn=None, born: set = frozenset(),
+                       pg=None) -> None:
     """Replays what building the model on the CPU and then calling
     model.apply(init_fn) does: (1) each module's reset_parameters(), as its
     constructor ran it, where a parameter tied to an earlier module keeps that
     module's values (the later module's own weight was replaced by the tie, but
     its random draws still happened); (2) init_fn over every module, if given.
-    unit_of: id(parameter) -> unit for every parameter the engine manages."""
+    unit_of: id(parameter) -> unit for every parameter the engine manages; born:
+    ids of the plain tensors replace_meta created. Raises (on every rank) if
+    anything was left uninitialized (Note [Meta builds lose nothing])."""
+    members: dict = {}
+    for p in {id(p): p for p in model.parameters()}.values():
+        if id(p) in unit_of:
+            members.setdefault(unit_of[id(p)], []).append(p)
+    units = _Units(engine, unit_of, members)
+    plain = [t for t in list(model.parameters()) + list(model.buffers())
+             if id(t) in born and id(t) not in unit_of and t.numel() > 0]
+    log = _WriteLog({t.untyped_storage().data_ptr(): id(t) for t in plain})
+    slots = {(id(m), kind, name): t for m in model.modules()
+             for kind, d in (("p", m._parameters), ("b", m._buffers)) for name, t in d.items()}
     done: set = set()
 
     def reset(m):
@@ -91,6 +230,57 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, init_fn=None) ->
                 p.copy_(keep[id(p)])
             done.add(id(p))
 
-    _by_unit(model, engine, unit_of, reset)
+    def run(fn):
+        seen = set()
+        for m in _post_order(model):
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            units.in_call = set()
+            for p in m.parameters(recurse=False):
+                if id(p) in unit_of:
+                    units.need(unit_of[id(p)])
+            with _OpenOnTouch(units), log:
+                fn(m)
+        units.in_call = set()
+
+    units.need(0)
+    run(reset)
     if init_fn is not None:
-        _by_unit(model, engine, unit_of, init_fn)
+        run(init_fn)
+    for u in sorted(units.whole):
+        units.close(u)
+
+    # what no call initialized, and parameters an init replaced by new objects
+    names = _qualified(model)
+    missing = [names[k] for k, left in units.unset.items() if left]
+    replaced = []
+    for m in model.modules():
+        for kind, d in (("p", m._parameters), ("b", m._buffers)):
+            for name, t in d.items():
+                old = slots.get((id(m), kind, name))
+                if t is old:
+                    continue
+                if kind == "p" and old is not None and (id(old) in unit_of or id(old) in born):
+                    replaced.append(f"{type(m).__name__}.{name}")
+                elif old is not None:
+                    log.written.add(id(old))       # a buffer replaced by a computed one
+    missing += [names[id(t)] for t in plain if id(t) not in log.written and names.get(id(t))]
+    bad = torch.tensor([len(missing) + len(replaced)], dtype=torch.int64)
+    if pg is not None and dist.get_world_size(pg) > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=pg)
+    if replaced:
+        raise RuntimeError(f"zero_ext: an init replaced parameters by new nn.Parameter objects "
+                           f"({', '.join(replaced[:8])}); the engine holds the original ones: initialize "
+                           f"them in place (p.copy_(...), nn.init.*)")
+    if missing:
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise RuntimeError(
+            f"zero_ext: building on the meta device left {len(missing)} tensor(s) uninitialized: "
+            f"{', '.join(missing[:8])}{more}. No reset_parameters() wrote them and init_fn did not. Pass "
+            f"an init_fn that initializes them (for a Hugging Face model: init_fn=model._init_weights); "
+            f"buffers that a module computes in its constructor are kept if you build the model under "
+            f"`with zero_ext.meta_parameters():` instead of `with torch.device('meta'):`")
+    if int(bad.item()):
+        raise RuntimeError("zero_ext: another rank found tensors left uninitialized by the meta-device "
+                           "build (its error names them); no rank continues")

@@ -11,6 +11,21 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 
+def cast_buffers(model: nn.Module, low: torch.dtype, which) -> None:
+    """With a low param_dtype: which floating-point buffers compute in it too.
+    which=True: all; False: none; "auto": only the running statistics of torch's
+    normalization layers (BatchNorm, InstanceNorm), whose kernels need them in their
+    weight's dtype. Others (RoPE's inv_freq, ...) keep their precision."""
+    norm = nn.modules.batchnorm._NormBase
+    with torch.no_grad():
+        for m in model.modules():
+            if which is False or (which == "auto" and not isinstance(m, norm)):
+                continue
+            for name, b in m._buffers.items():
+                if b is not None and b.is_floating_point():
+                    m._buffers[name] = b.to(low)
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 

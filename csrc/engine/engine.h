@@ -133,8 +133,9 @@ public:
     // With a low param_dtype an edit only replaces the master elements whose
     // low-precision value changed, so untouched ones keep their fp32 bits.
     void commit_unit(int64_t u, int64_t src);
-    // Stage 3 initialization: point unit u's parameters at fp32 buffers (at full
-    // precision even when param_dtype is low); commit_unit then shards them.
+    // Stage 3 initialization: point unit u's parameters at fp32 buffers holding the
+    // unit's current fp32 values (full precision even when param_dtype is low; the
+    // masters are all-gathered); commit_unit then shards them.
     void open_unit_fp32(int64_t u);
     // Stages 0-2: parameters were edited in place (gathered_parameters): fold
     // the edits into the fp32 master (only changed elements, as commit_unit).

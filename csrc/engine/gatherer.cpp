@@ -160,7 +160,15 @@ void Engine::open_unit_fp32(int64_t u) {
     for (int64_t b : unit_buckets_[u]) {
         Bucket &bk = buckets_[b];
         release_bucket(bk);
-        bk.staging = at::zeros({bk.padded_numel}, on_device(at::kFloat));
+        // The current fp32 masters (zeros before the first commit), so a unit opened
+        // again after a commit keeps what was written to it.
+        bk.staging = at::empty({bk.padded_numel}, on_device(at::kFloat));
+        at::Tensor in = master_slice(bk);
+        if (world_ == 1) {
+            bk.staging.copy_(in);
+        } else {
+            Communicator::wait(comm_.all_gather(bk.staging, in), "unit all-gather");
+        }
         gathered_bytes_ += bk.staging.nbytes();
         peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
         for (int64_t i : bk.params)
