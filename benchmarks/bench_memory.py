@@ -17,11 +17,11 @@ the CPU first (uninitialized values then a constant fill: values do not change
 memory); stage 3 is built sharded with `init_fn`, `unit_modules=["Block"]`.
 It reports opt.stats()["model_state_bytes"] (the "measured" column) and
 ["buffer_bytes"]: "buffers" is its total (gradient staging/receive rings, fixed by the
-config, which DESIGN §6 keeps outside the formulas), "gathered peak" the most stage-3
+config, which the formulas leave out), "gathered peak" the most stage-3
 full units held at once (transient, not in the total). Peak RSS (VmHWM) of the worker,
 torch's own ~300 MiB included, is shown for context.
 
-Formulas (fp32, Adam; Psi trainable parameters, N ranks; DESIGN.md §6):
+Formulas (fp32, Adam; Psi trainable parameters, N ranks; the README's table):
     stage 0  16 Psi            stage 2  4 Psi + 12 Psi / N
     stage 1  8 Psi + 8 Psi / N stage 3  16 Psi / N
 A point is "within 1%" when |measured - formula| <= 1% of the formula (bucket padding

@@ -1,7 +1,7 @@
 """Compile every CUDA source in csrc/cuda with nvcc, for sm_80 and sm_90.
 
 Nothing here runs a kernel: it only makes a syntax or type error in the CUDA code
-fail CI on machines without a GPU (DESIGN §9). Skipped when nvcc is not on PATH.
+fail CI on machines without a GPU. Skipped when nvcc is not on PATH.
 Run: pytest tests/test_cuda_compile.py -v
 """
 import os

@@ -212,7 +212,7 @@ def test_sgd_matches_torch_optim(isa, variant, n):
         q.grad = g.clone()
         opt.step()
     assert_close_ulp(p, q.detach(), f"{variant} param", floor=SGD_LR)
-    # DESIGN §4: SGD is bit-for-bit (no sqrt, same fused multiply-adds as ATen)
+    # SGD is bit-for-bit (no sqrt, same fused multiply-adds as ATen)
     assert_bits_equal(p, q.detach(), f"{variant} param")
     if v["momentum"]:
         assert_bits_equal(buf, opt.state[q]["momentum_buffer"], f"{variant} momentum_buffer")

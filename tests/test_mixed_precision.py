@@ -15,7 +15,7 @@
    rank skips the step on every rank (parameters, master weights and optimizer state
    bitwise unchanged), backs the scale off, and the scale grows back after the interval.
 3. Memory per rank with bf16 + Adam: the paper's formulas with reduce_dtype=bf16 and
-   the fp32-gradient ones with the default fp32 reduce (DESIGN §6; Note [Mixed
+   the fp32-gradient ones with the default fp32 reduce (Note [Mixed
    precision] in csrc/engine/layout.cpp), within 1%, on the fake backend at N = 8 and 64.
 4. reduce_dtype=bf16 halves the reduce-scatter bytes per step (stats).
 """
