@@ -276,13 +276,13 @@ std::tuple<int64_t, int64_t> quant_sizes(int64_t bits, int64_t block_numel, int6
     return {(int64_t)bytes, (int64_t)zx_quant_blocks((size_t)n, (size_t)block_numel)};
 }
 
-// Run fn(block_lo, block_hi) over [0, nblocks) blocks, about kGrainNumel elements a task.
+// Run fn(block_lo, block_hi) over [0, nblocks) blocks, about kParallelGrainNumel elements a task.
 template <class F>
 void parallel_blocks(int64_t nblocks, int64_t block_numel, const char *what, F &&fn) {
     std::atomic<int> status{ZX_OK};
     {
         py::gil_scoped_release no_gil;
-        at::parallel_for(0, nblocks, std::max<int64_t>(1, kGrainNumel / block_numel),
+        at::parallel_for(0, nblocks, std::max<int64_t>(1, kParallelGrainNumel / block_numel),
                          [&](int64_t lo, int64_t hi) {
                              zx_status s = fn(lo, hi);
                              if (s != ZX_OK) status.store((int)s);
