@@ -6,7 +6,7 @@
  *
  * Contents (one file per concern):
  *   zx_status.c   status names, dtype sizes
- *   zx_plan.c     partition planner (DESIGN §3)          defines: zx_plan_*
+ *   zx_plan.c     partition planner                     defines: zx_plan_*
  *   zx_cpu.c      run-time ISA detection                  defines: zx_cpu_*
  *   zx_kernels*.c optimizer / norm / reduce / cast kernels defines: zx_adam_step, ...
  *   zx_scaler.c   dynamic loss-scaling state machine      defines: zx_scaler_*
@@ -57,7 +57,7 @@ const char *zx_isa_name(zx_isa isa);
 int zx_cpu_has_avx512_bf16(void);
 
 /* ------------------------------------------------------------------ planner
- * See DESIGN §3. Trainable parameters are laid out in `order` (indices into
+ * Trainable parameters are laid out in `order` (indices into
  * the parameter arrays; stage 1/2: reverse registration order; stage 3: unit
  * order). Parameters with equal (group, dtype) key share buckets; a bucket is
  * closed when adding the next parameter would exceed its byte cap (the first
@@ -265,7 +265,7 @@ zx_status zx_dequantize_sum(zx_isa isa, int32_t bits, size_t block_numel, size_t
                             const float *scales, float *dst, int32_t accumulate, float scale);
 
 /* ------------------------------------------------------------------ loss scaler
- * Dynamic loss scaling for fp16 (DESIGN §4). After every backward the caller
+ * Dynamic loss scaling for fp16. After every backward the caller
  * reports whether any gradient element on any rank was inf/nan (one all-reduce
  * it already does for the norm); the machine says whether to skip the step and
  * moves the scale:

@@ -1,4 +1,4 @@
-/* zx_plan.c — the partition planner (DESIGN §3).
+/* zx_plan.c — the partition planner.
  *
  * A pure function from (sizes, dtypes, groups, units, order, N, caps, align) to
  * (buckets, parameter offsets, per-rank fragments). It allocates only its own

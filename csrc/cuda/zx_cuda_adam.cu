@@ -1,6 +1,6 @@
 /* zx_cuda_adam.cu — Adam/AdamW step on the GPU: fp32 master, m, v (and the
  * AMSGrad max) in one pass, with an optional bf16/fp16 copy of the updated
- * parameter written in the same pass (DESIGN §4).
+ * parameter written in the same pass.
  *
  * Three layers: zx_adam_element (per-element maths, torch.optim's
  * _single_tensor_adam order of operations), zx_adam_op (indexing: one element

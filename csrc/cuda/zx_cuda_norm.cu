@@ -1,5 +1,5 @@
-/* zx_cuda_norm.cu — the fused gradient scan (sum of squares + inf/nan count,
- * DESIGN §4) and in-place scaling on the GPU.
+/* zx_cuda_norm.cu — the fused gradient scan (sum of squares + inf/nan count)
+ * and in-place scaling on the GPU.
  *
  * zx_cuda_grad_sumsq: each thread sums its elements in double, a block sums
  * its threads (warp shuffles, then one warp over the warp sums) and adds the

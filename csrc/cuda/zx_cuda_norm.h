@@ -16,7 +16,7 @@ extern "C" {
  *   out2[1] += count of the non-finite (inf/nan) grad[i]
  * out2 is a device float[2] that the caller zeroes once and may accumulate
  * over several calls (one per bucket slice); it is then the 2-float buffer of
- * the fused all-reduce (DESIGN §4). Each block sums in double and adds its
+ * the fused all-reduce. Each block sums in double and adds its
  * partial with one float atomicAdd, so the last bit of out2[0] may differ
  * from run to run; out2[1] is exact up to 2^24. */
 zx_status zx_cuda_grad_sumsq(size_t n, const float *grad, float scale, float *out2,

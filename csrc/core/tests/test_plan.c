@@ -15,7 +15,7 @@ static uint64_t rnd(void) { /* xorshift64* */
 }
 static int64_t rnd_range(int64_t lo, int64_t hi) { return lo + (int64_t)(rnd() % (uint64_t)(hi - lo + 1)); }
 
-/* Checks every invariant of DESIGN §3 on one random problem. */
+/* Checks every invariant of the layout (README, "How it works") on one random problem. */
 static void check_random_plan(int trial) {
     const size_t n = (size_t)rnd_range(1, 60);
     int64_t *numel = malloc(n * sizeof *numel), *order = malloc(n * sizeof *order);
