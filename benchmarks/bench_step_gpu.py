@@ -49,7 +49,7 @@ def make_system(name, args):
     if name == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.transformer.h:
+        for block in model.blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

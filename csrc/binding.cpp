@@ -1,6 +1,8 @@
 // binding.cpp — the zero_ext._C module: the Engine (engine.h), the raw
 // kernels (kernels_binding.cpp) and, when built with CUDA, the CUDA kernels.
 #include <torch/extension.h>
+
+#include <cstring>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "engine/engine.h"
@@ -8,6 +10,7 @@
 
 void zx_bind_cuda(pybind11::module_ &m);   // cuda_binding.cpp (a no-op without CUDA)
 void zx_bind_plan(pybind11::module_ &m);   // plan_binding.cpp (the planner, for estimate_memory)
+void zx_bind_control(pybind11::module_ &m);   // control_binding.cpp (the step control on CPU tensors)
 
 namespace {
 
@@ -62,6 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     zx_bind_kernels(m);
     zx_bind_cuda(m);
     zx_bind_plan(m);
+    zx_bind_control(m);
 
     py::class_<zx::EngineOptions>(m, "EngineOptions")
         .def(py::init<>())
@@ -102,6 +106,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             zx_check(zx_scaler_update(&s, found_nonfinite ? 1 : 0, &skip), "updating the loss scaler");
             return skip != 0;
         }, "Report this step's overflow; returns True when the step must be skipped.")
+        // The struct's bytes, for a copy in device memory that the CUDA step
+        // control advances (Note [Step control], csrc/cuda/zx_cuda_control.h).
+        .def("to_bytes", [](const zx_loss_scaler &s) {
+            at::Tensor t = at::empty({(int64_t)sizeof(zx_loss_scaler)}, at::TensorOptions().dtype(at::kByte));
+            std::memcpy(t.data_ptr(), &s, sizeof(zx_loss_scaler));
+            return t;
+        }, "The scaler as a uint8 CPU tensor of its C struct's bytes.")
+        .def_static("from_bytes", [](const at::Tensor &t) {
+            TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.is_contiguous() &&
+                            t.numel() == (int64_t)sizeof(zx_loss_scaler),
+                        "LossScaler.from_bytes needs the contiguous uint8 CPU tensor of to_bytes()");
+            zx_loss_scaler s;
+            std::memcpy(&s, t.data_ptr(), sizeof(zx_loss_scaler));
+            return s;
+        }, "The scaler whose bytes to_bytes() returned (copied back from the device).")
         .def("state_dict", [](const zx_loss_scaler &s) {
             py::dict d;
             d["scale"] = s.scale;
@@ -152,16 +171,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("wait_reductions", &zx::Engine::wait_reductions, py::call_guard<py::gil_scoped_release>())
         .def("set_require_sync", &zx::Engine::set_require_sync)
         .def("require_sync", &zx::Engine::require_sync)
-        .def("step_adam", [](zx::Engine &e, const py::list &g) {
+        .def("step_adam", [](zx::Engine &e, const py::list &g, std::optional<at::Tensor> ctl,
+                             std::optional<at::Tensor> steps) {
             auto h = adam_hparams(g);
             py::gil_scoped_release nogil;
-            e.step_adam(h);
-        })
-        .def("step_sgd", [](zx::Engine &e, const py::list &g) {
+            e.step_adam(h, ctl.value_or(at::Tensor()), steps.value_or(at::Tensor()));
+        }, py::arg("hparams"), py::arg("ctl") = py::none(), py::arg("steps") = py::none())
+        .def("step_sgd", [](zx::Engine &e, const py::list &g, std::optional<at::Tensor> ctl,
+                            std::optional<at::Tensor> steps) {
             auto h = sgd_hparams(g);
             py::gil_scoped_release nogil;
-            e.step_sgd(h);
-        })
+            e.step_sgd(h, ctl.value_or(at::Tensor()), steps.value_or(at::Tensor()));
+        }, py::arg("hparams"), py::arg("ctl") = py::none(), py::arg("steps") = py::none())
+        .def("grad_sumsq_into", &zx::Engine::grad_sumsq_into, py::call_guard<py::gil_scoped_release>())
         .def("param_shards", &zx::Engine::param_shards)
         .def("grad_shards", &zx::Engine::grad_shards)
         .def("bucket_groups", &zx::Engine::bucket_groups)

@@ -112,7 +112,7 @@ void zx_py_cuda_adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg,
     c10::cuda::CUDAGuard guard(device);
     zx_check_status(zx_cuda_adam_step((size_t)n, param.data_ptr<float>(), grad.data_ptr<float>(),
                                       exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), max_ptr,
-                                      lp_ptr, lp_dtype, &hp, step_ptr, zx_current_stream()),
+                                      lp_ptr, lp_dtype, &hp, step_ptr, nullptr, zx_current_stream()),
                     "cuda_adam_step");
 }
 
@@ -157,7 +157,7 @@ void zx_py_cuda_sgd_step(at::Tensor param, at::Tensor grad, std::optional<at::Te
     hp.grad_scale = (float)grad_scale;
     c10::cuda::CUDAGuard guard(device);
     zx_check_status(zx_cuda_sgd_step((size_t)n, param.data_ptr<float>(), grad.data_ptr<float>(), buf_ptr,
-                                     lp_ptr, lp_dtype, &hp, zx_current_stream()),
+                                     lp_ptr, lp_dtype, &hp, nullptr, nullptr, zx_current_stream()),
                     "cuda_sgd_step");
 }
 
@@ -180,6 +180,44 @@ std::tuple<double, int64_t> zx_py_cuda_grad_sumsq(at::Tensor grad, double scale)
     at::Tensor host = out2.cpu();
     const float *h = host.data_ptr<float>();
     return std::make_tuple((double)h[0], (int64_t)h[1]);
+}
+
+// The step control kernels (Note [Step control], csrc/cuda/zx_cuda_control.h).
+// scaler: the uint8 CUDA tensor holding a zx_loss_scaler (LossScaler.to_bytes()), or None.
+zx_loss_scaler *zx_scaler_ptr(const std::optional<at::Tensor> &scaler, const at::Device &device) {
+    if (!scaler.has_value()) return nullptr;
+    zx_check_tensor(*scaler, "scaler", at::kByte, device, (int64_t)sizeof(zx_loss_scaler));
+    return reinterpret_cast<zx_loss_scaler *>(scaler->data_ptr());
+}
+
+void zx_py_cuda_clip_control(at::Tensor ctl, at::Tensor out2, double divisor, std::optional<at::Tensor> scaler,
+                             double max_norm, at::Tensor norm_out) {
+    TORCH_CHECK(ctl.is_cuda(), "ctl must be a CUDA float64 tensor of ", ZX_CTL_SIZE, " elements");
+    zx_check_tensor(ctl, "ctl", at::kDouble, ctl.device(), ZX_CTL_SIZE);
+    zx_check_tensor(out2, "out2", at::kFloat, ctl.device(), 2);
+    zx_check_tensor(norm_out, "norm_out", at::kFloat, ctl.device(), 1);
+    c10::cuda::CUDAGuard guard(ctl.device());
+    zx_check_status(zx_cuda_clip_control(ctl.data_ptr<double>(), out2.data_ptr<float>(), divisor,
+                                         zx_scaler_ptr(scaler, ctl.device()), max_norm, norm_out.data_ptr<float>(),
+                                         zx_current_stream()),
+                    "cuda_clip_control");
+}
+
+void zx_py_cuda_step_control(at::Tensor ctl, std::optional<at::Tensor> out2, double divisor,
+                             std::optional<at::Tensor> scaler, std::optional<at::Tensor> scale_out,
+                             at::Tensor steps) {
+    TORCH_CHECK(ctl.is_cuda(), "ctl must be a CUDA float64 tensor of ", ZX_CTL_SIZE, " elements");
+    const at::Device device = ctl.device();
+    zx_check_tensor(ctl, "ctl", at::kDouble, device, ZX_CTL_SIZE);
+    if (out2.has_value()) zx_check_tensor(*out2, "out2", at::kFloat, device, 2);
+    if (scale_out.has_value()) zx_check_tensor(*scale_out, "scale_out", at::kFloat, device, 1);
+    zx_check_tensor(steps, "steps", at::kLong, device, -1);
+    c10::cuda::CUDAGuard guard(device);
+    zx_check_status(zx_cuda_step_control(ctl.data_ptr<double>(), out2 ? out2->data_ptr<float>() : nullptr, divisor,
+                                         zx_scaler_ptr(scaler, device),
+                                         scale_out ? scale_out->data_ptr<float>() : nullptr,
+                                         steps.data_ptr<int64_t>(), (int32_t)steps.numel(), zx_current_stream()),
+                    "cuda_step_control");
 }
 
 void zx_py_cuda_scale(at::Tensor x, double s) {
@@ -320,6 +358,15 @@ void zx_bind_cuda(pybind11::module_ &m) {
     m.def("cuda_grad_sumsq_into", &zx_py_cuda_grad_sumsq_into,
           "out2 (CUDA float32 (2,)) += [sumsq, nonfinite] without synchronizing.",
           py::arg("grad"), py::arg("scale"), py::arg("out2"));
+    m.def("cuda_clip_control", &zx_py_cuda_clip_control,
+          "After a gradient scan into out2: the norm into norm_out, the clip factor and overflow flag into ctl.",
+          py::arg("ctl"), py::arg("out2"), py::arg("divisor"), py::arg("scaler"), py::arg("max_norm"),
+          py::arg("norm_out"));
+    m.def("cuda_step_control", &zx_py_cuda_step_control,
+          "At step(): the gradient multiplier, the skip verdict, the loss-scale update and the step counts, "
+          "on the device.",
+          py::arg("ctl"), py::arg("out2"), py::arg("divisor"), py::arg("scaler"), py::arg("scale_out"),
+          py::arg("steps"));
     m.def("cuda_scale", &zx_py_cuda_scale, "x *= s on a CUDA float32 tensor.", py::arg("x"), py::arg("s"));
     m.def("cuda_sum_slices", &zx_py_cuda_sum_slices,
           "dst = (accumulate ? dst : 0) + scale * sum_j src[j*len(dst):(j+1)*len(dst)], j increasing.",

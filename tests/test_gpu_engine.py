@@ -7,9 +7,9 @@
   - the fake backend on the GPU: a 7.5B-parameter model built on the meta device, N = 64,
     bf16 parameters and bf16 reduce: torch.cuda.memory_allocated per stage against the
     ZeRO paper's 31.4 / 16.6 / 1.9 GB (within 1%);
-  - steady-state steps under torch.cuda.set_sync_debug_mode("error").
-
-None of this has run on a GPU yet (see README, "GPUs"). Skipped cleanly without a CUDA
+  - steady-state steps (clipping, fp16 dynamic loss scaling) under
+    torch.cuda.set_sync_debug_mode("error").
+ Skipped cleanly without a CUDA
 device or when zero_ext was built without CUDA. Run: pytest tests/test_gpu_engine.py -v
 (or `make gpu-check`, which runs it with the rest of the GPU checks).
 """
@@ -81,18 +81,41 @@ def test_world1_fp32_matches_torch_fused(stage):
     assert worst < 1e-5, f"stage {stage}: parameters differ from torch fused AdamW by {worst:.2e} relative"
 
 
+def _train_emulated_bf16(kind, steps, fused):
+    """Plain torch doing what zero_ext does with param_dtype="bf16" at world size 1: a
+    bf16 compute copy, fp32 gradients (the bf16 ones cast), an fp32 master stepped by
+    torch AdamW, the master cast back to bf16 after each step."""
+    base = build_model(kind).to(DEV)
+    masters = [torch.nn.Parameter(p.detach().clone().float()) for p in base.parameters()]
+    model = copy.deepcopy(base).to(torch.bfloat16)
+    opt = torch.optim.AdamW(masters, lr=3e-3, weight_decay=0.1, fused=fused, foreach=False)
+    for s in range(steps):
+        x, y = (t.to(DEV) for t in batch(kind, 0, s, 0))
+        loss_of(kind, model, x, y).backward()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                p.copy_(m)
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_world1_bf16_masters_follow_fp32(stage):
-    # bf16 compute against an fp32 torch run: the fp32 masters stay near it
-    # (bf16 rounding of activations, not of the weights, sets the distance).
-    ref = _train_plain("gpt", STEPS, torch.bfloat16)
+def test_world1_bf16_matches_torch_emulation(stage):
+    # Our kernels follow torch's single-tensor AdamW; fused=True rounds a few scalars
+    # differently: the distance between the two torch runs is the noise floor.
+    single = _train_emulated_bf16("gpt", STEPS, fused=False)
+    fused = _train_emulated_bf16("gpt", STEPS, fused=True)
     zm, zo = _train_zero("gpt", STEPS, stage, "bf16")
-    masters = torch.cat([t.float().cpu() for t in zo._engine.param_shards()]) if hasattr(zo, "_engine") else None
     with zero_ext.gathered_parameters(zm):
         ours = [p.detach().float().clone() for p in zm.module.parameters()]
-    worst = _fp32_floor(ref, ours)
-    assert worst < 2e-2, f"stage {stage} bf16: {worst:.2e} relative from torch autocast bf16 + fused AdamW"
-    assert masters is None or torch.isfinite(masters).all()
+    floor = _fp32_floor(single, fused)
+    worst = _fp32_floor(single, ours)
+    assert worst <= max(2 * floor, 1e-6), \
+        f"stage {stage} bf16: {worst:.2e} relative from the torch emulation (noise floor {floor:.2e})"
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -106,7 +129,7 @@ def test_fp16_overflow_skips_on_device(stage):
     zo.zero_grad()
     with zero_ext.gathered_parameters(zm):
         before = [p.detach().clone() for p in zm.module.parameters()]
-    scale = zo.loss_scale
+    scale, skipped = zo.loss_scale, zo.stats()["skipped_steps"]
     zo.backward(loss_of("mlp", zm, x, y) * float("inf"))
     zo.step()
     zo.zero_grad()
@@ -115,7 +138,8 @@ def test_fp16_overflow_skips_on_device(stage):
     for a, b in zip(before, after):
         assert torch.equal(a, b), "an overflowing step changed parameters"
     assert zo.loss_scale < scale
-    assert zo.stats()["skipped_steps"] == 1
+    assert zo.stats()["skipped_steps"] == skipped + 1
+    assert zo._ctl is not None and zo._ctl.ctl.is_cuda, "the step control should live on the GPU"
 
 
 def _gloo_cuda_worker(rank, world, device):
@@ -157,16 +181,33 @@ def _fake_memory_worker(rank, world, stage):
 
     dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=64)
     # ~7.5B parameters: 36 layers of width 4096 (12 d^2 each) + embeddings.
-    cfg = GPTConfig(vocab_size=50304, block_size=2048, n_layer=36, n_head=32, n_embd=4096)
-    with torch.device("meta"):
-        model = GPT(cfg)
+    cfg = GPTConfig(vocab_size=50304, block_size=2048, n_layer=36, n_head=32, n_embd=4096, bias=False)
+    # cuBLAS/cuBLASLt take their workspaces from torch's allocator at the first matrix
+    # product (tens of MiB on Hopper): take them before measuring, they are not ours.
+    w = torch.randn(64, 64, device="cuda", requires_grad=True)
+    for dt in (torch.bfloat16, torch.float32):
+        (w.to(dt) @ w.to(dt)).float().sum().backward()
+    del w
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    if stage == 3:                       # built sharded from the meta device
+        with torch.device("meta"):
+            model = GPT(cfg, init=False)
+    else:                                # stages 1-2 hold whole parameters: build them on the GPU
+        with torch.device("cuda"):
+            model = GPT(cfg, init=False)
     psi = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    before = torch.cuda.memory_allocated()
     with torch.device("cuda"):
         zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="bf16", reduce_dtype="bf16")
+    x = torch.randint(0, 50304, (1, 16), device="cuda")
+    zm(x, x)[1].backward()               # one step: the optimizer state exists after it
+    zo.step()
+    zo.zero_grad()
+    torch.cuda.synchronize()
     s = zo.stats()
-    return {"psi": psi, "allocated": torch.cuda.memory_allocated() - before, "stats": s}
+    return {"psi": psi, "allocated": torch.cuda.memory_allocated() - before, "stats": s,
+            "peak": torch.cuda.max_memory_allocated() - before}
 
 
 @pytest.mark.parametrize("stage,paper_gb", [(1, 31.4), (2, 16.6), (3, 1.9)])
@@ -175,22 +216,47 @@ def test_fake_backend_7_5b_memory(stage, paper_gb):
     psi = out["psi"]
     want = {1: 4 * psi + 12 * psi / 64, 2: 2 * psi + 14 * psi / 64, 3: 16 * psi / 64}[stage]
     got = out["stats"]["model_state_bytes"]["total"]
+    print(f"stage {stage}: stats {got / 1e9:.3f} GB, torch.cuda.memory_allocated {out['allocated'] / 1e9:.3f} GB, "
+          f"peak {out['peak'] / 1e9:.3f} GB, paper {want / 1e9:.3f} GB (psi {psi / 1e9:.3f}B)")
     assert abs(got - want) <= 0.01 * want, f"stage {stage}: {got / 1e9:.2f} GB vs {want / 1e9:.2f} GB"
+    # What torch's allocator holds = the paper's model states + the fixed buffers stats()
+    # reports beside them (stages 2-3: the reduce-scatter ring of grad_ring_buckets
+    # buckets, which the paper's formulas leave out), within 1% of the paper's figure.
+    alloc, buffers = out["allocated"], out["stats"]["buffer_bytes"]
+    print(f"stage {stage}: buffers {buffers}")
+    assert abs(alloc - (want + buffers["total"])) <= 0.01 * want, \
+        (f"stage {stage}: torch.cuda.memory_allocated {alloc / 1e9:.3f} GB vs model states {want / 1e9:.3f} GB "
+         f"+ buffers {buffers['total'] / 1e9:.3f} GB")
     assert abs(want / 1e9 * 7.5e9 / psi - paper_gb) <= 0.01 * paper_gb + 0.05
 
 
-@pytest.mark.xfail(reason="host synchronizations remain in the step: the gradient norm and the loss-scale "
-                          "verdict are read back to the host (not yet moved to device memory)", strict=False)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_steady_state_steps_do_not_synchronize(stage):
-    zm, zo = _train_zero("gpt", 3, stage, "bf16", clip=1.0)
+def test_steady_state_steps_do_not_synchronize(stage, dtype):
+    """Must-show 2d: clip_grad_norm_ (a device tensor back), fp16 dynamic loss scaling
+    (verdict and scale update on the device), the fused step and the gathers raise
+    nothing under torch.cuda.set_sync_debug_mode("error")."""
+    model = build_model("gpt").to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype=dtype)
+    batches = [tuple(t.to(DEV) for t in batch("gpt", 0, 100 + s, 0)) for s in range(8)]
+    norms = []
+
+    def one_step(x, y):
+        zo.backward(loss_of("gpt", zm, x, y))
+        norms.append(zo.clip_grad_norm_(1.0))
+        zo.step()
+        zo.zero_grad()
+
+    for x, y in batches[:3]:             # warm-up: allocations, first-step state
+        one_step(x, y)
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for s in range(5):
-            x, y = (t.to(DEV) for t in batch("gpt", 0, 100 + s, 0))
-            loss_of("gpt", zm, x, y).backward()
-            zo.clip_grad_norm_(1.0)
-            zo.step()
-            zo.zero_grad()
+        for x, y in batches[3:]:
+            one_step(x, y)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert all(n.is_cuda for n in norms[3:]), "clip_grad_norm_ should return a device tensor"
+    assert all(torch.isfinite(n).item() or dtype == "fp16" for n in norms)
+    assert zo.stats()["steps"] + zo.stats()["skipped_steps"] == 8

@@ -221,7 +221,7 @@ def test_bf16_reduce_world3():
 
 # ---------------------------------------------------------------------- fp16 overflow
 
-def _fp16_worker(rank, world, stage):
+def _fp16_worker(rank, world, stage, step_control=False):
     import torch
 
     import zero_ext
@@ -232,7 +232,7 @@ def _fp16_worker(rank, world, stage):
     interval = 3
     zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="fp16", loss_scale="dynamic",
                               initial_loss_scale=2.0 ** 10, loss_scale_growth_interval=interval,
-                              loss_scale_backoff_factor=0.25, min_unit_numel=0)
+                              loss_scale_backoff_factor=0.25, min_unit_numel=0, step_control=step_control)
     bad_step, target = 4, list(model.parameters())[1]
     scales, skipped_flags, snapshots_equal = [], [], None
     for step in range(bad_step + 1 + interval + 1):
@@ -268,9 +268,12 @@ def _fp16_worker(rank, world, stage):
             "interval": interval, "stats": zo.stats()}
 
 
+@pytest.mark.parametrize("step_control", [False, True], ids=["host", "step_control"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_fp16_overflow_skips_everywhere(stage):
-    results = run_world(_fp16_worker, 2, stage, timeout_s=300)
+def test_fp16_overflow_skips_everywhere(stage, step_control):
+    """step_control=True: the verdict, the scale and the step counts advance in the
+    parameters' memory (the GPU path's rules, run here on CPU tensors)."""
+    results = run_world(_fp16_worker, 2, stage, step_control, timeout_s=300)
     for rank, r in enumerate(results):
         b, k = r["bad_step"], r["interval"]
         want_skip = [s == b for s in range(len(r["skipped"]))]

@@ -73,6 +73,11 @@ class ZeroConfig:
     param_dtype: what parameters compute in and are all-gathered as: "fp32", "bf16" or
         "fp16" (or the torch dtype). The model is given in fp32; the fp32 master weights
         and optimizer states live only in this rank's shard.
+    step_control: where the fused Adam/SGD step keeps its control scalars (the gradient
+        norm, the clip factor, the inf/nan verdict, the loss scale, the step counts):
+        True = in the parameters' device memory, advanced there, so that a GPU step never
+        waits for the device (clip_grad_norm_ then returns a device tensor); False = on
+        the host. "auto" (default): True for CUDA parameters with a fused optimizer.
     cast_buffers: with a low param_dtype, which floating-point buffers are cast to it:
         "auto" (default) only the running statistics of torch's BatchNorm/InstanceNorm
         layers (their kernels need their weight's dtype), so buffers such as RoPE's
@@ -118,6 +123,7 @@ class ZeroConfig:
     param_dtype: Any = "fp32"
     reduce_dtype: Any = "fp32"
     cast_buffers: bool | str = "auto"
+    step_control: bool | str = "auto"
     loss_scale: Any = "auto"
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_growth_factor: float = 2.0
@@ -224,6 +230,8 @@ class ZeroConfig:
             need(ok, "unit_modules must be a list of module class names (or classes), e.g. ['Block']")
         self.param_dtype = dtype_name(self.param_dtype)
         self.reduce_dtype = dtype_name(self.reduce_dtype)
+        need(isinstance(self.step_control, bool) or self.step_control == "auto",
+             f"step_control must be 'auto', True or False, got {self.step_control!r}")
         need(isinstance(self.cast_buffers, bool) or self.cast_buffers == "auto",
              f"cast_buffers must be 'auto', True or False, got {self.cast_buffers!r}")
         choice("param_dtype", _DTYPES)

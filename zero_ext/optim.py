@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import _C
 from .changes import ADD_GROUP_FIX, ZeroUsageError
+from .step_control import StepControl
 
 # Optimizers whose update is elementwise: they may run over a flat shard.
 FUSED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -37,13 +38,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._fused = fused
         self._fingerprint = fingerprint
         self._pg = process_group
-        self._steps = [0] * len(self.param_groups)      # optimizer steps taken, per group
+        self._host_steps = [0] * len(self.param_groups)  # optimizer steps taken, per group
         self._clip_coef = 1.0                           # folded into the next step
         self._shard_opt = None
         self._shard_group_ids: list[int] = []
         self._found_inf = None                          # this step's inf/nan verdict, once known
         self.loss_scaler = self._make_scaler(config)
-        self.skipped_steps = 0
+        self._host_skipped = 0
+        self._ctl = self._make_step_control(config)
         if not fused:
             self._build_shard_optimizer()
 
@@ -62,15 +64,60 @@ class ZeroOptimizer(torch.optim.Optimizer):
             min_scale=min(float(config.min_loss_scale), scale), max_scale=max(float(config.max_loss_scale), scale),
             dynamic=dynamic)
 
+    def _make_step_control(self, config):
+        """Note [Step control] (zero_ext/step_control.py): the fused step's scalars in
+        the parameters' memory; "auto" turns it on for CUDA parameters."""
+        shards = self._engine.param_shards()
+        device = shards[0].device if shards else torch.device("cpu")
+        want = config.step_control
+        if want is True and not self._fused:
+            raise ValueError("zero_ext: step_control=True needs a fused optimizer (Adam, AdamW or SGD); "
+                             "use step_control='auto' with " + self.wrapped_class.__name__)
+        if not self._fused or want is False or (want == "auto" and device.type != "cuda"):
+            return None
+        return StepControl(self._engine, len(self.param_groups), self.loss_scaler, device)
+
+    @property
+    def _steps(self) -> list[int]:
+        """Optimizer steps taken, per group (read from the device under step control)."""
+        return self._ctl.host_steps() if self._ctl is not None else self._host_steps
+
+    @_steps.setter
+    def _steps(self, steps) -> None:
+        if self._ctl is not None:
+            self._ctl.load_steps(steps)
+        else:
+            self._host_steps = list(steps)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for an inf/nan gradient under loss scaling."""
+        if self._ctl is not None and self.loss_scaler is not None:
+            return int(self._ctl.host_scaler(self.loss_scaler).skipped)
+        return self._host_skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, n: int) -> None:
+        if self._ctl is not None and self.loss_scaler is not None:
+            host = self._ctl.host_scaler(self.loss_scaler)
+            host.skipped = int(n)
+            self._ctl.load_scaler(host)
+        self._host_skipped = int(n)
+
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without loss scaling)."""
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        if self.loss_scaler is None:
+            return 1.0
+        return float(self._ctl.scale) if self._ctl is not None else self.loss_scaler.scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss times the current loss scale (loss itself without loss scaling);
-        call .backward() on the result."""
-        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+        call .backward() on the result. Under step control the scale is a device
+        tensor: nothing is read back."""
+        if self.loss_scaler is None:
+            return loss
+        return loss * (self._ctl.scale if self._ctl is not None else self.loss_scaler.scale)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """scale_loss(loss).backward(**kwargs): use it in place of loss.backward()."""
@@ -108,6 +155,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._guard is not None:
             self._guard.check_edits()   # Note [Edits outside gathered_parameters] (changes.py)
+        if self._ctl is not None:
+            # Note [Step control]: verdict, multiplier, scale and counts on the device.
+            self._ctl.before_step()
+            self._fused_step(1.0, control=True)
+            self._engine.all_gather_params()
+            if not self._config.overlap_param_gather:
+                self._engine.wait_params()
+            return loss
         scale = self._clip_coef * self._grad_scale()
         self._clip_coef = 1.0
         if self.loss_scaler is not None:
@@ -118,10 +173,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 found = self._engine.grad_sumsq(1.0)[1] > 0
             self._found_inf = None
             if self.loss_scaler.update(bool(found)):
-                self.skipped_steps += 1
+                self._host_skipped += 1
                 return loss
         for gi in range(len(self.param_groups)):
-            self._steps[gi] += 1
+            self._host_steps[gi] += 1
         if self._fused:
             self._fused_step(scale)
         else:
@@ -135,27 +190,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._engine.wait_params()
         return loss
 
-    def _fused_step(self, scale: float) -> None:
+    def _fused_step(self, scale: float, control: bool = False) -> None:
+        """control: the multiplier, the skip verdict and the step counts come from the
+        step control's device memory (scale and the host step counts are not used)."""
+        steps = [1] * len(self.param_groups) if control else self._host_steps
+        ctl = dict(ctl=self._ctl.ctl, steps=self._ctl.steps) if control else {}
         hps = []
         if issubclass(self.wrapped_class, (torch.optim.Adam, torch.optim.AdamW)):
             for gi, g in enumerate(self.param_groups):
                 beta1, beta2 = g["betas"]
                 hps.append(dict(
                     lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(g["eps"]),
-                    weight_decay=float(g["weight_decay"]), step=self._steps[gi],
+                    weight_decay=float(g["weight_decay"]), step=steps[gi],
                     decoupled=bool(g.get("decoupled_weight_decay",
                                          issubclass(self.wrapped_class, torch.optim.AdamW))),
                     amsgrad=bool(g.get("amsgrad", False)), maximize=bool(g.get("maximize", False)),
                     grad_scale=scale))
-            self._engine.step_adam(hps)
+            self._engine.step_adam(hps, **ctl)
         else:
             for gi, g in enumerate(self.param_groups):
                 hps.append(dict(
                     lr=float(g["lr"]), momentum=float(g["momentum"]), dampening=float(g["dampening"]),
                     weight_decay=float(g["weight_decay"]), nesterov=bool(g["nesterov"]),
-                    maximize=bool(g.get("maximize", False)), first_step=self._steps[gi] == 1,
+                    maximize=bool(g.get("maximize", False)), first_step=steps[gi] == 1,
                     grad_scale=scale))
-            self._engine.step_sgd(hps)
+            self._engine.step_sgd(hps, **ctl)
 
     def synchronize(self) -> None:
         """Wait for every outstanding collective (reductions, the parameter gather);
@@ -172,6 +231,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         full averaged gradients; returns the total norm (before clipping). The clipping
         factor is folded into the next step() rather than applied in a separate pass."""
         norm_type = float(norm_type)
+        if norm_type == 2.0 and self._ctl is not None:
+            return self._ctl.clip(max_norm)   # a device tensor: nothing read back
         if norm_type == 2.0:
             sumsq, nonfinite = self._engine.grad_sumsq(self._grad_scale())
             total = math.sqrt(sumsq) if nonfinite == 0 else math.inf
@@ -187,7 +248,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"zero_ext: clip_grad_norm_ supports norm_type 2.0 and inf, got {norm_type}")
         self._found_inf = nonfinite > 0
         coef = float(max_norm) / (total + 1e-6)
-        if coef < 1.0:
+        if self._ctl is not None:
+            self._ctl.clip_by(coef, nonfinite > 0)
+        elif coef < 1.0:
             self._clip_coef *= coef
         return torch.tensor(total)
 
@@ -248,11 +311,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def scaler_state_dict(self) -> dict | None:
         """The loss scaler's state (None without loss scaling)."""
-        return self.loss_scaler.state_dict() if self.loss_scaler is not None else None
+        if self.loss_scaler is None:
+            return None
+        if self._ctl is not None:
+            return self._ctl.host_scaler(self.loss_scaler).state_dict()
+        return self.loss_scaler.state_dict()
 
     def load_scaler_state_dict(self, d: dict | None) -> None:
         if d is not None and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(d)
+            if self._ctl is not None:
+                self._ctl.load_scaler(self.loss_scaler)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

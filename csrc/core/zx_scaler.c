@@ -2,6 +2,7 @@
 #include <math.h>
 
 #include "zx_core.h"
+#include "zx_scaler_step.h"   /* defines: zx_scaler_step */
 
 zx_status zx_scaler_init(zx_loss_scaler *s) {
     if (!s) return ZX_ERR_INVALID_ARG;
@@ -21,25 +22,6 @@ zx_status zx_scaler_init(zx_loss_scaler *s) {
 
 zx_status zx_scaler_update(zx_loss_scaler *s, int32_t found_nonfinite, int32_t *skip) {
     if (!s || !skip) return ZX_ERR_INVALID_ARG;
-    *skip = found_nonfinite ? 1 : 0;
-    if (found_nonfinite) s->skipped++;
-    if (!s->dynamic) return ZX_OK;
-    if (found_nonfinite) {
-        s->good_steps = 0;
-        if (s->hysteresis_left > 1) {
-            s->hysteresis_left--;
-        } else {
-            double next = s->scale * s->backoff_factor;
-            s->scale = next < s->min_scale ? s->min_scale : next;
-            s->hysteresis_left = s->hysteresis;
-        }
-        return ZX_OK;
-    }
-    s->hysteresis_left = s->hysteresis;
-    if (++s->good_steps >= s->growth_interval) {
-        double next = s->scale * s->growth_factor;
-        s->scale = next > s->max_scale ? s->max_scale : next;
-        s->good_steps = 0;
-    }
+    *skip = zx_scaler_step(s, found_nonfinite ? 1 : 0);
     return ZX_OK;
 }

@@ -12,6 +12,7 @@
 
 #include "zx_cuda_adam.h"
 #include "zx_cuda_common.cuh"  // defines: zx_span, zx_launch_elementwise, zx_store_lp*
+#include "zx_cuda_control.h"  // defines: ZX_CTL_MULT, ZX_CTL_SKIP
 
 /* Per-step scalars, computed once per call on the host (or once per thread
  * from a device step count, see zx_adam_op::prepare), rounded to fp32 where
@@ -31,6 +32,7 @@ struct zx_adam_scalars {
     int decoupled;          /* AdamW with weight_decay != 0 */
     int lerp_from_grad;     /* torch's lerp(m, g, w): base m when w < 0.5, else base g */
     int amsgrad;
+    int maximize;           /* negate a grad_scale read from the device */
 };
 
 /* One element of one Adam step; returns the new param, updates m, v, vmax in
@@ -66,16 +68,23 @@ struct zx_adam_op {
     float *max_exp_avg_sq;        /* only read/written when s.amsgrad */
     void *param_lp;               /* only written when LP != ZX_CUDA_LP_NONE */
     const int64_t *device_step;   /* NULL: s already holds the bias corrections */
+    const double *ctl;            /* NULL, or the step control (Note [Step control]) */
     double lr, beta1, beta2;      /* for the bias corrections from device_step */
     zx_adam_scalars s;
 
-    __device__ void prepare() {
-        if (device_step == nullptr) return;
+    __device__ bool prepare() {
+        if (ctl != nullptr) {
+            if (ctl[ZX_CTL_SKIP] != 0.0) return false;
+            const float gs = (float)ctl[ZX_CTL_MULT];
+            s.grad_scale = s.maximize ? -gs : gs;
+        }
+        if (device_step == nullptr) return true;
         double step = (double)*device_step;
         double bias_correction1 = 1.0 - pow(beta1, step);
         double bias_correction2 = 1.0 - pow(beta2, step);
         s.neg_step_size = (float)(-(lr / bias_correction1));
         s.bc2_sqrt = (float)sqrt(bias_correction2);
+        return true;
     }
 
     __device__ void one(size_t i) {
@@ -116,7 +125,7 @@ static zx_status zx_adam_launch(const zx_adam_op<LP> &op, size_t n, cudaStream_t
 extern "C" zx_status zx_cuda_adam_step(size_t n, float *param, const float *grad, float *exp_avg,
                                        float *exp_avg_sq, float *max_exp_avg_sq, void *param_lp,
                                        zx_dtype lp_dtype, const zx_adam_hparams *hp,
-                                       const int64_t *device_step, void *stream) {
+                                       const int64_t *device_step, const double *ctl, void *stream) {
     if (hp == nullptr) return ZX_ERR_INVALID_ARG;
     if (device_step == nullptr && hp->step < 1) return ZX_ERR_INVALID_ARG;
     if (param_lp != nullptr && lp_dtype != ZX_BF16 && lp_dtype != ZX_F16) return ZX_ERR_INVALID_ARG;
@@ -139,6 +148,7 @@ extern "C" zx_status zx_cuda_adam_step(size_t n, float *param, const float *grad
     s.l2 = !hp->decoupled && hp->weight_decay != 0.0;
     s.decoupled = hp->decoupled && hp->weight_decay != 0.0;
     s.amsgrad = hp->amsgrad != 0;
+    s.maximize = hp->maximize != 0;
     s.neg_step_size = 0.0f;
     s.bc2_sqrt = 1.0f;
     if (device_step == nullptr) {                 /* bias corrections, once, in double */
@@ -152,16 +162,16 @@ extern "C" zx_status zx_cuda_adam_step(size_t n, float *param, const float *grad
     cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
     if (param_lp == nullptr) {
         zx_adam_op<ZX_CUDA_LP_NONE> op = {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                                          nullptr, device_step, hp->lr, hp->beta1, hp->beta2, s};
+                                          nullptr, device_step, ctl, hp->lr, hp->beta1, hp->beta2, s};
         return zx_adam_launch(op, n, cuda_stream);
     }
     if (lp_dtype == ZX_BF16) {
         zx_adam_op<ZX_BF16> op = {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                                  param_lp, device_step, hp->lr, hp->beta1, hp->beta2, s};
+                                  param_lp, device_step, ctl, hp->lr, hp->beta1, hp->beta2, s};
         return zx_adam_launch(op, n, cuda_stream);
     }
     zx_adam_op<ZX_F16> op = {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                             param_lp, device_step, hp->lr, hp->beta1, hp->beta2, s};
+                             param_lp, device_step, ctl, hp->lr, hp->beta1, hp->beta2, s};
     return zx_adam_launch(op, n, cuda_stream);
 }
 

@@ -25,6 +25,11 @@ extern "C" {
  *                                     bias corrections itself; hp->step is ignored. Use with
  *                                     zx_cuda_increment_step so a whole step can be captured
  *                                     in a CUDA graph and replayed.
+ *   ctl                               NULL, or the step control in device memory (Note
+ *                                     [Step control], ../core/zx_step_control.h): the kernel
+ *                                     changes nothing when ctl[ZX_CTL_SKIP] != 0 and
+ *                                     multiplies gradients by ctl[ZX_CTL_MULT] in place of
+ *                                     hp->grad_scale
  *   stream                            cudaStream_t as void*
  * Any alignment works (float4 body when the arrays allow it, see
  * Note [Vector and scalar paths] in zx_cuda_common.cuh). Arrays must not overlap.
@@ -33,7 +38,7 @@ extern "C" {
 zx_status zx_cuda_adam_step(size_t n, float *param, const float *grad, float *exp_avg,
                             float *exp_avg_sq, float *max_exp_avg_sq, void *param_lp,
                             zx_dtype lp_dtype, const zx_adam_hparams *hp,
-                            const int64_t *device_step, void *stream);
+                            const int64_t *device_step, const double *ctl, void *stream);
 
 /* *device_step += 1, on the stream (one thread). */
 zx_status zx_cuda_increment_step(int64_t *device_step, void *stream);

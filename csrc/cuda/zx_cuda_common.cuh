@@ -226,11 +226,13 @@ static __device__ __forceinline__ void zx_store4(float *p, size_t i, float4 x) {
 /* Runs op over a span with a grid-stride loop: op.vec4(i) for each body group
  * (elements i..i+3, aligned), then op.one(i) for each scalar element.
  * op.prepare() runs once per thread first (e.g. bias corrections from a
- * step count that lives on the device). Op holds only pointers and scalars. */
+ * step count that lives on the device); when it returns false the thread does
+ * nothing (a step skipped by a device-side verdict, Note [Step control]).
+ * Op holds only pointers and scalars. */
 template <typename Op>
 __global__ void __launch_bounds__(ZX_CUDA_THREADS) zx_elementwise_kernel(Op op, zx_span span) {
     Op local = op;
-    local.prepare();
+    if (!local.prepare()) return;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     for (size_t v = first; v < span.n_vec; v += stride) local.vec4(span.head + 4 * v);

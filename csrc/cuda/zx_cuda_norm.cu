@@ -97,7 +97,7 @@ struct zx_scale_op {
     float *x;
     float s;
 
-    __device__ void prepare() {}
+    __device__ bool prepare() { return true; }
     __device__ void one(size_t i) { x[i] = __fmul_rn(x[i], s); }
     __device__ void vec4(size_t i) {
         float4 v = zx_load4(x, i);

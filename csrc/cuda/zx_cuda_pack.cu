@@ -24,7 +24,7 @@ struct zx_sum_slices_op {
     int32_t accumulate;
     float scale;
 
-    __device__ void prepare() {}
+    __device__ bool prepare() { return true; }
 
     __device__ float finish(float old, float sum) const {
         float scaled = __fmul_rn(scale, sum);
@@ -74,7 +74,7 @@ struct zx_cast_from_f32_op {
     const float *src;
     void *dst;
 
-    __device__ void prepare() {}
+    __device__ bool prepare() { return true; }
     __device__ void one(size_t i) { zx_store_lp1<DST>(dst, i, src[i]); }
     __device__ void vec4(size_t i) { zx_store_lp4<DST>(dst, i, zx_load4(src, i)); }
 };
@@ -102,7 +102,7 @@ struct zx_cast_to_f32_op {
     const void *src;
     float *dst;
 
-    __device__ void prepare() {}
+    __device__ bool prepare() { return true; }
     __device__ void one(size_t i) { dst[i] = zx_load_lp1<SRC>(src, i); }
     __device__ void vec4(size_t i) { zx_store4(dst, i, zx_load_lp4<SRC>(src, i)); }
 };

@@ -9,6 +9,7 @@
  */
 #include "zx_cuda_sgd.h"
 #include "zx_cuda_common.cuh"  // defines: zx_span, zx_launch_elementwise, zx_store_lp*
+#include "zx_cuda_control.h"  // defines: ZX_CTL_MULT, ZX_CTL_SKIP
 
 /* Per-call scalars, converted to float once on the host as torch does. */
 struct zx_sgd_scalars {
@@ -21,6 +22,7 @@ struct zx_sgd_scalars {
     int has_momentum;
     int nesterov;
     int first_step;            /* buf = d_p.clone() */
+    int maximize;              /* negate a grad_scale read from the device */
 };
 
 /* One element of one SGD step; returns the new param, updates buf in place
@@ -45,9 +47,19 @@ struct zx_sgd_op {
     const float *grad;
     float *momentum_buf;       /* only read/written when s.has_momentum */
     void *param_lp;            /* only written when LP != ZX_CUDA_LP_NONE */
+    const int64_t *device_step; /* NULL: s.first_step is the host's; else first = (*device_step == 1) */
+    const double *ctl;          /* NULL, or the step control (Note [Step control]) */
     zx_sgd_scalars s;
 
-    __device__ void prepare() {}
+    __device__ bool prepare() {
+        if (ctl != nullptr) {
+            if (ctl[ZX_CTL_SKIP] != 0.0) return false;
+            const float gs = (float)ctl[ZX_CTL_MULT];
+            s.grad_scale = s.maximize ? -gs : gs;
+        }
+        if (device_step != nullptr) s.first_step = *device_step == 1;
+        return true;
+    }
 
     __device__ void one(size_t i) {
         float buf = (s.has_momentum && !s.first_step) ? momentum_buf[i] : 0.0f;
@@ -80,7 +92,7 @@ static zx_status zx_sgd_launch(const zx_sgd_op<LP> &op, size_t n, cudaStream_t s
 
 extern "C" zx_status zx_cuda_sgd_step(size_t n, float *param, const float *grad, float *momentum_buf,
                                       void *param_lp, zx_dtype lp_dtype, const zx_sgd_hparams *hp,
-                                      void *stream) {
+                                      const int64_t *device_step, const double *ctl, void *stream) {
     if (hp == nullptr) return ZX_ERR_INVALID_ARG;
     if (param_lp != nullptr && lp_dtype != ZX_BF16 && lp_dtype != ZX_F16) return ZX_ERR_INVALID_ARG;
     if (n == 0) return ZX_OK;
@@ -97,16 +109,17 @@ extern "C" zx_status zx_cuda_sgd_step(size_t n, float *param, const float *grad,
     s.has_momentum = hp->momentum != 0.0;
     s.nesterov = hp->nesterov != 0;
     s.first_step = hp->first_step != 0;
+    s.maximize = hp->maximize != 0;
 
     cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
     if (param_lp == nullptr) {
-        zx_sgd_op<ZX_CUDA_LP_NONE> op = {param, grad, momentum_buf, nullptr, s};
+        zx_sgd_op<ZX_CUDA_LP_NONE> op = {param, grad, momentum_buf, nullptr, device_step, ctl, s};
         return zx_sgd_launch(op, n, cuda_stream);
     }
     if (lp_dtype == ZX_BF16) {
-        zx_sgd_op<ZX_BF16> op = {param, grad, momentum_buf, param_lp, s};
+        zx_sgd_op<ZX_BF16> op = {param, grad, momentum_buf, param_lp, device_step, ctl, s};
         return zx_sgd_launch(op, n, cuda_stream);
     }
-    zx_sgd_op<ZX_F16> op = {param, grad, momentum_buf, param_lp, s};
+    zx_sgd_op<ZX_F16> op = {param, grad, momentum_buf, param_lp, device_step, ctl, s};
     return zx_sgd_launch(op, n, cuda_stream);
 }

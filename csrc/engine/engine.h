@@ -97,8 +97,12 @@ public:
 
     // --- optimizer ---
     // Fused AdamW/Adam step over this rank's shard. hparams: one dict per param group.
-    void step_adam(const std::vector<zx_adam_hparams> &hparams);
-    void step_sgd(const std::vector<zx_sgd_hparams> &hparams);
+    // ctl / steps (may be undefined): the step control and the per-group step
+    // counts in the parameters' memory (Note [Step control], csrc/core/zx_step_control.h).
+    void step_adam(const std::vector<zx_adam_hparams> &hparams, const at::Tensor &ctl = {},
+                   const at::Tensor &steps = {});
+    void step_sgd(const std::vector<zx_sgd_hparams> &hparams, const at::Tensor &ctl = {},
+                  const at::Tensor &steps = {});
     // Generic path: this rank's parameter / gradient shard views, one per bucket.
     std::vector<at::Tensor> param_shards();
     std::vector<at::Tensor> grad_shards();
@@ -113,6 +117,9 @@ public:
     // Local sum of squares over the gradient shard (times scale) and inf/nan
     // count, all-reduced across ranks in stages 1-2. Returns (sumsq, nonfinite).
     std::pair<double, int64_t> grad_sumsq(double scale);
+    // The same scan into out2 (float32 [sumsq, nonfinite] on the parameters'
+    // device, overwritten), all-reduced in stream order: nothing read back.
+    void grad_sumsq_into(at::Tensor out2);
     // Write the low-precision copy of the fp32 master shard where the next
     // gather reads it (the fused steps do this themselves, in the same pass).
     void cast_masters();

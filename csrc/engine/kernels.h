@@ -30,10 +30,19 @@ public:
 
     // One Adam/AdamW (resp. SGD) step over n elements: fp32 param/state arrays,
     // grad (n elements of reduce_dtype, contiguous), optional low-precision copy.
+    // ctl (may be null): the step control in the table's memory (Note [Step
+    // control], csrc/core/zx_step_control.h): skip when ctl[ZX_CTL_SKIP] != 0,
+    // ctl[ZX_CTL_MULT] replaces hp.grad_scale; step (may be null): the group's
+    // step count there, after this step's increment, replacing hp.step /
+    // hp.first_step. Neither is read by the host on a GPU.
     virtual void adam(int64_t n, float *param, const at::Tensor &grad, float *m, float *v, float *vmax,
-                      void *lp, zx_dtype lp_dtype, const zx_adam_hparams &hp) = 0;
+                      void *lp, zx_dtype lp_dtype, const zx_adam_hparams &hp, const double *ctl,
+                      const int64_t *step) = 0;
     virtual void sgd(int64_t n, float *param, const at::Tensor &grad, float *buf, void *lp, zx_dtype lp_dtype,
-                     const zx_sgd_hparams &hp) = 0;
+                     const zx_sgd_hparams &hp, const double *ctl, const int64_t *step) = 0;
+    // out2[0] += sum of squares of the finite elements of grad, out2[1] += count of
+    // inf/nan ones: float[2] in the table's memory, nothing read back.
+    virtual void grad_sumsq_into(const at::Tensor &grad, float *out2) = 0;
     // Sum of squares of grad*scale over the finite elements, and the count of
     // inf/nan elements; added into *sumsq / *nonfinite.
     virtual void grad_sumsq(const at::Tensor &grad, double scale, double *sumsq, int64_t *nonfinite) = 0;
@@ -44,6 +53,8 @@ public:
     // Set the byte size of a tensor's storage (stage 3 frees a released unit's
     // parameters this way, keeping the storage object that autograd aliases).
     virtual void resize_storage(const at::Tensor &t, int64_t bytes) = 0;
+    // Bytes of working memory the table holds between calls (stats()'s buffer_bytes).
+    virtual int64_t scratch_bytes() const { return 0; }
 };
 
 // isa: the CPU ISA ("auto" already resolved); ignored for CUDA.

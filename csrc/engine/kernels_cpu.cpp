@@ -6,6 +6,8 @@
 #include <vector>
 
 #include "engine/kernels.h"
+
+#include "core/zx_step_control.h"   // defines: ZX_CTL_*
 #include "kernels_binding.h"   // defines: zx_check
 #include "parallel.h"          // defines: zx_parallel_for, kParallelGrainNumel
 
@@ -21,7 +23,11 @@ public:
     const char *name() const override { return name_; }
 
     void adam(int64_t n, float *p, const at::Tensor &grad, float *m, float *v, float *vmax, void *lp,
-              zx_dtype lp_dtype, const zx_adam_hparams &hp) override {
+              zx_dtype lp_dtype, const zx_adam_hparams &hp_in, const double *ctl, const int64_t *step) override {
+        if (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0) return;
+        zx_adam_hparams hp = hp_in;
+        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
+        if (step != nullptr) hp.step = *step;
         char *lpc = (char *)lp;
         parallel(n, [&](int64_t lo, int64_t hi) {
             with_f32_grads(grad, lo, hi, [&](const float *g, int64_t a, int64_t b) {
@@ -33,7 +39,11 @@ public:
     }
 
     void sgd(int64_t n, float *p, const at::Tensor &grad, float *buf, void *lp, zx_dtype lp_dtype,
-             const zx_sgd_hparams &hp) override {
+             const zx_sgd_hparams &hp_in, const double *ctl, const int64_t *step) override {
+        if (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0) return;
+        zx_sgd_hparams hp = hp_in;
+        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
+        if (step != nullptr) hp.first_step = *step == 1;
         char *lpc = (char *)lp;
         parallel(n, [&](int64_t lo, int64_t hi) {
             with_f32_grads(grad, lo, hi, [&](const float *g, int64_t a, int64_t b) {
@@ -46,6 +56,14 @@ public:
 
     // Fixed kParallelGrainNumel chunks summed in chunk order: the norm's bits do not
     // depend on the number of threads or on which finishes first.
+    void grad_sumsq_into(const at::Tensor &grad, float *out2) override {
+        double sumsq = 0.0;
+        int64_t nonfinite = 0;
+        grad_sumsq(grad, 1.0, &sumsq, &nonfinite);
+        out2[0] += (float)sumsq;
+        out2[1] += (float)nonfinite;
+    }
+
     void grad_sumsq(const at::Tensor &grad, double scale, double *sumsq, int64_t *nonfinite) override {
         const int64_t n = grad.numel(), chunks = (n + kParallelGrainNumel - 1) / kParallelGrainNumel;
         std::vector<double> s(chunks, 0.0);

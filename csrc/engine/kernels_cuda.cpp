@@ -4,9 +4,9 @@
 // is present); otherwise make_cuda_kernels returns null and the engine refuses
 // CUDA parameters with a message saying why.
 //
-// Not yet verified on a GPU (see README, "GPUs"): grad_sumsq reads its two
-// numbers back to the host, which the no-host-synchronization goal of the GPU
-// issue replaces with a device-side clip factor and overflow flag.
+// grad_sumsq reads its two numbers back to the host (stats, the CPU-style
+// path); a steady-state GPU step uses grad_sumsq_into and the step control
+// (Note [Step control], csrc/core/zx_step_control.h) instead, reading nothing.
 #include "engine/kernels.h"
 
 #ifdef ZX_WITH_CUDA
@@ -28,18 +28,19 @@ public:
     const char *name() const override { return "cuda"; }
 
     void adam(int64_t n, float *p, const at::Tensor &grad, float *m, float *v, float *vmax, void *lp,
-              zx_dtype lp_dtype, const zx_adam_hparams &hp) override {
+              zx_dtype lp_dtype, const zx_adam_hparams &hp, const double *ctl, const int64_t *step) override {
         if (n <= 0) return;
         c10::cuda::CUDAGuard guard(dev_);
-        zx_check(zx_cuda_adam_step((size_t)n, p, f32(grad), m, v, vmax, lp, lp_dtype, &hp, nullptr, stream()),
+        zx_check(zx_cuda_adam_step((size_t)n, p, f32(grad), m, v, vmax, lp, lp_dtype, &hp, step, ctl, stream()),
                  "CUDA Adam step");
     }
 
     void sgd(int64_t n, float *p, const at::Tensor &grad, float *buf, void *lp, zx_dtype lp_dtype,
-             const zx_sgd_hparams &hp) override {
+             const zx_sgd_hparams &hp, const double *ctl, const int64_t *step) override {
         if (n <= 0) return;
         c10::cuda::CUDAGuard guard(dev_);
-        zx_check(zx_cuda_sgd_step((size_t)n, p, f32(grad), buf, lp, lp_dtype, &hp, stream()), "CUDA SGD step");
+        zx_check(zx_cuda_sgd_step((size_t)n, p, f32(grad), buf, lp, lp_dtype, &hp, step, ctl, stream()),
+                 "CUDA SGD step");
     }
 
     void grad_sumsq(const at::Tensor &grad, double scale, double *sumsq, int64_t *nonfinite) override {
@@ -53,6 +54,12 @@ public:
         at::Tensor host = out2_.cpu();   // a host synchronization (see the file's header)
         *sumsq += host[0].item<float>();
         *nonfinite += (int64_t)host[1].item<float>();
+    }
+
+    void grad_sumsq_into(const at::Tensor &grad, float *out2) override {
+        if (grad.numel() == 0) return;
+        c10::cuda::CUDAGuard guard(dev_);
+        zx_check(zx_cuda_grad_sumsq((size_t)grad.numel(), f32(grad), 1.0f, out2, stream()), "CUDA gradient norm");
     }
 
     void scale(int64_t n, float *x, float s) override {
@@ -77,6 +84,10 @@ public:
     void resize_storage(const at::Tensor &t, int64_t bytes) override {
         c10::cuda::CUDAGuard guard(dev_);
         at::native::resize_bytes_cuda(t.storage().unsafeGetStorageImpl(), (size_t)bytes);
+    }
+
+    int64_t scratch_bytes() const override {
+        return (scratch_.defined() ? scratch_.nbytes() : 0) + (out2_.defined() ? out2_.nbytes() : 0);
     }
 
 private:

@@ -271,7 +271,8 @@ py::dict Engine::stats() const {
     const int64_t quant_residual = qreduce_ ? qreduce_->residual_bytes() : 0;
     buf["quant_buffers"] = quant_buffers;    // grad_quant: codes/scales send + receive
     buf["quant_residual"] = quant_residual;  // grad_quant_error_feedback: fp32 residuals
-    buf["total"] = ring_bytes + gathered_bytes_ + quant_buffers + quant_residual;
+    buf["kernel_scratch"] = kern_->scratch_bytes();  // e.g. CUDA: fp32 copy of a low-precision gradient slice
+    buf["total"] = ring_bytes + gathered_bytes_ + quant_buffers + quant_residual + kern_->scratch_bytes();
     py::dict comm;
     comm["all_reduce"] = counter_dict(comm_.c_all_reduce);
     comm["reduce_scatter"] = counter_dict(comm_.c_reduce_scatter);

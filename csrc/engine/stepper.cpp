@@ -4,11 +4,30 @@
 // and the low-precision copy of the master.
 #include "engine/engine.h"
 
+#include "core/zx_step_control.h"   // defines: ZX_CTL_SIZE
 #include "kernels_binding.h"   // defines: zx_check, parse_isa
 
 namespace zx {
 
-void Engine::step_adam(const std::vector<zx_adam_hparams> &hps) {
+namespace {
+
+const double *ctl_ptr(const at::Tensor &ctl) {
+    if (!ctl.defined()) return nullptr;
+    TORCH_CHECK(ctl.scalar_type() == at::kDouble && ctl.numel() == ZX_CTL_SIZE && ctl.is_contiguous(),
+                "zero_ext: the step control must be a contiguous float64 tensor of ", ZX_CTL_SIZE, " elements");
+    return ctl.data_ptr<double>();
+}
+
+const int64_t *step_ptr(const at::Tensor &steps, int64_t group) {
+    if (!steps.defined()) return nullptr;
+    TORCH_CHECK(steps.scalar_type() == at::kLong && steps.is_contiguous() && group < steps.numel(),
+                "zero_ext: the step counts must be a contiguous int64 tensor with one element per param group");
+    return steps.data_ptr<int64_t>() + group;
+}
+
+}  // namespace
+
+void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor &ctl, const at::Tensor &steps) {
     wait_reductions();
     wait_params();
     at::Tensor m = state("exp_avg"), v = state("exp_avg_sq");
@@ -23,11 +42,11 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps) {
         const at::Tensor gs = grad_shard_slice(bk);
         float *mp = m.data_ptr<float>() + bk.shard_offset, *vp = v.data_ptr<float>() + bk.shard_offset;
         float *xp = hp.amsgrad ? vmax.data_ptr<float>() + bk.shard_offset : nullptr;
-        kern_->adam(bk.slice_numel, p, gs, mp, vp, xp, lp, pzx_, hp);
+        kern_->adam(bk.slice_numel, p, gs, mp, vp, xp, lp, pzx_, hp, ctl_ptr(ctl), step_ptr(steps, bk.group));
     }
 }
 
-void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps) {
+void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &ctl, const at::Tensor &steps) {
     wait_reductions();
     wait_params();
     bool momentum = false;
@@ -40,7 +59,7 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps) {
         char *lp = (char *)lp_out(bk);
         const at::Tensor gs = grad_shard_slice(bk);
         float *bp = hp.momentum != 0.0 ? buf.data_ptr<float>() + bk.shard_offset : nullptr;
-        kern_->sgd(bk.slice_numel, p, gs, bp, lp, pzx_, hp);
+        kern_->sgd(bk.slice_numel, p, gs, bp, lp, pzx_, hp, ctl_ptr(ctl), step_ptr(steps, bk.group));
     }
 }
 
@@ -90,6 +109,16 @@ std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
         nonfinite = (int64_t)t[1].item<double>();
     }
     return {sumsq, nonfinite};
+}
+
+void Engine::grad_sumsq_into(at::Tensor out2) {
+    wait_reductions();
+    TORCH_CHECK(out2.scalar_type() == at::kFloat && out2.numel() == 2 && out2.is_contiguous() &&
+                    out2.device() == dev_,
+                "zero_ext: grad_sumsq_into needs a contiguous float32 tensor of 2 elements on ", dev_);
+    out2.zero_();
+    for (auto &bk : buckets_) kern_->grad_sumsq_into(grad_shard_slice(bk), out2.data_ptr<float>());
+    if (parts_ > 1) comm_.all_reduce_sum_blocking(out2, "gradient-norm all-reduce");
 }
 
 void Engine::cast_masters() {

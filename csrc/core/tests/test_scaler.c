@@ -1,8 +1,11 @@
 /* test_scaler.c — the loss-scaling state machine against a transcript written
- * out by hand from its specification (zx_core.h), and its argument checks.
+ * out by hand from its specification (zx_core.h), its argument checks, and the
+ * step control built on it (zx_step_control.h).
  * Run: make -C csrc/core test (under AddressSanitizer + UBSan). */
 #include "../zx_core.h"
+#include "../zx_step_control.h"
 
+#include <math.h>
 #include <stdio.h>
 
 #include "check.h"
@@ -76,10 +79,46 @@ static void bad_args(void) {
     CHECK(zx_scaler_init(NULL) == ZX_ERR_INVALID_ARG, "NULL init");
 }
 
+/* The step control (zx_step_control.h): clip factor, multiplier, verdict, counts. */
+static void step_control(void) {
+    zx_loss_scaler s = make(1024.0, 2, 1, 1);
+    CHECK(zx_scaler_init(&s) == ZX_OK, "init");
+    double ctl[ZX_CTL_SIZE] = {1.0, 0.0, 0.0, 0.0};
+    int64_t steps[2] = {0, 0};
+    float scale_out = 0.0f, norm = 0.0f;
+    /* clip: sumsq 4 * 1024^2 * 3^2 over divisor 3 -> norm 2 (unscaled), max 1 -> coef ~0.5 */
+    float out2[2] = {(float)(4.0 * 1024.0 * 1024.0 * 9.0), 0.0f};
+    zx_clip_control(ctl, out2, 3.0, &s, 1.0, &norm);
+    CHECK(norm == 2.0f, "norm %g", norm);
+    CHECK(ctl[ZX_CTL_CLIP] == 1.0 / (2.0 + 1e-6) && ctl[ZX_CTL_FOUND] == 0.0, "clip %g found %g", ctl[ZX_CTL_CLIP],
+          ctl[ZX_CTL_FOUND]);
+    zx_step_control(ctl, NULL, 3.0, &s, &scale_out, steps, 2);
+    CHECK(ctl[ZX_CTL_MULT] == (1.0 / (2.0 + 1e-6)) * (1.0 / (3.0 * 1024.0)), "mult %g", ctl[ZX_CTL_MULT]);
+    CHECK(ctl[ZX_CTL_SKIP] == 0.0 && steps[0] == 1 && steps[1] == 1, "a good step counts");
+    CHECK(ctl[ZX_CTL_CLIP] == 1.0 && ctl[ZX_CTL_FOUND] == 0.0, "reset for the next step");
+    CHECK(scale_out == 1024.0f, "scale %g", scale_out);
+    /* overflow found by the step's own scan: skipped, counts kept, scale halved */
+    out2[0] = 1.0f;
+    out2[1] = 3.0f;
+    zx_step_control(ctl, out2, 3.0, &s, &scale_out, steps, 2);
+    CHECK(ctl[ZX_CTL_SKIP] == 1.0 && steps[0] == 1 && s.skipped == 1, "overflow skips");
+    CHECK(scale_out == 512.0f && s.scale == 512.0, "backoff %g", scale_out);
+    /* clip_control saw the overflow: inf norm, the verdict carried to the step */
+    zx_clip_control(ctl, out2, 3.0, &s, 1.0, &norm);
+    /* as the host path and torch: max_norm / inf = 0 (the step is skipped anyway) */
+    CHECK(isinf(norm) && ctl[ZX_CTL_FOUND] == 1.0 && ctl[ZX_CTL_CLIP] == 0.0, "inf norm, clip factor 0");
+    zx_step_control(ctl, NULL, 3.0, &s, NULL, steps, 2);
+    CHECK(ctl[ZX_CTL_SKIP] == 1.0 && steps[1] == 1, "verdict from clip_control");
+    /* no scaler: never skips, multiplier 1/divisor */
+    zx_step_control(ctl, NULL, 4.0, NULL, NULL, steps, 1);
+    CHECK(ctl[ZX_CTL_SKIP] == 0.0 && ctl[ZX_CTL_MULT] == 0.25 && steps[0] == 2 && steps[1] == 1, "no scaler");
+}
+
 int main(void) {
     transcript();
     bounds();
     bad_args();
+    step_control();
     printf("test_scaler: %ld checks passed, %ld failed\n", g_passed, g_failed);
     return g_failed ? 1 : 0;
 }
