@@ -27,8 +27,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "kernels_binding.h"   // defines: zx_check
-
 namespace zx {
 
 void Engine::note_grad(int64_t i) {
@@ -44,19 +42,14 @@ void Engine::ensure_step_tables() {
     if (param_steps_.empty()) param_steps_.assign(n, 0);
     if (stepped_.empty()) stepped_.assign(n, 0);
     if (!my_frags_.empty() || buckets_.empty()) return;
-    // This rank's fragments per bucket, in slice order (the plan lists them so).
-    const int64_t r = parts_ > 1 ? rank_ : 0;
+    // This rank's fragments per bucket, in slice order.
     my_frags_.resize(buckets_.size());
-    std::vector<zx_fragment> fr;
-    for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
-        int64_t count = 0;
-        zx_plan_fragments(plan_, b, (int32_t)r, nullptr, 0, &count);
-        fr.resize((size_t)count);
-        zx_check(zx_plan_fragments(plan_, b, (int32_t)r, fr.data(), count, &count), "reading the plan");
-        for (const auto &f : fr) my_frags_[b].push_back({f.param, f.slice_offset, f.numel, 0});
-        std::sort(my_frags_[b].begin(), my_frags_[b].end(),
-                  [](const StepRun &a, const StepRun &c) { return a.offset < c.offset; });
+    for (const auto &[i, poff, soff, numel] : fragments(parts_ > 1 ? rank_ : 0)) {
+        const int64_t b = bucket_of_[(size_t)i];
+        my_frags_[(size_t)b].push_back({i, soff - buckets_[(size_t)b].shard_offset, numel, 0});
     }
+    for (auto &frags : my_frags_)
+        std::sort(frags.begin(), frags.end(), [](const StepRun &a, const StepRun &c) { return a.offset < c.offset; });
 }
 
 void Engine::begin_step() {
