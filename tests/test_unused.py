@@ -37,7 +37,7 @@ OPTIMIZERS = {
 
 class Heads(nn.Module):
     """Every tensor a multiple of 16 elements: torch's fused CPU AdamW computes the
-    last numel % 16 elements of a tensor in scalar code that, in about 1 element of
+    elements of a tensor past its last full vector (8 or 16 floats) in scalar code that, in about 1 element of
     3000, rounds differently from its (and our) vector code; without such tails the
     comparison is bit for bit. 2128 elements in all: no world size 3 divides them."""
 
