@@ -205,6 +205,18 @@ def _engine_names(optimizer, layout) -> list:
     return list(layout["params"])                         # engine order (dicts keep it)
 
 
+def _param_steps(optimizer, names) -> dict:
+    """name -> optimizer steps that parameter took (Note [Unused parameters] in
+    csrc/engine/unused.cpp: a parameter no rank gave a gradient is not stepped);
+    the same on every rank, so world-size independent."""
+    return dict(zip(names, optimizer.param_step_counts()))
+
+
+def _steps_of(objects: dict, name: str, group: int) -> int:
+    """A parameter's step count; a checkpoint without per-parameter counts has its group's."""
+    return int(objects.get("param_steps", {}).get(name, objects["steps"][group]))
+
+
 def _settle(model, optimizer):
     """(engine, process group, layout), once every outstanding collective is done."""
     engine = optimizer._engine
@@ -292,6 +304,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
         objects = {
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
             "steps": list(optimizer._steps),
+            "param_steps": _param_steps(optimizer, names),
             "scalar_state": shard.scalar_state(),
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -462,6 +475,7 @@ def load(path, model, optimizer, *, scheduler=None):
     for g, saved in zip(optimizer.param_groups, objects["param_groups"]):
         g.update(saved)
     optimizer._steps = list(objects["steps"])
+    engine.set_param_steps([_steps_of(objects, n, layout["params"][n]["group"]) for n in names])
     if shard.views is not None:
         _restore_scalars(optimizer, shard, objects)
     scaler = getattr(optimizer, "loss_scaler", None)
@@ -528,7 +542,7 @@ def optimizer_state_dict(layout: dict, tensors: dict, objects: dict) -> dict:
     state = {}
     for name, info in layout["params"].items():
         gi = info["group"]
-        steps = objects["steps"][gi]
+        steps = _steps_of(objects, name, gi)
         s = {}
         scal = objects["scalar_state"].get(gi)
         if scal is not None:
@@ -627,7 +641,7 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
         return None
     scalar = shard.scalar_state()
     objects = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-               "steps": list(optimizer._steps), "scalar_state": scalar}
+               "steps": list(optimizer._steps), "param_steps": _param_steps(optimizer, names), "scalar_state": scalar}
     values = {name: out["model"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
     values.update({n: t.clone() for n, t in _plain_tensors(model, layout).items()})
     model_sd = {key: values[name] for key, name in layout["keys"].items()}

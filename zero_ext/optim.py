@@ -6,6 +6,7 @@ class run over 1-D views of this rank's shard for any other elementwise one.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 
@@ -177,18 +178,57 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 return loss
         for gi in range(len(self.param_groups)):
             self._host_steps[gi] += 1
+        # Note [Unused parameters] (csrc/engine/unused.cpp): one small all-reduce
+        # decides which parameters got a gradient on some rank; the others are skipped.
+        self._engine.begin_step()
         if self._fused:
             self._fused_step(scale)
         else:
             self._engine.scale_grads(scale)
             for inner, gi in zip(self._shard_opt.param_groups, self._shard_group_ids):
                 inner.update(self._hyper(gi))
-            self._shard_opt.step()
+            with self._keep_unstepped():
+                self._shard_opt.step()
             self._engine.cast_masters()   # low precision: the copy that is gathered next
         self._engine.all_gather_params()
         if not self._config.overlap_param_gather:
             self._engine.wait_params()
         return loss
+
+    @contextlib.contextmanager
+    def _keep_unstepped(self):
+        """Generic path: the shard optimizer steps whole bucket views, so the
+        elements of parameters that no rank gave a gradient (Note [Unused
+        parameters]) are saved before the step and put back after it: their values
+        and per-element states stay untouched. (Their step count is the bucket
+        view's, unlike torch's per-parameter one.)"""
+        stepped = self._engine.stepped_params()
+        if all(stepped):
+            yield
+            return
+        from .checkpoint import _Shard   # bucket -> shard view, bucket offsets
+        shard = _Shard(self)
+        r = self._engine.rank if self._engine.partitions > 1 else 0
+        saved = []
+        for i, _, shard_off, n in self._engine.fragments(r):
+            if stepped[i] or n == 0:
+                continue
+            b = shard.bucket_of(shard_off)
+            v, lo = shard.views[b], shard_off - shard.offsets[b]
+            st = self._shard_opt.state.get(v, {})
+            per_elem = {k: t[lo:lo + n].clone() for k, t in st.items() if torch.is_tensor(t) and t.shape == v.shape}
+            saved.append((v, lo, n, v[lo:lo + n].clone(), per_elem))
+        yield
+        for v, lo, n, vals, per_elem in saved:
+            v[lo:lo + n].copy_(vals)
+            st = self._shard_opt.state.get(v, {})
+            for k, t in st.items():
+                if not (torch.is_tensor(t) and t.shape == v.shape):
+                    continue
+                if k in per_elem:
+                    t[lo:lo + n].copy_(per_elem[k])
+                else:                    # created by this step: the state it starts from
+                    t[lo:lo + n].zero_()
 
     def _fused_step(self, scale: float, control: bool = False) -> None:
         """control: the multiplier, the skip verdict and the step counts come from the
@@ -274,6 +314,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "fingerprint": self._fingerprint,
                 "optimizer": self.wrapped_class.__name__,
                 "steps": list(self._steps),
+                "param_steps": self.param_step_counts(),
                 "flat_state": {k: v.clone() for k, v in self._engine.states().items()},
                 "shard_optimizer": self._shard_opt.state_dict() if self._shard_opt is not None else None,
                 "loss_scaler": self.scaler_state_dict(),
@@ -304,10 +345,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for name, t in z["flat_state"].items():
             self._engine.state(name).copy_(t)
         self._steps = list(z["steps"])
+        if "param_steps" in z:
+            self._engine.set_param_steps(list(z["param_steps"]))
+        else:                                   # saved before per-parameter step counts
+            self._engine.set_param_steps(self._group_steps_per_param())
         if self._shard_opt is not None and z["shard_optimizer"] is not None:
             self._shard_opt.load_state_dict(z["shard_optimizer"])
         self.load_scaler_state_dict(z.get("loss_scaler"))
         self.skipped_steps = int(z.get("skipped_steps", 0))
+
+    def _group_steps_per_param(self) -> list[int]:
+        steps = self._steps
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        return [steps[group_of[id(p)]] for p in self._params]
+
+    def param_step_counts(self) -> list[int]:
+        """Optimizer steps each trainable parameter took (Note [Unused parameters]).
+        Under step control (Note [Step control]) the counts live on the device per
+        group, and every parameter of a group is stepped: its group's count."""
+        if self._ctl is not None:
+            self._engine.set_param_steps(self._group_steps_per_param())
+        return list(self._engine.param_steps())
 
     def scaler_state_dict(self) -> dict | None:
         """The loss scaler's state (None without loss scaling)."""

@@ -38,6 +38,14 @@ void Communicator::all_reduce_sum_blocking(at::Tensor t, const char *what) {
     wait(all_reduce_sum(std::move(t)), what);
 }
 
+void Communicator::all_reduce_max_blocking(at::Tensor t, CommCounter &counter, const char *what) {
+    counter.add(t.numel(), t.element_size());
+    std::vector<at::Tensor> ts{std::move(t)};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    wait((*pg_)->allreduce(ts, o), what);
+}
+
 WorkPtr Communicator::reduce_scatter_sum(at::Tensor recv, at::Tensor send) {
     c_reduce_scatter.add(send.numel(), send.element_size());
     c10d::ReduceScatterOptions o;

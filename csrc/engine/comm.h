@@ -58,12 +58,14 @@ public:
     // Blocking.
     void broadcast(at::Tensor t, int64_t src);
     void all_reduce_sum_blocking(at::Tensor t, const char *what);
+    void all_reduce_max_blocking(at::Tensor t, CommCounter &counter, const char *what);
 
     // Every wait on a collective goes through here, so that a peer that died
     // (or a timeout of the process group) surfaces as one message naming what failed.
     static void wait(const WorkPtr &work, const char *what);
 
     CommCounter c_all_reduce, c_reduce_scatter, c_all_gather, c_broadcast;
+    CommCounter c_used_flags;   // Note [Unused parameters]: one byte per parameter per step
 
 private:
     c10::optional<ProcessGroupPtr> pg_;

@@ -74,6 +74,15 @@ struct Bucket {
     WorkPtr gather_work;  // all-gather in flight, if any
 };
 
+// A stretch of this rank's shard slice of one bucket that a fused step updates
+// with one step count (Note [Unused parameters] in unused.cpp); also a fragment.
+struct StepRun {
+    int64_t param;                     // the (first) parameter, or -1 for a whole slice
+    int64_t offset;                    // first element inside the bucket's owned slice
+    int64_t numel;
+    int64_t step;                      // step count after this step's increment
+};
+
 // A staging/receive pair of the ring (Note [Gradient layout]).
 struct Slot {
     at::Tensor send;                   // (max padded_numel,) stage 2 gradient staging
@@ -126,6 +135,13 @@ public:
     void all_gather_params();          // launch: every rank's slices -> full buckets
     void wait_params();                // block until the parameter gather is done
     void zero_grad(bool set_to_none);
+    // Note [Unused parameters] (unused.cpp): agree across ranks (one small
+    // all-reduce) which parameters got a gradient, and advance their step counts.
+    // Call once per optimizer step, before step_adam/step_sgd or a generic step.
+    void begin_step();
+    std::vector<bool> stepped_params() const;   // per parameter: stepped by this step
+    std::vector<int64_t> param_steps();         // per parameter: optimizer steps taken
+    void set_param_steps(const std::vector<int64_t> &steps);
     void broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src);
 
     // --- stage 3 ---
@@ -179,6 +195,10 @@ private:
     void absorb(at::Tensor master, const at::Tensor &lp_new);
     at::Tensor owned_slice(const at::Tensor &flat, const Bucket &bk) const;
     at::Tensor grad_shard_slice(const Bucket &bk);
+    void note_grad(int64_t i);         // param i got a gradient on this rank
+    void forget_grads();               // zero_grad(set_to_none=True)
+    void ensure_step_tables();
+    std::vector<StepRun> step_runs(int64_t b) const;
     at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(dev_); }
 
     std::vector<at::Tensor> params_;
@@ -211,6 +231,13 @@ private:
     int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
     std::map<std::string, at::Tensor> states_;
     int64_t reductions_ = 0;               // backward passes whose gradients were reduced
+    // Note [Unused parameters]: per parameter, got a gradient here / stepped by
+    // this step (agreed on every rank) / optimizer steps taken; per bucket, this
+    // rank's fragments in slice order.
+    std::vector<uint8_t> used_, stepped_;
+    std::vector<int64_t> param_steps_;
+    bool step_begun_ = false;          // begin_step() ran; cleared by the fused step
+    std::vector<std::vector<StepRun>> my_frags_;
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
 };
 

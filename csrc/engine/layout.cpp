@@ -278,6 +278,7 @@ py::dict Engine::stats() const {
     comm["reduce_scatter"] = counter_dict(comm_.c_reduce_scatter);
     comm["all_gather"] = counter_dict(comm_.c_all_gather);
     comm["broadcast"] = counter_dict(comm_.c_broadcast);
+    comm["used_flags"] = counter_dict(comm_.c_used_flags);
     py::dict d;
     d["stage"] = opts_.stage;
     d["world_size"] = world_;

@@ -55,6 +55,7 @@ void Engine::stage_grad(int64_t i) {
 
 void Engine::mark_ready(int64_t i) {
     TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: bad parameter index ", i);
+    note_grad(i);
     if (opts_.stage <= 1) ensure_grad_view(i);
     const bool reduce_now = opts_.stage >= 2 || require_sync_;
     if (!reduce_now) return;
@@ -222,6 +223,7 @@ void Engine::zero_grad(bool set_to_none) {
     for (auto &p : params_) {
         if (set_to_none) p.mutable_grad() = at::Tensor();
     }
+    if (set_to_none) forget_grads();   // Note [Unused parameters]
 }
 
 }  // namespace zx

@@ -34,6 +34,7 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
     bool ams = false;
     for (const auto &h : hps) ams = ams || h.amsgrad;
     at::Tensor vmax = ams ? state("max_exp_avg_sq") : at::Tensor();
+    const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
     for (auto &bk : buckets_) {
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
         const zx_adam_hparams &hp = hps[bk.group];
@@ -42,8 +43,20 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
         const at::Tensor gs = grad_shard_slice(bk);
         float *mp = m.data_ptr<float>() + bk.shard_offset, *vp = v.data_ptr<float>() + bk.shard_offset;
         float *xp = hp.amsgrad ? vmax.data_ptr<float>() + bk.shard_offset : nullptr;
-        kern_->adam(bk.slice_numel, p, gs, mp, vp, xp, lp, pzx_, hp, ctl_ptr(ctl), step_ptr(steps, bk.group));
+        if (ctl.defined()) {   // Note [Step control]: device step counts, one call per bucket
+            kern_->adam(bk.slice_numel, p, gs, mp, vp, xp, lp, pzx_, hp, ctl_ptr(ctl), step_ptr(steps, bk.group));
+            continue;
+        }
+        // Note [Unused parameters]: only the stretches of stepped parameters.
+        for (const StepRun &r : step_runs(&bk - buckets_.data())) {
+            zx_adam_hparams h = hp;
+            h.step = r.step;
+            const int64_t o = r.offset;
+            kern_->adam(r.numel, p + o, gs.narrow(0, o, r.numel), mp + o, vp + o, xp ? xp + o : nullptr,
+                        lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
+        }
     }
+    step_begun_ = false;
 }
 
 void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &ctl, const at::Tensor &steps) {
@@ -52,6 +65,7 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
     bool momentum = false;
     for (const auto &h : hps) momentum = momentum || h.momentum != 0.0;
     at::Tensor buf = momentum ? state("momentum_buffer") : at::Tensor();
+    const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
     for (auto &bk : buckets_) {
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
         const zx_sgd_hparams &hp = hps[bk.group];
@@ -59,8 +73,19 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
         char *lp = (char *)lp_out(bk);
         const at::Tensor gs = grad_shard_slice(bk);
         float *bp = hp.momentum != 0.0 ? buf.data_ptr<float>() + bk.shard_offset : nullptr;
-        kern_->sgd(bk.slice_numel, p, gs, bp, lp, pzx_, hp, ctl_ptr(ctl), step_ptr(steps, bk.group));
+        if (ctl.defined()) {   // Note [Step control]
+            kern_->sgd(bk.slice_numel, p, gs, bp, lp, pzx_, hp, ctl_ptr(ctl), step_ptr(steps, bk.group));
+            continue;
+        }
+        for (const StepRun &r : step_runs(&bk - buckets_.data())) {   // Note [Unused parameters]
+            zx_sgd_hparams h = hp;
+            h.first_step = r.step == 1;
+            const int64_t o = r.offset;
+            kern_->sgd(r.numel, p + o, gs.narrow(0, o, r.numel), bp ? bp + o : nullptr,
+                       lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
+        }
     }
+    step_begun_ = false;
 }
 
 std::vector<at::Tensor> Engine::param_shards() {

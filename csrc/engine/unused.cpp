@@ -1,0 +1,112 @@
+// unused.cpp — parameters that got no gradient: which ones, agreed across
+// ranks with one small all-reduce per step, per-parameter step counts, and the
+// runs of this rank's fragments that a fused step updates.
+//
+// Note [Unused parameters]
+//   torch's optimizers skip a parameter whose .grad is None: no weight decay, no
+//   moment update, and its step count (Adam's bias correction) does not advance.
+//   Under DDP(find_unused_parameters=True) a parameter keeps .grad None exactly
+//   when no rank produced a gradient for it since the last zero_grad(set_to_none=
+//   True); a gradient on any rank makes it a (zero-padded) average on all ranks.
+//   The engine reproduces this:
+//     - used_[i]: parameter i got a gradient on this rank (its accumulation hook
+//       fired) since the last zero_grad(set_to_none=True); zero_grad with
+//       set_to_none=False keeps it, as torch keeps the zeroed .grad tensors;
+//     - begin_step(): one all-reduce (MAX, one byte per parameter; counted as
+//       stats()["comm"]["used_flags"]) turns the flags into stepped_[i], the same
+//       on every rank, and advances param_steps_[i] of the stepped parameters;
+//     - step_runs(b): the stretches of bucket b's owned slice to update. When all
+//       of the slice's parameters are stepped with one step count (the usual
+//       case) it is the whole slice, padding included, as a single kernel call;
+//       otherwise maximal runs of adjacent fragments with one step count, and
+//       the fragments of unstepped parameters are left untouched.
+//   Reductions are unchanged: every rank still reduces every bucket (unused
+//   parameters contribute zeros), so nothing hangs.
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace zx {
+
+void Engine::note_grad(int64_t i) {
+    if (used_.empty()) used_.assign(params_.size(), 0);
+    used_[(size_t)i] = 1;
+}
+
+void Engine::forget_grads() { std::fill(used_.begin(), used_.end(), (uint8_t)0); }
+
+void Engine::ensure_step_tables() {
+    const size_t n = params_.size();
+    if (used_.empty()) used_.assign(n, 0);
+    if (param_steps_.empty()) param_steps_.assign(n, 0);
+    if (stepped_.empty()) stepped_.assign(n, 0);
+    if (!my_frags_.empty() || buckets_.empty()) return;
+    // This rank's fragments per bucket, in slice order.
+    my_frags_.resize(buckets_.size());
+    for (const auto &[i, poff, soff, numel] : fragments(parts_ > 1 ? rank_ : 0)) {
+        const int64_t b = bucket_of_[(size_t)i];
+        my_frags_[(size_t)b].push_back({i, soff - buckets_[(size_t)b].shard_offset, numel, 0});
+    }
+    for (auto &frags : my_frags_)
+        std::sort(frags.begin(), frags.end(), [](const StepRun &a, const StepRun &c) { return a.offset < c.offset; });
+}
+
+void Engine::begin_step() {
+    ensure_step_tables();
+    if (world_ > 1) {
+        at::Tensor t = at::from_blob(used_.data(), {(int64_t)used_.size()}, at::kByte).clone().to(dev_);
+        comm_.all_reduce_max_blocking(t, comm_.c_used_flags, "unused-parameter flags all-reduce");
+        t = t.cpu();
+        std::memcpy(stepped_.data(), t.data_ptr<uint8_t>(), stepped_.size());
+    } else {
+        stepped_ = used_;
+    }
+    for (size_t i = 0; i < stepped_.size(); i++)
+        if (stepped_[i]) param_steps_[i]++;
+    step_begun_ = true;
+}
+
+std::vector<StepRun> Engine::step_runs(int64_t b) const {
+    TORCH_CHECK(step_begun_, "zero_ext: internal: a fused step ran without begin_step()");
+    std::vector<StepRun> runs;
+    const auto &frags = my_frags_[(size_t)b];
+    if (frags.empty()) return runs;
+    bool uniform = true;
+    const int64_t first = frags[0].param;
+    for (const auto &f : frags)
+        uniform = uniform && stepped_[(size_t)f.param] && param_steps_[(size_t)f.param] == param_steps_[(size_t)first];
+    if (uniform) {
+        runs.push_back({-1, 0, buckets_[(size_t)b].slice_numel, param_steps_[(size_t)first]});
+        return runs;
+    }
+    for (const auto &f : frags) {
+        if (!stepped_[(size_t)f.param]) continue;
+        const int64_t s = param_steps_[(size_t)f.param];
+        if (!runs.empty() && runs.back().step == s && runs.back().offset + runs.back().numel == f.offset)
+            runs.back().numel += f.numel;
+        else
+            runs.push_back({f.param, f.offset, f.numel, s});
+    }
+    return runs;
+}
+
+std::vector<int64_t> Engine::param_steps() {
+    ensure_step_tables();
+    return param_steps_;
+}
+
+void Engine::set_param_steps(const std::vector<int64_t> &steps) {
+    ensure_step_tables();
+    TORCH_CHECK(steps.size() == param_steps_.size(), "zero_ext: ", steps.size(), " step counts for ",
+                param_steps_.size(), " parameters; pass one step count per trainable parameter");
+    param_steps_ = steps;
+}
+
+std::vector<bool> Engine::stepped_params() const {
+    std::vector<bool> out(params_.size(), false);
+    for (size_t i = 0; i < stepped_.size(); i++) out[i] = stepped_[i] != 0;
+    return out;
+}
+
+}  // namespace zx
