@@ -176,6 +176,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("wait_params", &zx::Engine::wait_params, py::call_guard<py::gil_scoped_release>())
         .def("zero_grad", &zx::Engine::zero_grad, py::call_guard<py::gil_scoped_release>())
         .def("broadcast_tensors", &zx::Engine::broadcast_tensors, py::call_guard<py::gil_scoped_release>())
+        .def("enable_sequence_check", [](zx::Engine &e, py::object store, std::vector<std::string> names,
+                                         double patience_s) {
+                 c10::optional<zx::StorePtr> st;
+                 if (!store.is_none()) st = store.cast<zx::StorePtr>();
+                 e.enable_sequence_check(st, std::move(names), patience_s);
+             },
+             py::arg("store"), py::arg("names"), py::arg("patience_s"))
+        .def("sequence_mark", &zx::Engine::sequence_mark)
         .def("state", &zx::Engine::state)
         .def("states", [](zx::Engine &e) {
             py::dict d;

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import _C
 from .changes import ADD_GROUP_FIX, ZeroUsageError
+from .model import PHASE_CLIP, PHASE_STEP
 
 # Optimizers whose update is elementwise: they may run over a flat shard.
 FUSED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -106,6 +107,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._engine.sequence_mark(PHASE_STEP)
         if self._guard is not None:
             self._guard.check_edits()   # Note [Edits outside gathered_parameters] (changes.py)
         scale = self._clip_coef * self._grad_scale()
@@ -172,6 +174,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         full averaged gradients; returns the total norm (before clipping). The clipping
         factor is folded into the next step() rather than applied in a separate pass."""
         norm_type = float(norm_type)
+        self._engine.sequence_mark(PHASE_CLIP)
         if norm_type == 2.0:
             sumsq, nonfinite = self._engine.grad_sumsq(self._grad_scale())
             total = math.sqrt(sumsq) if nonfinite == 0 else math.inf
