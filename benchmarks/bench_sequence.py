@@ -55,7 +55,7 @@ def run_steps(model, opt, steps, rank, first, vocab):
         g = torch.Generator().manual_seed(1000 * (first + s) + rank)
         idx = torch.randint(0, vocab, (BATCH, BLOCK + 1), generator=g)
         t0 = time.perf_counter()
-        _, loss = model(idx[:, :-1], idx[:, 1:])
+        _, loss = model(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -187,8 +187,10 @@ def _enable_sequence_check(engine, model, params, pg, cfg: ZeroConfig) -> None:
     except (AttributeError, KeyError, IndexError, TypeError):
         store = None                     # checkpoints only
     names = {id(p): n for n, p in model.named_parameters()}
+    # the digests' own gloo group over the same ranks (only they need to call new_group)
+    side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo", use_local_synchronization=True)
     engine.enable_sequence_check(store, [names.get(id(p), f"#{i}") for i, p in enumerate(params)],
-                                 float(cfg.sequence_timeout))
+                                 float(cfg.sequence_timeout), side)
 
 
 def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | str | None = None,

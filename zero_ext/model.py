@@ -28,6 +28,7 @@ def cast_buffers(model: nn.Module, low: torch.dtype, which) -> None:
 
 # Phases of Note [Collective sequence check] (SeqPhase in csrc/engine/sequence.h).
 PHASE_FORWARD, PHASE_BACKWARD, PHASE_CLIP, PHASE_STEP = 1, 2, 3, 4
+UNIT_NEED_BASE = 16   # sequence_mark(UNIT_NEED_BASE + k): stage-3 unit k is needed (recorded, no data)
 
 
 def _in_backward() -> bool:
@@ -193,6 +194,7 @@ class _UnitHooks:
                 self.cursor = i + 1       # else not predicted from here on: keep the cursor
                 break
         self.fetches += 1
+        self.engine.sequence_mark(UNIT_NEED_BASE + k)
         if not self.engine.unit_gathered(k) and not self.engine.gather_unit(k, True):
             self.out_of_order += 1
         for u in self._upcoming(k):

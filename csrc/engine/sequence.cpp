@@ -66,6 +66,12 @@ const char *kHint =
 
 std::atomic<int64_t> g_next_id{0};
 
+// A stage-3 unit needed by the unit hooks: recorded like a collective (kind 5, no
+// data), so that a unit one rank skips shows in the digest before the collectives
+// that follow it can pair wrongly. Python passes it as sequence_mark(kUnitNeedBase + unit).
+constexpr int64_t kSeqUnitNeed = 5;
+constexpr int64_t kUnitNeedBase = 16;
+
 }  // namespace
 
 void Sequence::fail(const std::string &msg) {
@@ -130,6 +136,11 @@ std::string Sequence::describe(const SeqRecord &r, bool full) const {
     if (r.phase != kPhaseBackward && r.phase != kPhaseStep)
         o << " after " << r.micro << " backward pass" << (r.micro == 1 ? "" : "es");
     static const char *kinds[] = {"?", "all-reduce", "reduce-scatter", "all-gather", "broadcast"};
+    if (r.kind == kSeqUnitNeed) {
+        o << ": unit " << r.unit << " runs";
+        if (full) o << " (record #" << r.seq << ")";
+        return o.str();
+    }
     o << ": " << kinds[(r.kind >= 1 && r.kind <= 4) ? r.kind : 0];
     if (r.unit >= 0) {
         o << " of unit " << r.unit << " (bucket " << r.bucket << ")";
@@ -139,7 +150,7 @@ std::string Sequence::describe(const SeqRecord &r, bool full) const {
         o << " of the gradient norm";
     }
     if (!full) return o.str();
-    o << " (" << r.numel << " elements, collective #" << r.seq << ")";
+    o << " (" << r.numel << " elements, record #" << r.seq << ")";
     return o.str();
 }
 
@@ -175,7 +186,7 @@ std::string Sequence::diagnose(const std::vector<std::vector<SeqRecord>> &rings,
         std::sort(odd.begin(), odd.end());
         const SeqRecord *first_odd = at[odd[0]];
         o << "zero_ext: collective sequence diverged: " << ranks_text(odd) << " differ"
-          << (odd.size() == 1 ? "s" : "") << " from " << ranks_text(groups[0]) << " at collective #" << s;
+          << (odd.size() == 1 ? "s" : "") << " from " << ranks_text(groups[0]) << " at record #" << s;
         if (first_odd) o << " (" << describe(*first_odd, false) << ")";
         o << ":";
         for (const auto &g : groups) {
@@ -184,7 +195,7 @@ std::string Sequence::diagnose(const std::vector<std::vector<SeqRecord>> &rings,
             if (rec) {
                 o << describe(*rec);
             } else {
-                o << "issued no collective #" << s;
+                o << "has no record #" << s;
             }
             if (!whats.empty() && !whats[g[0]].empty()) o << "; waiting in " << whats[g[0]];
         }
@@ -360,12 +371,35 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
 
 // ---- the engine's side
 
+namespace {
+c10::optional<ProcessGroupPtr> g_next_group;   // set by the binding just before enable
+}  // namespace
+
+// Digests travel on a group of their own (a second gloo group over the same ranks,
+// made by zeroify), so that a rank in a digest never pairs with a data collective
+// another rank issued (gloo aborts the process when a message exceeds the buffer
+// posted for it). Without one, they use the engine's group.
+void set_next_sequence_group(c10::optional<ProcessGroupPtr> pg) {
+    g_next_group = std::move(pg);
+}
+
 void Engine::enable_sequence_check(c10::optional<StorePtr> store, std::vector<std::string> names, double patience_s) {
+    if (g_next_group.has_value()) {
+        TORCH_CHECK((*g_next_group)->getSize() == world_ && (*g_next_group)->getRank() == rank_,
+                    "zero_ext: the sequence-check group must hold the engine's ranks in the same order");
+        comm_.seq.attach(*g_next_group, rank_, world_);
+        g_next_group.reset();
+    }
     comm_.seq.enable(store.has_value() ? *store : StorePtr(), std::move(names), patience_s);
 }
 
 void Engine::sequence_mark(int64_t phase) {
     if (!comm_.seq.enabled()) return;
+    if (phase >= kUnitNeedBase) {
+        comm_.seq.subject(-1, phase - kUnitNeedBase);
+        comm_.seq.before(kSeqUnitNeed, 0);
+        return;
+    }
     FrozenSummary f;
     for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
         if (params_[i].requires_grad()) continue;

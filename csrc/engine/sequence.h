@@ -13,11 +13,15 @@
 //      a 13-integer digest: its record of that collective (optimizer step,
 //      backward passes since the last step, phase, kind, bucket, unit, numel,
 //      collective count and a running hash of all its earlier records) and a
-//      summary of which trainable parameters no longer require grad. Ranks in
-//      different phases meet in this same small all-gather (never in a
-//      mismatched one), so skipped backwards, extra micro-steps, a step() on
-//      some ranks only and a changed requires_grad are caught there, before any
-//      data is exchanged wrongly. One all-gather per phase that communicates.
+//      summary of which trainable parameters no longer require grad. Digests
+//      travel on a gloo group of their own (zeroify makes it), so ranks in
+//      different phases meet in this small all-gather and never in a mismatched
+//      data collective (gloo aborts a process that receives more bytes than it
+//      posted). Skipped backwards, extra micro-steps, a step() on some ranks
+//      only and a changed requires_grad are caught there, before any data is
+//      exchanged wrongly. Stage 3 also records each unit the hooks need (no
+//      data; Engine::sequence_mark with a unit code), so a unit skipped in
+//      forward is caught at the start of backward. One all-gather per phase.
 //   2. Watched waits. A divergence inside a phase (a stage-3 unit skipped by
 //      one rank) makes two ranks issue different collectives, which hang. Every
 //      engine wait gives up after `patience` seconds; the rank then writes its
