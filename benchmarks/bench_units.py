@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 for p in (REPO, REPO / "examples", REPO / "benchmarks"):
     sys.path.insert(0, str(p))
 from demo import format_table  # noqa: E402
-from machine import cpu_model  # noqa: E402
+from machine import cpu_model, interleaved, spread  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "bench_units.json"
 SYSTEMS = ["ddp", "1", "2", "3", "fsdp2"]
@@ -115,14 +115,8 @@ def worker(rank, store, args, out):
     for model, opt in built.values():
         run_steps(model, opt, args.warmup, rank, 0)
     names = list(built)
-    per_rep = []
-    for rep in range(args.reps):
-        row = {}
-        for k in range(len(names)):
-            name = names[(rep + k) % len(names)]
-            dist.barrier()
-            row[name] = statistics.median(run_steps(*built[name], args.steps, rank, 100 * (rep + 1)))
-        per_rep.append(row)
+    per_rep = interleaved(names, lambda name, rep: statistics.median(
+        run_steps(*built[name], args.steps, rank, 100 * (rep + 1))), args.reps)
     profile = None
     if args.profile and "3" in built:
         prof = cProfile.Profile()
@@ -141,10 +135,6 @@ def worker(rank, store, args, out):
                         params=sum(p.numel() for p in base.parameters())), out)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def spread(values):
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main():

@@ -12,3 +12,26 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def spread(values) -> dict:
+    """Median, min and max of a list of numbers."""
+    import statistics
+
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def interleaved(names: list, time_one, reps: int) -> list:
+    """Run every system once per repetition, the first one rotating, after a barrier
+    (ranks in lock step): [{name: time_one(name, rep)} per repetition]."""
+    import torch.distributed as dist
+
+    per_rep = []
+    for rep in range(reps):
+        row = {}
+        for k in range(len(names)):
+            name = names[(rep + k) % len(names)]
+            dist.barrier()
+            row[name] = time_one(name, rep)
+        per_rep.append(row)
+    return per_rep

@@ -178,6 +178,21 @@ def _resolve_auto_stage(model, optimizer, cfg: ZeroConfig, pg, rank: int, world:
     return None
 
 
+def _enable_sequence_check(engine, model, params, pg, cfg: ZeroConfig) -> None:
+    """Note [Collective sequence check] (csrc/engine/sequence.h): checkpoints before
+    each phase's first collective, and waits that compare positions through the
+    group's store when they run longer than sequence_timeout."""
+    try:
+        store = dist.distributed_c10d._world.pg_map[pg][1]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        store = None                     # checkpoints only
+    names = {id(p): n for n, p in model.named_parameters()}
+    # the digests' own gloo group over the same ranks (only they need to call new_group)
+    side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo", use_local_synchronization=True)
+    engine.enable_sequence_check(store, [names.get(id(p), f"#{i}") for i, p in enumerate(params)],
+                                 float(cfg.sequence_timeout), side)
+
+
 def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | str | None = None,
             config: ZeroConfig | dict | str | None = None, init_fn=None, **options):
     """Wrap `model` and `optimizer` for ZeRO data parallelism; returns (model, optimizer).
@@ -212,6 +227,9 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
             error = e
     fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
     verify = cfg.verify_across_ranks if cfg is not None else True
+    if error is None and cfg.check_sequence is True and world > 1 and dist.get_backend(pg) != "gloo":
+        error = ZeroInputError(f"zero_ext: check_sequence=True runs on gloo only (this group's backend is "
+                               f"{dist.get_backend(pg)!r}); use check_sequence='auto' or False")
     if world > 1 and verify and dist.get_backend(pg) != "fake":   # fake moves no data
         _verify_across_ranks(pg, rank, world, fingerprint, error)
     elif error is not None:
@@ -271,6 +289,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     zopt._units = wrapped._units
     zopt._params = params            # engine parameter i = params[i]
     zopt._param_shapes = shapes      # logical shape of engine parameter i
+    if world > 1 and cfg.check_sequence is not False and backend == "gloo":
+        _enable_sequence_check(engine, model, params, pg, cfg)
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)
     return wrapped, zopt

@@ -26,6 +26,11 @@ def cast_buffers(model: nn.Module, low: torch.dtype, which) -> None:
                     m._buffers[name] = b.to(low)
 
 
+# Phases of Note [Collective sequence check] (SeqPhase in csrc/engine/sequence.h).
+PHASE_FORWARD, PHASE_BACKWARD, PHASE_CLIP, PHASE_STEP = 1, 2, 3, 4
+UNIT_NEED_BASE = 16   # sequence_mark(UNIT_NEED_BASE + k): stage-3 unit k is needed (recorded, no data)
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -47,6 +52,7 @@ class ZeroModel(nn.Module):
         self._compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.param_dtype)
 
     def forward(self, *args, **kwargs):
+        self._engine.sequence_mark(PHASE_FORWARD)
         self._engine.wait_params()
         if self._config.broadcast_buffers and self._buffers_to_sync and self._engine.world_size > 1:
             self._engine.broadcast_tensors(self._buffers_to_sync, 0)
@@ -104,6 +110,7 @@ class ZeroModel(nn.Module):
     def _begin_backward(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self._engine.sequence_mark(PHASE_BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
@@ -187,6 +194,7 @@ class _UnitHooks:
                 self.cursor = i + 1       # else not predicted from here on: keep the cursor
                 break
         self.fetches += 1
+        self.engine.sequence_mark(UNIT_NEED_BASE + k)
         if not self.engine.unit_gathered(k) and not self.engine.gather_unit(k, True):
             self.out_of_order += 1
         for u in self._upcoming(k):
@@ -199,6 +207,7 @@ class _UnitHooks:
         if self.recording and self.recorded:
             self.learned[self.grad_pass] = self.recorded   # the previous pass is complete
         self.grad_pass = torch.is_grad_enabled()
+        self.engine.sequence_mark(PHASE_FORWARD)
         known = self.learned.get(self.grad_pass)
         self.order = known if known is not None else self._guess()
         self.recorded, self.cursor, self.recording, self.in_root = [], 0, True, True

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from . import _C
 from .changes import ADD_GROUP_FIX, ZeroUsageError
+from .model import PHASE_CLIP, PHASE_STEP
 from .step_control import StepControl
 
 # Optimizers whose update is elementwise: they may run over a flat shard.
@@ -154,6 +155,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._engine.sequence_mark(PHASE_STEP)
         if self._guard is not None:
             self._guard.check_edits()   # Note [Edits outside gathered_parameters] (changes.py)
         if self._ctl is not None:
@@ -271,6 +273,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         full averaged gradients; returns the total norm (before clipping). The clipping
         factor is folded into the next step() rather than applied in a separate pass."""
         norm_type = float(norm_type)
+        self._engine.sequence_mark(PHASE_CLIP)
         if norm_type == 2.0 and self._ctl is not None:
             return self._ctl.clip(max_norm)   # a device tensor: nothing read back
         if norm_type == 2.0:

@@ -14,6 +14,7 @@ Communicator::Communicator(c10::optional<ProcessGroupPtr> pg) : pg_(std::move(pg
         rank_ = (*pg_)->getRank();
         world_ = (*pg_)->getSize();
     }
+    seq.attach(pg_, rank_, world_);
 }
 
 void Communicator::wait(const WorkPtr &work, const char *what) {
@@ -28,6 +29,7 @@ void Communicator::wait(const WorkPtr &work, const char *what) {
 
 WorkPtr Communicator::all_reduce_sum(at::Tensor t) {
     c_all_reduce.add(t.numel(), t.element_size());
+    seq.before(kSeqAllReduce, t.numel());
     std::vector<at::Tensor> ts{std::move(t)};
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;   // never AVG: gloo's AVG has been wrong
@@ -35,7 +37,8 @@ WorkPtr Communicator::all_reduce_sum(at::Tensor t) {
 }
 
 void Communicator::all_reduce_sum_blocking(at::Tensor t, const char *what) {
-    wait(all_reduce_sum(std::move(t)), what);
+    seq.subject(-1, -1);
+    watch(all_reduce_sum(std::move(t)), what);
 }
 
 void Communicator::all_reduce_max_blocking(at::Tensor t, CommCounter &counter, const char *what) {
@@ -48,6 +51,7 @@ void Communicator::all_reduce_max_blocking(at::Tensor t, CommCounter &counter, c
 
 WorkPtr Communicator::reduce_scatter_sum(at::Tensor recv, at::Tensor send) {
     c_reduce_scatter.add(send.numel(), send.element_size());
+    seq.before(kSeqReduceScatter, send.numel());
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
     return (*pg_)->_reduce_scatter_base(recv, send, o);
@@ -56,6 +60,7 @@ WorkPtr Communicator::reduce_scatter_sum(at::Tensor recv, at::Tensor send) {
 WorkPtr Communicator::all_to_all(at::Tensor recv, at::Tensor send, int64_t logical_numel) {
     // Counted as the reduce-scatter it implements.
     c_reduce_scatter.add(logical_numel, send.element_size());
+    seq.before(kSeqReduceScatter, logical_numel);
     std::vector<int64_t> splits;   // empty: equal splits
     return (*pg_)->alltoall_base(recv, send, splits, splits);
 }
@@ -64,6 +69,7 @@ std::pair<WorkPtr, WorkPtr> Communicator::all_to_all_quantized(at::Tensor codes_
                                                              at::Tensor scales_recv, at::Tensor scales_send,
                                                              int64_t logical_numel, int64_t logical_elem) {
     c_reduce_scatter.add(logical_numel, logical_elem, codes_send.nbytes() + scales_send.nbytes());
+    seq.before(kSeqReduceScatter, logical_numel);
     std::vector<int64_t> splits;   // empty: equal splits
     WorkPtr scales = (*pg_)->alltoall_base(scales_recv, scales_send, splits, splits);
     WorkPtr codes = (*pg_)->alltoall_base(codes_recv, codes_send, splits, splits);
@@ -72,16 +78,18 @@ std::pair<WorkPtr, WorkPtr> Communicator::all_to_all_quantized(at::Tensor codes_
 
 WorkPtr Communicator::all_gather(at::Tensor out, at::Tensor in) {
     c_all_gather.add(out.numel(), out.element_size());
+    seq.before(kSeqAllGather, out.numel());
     return (*pg_)->_allgather_base(out, in);
 }
 
 void Communicator::broadcast(at::Tensor t, int64_t src) {
     if (world_ == 1) return;
     c_broadcast.add(t.numel(), t.element_size());
+    seq.before(kSeqBroadcast, t.numel());
     std::vector<at::Tensor> one{std::move(t)};
     c10d::BroadcastOptions o;
     o.rootRank = src;
-    wait((*pg_)->broadcast(one, o), "broadcast");
+    watch((*pg_)->broadcast(one, o), "broadcast");
 }
 
 }  // namespace zx

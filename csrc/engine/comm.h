@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "engine/sequence.h"   // defines: Sequence (Note [Collective sequence check])
+
 namespace zx {
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
@@ -63,9 +65,12 @@ public:
     // Every wait on a collective goes through here, so that a peer that died
     // (or a timeout of the process group) surfaces as one message naming what failed.
     static void wait(const WorkPtr &work, const char *what);
+    // wait(), watched by the sequence check: ranks that diverged are named.
+    void watch(const WorkPtr &work, const char *what) { seq.watch(work, what); }
 
     CommCounter c_all_reduce, c_reduce_scatter, c_all_gather, c_broadcast;
     CommCounter c_used_flags;   // Note [Unused parameters]: one byte per parameter per step
+    Sequence seq;   // records every collective issued here; the engine sets seq.subject()
 
 private:
     c10::optional<ProcessGroupPtr> pg_;

@@ -12,6 +12,7 @@
 //   gatherer.cpp     parameter all-gather (stages 0-2) and stage-3 units
 //   stepper.cpp      optimizer steps, gradient norm and scaling, casts
 //   comm.h/.cpp      Communicator: collectives on the process group, counters
+//   sequence.h/.cpp  the collective sequence check: divergent ranks named, not hung
 //   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
 //                    the per-device kernel table (Note [Kernel table])
 #pragma once
@@ -177,6 +178,11 @@ public:
     int64_t partitions() const { return parts_; }
     double grad_divisor() const;       // what shard gradients must be divided by
     std::string isa_name() const { return zx_isa_name(isa_); }
+
+    // --- collective sequence check (Note [Collective sequence check], sequence.cpp) ---
+    // store: the process group's store, for watched waits (None: checkpoints only).
+    void enable_sequence_check(c10::optional<StorePtr> store, std::vector<std::string> names, double patience_s);
+    void sequence_mark(int64_t phase);   // a SeqPhase: forward, backward, clip, step
 
 private:
     void launch(int64_t b);

@@ -49,14 +49,16 @@ void Engine::absorb_param_edits() {
 void Engine::all_gather_params() {
     if (parts_ == 1 || opts_.stage == 3) return;   // stage 3 gathers per unit, on demand
     wait_params();
-    for (auto &bk : buckets_) {
+    for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
+        Bucket &bk = buckets_[b];
         at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
+        comm_.seq.subject(b, -1);
         gather_works_.push_back(comm_.all_gather(bk.flat_param, in));
     }
 }
 
 void Engine::wait_params() {
-    for (auto &w : gather_works_) Communicator::wait(w, "parameter all-gather");
+    for (auto &w : gather_works_) comm_.watch(w, "parameter all-gather");
     gather_works_.clear();
 }
 
@@ -68,7 +70,7 @@ void Engine::wait_gather(Bucket &bk) {
     if (bk.gather_work) {
         auto work = std::move(bk.gather_work);
         bk.gather_work.reset();
-        Communicator::wait(work, "unit all-gather");
+        comm_.watch(work, "unit all-gather");
     }
 }
 
@@ -115,6 +117,7 @@ bool Engine::gather_unit(int64_t u, bool wait) {
                 mark_gathered(bk);
                 continue;
             }
+            comm_.seq.subject(b, u);
             bk.gather_work = comm_.all_gather(bk.flat_param, in);
         }
         if (wait) mark_gathered(bk);
@@ -132,6 +135,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
     for (int64_t b : unit_buckets_[u]) {
         Bucket &bk = buckets_[b];
         if (bk.staging.defined()) {   // open_unit_fp32: full-precision values
+            comm_.seq.subject(b, u);
             broadcast_tensors({bk.staging}, src);
             master_slice(bk).copy_(owned_slice(bk.staging, bk));
             if (lp_) lp_slice(bk).copy_(owned_slice(bk.staging, bk));
@@ -139,6 +143,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
             continue;
         }
         TORCH_CHECK(bk.gathered, "zero_ext: commit_unit needs unit ", u, " gathered");
+        comm_.seq.subject(b, u);
         broadcast_tensors({bk.flat_param}, src);
         const at::Tensor owned = owned_slice(bk.flat_param, bk);
         if (lp_) {
@@ -167,7 +172,8 @@ void Engine::open_unit_fp32(int64_t u) {
         if (world_ == 1) {
             bk.staging.copy_(in);
         } else {
-            Communicator::wait(comm_.all_gather(bk.staging, in), "unit all-gather");
+            comm_.seq.subject(b, u);
+            comm_.watch(comm_.all_gather(bk.staging, in), "unit all-gather");
         }
         gathered_bytes_ += bk.staging.nbytes();
         peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);

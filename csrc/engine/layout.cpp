@@ -165,12 +165,14 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
 }
 
 Engine::~Engine() {
-    // Outstanding collectives must finish before their buffers go away.
+    // Outstanding collectives must finish before their buffers go away (after a
+    // divergence they never will; their works hold the buffers).
     try {
+        if (comm_.seq.diverged()) inflight_.clear(), gather_works_.clear();
         for (auto &w : inflight_) w.second->wait();
         for (auto &w : gather_works_) w->wait();
         for (auto &bk : buckets_)
-            if (bk.gather_work) bk.gather_work->wait();
+            if (bk.gather_work && !comm_.seq.diverged()) bk.gather_work->wait();
     } catch (...) {
     }
     zx_plan_free(plan_);

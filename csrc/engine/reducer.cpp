@@ -150,6 +150,7 @@ void Engine::launch(int64_t b) {
         return;
     }
     WorkPtr work;
+    comm_.seq.subject(b, opts_.stage == 3 ? bk.unit : -1);
     if (opts_.stage == 0) {
         bk.flat_grad.div_((double)world_);
         work = comm_.all_reduce_sum(bk.flat_grad);
@@ -177,7 +178,7 @@ void Engine::complete(int64_t b) {
     while (!inflight_.empty()) {
         auto [cur, work] = inflight_.front();
         inflight_.pop_front();
-        Communicator::wait(work, opts_.stage == 0 ? "gradient all-reduce" : "gradient reduce-scatter");
+        comm_.watch(work, opts_.stage == 0 ? "gradient all-reduce" : "gradient reduce-scatter");
         Bucket &bk = buckets_[cur];
         if (opts_.stage >= 1) {
             Slot &sl = slots_[bk.slot];

@@ -1,0 +1,415 @@
+// sequence.cpp — see sequence.h (Note [Collective sequence check]).
+#include "engine/sequence.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "engine/comm.h"
+#include "engine/engine.h"
+
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"   // Note [Collective entry points]
+
+namespace zx {
+
+namespace {
+
+int64_t mix(int64_t h, int64_t v) {
+    uint64_t x = (uint64_t)h ^ ((uint64_t)v + 0x9e3779b97f4a7c15ULL + ((uint64_t)h << 6) + ((uint64_t)h >> 2));
+    x ^= x >> 31;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    return (int64_t)(x ^ (x >> 29));
+}
+
+void put(const SeqRecord &r, int64_t *o) {
+    const int64_t v[kRecordFields] = {r.seq, r.step, r.micro, r.phase, r.kind, r.bucket, r.unit, r.numel, r.hash};
+    std::memcpy(o, v, sizeof(v));
+}
+
+SeqRecord get(const int64_t *v) {
+    SeqRecord r;
+    r.seq = v[0], r.step = v[1], r.micro = v[2], r.phase = v[3], r.kind = v[4];
+    r.bucket = v[5], r.unit = v[6], r.numel = v[7], r.hash = v[8];
+    return r;
+}
+
+// Ranks with equal keys, largest group first (the one holding the lowest rank on a tie).
+std::vector<std::vector<int64_t>> groups_of(const std::vector<std::string> &keys) {
+    std::map<std::string, std::vector<int64_t>> by;
+    for (int64_t r = 0; r < (int64_t)keys.size(); r++) by[keys[r]].push_back(r);
+    std::vector<std::vector<int64_t>> g;
+    for (auto &kv : by) g.push_back(kv.second);
+    std::sort(g.begin(), g.end(), [](const auto &a, const auto &b) {
+        return a.size() != b.size() ? a.size() > b.size() : a[0] < b[0];
+    });
+    return g;
+}
+
+std::string ranks_text(const std::vector<int64_t> &rs) {
+    std::ostringstream o;
+    o << (rs.size() == 1 ? "rank " : "ranks ");
+    for (size_t i = 0; i < rs.size(); i++) o << (i ? ", " : "") << rs[i];
+    return o.str();
+}
+
+const char *kHint =
+    "\nA data-dependent branch made the ranks issue different collectives (a skipped or extra backward, "
+    "a stage-3 unit run on some ranks only, step() called on some ranks only, or requires_grad changed on "
+    "some ranks after zeroify()). Every rank raises this error instead of waiting for the process group's "
+    "timeout. Make every rank run the same forward/backward/step sequence (for a branch that skips work, run "
+    "it with zero-weighted inputs instead), then restart from the last checkpoint. "
+    "(zeroify(check_sequence=False) turns this check off.)";
+
+std::atomic<int64_t> g_next_id{0};
+
+// A stage-3 unit needed by the unit hooks: recorded like a collective (kind 5, no
+// data), so that a unit one rank skips shows in the digest before the collectives
+// that follow it can pair wrongly. Python passes it as sequence_mark(kUnitNeedBase + unit).
+constexpr int64_t kSeqUnitNeed = 5;
+constexpr int64_t kUnitNeedBase = 16;
+
+}  // namespace
+
+void Sequence::fail(const std::string &msg) {
+    diverged_ = true;
+    TORCH_CHECK(false, msg);
+}
+
+void Sequence::attach(c10::optional<ProcessGroupPtr> pg, int64_t rank, int64_t world) {
+    pg_ = std::move(pg);
+    rank_ = rank;
+    world_ = world;
+    ring_.resize(kRing);
+}
+
+void Sequence::enable(StorePtr store, std::vector<std::string> names, double patience_s) {
+    store_ = std::move(store);
+    names_ = std::move(names);
+    patience_s_ = patience_s;
+    enabled_ = world_ > 1 && pg_.has_value();
+    id_ = g_next_id++;   // engines are built in the same order on every rank
+}
+
+void Sequence::mark(int64_t phase, const FrozenSummary &frozen) {
+    if (phase == kPhaseStep) {
+        step_++;
+        micro_ = 0;
+    } else if (phase == kPhaseBackward) {
+        micro_++;
+    }
+    phase_ = phase;
+    frozen_ = frozen;
+    armed_ = true;
+}
+
+void Sequence::before(int64_t kind, int64_t numel) {
+    SeqRecord r;
+    r.seq = last_.seq + 1;
+    r.step = step_, r.micro = micro_, r.phase = phase_, r.kind = kind;
+    r.bucket = bucket_, r.unit = unit_, r.numel = numel;
+    int64_t h = last_.hash;
+    for (int64_t v : {r.step, r.micro, r.phase, r.kind, r.bucket, r.unit, r.numel}) h = mix(h, v);
+    r.hash = h;
+    bucket_ = unit_ = -1;
+    ring_[r.seq % kRing] = r;
+    last_ = r;
+    if (armed_ && enabled_) {
+        armed_ = false;
+        exchange(r);
+    }
+}
+
+std::string Sequence::describe(const SeqRecord &r, bool full) const {
+    std::ostringstream o;
+    o << "step " << (r.phase == kPhaseStep ? r.step : r.step + 1) << ", ";
+    switch (r.phase) {
+        case kPhaseForward: o << "forward"; break;
+        case kPhaseBackward: o << "backward pass " << r.micro; break;
+        case kPhaseClip: o << "clip_grad_norm_"; break;
+        case kPhaseStep: o << "step()"; break;
+        default: o << "setup"; break;
+    }
+    if (r.phase != kPhaseBackward && r.phase != kPhaseStep)
+        o << " after " << r.micro << " backward pass" << (r.micro == 1 ? "" : "es");
+    static const char *kinds[] = {"?", "all-reduce", "reduce-scatter", "all-gather", "broadcast"};
+    if (r.kind == kSeqUnitNeed) {
+        o << ": unit " << r.unit << " runs";
+        if (full) o << " (record #" << r.seq << ")";
+        return o.str();
+    }
+    o << ": " << kinds[(r.kind >= 1 && r.kind <= 4) ? r.kind : 0];
+    if (r.unit >= 0) {
+        o << " of unit " << r.unit << " (bucket " << r.bucket << ")";
+    } else if (r.bucket >= 0) {
+        o << " of bucket " << r.bucket;
+    } else if (r.kind == kSeqAllReduce) {
+        o << " of the gradient norm";
+    }
+    if (!full) return o.str();
+    o << " (" << r.numel << " elements, record #" << r.seq << ")";
+    return o.str();
+}
+
+std::string Sequence::diagnose(const std::vector<std::vector<SeqRecord>> &rings,
+                               const std::vector<std::string> &whats) const {
+    const int64_t n = (int64_t)rings.size();
+    int64_t lo = 1, hi = 0;
+    for (const auto &ring : rings) {
+        if (!ring.empty()) {
+            lo = std::max(lo, ring.front().seq);
+            hi = std::max(hi, ring.back().seq);
+        }
+    }
+    for (int64_t s = lo; s <= hi; s++) {
+        std::vector<std::string> keys(n);
+        std::vector<const SeqRecord *> at(n, nullptr);
+        bool absent = false;
+        for (int64_t r = 0; r < n; r++) {
+            for (const auto &rec : rings[r])
+                if (rec.seq == s) at[r] = &rec;
+            keys[r] = at[r] ? std::to_string(at[r]->hash) : "none";
+            absent = absent || !at[r];
+        }
+        auto groups = groups_of(keys);
+        if (groups.size() == 1) continue;
+        // Ranks that issued fewer collectives while the others agree on what they issued:
+        // waiting for a collective that everyone issued is a slow rank, not a divergence.
+        if (absent && groups.size() == 2 && keys[groups[0][0]] != "none" && keys[groups[1][0]] == "none") return "";
+        if (absent && groups.size() == 2 && keys[groups[0][0]] == "none") return "";
+        std::ostringstream o;
+        std::vector<int64_t> odd;
+        for (size_t g = 1; g < groups.size(); g++) odd.insert(odd.end(), groups[g].begin(), groups[g].end());
+        std::sort(odd.begin(), odd.end());
+        const SeqRecord *first_odd = at[odd[0]];
+        o << "zero_ext: collective sequence diverged: " << ranks_text(odd) << " differ"
+          << (odd.size() == 1 ? "s" : "") << " from " << ranks_text(groups[0]) << " at record #" << s;
+        if (first_odd) o << " (" << describe(*first_odd, false) << ")";
+        o << ":";
+        for (const auto &g : groups) {
+            o << "\n  " << ranks_text(g) << ": ";
+            const SeqRecord *rec = at[g[0]];
+            if (rec) {
+                o << describe(*rec);
+            } else {
+                o << "has no record #" << s;
+            }
+            if (!whats.empty() && !whats[g[0]].empty()) o << "; waiting in " << whats[g[0]];
+        }
+        o << kHint;
+        return o.str();
+    }
+    return "";
+}
+
+void Sequence::exchange(const SeqRecord &next) {
+    constexpr int64_t D = kRecordFields + 4;
+    const auto i64 = at::TensorOptions().dtype(at::kLong);
+    at::Tensor mine = at::empty({D}, i64);
+    int64_t *m = mine.data_ptr<int64_t>();
+    put(next, m);
+    // next.hash covers this record and every earlier one
+    m[9] = frozen_.count, m[10] = frozen_.first, m[11] = frozen_.first_bucket, m[12] = frozen_.hash;
+    at::Tensor all = at::empty({world_ * D}, i64);
+    watch((*pg_)->_allgather_base(all, mine), "sequence check");
+    const int64_t *a = all.data_ptr<int64_t>();
+    bool same = true;
+    for (int64_t r = 0; r < world_ && same; r++) same = std::memcmp(a + r * D, m, D * sizeof(int64_t)) == 0;
+    if (same) return;
+
+    std::vector<std::string> fkeys(world_);
+    for (int64_t r = 0; r < world_; r++) {
+        const int64_t *f = a + r * D + kRecordFields;
+        fkeys[r] = std::to_string(f[0]) + "/" + std::to_string(f[3]);
+    }
+    auto fgroups = groups_of(fkeys);
+    if (fgroups.size() > 1) {
+        std::ostringstream o;
+        o << "zero_ext: the ranks train different parameters: requires_grad was changed on some ranks after "
+             "zeroify(); at " << describe(next, false) << ":";
+        for (const auto &g : fgroups) {
+            const int64_t *f = a + g[0] * D + kRecordFields;
+            o << "\n  " << ranks_text(g) << ": " << f[0] << " trainable parameter" << (f[0] == 1 ? "" : "s")
+              << " with requires_grad=False";
+            if (f[0] > 0) {
+                const int64_t i = f[1];
+                o << " (first: " << (i >= 0 && i < (int64_t)names_.size() ? "'" + names_[i] + "'" : std::to_string(i))
+                  << ", parameter " << i << " in bucket " << f[2] << ")";
+            }
+        }
+        o << kHint;
+        fail(o.str());
+    }
+    // The records differ: every rank saw the same table, so all exchange their rings.
+    at::Tensor ring = at::zeros({kRing * kRecordFields}, i64);
+    int64_t k = 0;
+    for (int64_t s = std::max<int64_t>(1, last_.seq - kRing + 1); s <= last_.seq; s++, k++)
+        put(ring_[s % kRing], ring.data_ptr<int64_t>() + k * kRecordFields);
+    at::Tensor rings = at::empty({world_ * kRing * kRecordFields}, i64);
+    watch((*pg_)->_allgather_base(rings, ring), "sequence check (records)");
+    std::vector<std::vector<SeqRecord>> all_rings(world_);
+    const int64_t *rp = rings.data_ptr<int64_t>();
+    for (int64_t r = 0; r < world_; r++)
+        for (int64_t j = 0; j < kRing; j++) {
+            SeqRecord rec = get(rp + (r * kRing + j) * kRecordFields);
+            if (rec.seq > 0) all_rings[r].push_back(rec);
+        }
+    std::string msg = diagnose(all_rings, {});
+    if (msg.empty()) {
+        // different numbers of collectives with agreeing records: name each rank's next one
+        std::vector<std::string> keys(world_);
+        for (int64_t r = 0; r < world_; r++) keys[r] = describe(get(a + r * D));
+        auto groups = groups_of(keys);
+        std::ostringstream o;
+        o << "zero_ext: collective sequence diverged:";
+        for (const auto &g : groups) o << "\n  " << ranks_text(g) << ": " << keys[g[0]];
+        o << kHint;
+        msg = o.str();
+    }
+    fail(msg);
+}
+
+std::string Sequence::key(int64_t r) const {
+    return "zero_ext/sequence/" + std::to_string(id_) + "/" + std::to_string(r);
+}
+
+std::vector<uint8_t> Sequence::blob(const char *what) const {
+    std::vector<int64_t> v{published_, 0};
+    for (int64_t s = std::max<int64_t>(1, last_.seq - kRing + 1); s <= last_.seq; s++) {
+        int64_t rec[kRecordFields];
+        put(ring_[s % kRing], rec);
+        v.insert(v.end(), rec, rec + kRecordFields);
+        v[1]++;
+    }
+    std::vector<uint8_t> out(v.size() * sizeof(int64_t));
+    std::memcpy(out.data(), v.data(), out.size());
+    out.insert(out.end(), what, what + std::strlen(what));
+    return out;
+}
+
+std::vector<std::vector<SeqRecord>> Sequence::read_all(std::vector<std::string> *whats, std::vector<int64_t> *ids) {
+    std::vector<std::vector<SeqRecord>> rings(world_);
+    whats->assign(world_, "");
+    ids->assign(world_, 0);
+    for (int64_t r = 0; r < world_; r++) {
+        if (!store_->check({key(r)})) return {};
+        std::vector<uint8_t> b = store_->get(key(r));
+        if (b.size() < 2 * sizeof(int64_t)) return {};   // not waiting (any more)
+        int64_t head[2];
+        std::memcpy(head, b.data(), sizeof(head));
+        const size_t recs = 2 * sizeof(int64_t) + head[1] * kRecordFields * sizeof(int64_t);
+        if (b.size() < recs) return {};
+        std::vector<int64_t> v(head[1] * kRecordFields);
+        std::memcpy(v.data(), b.data() + 2 * sizeof(int64_t), v.size() * sizeof(int64_t));
+        for (int64_t j = 0; j < head[1]; j++) rings[r].push_back(get(v.data() + j * kRecordFields));
+        (*whats)[r] = std::string(b.begin() + recs, b.end());
+        (*ids)[r] = head[0];
+    }
+    return rings;
+}
+
+void Sequence::watch(const WorkPtr &work, const char *what) {
+    if (!enabled_ || !store_) {
+        Communicator::wait(work, what);
+        return;
+    }
+    using clock = std::chrono::steady_clock;
+    auto slice = std::chrono::milliseconds((int64_t)(patience_s_ * 1000));
+    bool published = false, failed = false, deadline_set = false;
+    std::string prev;
+    std::vector<int64_t> prev_ids;
+    clock::time_point fail_deadline;
+    for (;;) {
+        try {
+            work->wait(slice);
+            break;
+        } catch (const std::exception &) {
+            if (work->isCompleted()) failed = true;   // a real failure, not our timeout
+        }
+        std::string msg;
+        try {
+            if (!published) {
+                published_++;
+                store_->set(key(rank_), blob(what));
+                published = true;
+                slice = std::chrono::milliseconds(250);
+            }
+            if (failed && !deadline_set) {
+                // give the others time to publish: a divergence explains the failure better
+                fail_deadline = clock::now() + 2 * std::chrono::milliseconds((int64_t)(patience_s_ * 1000));
+                deadline_set = true;
+            }
+            std::vector<std::string> whats;
+            std::vector<int64_t> ids;
+            auto rings = read_all(&whats, &ids);
+            if (!rings.empty()) msg = diagnose(rings, whats);
+            // The same reading twice: a rank that merely moved on would have changed its key.
+            if (!msg.empty() && msg == prev && ids == prev_ids) fail(msg);
+            prev = msg;
+            prev_ids = ids;
+        } catch (const std::exception &e) {
+            if (std::string(e.what()).rfind("zero_ext:", 0) == 0) throw;   // the diagnosis
+            failed = failed || work->isCompleted();
+            if (failed) break;    // the store is gone too: report the collective's failure
+        }
+        if (failed) {
+            if (clock::now() > fail_deadline) break;
+            std::this_thread::sleep_for(std::chrono::milliseconds(250));
+        }
+    }
+    if (published) {
+        try {
+            store_->set(key(rank_), std::vector<uint8_t>{});
+        } catch (const std::exception &) {
+        }
+    }
+    Communicator::wait(work, what);   // returns at once, or raises the collective's own failure
+}
+
+// ---- the engine's side
+
+namespace {
+c10::optional<ProcessGroupPtr> g_next_group;   // set by the binding just before enable
+}  // namespace
+
+// Digests travel on a group of their own (a second gloo group over the same ranks,
+// made by zeroify), so that a rank in a digest never pairs with a data collective
+// another rank issued (gloo aborts the process when a message exceeds the buffer
+// posted for it). Without one, they use the engine's group.
+void set_next_sequence_group(c10::optional<ProcessGroupPtr> pg) {
+    g_next_group = std::move(pg);
+}
+
+void Engine::enable_sequence_check(c10::optional<StorePtr> store, std::vector<std::string> names, double patience_s) {
+    if (g_next_group.has_value()) {
+        TORCH_CHECK((*g_next_group)->getSize() == world_ && (*g_next_group)->getRank() == rank_,
+                    "zero_ext: the sequence-check group must hold the engine's ranks in the same order");
+        comm_.seq.attach(*g_next_group, rank_, world_);
+        g_next_group.reset();
+    }
+    comm_.seq.enable(store.has_value() ? *store : StorePtr(), std::move(names), patience_s);
+}
+
+void Engine::sequence_mark(int64_t phase) {
+    if (!comm_.seq.enabled()) return;
+    if (phase >= kUnitNeedBase) {
+        comm_.seq.subject(-1, phase - kUnitNeedBase);
+        comm_.seq.before(kSeqUnitNeed, 0);
+        return;
+    }
+    FrozenSummary f;
+    for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
+        if (params_[i].requires_grad()) continue;
+        if (f.count++ == 0) {
+            f.first = i;
+            f.first_bucket = bucket_of_[i];
+        }
+        f.hash = mix(f.hash, i);
+    }
+    comm_.seq.mark(phase, f);
+}
+
+}  // namespace zx
