@@ -89,7 +89,7 @@ typedef struct zx_plan_params {
 } zx_plan_params;
 
 /* Tensor-atomic buckets (cost[p] > 0): parameters with an atomic key fill a bucket
- * until it is past its cap *and* holds at least world_size tensors (so each rank
+ * until it is past its cap *and* holds at least 2*world_size tensors (so each rank
  * can get whole tensors and the padding stays small). Inside the bucket, tensors
  * go to world_size bins, largest first to the bin with the fewest elements; the
  * bins then go to ranks, costliest bin to the rank with the least update cost so

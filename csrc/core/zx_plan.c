@@ -180,8 +180,8 @@ zx_status zx_plan_create(const zx_plan_params *p, zx_plan **out) {
             const int64_t b = open[k].bucket;
             const int64_t cap = b == 0 ? p->first_bucket_bytes : p->bucket_bytes;
             if (zx_add_overflows(bucket_bytes[b], bytes)) { st = ZX_ERR_OVERFLOW; break; }
-            /* Note [Tensor-atomic buckets]: an atomic bucket takes at least N tensors */
-            const int full = bucket_bytes[b] + bytes > cap && (!atomic || plan->buckets[b].num_params >= nr);
+            /* Note [Tensor-atomic buckets]: an atomic bucket takes at least 2N tensors */
+            const int full = bucket_bytes[b] + bytes > cap && (!atomic || plan->buckets[b].num_params >= 2 * (int64_t)nr);
             if (full) k = -1 - k;                             /* full: replace this slot */
         } else {
             k = -1 - num_open++;                             /* new key: new slot */

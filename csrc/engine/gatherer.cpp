@@ -50,6 +50,7 @@ void Engine::all_gather_params() {
     if (parts_ == 1 || opts_.stage == 3) return;   // stage 3 gathers per unit, on demand
     wait_params();
     for (auto &bk : buckets_) {
+        if (!active(bk)) continue;
         at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
         gather_works_.push_back(comm_.all_gather(bk.flat_param, in));
     }
