@@ -11,17 +11,19 @@ from whole_cases import WholeCase, run_whole_cases
 
 
 def cases_for(world: int) -> list:
-    c = [WholeCase(f"gpt-muon-s{s}", stage=s) for s in (1, 2, 3)]
-    c += [WholeCase("gpt-adafactor-s2", recipe="adafactor", stage=2),
-          WholeCase("mlp-muon-s3", model="mlp", stage=3),
-          WholeCase("mlp-adafactor-s1", model="mlp", recipe="adafactor", stage=1)]
-    if world == 4:
-        c += [WholeCase("gpt-muon-clip-steplr-s2", stage=2, clip=0.05, scheduler=True),
+    """Stages 1-3 for Muon + AdamW on the GPT at every world size; Adafactor, the MLP,
+    stage 0, clipping + StepLR and small buckets spread over the world sizes."""
+    c = [WholeCase(f"gpt-muon-s{s}", stage=s) for s in ((1, 2, 3) if world in (2, 3) else (1, 3))]
+    c += {1: [WholeCase("gpt-adafactor-s2", recipe="adafactor", stage=2),
+              WholeCase("mlp-muon-s2", model="mlp", stage=2)],
+          2: [WholeCase("gpt-adafactor-s1", recipe="adafactor", stage=1),
+              WholeCase("gpt-muon-small-buckets-s2", stage=2,
+                        config=dict(bucket_bytes=4096, first_bucket_bytes=1024, grad_ring_buckets=1))],
+          3: [WholeCase("mlp-adafactor-s3", model="mlp", recipe="adafactor", stage=3)],
+          4: [WholeCase("gpt-muon-clip-steplr-s2", stage=2, clip=0.05, scheduler=True),
               WholeCase("gpt-adafactor-s3", recipe="adafactor", stage=3),
-              WholeCase("gpt-muon-s0", stage=0)]
-    if world == 2:
-        c += [WholeCase("gpt-muon-small-buckets-s2", stage=2,
-                        config=dict(bucket_bytes=4096, first_bucket_bytes=1024, grad_ring_buckets=1))]
+              WholeCase("mlp-muon-s1", model="mlp", stage=1),
+              WholeCase("gpt-muon-s0", stage=0)]}[world]
     return c
 
 
@@ -36,8 +38,10 @@ def check_parity(name, r, world):
     # gradients summed in reverse rank order), at least 1e-6 (rounding level)
     bound = max(2 * r["floor"], 1e-6)
     assert r["rel"] <= bound, f"{name}: rel {r['rel']:.3g} > {bound:.3g} (floor {r['floor']:.3g})"
-    for n_ref, n_mine in r["norms"]:
-        assert abs(n_ref - n_mine) <= 1e-6 * n_ref + 1e-7, f"{name}: clip norm {n_mine} vs {n_ref}"
+    for k, (n_ref, n_mine) in enumerate(r["norms"]):
+        # step 0: the same parameters, so the same global norm; later the runs differ by `rel`
+        tol = 1e-6 if k == 0 or world <= 2 else 1e-3
+        assert abs(n_ref - n_mine) <= tol * n_ref + 1e-7, f"{name}: step {k}: clip norm {n_mine} vs {n_ref}"
     assert r["lrs"] == r["lrs_ref"], f"{name}: LR schedules differ: {r['lrs']} vs {r['lrs_ref']}"
 
 
