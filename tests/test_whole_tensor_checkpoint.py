@@ -99,9 +99,11 @@ def test_whole_tensor_checkpoint_reshard(tmp_path):
         _same_optimizer_state(saved["optimizer"], loaded["optimizer"], f"N={world} stage {stage}")
         rel = _rel(after4, after)
         moved.append((world, stage, rel))
-        # the parity tolerance of test_whole_tensor (another summation order: rounding level,
-        # amplified by Muon's bf16 Newton-Schulz)
-        assert rel <= 1e-3, f"continuing at N={world} stage {stage}: rel {rel:.3g} from the N=4 run"
+        # Another world size sums gradients in another order; Muon's Newton-Schulz runs in
+        # bf16, so rounding-level differences grow: test_whole_tensor measures the floor of
+        # torch itself (DDP + torch Muon vs the same with gradients summed in reverse rank
+        # order) at 2e-2 after 20 steps at N=4. Bound: half that floor.
+        assert rel <= 1e-2, f"continuing at N={world} stage {stage}: rel {rel:.3g} from the N=4 run"
         assert lrs == [[0.02 * 0.5 ** ((STEPS + MORE) // 3)], [0.003 * 0.5 ** ((STEPS + MORE) // 3)]], lrs
     print("\n" + "\n".join(f"loaded at N={w} stage {s}: state bit-equal, after {MORE} more steps rel {r:.2e} "
                            f"from the N=4 run" for w, s, r in moved))
@@ -110,12 +112,12 @@ def test_whole_tensor_checkpoint_reshard(tmp_path):
 def test_whole_tensor_offline_consolidation(tmp_path):
     """The offline state dicts load into plain torch Muon / AdamW, and plain torch
     continues as zero_ext at N=1 does."""
-    import zero_ext
     from cases import build_model
     from whole_cases import make_optimizers
+    from zero_ext.checkpoint import consolidate
     path = os.path.join(tmp_path, "ckpt")
     res = run_world(_saver, 2, path, timeout_s=300)
-    full = zero_ext.consolidate(path)
+    full = consolidate(path)   # offline: no process group
     model = build_model("gpt")
     model.load_state_dict(full["model"])
     opts = make_optimizers("muon", model)
@@ -140,4 +142,4 @@ def test_whole_tensor_offline_consolidation(tmp_path):
     after2 = res[0][1]
     rel = _rel(after2, plain)
     print(f"\nplain torch Muon+AdamW from the offline state vs zero_ext at N=2: rel {rel:.2e}")
-    assert rel <= 1e-3
+    assert rel <= 1e-2, f"plain torch from the offline state: rel {rel:.3g} from zero_ext at N=2"
