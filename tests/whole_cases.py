@@ -133,6 +133,7 @@ def train_whole(case: WholeCase, rank: int, world: int):
             comm.append({k: (v["calls"], v["numel"]) for k, v in c.items()})
     finally:
         counter.close()
+    dtype = next(mine.parameters()).dtype
     mine_sd = zm.state_dict()
     start = build_model(case.model).state_dict()
     stats = zos[0].stats()
@@ -141,7 +142,7 @@ def train_whole(case: WholeCase, rank: int, world: int):
         "equal": all(torch.equal(p.detach(), mine_sd[n]) for n, p in ref.named_parameters()),
         "moved": sum((mine_sd[n] - start[n]).abs().sum().item() for n, _ in ref.named_parameters()),
         "ns_per_step": ns_per_step, "comm": comm, "stats": stats, "losses": losses, "norms": norms,
-        "matrices": len(hidden_matrices(ref)) if case.recipe == "muon" else 0,
+        "matrices": len(hidden_matrices(ref)) if case.recipe == "muon" else 0, "dtype": dtype,
         "psi": sum(p.numel() for p in ref.parameters()),
         "lrs": [[g["lr"] for g in o.param_groups] for o in zos],
         "lrs_ref": [[g["lr"] for g in o.param_groups] for o in opts_ref],
