@@ -5,7 +5,6 @@ dicts that plain torch Muon and AdamW load, and continuing with them matches."""
 import os
 
 import torch
-from torch import nn
 
 from dist_harness import run_world
 
@@ -110,8 +109,8 @@ def test_whole_tensor_checkpoint_reshard(tmp_path):
 
 
 def test_whole_tensor_offline_consolidation(tmp_path):
-    """The offline state dicts load into plain torch Muon / AdamW, and plain torch
-    continues as zero_ext at N=1 does."""
+    """The offline state dicts (saved at N=2) load into plain torch Muon / AdamW, and
+    plain torch continues as zero_ext at N=2 does."""
     from cases import build_model
     from whole_cases import make_optimizers
     from zero_ext.checkpoint import consolidate
