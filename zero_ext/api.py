@@ -72,7 +72,7 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
                     _fail(f"{cls.__name__}({flag}=True) is not supported; construct it with {flag}=False")
         fused = issubclass(cls, FUSED) and cfg.fused != "never"
         if not fused and cfg.reduce_dtype != "fp32":
-            _fail(f"reduce_dtype={cfg.reduce_dtype!r} needs fused optimizers (Adam, AdamW, SGD): {cls.__name__} "
+            _fail(f"reduce_dtype={cfg.reduce_dtype!r} needs a fused optimizer (Adam, AdamW, SGD): {cls.__name__} "
                   f"runs as a torch optimizer over fp32 shards and needs fp32 gradients; use reduce_dtype='fp32'")
         if cfg.fused == "always" and not fused and not whole:
             _fail(f"fused='always' but {cls.__name__} has no fused kernel (fused ones: "
