@@ -85,7 +85,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("isa", &zx::EngineOptions::isa)
         .def_readwrite("copy_params", &zx::EngineOptions::copy_params)
         .def_readwrite("param_dtype", &zx::EngineOptions::param_dtype)
-        .def_readwrite("reduce_dtype", &zx::EngineOptions::reduce_dtype);
+        .def_readwrite("reduce_dtype", &zx::EngineOptions::reduce_dtype)
+        .def_readwrite("group_update_kind", &zx::EngineOptions::group_update_kind);
 
     // The loss-scaling state machine of the C core (zx_scaler.c), state and all.
     py::class_<zx_loss_scaler>(m, "LossScaler")
@@ -192,6 +193,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("grad_shards", &zx::Engine::grad_shards)
         .def("bucket_groups", &zx::Engine::bucket_groups)
         .def("fragments", &zx::Engine::fragments, py::arg("rank"))
+        .def("set_active_groups", &zx::Engine::set_active_groups, py::arg("groups"))
+        .def("owned_tensors", &zx::Engine::owned_tensors)
+        .def("owners", &zx::Engine::owners)
+        .def("atomic_stats", &zx::Engine::atomic_stats)
         .def("publish_params", &zx::Engine::publish_params, py::call_guard<py::gil_scoped_release>())
         .def("cast_masters", &zx::Engine::cast_masters, py::call_guard<py::gil_scoped_release>())
         .def("absorb_param_edits", &zx::Engine::absorb_param_edits, py::call_guard<py::gil_scoped_release>())

@@ -16,8 +16,9 @@ from .config import ZeroConfig, make_config
 from .gather import OWNER_ATTR
 from .materialize import initialize_by_unit, is_meta, replace_meta
 from .model import ZeroModel, cast_buffers
-from .optim import ELEMENTWISE, FUSED, ZeroOptimizer
+from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, _Part
 from .units import assign_units
+from .whole import WHOLE, ZeroOptimizerPart, update_kind
 
 
 class ZeroInputError(ValueError):
@@ -43,33 +44,47 @@ def _resolve_group(pg):
 
 def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
     """Rank-local checks. Returns (trainable params, their group ids, frozen params,
-    fused?, fingerprint text)."""
+    fused?, fingerprint text, the parts: one _Part per torch optimizer)."""
     if not isinstance(model, nn.Module):
         _fail(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, (ZeroModel, nn.parallel.DistributedDataParallel)):
         _fail(f"model is already wrapped ({type(model).__name__}); pass the plain module")
-    if isinstance(optimizer, ZeroOptimizer):
-        _fail("optimizer is already a zero_ext optimizer; pass the plain torch optimizer")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        _fail(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    cls = type(optimizer)
-    if not issubclass(cls, ELEMENTWISE):
-        _fail(f"{cls.__name__} is not an elementwise optimizer (its update of one element depends on "
-              f"others, e.g. through per-tensor norms or factored statistics), so it cannot run on a "
-              f"flat shard. Supported: {', '.join(c.__name__ for c in ELEMENTWISE)}")
-    for g in optimizer.param_groups:
-        for flag in ("capturable", "differentiable"):
-            if g.get(flag):
-                _fail(f"{cls.__name__}({flag}=True) is not supported; construct it with {flag}=False")
-    fused = issubclass(cls, FUSED) and cfg.fused != "never"
-    if not fused and cfg.reduce_dtype != "fp32":
-        _fail(f"reduce_dtype={cfg.reduce_dtype!r} needs a fused optimizer (Adam, AdamW, SGD): {cls.__name__} "
-              f"runs as a torch optimizer over fp32 shards and needs fp32 gradients; use reduce_dtype='fp32'")
-    if cfg.fused == "always" and not fused:
-        _fail(f"fused='always' but {cls.__name__} has no fused kernel (fused ones: "
-              f"{', '.join(c.__name__ for c in FUSED)}); use fused='auto'")
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not optimizers:
+        _fail("the list of optimizers is empty; pass one torch optimizer or a list of them")
+    parts, first_group = [], 0
+    for optimizer in optimizers:
+        if isinstance(optimizer, (ZeroOptimizer, ZeroOptimizerPart)):
+            _fail("optimizer is already a zero_ext optimizer; pass the plain torch optimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            _fail(f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(optimizer).__name__}")
+        cls = type(optimizer)
+        whole = update_kind(cls) != 0
+        if not whole and not issubclass(cls, ELEMENTWISE):
+            _fail(f"{cls.__name__} is not an elementwise optimizer (its update of one element depends on "
+                  f"others, e.g. through per-tensor norms or factored statistics), so it cannot run on a "
+                  f"flat shard, and it is not one that zero_ext runs on whole tensors either. Supported: "
+                  f"{', '.join(c.__name__ for c in ELEMENTWISE)} (elementwise); "
+                  f"{', '.join(c.__name__ for c in WHOLE)} (whole tensors, each owned by one rank)")
+        for g in optimizer.param_groups:
+            for flag in ("capturable", "differentiable"):
+                if g.get(flag):
+                    _fail(f"{cls.__name__}({flag}=True) is not supported; construct it with {flag}=False")
+        fused = issubclass(cls, FUSED) and cfg.fused != "never"
+        if not fused and cfg.reduce_dtype != "fp32":
+            _fail(f"reduce_dtype={cfg.reduce_dtype!r} needs a fused optimizer (Adam, AdamW, SGD): {cls.__name__} "
+                  f"runs as a torch optimizer over fp32 shards and needs fp32 gradients; use reduce_dtype='fp32'")
+        if cfg.fused == "always" and not fused and not whole:
+            _fail(f"fused='always' but {cls.__name__} has no fused kernel (fused ones: "
+                  f"{', '.join(c.__name__ for c in FUSED)}); use fused='auto'")
+        n = len(optimizer.param_groups)
+        parts.append(_Part(cls, list(range(first_group, first_group + n)),
+                           "whole" if whole else "fused" if fused else "shard"))
+        first_group += n
+    fused = all(p.kind == "fused" for p in parts)
+    cls_names = "+".join(type(o).__name__ for o in optimizers)
 
-    if getattr(optimizer, "_zero_ext_wrapped", False):
+    if any(getattr(o, "_zero_ext_wrapped", False) for o in optimizers):
         _fail("this torch optimizer was already wrapped by zeroify(); use the optimizer that zeroify() returned")
     names = {id(p): n for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
@@ -83,7 +98,7 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
             _fail(f"{type(m).__name__} with sparse=True produces sparse gradients, which cannot be "
                   f"sharded; construct it with sparse=False")
     params, groups, seen = [], [], set()
-    for gi, g in enumerate(optimizer.param_groups):
+    for gi, g in enumerate(g for o in optimizers for g in o.param_groups):
         for p in g["params"]:
             if id(p) not in names:
                 _fail(f"a parameter of the optimizer (shape {tuple(p.shape)}, param group {gi}) is not a "
@@ -117,10 +132,10 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
         if p.is_sparse or not p.is_contiguous() and p.layout != torch.strided:
             _fail(f"parameter {names[id(p)]!r} is not a dense strided tensor")
     frozen = [p for p in model.parameters() if id(p) not in seen or not p.requires_grad]
-    text = repr((cls.__name__, cfg.to_dict(),
+    text = repr((cls_names, cfg.to_dict(),
                  [(names[id(p)], tuple(p.shape), str(p.dtype), gi) for p, gi in zip(params, groups)],
                  [(tuple(p.shape), str(p.dtype)) for p in frozen]))
-    return params, groups, frozen, fused, text
+    return params, groups, frozen, fused, text, parts
 
 
 def _verify_across_ranks(pg, rank: int, world: int, fingerprint: int, error: Exception | None) -> None:
@@ -165,6 +180,9 @@ def _resolve_auto_stage(model, optimizer, cfg: ZeroConfig, pg, rank: int, world:
     """stage="auto": set cfg.stage from the memory estimate (zero_ext/auto.py) and say
     why on rank 0. Returns the error instead of raising it, so that zeroify raises it
     on every rank (as any input error) rather than leave one waiting."""
+    if isinstance(optimizer, (list, tuple)):
+        return ZeroInputError("zero_ext: stage='auto' takes one torch optimizer; with several (e.g. Muon + "
+                              "AdamW) pass stage=1, 2 or 3")
     if not isinstance(model, nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
         return None                      # _inspect names the problem
     from .auto import choose_stage
@@ -197,6 +215,11 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
             config: ZeroConfig | dict | str | None = None, init_fn=None, **options):
     """Wrap `model` and `optimizer` for ZeRO data parallelism; returns (model, optimizer).
 
+    optimizer: a torch optimizer, or a list of them over disjoint parameters (the Muon
+        recipe: [Muon(hidden matrices), AdamW(the rest)]); then a list of optimizers
+        comes back, one per given one. Muon and Adafactor run on whole tensors, each
+        owned by one rank (zero_ext/whole.py).
+
     stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded),
         3 (+ parameters sharded, gathered per unit), or "auto" (the stage that fits
         memory_budget with the least communication; see zero_ext/auto.py).
@@ -217,12 +240,12 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     pg, rank, world = _resolve_group(pg_arg)
     if error is None and cfg.stage == "auto":
         error = _resolve_auto_stage(model, optimizer, cfg, pg, rank, world)
-    params = groups = frozen = None
+    params = groups = frozen = parts = None
     fused, text = False, ""
     if error is None:
         try:
             meta = isinstance(model, nn.Module) and is_meta(model)
-            params, groups, frozen, fused, text = _inspect(model, optimizer, cfg, meta)
+            params, groups, frozen, fused, text, parts = _inspect(model, optimizer, cfg, meta)
         except (ValueError, TypeError) as e:
             error = e
     fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
@@ -250,11 +273,13 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     opts.isa = cfg.isa
     opts.param_dtype = cfg.param_dtype
     opts.reduce_dtype = cfg.reduce_dtype
+    opts.group_update_kind = [update_kind(part.cls) for part in parts for _ in part.groups]
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     meta = is_meta(model)
     born: set = set()
     if meta:
-        born = replace_meta(model, optimizer)    # untouched CPU storage, same ties
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        born = replace_meta(model, optimizers)   # untouched CPU storage, same ties
+        params = [p for o in optimizers for g in o.param_groups for p in g["params"] if p.requires_grad]
         frozen = [p for p in model.parameters() if not p.requires_grad]
         opts.copy_params = False
     elif world > 1:
@@ -282,9 +307,10 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), units[i] if units else 0))
-    zopt = ZeroOptimizer(optimizer, engine, cfg, fused, fingerprint, pg)
+    zopt = ZeroOptimizer(optimizers, engine, cfg, fused, fingerprint, pg, parts=parts, param_groups_of=groups)
     wrapped._guard = zopt._guard = ModelGuard(wrapped, model, params, shapes)
-    retire_optimizer(optimizer)
+    for o in optimizers:
+        retire_optimizer(o)
     zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     zopt._units = wrapped._units
     zopt._params = params            # engine parameter i = params[i]
@@ -293,4 +319,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         _enable_sequence_check(engine, model, params, pg, cfg)
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)
+    if isinstance(optimizer, (list, tuple)):
+        # One returned optimizer per given one, stepping its own groups (zero_ext/whole.py).
+        return wrapped, [ZeroOptimizerPart(zopt, o, k) for k, o in enumerate(optimizers)]
     return wrapped, zopt

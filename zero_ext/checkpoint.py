@@ -18,6 +18,11 @@ independent of the layout that wrote it:
                           the same pieces.
     model/<name>          frozen parameter or buffer: a plain tensor of its own shape,
                           written once (by rank 0; they are replicated).
+    whole/<state>/<name>  a per-tensor state of an optimizer that needs whole tensors
+                          (Muon's momentum_buffer, Adafactor's step, row_var, col_var,
+                          variance): a plain tensor of the state's own shape, written
+                          by the rank owning the parameter whole and read by the rank
+                          owning it in the new layout (zero_ext/whole.py).
     zero_ext/objects      uint8 bytes of torch.save({param_groups hyperparameters, step
                           counts per group, scalar optimizer state, loss-scaler and
                           LR-scheduler state dicts, extra}); read back with
@@ -71,6 +76,7 @@ def _layout(model, optimizer) -> dict:
     from .model import ZeroModel
     from .optim import ZeroOptimizer
 
+    optimizer = core_optimizer(optimizer)
     if not isinstance(model, ZeroModel) or not isinstance(optimizer, ZeroOptimizer):
         raise TypeError("zero_ext: save/load take the (model, optimizer) pair returned by zeroify()")
     module = model.module
@@ -88,8 +94,42 @@ def _layout(model, optimizer) -> dict:
         if name not in params and name not in plain:
             plain[name] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
     groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    parts = [{"optimizer": p.cls.__name__, "groups": list(p.groups), "kind": p.kind} for p in optimizer._parts]
     return {"params": params, "plain": plain, "keys": keys, "groups": groups,
-            "optimizer": optimizer.wrapped_class.__name__}
+            "optimizer": "+".join(p["optimizer"] for p in parts), "parts": parts}
+
+
+def core_optimizer(optimizer):
+    """The ZeroOptimizer behind what zeroify returned: itself, or the one shared by
+    the list of optimizers (or one of them) that zeroify returned for several."""
+    if isinstance(optimizer, (list, tuple)) and optimizer:
+        optimizer = optimizer[0]
+    return getattr(optimizer, "zero_optimizer", optimizer)
+
+
+def _whole_tensors(optimizer, layout) -> list:
+    """(name, the inner torch optimizer, master view) of every whole tensor this rank owns."""
+    names = list(layout["params"])
+    return [(names[i], part.opt, view) for part in optimizer._parts if part.kind == "whole"
+            for i, view in part.owned]
+
+
+def _scheduler_state(scheduler):
+    if scheduler is None:
+        return None
+    if isinstance(scheduler, (list, tuple)):
+        return [s.state_dict() for s in scheduler]
+    return scheduler.state_dict()
+
+
+def _load_scheduler(scheduler, saved) -> None:
+    if scheduler is None or saved is None:
+        return
+    if isinstance(scheduler, (list, tuple)):
+        for s, d in zip(scheduler, saved):
+            s.load_state_dict(d)
+    else:
+        scheduler.load_state_dict(saved)
 
 
 def _plain_tensors(model, layout) -> dict:
@@ -102,7 +142,7 @@ class _Shard:
     each per-element optimizer state, plus where fragments sit (Note [Checkpoint format])."""
 
     def __init__(self, optimizer):
-        self.opt = optimizer
+        self.opt = optimizer = core_optimizer(optimizer)
         self.engine = e = optimizer._engine
         self.masters = e.param_shards()                     # per bucket, 1-D views
         self.offsets, off = [], 0                           # bucket b's offset in the flat shard
@@ -219,6 +259,7 @@ def _steps_of(objects: dict, name: str, group: int) -> int:
 
 def _settle(model, optimizer):
     """(engine, process group, layout), once every outstanding collective is done."""
+    optimizer = core_optimizer(optimizer)
     engine = optimizer._engine
     engine.wait_reductions()
     engine.wait_params()
@@ -226,6 +267,7 @@ def _settle(model, optimizer):
 
 
 def _pg(optimizer):
+    optimizer = core_optimizer(optimizer)
     return optimizer._pg if optimizer._engine.world_size > 1 else None
 
 
@@ -280,6 +322,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
     data (dicts, lists, numbers, strings, tensors) returned by load(); `scheduler`:
     an LR scheduler whose state_dict() is saved too."""
     path = os.path.abspath(os.fspath(path))
+    optimizer = core_optimizer(optimizer)
     engine, pg, layout = _settle(model, optimizer)
     rank = engine.rank
     shard = _Shard(optimizer)
@@ -298,6 +341,11 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
     kinds = {"model": shard.masters, **{f"optim/{s}": p for s, p in states.items()}}
     with _quiet():
         sd = _sharded_entries(shard, names, kinds, writing=True)
+    for name, opt, view in _whole_tensors(optimizer, layout):   # the owner writes them
+        if engine.partitions == 1 and rank != 0:
+            break
+        for k, t in opt.state.get(view, {}).items():
+            sd[f"whole/{k}/{name}"] = t if torch.is_tensor(t) else torch.tensor(t)
     objects = None
     if rank == 0:
         scaler = getattr(optimizer, "loss_scaler", None)
@@ -307,7 +355,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
             "param_steps": _param_steps(optimizer, names),
             "scalar_state": shard.scalar_state(),
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scheduler": _scheduler_state(scheduler),
             "extra": extra,
         }
         buf = io.BytesIO()
@@ -437,6 +485,7 @@ def load(path, model, optimizer, *, scheduler=None):
     and (if given) scheduler state; returns the `extra` that was saved. Checks first
     (rank 0 reads the manifest and every file's size and CRC32, and compares the
     model) and raises the same CheckpointError on every rank if anything is wrong."""
+    optimizer = core_optimizer(optimizer)
     engine, pg, layout = _settle(model, optimizer)
     rank = engine.rank
     real = resolve(path)
@@ -463,8 +512,10 @@ def load(path, model, optimizer, *, scheduler=None):
         sd = _sharded_entries(shard, names, kinds, writing=False)
     sd.update({f"model/{n}": t for n, t in _plain_tensors(model, layout).items()})
     sd[OBJECTS] = torch.empty(manifest["objects_bytes"], dtype=torch.uint8)
+    from torch.distributed import checkpoint as dcp
+    whole = _whole_entries(real, [name for name, _, _ in _whole_tensors(optimizer, layout)])
+    sd.update({k: t for per in whole.values() for k, t in per.items()})
     try:
-        from torch.distributed import checkpoint as dcp
         with torch.no_grad(), _quiet():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(real), process_group=pg, no_dist=pg is None)
     except Exception as e:  # noqa: BLE001 - DCP raises the same failure on every rank
@@ -481,10 +532,27 @@ def load(path, model, optimizer, *, scheduler=None):
     scaler = getattr(optimizer, "loss_scaler", None)
     if scaler is not None and objects["loss_scaler"] is not None:
         scaler.load_state_dict(objects["loss_scaler"])
-    if scheduler is not None and objects["scheduler"] is not None:
-        scheduler.load_state_dict(objects["scheduler"])
+    _load_scheduler(scheduler, objects["scheduler"])
+    for name, opt, view in _whole_tensors(optimizer, layout):
+        opt.state.pop(view, None)
+        if whole.get(name):
+            opt.state[view] = {k.split("/")[1]: t for k, t in whole[name].items()}
     engine.publish_params()
     return objects["extra"]
+
+
+def _whole_entries(real: str, names: list) -> dict:
+    """name -> {"whole/<state>/<name>": empty tensor to load into}, for the whole
+    tensors `names`, from the checkpoint's DCP metadata (shape and dtype of each)."""
+    from torch.distributed import checkpoint as dcp
+    md = dcp.FileSystemReader(real).read_metadata().state_dict_metadata
+    wanted, out = set(names), {}
+    for key, meta in md.items():
+        if key.startswith("whole/"):
+            name = key.split("/", 2)[2]
+            if name in wanted:
+                out.setdefault(name, {})[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    return out
 
 
 def _prepare_states(optimizer, shard: _Shard, saved: list) -> dict:
@@ -528,10 +596,17 @@ def _objects(t: torch.Tensor, path: str) -> dict:
 
 
 # --------------------------------------------------------------------------- consolidate
-def optimizer_state_dict(layout: dict, tensors: dict, objects: dict) -> dict:
+def optimizer_state_dict(layout: dict, tensors: dict, objects: dict, whole: dict | None = None):
     """A torch.optim state dict for the wrapped class from per-parameter full tensors:
     tensors[state][name] = the state of trainable parameter `name`, shaped like it.
-    Parameters are numbered across param groups in order, as torch numbers them."""
+    Parameters are numbered across param groups in order, as torch numbers them.
+    With several wrapped optimizers or one that needs whole tensors: one state dict
+    per wrapped optimizer (a list when there are several), whole[name] = {state:
+    tensor} giving the whole-tensor optimizers' states."""
+    parts = layout.get("parts") or []
+    if len(parts) > 1 or (parts and parts[0]["kind"] == "whole"):
+        out = [_part_state_dict(layout, part, tensors, whole or {}, objects) for part in parts]
+        return out if len(out) > 1 else out[0]
     index, groups = {}, []
     for gi, names in enumerate(layout["groups"]):
         ids = []
@@ -553,6 +628,34 @@ def optimizer_state_dict(layout: dict, tensors: dict, objects: dict) -> dict:
             s[st] = per_param[name]
         if s and (steps > 0 or scal):
             state[index[name]] = s
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def _part_state_dict(layout: dict, part: dict, tensors: dict, whole: dict, objects: dict) -> dict:
+    """The state dict of one wrapped optimizer (its param groups, numbered from 0)."""
+    index, groups, state = {}, [], {}
+    for gi in part["groups"]:
+        ids = []
+        for n in layout["groups"][gi]:
+            index[n] = len(index)
+            ids.append(index[n])
+        groups.append(dict(objects["param_groups"][gi], params=ids))
+    for gi in part["groups"]:
+        steps = objects["steps"][gi]
+        scal = objects["scalar_state"].get(gi)
+        for n in layout["groups"][gi]:
+            if n not in layout["params"]:
+                continue                                   # frozen: no state
+            if part["kind"] == "whole":
+                s = {k: t.clone() for k, t in whole.get(n, {}).items()}
+            else:
+                s = {k: (t.clone() if torch.is_tensor(t) else t) for k, t in (scal or {}).items()}
+                if not scal and part["optimizer"] in _ADAM_FAMILY and steps > 0:
+                    s["step"] = torch.tensor(float(steps))
+                if steps > 0 or scal:
+                    s.update({st: per[n] for st, per in tensors.items()})
+            if s:
+                state[index[n]] = s
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
@@ -581,12 +684,18 @@ def consolidate(path) -> dict:
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed ({type(e).__name__}: {e})") from e
     objects = _objects(sd[OBJECTS], real)
+    whole = _whole_entries(real, list(m["params"]))
+    if whole:
+        with _quiet():
+            dcp.load({k: t for per in whole.values() for k, t in per.items()},
+                     storage_reader=dcp.FileSystemReader(real), no_dist=True)
+    whole = {n: {k.split("/")[1]: t for k, t in per.items()} for n, per in whole.items()}
     values = {name: flat[("model", name)].view(info["shape"]) for name, info in m["params"].items()}
     values.update({name: sd[f"model/{name}"] for name in m["plain"]})
     model_sd = {key: values[name] for key, name in m["keys"].items()}
     tensors = {s: {name: flat[(f"optim/{s}", name)].view(info["shape"]) for name, info in m["params"].items()}
                for s in m["states"]}
-    return {"model": model_sd, "optimizer": optimizer_state_dict(m, tensors, objects),
+    return {"model": model_sd, "optimizer": optimizer_state_dict(m, tensors, objects, whole),
             "extra": objects["extra"], "scheduler": objects["scheduler"], "loss_scaler": objects["loss_scaler"]}
 
 
@@ -598,6 +707,7 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
     by bucket and rank by rank with point-to-point sends, so besides the result the
     receiving rank holds one bucket slice at a time (its extra memory is bounded by
     a bucket, not the model) and the senders send views of their shards."""
+    optimizer = core_optimizer(optimizer)
     engine, pg, layout = _settle(model, optimizer)
     rank, parts = engine.rank, engine.partitions
     shard = _Shard(optimizer)
@@ -637,6 +747,14 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
                     elif rank == r:
                         dist.send(pieces[b].contiguous(), dst=dst, group=pg)
         del buf
+    # whole-tensor states: each owner's, to rank `to` (they are per tensor, not per element)
+    mine = {name: {k: t.clone() for k, t in opt.state.get(view, {}).items()}
+            for name, opt, view in _whole_tensors(optimizer, layout)}
+    whole = mine
+    if parts > 1:
+        got = [None] * engine.world_size if receiving else None
+        dist.gather_object(mine, got, dst=dist.get_global_rank(pg, to), group=pg)
+        whole = {n: st for d in (got or []) for n, st in d.items()}
     if not receiving:
         return None
     scalar = shard.scalar_state()
@@ -647,4 +765,4 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
     model_sd = {key: values[name] for key, name in layout["keys"].items()}
     tensors = {s: {name: out[f"optim/{s}"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
                for s in states}
-    return {"model": model_sd, "optimizer": optimizer_state_dict(layout, tensors, objects)}
+    return {"model": model_sd, "optimizer": optimizer_state_dict(layout, tensors, objects, whole)}

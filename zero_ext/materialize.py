@@ -75,9 +75,10 @@ def meta_parameters():
         handle.remove()
 
 
-def replace_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> set:
+def replace_meta(model: nn.Module, optimizer) -> set:
     """Swap every meta parameter/buffer for an uninitialized CPU one (pages not yet
-    touched, so no memory is resident), keeping ties and the optimizer's references.
+    touched, so no memory is resident), keeping ties and the references of the
+    optimizer (or of each optimizer of a list).
     Returns the ids of the new tensors (what initialize_by_unit must see written)."""
     new: dict[int, nn.Parameter] = {}
     born: set = set()
@@ -92,10 +93,11 @@ def replace_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> set:
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
                 born.add(id(m._buffers[name]))
-    for g in optimizer.param_groups:
-        g["params"] = [new.get(id(p), p) for p in g["params"]]
-    # the optimizer also indexes its (empty) state by parameter
-    optimizer.state = collections.defaultdict(dict, {new.get(id(p), p): s for p, s in optimizer.state.items()})
+    for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+        for g in opt.param_groups:
+            g["params"] = [new.get(id(p), p) for p in g["params"]]
+        # the optimizer also indexes its (empty) state by parameter
+        opt.state = collections.defaultdict(dict, {new.get(id(p), p): s for p, s in opt.state.items()})
     return born
 
 

@@ -1,8 +1,11 @@
 """ZeroOptimizer: the torch.optim.Optimizer that zeroify() returns.
 
 It keeps the user's param_groups live (LR schedulers work) and drives the C++
-engine: fused C kernels for Adam/AdamW/SGD, or the user's own torch optimizer
-class run over 1-D views of this rank's shard for any other elementwise one.
+engine: fused C kernels for Adam/AdamW/SGD, the user's own torch optimizer
+class run over 1-D views of this rank's shard for any other elementwise one, or
+(Muon, Adafactor: optimizers that need whole tensors) the user's torch optimizer
+run by each tensor's owner over its whole tensors (zero_ext/whole.py). Several
+torch optimizers given together (Muon + AdamW) are parts of one ZeroOptimizer.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from . import _C
 from .changes import ADD_GROUP_FIX, ZeroUsageError
 from .model import PHASE_CLIP, PHASE_STEP
 from .step_control import StepControl
+from .whole import build_whole_optimizer
 
 # Optimizers whose update is elementwise: they may run over a flat shard.
 FUSED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -26,15 +30,40 @@ ELEMENTWISE = FUSED + tuple(getattr(torch.optim, n) for n in (
 STATE_FORMAT = 1
 
 
+class _Part:
+    """One wrapped torch optimizer: its class, its param groups (indices into the
+    ZeroOptimizer's param_groups) and how it runs: 'fused' (C kernels over the
+    shard), 'shard' (the torch optimizer over 1-D shard views) or 'whole' (the torch
+    optimizer over this rank's whole tensors)."""
+
+    def __init__(self, cls, groups: list, kind: str):
+        self.cls, self.groups, self.kind = cls, groups, kind
+        self.opt = None               # the inner torch optimizer ('shard', 'whole'), if this rank has any
+        self.inner_ids: list = []     # inner param group k = param_groups[inner_ids[k]]
+        self.owned: list = []         # 'whole': (engine param index, master view) in inner order
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose state is sharded across ranks (see zeroify)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine, config, fused: bool, fingerprint: int,
-                 process_group=None):
-        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
-        self.param_groups = optimizer.param_groups      # the user's own dicts: live
+    def __init__(self, optimizer, engine, config, fused: bool, fingerprint: int,
+                 process_group=None, parts: list | None = None, param_groups_of: list | None = None):
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        groups = [g for o in optimizers for g in o.param_groups]
+        torch.optim.Optimizer.__init__(self, groups, optimizers[0].defaults)
+        # the user's own dicts: live (one optimizer: its very list)
+        self.param_groups = optimizers[0].param_groups if len(optimizers) == 1 else groups
         self.state = defaultdict(dict)                  # per-parameter state lives in the engine
-        self.wrapped_class = type(optimizer)
+        self.wrapped_class = type(optimizers[0])
+        self.wrapped_classes = [type(o) for o in optimizers]
+        if parts is None:
+            parts = [_Part(type(optimizers[0]), list(range(len(groups))), "fused" if fused else "shard")]
+        self._parts = parts
+        self._param_group_of = param_groups_of or []    # engine parameter i -> its param group
+        self._done: set | None = None                   # parts stepped in the open iteration
+        self._iter_scale = 1.0
+        self._iter_skip = False
+        self._tensor_updates = 0                        # whole tensors this rank updated
         self._engine = engine
         self._config = config
         self._fused = fused
@@ -47,9 +76,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._found_inf = None                          # this step's inf/nan verdict, once known
         self.loss_scaler = self._make_scaler(config)
         self._host_skipped = 0
+        for part in self._parts:
+            if part.kind == "shard":
+                self._build_shard_optimizer(part)
+            elif part.kind == "whole":
+                build_whole_optimizer(self, part)
         self._ctl = self._make_step_control(config)
-        if not fused:
-            self._build_shard_optimizer()
 
     # ------------------------------------------------------------------ loss scaling
     @staticmethod
@@ -72,10 +104,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shards = self._engine.param_shards()
         device = shards[0].device if shards else torch.device("cpu")
         want = config.step_control
-        if want is True and not self._fused:
-            raise ValueError("zero_ext: step_control=True needs a fused optimizer (Adam, AdamW or SGD); "
-                             "use step_control='auto' with " + self.wrapped_class.__name__)
-        if not self._fused or want is False or (want == "auto" and device.type != "cuda"):
+        fused_only = len(self._parts) == 1 and self._parts[0].kind == "fused"
+        if want is True and not fused_only:
+            raise ValueError("zero_ext: step_control=True needs one fused optimizer (Adam, AdamW or SGD); "
+                             "use step_control='auto' with " + ", ".join(c.__name__ for c in self.wrapped_classes))
+        if not fused_only or want is False or (want == "auto" and device.type != "cuda"):
             return None
         return StepControl(self._engine, len(self.param_groups), self.loss_scaler, device)
 
@@ -130,15 +163,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return 1.0 / (self._engine.grad_divisor() * self.loss_scale)
 
     # ------------------------------------------------------------------ step
-    def _build_shard_optimizer(self) -> None:
-        shards, grads = self._engine.param_shards(), self._engine.grad_shards()
+    def _build_shard_optimizer(self, part: _Part) -> None:
+        self._engine.set_active_groups(part.groups)
+        try:
+            shards, grads, gids = self._engine.param_shards(), self._engine.grad_shards(), self._engine.bucket_groups()
+        finally:
+            self._engine.set_active_groups([])
         by_group: dict[int, list] = {}
-        for s, g, gi in zip(shards, grads, self._engine.bucket_groups()):
+        for s, g, gi in zip(shards, grads, gids):
             s.grad = g
             by_group.setdefault(gi, []).append(s)
-        self._shard_group_ids = sorted(by_group)
-        groups = [dict(self._hyper(gi), params=by_group[gi]) for gi in self._shard_group_ids]
-        self._shard_opt = self.wrapped_class(groups)
+        part.inner_ids = sorted(by_group)
+        groups = [dict(self._hyper(gi), params=by_group[gi]) for gi in part.inner_ids]
+        part.opt = part.cls(groups) if groups else None
+        self._shard_opt, self._shard_group_ids = part.opt, part.inner_ids   # (checkpoint.py reads these)
 
     def add_param_group(self, param_group: dict) -> None:
         if self._engine is None:                         # Optimizer.__init__ adds the groups
@@ -151,6 +189,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._ctl is not None:
+            return self._step_controlled(closure)
+        return self._step_parts(range(len(self._parts)), closure)
+
+    def _step_controlled(self, closure):
+        """Note [Step control]: one fused part; the verdict, the multiplier, the loss
+        scale and the step counts are advanced in the parameters' memory."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -158,16 +203,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._engine.sequence_mark(PHASE_STEP)
         if self._guard is not None:
             self._guard.check_edits()   # Note [Edits outside gathered_parameters] (changes.py)
-        if self._ctl is not None:
-            # Note [Step control]: verdict, multiplier, scale and counts on the device.
-            self._ctl.before_step()
-            self._fused_step(1.0, control=True)
-            self._engine.all_gather_params()
-            if not self._config.overlap_param_gather:
-                self._engine.wait_params()
-            return loss
-        scale = self._clip_coef * self._grad_scale()
+        self._ctl.before_step()
+        self._fused_step(1.0, self._parts[0], control=True)
+        self._engine.all_gather_params()
+        if not self._config.overlap_param_gather:
+            self._engine.wait_params()
+        return loss
+
+    def _begin_iteration(self) -> None:
+        """The first step() after a backward: one clipping factor and one inf/nan
+        verdict for every part of this iteration."""
+        self._done = set()
+        self._iter_scale = self._clip_coef * self._grad_scale()
         self._clip_coef = 1.0
+        self._iter_skip = False
         if self.loss_scaler is not None:
             # One all-reduce decides for every rank (shared with the norm when
             # clip_grad_norm_ ran): an inf/nan anywhere skips the step everywhere.
@@ -177,25 +226,59 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._found_inf = None
             if self.loss_scaler.update(bool(found)):
                 self._host_skipped += 1
-                return loss
-        for gi in range(len(self.param_groups)):
-            self._host_steps[gi] += 1
-        # Note [Unused parameters] (csrc/engine/unused.cpp): one small all-reduce
-        # decides which parameters got a gradient on some rank; the others are skipped.
-        self._engine.begin_step()
-        if self._fused:
-            self._fused_step(scale)
-        else:
-            self._engine.scale_grads(scale)
-            for inner, gi in zip(self._shard_opt.param_groups, self._shard_group_ids):
-                inner.update(self._hyper(gi))
-            with self._keep_unstepped():
-                self._shard_opt.step()
-            self._engine.cast_masters()   # low precision: the copy that is gathered next
-        self._engine.all_gather_params()
-        if not self._config.overlap_param_gather:
+                self._iter_skip = True
+        if not self._iter_skip:
+            # Note [Unused parameters] (csrc/engine/unused.cpp): one small all-reduce
+            # decides which parameters got a gradient on some rank; the others are skipped.
+            self._engine.begin_step()
+
+    def _step_parts(self, which, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._engine.sequence_mark(PHASE_STEP)
+        if self._guard is not None:
+            self._guard.check_edits()   # Note [Edits outside gathered_parameters] (changes.py)
+        which = list(which)
+        if self._done is None or any(k in self._done for k in which):
+            self._begin_iteration()
+        if not self._iter_skip:
+            for k in which:
+                self._step_part(self._parts[k], self._iter_scale)
+        self._done.update(which)
+        if len(self._done) == len(self._parts):
+            self._done = None
+        if not self._iter_skip and not self._config.overlap_param_gather:
             self._engine.wait_params()
         return loss
+
+    def _step_part(self, part: _Part, scale: float) -> None:
+        for gi in part.groups:
+            self._host_steps[gi] += 1
+        one = len(self._parts) == 1
+        if not one:
+            self._engine.set_active_groups(part.groups)
+        try:
+            if part.kind == "fused":
+                self._fused_step(scale, part)
+            else:
+                self._engine.scale_grads(scale)
+                if part.opt is not None:
+                    for inner, gi in zip(part.opt.param_groups, part.inner_ids):
+                        inner.update(self._hyper(gi))
+                    if part.kind == "shard":
+                        with self._keep_unstepped():
+                            part.opt.step()
+                    else:
+                        part.opt.step()
+                    if part.kind == "whole":
+                        self._tensor_updates += len(part.owned)
+                self._engine.cast_masters()   # low precision: the copy that is gathered next
+            self._engine.all_gather_params()
+        finally:
+            if not one:
+                self._engine.set_active_groups([])
 
     @contextlib.contextmanager
     def _keep_unstepped(self):
@@ -232,25 +315,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 else:                    # created by this step: the state it starts from
                     t[lo:lo + n].zero_()
 
-    def _fused_step(self, scale: float, control: bool = False) -> None:
+    def _fused_step(self, scale: float, part: _Part, control: bool = False) -> None:
         """control: the multiplier, the skip verdict and the step counts come from the
         step control's device memory (scale and the host step counts are not used)."""
         steps = [1] * len(self.param_groups) if control else self._host_steps
         ctl = dict(ctl=self._ctl.ctl, steps=self._ctl.steps) if control else {}
         hps = []
-        if issubclass(self.wrapped_class, (torch.optim.Adam, torch.optim.AdamW)):
+        mine = set(part.groups)
+        if issubclass(part.cls, (torch.optim.Adam, torch.optim.AdamW)):
             for gi, g in enumerate(self.param_groups):
+                if gi not in mine:   # another part's group: the engine skips its buckets
+                    hps.append(dict(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
+                                    decoupled=False, amsgrad=False, maximize=False, grad_scale=1.0))
+                    continue
                 beta1, beta2 = g["betas"]
                 hps.append(dict(
                     lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(g["eps"]),
                     weight_decay=float(g["weight_decay"]), step=steps[gi],
-                    decoupled=bool(g.get("decoupled_weight_decay",
-                                         issubclass(self.wrapped_class, torch.optim.AdamW))),
+                    decoupled=bool(g.get("decoupled_weight_decay", issubclass(part.cls, torch.optim.AdamW))),
                     amsgrad=bool(g.get("amsgrad", False)), maximize=bool(g.get("maximize", False)),
                     grad_scale=scale))
             self._engine.step_adam(hps, **ctl)
         else:
             for gi, g in enumerate(self.param_groups):
+                if gi not in mine:
+                    hps.append(dict(lr=0.0, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                                    maximize=False, first_step=False, grad_scale=1.0))
+                    continue
                 hps.append(dict(
                     lr=float(g["lr"]), momentum=float(g["momentum"]), dampening=float(g["dampening"]),
                     weight_decay=float(g["weight_decay"]), nesterov=bool(g["nesterov"]),
@@ -320,6 +411,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "param_steps": self.param_step_counts(),
                 "flat_state": {k: v.clone() for k, v in self._engine.states().items()},
                 "shard_optimizer": self._shard_opt.state_dict() if self._shard_opt is not None else None,
+                # whole-tensor parts: the torch optimizer over this rank's own tensors
+                "whole_optimizers": [p.opt.state_dict() if p.opt is not None else None
+                                     for p in self._parts if p.kind == "whole"],
                 "loss_scaler": self.scaler_state_dict(),
                 "skipped_steps": self.skipped_steps,
             },
@@ -354,6 +448,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._engine.set_param_steps(self._group_steps_per_param())
         if self._shard_opt is not None and z["shard_optimizer"] is not None:
             self._shard_opt.load_state_dict(z["shard_optimizer"])
+        for part, saved in zip([p for p in self._parts if p.kind == "whole"], z.get("whole_optimizers", [])):
+            if part.opt is not None and saved is not None:
+                part.opt.load_state_dict(saved)
         self.load_scaler_state_dict(z.get("loss_scaler"))
         self.skipped_steps = int(z.get("skipped_steps", 0))
 
@@ -398,12 +495,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         s["comm_bytes"] = (comm["reduce_scatter"]["bytes"] + comm["all_gather"]["bytes"]
                            + 2 * comm["all_reduce"]["bytes"])
         s["frozen_parameter_bytes"] = self._frozen_bytes
-        if self._shard_opt is not None:   # generic path: the torch optimizer's per-element states
-            msb = s["model_state_bytes"]
-            extra = sum(t.nbytes for st in self._shard_opt.state.values() for t in st.values()
-                        if torch.is_tensor(t) and t.dim() > 0)
-            msb["optimizer_states"] += extra
-            msb["total"] += extra
+        msb = s["model_state_bytes"]
+        for part in self._parts:          # torch optimizers' states over shard views / whole tensors
+            if part.opt is not None:
+                extra = sum(t.nbytes for st in part.opt.state.values() for t in st.values()
+                            if torch.is_tensor(t) and t.dim() > 0)
+                msb["optimizer_states"] += extra
+                msb["total"] += extra
+        if len(self._parts) > 1:
+            s["optimizer"] = "+".join(c.__name__ for c in self.wrapped_classes)
+        s["atomic"]["tensors_owned"] = sum(len(p.owned) for p in self._parts)
+        s["atomic"]["tensor_updates"] = self._tensor_updates
         if self._units is not None:
             s["unit_fetches"] = self._units.fetches
             s["out_of_order_fetches"] = self._units.out_of_order

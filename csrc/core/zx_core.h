@@ -82,7 +82,32 @@ typedef struct zx_plan_params {
     int64_t bucket_bytes;        /* cap per bucket, > 0 */
     int64_t first_bucket_bytes;  /* cap of the first bucket, > 0 */
     int64_t align;               /* slice alignment in elements, >= 1 */
+    const double *cost;          /* (num_params,) or NULL: > 0 marks a tensor-atomic
+                                    parameter whose optimizer needs the whole tensor,
+                                    with that update cost (zx_update_cost); 0 an
+                                    element-granular one (Note [Tensor-atomic buckets]) */
 } zx_plan_params;
+
+/* Tensor-atomic buckets (cost[p] > 0): parameters with an atomic key fill a bucket
+ * until it is past its cap *and* holds at least 2*world_size tensors (so each rank
+ * can get whole tensors and the padding stays small). Inside the bucket, tensors
+ * go to world_size bins, largest first to the bin with the fewest elements; the
+ * bins then go to ranks, costliest bin to the rank with the least update cost so
+ * far (over every atomic bucket planned before), so that update cost is balanced
+ * across the whole model while each bucket keeps equal slices. The slice is the
+ * largest bin rounded up to align; rank r's tensors sit whole at the start of
+ * slice r, the rest of the slice is padding (zero, never read by an optimizer). */
+
+/* What an optimizer's update of one tensor costs, for balancing tensor-atomic
+ * parameters: 0 for an elementwise optimizer, rows*cols for a factored one
+ * (Adafactor), rows*cols*min(rows, cols) for an orthogonalized one (Muon's
+ * Newton-Schulz iterations). rows = the first dimension, cols = numel / rows. */
+typedef enum zx_update_kind {
+    ZX_UPDATE_ELEMENTWISE = 0,
+    ZX_UPDATE_FACTORED = 1,
+    ZX_UPDATE_ORTHOGONALIZED = 2
+} zx_update_kind;
+double zx_update_cost(zx_update_kind kind, int64_t rows, int64_t cols);
 
 typedef struct zx_bucket_info {
     int32_t group;               /* param group of every parameter inside */
@@ -93,6 +118,7 @@ typedef struct zx_bucket_info {
     int64_t numel;               /* sum of parameter numels (unpadded) */
     int64_t padded_numel;        /* numel rounded up to a multiple of world_size*align */
     int64_t slice_numel;         /* padded_numel / world_size */
+    int32_t atomic;              /* 1: tensor-atomic, rank r's slice holds whole tensors */
 } zx_bucket_info;
 
 typedef struct zx_param_loc {
@@ -134,6 +160,11 @@ int64_t zx_plan_shard_offset(const zx_plan *plan, int64_t b);
  * total count to *count; returns ZX_ERR_BUFFER_TOO_SMALL when cap < *count. */
 zx_status zx_plan_fragments(const zx_plan *plan, int64_t b, int32_t rank,
                             zx_fragment *out, int64_t cap, int64_t *count);
+/* The rank owning tensor-atomic parameter p whole, or -1 when p is element-granular
+ * (or p is out of range). */
+int32_t zx_plan_owner(const zx_plan *plan, int64_t p);
+/* Rank r's share of the tensor-atomic parameters: their update cost and elements. */
+zx_status zx_plan_rank_load(const zx_plan *plan, int32_t rank, double *cost, int64_t *numel);
 /* Writes a human-readable table of the plan (NUL-terminated, truncated to
  * `cap` bytes) and the length it needed (excluding NUL) to *needed. */
 zx_status zx_plan_describe(const zx_plan *plan, char *buf, size_t cap, size_t *needed);

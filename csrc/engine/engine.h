@@ -47,6 +47,10 @@ struct EngineOptions {
     int64_t grad_quant_bits = 0;       // 0: exact; 8/4: Note [Quantized gradient reduction]
     bool grad_quant_error_feedback = false;
     int64_t quant_block_numel = 256;   // elements per quantization scale
+    // Per param group, a zx_update_kind: 0 elementwise (element-granular layout),
+    // 1 factored (Adafactor), 2 orthogonalized (Muon): those groups' tensors are
+    // owned whole by one rank (Note [Tensor-atomic buckets], core/zx_core.h).
+    std::vector<int64_t> group_update_kind;
 };
 
 // One bucket of the plan, as tensors. Note [Gradient layout]:
@@ -64,6 +68,8 @@ struct Bucket {
     int64_t padded_numel = 0;          // numel padded to partitions*align
     int64_t slice_numel = 0;           // padded_numel / partitions: one rank's share
     int64_t shard_offset = 0;          // where this bucket's slice sits in a shard
+    bool atomic = false;               // tensor-atomic: each slice holds whole tensors
+    std::vector<std::pair<int64_t, int64_t>> gaps;  // padding (offset, numel): zeroed before reduction
     at::Tensor flat_param;             // (padded_numel,) param_dtype; parameters are views
     at::Tensor flat_grad;              // (padded_numel,) reduce_dtype in stage 0/1, else undefined
     at::Tensor staging;                // stage 3, low precision: fp32 full values while initializing
@@ -145,6 +151,17 @@ public:
     void set_param_steps(const std::vector<int64_t> &steps);
     void broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src);
 
+    // --- tensor-atomic parameters (atomic.cpp) ---
+    // Restrict the steps, shard views, scaling, casts and the parameter gather to
+    // these param groups (empty: all), so that each wrapped optimizer steps its own.
+    void set_active_groups(const std::vector<int64_t> &groups);
+    // This rank's whole tensors: (param index, fp32 master view, gradient view),
+    // shaped as the parameter, in layout order.
+    std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> owned_tensors();
+    // Owner rank of each parameter (-1: element-granular).
+    std::vector<int64_t> owners() const;
+    py::dict atomic_stats() const;
+
     // --- stage 3 ---
     // Make unit u's parameters whole: launch its all-gather if it is neither
     // gathered nor in flight, and with wait=true block until it is done.
@@ -185,6 +202,9 @@ public:
     void sequence_mark(int64_t phase);   // a SeqPhase: forward, backward, clip, step
 
 private:
+    bool active(const Bucket &bk) const {
+        return active_groups_.empty() || (bk.group < (int64_t)active_groups_.size() && active_groups_[bk.group]);
+    }
     void launch(int64_t b);
     void complete(int64_t b);          // wait for b's reduction and post-process it
     int64_t acquire_slot(int64_t b);
@@ -208,6 +228,8 @@ private:
     at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(dev_); }
 
     std::vector<at::Tensor> params_;
+    std::vector<std::vector<int64_t>> shapes_;   // each parameter's logical shape
+    std::vector<char> active_groups_;            // set_active_groups: empty = all
     std::vector<at::Tensor> grad_views_;   // stage 0/1: param i's view into flat_grad
     std::vector<at::Tensor> param_views_;  // stage 3: param i's view into flat_param
     std::vector<int64_t> bucket_of_, offset_of_;
@@ -242,7 +264,7 @@ private:
     // rank's fragments in slice order.
     std::vector<uint8_t> used_, stepped_;
     std::vector<int64_t> param_steps_;
-    bool step_begun_ = false;          // begin_step() ran; cleared by the fused step
+    bool step_begun_ = false;          // begin_step() has run (the step tables exist)
     std::vector<std::vector<StepRun>> my_frags_;
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
 };

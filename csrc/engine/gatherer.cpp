@@ -51,6 +51,7 @@ void Engine::all_gather_params() {
     wait_params();
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
+        if (!active(bk)) continue;
         at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
         comm_.seq.subject(b, -1);
         gather_works_.push_back(comm_.all_gather(bk.flat_param, in));

@@ -60,8 +60,19 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     // stage 3: units in reverse forward order, so buckets again follow backward.
     std::vector<int64_t> numel(n), order(n);
     std::vector<int32_t> dtype(n, pzx_), group(n), unit(n, 0);
+    std::vector<double> cost(n, 0.0);
+    bool any_atomic = false;
     for (int64_t i = 0; i < n; i++) {
         const at::Tensor &p = params_[i];
+        shapes_.push_back(p.sizes().vec());
+        const int64_t kind = groups[i] < (int64_t)opts_.group_update_kind.size() ? opts_.group_update_kind[groups[i]] : 0;
+        if (kind != 0 && p.numel() > 0) {
+            // Note [Tensor-atomic buckets]: rows = first dimension, cols = the rest.
+            const int64_t rows = p.dim() > 0 ? p.size(0) : 1;
+            cost[i] = zx_update_cost((zx_update_kind)kind, rows, p.numel() / std::max<int64_t>(rows, 1));
+            TORCH_CHECK(cost[i] > 0, "zero_ext: unknown update kind ", kind, " for param group ", groups[i]);
+            any_atomic = true;
+        }
         TORCH_CHECK(p.scalar_type() == at::kFloat, "zero_ext: parameter ", i, " is ", p.scalar_type(),
                     "; stages 0-2 keep float32 parameters (cast the model with model.float())");
         TORCH_CHECK(p.device() == dev_, "zero_ext: parameter ", i, " is on ", p.device(), " but parameter 0 "
@@ -77,7 +88,8 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     const int64_t cap = s3 ? INT64_MAX / 4 : opts_.bucket_bytes;
     const int64_t first_cap = s3 ? INT64_MAX / 4 : opts_.first_bucket_bytes;
     zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), s3 ? unit.data() : nullptr,
-                      order.data(), (int32_t)parts_, cap, first_cap, opts_.align};
+                      order.data(), (int32_t)parts_, cap, first_cap, opts_.align,
+                      any_atomic ? cost.data() : nullptr};
     zx_check(zx_plan_create(&pp, &plan_), "planning the bucket layout");
     shard_numel_ = zx_plan_shard_numel(plan_);
 
@@ -112,6 +124,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         bk.shard_offset = zx_plan_shard_offset(plan_, b);
         bk.pending = bi.num_params;
         bk.unit = bi.unit;
+        bk.atomic = bi.atomic != 0;
         bk.gathered = true;
         // Stage 3 without values: never touch the pages (peak = shards + one unit).
         bk.flat_param = s3 && !opts_.copy_params ? at::empty({bi.padded_numel}, pt)
@@ -144,6 +157,16 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                 p.mutable_grad() = at::Tensor();
             }
         }
+        // Padding between and after the parameters (atomic buckets pad every slice).
+        std::vector<std::pair<int64_t, int64_t>> spans;
+        for (int64_t i : bk.params) spans.emplace_back(offset_of_[i], numel[i]);
+        std::sort(spans.begin(), spans.end());
+        int64_t at = 0;
+        for (const auto &sp : spans) {
+            if (sp.first > at) bk.gaps.emplace_back(at, sp.first - at);
+            at = std::max(at, sp.first + sp.second);
+        }
+        if (at < bk.padded_numel) bk.gaps.emplace_back(at, bk.padded_numel - at);
         if (opts_.copy_params && lp_) {
             bk.flat_param.copy_(src32);                            // rounds to param_dtype
             master_slice(bk).copy_(owned_slice(src32, bk));
@@ -301,6 +324,7 @@ py::dict Engine::stats() const {
     d["comm"] = comm;
     d["reductions"] = reductions_;
     d["num_units"] = (int64_t)unit_buckets_.size();
+    d["atomic"] = atomic_stats();
     return d;
 }
 

@@ -139,7 +139,7 @@ void Engine::launch(int64_t b) {
     if (opts_.stage >= 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
     if (opts_.stage >= 2) {
         // Zero the padding so it never feeds the optimizer garbage.
-        slots_[bk.slot].send.narrow(0, bk.numel, bk.padded_numel - bk.numel).zero_();
+        for (const auto &g : bk.gaps) slots_[bk.slot].send.narrow(0, g.first, g.second).zero_();
     }
     if (world_ == 1) {
         if (opts_.stage >= 2) {

@@ -36,6 +36,7 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
     at::Tensor vmax = ams ? state("max_exp_avg_sq") : at::Tensor();
     const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
     for (auto &bk : buckets_) {
+        if (bk.atomic || !active(bk)) continue;   // whole tensors / another part's groups
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
         const zx_adam_hparams &hp = hps[bk.group];
         float *p = master(bk);
@@ -56,7 +57,6 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
                         lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
         }
     }
-    step_begun_ = false;
 }
 
 void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &ctl, const at::Tensor &steps) {
@@ -67,6 +67,7 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
     at::Tensor buf = momentum ? state("momentum_buffer") : at::Tensor();
     const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
     for (auto &bk : buckets_) {
+        if (bk.atomic || !active(bk)) continue;   // whole tensors / another part's groups
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
         const zx_sgd_hparams &hp = hps[bk.group];
         float *p = master(bk);
@@ -85,24 +86,26 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
                        lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
         }
     }
-    step_begun_ = false;
 }
 
 std::vector<at::Tensor> Engine::param_shards() {
     std::vector<at::Tensor> out;
-    for (auto &bk : buckets_) out.push_back(master_slice(bk));
+    for (auto &bk : buckets_)
+        if (active(bk)) out.push_back(master_slice(bk));
     return out;
 }
 
 std::vector<at::Tensor> Engine::grad_shards() {
     std::vector<at::Tensor> out;
-    for (auto &bk : buckets_) out.push_back(grad_shard_slice(bk));
+    for (auto &bk : buckets_)
+        if (active(bk)) out.push_back(grad_shard_slice(bk));
     return out;
 }
 
 std::vector<int64_t> Engine::bucket_groups() {
     std::vector<int64_t> out;
-    for (auto &bk : buckets_) out.push_back(bk.group);
+    for (auto &bk : buckets_)
+        if (active(bk)) out.push_back(bk.group);
     return out;
 }
 
@@ -110,6 +113,7 @@ void Engine::scale_grads(double factor) {
     wait_reductions();
     if (factor == 1.0) return;
     for (auto &bk : buckets_) {
+        if (!active(bk)) continue;
         at::Tensor gs = grad_shard_slice(bk);
         if (rdt_ != at::kFloat) {
             gs.mul_(factor);
@@ -150,6 +154,7 @@ void Engine::cast_masters() {
     if (!lp_) return;
     wait_params();
     for (auto &bk : buckets_) {
+        if (!active(bk)) continue;
         const float *p = master(bk);
         char *lp = (char *)lp_slice(bk).data_ptr();
         kern_->cast_from_f32(bk.slice_numel, p, lp, pzx_);

@@ -33,7 +33,7 @@ static void check_random_plan(int trial) {
     int32_t u = 0;
     for (size_t i = 0; i < n; i++) { if (rnd() % 5 == 0) u++; unit[order[i]] = u; }
     zx_plan_params pp = {n, numel, dtype, group, use_units ? unit : NULL, order,
-                         (int32_t)rnd_range(1, 9), rnd_range(64, 40000), rnd_range(64, 8000), rnd_range(1, 32)};
+                         (int32_t)rnd_range(1, 9), rnd_range(64, 40000), rnd_range(64, 8000), rnd_range(1, 32), NULL};
     zx_plan *plan = NULL;
     zx_status st = zx_plan_create(&pp, &plan);
     CHECK(st == ZX_OK && plan, "trial %d: create -> %s", trial, zx_status_string(st));
@@ -123,7 +123,7 @@ done:
 static void check_errors(void) {
     int64_t numel[2] = {3, 4}, order[2] = {1, 0}, bad_order[2] = {1, 1};
     int32_t dtype[2] = {0, 0}, group[2] = {0, 0};
-    zx_plan_params pp = {2, numel, dtype, group, NULL, order, 2, 1024, 256, 4};
+    zx_plan_params pp = {2, numel, dtype, group, NULL, order, 2, 1024, 256, 4, NULL};
     zx_plan *plan = (zx_plan *)0x1;
     CHECK(zx_plan_create(NULL, &plan) == ZX_ERR_INVALID_ARG && plan == NULL, "NULL params");
     CHECK(zx_plan_create(&pp, NULL) == ZX_ERR_INVALID_ARG, "NULL out");
@@ -158,9 +158,116 @@ static void check_errors(void) {
     zx_plan_free(NULL);
 }
 
+/* Note [Tensor-atomic buckets]: random mixes of atomic and element-granular
+ * parameters. Every atomic parameter lies whole in its owner's slice (one
+ * fragment, on the owner only), slices stay equal, the largest bin is within one
+ * tensor of the mean (padding bound), and the load per rank adds up. */
+static void check_atomic_plan(int trial) {
+    const size_t n = (size_t)rnd_range(1, 80);
+    int64_t *numel = malloc(n * sizeof *numel), *order = malloc(n * sizeof *order);
+    int32_t *dtype = malloc(n * sizeof *dtype), *group = malloc(n * sizeof *group);
+    double *cost = malloc(n * sizeof *cost);
+    for (size_t i = 0; i < n; i++) {
+        const int64_t rows = rnd_range(1, 64), cols = rnd_range(1, 64);
+        numel[i] = rows * cols;
+        dtype[i] = 0;
+        group[i] = (int32_t)(rnd() % 2);        /* group 0 atomic (Muon), group 1 elementwise */
+        cost[i] = group[i] == 0 ? zx_update_cost(ZX_UPDATE_ORTHOGONALIZED, rows, cols) : 0.0;
+        order[i] = (int64_t)(n - 1 - i);
+    }
+    const int32_t N = (int32_t)rnd_range(1, 9);
+    zx_plan_params pp = {n, numel, dtype, group, NULL, order, N, rnd_range(64, 40000), rnd_range(64, 8000),
+                         rnd_range(1, 16), cost};
+    zx_plan *plan = NULL;
+    CHECK(zx_plan_create(&pp, &plan) == ZX_OK && plan, "trial %d: atomic create", trial);
+    if (!plan) goto done;
+    double total_cost = 0.0;
+    int64_t total_numel = 0;
+    for (int64_t b = 0; b < zx_plan_num_buckets(plan); b++) {
+        zx_bucket_info bi;
+        zx_plan_bucket(plan, b, &bi);
+        CHECK(bi.slice_numel * N == bi.padded_numel && bi.slice_numel % pp.align == 0, "atomic slices");
+        CHECK(bi.atomic == (bi.group == 0), "bucket %lld atomic flag", (long long)b);
+        if (!bi.atomic) continue;
+        int64_t biggest = 0, count_frag = 0;
+        for (int64_t k = 0; k < bi.num_params; k++) {
+            int64_t q;
+            zx_plan_bucket_param(plan, b, k, &q);
+            zx_param_loc loc;
+            zx_plan_param(plan, q, &loc);
+            const int32_t r = zx_plan_owner(plan, q);
+            CHECK(r >= 0 && r < N, "owner of %lld", (long long)q);
+            CHECK(loc.offset >= (int64_t)r * bi.slice_numel &&
+                  loc.offset + loc.numel <= (int64_t)(r + 1) * bi.slice_numel, "param %lld whole in slice %d", (long long)q, r);
+            biggest = numel[q] > biggest ? numel[q] : biggest;
+            total_cost += cost[q];
+            total_numel += numel[q];
+        }
+        for (int32_t r = 0; r < N; r++) {
+            int64_t count = 0;
+            zx_plan_fragments(plan, b, r, NULL, 0, &count);
+            zx_fragment *fr = malloc((size_t)(count + 1) * sizeof *fr);
+            zx_plan_fragments(plan, b, r, fr, count + 1, &count);
+            for (int64_t k = 0; k < count; k++)
+                CHECK(fr[k].param_offset == 0 && fr[k].numel == numel[fr[k].param] &&
+                      zx_plan_owner(plan, fr[k].param) == r, "fragment of an atomic param is whole, on its owner");
+            count_frag += count;
+            free(fr);
+        }
+        CHECK(count_frag == bi.num_params, "each atomic param is one fragment");
+        const int64_t mean = (bi.numel + N - 1) / N;
+        CHECK(bi.slice_numel <= mean + biggest + pp.align, "trial %d: slice %lld over mean %lld + largest %lld", trial,
+              (long long)bi.slice_numel, (long long)mean, (long long)biggest);
+    }
+    double c = 0.0;
+    int64_t m = 0;
+    for (int32_t r = 0; r < N; r++) {
+        double rc;
+        int64_t rn;
+        CHECK(zx_plan_rank_load(plan, r, &rc, &rn) == ZX_OK, "rank load");
+        c += rc;
+        m += rn;
+    }
+    CHECK(m == total_numel && c - total_cost <= 1e-9 * total_cost && total_cost - c <= 1e-9 * total_cost, "loads add up");
+    for (size_t i = 0; i < n; i++)
+        if (group[i] != 0) CHECK(zx_plan_owner(plan, (int64_t)i) == -1, "elementwise params have no owner");
+    zx_plan_free(plan);
+done:
+    free(numel); free(order); free(dtype); free(group); free(cost);
+}
+
+/* Equal matrices at N ranks: every rank gets the same number, no padding. */
+static void check_atomic_balance(void) {
+    enum { n = 24 };
+    int64_t numel[n], order[n];
+    int32_t dtype[n], group[n];
+    double cost[n];
+    for (int i = 0; i < n; i++) {
+        numel[i] = 64 * 64; dtype[i] = 0; group[i] = 0; order[i] = i;
+        cost[i] = zx_update_cost(ZX_UPDATE_ORTHOGONALIZED, 64, 64);
+    }
+    zx_plan_params pp = {n, numel, dtype, group, NULL, order, 4, 1 << 30, 1 << 30, 16, cost};
+    zx_plan *plan = NULL;
+    CHECK(zx_plan_create(&pp, &plan) == ZX_OK, "balance create");
+    zx_bucket_info bi;
+    zx_plan_bucket(plan, 0, &bi);
+    CHECK(bi.padded_numel == bi.numel, "no padding for equal matrices");
+    for (int32_t r = 0; r < 4; r++) {
+        double c;
+        int64_t m;
+        zx_plan_rank_load(plan, r, &c, &m);
+        CHECK(m == 6 * 64 * 64, "rank %d holds 6 matrices", r);
+    }
+    CHECK(zx_update_cost(ZX_UPDATE_FACTORED, 3, 5) == 15.0 && zx_update_cost(ZX_UPDATE_ORTHOGONALIZED, 3, 5) == 45.0 &&
+          zx_update_cost(ZX_UPDATE_ELEMENTWISE, 3, 5) == 0.0, "update costs");
+    zx_plan_free(plan);
+}
+
 int main(void) {
     check_errors();
     for (int t = 0; t < 2000; t++) check_random_plan(t);
+    for (int t = 0; t < 1000; t++) check_atomic_plan(t);
+    check_atomic_balance();
     printf("test_plan: %ld passed, %ld failed\n", g_passed, g_failed);
     return g_failed ? 1 : 0;
 }

@@ -1,0 +1,84 @@
+// atomic.cpp — tensor-atomic parameters (Note [Tensor-atomic buckets] in
+// core/zx_core.h): optimizers such as Muon and Adafactor update a tensor from
+// the whole tensor, so the planner gives each of their tensors whole to one rank
+// inside equal bucket slices. Here: the owner's whole-tensor views for the torch
+// optimizer that runs on them, the per-group selection that lets several
+// wrapped optimizers step their own groups, and the balance figures for stats().
+#include "engine/engine.h"
+
+#include "kernels_binding.h"   // defines: zx_check
+
+namespace zx {
+
+void Engine::set_active_groups(const std::vector<int64_t> &groups) {
+    active_groups_.clear();
+    if (groups.empty()) return;
+    int64_t most = 0;
+    for (int64_t g : groups) {
+        TORCH_CHECK(g >= 0, "zero_ext: set_active_groups: negative group ", g);
+        most = std::max(most, g);
+    }
+    active_groups_.assign((size_t)most + 1, 0);
+    for (int64_t g : groups) active_groups_[(size_t)g] = 1;
+}
+
+std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Engine::owned_tensors() {
+    std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> out;
+    const int64_t r = opts_.stage == 0 ? 0 : rank_;
+    for (auto &bk : buckets_) {
+        if (!bk.atomic || !active(bk)) continue;
+        at::Tensor master = master_slice(bk), grad = grad_shard_slice(bk);
+        for (int64_t i : bk.params) {
+            if (zx_plan_owner(plan_, i) != r) continue;
+            zx_param_loc loc;
+            zx_check(zx_plan_param(plan_, i, &loc), "reading the plan");
+            const int64_t at = loc.offset - r * bk.slice_numel, n = loc.numel;   // (stage 3 parameters may be empty now)
+            out.emplace_back(i, master.narrow(0, at, n).view(shapes_[i]), grad.narrow(0, at, n).view(shapes_[i]));
+        }
+    }
+    return out;
+}
+
+std::vector<int64_t> Engine::owners() const {
+    std::vector<int64_t> out(params_.size());
+    for (size_t i = 0; i < params_.size(); i++) out[i] = zx_plan_owner(plan_, (int64_t)i);
+    return out;
+}
+
+py::dict Engine::atomic_stats() const {
+    // Per rank: update cost and elements of its whole tensors; max/mean of each
+    // (1.0 = perfect balance); the padding of the atomic buckets in elements.
+    py::list cost, numel;
+    double cmax = 0.0, csum = 0.0;
+    int64_t nmax = 0, nsum = 0, tensors = 0, padding = 0, atomic_numel = 0, buckets = 0;
+    for (int64_t r = 0; r < parts_; r++) {
+        double c = 0.0;
+        int64_t m = 0;
+        zx_check(zx_plan_rank_load(plan_, (int32_t)r, &c, &m), "reading the plan");
+        cost.append(c);
+        numel.append(m);
+        cmax = std::max(cmax, c);
+        csum += c;
+        nmax = std::max(nmax, m);
+        nsum += m;
+    }
+    for (const auto &bk : buckets_) {
+        if (!bk.atomic) continue;
+        buckets++;
+        tensors += (int64_t)bk.params.size();
+        padding += bk.padded_numel - bk.numel;
+        atomic_numel += bk.numel;
+    }
+    py::dict d;
+    d["tensors"] = tensors;
+    d["buckets"] = buckets;
+    d["numel"] = atomic_numel;
+    d["padding"] = padding;
+    d["cost_per_rank"] = cost;
+    d["numel_per_rank"] = numel;
+    d["cost_balance"] = csum > 0 ? cmax / (csum / (double)parts_) : 1.0;
+    d["numel_balance"] = nsum > 0 ? (double)nmax / ((double)nsum / (double)parts_) : 1.0;
+    return d;
+}
+
+}  // namespace zx

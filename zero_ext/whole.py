@@ -1,0 +1,99 @@
+"""Optimizers that need whole tensors (torch.optim.Muon, torch.optim.Adafactor).
+
+Their update of an element depends on the whole tensor (Newton-Schulz on a
+matrix, factored second moments), so an element-granular shard cannot run them.
+The planner gives each of their tensors whole to one rank (Note [Tensor-atomic
+buckets] in csrc/core/zx_core.h), balanced by update cost, inside equal bucket
+slices: gradients still arrive by one reduce-scatter and parameters leave by one
+all-gather per bucket. The owner runs the user's torch optimizer class over
+its whole tensors (fp32 master views shaped as the parameters); the state exists
+only there.
+
+Several torch optimizers given to zeroify() together (the Muon recipe: Muon
+over the hidden matrices, AdamW over the rest) share one engine; zeroify returns
+one ZeroOptimizerPart per optimizer, each stepping its own param groups.
+"""
+from __future__ import annotations
+
+import torch
+
+# zx_update_kind (csrc/core/zx_core.h): what one tensor's update costs.
+UPDATE_FACTORED, UPDATE_ORTHOGONALIZED = 1, 2
+WHOLE = {cls: kind for cls, kind in ((getattr(torch.optim, "Muon", None), UPDATE_ORTHOGONALIZED),
+                                     (getattr(torch.optim, "Adafactor", None), UPDATE_FACTORED)) if cls is not None}
+
+
+def update_kind(cls) -> int:
+    """0 for an elementwise optimizer class, else its zx_update_kind."""
+    for c, kind in WHOLE.items():
+        if issubclass(cls, c):
+            return kind
+    return 0
+
+
+def build_whole_optimizer(zopt, part) -> None:
+    """The inner torch optimizer of a 'whole' part: the part's class over this
+    rank's whole tensors (fp32 master views with their gradient views), one inner
+    group per param group of which this rank owns a tensor."""
+    engine = zopt._engine
+    engine.set_active_groups(part.groups)
+    try:
+        owned = engine.owned_tensors()
+    finally:
+        engine.set_active_groups([])
+    by_group: dict[int, list] = {}
+    for i, master, grad in owned:
+        master.grad = grad
+        by_group.setdefault(zopt._param_group_of[i], []).append((i, master))
+    part.inner_ids = sorted(by_group)
+    part.owned = [t for gi in part.inner_ids for t in by_group[gi]]
+    groups = [dict(zopt._hyper(gi), params=[m for _, m in by_group[gi]]) for gi in part.inner_ids]
+    part.opt = part.cls(groups) if groups else None
+
+
+class ZeroOptimizerPart(torch.optim.Optimizer):
+    """One of several torch optimizers given to zeroify() together: its own
+    param_groups (the user's dicts, live for LR schedulers), step() over its own
+    groups; zero_grad, clip_grad_norm_ (one global norm over every part), stats()
+    and the state dicts are the shared ZeroOptimizer's."""
+
+    def __init__(self, core, optimizer: torch.optim.Optimizer, index: int):
+        self._core = None
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self._core = core
+        self._index = index
+        self.wrapped_class = type(optimizer)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._core is None:                           # Optimizer.__init__ adds the groups
+            return super().add_param_group(param_group)
+        return self._core.add_param_group(param_group)   # raises, naming the fix
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return self._core._step_parts([self._index], closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._core.zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self._core.clip_grad_norm_(max_norm, norm_type)
+
+    def state_dict(self) -> dict:
+        """This rank's state of every part (the shared ZeroOptimizer's state_dict)."""
+        return self._core.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._core.load_state_dict(state_dict)
+
+    def stats(self) -> dict:
+        return self._core.stats()
+
+    def synchronize(self) -> None:
+        self._core.synchronize()
+
+    @property
+    def zero_optimizer(self):
+        """The ZeroOptimizer shared by every part (for checkpoints: save/load take it or a part)."""
+        return self._core
