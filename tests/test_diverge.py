@@ -109,10 +109,19 @@ def test_divergent_rank_is_named_on_every_rank(program, stage, where):
     assert len(set(msgs)) == 1, "the ranks disagree on the diagnosis:\n" + "\n---\n".join(msgs)
 
 
-def test_without_the_check_the_same_program_trains_silently_wrong():
-    """The control: stage 0 with check_sequence=False runs the skip_step program to the
-    end without any error, and rank 2's parameters silently differ from the others'."""
-    outs = run_world(_worker, WORLD, "skip_step", 0, False, timeout_s=90)
-    assert all(o["error"] is None for o in outs), [o["error"] for o in outs]
-    assert (outs[0]["params"] == outs[1]["params"]).all()
-    assert not (outs[0]["params"] == outs[ODD]["params"]).all()
+def test_without_the_check_the_same_program_is_not_named():
+    """The control: stage 0 with check_sequence=False runs the skip_step program. Since
+    step() exchanges the unused-parameter flags (one small all-reduce), the rank that skips
+    step() meets the others' flags all-reduce with its next gradient all-reduce: the job
+    hangs (here until the harness's timeout) or fails without naming anyone, or, where no
+    collective is left unmatched, trains silently wrong. Never the diagnosis above."""
+    try:
+        outs = run_world(_worker, WORLD, "skip_step", 0, False, timeout_s=45)
+    except Exception as e:   # a hang (TimeoutError), or a rank gloo aborted (ProcessExitedException)
+        assert "sequence diverged" not in str(e), str(e)
+        return
+    errors = [o["error"] for o in outs]
+    assert not any(e and "sequence diverged" in e for e in errors), errors
+    if all(e is None for e in errors):
+        assert (outs[0]["params"] == outs[1]["params"]).all()
+        assert not (outs[0]["params"] == outs[ODD]["params"]).all()

@@ -43,10 +43,12 @@ void Communicator::all_reduce_sum_blocking(at::Tensor t, const char *what) {
 
 void Communicator::all_reduce_max_blocking(at::Tensor t, CommCounter &counter, const char *what) {
     counter.add(t.numel(), t.element_size());
+    seq.subject(-1, -1);
+    seq.before(kSeqAllReduce, t.numel());   // recorded like every collective (Note [Collective sequence check])
     std::vector<at::Tensor> ts{std::move(t)};
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp::MAX;
-    wait((*pg_)->allreduce(ts, o), what);
+    watch((*pg_)->allreduce(ts, o), what);
 }
 
 WorkPtr Communicator::reduce_scatter_sum(at::Tensor recv, at::Tensor send) {
