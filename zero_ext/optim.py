@@ -193,9 +193,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return self._step_controlled(closure)
         return self._step_parts(range(len(self._parts)), closure)
 
-    def _step_controlled(self, closure):
-        """Note [Step control]: one fused part; the verdict, the multiplier, the loss
-        scale and the step counts are advanced in the parameters' memory."""
+    def _begin_step_call(self, closure):
+        """What every step() call does first: the closure, the phase mark of the
+        sequence check, the check for edits made outside gathered_parameters."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -203,6 +203,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._engine.sequence_mark(PHASE_STEP)
         if self._guard is not None:
             self._guard.check_edits()   # Note [Edits outside gathered_parameters] (changes.py)
+        return loss
+
+    def _step_controlled(self, closure):
+        """Note [Step control]: one fused part; the verdict, the multiplier, the loss
+        scale and the step counts are advanced in the parameters' memory."""
+        loss = self._begin_step_call(closure)
         self._ctl.before_step()
         self._fused_step(1.0, self._parts[0], control=True)
         self._engine.all_gather_params()
@@ -233,13 +239,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._engine.begin_step()
 
     def _step_parts(self, which, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._engine.sequence_mark(PHASE_STEP)
-        if self._guard is not None:
-            self._guard.check_edits()   # Note [Edits outside gathered_parameters] (changes.py)
+        loss = self._begin_step_call(closure)
         which = list(which)
         if self._done is None or any(k in self._done for k in which):
             self._begin_iteration()
