@@ -50,7 +50,7 @@ core-test:
 	$(MAKE) -C csrc/core test
 
 pytest: build
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
 
 test: core-test pytest
 

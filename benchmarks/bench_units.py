@@ -10,13 +10,16 @@ step is nearly all per-unit overhead: hooks, bookkeeping, collective launches, r
 AdamW. Systems, all built in the same two processes from one initial model:
   ddp          torch DistributedDataParallel + torch.optim.AdamW
   1, 2, 3      zero_ext stages 1-3; stage 3 with each block a unit (unit_modules=["TinyBlock"])
+  3-single     stage 3 as above with coalesce_numel=0: one all-gather per unit and pass, the
+               cost that coalescing small units' gathers removes (Note [Coalesced unit gathers])
   fsdp2        torch fully_shard on each block, then the root (examples/train_gpt.py's
                shard_fsdp2: CPU mesh, SUM reduction divided by the world size), AdamW
 Each repetition runs --steps steps of every system in turn (the first system rotating), after
 a warm-up; a system's time in a repetition is its median step (rank 0's clock, ranks in
 lock step), ratios are taken within a repetition, then the median (min/max) over
 repetitions is reported. Per-unit cost: (stage 3 step - DDP step) / units, per step (a unit
-is gathered, computed and released in forward and again in backward).
+is gathered, computed and released in forward and again in backward), and each stage-3
+system's collectives per step (from its counters).
 Targets: stage 3 <= 3x DDP and <= 0.2x FSDP2; stages 1 and 2 <= 1.0x DDP.
 Writes benchmarks/results/bench_units.json.
 """
@@ -47,7 +50,7 @@ from demo import format_table  # noqa: E402
 from machine import cpu_model, interleaved, spread  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "bench_units.json"
-SYSTEMS = ["ddp", "1", "2", "3", "fsdp2"]
+SYSTEMS = ["ddp", "1", "2", "3", "3-single", "fsdp2"]
 TARGETS = {("3", "ddp"): 3.0, ("3", "fsdp2"): 0.2, ("1", "ddp"): 1.0, ("2", "ddp"): 1.0}
 WIDTH, BATCH, WORLD = 32, 16, 2
 
@@ -85,8 +88,10 @@ def build(system, base):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if system == "ddp":
         return nn.parallel.DistributedDataParallel(model), opt
-    units = dict(unit_modules=["TinyBlock"], min_unit_numel=0) if system == "3" else {}
-    return zero_ext.zeroify(model, opt, stage=int(system), **units)
+    units = dict(unit_modules=["TinyBlock"], min_unit_numel=0) if system.startswith("3") else {}
+    if system == "3-single":
+        units["coalesce_numel"] = 0
+    return zero_ext.zeroify(model, opt, stage=int(system[0]), **units)
 
 
 def run_steps(model, opt, steps, rank, first):
@@ -127,12 +132,18 @@ def worker(rank, store, args, out):
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
         profile = text.getvalue()
-    stats = {name: built[name][1].stats() for name in names if name in ("1", "2", "3")}
+    stats = {name: built[name][1].stats() for name in names if name[0] in "123"}
+    for name in stats:                 # collectives per step, over one more step
+        before = {k: v["calls"] for k, v in built[name][1].stats()["comm"].items()}
+        run_steps(*built[name], 1, rank, 20_000)
+        after = built[name][1].stats()["comm"]
+        stats[name]["calls_per_step"] = {k: after[k]["calls"] - before[k] for k in before}
     if rank == 0:
         torch.save(dict(per_rep=per_rep, skipped=skipped, profile=profile,
                         units=stats.get("3", {}).get("num_units"),
                         unforeseen=stats.get("3", {}).get("out_of_order_fetches"),
-                        params=sum(p.numel() for p in base.parameters())), out)
+                        params=sum(p.numel() for p in base.parameters()),
+                        calls={name: st["calls_per_step"] for name, st in stats.items()}), out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -168,9 +179,12 @@ def main():
             if peer in names and peer != name:
                 entry[f"vs_{peer}"] = spread([r[name] / r[peer] for r in per_rep])
         systems[name] = entry
-    if "3" in names and "ddp" in names:
-        units = res["units"] - 1    # the root unit holds nothing here
-        systems["3"]["per_unit_s"] = spread([(r["3"] - r["ddp"]) / units for r in per_rep])
+    units = (res["units"] or 1) - 1    # the root unit holds nothing here
+    for name in ("3", "3-single"):
+        if name in names and "ddp" in names:
+            systems[name]["per_unit_s"] = spread([(r[name] - r["ddp"]) / units for r in per_rep])
+    for name, calls in res["calls"].items():
+        systems[name]["collectives_per_step"] = calls
     rows = []
     for name in names:
         e = systems[name]
@@ -180,10 +194,14 @@ def main():
             cells.append(f"{v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})" if v else "-")
         rows.append(cells)
     print(format_table(["system", "step ms (min-max)", "vs DDP", "vs FSDP2"], rows))
-    if "per_unit_s" in systems.get("3", {}):
-        pu = systems["3"]["per_unit_s"]
-        print(f"stage 3 cost per unit and step over DDP: {pu['median'] * 1e6:.1f} us "
-              f"({pu['min'] * 1e6:.1f}-{pu['max'] * 1e6:.1f}); unforeseen gathers in all: {res['unforeseen']}")
+    for name in ("3", "3-single"):
+        if "per_unit_s" in systems.get(name, {}):
+            pu = systems[name]["per_unit_s"]
+            calls = systems[name].get("collectives_per_step", {})
+            print(f"{name}: cost per unit and step over DDP {pu['median'] * 1e6:.1f} us "
+                  f"({pu['min'] * 1e6:.1f}-{pu['max'] * 1e6:.1f}); collectives per step: "
+                  + ", ".join(f"{k} {v}" for k, v in calls.items() if v))
+    print(f"unforeseen gathers in all (stage 3): {res['unforeseen']}")
     targets = {}
     for (ours, peer), limit in TARGETS.items():
         v = systems.get(ours, {}).get(f"vs_{peer}")

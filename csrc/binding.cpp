@@ -168,7 +168,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("gather_unit", &zx::Engine::gather_unit, py::arg("unit"), py::arg("wait") = true,
              py::call_guard<py::gil_scoped_release>())
         .def("release_unit", &zx::Engine::release_unit, py::call_guard<py::gil_scoped_release>())
+        .def("gather_units", &zx::Engine::gather_units, py::arg("units"),
+             py::call_guard<py::gil_scoped_release>())
         .def("unit_gathered", &zx::Engine::unit_gathered)
+        .def("unit_requested", &zx::Engine::unit_requested)
+        .def("unit_numel", &zx::Engine::unit_numel)
         .def("commit_unit", &zx::Engine::commit_unit, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("num_units", &zx::Engine::num_units)
         .def("mark_ready", &zx::Engine::mark_ready, py::call_guard<py::gil_scoped_release>())

@@ -65,6 +65,7 @@ PREFETCH_MODELS = {
     "encdec": lambda m: m.EncDec(),
     "gpt_ckpt": lambda m: m.CheckpointGPT(GPTConfig(**TINY_GPT)),
     "head_late": lambda m: m.HeadLate(),
+    "tiny_blocks": lambda m: m.TinyBlocks(),
 }
 
 
@@ -118,7 +119,7 @@ def batch(kind: str, rank: int, step: int, micro: int):
         return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
     if kind == "encdec":
         return torch.randint(0, 29, (4, 9), generator=g), torch.randint(0, 29, (4, 7), generator=g)
-    d_in, d_out = {"mlp_big": (101, 7), "head_late": (11, 3)}.get(kind, (13, 5))
+    d_in, d_out = {"mlp_big": (101, 7), "head_late": (11, 3), "tiny_blocks": (16, 16)}.get(kind, (13, 5))
     return torch.randn(8, d_in, generator=g), torch.randn(8, d_out, generator=g)
 
 
@@ -180,7 +181,7 @@ def train_pair(case: Case, rank: int, world: int):
     if case.scheduler:
         scheds = [torch.optim.lr_scheduler.StepLR(opt_ref, step_size=5, gamma=0.5),
                   torch.optim.lr_scheduler.StepLR(zo, step_size=5, gamma=0.5)]
-    norms, evals, unforeseen, gathered = [], [], [], []
+    norms, evals, unforeseen, gathered, gather_calls = [], [], [], [], []
     for step in range(case.steps):
         for micro in range(case.accum):
             x, y = batch(case.model, rank, step, micro)
@@ -202,6 +203,7 @@ def train_pair(case: Case, rank: int, world: int):
         s = zo.stats()
         unforeseen.append(s.get("out_of_order_fetches", 0))
         gathered.append(s["comm"]["all_gather"]["numel"])
+        gather_calls.append(s["comm"]["all_gather"]["calls"])
         if case.eval_every and step % case.eval_every == 0:
             t_ref, x_ref = eval_pass(ref, step)
             t_mine, x_mine = eval_pass(zm.module, step)
@@ -219,8 +221,8 @@ def train_pair(case: Case, rank: int, world: int):
     moved = sum((mine_sd[n] - start[n]).abs().sum().item() for n, _ in ref.named_parameters())
     return {"max_abs": max_abs, "rel": worst_rel, "stats": zo.stats(), "psi": psi, "norms": norms,
             "evals": evals,
-            # cumulative after each step: out_of_order_fetches, all-gathered elements
-            "unforeseen": unforeseen, "gathered": gathered,
+            # cumulative after each step: out_of_order_fetches, all-gathered elements, all-gathers
+            "unforeseen": unforeseen, "gathered": gathered, "gather_calls": gather_calls,
             "moved": moved, "lrs": [g["lr"] for g in zo.param_groups]}
 
 

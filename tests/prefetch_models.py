@@ -10,6 +10,9 @@ reverse backward" (tests/test_prefetch.py):
                   checkpointing (recomputed during backward)
   HeadLate        BERT pretraining's shape: heads registered before the trunk
                   that feeds them, one behind a pooler registered after it
+  TinyBlocks      many blocks of a few hundred parameters each, each block a unit:
+                  a step is mostly per-unit overhead (benchmarks/bench_units.py's
+                  shape, smaller)
 """
 from __future__ import annotations
 
@@ -132,3 +135,25 @@ class HeadLate(nn.Module):
             h = h + torch.tanh(layer(h))
         nsp = self.nsp(torch.tanh(self.pooler(h[:1])))
         return F.mse_loss(self.mlm(h), y) + nsp.square().mean()
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.norm(self.fc(x)))
+
+
+class TinyBlocks(nn.Module):
+    def __init__(self, d=16, depth=24):
+        super().__init__()
+        self.blocks = nn.ModuleList(TinyBlock(d) for _ in range(depth))
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = b(x)
+        return F.mse_loss(x, y)
+

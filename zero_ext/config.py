@@ -70,6 +70,10 @@ class ZeroConfig:
     min_unit_numel: stage 3: smaller units join the root unit, which stays
         gathered from the start of forward to the end of backward.
     prefetch_depth: stage 3: how many units ahead to all-gather while one computes.
+    coalesce_numel: stage 3: small units ahead are all-gathered together, in one
+        collective, while their total stays within this many elements (padded), so a
+        model of many small units pays few collective latencies. 0 turns it off; units
+        larger than this are gathered one by one as before.
     param_dtype: what parameters compute in and are all-gathered as: "fp32", "bf16" or
         "fp16" (or the torch dtype). The model is given in fp32; the fp32 master weights
         and optimizer states live only in this rank's shard.
@@ -129,6 +133,7 @@ class ZeroConfig:
     unit_numel: int | None = None
     min_unit_numel: int = 1024
     prefetch_depth: int = 1
+    coalesce_numel: int = 16384
     param_dtype: Any = "fp32"
     reduce_dtype: Any = "fp32"
     cast_buffers: bool | str = "auto"
@@ -233,6 +238,7 @@ class ZeroConfig:
         integer("grad_ring_buckets", 1)
         integer("min_unit_numel", 0)
         integer("prefetch_depth", 0)
+        integer("coalesce_numel", 0)
         if self.unit_numel is not None:
             integer("unit_numel", 1)
         if self.unit_modules is not None:

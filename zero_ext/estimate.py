@@ -19,7 +19,9 @@ the first step of a run with the same model, world size, stage and options:
                       optimizer class on a tiny tensor) x the shard, fp32
     buffer_bytes      the gradient ring (staging + receive buffers, bounded by
                       grad_ring_buckets) and, stage 3, the most full units held at once:
-                      the root unit + the computing unit + prefetch_depth units ahead
+                      the root unit + the computing unit + the units prefetched ahead
+                      (prefetch_depth, and small units up to coalesce_numel with their
+                      collective's staging: zero_ext/prefetch.py replays one step)
                       (a model built on the meta device: at least the root and one unit
                       in fp32 while they are initialized)
     frozen            parameters that are not trained, replicated, in param_dtype
@@ -37,6 +39,7 @@ import math
 import torch
 from torch import nn
 
+from . import prefetch
 from .config import ZeroConfig, make_config
 
 _SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -190,8 +193,9 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
             unit_bytes[r[1]] = unit_bytes.get(r[1], 0) + r[3] * ps
         root = unit_bytes.pop(0, 0)
         seq = [unit_bytes[u] for u in sorted(unit_bytes)]
-        window = max(1, 1 + cfg.prefetch_depth)
-        best = max((sum(seq[i:i + window]) for i in range(max(1, len(seq) - window + 1))), default=0)
+        numel = [root // ps] + [b // ps for b in seq]
+        depth = cfg.prefetch_depth
+        best = prefetch.replay_peak(numel, ps, depth, cfg.coalesce_numel if depth > 0 else 0, world_size)
         largest = max(seq, default=0)
         peak = root + best
         if _on_meta(model_or_numel):

@@ -9,6 +9,7 @@ import weakref
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
+from . import prefetch
 
 
 def cast_buffers(model: nn.Module, low: torch.dtype, which) -> None:
@@ -146,6 +147,8 @@ class _UnitHooks:
         self.wrapper = wrapper
         self.engine = wrapper._engine
         self.depth = wrapper._config.prefetch_depth
+        self.coalesce = wrapper._config.coalesce_numel if self.depth > 0 else 0
+        self.numel = [self.engine.unit_numel(u) for u in range(self.engine.num_units)]
         self.learned: dict[bool, list] = {}             # pass kind (grad enabled) -> last record
         self.order: list = []                           # this pass's prediction: (unit, in backward)
         self.cursor = 0                                 # next expected position in self.order
@@ -171,15 +174,22 @@ class _UnitHooks:
             m.register_forward_hook(functools.partial(self._post_forward, k), with_kwargs=True)
 
     # -- prediction and prefetch
-    def _upcoming(self, k: int) -> list:
-        """The next `depth` distinct units after the cursor, other than k."""
-        out, order, i = [], self.order, self.cursor
-        while i < len(order) and len(out) < self.depth:
-            u = order[i][0]
-            i += 1
-            if u != k and u not in out:
-                out.append(u)
-        return out
+    def _upcoming(self, k: int, budget: int = 0, phase: bool = False) -> list:
+        return prefetch.upcoming(self.order, self.cursor, k, self.depth, self.numel, budget, phase)
+
+    def _prefetch(self, k: int) -> None:
+        """Gather the units ahead of k (zero_ext/prefetch.py): small ones in one
+        collective (Note [Coalesced unit gathers], csrc/engine/gatherer.cpp), the
+        window reaching coalesce_numel elements ahead within this phase, so a unit
+        done with its forward is not fetched back for its backward early."""
+        window = self._upcoming(k, self.coalesce, _in_backward())
+        missing = [u for u in window if not self.engine.unit_requested(u)]
+        together, launch = prefetch.to_fetch(window, missing, self.depth, self.numel, self.coalesce)
+        if together:
+            self.engine.gather_units(launch)
+        else:
+            for u in launch:
+                self.engine.gather_unit(u, False)
 
     def _need(self, k: int) -> None:
         """Unit k is needed now: record it, resynchronize the cursor on it, make it
@@ -197,8 +207,7 @@ class _UnitHooks:
         self.engine.sequence_mark(UNIT_NEED_BASE + k)
         if not self.engine.unit_gathered(k) and not self.engine.gather_unit(k, True):
             self.out_of_order += 1
-        for u in self._upcoming(k):
-            self.engine.gather_unit(u, False)
+        self._prefetch(k)
 
     # -- root module
     def _root_pre_forward(self, module, args):
@@ -212,8 +221,7 @@ class _UnitHooks:
         self.order = known if known is not None else self._guess()
         self.recorded, self.cursor, self.recording, self.in_root = [], 0, True, True
         self.engine.gather_unit(0, True)
-        for u in self._upcoming(0):
-            self.engine.gather_unit(u, False)
+        self._prefetch(0)
 
     def _guess(self) -> list:
         """Registration order, and (with autograd) its reverse for backward."""
@@ -235,8 +243,7 @@ class _UnitHooks:
             # first pass of its kind: backward is guessed as this forward reversed
             self.order = self.recorded + [(k, True) for k, _ in reversed(self.recorded)]
             self.cursor = len(self.recorded)
-        for u in self._upcoming(0):   # backward starts with these: fetch them now
-            self.engine.gather_unit(u, False)
+        self._prefetch(0)             # backward starts with these: fetch them now
 
     # -- module hooks
     def _holder_pre_forward(self, module, args):

@@ -22,6 +22,7 @@
 
 #include <deque>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,8 @@ struct EngineOptions {
 //   Mixed precision (Note [Mixed precision]): flat_param holds param_dtype,
 //   flat_grad / ring / grad_shard_ hold reduce_dtype; when the two differ,
 //   stage 0/1 gradients are added into flat_grad by the hook (not views).
+struct GatherGroup;
+
 struct Bucket {
     int64_t group = 0;                 // param group index
     std::vector<int64_t> params;       // engine parameter indices, layout order
@@ -79,6 +82,15 @@ struct Bucket {
     int64_t unit = 0;                  // the unit whose parameters this bucket holds
     bool gathered = false;             // flat_param holds the full parameters
     WorkPtr gather_work;  // all-gather in flight, if any
+    std::shared_ptr<GatherGroup> gather_group;   // coalesced all-gather in flight, if any
+};
+
+// Note [Coalesced unit gathers] (gatherer.cpp): several small buckets all-gathered
+// by one collective through a staging pair; `members` are (bucket, offset in a slice).
+struct GatherGroup {
+    WorkPtr work;
+    at::Tensor in, out;                // (slice,) this rank's slices; (N * slice,) everyone's
+    std::vector<std::pair<int64_t, int64_t>> members;
 };
 
 // A stretch of this rank's shard slice of one bucket that a fused step updates
@@ -167,8 +179,13 @@ public:
     // gathered nor in flight, and with wait=true block until it is done.
     // Returns true when the gather had already been launched (prefetched).
     bool gather_unit(int64_t u, bool wait);
+    // Launch the gathers of the given units' buckets that are neither gathered nor in
+    // flight, as few collectives as possible (Note [Coalesced unit gathers]).
+    void gather_units(const std::vector<int64_t> &units);
     void release_unit(int64_t u);      // free the full parameters (storage resized to 0)
     bool unit_gathered(int64_t u) const;
+    bool unit_requested(int64_t u) const;   // every bucket gathered or in flight
+    int64_t unit_numel(int64_t u) const;    // elements a gather of unit u brings (padded)
     // After the gathered unit u was edited on rank src (group rank): broadcast its
     // buckets from src and write every rank's owned slice back into its shard.
     // With a low param_dtype an edit only replaces the master elements whose
@@ -212,6 +229,8 @@ private:
     void stage_grad(int64_t i);        // stage 2: copy param i's grad into its bucket's slot
     void ensure_grad_view(int64_t i);  // stage 0/1: param i's grad is its bucket view
     void wait_gather(Bucket &bk);
+    void finish_group(const std::shared_ptr<GatherGroup> &g);
+    void launch_gather(Bucket &bk, int64_t b);   // allocate flat_param; one all-gather
     void release_bucket(Bucket &bk);
     void mark_gathered(Bucket &bk);    // stage 3: parameters point at the full bucket again
     float *master(Bucket &bk);         // this rank's fp32 parameter slice

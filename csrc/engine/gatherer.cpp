@@ -3,6 +3,8 @@
 // demand, released after use, edited and committed back into the shards.
 #include "engine/engine.h"
 
+#include <algorithm>
+
 #include "kernels_binding.h"   // defines: zx_check, parse_isa
 
 namespace zx {
@@ -67,7 +69,37 @@ void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {
     for (auto &t : tensors) comm_.broadcast(t, src);
 }
 
+// Note [Coalesced unit gathers]
+//   A gloo or NCCL collective costs a fixed latency however small it is, so a
+//   model of many small units would pay two all-gathers per unit and step. The
+//   Python hooks therefore ask for the small units ahead together
+//   (coalesce_numel), and gather_units launches one all-gather for all of their
+//   buckets: each rank's slices are copied into one staging slice, all-gathered,
+//   and when any member is first waited for, every member still attached gets its
+//   rows copied out (rank r's slice of a bucket sits at r * slice + offset) and
+//   counts as gathered.
+//   Each bucket is still gathered, counted and released as before; only the
+//   collective is shared, and its staging pair is held until it completes.
+
+void Engine::finish_group(const std::shared_ptr<GatherGroup> &g) {
+    comm_.watch(g->work, "unit all-gather");
+    g->work.reset();
+    const int64_t slice = g->in.numel();
+    const at::Tensor rows = g->out.view({world_, slice});
+    for (auto [b, offset] : g->members) {
+        Bucket &m = buckets_[b];
+        if (m.gather_group != g) continue;
+        m.flat_param.view({world_, m.slice_numel}).copy_(rows.narrow(1, offset, m.slice_numel));
+        m.gather_group.reset();
+        mark_gathered(m);
+    }
+    gathered_bytes_ -= g->in.nbytes() + g->out.nbytes();
+    g->in = at::Tensor();
+    g->out = at::Tensor();
+}
+
 void Engine::wait_gather(Bucket &bk) {
+    if (bk.gather_group) finish_group(std::shared_ptr<GatherGroup>(bk.gather_group));
     if (bk.gather_work) {
         auto work = std::move(bk.gather_work);
         bk.gather_work.reset();
@@ -99,6 +131,23 @@ void Engine::mark_gathered(Bucket &bk) {
     for (int64_t i : bk.params) params_[i].set_data(param_views_[i]);
 }
 
+void Engine::launch_gather(Bucket &bk, int64_t b) {
+    const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
+    kern_->resize_storage(bk.flat_param, bytes);
+    gathered_bytes_ += bytes;
+    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+    at::Tensor in = lp_slice(bk);
+    if (world_ == 1) {
+        bk.flat_param.copy_(in);
+        mark_gathered(bk);
+        return;
+    }
+    comm_.seq.subject(b, bk.unit);
+    bk.gather_work = comm_.all_gather(bk.flat_param, in);
+}
+
+static bool requested(const Bucket &bk) { return bk.gathered || bk.gather_work || bk.gather_group; }
+
 bool Engine::gather_unit(int64_t u, bool wait) {
     TORCH_CHECK(opts_.stage == 3, "zero_ext: gather_unit is a stage-3 operation");
     TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
@@ -106,24 +155,55 @@ bool Engine::gather_unit(int64_t u, bool wait) {
     for (int64_t b : unit_buckets_[u]) {
         Bucket &bk = buckets_[b];
         if (bk.gathered) continue;
-        if (!bk.gather_work) {
+        if (!requested(bk)) {
             prefetched = false;
-            const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
-            kern_->resize_storage(bk.flat_param, bytes);
-            gathered_bytes_ += bytes;
-            peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-            at::Tensor in = lp_slice(bk);
-            if (world_ == 1) {
-                bk.flat_param.copy_(in);
-                mark_gathered(bk);
-                continue;
-            }
-            comm_.seq.subject(b, u);
-            bk.gather_work = comm_.all_gather(bk.flat_param, in);
+            launch_gather(bk, b);
         }
         if (wait) mark_gathered(bk);
     }
     return prefetched;
+}
+
+void Engine::gather_units(const std::vector<int64_t> &units) {
+    TORCH_CHECK(opts_.stage == 3, "zero_ext: gather_units is a stage-3 operation");
+    std::vector<int64_t> todo;
+    for (int64_t u : units) {
+        TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
+        for (int64_t b : unit_buckets_[u])
+            if (!requested(buckets_[b]) && std::find(todo.begin(), todo.end(), b) == todo.end()) todo.push_back(b);
+    }
+    // Coalesce the buckets in the parameters' dtype; anything else goes alone.
+    auto g = std::make_shared<GatherGroup>();
+    int64_t slice = 0;
+    for (int64_t b : todo) {
+        Bucket &bk = buckets_[b];
+        if (world_ == 1 || todo.size() == 1 || bk.flat_param.scalar_type() != pdt_) {
+            launch_gather(bk, b);
+            continue;
+        }
+        g->members.emplace_back(b, slice);
+        slice += bk.slice_numel;
+    }
+    if (g->members.empty()) return;
+    if (g->members.size() == 1) {
+        const int64_t b = g->members[0].first;
+        launch_gather(buckets_[b], b);
+        return;
+    }
+    g->in = at::empty({slice}, on_device(pdt_));
+    g->out = at::empty({slice * world_}, on_device(pdt_));
+    gathered_bytes_ += g->in.nbytes() + g->out.nbytes();
+    for (auto [b, offset] : g->members) {
+        Bucket &bk = buckets_[b];
+        const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
+        kern_->resize_storage(bk.flat_param, bytes);
+        gathered_bytes_ += bytes;
+        g->in.narrow(0, offset, bk.slice_numel).copy_(lp_slice(bk));
+        bk.gather_group = g;
+    }
+    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+    comm_.seq.subject(g->members[0].first, buckets_[g->members[0].first].unit);
+    g->work = comm_.all_gather(g->out, g->in);
 }
 
 void Engine::release_unit(int64_t u) {
@@ -188,6 +268,18 @@ bool Engine::unit_gathered(int64_t u) const {
     for (int64_t b : unit_buckets_.at(u))
         if (!buckets_[b].gathered) return false;
     return true;
+}
+
+bool Engine::unit_requested(int64_t u) const {
+    for (int64_t b : unit_buckets_.at(u))
+        if (!requested(buckets_[b])) return false;
+    return true;
+}
+
+int64_t Engine::unit_numel(int64_t u) const {
+    int64_t n = 0;
+    for (int64_t b : unit_buckets_.at(u)) n += buckets_[b].padded_numel;
+    return n;
 }
 
 }  // namespace zx
