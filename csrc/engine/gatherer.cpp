@@ -33,6 +33,7 @@ void Engine::publish_params() {
     if (opts_.stage == 3) {
         // Gathered units hold stale values: release them; the next gather reads the shards.
         for (auto &bk : buckets_) release_bucket(bk);
+        release_all_frozen();
         return;
     }
     all_gather_params();
@@ -89,14 +90,17 @@ void Engine::release_bucket(Bucket &bk) {
         bk.gathered = false;
     }
     const at::Tensor empty = at::empty({0}, bk.flat_param.options());
-    for (int64_t i : bk.params) params_[i].set_data(empty);
+    for (int64_t i : bk.params) (bk.frozen ? frozen_params_ : params_)[i].set_data(empty);
 }
 
 void Engine::mark_gathered(Bucket &bk) {
     wait_gather(bk);
     if (bk.gathered) return;
     bk.gathered = true;
-    for (int64_t i : bk.params) params_[i].set_data(param_views_[i]);
+    if (bk.frozen)
+        for (int64_t i : bk.params) frozen_params_[i].set_data(frozen_views_[i]);
+    else
+        for (int64_t i : bk.params) params_[i].set_data(param_views_[i]);
 }
 
 bool Engine::gather_unit(int64_t u, bool wait) {
@@ -123,12 +127,13 @@ bool Engine::gather_unit(int64_t u, bool wait) {
         }
         if (wait) mark_gathered(bk);
     }
-    return prefetched;
+    return gather_frozen(u, wait) && prefetched;
 }
 
 void Engine::release_unit(int64_t u) {
     TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
     for (int64_t b : unit_buckets_[u]) release_bucket(buckets_[b]);
+    release_frozen(u);
 }
 
 void Engine::commit_unit(int64_t u, int64_t src) {
@@ -154,6 +159,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
             master_slice(bk).copy_(owned);
         }
     }
+    commit_frozen(u, src);
 }
 
 void Engine::open_unit_fp32(int64_t u) {
@@ -163,6 +169,7 @@ void Engine::open_unit_fp32(int64_t u) {
         gather_unit(u, true);
         return;
     }
+    open_frozen_fp32(u);
     for (int64_t b : unit_buckets_[u]) {
         Bucket &bk = buckets_[b];
         release_bucket(bk);
@@ -187,7 +194,7 @@ void Engine::open_unit_fp32(int64_t u) {
 bool Engine::unit_gathered(int64_t u) const {
     for (int64_t b : unit_buckets_.at(u))
         if (!buckets_[b].gathered) return false;
-    return true;
+    return !unit_has_frozen(u) || frozen_buckets_[frozen_of_unit_[u]].gathered;
 }
 
 }  // namespace zx
