@@ -11,7 +11,8 @@ PEFT LoRA (r=4 on q_proj and v_proj) on a small Llama built from its config:
   frozen bytes per rank = frozen bytes / 64 within 1%, as estimate_memory predicts.
 - checkpoints keep the frozen weights exactly across layouts: saved at 2 ranks
   stage 3, loaded at 3 ranks stage 1 (into a model whose weights all differ), trained
-  on and saved there, loaded back at 2 ranks stage 3, and through load_state_dict.
+  on and saved there, loaded back at 2 ranks stage 3, and through load_state_dict;
+  an in-place edit of a sharded frozen parameter outside gathered_parameters raises.
 The plain GPT with a frozen embedding at stage 3 against DDP is in tests/test_stage3.py.
 """
 import copy
@@ -73,9 +74,10 @@ def _perturbed(stage, **options):
     return zero_ext.zeroify(model, _opt(model), stage=stage, **options)
 
 
-def _reload_worker(rank, world, ckpt, ckpt2, stage):
+def _reload_worker(rank, world, ckpt, ckpt2, stage, sd=None):
     """Load ckpt into a perturbed model at this world size / stage, train a step,
-    save ckpt2 (if given); return the state after the load and at the end."""
+    save ckpt2 (if given), then load_state_dict(sd) (if given); return the state
+    after the load and at the end."""
     import zero_ext
 
     zm, zo = _perturbed(stage)
@@ -86,13 +88,20 @@ def _reload_worker(rank, world, ckpt, ckpt2, stage):
     zo.zero_grad()
     if ckpt2:
         zero_ext.save(ckpt2, zm, zo)
-    return {"loaded": loaded, "end": zm.state_dict(), "held": zo.stats()["frozen_parameter_bytes"]}
-
-
-def _load_state_dict_worker(rank, world, sd):
-    zm, zo = _perturbed(3)
-    zm.load_state_dict(sd)
-    return zm.state_dict()
+    refused = None
+    if sd is not None:
+        zm.load_state_dict(sd)
+        end = zm.state_dict()
+        # an in-place edit of a sharded frozen parameter outside gathered_parameters is refused
+        with torch.no_grad():
+            next(p for p in zm.module.parameters() if not p.requires_grad).mul_(2.0)
+        try:
+            zo.step()
+        except zero_ext.ZeroUsageError as e:
+            refused = str(e)
+    else:
+        end = zm.state_dict()
+    return {"loaded": loaded, "end": end, "held": zo.stats()["frozen_parameter_bytes"], "refused": refused}
 
 
 def _fake_worker(rank, world, fake_world):
@@ -146,12 +155,13 @@ def test_lora_stage3_shards_frozen_and_matches_ddp():
             assert not bad, f"3 ranks stage 1, rank {rank}: loaded tensors differ from the saved: {bad}"
             assert r["held"] == total                          # stage 1 keeps them whole
         after = outs[0]["end"]
-        for rank, r in enumerate(run_world(_reload_worker, 2, b, None, 3, timeout_s=300)):
+        # back at 2 ranks stage 3; then (after a step there) load_state_dict(after)
+        for rank, r in enumerate(run_world(_reload_worker, 2, b, None, 3, after, timeout_s=300)):
             bad = [n for n, t in after.items() if not torch.equal(r["loaded"][n], t)]
             assert not bad, f"2 ranks stage 3, rank {rank}: loaded tensors differ from the saved: {bad}"
-        for rank, sd in enumerate(run_world(_load_state_dict_worker, 2, after, timeout_s=300)):
-            bad = [n for n, t in after.items() if not torch.equal(sd[n], t)]
+            bad = [n for n, t in after.items() if not torch.equal(r["end"][n], t)]
             assert not bad, f"load_state_dict at stage 3, rank {rank}: {bad}"
+            assert r["refused"] and "gathered_parameters" in r["refused"], f"rank {rank}: edit not refused"
 
 
 def test_fake_backend_64_ranks_hold_frozen_over_64():
