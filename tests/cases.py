@@ -217,9 +217,10 @@ def train_pair(case: Case, rank: int, world: int):
         rel = ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
         max_abs, worst_rel = max(max_abs, d), max(worst_rel, rel)
     psi = sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in ref.parameters() if not p.requires_grad)
     start = build_model(case.model).state_dict()
     moved = sum((mine_sd[n] - start[n]).abs().sum().item() for n, _ in ref.named_parameters())
-    return {"max_abs": max_abs, "rel": worst_rel, "stats": zo.stats(), "psi": psi, "norms": norms,
+    return {"max_abs": max_abs, "rel": worst_rel, "stats": zo.stats(), "psi": psi, "frozen": frozen, "norms": norms,
             "evals": evals,
             # cumulative after each step: out_of_order_fetches, all-gathered elements, all-gathers
             "unforeseen": unforeseen, "gathered": gathered, "gather_calls": gather_calls,

@@ -46,6 +46,9 @@ def test_stage3_parity_with_ddp(world):
             if case.eval_every:
                 assert r["evals"] and max(r["evals"]) <= 1e-6, f"{name}: eval outputs differ: {r['evals']}"
                 assert s["out_of_order_fetches"] > 0, f"{name}: the reversed pass must be counted"
+            if case.frozen:   # one frozen tensor, sharded: its 1/N plus at most one align (16) of padding
+                f = s["frozen_parameter_bytes"]
+                assert r["frozen"] * 4 / world <= f <= (r["frozen"] / world + 16) * 4, f"{name}: frozen bytes {f}"
             if world > 1 and case.accum == 1 and not case.eval_every:
                 psi, pad = r["psi"], s["padded_numel"] - s["num_params"]
                 comm, steps = s["comm"], case.steps
@@ -56,7 +59,9 @@ def test_stage3_parity_with_ddp(world):
                 # which stay whole (1.44Ψ for the GPT: its blocks are 43% of Ψ each, so
                 # more than Ψ); the first forward, before the unit sequence is
                 # learned, may gather a reused unit once more (at most Ψ in all)
-                ag_max = 2 * (psi + pad) + (psi + pad) / steps
+                # (stage 3 shards frozen parameters too: they are gathered with their unit)
+                whole = psi + pad + s["frozen_shard_bytes"] // 4 * world   # fp32: padded frozen elements
+                ag_max = 2 * whole + whole / steps
                 assert psi < ag <= ag_max, f"{name}: all-gather {ag}/step vs 2Ψ={2 * psi}"
                 assert comm["all_reduce"]["numel"] == 0
 

@@ -17,7 +17,7 @@ from .gather import OWNER_ATTR
 from .materialize import initialize_by_unit, is_meta, replace_meta
 from .model import ZeroModel, cast_buffers
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, _Part
-from .units import assign_units
+from .units import assign_units, frozen_to_shard
 from .whole import WHOLE, ZeroOptimizerPart, update_kind
 
 
@@ -285,21 +285,32 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     elif world > 1:
         _broadcast_from_first(pg, list(model.parameters()) + list(model.buffers()))
     units, unit_modules, root_holders = [], [model], []
+    sharded_frozen, frozen_units = frozen_to_shard(frozen, cfg.stage, cfg.param_dtype), []
     if cfg.stage == 3:
-        units, unit_modules, root_holders = assign_units(model, params, cfg.unit_modules, cfg.unit_numel, cfg.min_unit_numel)
+        # Units over trainable and frozen parameters alike (a LoRA model's units
+        # are its layers, not its adapters).
+        units, unit_modules, root_holders = assign_units(model, params + sharded_frozen, cfg.unit_modules,
+                                                         cfg.unit_numel, cfg.min_unit_numel)
+        units, frozen_units = units[:len(params)], units[len(params):]
     shapes = [tuple(p.shape) for p in params]   # stage 3 empties them: checkpoints need them
+    frozen_shapes = [tuple(p.shape) for p in sharded_frozen]
     engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)
+    if sharded_frozen:   # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp)
+        engine.add_frozen(sharded_frozen, frozen_units)
+    in_engine = {id(p) for p in sharded_frozen}
+    replicated = [p for p in frozen if id(p) not in in_engine]
     if meta:
-        initialize_by_unit(model, engine, {id(p): u for p, u in zip(params, units)}, init_fn, born,
-                           pg if world > 1 else None)
+        unit_of = {id(p): u for p, u in zip(params + sharded_frozen, units + frozen_units)}
+        initialize_by_unit(model, engine, unit_of, init_fn, born, pg if world > 1 else None)
         if world > 1:
-            _broadcast_from_first(pg, frozen + list(model.buffers()))
+            _broadcast_from_first(pg, replicated + list(model.buffers()))
 
     if cfg.param_dtype != "fp32":
-        # Frozen parameters have no master: they simply compute in param_dtype too.
+        # Frozen parameters have no master: they simply compute in param_dtype too
+        # (stage 3 holds them in param_dtype already).
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
         with torch.no_grad():
-            for p in frozen:
+            for p in replicated:
                 p.data = p.data.to(low)
         cast_buffers(model, low, cfg.cast_buffers)
     buffers = [b for b in model.buffers() if b.numel() > 0]
@@ -307,11 +318,14 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), units[i] if units else 0))
+    for p, u in zip(sharded_frozen, frozen_units):
+        setattr(p, OWNER_ATTR, (weakref.ref(wrapped), u))
     zopt = ZeroOptimizer(optimizers, engine, cfg, fused, fingerprint, pg, parts=parts, param_groups_of=groups)
-    wrapped._guard = zopt._guard = ModelGuard(wrapped, model, params, shapes)
+    wrapped._guard = zopt._guard = ModelGuard(wrapped, model, params, shapes, sharded_frozen, frozen_shapes)
     for o in optimizers:
         retire_optimizer(o)
-    zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+    # what this rank holds for frozen parameters: whole ones, and its stage-3 slices
+    zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in replicated) + engine.frozen_shard_bytes
     zopt._units = wrapped._units
     zopt._params = params            # engine parameter i = params[i]
     zopt._param_shapes = shapes      # logical shape of engine parameter i

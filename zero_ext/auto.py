@@ -61,7 +61,7 @@ def choose_stage(model, optimizer, cfg, world: int, backend: str, meta: bool = F
         smallest = _smallest_world(model, optimizer, cfg, world, backend, stages, budget)
         where = (f"the smallest world size at which one fits is {smallest[0]} (stage {smallest[1]}, "
                  f"{_fmt(smallest[2])} per rank)" if smallest else
-                 "no world size fits: what every rank keeps whole (frozen parameters, stage 3's root and "
+                 "no world size fits: what every rank keeps whole (frozen parameters in stages 0-2, stage 3's root and "
                  "gathered units, buffers) exceeds it")
         raise ValueError(f"zero_ext: stage='auto': no stage fits the memory budget of {_fmt(budget)} per rank "
                          f"({source}) at world size {world} (model state + buffers + frozen parameters: {need}); "

@@ -39,8 +39,9 @@ class ZeroUsageError(RuntimeError):
 #   no-op while its key bookkeeping (strict, missing/unexpected keys, error
 #   messages) stays torch's. The post-hook of the module load_state_dict was
 #   called on finishes: with a low param_dtype it recasts the master into the
-#   low-precision copy that is gathered next. Frozen parameters and
-#   buffers are copied by torch as usual. Every rank loads the same state dict
+#   low-precision copy that is gathered next. Frozen parameters that stage 3
+#   shards are written the same way into their param_dtype shard; other frozen
+#   parameters and buffers are copied by torch as usual. Every rank loads the same state dict
 #   (as with DDP); nothing is communicated.
 
 # Note [Edits outside gathered_parameters]
@@ -78,12 +79,16 @@ class ModelGuard:
     """Installed by zeroify() on the model: load hooks, the per-step edit check and
     the move guard. Holds the wrapper weakly (Note [No cycles through C++] in model.py)."""
 
-    def __init__(self, wrapper, model: nn.Module, params: list, shapes: list):
+    def __init__(self, wrapper, model: nn.Module, params: list, shapes: list, frozen: list = (),
+                 frozen_shapes: list = ()):
         self._wrapper = weakref.ref(wrapper)
         self._model = weakref.ref(model)
-        self.params = params                         # engine parameter i = params[i]
-        self.shapes = [torch.Size(s) for s in shapes]  # logical shapes (stage 3 empties them)
-        self.index = {id(p): i for i, p in enumerate(params)}
+        # engine parameter i = params[i]; then the frozen ones stage 3 shards
+        # (Note [Stage 3 frozen parameters]): frozen index j = params[n_trainable + j]
+        self.n_trainable = len(params)
+        self.params = list(params) + list(frozen)
+        self.shapes = [torch.Size(s) for s in list(shapes) + list(frozen_shapes)]  # logical (stage 3 empties them)
+        self.index = {id(p): i for i, p in enumerate(self.params)}
         self.stage3 = wrapper._units is not None
         self.low = wrapper._compute_dtype is not None
         self.track = self.stage3 or self.low         # fp32 stages 0-2 keep edits by themselves
@@ -165,6 +170,10 @@ class ModelGuard:
             for i, poff, soff, n in engine.fragments(rank):
                 b = bisect.bisect_right(starts, soff) - 1
                 pieces[i].append((poff, masters[b].narrow(0, soff - starts[b], n)))
+            if len(self.params) > self.n_trainable:   # stage-3 frozen: their param_dtype slices
+                frozen = engine.frozen_shard()
+                for j, poff, soff, n in engine.frozen_fragments(rank):
+                    pieces[self.n_trainable + j].append((poff, frozen.narrow(0, soff, n)))
             self._pieces = pieces
         return self._pieces
 
@@ -205,14 +214,17 @@ class ModelGuard:
                                   f"checkpoint, the shape in current model is {shape}.")
                 continue
             try:
-                self._write(engine, i, p, value)
+                self.write(engine, i, p, value)
             except Exception as ex:  # noqa: BLE001 - reported as torch reports a failed copy
                 error_msgs.append(f'While copying the parameter named "{key}", whose dimensions in the model '
                                   f'are {shape} and whose dimensions in the checkpoint are {value.size()}, an '
                                   f'exception occurred : {ex.args}.')
 
     @torch.no_grad()
-    def _write(self, engine, i: int, p: torch.Tensor, value: torch.Tensor) -> None:
+    def write(self, engine, i: int, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Guarded parameter i := value: this rank's pieces of its master (of its
+        param_dtype shard, for a stage-3 frozen one), and the parameter itself where
+        it is whole. No collective."""
         flat = value.detach().reshape(-1)
         for poff, master in self._master_pieces(engine)[i]:
             master.copy_(flat[poff:poff + master.numel()])

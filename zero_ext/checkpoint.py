@@ -17,7 +17,11 @@ independent of the layout that wrote it:
     optim/<state>/<name>  a per-element optimizer state (exp_avg, momentum_buffer, ...),
                           the same pieces.
     model/<name>          frozen parameter or buffer: a plain tensor of its own shape,
-                          written once (by rank 0; they are replicated).
+                          written once (by rank 0; they are replicated). Stage 3 shards
+                          frozen parameters (Note [Stage 3 frozen parameters]): save
+                          gathers them unit by unit onto rank 0 (which then holds them
+                          whole until written), load writes each rank's slices from
+                          the tensor read; the format is the same in every stage.
     whole/<state>/<name>  a per-tensor state of an optimizer that needs whole tensors
                           (Muon's momentum_buffer, Adafactor's step, row_var, col_var,
                           variance): a plain tensor of the state's own shape, written
@@ -88,11 +92,13 @@ def _layout(model, optimizer) -> dict:
     params = {names[id(p)]: {"shape": list(s), "group": group_of[id(p)]}
               for p, s in zip(optimizer._params, shapes)}
     keys, plain = {}, {}
+    guard = model._guard
+    logical = {id(p): s for p, s in zip(guard.params, guard.shapes)}   # stage-3 frozen ones are empty here
     for key, t in module.state_dict(keep_vars=True).items():
         name = names.get(id(t), key)
         keys[key] = name
         if name not in params and name not in plain:
-            plain[name] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+            plain[name] = {"shape": list(logical.get(id(t), t.shape)), "dtype": str(t.dtype).replace("torch.", "")}
     groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     parts = [{"optimizer": p.cls.__name__, "groups": list(p.groups), "kind": p.kind} for p in optimizer._parts]
     return {"params": params, "plain": plain, "keys": keys, "groups": groups,
@@ -132,9 +138,53 @@ def _load_scheduler(scheduler, saved) -> None:
         scheduler.load_state_dict(saved)
 
 
-def _plain_tensors(model, layout) -> dict:
+def _plain_tensors(model, layout, full: dict | None = None) -> dict:
+    """name -> frozen parameter or buffer; full: id -> whole value of the frozen
+    parameters stage 3 shards (_gather_frozen), or None to leave them out."""
     sd = model.module.state_dict(keep_vars=True)
-    return {name: sd[key].detach() for key, name in layout["keys"].items() if name in layout["plain"]}
+    sharded = {id(p) for p in _frozen_in_engine(model)}
+    out = {}
+    for key, name in layout["keys"].items():
+        t = sd[key]
+        if name not in layout["plain"] or name in out:
+            continue
+        if id(t) not in sharded:
+            out[name] = t.detach()
+        elif full is not None:
+            out[name] = full[id(t)]
+    return out
+
+
+def _frozen_in_engine(model) -> list:
+    """The frozen parameters stage 3 shards, in the engine's frozen order."""
+    guard = model._guard
+    return guard.params[guard.n_trainable:]
+
+
+@torch.no_grad()
+def _gather_frozen(model, keep: bool) -> dict:
+    """id -> whole clone of every frozen parameter stage 3 shards (held only where
+    keep); every rank calls it: one unit gathered at a time."""
+    from .gather import OWNER_ATTR
+
+    engine, out = model._engine, {}
+    unit_of = {id(p): getattr(p, OWNER_ATTR)[1] for p in _frozen_in_engine(model)}
+    for u in sorted(set(unit_of.values())):
+        was = engine.unit_gathered(u)
+        engine.gather_unit(u, True)
+        if keep:
+            out.update({id(p): p.detach().clone() for p in _frozen_in_engine(model) if unit_of[id(p)] == u})
+        if not was:
+            engine.release_unit(u)
+    return out
+
+
+@torch.no_grad()
+def _write_frozen(model, loaded: dict) -> None:
+    """Stage 3: each rank writes its slices of the frozen parameters read whole."""
+    guard, engine = model._guard, model._engine
+    for j, p in enumerate(_frozen_in_engine(model)):
+        guard.write(engine, guard.n_trainable + j, p, loaded[id(p)])
 
 
 class _Shard:
@@ -347,6 +397,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
         for k, t in opt.state.get(view, {}).items():
             sd[f"whole/{k}/{name}"] = t if torch.is_tensor(t) else torch.tensor(t)
     objects = None
+    full = _gather_frozen(model, keep=rank == 0)
     if rank == 0:
         scaler = getattr(optimizer, "loss_scaler", None)
         objects = {
@@ -361,7 +412,8 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
         buf = io.BytesIO()
         torch.save(objects, buf)
         sd[OBJECTS] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        sd.update({f"model/{n}": t for n, t in _plain_tensors(model, layout).items()})
+        sd.update({f"model/{n}": t for n, t in _plain_tensors(model, layout, full).items()})
+    del full
     try:
         from torch.distributed import checkpoint as dcp
         with _quiet():
@@ -510,7 +562,10 @@ def load(path, model, optimizer, *, scheduler=None):
     kinds = {"model": shard.masters, **{f"optim/{s}": states[s] for s in saved_states}}
     with _quiet():
         sd = _sharded_entries(shard, names, kinds, writing=False)
-    sd.update({f"model/{n}": t for n, t in _plain_tensors(model, layout).items()})
+    # stage-3 frozen parameters are read whole, then each rank keeps its slices
+    frozen = {id(p): torch.empty(s, dtype=p.dtype, device=p.device) for p, s in
+              zip(_frozen_in_engine(model), model._guard.shapes[model._guard.n_trainable:])}
+    sd.update({f"model/{n}": t for n, t in _plain_tensors(model, layout, frozen).items()})
     sd[OBJECTS] = torch.empty(manifest["objects_bytes"], dtype=torch.uint8)
     from torch.distributed import checkpoint as dcp
     whole = _whole_entries(real, [name for name, _, _ in _whole_tensors(optimizer, layout)])
@@ -522,6 +577,8 @@ def load(path, model, optimizer, *, scheduler=None):
         raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed on rank {rank} ({type(e).__name__}: "
                               f"{e}); the model and optimizer may be partly loaded: load again or rebuild them") from e
     objects = _objects(sd[OBJECTS], real)
+    _write_frozen(model, frozen)
+    del frozen
 
     for g, saved in zip(optimizer.param_groups, objects["param_groups"]):
         g.update(saved)
@@ -755,6 +812,7 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
         got = [None] * engine.world_size if receiving else None
         dist.gather_object(mine, got, dst=dist.get_global_rank(pg, to), group=pg)
         whole = {n: st for d in (got or []) for n, st in d.items()}
+    frozen = _gather_frozen(model, keep=receiving)
     if not receiving:
         return None
     scalar = shard.scalar_state()
@@ -762,6 +820,7 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
                "steps": list(optimizer._steps), "param_steps": _param_steps(optimizer, names), "scalar_state": scalar}
     values = {name: out["model"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
     values.update({n: t.clone() for n, t in _plain_tensors(model, layout).items()})
+    values.update({n: t for n, t in _plain_tensors(model, layout, frozen).items() if n not in values})  # stage-3 frozen
     model_sd = {key: values[name] for key, name in layout["keys"].items()}
     tensors = {s: {name: out[f"optim/{s}"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
                for s in states}

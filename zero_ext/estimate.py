@@ -24,7 +24,9 @@ the first step of a run with the same model, world size, stage and options:
                       collective's staging: zero_ext/prefetch.py replays one step)
                       (a model built on the meta device: at least the root and one unit
                       in fp32 while they are initialized)
-    frozen            parameters that are not trained, replicated, in param_dtype
+    frozen            parameters that are not trained, in param_dtype: replicated in
+                      stages 0-2; stage 3 shards them per unit (frozen_shard_bytes: each
+                      unit's padded to N * align, over N) and gathers them with the unit
 
 Activations, the autograd graph and the framework's own memory are not included.
 A model may be given on the meta device (nothing is allocated); given a parameter
@@ -80,7 +82,8 @@ def states_per_element(cls, hyper: dict) -> int:
 # ----------------------------------------------------------------------------- the model as sizes
 
 def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
-    """(trainable numels, their group index, stage-3 unit ids or None, frozen numel)."""
+    """(trainable numels, their group index, stage-3 unit ids or None, replicated
+    frozen numel, stage 3: [(unit, numel)] of the frozen parameters it shards)."""
     if isinstance(model_or_numel, nn.Module):
         model = model_or_numel
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -96,23 +99,27 @@ def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
             groups = [0] * len(params)
         if not params:
             raise ValueError("zero_ext: the model has no trainable parameter")
+        from .units import assign_units, frozen_to_shard
         ids = {id(p) for p in params}
-        frozen = sum(p.numel() for p in model.parameters() if id(p) not in ids)
-        units = None
+        frozen = [p for p in model.parameters() if id(p) not in ids]
+        sharded = frozen_to_shard(frozen, cfg.stage, cfg.param_dtype)
+        replicated = sum(p.numel() for p in frozen) - sum(p.numel() for p in sharded)
+        units, frozen_units = None, []
         if cfg.stage == 3:
-            from .units import assign_units
-            units = assign_units(model, params, cfg.unit_modules, cfg.unit_numel, cfg.min_unit_numel)[0]
-        return [p.numel() for p in params], groups, units, frozen
+            units = assign_units(model, params + sharded, cfg.unit_modules, cfg.unit_numel, cfg.min_unit_numel)[0]
+            frozen_units = [(u, p.numel()) for u, p in zip(units[len(params):], sharded)]
+            units = units[:len(params)]
+        return [p.numel() for p in params], groups, units, replicated, frozen_units
     numel = int(model_or_numel)
     if numel < 1:
         raise ValueError(f"zero_ext: the parameter count must be >= 1, got {model_or_numel!r}")
     if cfg.stage == 3:
         per = cfg.unit_numel if cfg.unit_numel is not None else max(numel // 4, 1)
         sizes = [per] * (numel // per) + ([numel % per] if numel % per else [])
-        return sizes, [0] * len(sizes), list(range(1, len(sizes) + 1)), 0
+        return sizes, [0] * len(sizes), list(range(1, len(sizes) + 1)), 0, []
     per = max(1, cfg.resolved_bucket_bytes(4 * numel) // _SIZE[cfg.param_dtype])
     sizes = [per] * (numel // per) + ([numel % per] if numel % per else [])
-    return sizes, [0] * len(sizes), None, 0
+    return sizes, [0] * len(sizes), None, 0, []
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -146,7 +153,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     if not isinstance(cfg.stage, int):
         raise ValueError(f"zero_ext: estimate_memory needs a stage 0-3, got {cfg.stage!r}")
     cls, hypers = _optimizer_class_and_groups(optimizer)
-    numels, groups, units, frozen = _model_layout(model_or_numel, optimizer, cfg, hypers)
+    numels, groups, units, frozen, frozen_units = _model_layout(model_or_numel, optimizer, cfg, hypers)
     pdt, rdt = cfg.param_dtype, cfg.reduce_dtype
     ps, rs = _SIZE[pdt], _SIZE[rdt]
     lp = pdt != "fp32"
@@ -187,8 +194,14 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     recv = ((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0
     ring = slots * (send + recv)
     buf = {"grad_ring": ring, "ring_slots": slots}
+    # Stage 3, frozen parameters: one bucket per unit, padded to parts * align (frozen.cpp).
+    quantum = parts * cfg.resolved_align(world_size)
+    frozen_padded: dict = {}
+    for u, n in frozen_units:
+        frozen_padded[u] = frozen_padded.get(u, 0) + n
+    frozen_padded = {u: max(1, -(-n // quantum)) * quantum for u, n in frozen_padded.items()}
     if s == 3:
-        unit_bytes: dict = {}
+        unit_bytes: dict = {u: n * ps for u, n in frozen_padded.items()}
         for r in rows:
             unit_bytes[r[1]] = unit_bytes.get(r[1], 0) + r[3] * ps
         root = unit_bytes.pop(0, 0)
@@ -205,7 +218,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         buf.update(gathered_root=root, gathered_unit=largest, prefetch=best - largest,
                    peak_gathered_params=peak)
     buf["total"] = ring + buf.get("peak_gathered_params", 0)
-    frozen_b = frozen * ps
+    frozen_b = frozen * ps + sum(frozen_padded.values()) // parts * ps
 
     accum = getattr(cfg, "accumulation_steps", 1)
     if s == 0:
@@ -214,7 +227,9 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         comm = (accum if s == 2 else 1) * padded * rs + padded * ps
     else:
         root_padded = sum(r[3] for r in rows if r[1] == 0)
-        comm = accum * (padded * rs + 2 * (padded - root_padded) * ps + root_padded * ps)
+        root_padded += frozen_padded.get(0, 0)
+        gathered = padded + sum(frozen_padded.values())
+        comm = accum * (padded * rs + 2 * (gathered - root_padded) * ps + root_padded * ps)
     if world_size == 1:
         comm = 0                                      # the engine issues no collective
     return {

@@ -170,7 +170,7 @@ class _UnitHooks:
         for k, m in enumerate(unit_modules):
             if k == 0:
                 continue
-            m.register_forward_pre_hook(functools.partial(self._pre_forward, k))
+            m.register_forward_pre_hook(functools.partial(self._pre_forward, k), with_kwargs=True)
             m.register_forward_hook(functools.partial(self._post_forward, k), with_kwargs=True)
 
     # -- prediction and prefetch
@@ -256,8 +256,22 @@ class _UnitHooks:
         if not self.in_root and not _in_backward() and not torch.is_grad_enabled():
             self.engine.release_unit(0)
 
-    def _pre_forward(self, k, module, args):
+    def _pre_forward(self, k, module, args, kwargs):
         self._need(k)
+        if torch.is_grad_enabled() and not _in_backward() and self.engine.unit_has_frozen(k):
+            # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp): the unit's
+            # frozen weights are needed until its inputs' gradients are complete.
+            inputs = [t for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+            if inputs:
+                ref = weakref.ref(self.wrapper)      # Note [No cycles through C++]
+
+                def release(grads):
+                    wrapper = ref()
+                    if wrapper is not None:
+                        wrapper._engine.release_frozen(k)
+
+                torch.autograd.graph.register_multi_grad_hook(inputs, release, mode="all")
 
     def _post_forward(self, k, module, args, kwargs, output):
         if torch.is_grad_enabled():

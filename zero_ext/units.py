@@ -1,4 +1,4 @@
-"""Stage 3 units: which module subtree each trainable parameter is gathered with.
+"""Stage 3 units: which module subtree each parameter is gathered with.
 
 A unit is a module whose parameters are all-gathered together before its forward
 (and backward) and released after. Unit 0 is the root: parameters outside every
@@ -7,11 +7,26 @@ weights), which stay gathered from the start of forward to the end of backward.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
+def frozen_to_shard(frozen: list, stage, param_dtype: str) -> list:
+    """Of the parameters outside the optimizer's trainable ones, those stage 3
+    shards (Note [Stage 3 frozen parameters], csrc/engine/frozen.cpp): every
+    requires_grad=False floating-point one that computes in param_dtype. With fp32
+    that keeps only fp32 ones (a frozen bf16 base in an fp32 run stays whole, as in
+    stages 0-2, rather than be widened); with a low param_dtype all, as stages 0-2
+    cast them too. Other stages: none."""
+    if stage != 3:
+        return []
+    return [p for p in frozen if not p.requires_grad and p.is_floating_point() and p.numel() > 0
+            and (param_dtype != "fp32" or p.dtype == torch.float32)]
+
+
 def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_unit_numel: int):
-    """Returns (unit id per parameter of `params`, unit modules with index 0 the model,
+    """Returns (unit id per parameter of `params` (trainable ones and the frozen ones
+    stage 3 shards alike), unit modules with index 0 the model,
     the modules other than the model that hold root-unit parameters directly).
 
     unit_modules: class names (or classes) that form units; None = automatic:

@@ -13,6 +13,7 @@
 //   stepper.cpp      optimizer steps, gradient norm and scaling, casts
 //   comm.h/.cpp      Communicator: collectives on the process group, counters
 //   sequence.h/.cpp  the collective sequence check: divergent ranks named, not hung
+//   frozen.cpp       stage 3: frozen (requires_grad=False) parameters sharded per unit
 //   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
 //                    the per-device kernel table (Note [Kernel table])
 #pragma once
@@ -81,6 +82,7 @@ struct Bucket {
     // stage 3 (Note [Stage 3 parameter lifetime]):
     int64_t unit = 0;                  // the unit whose parameters this bucket holds
     bool gathered = false;             // flat_param holds the full parameters
+    bool frozen = false;               // stage 3: a unit's frozen parameters (frozen.cpp)
     WorkPtr gather_work;  // all-gather in flight, if any
     std::shared_ptr<GatherGroup> gather_group;   // coalesced all-gather in flight, if any
 };
@@ -90,7 +92,7 @@ struct Bucket {
 struct GatherGroup {
     WorkPtr work;
     at::Tensor in, out;                // (slice,) this rank's slices; (N * slice,) everyone's
-    std::vector<std::pair<int64_t, int64_t>> members;
+    std::vector<std::pair<Bucket *, int64_t>> members;
 };
 
 // A stretch of this rank's shard slice of one bucket that a fused step updates
@@ -200,6 +202,17 @@ public:
     void absorb_param_edits();
     int64_t num_units() const { return (int64_t)unit_buckets_.size(); }
 
+    // --- stage-3 frozen parameters (frozen.cpp, Note [Stage 3 frozen parameters]) ---
+    // Shard these requires_grad=False parameters, one bucket per unit, gathered
+    // and released with the unit; call once, right after construction.
+    void add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units);
+    bool unit_has_frozen(int64_t u) const;
+    void release_frozen(int64_t u);    // after the unit's backward: its frozen weights
+    at::Tensor frozen_shard() const { return frozen_shard_; }   // this rank's slices, param_dtype
+    // As fragments(), over frozen_shard(): (frozen index, offset in it, offset in the shard, numel).
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> frozen_fragments(int64_t r) const;
+    int64_t frozen_shard_bytes() const;
+
     // --- state ---
     // Flat optimizer state over the shard (exp_avg, ...), created zero-filled on demand.
     at::Tensor state(const std::string &name);
@@ -230,7 +243,10 @@ private:
     void ensure_grad_view(int64_t i);  // stage 0/1: param i's grad is its bucket view
     void wait_gather(Bucket &bk);
     void finish_group(const std::shared_ptr<GatherGroup> &g);
-    void launch_gather(Bucket &bk, int64_t b);   // allocate flat_param; one all-gather
+    void launch_gather(Bucket &bk);    // allocate flat_param; one all-gather
+    std::vector<Bucket *> unit_gather_buckets(int64_t u);   // trainable, then frozen
+    at::Tensor gather_source(Bucket &bk);                   // this rank's slice of bk
+    int64_t subject_of(const Bucket &bk) const;             // its index for the sequence check
     void release_bucket(Bucket &bk);
     void mark_gathered(Bucket &bk);    // stage 3: parameters point at the full bucket again
     float *master(Bucket &bk);         // this rank's fp32 parameter slice
@@ -244,6 +260,12 @@ private:
     void forget_grads();               // zero_grad(set_to_none=True)
     void ensure_step_tables();
     std::vector<StepRun> step_runs(int64_t b) const;
+    bool gather_frozen(int64_t u, bool wait);     // frozen.cpp: gather_unit's share
+    void commit_frozen(int64_t u, int64_t src);
+    void open_frozen_fp32(int64_t u);
+    void release_all_frozen();
+    Bucket *frozen_bucket(int64_t u);            // unit u's frozen bucket, or null
+    at::Tensor frozen_slice(const Bucket &bk) const;
     at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(dev_); }
 
     std::vector<at::Tensor> params_;
@@ -286,6 +308,12 @@ private:
     bool step_begun_ = false;          // begin_step() has run (the step tables exist)
     std::vector<std::vector<StepRun>> my_frags_;
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
+    // Note [Stage 3 frozen parameters]: frozen parameters, their full views and
+    // offsets in their bucket; one bucket per unit that has any; unit -> bucket or -1.
+    std::vector<at::Tensor> frozen_params_, frozen_views_;
+    std::vector<int64_t> frozen_offset_, frozen_of_unit_;
+    std::vector<Bucket> frozen_buckets_;
+    at::Tensor frozen_shard_;              // (sum of the frozen slices,) param_dtype
 };
 
 }  // namespace zx

@@ -35,6 +35,7 @@ void Engine::publish_params() {
     if (opts_.stage == 3) {
         // Gathered units hold stale values: release them; the next gather reads the shards.
         for (auto &bk : buckets_) release_bucket(bk);
+        release_all_frozen();
         return;
     }
     all_gather_params();
@@ -86,12 +87,11 @@ void Engine::finish_group(const std::shared_ptr<GatherGroup> &g) {
     g->work.reset();
     const int64_t slice = g->in.numel();
     const at::Tensor rows = g->out.view({world_, slice});
-    for (auto [b, offset] : g->members) {
-        Bucket &m = buckets_[b];
-        if (m.gather_group != g) continue;
-        m.flat_param.view({world_, m.slice_numel}).copy_(rows.narrow(1, offset, m.slice_numel));
-        m.gather_group.reset();
-        mark_gathered(m);
+    for (auto [m, offset] : g->members) {
+        if (m->gather_group != g) continue;
+        m->flat_param.view({world_, m->slice_numel}).copy_(rows.narrow(1, offset, m->slice_numel));
+        m->gather_group.reset();
+        mark_gathered(*m);
     }
     gathered_bytes_ -= g->in.nbytes() + g->out.nbytes();
     g->in = at::Tensor();
@@ -121,28 +121,45 @@ void Engine::release_bucket(Bucket &bk) {
         bk.gathered = false;
     }
     const at::Tensor empty = at::empty({0}, bk.flat_param.options());
-    for (int64_t i : bk.params) params_[i].set_data(empty);
+    for (int64_t i : bk.params) (bk.frozen ? frozen_params_ : params_)[i].set_data(empty);
 }
 
 void Engine::mark_gathered(Bucket &bk) {
     wait_gather(bk);
     if (bk.gathered) return;
     bk.gathered = true;
-    for (int64_t i : bk.params) params_[i].set_data(param_views_[i]);
+    if (bk.frozen)
+        for (int64_t i : bk.params) frozen_params_[i].set_data(frozen_views_[i]);
+    else
+        for (int64_t i : bk.params) params_[i].set_data(param_views_[i]);
 }
 
-void Engine::launch_gather(Bucket &bk, int64_t b) {
+at::Tensor Engine::gather_source(Bucket &bk) { return bk.frozen ? frozen_slice(bk) : lp_slice(bk); }
+
+int64_t Engine::subject_of(const Bucket &bk) const {
+    return bk.frozen ? (int64_t)buckets_.size() + frozen_of_unit_[bk.unit] : (int64_t)(&bk - buckets_.data());
+}
+
+std::vector<Bucket *> Engine::unit_gather_buckets(int64_t u) {
+    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
+    std::vector<Bucket *> out;
+    for (int64_t b : unit_buckets_[u]) out.push_back(&buckets_[b]);
+    if (Bucket *f = frozen_bucket(u)) out.push_back(f);
+    return out;
+}
+
+void Engine::launch_gather(Bucket &bk) {
     const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
     kern_->resize_storage(bk.flat_param, bytes);
     gathered_bytes_ += bytes;
     peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-    at::Tensor in = lp_slice(bk);
+    at::Tensor in = gather_source(bk);
     if (world_ == 1) {
         bk.flat_param.copy_(in);
         mark_gathered(bk);
         return;
     }
-    comm_.seq.subject(b, bk.unit);
+    comm_.seq.subject(subject_of(bk), bk.unit);
     bk.gather_work = comm_.all_gather(bk.flat_param, in);
 }
 
@@ -150,65 +167,60 @@ static bool requested(const Bucket &bk) { return bk.gathered || bk.gather_work |
 
 bool Engine::gather_unit(int64_t u, bool wait) {
     TORCH_CHECK(opts_.stage == 3, "zero_ext: gather_unit is a stage-3 operation");
-    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
     bool prefetched = true;
-    for (int64_t b : unit_buckets_[u]) {
-        Bucket &bk = buckets_[b];
-        if (bk.gathered) continue;
-        if (!requested(bk)) {
+    for (Bucket *bk : unit_gather_buckets(u)) {
+        if (bk->gathered) continue;
+        if (!requested(*bk)) {
             prefetched = false;
-            launch_gather(bk, b);
+            launch_gather(*bk);
         }
-        if (wait) mark_gathered(bk);
+        if (wait) mark_gathered(*bk);
     }
     return prefetched;
 }
 
 void Engine::gather_units(const std::vector<int64_t> &units) {
     TORCH_CHECK(opts_.stage == 3, "zero_ext: gather_units is a stage-3 operation");
-    std::vector<int64_t> todo;
-    for (int64_t u : units) {
-        TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
-        for (int64_t b : unit_buckets_[u])
-            if (!requested(buckets_[b]) && std::find(todo.begin(), todo.end(), b) == todo.end()) todo.push_back(b);
-    }
+    std::vector<Bucket *> todo;
+    for (int64_t u : units)
+        for (Bucket *bk : unit_gather_buckets(u))
+            if (!requested(*bk) && std::find(todo.begin(), todo.end(), bk) == todo.end()) todo.push_back(bk);
     // Coalesce the buckets in the parameters' dtype; anything else goes alone.
     auto g = std::make_shared<GatherGroup>();
     int64_t slice = 0;
-    for (int64_t b : todo) {
-        Bucket &bk = buckets_[b];
-        if (world_ == 1 || todo.size() == 1 || bk.flat_param.scalar_type() != pdt_) {
-            launch_gather(bk, b);
+    for (Bucket *bk : todo) {
+        if (world_ == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != pdt_) {
+            launch_gather(*bk);
             continue;
         }
-        g->members.emplace_back(b, slice);
-        slice += bk.slice_numel;
+        g->members.emplace_back(bk, slice);
+        slice += bk->slice_numel;
     }
     if (g->members.empty()) return;
     if (g->members.size() == 1) {
-        const int64_t b = g->members[0].first;
-        launch_gather(buckets_[b], b);
+        launch_gather(*g->members[0].first);
         return;
     }
     g->in = at::empty({slice}, on_device(pdt_));
     g->out = at::empty({slice * world_}, on_device(pdt_));
     gathered_bytes_ += g->in.nbytes() + g->out.nbytes();
-    for (auto [b, offset] : g->members) {
-        Bucket &bk = buckets_[b];
-        const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
-        kern_->resize_storage(bk.flat_param, bytes);
+    for (auto [bk, offset] : g->members) {
+        const int64_t bytes = bk->flat_param.numel() * bk->flat_param.element_size();
+        kern_->resize_storage(bk->flat_param, bytes);
         gathered_bytes_ += bytes;
-        g->in.narrow(0, offset, bk.slice_numel).copy_(lp_slice(bk));
-        bk.gather_group = g;
+        g->in.narrow(0, offset, bk->slice_numel).copy_(gather_source(*bk));
+        bk->gather_group = g;
     }
     peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-    comm_.seq.subject(g->members[0].first, buckets_[g->members[0].first].unit);
+    const Bucket &first = *g->members[0].first;
+    comm_.seq.subject(subject_of(first), first.unit);
     g->work = comm_.all_gather(g->out, g->in);
 }
 
 void Engine::release_unit(int64_t u) {
     TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
     for (int64_t b : unit_buckets_[u]) release_bucket(buckets_[b]);
+    release_frozen(u);
 }
 
 void Engine::commit_unit(int64_t u, int64_t src) {
@@ -234,6 +246,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
             master_slice(bk).copy_(owned);
         }
     }
+    commit_frozen(u, src);
 }
 
 void Engine::open_unit_fp32(int64_t u) {
@@ -243,6 +256,7 @@ void Engine::open_unit_fp32(int64_t u) {
         gather_unit(u, true);
         return;
     }
+    open_frozen_fp32(u);
     for (int64_t b : unit_buckets_[u]) {
         Bucket &bk = buckets_[b];
         release_bucket(bk);
@@ -267,17 +281,17 @@ void Engine::open_unit_fp32(int64_t u) {
 bool Engine::unit_gathered(int64_t u) const {
     for (int64_t b : unit_buckets_.at(u))
         if (!buckets_[b].gathered) return false;
-    return true;
+    return !unit_has_frozen(u) || frozen_buckets_[frozen_of_unit_[u]].gathered;
 }
 
 bool Engine::unit_requested(int64_t u) const {
     for (int64_t b : unit_buckets_.at(u))
         if (!requested(buckets_[b])) return false;
-    return true;
+    return !unit_has_frozen(u) || requested(frozen_buckets_[frozen_of_unit_[u]]);
 }
 
 int64_t Engine::unit_numel(int64_t u) const {
-    int64_t n = 0;
+    int64_t n = unit_has_frozen(u) ? frozen_buckets_[frozen_of_unit_[u]].padded_numel : 0;
     for (int64_t b : unit_buckets_.at(u)) n += buckets_[b].padded_numel;
     return n;
 }

@@ -194,8 +194,9 @@ Engine::~Engine() {
         if (comm_.seq.diverged()) inflight_.clear(), gather_works_.clear();
         for (auto &w : inflight_) w.second->wait();
         for (auto &w : gather_works_) w->wait();
-        for (auto &bk : buckets_)
-            if (bk.gather_work && !comm_.seq.diverged()) bk.gather_work->wait();
+        for (auto *bks : {&buckets_, &frozen_buckets_})
+            for (auto &bk : *bks)
+                if (bk.gather_work && !comm_.seq.diverged()) bk.gather_work->wait();
     } catch (...) {
     }
     zx_plan_free(plan_);
@@ -324,6 +325,7 @@ py::dict Engine::stats() const {
     d["comm"] = comm;
     d["reductions"] = reductions_;
     d["num_units"] = (int64_t)unit_buckets_.size();
+    d["frozen_shard_bytes"] = frozen_shard_bytes();   // stage 3: this rank's slices of frozen parameters
     d["atomic"] = atomic_stats();
     return d;
 }

@@ -91,8 +91,10 @@ void Engine::finalize_backward() {
     // anyway, and no later backward may write into a bucket (stage 0/1) or a
     // ring slot (stage 2) that a collective is still reading.
     wait_reductions();
-    if (opts_.stage == 3)
+    if (opts_.stage == 3) {
         for (auto &bk : buckets_) release_bucket(bk);
+        release_all_frozen();   // Note [Stage 3 frozen parameters]
+    }
     // Reset readiness for the next backward.
     std::fill(ready_.begin(), ready_.end(), 0);
     for (auto &bk : buckets_) {

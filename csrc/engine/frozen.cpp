@@ -1,0 +1,171 @@
+// frozen.cpp — stage 3: parameters that are not trained (requires_grad=False,
+// e.g. the base model under LoRA) sharded like trainable ones.
+#include "engine/engine.h"
+
+namespace zx {
+
+// Note [Stage 3 frozen parameters]
+//   add_frozen() gives each unit one more bucket (Bucket::frozen) holding that
+//   unit's frozen parameters, in param_dtype, outside the plan: no gradient, no
+//   ring slot, no master, no optimizer state, nothing the reducer or the steps
+//   visit. Its padded size is a multiple of partitions * align; this rank's
+//   slice lives in frozen_shard_ (param_dtype), the only persistent copy. The
+//   bucket is gathered and released with its unit (gather_unit, release_unit,
+//   commit_unit, open_unit_fp32 call the *_frozen functions below), its storage
+//   resized as a trainable bucket's (Note [Stage 3 parameter lifetime]). In
+//   backward a trainable bucket is released when its last gradient is staged;
+//   that says nothing about the frozen weights the unit's backward still reads
+//   (a frozen linear's input gradient), so Python releases the frozen bucket
+//   when the gradients of the unit's inputs are complete (release_frozen), and
+//   finalize_backward releases whatever is left. Layout: parameters in the
+//   order given, contiguous; frozen_fragments(r) says where rank r's slice holds
+//   which piece, as fragments() does for trainable parameters.
+
+void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units) {
+    TORCH_CHECK(opts_.stage == 3, "zero_ext: frozen parameters are sharded in stage 3 only");
+    TORCH_CHECK(frozen_params_.empty(), "zero_ext: add_frozen was already called on this engine");
+    TORCH_CHECK(params.size() == units.size(), "zero_ext: add_frozen needs one unit id per frozen parameter");
+    const int64_t n = (int64_t)params.size();
+    if (n == 0) return;
+    for (int64_t i = 0; i < n; i++) {
+        TORCH_CHECK(units[i] >= 0, "zero_ext: frozen parameter ", i, " has unit ", units[i]);
+        TORCH_CHECK(params[i].device() == dev_ && params[i].is_floating_point(), "zero_ext: frozen parameter ",
+                    i, " must be a floating-point tensor on ", dev_, " (it is ", params[i].scalar_type(),
+                    " on ", params[i].device(), ")");
+        if ((int64_t)unit_buckets_.size() <= units[i]) unit_buckets_.resize(units[i] + 1);
+    }
+    frozen_params_ = std::move(params);
+    frozen_views_.resize(n);
+    frozen_offset_.assign(n, 0);
+    frozen_of_unit_.assign(unit_buckets_.size(), -1);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t u = units[i];
+        if (frozen_of_unit_[u] < 0) {
+            frozen_of_unit_[u] = (int64_t)frozen_buckets_.size();
+            frozen_buckets_.emplace_back();
+            frozen_buckets_.back().frozen = true;
+            frozen_buckets_.back().unit = u;
+            frozen_buckets_.back().group = -1;
+        }
+        Bucket &bk = frozen_buckets_[frozen_of_unit_[u]];
+        bk.params.push_back(i);
+        frozen_offset_[i] = bk.numel;
+        bk.numel += frozen_params_[i].numel();
+    }
+    const int64_t quantum = parts_ * opts_.align;
+    int64_t shard = 0;
+    for (auto &bk : frozen_buckets_) {
+        bk.padded_numel = std::max<int64_t>(1, (bk.numel + quantum - 1) / quantum) * quantum;
+        bk.slice_numel = bk.padded_numel / parts_;
+        bk.shard_offset = shard;
+        shard += bk.slice_numel;
+    }
+    const auto pt = on_device(pdt_);
+    frozen_shard_ = at::zeros({shard}, pt);
+    at::NoGradGuard ng;
+    for (auto &bk : frozen_buckets_) {
+        // Without values (meta build) the pages stay untouched until open_unit_fp32.
+        bk.flat_param = opts_.copy_params ? at::zeros({bk.padded_numel}, pt) : at::empty({bk.padded_numel}, pt);
+        for (int64_t i : bk.params) {
+            at::Tensor &p = frozen_params_[i];
+            at::Tensor view = bk.flat_param.narrow(0, frozen_offset_[i], p.numel()).view(p.sizes());
+            if (opts_.copy_params) view.copy_(p);   // rounds to param_dtype, as a replicated frozen one was
+            p.set_data(view);
+            frozen_views_[i] = view;
+        }
+        if (opts_.copy_params) frozen_slice(bk).copy_(owned_slice(bk.flat_param, bk));
+        bk.gathered = true;
+        gathered_bytes_ += bk.flat_param.nbytes();
+        release_bucket(bk);
+    }
+}
+
+at::Tensor Engine::frozen_slice(const Bucket &bk) const {
+    return frozen_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+}
+
+Bucket *Engine::frozen_bucket(int64_t u) {
+    if (u < 0 || u >= (int64_t)frozen_of_unit_.size() || frozen_of_unit_[u] < 0) return nullptr;
+    return &frozen_buckets_[frozen_of_unit_[u]];
+}
+
+bool Engine::unit_has_frozen(int64_t u) const {
+    return u >= 0 && u < (int64_t)frozen_of_unit_.size() && frozen_of_unit_[u] >= 0;
+}
+
+bool Engine::gather_frozen(int64_t u, bool wait) {
+    Bucket *bk = frozen_bucket(u);
+    if (bk == nullptr || bk->gathered) return true;
+    const bool prefetched = bk->gather_work || bk->gather_group;
+    if (!prefetched) launch_gather(*bk);
+    if (wait) mark_gathered(*bk);
+    return prefetched;
+}
+
+void Engine::release_frozen(int64_t u) {
+    if (Bucket *bk = frozen_bucket(u)) release_bucket(*bk);
+}
+
+void Engine::release_all_frozen() {
+    for (auto &bk : frozen_buckets_) release_bucket(bk);
+}
+
+void Engine::commit_frozen(int64_t u, int64_t src) {
+    Bucket *bk = frozen_bucket(u);
+    if (bk == nullptr) return;
+    comm_.seq.subject((int64_t)buckets_.size() + frozen_of_unit_[u], u);
+    if (bk->staging.defined()) {   // open_unit_fp32: full-precision values, rounded once
+        broadcast_tensors({bk->staging}, src);
+        frozen_slice(*bk).copy_(owned_slice(bk->staging, *bk));
+        release_bucket(*bk);
+        return;
+    }
+    TORCH_CHECK(bk->gathered, "zero_ext: commit_unit needs unit ", u, " gathered");
+    broadcast_tensors({bk->flat_param}, src);
+    frozen_slice(*bk).copy_(owned_slice(bk->flat_param, *bk));
+}
+
+void Engine::open_frozen_fp32(int64_t u) {
+    Bucket *bk = frozen_bucket(u);
+    if (bk == nullptr) return;
+    if (!lp_) {
+        gather_frozen(u, true);
+        return;
+    }
+    // As open_unit_fp32: an fp32 buffer holding the current values, so that an
+    // init writes full precision and is rounded once, at commit.
+    release_bucket(*bk);
+    at::Tensor full = at::empty({bk->padded_numel}, on_device(pdt_));
+    if (world_ == 1) {
+        full.copy_(frozen_slice(*bk));
+    } else {
+        comm_.seq.subject((int64_t)buckets_.size() + frozen_of_unit_[u], u);
+        comm_.watch(comm_.all_gather(full, frozen_slice(*bk)), "unit all-gather");
+    }
+    bk->staging = full.to(at::kFloat);
+    gathered_bytes_ += bk->staging.nbytes();
+    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+    for (int64_t i : bk->params)
+        frozen_params_[i].set_data(bk->staging.narrow(0, frozen_offset_[i], frozen_views_[i].numel())
+                                       .view(frozen_views_[i].sizes()));
+}
+
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::frozen_fragments(int64_t r) const {
+    TORCH_CHECK(r >= 0 && r < parts_, "zero_ext: no rank ", r, " among ", parts_, " partitions");
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
+    for (const auto &bk : frozen_buckets_) {
+        const int64_t lo = r * bk.slice_numel, hi = lo + bk.slice_numel;
+        for (int64_t i : bk.params) {
+            const int64_t a = std::max(lo, frozen_offset_[i]);
+            const int64_t b = std::min(hi, frozen_offset_[i] + frozen_views_[(size_t)i].numel());
+            if (a < b) out.emplace_back(i, a - frozen_offset_[i], bk.shard_offset + a - lo, b - a);
+        }
+    }
+    return out;
+}
+
+int64_t Engine::frozen_shard_bytes() const {
+    return frozen_shard_.defined() ? (int64_t)frozen_shard_.nbytes() : 0;
+}
+
+}  // namespace zx
