@@ -201,15 +201,14 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         frozen_padded[u] = frozen_padded.get(u, 0) + n
     frozen_padded = {u: max(1, -(-n // quantum)) * quantum for u, n in frozen_padded.items()}
     if s == 3:
-        unit_bytes: dict = {u: n * ps for u, n in frozen_padded.items()}
+        unit_numel: dict = dict(frozen_padded)
         for r in rows:
-            unit_bytes[r[1]] = unit_bytes.get(r[1], 0) + r[3] * ps
-        root = unit_bytes.pop(0, 0)
-        seq = [unit_bytes[u] for u in sorted(unit_bytes)]
-        numel = [root // ps] + [b // ps for b in seq]
-        depth = cfg.prefetch_depth
-        best = prefetch.replay_peak(numel, ps, depth, cfg.coalesce_numel if depth > 0 else 0, world_size)
-        largest = max(seq, default=0)
+            unit_numel[r[1]] = unit_numel.get(r[1], 0) + r[3]
+        root_numel = unit_numel.pop(0, 0)
+        numel = [root_numel] + [unit_numel[u] for u in sorted(unit_numel)]
+        best = prefetch.replay_peak(numel, ps, cfg.prefetch_depth,
+                                    prefetch.budget(cfg.prefetch_depth, cfg.coalesce_numel), world_size)
+        root, largest = root_numel * ps, max(numel[1:], default=0) * ps
         peak = root + best
         if _on_meta(model_or_numel):
             # Built sharded (materialize.py): the root and one unit at a time are

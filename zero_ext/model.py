@@ -147,7 +147,7 @@ class _UnitHooks:
         self.wrapper = wrapper
         self.engine = wrapper._engine
         self.depth = wrapper._config.prefetch_depth
-        self.coalesce = wrapper._config.coalesce_numel if self.depth > 0 else 0
+        self.coalesce = prefetch.budget(self.depth, wrapper._config.coalesce_numel)
         self.numel = [self.engine.unit_numel(u) for u in range(self.engine.num_units)]
         self.learned: dict[bool, list] = {}             # pass kind (grad enabled) -> last record
         self.order: list = []                           # this pass's prediction: (unit, in backward)

@@ -15,6 +15,11 @@ estimate_memory to predict the most gathered bytes a rank holds.
 from __future__ import annotations
 
 
+def budget(depth: int, coalesce_numel: int) -> int:
+    """The coalescing budget: none without prefetching (prefetch_depth 0)."""
+    return coalesce_numel if depth > 0 else 0
+
+
 def upcoming(order: list, cursor: int, k: int, depth: int, numel: list, budget: int = 0,
              phase: bool = False) -> list:
     """The next `depth` distinct units after the cursor, other than k, and more after

@@ -260,7 +260,6 @@ private:
     void forget_grads();               // zero_grad(set_to_none=True)
     void ensure_step_tables();
     std::vector<StepRun> step_runs(int64_t b) const;
-    bool gather_frozen(int64_t u, bool wait);     // frozen.cpp: gather_unit's share
     void commit_frozen(int64_t u, int64_t src);
     void open_frozen_fp32(int64_t u);
     void release_all_frozen();

@@ -10,8 +10,9 @@ namespace zx {
 //   ring slot, no master, no optimizer state, nothing the reducer or the steps
 //   visit. Its padded size is a multiple of partitions * align; this rank's
 //   slice lives in frozen_shard_ (param_dtype), the only persistent copy. The
-//   bucket is gathered and released with its unit (gather_unit, release_unit,
-//   commit_unit, open_unit_fp32 call the *_frozen functions below), its storage
+//   bucket is gathered and released with its unit (gather_unit and gather_units
+//   take it through unit_gather_buckets; release_unit, commit_unit and
+//   open_unit_fp32 call the *_frozen functions below), its storage
 //   resized as a trainable bucket's (Note [Stage 3 parameter lifetime]). In
 //   backward a trainable bucket is released when its last gradient is staged;
 //   that says nothing about the frozen weights the unit's backward still reads
@@ -93,15 +94,6 @@ bool Engine::unit_has_frozen(int64_t u) const {
     return u >= 0 && u < (int64_t)frozen_of_unit_.size() && frozen_of_unit_[u] >= 0;
 }
 
-bool Engine::gather_frozen(int64_t u, bool wait) {
-    Bucket *bk = frozen_bucket(u);
-    if (bk == nullptr || bk->gathered) return true;
-    const bool prefetched = bk->gather_work || bk->gather_group;
-    if (!prefetched) launch_gather(*bk);
-    if (wait) mark_gathered(*bk);
-    return prefetched;
-}
-
 void Engine::release_frozen(int64_t u) {
     if (Bucket *bk = frozen_bucket(u)) release_bucket(*bk);
 }
@@ -113,7 +105,7 @@ void Engine::release_all_frozen() {
 void Engine::commit_frozen(int64_t u, int64_t src) {
     Bucket *bk = frozen_bucket(u);
     if (bk == nullptr) return;
-    comm_.seq.subject((int64_t)buckets_.size() + frozen_of_unit_[u], u);
+    comm_.seq.subject(subject_of(*bk), u);
     if (bk->staging.defined()) {   // open_unit_fp32: full-precision values, rounded once
         broadcast_tensors({bk->staging}, src);
         frozen_slice(*bk).copy_(owned_slice(bk->staging, *bk));
@@ -128,10 +120,7 @@ void Engine::commit_frozen(int64_t u, int64_t src) {
 void Engine::open_frozen_fp32(int64_t u) {
     Bucket *bk = frozen_bucket(u);
     if (bk == nullptr) return;
-    if (!lp_) {
-        gather_frozen(u, true);
-        return;
-    }
+    // Only with a low param_dtype (open_unit_fp32 gathers fp32 units as they are).
     // As open_unit_fp32: an fp32 buffer holding the current values, so that an
     // init writes full precision and is rounded once, at commit.
     release_bucket(*bk);
@@ -139,7 +128,7 @@ void Engine::open_frozen_fp32(int64_t u) {
     if (world_ == 1) {
         full.copy_(frozen_slice(*bk));
     } else {
-        comm_.seq.subject((int64_t)buckets_.size() + frozen_of_unit_[u], u);
+        comm_.seq.subject(subject_of(*bk), u);
         comm_.watch(comm_.all_gather(full, frozen_slice(*bk)), "unit all-gather");
     }
     bk->staging = full.to(at::kFloat);
