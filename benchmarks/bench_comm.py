@@ -1,16 +1,19 @@
 """Communication-reducing modes side by side: exact vs quantized gradient reduction
-(grad_quant int8 / int4, with and without error feedback), GPT on tinyshakespeare.
+(grad_quant int8 / int4, with and without error feedback) and quantized parameter
+gathers (param_quant int8, alone and with int8 gradients), GPT on tinyshakespeare.
 
     python benchmarks/bench_comm.py                      # 4 gloo ranks, stage 2, 300 steps
     python benchmarks/bench_comm.py --steps 60 --world 2 # quick look
+    python benchmarks/bench_comm.py --stage 3 --modes q8gather q8gather_int8
 
 All modes train in the same processes in lockstep: at every step each mode does its
 own forward/backward/step on the same batch (every rank draws its own batches from a
 generator seeded with 1000 * rank + step), so the loss curves share their data and the
 step times are interleaved (A B C A B C ...). Per mode it reports: the final loss (mean
 of the last 20 steps) and its ratio to the exact run's, reduce-scatter bytes per step
-and rank (logical: what the exact run moves; wire: what the collectives carried,
-codes + scales, from opt.stats()), and the median step time as a ratio to the exact
+and rank and all-gather bytes per step and rank (logical: what the exact run moves;
+wire: what the collectives carried, codes + scales, from opt.stats()), and the median
+step time as a ratio to the exact
 mode's (same run; timings drift on a shared machine). The model is examples/gpt.py's
 GPT, 2 layers, n_embd 64, block 64, batch 8 per rank, AdamW lr 3e-3, 1 thread per rank.
 Writes benchmarks/results/bench_comm.json (loss curves included, for the notebook).
@@ -38,6 +41,8 @@ MODES = {
     "int4": {"grad_quant": "int4"},
     "int4_ef": {"grad_quant": "int4", "grad_quant_error_feedback": True},
     "int8_ef": {"grad_quant": "int8", "grad_quant_error_feedback": True},
+    "q8gather": {"param_quant": "int8"},
+    "q8gather_int8": {"param_quant": "int8", "grad_quant": "int8"},
 }
 
 
@@ -77,9 +82,10 @@ def worker(rank, world, store, out_dir, args):
     out = {}
     for name, (zm, zo, losses, times) in runs.items():
         st = zo.stats()
-        rs = st["comm"]["reduce_scatter"]
+        rs, ag = st["comm"]["reduce_scatter"], st["comm"]["all_gather"]
         out[name] = {"losses": losses, "median_step_s": statistics.median(times[10:] or times),
                      "reduce_scatter_bytes": rs["bytes"], "reduce_scatter_wire_bytes": rs["wire_bytes"],
+                     "all_gather_bytes": ag["bytes"], "all_gather_wire_bytes": ag["wire_bytes"],
                      "reductions": st["reductions"], "num_params": st["num_params"],
                      "quant_residual_bytes": st["buffer_bytes"]["quant_residual"]}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -117,15 +123,20 @@ def main():
             "reduce_scatter_bytes_per_step": m["reduce_scatter_bytes"] / steps,
             "reduce_scatter_wire_bytes_per_step": m["reduce_scatter_wire_bytes"] / steps,
             "wire_vs_exact": m["reduce_scatter_wire_bytes"] / exact["reduce_scatter_wire_bytes"],
+            "all_gather_bytes_per_step": m["all_gather_bytes"] / steps,
+            "all_gather_wire_bytes_per_step": m["all_gather_wire_bytes"] / steps,
+            "all_gather_wire_vs_exact": m["all_gather_wire_bytes"] / exact["all_gather_wire_bytes"],
             "step_time_vs_exact": ratio_t, "quant_residual_bytes": m["quant_residual_bytes"],
             "losses": m["losses"],
         }
         s = summary[name]
         rows.append([name, f"{final:.4f}", f"{100 * s['final_loss_vs_exact']:+.2f}%",
                      f"{s['reduce_scatter_bytes_per_step'] / 1024:.1f}", f"{s['reduce_scatter_wire_bytes_per_step'] / 1024:.1f}",
-                     f"{s['wire_vs_exact']:.3f}", f"{ratio_t:.2f}"])
+                     f"{s['wire_vs_exact']:.3f}", f"{s['all_gather_bytes_per_step'] / 1024:.1f}",
+                     f"{s['all_gather_wire_bytes_per_step'] / 1024:.1f}", f"{s['all_gather_wire_vs_exact']:.3f}",
+                     f"{ratio_t:.2f}"])
     head = ["mode", f"loss (last {tail})", "vs exact", "RS KiB/step logical", "RS KiB/step wire",
-            "wire / exact", "step time / exact"]
+            "RS wire / exact", "AG KiB/step logical", "AG KiB/step wire", "AG wire / exact", "step time / exact"]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for row in [head] + rows:
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))

@@ -81,6 +81,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("grad_quant_bits", &zx::EngineOptions::grad_quant_bits)
         .def_readwrite("grad_quant_error_feedback", &zx::EngineOptions::grad_quant_error_feedback)
         .def_readwrite("quant_block_numel", &zx::EngineOptions::quant_block_numel)
+        .def_readwrite("param_quant_bits", &zx::EngineOptions::param_quant_bits)
         .def_readwrite("grad_ring_buckets", &zx::EngineOptions::grad_ring_buckets)
         .def_readwrite("isa", &zx::EngineOptions::isa)
         .def_readwrite("copy_params", &zx::EngineOptions::copy_params)

@@ -234,3 +234,33 @@ def run_cases(rank: int, world: int, cases: list):
         if dist.is_initialized():
             dist.barrier()
     return out
+
+
+def gpt_loss_curves(rank: int, world: int, modes: dict, steps: int, stage: int = 2) -> dict:
+    """{mode: per-step losses} of the tiny GPT on tinyshakespeare (AdamW 1e-2), one
+    fresh model per mode (zeroify options `modes[mode]`), the same batches for every
+    mode; for the communication modes' tests (quantized gradients and gathers)."""
+    import os
+
+    import zero_ext
+    from dist_harness import ROOT
+    from gpt import CharDataset
+
+    data = CharDataset(os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt"))
+    cfg = GPTConfig(**{**TINY_GPT, "vocab_size": data.vocab_size})
+    losses = {}
+    for name, opts in modes.items():
+        torch.manual_seed(1)
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        zm, zo = zero_ext.zeroify(model, opt, stage=stage, **opts)
+        curve = []
+        for step in range(steps):
+            x, y = data.get_batch("train", 8, cfg.block_size, torch.Generator().manual_seed(1000 * rank + step))
+            _, loss = zm(x, y)
+            loss.backward()
+            zo.step()
+            zo.zero_grad()
+            curve.append(float(loss))
+        losses[name] = curve
+    return losses

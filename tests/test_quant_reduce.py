@@ -23,6 +23,7 @@ Run: .venv/bin/python -m pytest -q tests/test_quant_reduce.py
 """
 import pytest
 
+from cases import gpt_loss_curves
 from dist_harness import run_world
 
 QMAX = {"int8": 127.0, "int4": 7.0}
@@ -143,41 +144,11 @@ def test_inf_gradient_still_skips_fp16_step(quant):
         assert skipped[2][1], f"rank {rank}: the skipped step changed the master weights"
 
 
-def _gpt_worker(rank, world, modes, steps):
-    import os
-
-    import torch
-
-    import zero_ext
-    from cases import TINY_GPT
-    from dist_harness import ROOT
-    from gpt import GPT, CharDataset, GPTConfig
-
-    data = CharDataset(os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt"))
-    cfg = GPTConfig(**{**TINY_GPT, "vocab_size": data.vocab_size})
-    losses = {}
-    for name, opts in modes.items():
-        torch.manual_seed(1)
-        model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        zm, zo = zero_ext.zeroify(model, opt, stage=2, **opts)
-        curve = []
-        for step in range(steps):
-            x, y = data.get_batch("train", 8, cfg.block_size, torch.Generator().manual_seed(1000 * rank + step))
-            _, loss = zm(x, y)
-            loss.backward()
-            zo.step()
-            zo.zero_grad()
-            curve.append(float(loss))
-        losses[name] = curve
-    return losses
-
-
 def test_error_feedback_follows_exact_loss():
     modes = {"exact": {}, "int8": {"grad_quant": "int8"},
              "int4_ef": {"grad_quant": "int4", "grad_quant_error_feedback": True}}
     steps = 60
-    losses = run_world(_gpt_worker, 2, modes, steps, timeout_s=300)[0]
+    losses = run_world(gpt_loss_curves, 2, modes, steps, timeout_s=300)[0]
     tail = {k: sum(v[-10:]) / 10 for k, v in losses.items()}
     assert tail["exact"] < losses["exact"][0] - 0.5, f"the exact run did not learn: {tail}"
     assert abs(tail["int8"] - tail["exact"]) <= 0.02 * tail["exact"], tail

@@ -269,6 +269,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     opts.grad_quant_bits = {None: 0, "int8": 8, "int4": 4}[cfg.grad_quant]
     opts.grad_quant_error_feedback = cfg.grad_quant_error_feedback
     opts.quant_block_numel = cfg.quant_block_numel
+    opts.param_quant_bits = {None: 0, "int8": 8}[cfg.param_quant]
     opts.grad_ring_buckets = cfg.grad_ring_buckets
     opts.isa = cfg.isa
     opts.param_dtype = cfg.param_dtype

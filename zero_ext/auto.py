@@ -52,7 +52,9 @@ def choose_stage(model, optimizer, cfg, world: int, backend: str, meta: bool = F
     """(stage, the reason in words). Raises ValueError, naming the smallest world size
     at which a stage would fit, when none fits at this one."""
     budget, source = (cfg.memory_budget, "memory_budget") if cfg.memory_budget is not None else free_memory(model)
-    stages = [3] if meta else [0, 1, 2, 3]
+    # quantized communication has no stage-0 form (ZeroConfig refuses stage 0 with it)
+    quant = cfg.grad_quant is not None or cfg.param_quant is not None
+    stages = [3] if meta else [1, 2, 3] if quant else [0, 1, 2, 3]
     est = _estimates(model, optimizer, cfg, world, backend, stages)
     fits = [s for s in stages if est[s]["total"] <= budget]
     need = ", ".join(f"stage {s} {_fmt(est[s]['total'])}" for s in stages)

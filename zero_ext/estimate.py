@@ -13,7 +13,8 @@ the first step of a run with the same model, world size, stage and options:
     parameters        stages 0-2: every bucket, padded, in param_dtype;
                       stage 3: this rank's shard (param_dtype; fp32 when it is the master)
     gradients         stages 0-1: every bucket in reduce_dtype; stages 2-3: the shard
-    master_weights    fp32 shard when param_dtype is bf16/fp16 (else the parameters are it)
+    master_weights    fp32 shard when param_dtype is bf16/fp16 or (stages 1/2) param_quant is set
+                      (else the parameters are it)
     optimizer_states  per-element states (Adam 2, +1 with amsgrad; SGD with momentum 1,
                       without 0; other optimizers: counted by running one step of the
                       optimizer class on a tiny tensor) x the shard, fp32
@@ -175,7 +176,8 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
 
     params_b = padded * ps if s < 3 else shard * (ps if lp else 4)
     grads_b = padded * rs if s <= 1 else shard * rs
-    master_b = shard * 4 if lp else 0
+    # param_quant: stages 1/2 gather dequantized values, so the fp32 master is a shard of its own
+    master_b = shard * 4 if lp or (cfg.param_quant is not None and 1 <= s <= 2 and parts > 1) else 0
     msb = {"parameters": params_b, "gradients": grads_b, "master_weights": master_b,
            "optimizer_states": state_bytes}
     msb["total"] = sum(msb.values())

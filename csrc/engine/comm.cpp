@@ -84,6 +84,13 @@ WorkPtr Communicator::all_gather(at::Tensor out, at::Tensor in) {
     return (*pg_)->_allgather_base(out, in);
 }
 
+WorkPtr Communicator::all_gather_quantized(at::Tensor recv, at::Tensor send, int64_t logical_numel,
+                                           int64_t logical_elem) {
+    c_all_gather.add(logical_numel, logical_elem, recv.nbytes());
+    seq.before(kSeqAllGather, logical_numel);
+    return (*pg_)->_allgather_base(recv, send);
+}
+
 void Communicator::broadcast(at::Tensor t, int64_t src) {
     if (world_ == 1) return;
     c_broadcast.add(t.numel(), t.element_size());

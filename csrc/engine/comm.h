@@ -24,7 +24,7 @@ struct CommCounter {
     int64_t calls = 0;
     int64_t numel = 0;
     int64_t bytes = 0;
-    int64_t wire_bytes = 0;   // what the collectives carried: `bytes`, or codes + scales (grad_quant)
+    int64_t wire_bytes = 0;   // what the collectives carried: `bytes`, or codes + scales (grad_quant, param_quant)
     // wire < 0: the collective carried its logical bytes
     void add(int64_t n, int64_t elem_bytes, int64_t wire = -1) {
         calls++;
@@ -57,6 +57,10 @@ public:
                                                      int64_t logical_numel, int64_t logical_elem);
     // in (one slice) -> out (N slices); in may be the owned slice of out.
     WorkPtr all_gather(at::Tensor out, at::Tensor in);
+    // The quantized form (Note [Quantized parameter gather] in quant_gather.h): one
+    // packed record (bytes) per rank; counted as an all-gather of logical_numel
+    // elements of logical_elem bytes whose wire bytes are the N records.
+    WorkPtr all_gather_quantized(at::Tensor recv, at::Tensor send, int64_t logical_numel, int64_t logical_elem);
     // Blocking.
     void broadcast(at::Tensor t, int64_t src);
     void all_reduce_sum_blocking(at::Tensor t, const char *what);

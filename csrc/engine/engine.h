@@ -30,6 +30,7 @@
 #include "core/zx_core.h"
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
+#include "engine/quant_gather.h"   // defines: QuantGather (param_quant)
 #include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
 
 namespace zx {
@@ -49,6 +50,7 @@ struct EngineOptions {
     int64_t grad_quant_bits = 0;       // 0: exact; 8/4: Note [Quantized gradient reduction]
     bool grad_quant_error_feedback = false;
     int64_t quant_block_numel = 256;   // elements per quantization scale
+    int64_t param_quant_bits = 0;      // 0: exact; 8: Note [Quantized parameter gather]
     // Per param group, a zx_update_kind: 0 elementwise (element-granular layout),
     // 1 factored (Adafactor), 2 orthogonalized (Muon): those groups' tensors are
     // owned whole by one rank (Note [Tensor-atomic buckets], core/zx_core.h).
@@ -307,6 +309,7 @@ private:
     bool step_begun_ = false;          // begin_step() has run (the step tables exist)
     std::vector<std::vector<StepRun>> my_frags_;
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
+    std::unique_ptr<QuantGather> qgather_; // param_quant (world > 1): quantized all-gather, else null
     // Note [Stage 3 frozen parameters]: frozen parameters, their full views and
     // offsets in their bucket; one bucket per unit that has any; unit -> bucket or -1.
     std::vector<at::Tensor> frozen_params_, frozen_views_;

@@ -24,8 +24,8 @@ namespace zx {
 //   an empty tensor rather than reading freed memory; gathering points them back.
 
 void Engine::absorb(at::Tensor master, const at::Tensor &lp_new) {
-    // Only elements whose low-precision value changed take the new value.
-    at::Tensor changed = lp_new.ne(master.to(pdt_));
+    // Only elements whose low-precision (param_quant: dequantized) value changed take the new value.
+    at::Tensor changed = lp_new.ne(qgather_ ? qgather_->roundtrip(master, pdt_) : master.to(pdt_));
     master.copy_(at::where(changed, lp_new.to(at::kFloat), master));
 }
 
@@ -45,7 +45,7 @@ void Engine::publish_params() {
 void Engine::absorb_param_edits() {
     TORCH_CHECK(opts_.stage <= 2, "zero_ext: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
     wait_params();
-    if (!lp_) return;   // the owned slice is the master
+    if (!lp_ && !qgather_) return;   // the owned slice is the master
     for (auto &bk : buckets_) absorb(master_slice(bk), owned_slice(bk.flat_param, bk));
 }
 
@@ -57,13 +57,15 @@ void Engine::all_gather_params() {
         if (!active(bk)) continue;
         at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
         comm_.seq.subject(b, -1);
-        gather_works_.push_back(comm_.all_gather(bk.flat_param, in));
+        gather_works_.push_back(qgather_ ? qgather_->launch(comm_, b, master_slice(bk), bk.flat_param)
+                                         : comm_.all_gather(bk.flat_param, in));
     }
 }
 
 void Engine::wait_params() {
     for (auto &w : gather_works_) comm_.watch(w, "parameter all-gather");
     gather_works_.clear();
+    if (qgather_ && opts_.stage < 3) qgather_->finish_all();   // stage 3: wait_gather finishes its own
 }
 
 void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {
@@ -104,6 +106,7 @@ void Engine::wait_gather(Bucket &bk) {
         auto work = std::move(bk.gather_work);
         bk.gather_work.reset();
         comm_.watch(work, "unit all-gather");
+        if (qgather_ && !bk.frozen) qgather_->finish(subject_of(bk));
     }
 }
 
@@ -160,7 +163,11 @@ void Engine::launch_gather(Bucket &bk) {
         return;
     }
     comm_.seq.subject(subject_of(bk), bk.unit);
-    bk.gather_work = comm_.all_gather(bk.flat_param, in);
+    // param_quant: trainable buckets travel quantized from the exact master (frozen
+    // ones have no master and stay exact)
+    bk.gather_work = qgather_ && !bk.frozen
+                         ? qgather_->launch(comm_, subject_of(bk), master_slice(bk), bk.flat_param)
+                         : comm_.all_gather(bk.flat_param, in);
 }
 
 static bool requested(const Bucket &bk) { return bk.gathered || bk.gather_work || bk.gather_group; }
@@ -185,11 +192,12 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
     for (int64_t u : units)
         for (Bucket *bk : unit_gather_buckets(u))
             if (!requested(*bk) && std::find(todo.begin(), todo.end(), bk) == todo.end()) todo.push_back(bk);
-    // Coalesce the buckets in the parameters' dtype; anything else goes alone.
+    // Coalesce the buckets in the parameters' dtype; anything else goes alone (and
+    // quantized gathers, which carry records rather than slices).
     auto g = std::make_shared<GatherGroup>();
     int64_t slice = 0;
     for (Bucket *bk : todo) {
-        if (world_ == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != pdt_) {
+        if (world_ == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != pdt_ || (qgather_ && !bk->frozen)) {
             launch_gather(*bk);
             continue;
         }
@@ -239,9 +247,9 @@ void Engine::commit_unit(int64_t u, int64_t src) {
         comm_.seq.subject(b, u);
         broadcast_tensors({bk.flat_param}, src);
         const at::Tensor owned = owned_slice(bk.flat_param, bk);
-        if (lp_) {
+        if (lp_ || qgather_) {
             absorb(master_slice(bk), owned);
-            lp_slice(bk).copy_(owned);
+            if (lp_) lp_slice(bk).copy_(owned);
         } else {
             master_slice(bk).copy_(owned);
         }

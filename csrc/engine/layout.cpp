@@ -103,10 +103,21 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         qreduce_ = std::make_unique<QuantReduce>((int32_t)opts_.grad_quant_bits, opts_.quant_block_numel,
                                                  opts_.grad_quant_error_feedback, isa_, parts_);
     }
+    if (opts_.param_quant_bits != 0) {
+        TORCH_CHECK(opts_.stage >= 1, "zero_ext: param_quant needs stage 1-3");
+        TORCH_CHECK(dev_.is_cpu(), "zero_ext: param_quant runs on CPU parameters in this version (the CUDA "
+                    "kernels exist, the engine does not route them yet); use param_quant=None on ", dev_);
+        // One rank gathers nothing: its parameters stay exact.
+        if (parts_ > 1)
+            qgather_ = std::make_unique<QuantGather>((int32_t)opts_.param_quant_bits, opts_.quant_block_numel,
+                                                     isa_, parts_);
+    }
     const auto f32 = on_device(at::kFloat), pt = on_device(pdt_), rt = on_device(rdt_);
     const int64_t nb = zx_plan_num_buckets(plan_);
     buckets_.resize(nb);
-    if (s3 || lp_) master_shard_ = at::zeros({shard_numel_}, f32);
+    // param_quant: the owned slice of flat_param holds dequantized values, so the
+    // master is a shard of its own (Note [Quantized parameter gather]).
+    if (s3 || lp_ || qgather_) master_shard_ = at::zeros({shard_numel_}, f32);
     if (s3 && lp_) lp_shard_ = at::zeros({shard_numel_}, pt);
     bucket_of_.assign(n, -1);
     offset_of_.assign(n, 0);
@@ -171,7 +182,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             bk.flat_param.copy_(src32);                            // rounds to param_dtype
             master_slice(bk).copy_(owned_slice(src32, bk));
             if (s3) lp_slice(bk).copy_(owned_slice(bk.flat_param, bk));
-        } else if (opts_.copy_params && s3) {
+        } else if (opts_.copy_params && (s3 || qgather_)) {
             master_slice(bk).copy_(owned_slice(bk.flat_param, bk));
         }
         if (s3) {
@@ -274,7 +285,7 @@ py::dict Engine::stats() const {
     if (grad_shard_.defined()) grad_bytes += grad_shard_.nbytes();
     int64_t master_bytes = 0;
     if (opts_.stage == 3) param_bytes += (lp_ ? lp_shard_ : master_shard_).nbytes();
-    if (lp_) master_bytes = master_shard_.nbytes();
+    if (lp_ || (qgather_ && opts_.stage < 3)) master_bytes = master_shard_.nbytes();
     int64_t state_bytes = 0;
     for (const auto &kv : states_) state_bytes += kv.second.nbytes();
     int64_t ring_bytes = 0;
@@ -285,7 +296,7 @@ py::dict Engine::stats() const {
     py::dict msb;
     msb["parameters"] = param_bytes;
     msb["gradients"] = grad_bytes;
-    msb["master_weights"] = master_bytes;   // 0 with fp32 parameters: the owned slice is the master
+    msb["master_weights"] = master_bytes;   // 0 with fp32 parameters (the owned slice is the master) unless param_quant
     msb["optimizer_states"] = state_bytes;
     msb["total"] = param_bytes + grad_bytes + master_bytes + state_bytes;
     py::dict buf;
@@ -297,8 +308,12 @@ py::dict Engine::stats() const {
     const int64_t quant_residual = qreduce_ ? qreduce_->residual_bytes() : 0;
     buf["quant_buffers"] = quant_buffers;    // grad_quant: codes/scales send + receive
     buf["quant_residual"] = quant_residual;  // grad_quant_error_feedback: fp32 residuals
+    const int64_t gather_records = qgather_ ? qgather_->buffer_bytes() : 0;
+    buf["quant_gather_buffers"] = gather_records;   // param_quant: records of the gathers in flight
+    buf["peak_quant_gather_buffers"] = qgather_ ? qgather_->peak_buffer_bytes() : 0;
     buf["kernel_scratch"] = kern_->scratch_bytes();  // e.g. CUDA: fp32 copy of a low-precision gradient slice
-    buf["total"] = ring_bytes + gathered_bytes_ + quant_buffers + quant_residual + kern_->scratch_bytes();
+    buf["total"] = ring_bytes + gathered_bytes_ + quant_buffers + quant_residual + gather_records +
+                   kern_->scratch_bytes();
     py::dict comm;
     comm["all_reduce"] = counter_dict(comm_.c_all_reduce);
     comm["reduce_scatter"] = counter_dict(comm_.c_reduce_scatter);
@@ -320,6 +335,7 @@ py::dict Engine::stats() const {
     d["reduce_dtype"] = opts_.reduce_dtype;
     d["reduce_scatter_impl"] = std::string(qreduce_ ? (opts_.grad_quant_bits == 8 ? "alltoall-int8" : "alltoall-int4")
                                            : opts_.alltoall_reduce_scatter ? "alltoall" : "native");
+    d["param_gather_impl"] = std::string(qgather_ ? "allgather-int8" : "allgather");
     d["model_state_bytes"] = msb;
     d["buffer_bytes"] = buf;
     d["comm"] = comm;

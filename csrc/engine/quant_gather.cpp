@@ -1,0 +1,119 @@
+// quant_gather.cpp — quantized parameter all-gather: see
+// Note [Quantized parameter gather] in quant_gather.h.
+#include "engine/quant_gather.h"
+
+#include <algorithm>
+#include <atomic>
+
+#include "kernels_binding.h"   // defines: zx_check
+
+namespace zx {
+
+namespace {
+
+zx_dtype zx_dtype_of(at::ScalarType t) {
+    if (t == at::kFloat) return ZX_F32;
+    if (t == at::kBFloat16) return ZX_BF16;
+    TORCH_CHECK(t == at::kHalf, "zero_ext: param_quant dequantizes into float32, bfloat16 or float16, not ", t);
+    return ZX_F16;
+}
+
+}  // namespace
+
+QuantGather::QuantGather(int32_t bits, int64_t block_numel, zx_isa isa, int64_t parts)
+    : bits_(bits), block_numel_(block_numel), isa_(isa), parts_(parts) {
+    TORCH_CHECK(bits == 8, "zero_ext: param_quant must be int8 (the supported bit width)");
+    TORCH_CHECK(block_numel >= 2 && block_numel % 2 == 0, "zero_ext: quant_block_numel must be even and >= 2, got ",
+                block_numel);
+}
+
+int64_t QuantGather::slice_blocks(int64_t slice_numel) const {
+    return (int64_t)zx_quant_blocks((size_t)slice_numel, (size_t)block_numel_);
+}
+
+int64_t QuantGather::record_bytes(int64_t slice_numel) const {
+    size_t codes = 0;
+    zx_check(zx_quant_bytes(bits_, (size_t)block_numel_, (size_t)slice_numel, &codes), "param_quant sizes");
+    // scales first (4-byte aligned at every record start), codes padded to 4 bytes
+    return 4 * slice_blocks(slice_numel) + (((int64_t)codes + 3) & ~(int64_t)3);
+}
+
+void QuantGather::quantize_into(const at::Tensor &master, uint8_t *record) const {
+    TORCH_CHECK(master.scalar_type() == at::kFloat && master.is_contiguous() && master.device().is_cpu(),
+                "zero_ext: param_quant quantizes a contiguous float32 CPU master slice");
+    const int64_t n = master.numel(), nb = slice_blocks(n);
+    const float *src = master.data_ptr<float>();
+    float *scales = reinterpret_cast<float *>(record);
+    uint8_t *codes = record + 4 * nb;
+    const size_t bbytes = (size_t)block_numel_ * (size_t)bits_ / 8;
+    std::atomic<int> status{ZX_OK};
+    // tasks over whole blocks (a block's codes and scale depend on it alone)
+    at::parallel_for(0, nb, std::max<int64_t>(1, (1 << 16) / block_numel_), [&](int64_t b0, int64_t b1) {
+        const int64_t lo = b0 * block_numel_, hi = std::min(n, b1 * block_numel_);
+        zx_status s = zx_quantize(isa_, bits_, (size_t)block_numel_, (size_t)(hi - lo), src + lo, ZX_F32, nullptr,
+                                  codes + (size_t)b0 * bbytes, scales + b0);
+        if (s != ZX_OK) status.store((int)s);
+    });
+    zx_check((zx_status)status.load(), "quantizing parameters (param_quant)");
+}
+
+void QuantGather::dequantize_from(const uint8_t *record, int64_t slice_numel, at::Tensor dst) const {
+    const int64_t nb = slice_blocks(slice_numel);
+    const float *scales = reinterpret_cast<const float *>(record);
+    const uint8_t *codes = record + 4 * nb;
+    const zx_dtype dt = zx_dtype_of(dst.scalar_type());
+    char *out = static_cast<char *>(dst.data_ptr());
+    const size_t esz = dst.element_size();
+    const size_t bbytes = (size_t)block_numel_ * (size_t)bits_ / 8;
+    std::atomic<int> status{ZX_OK};
+    at::parallel_for(0, nb, std::max<int64_t>(1, (1 << 16) / block_numel_), [&](int64_t b0, int64_t b1) {
+        const int64_t lo = b0 * block_numel_, hi = std::min(slice_numel, b1 * block_numel_);
+        zx_status s = zx_dequantize(isa_, bits_, (size_t)block_numel_, (size_t)(hi - lo),
+                                    codes + (size_t)b0 * bbytes, scales + b0, out + (size_t)lo * esz, dt);
+        if (s != ZX_OK) status.store((int)s);
+    });
+    zx_check((zx_status)status.load(), "dequantizing parameters (param_quant)");
+}
+
+WorkPtr QuantGather::launch(Communicator &comm, int64_t b, const at::Tensor &master, at::Tensor dst) {
+    const int64_t n = master.numel(), rb = record_bytes(n);
+    TORCH_CHECK(dst.numel() == parts_ * n && dst.is_contiguous(), "zero_ext: param_quant gathers ", parts_,
+                " slices of ", n, " elements into a contiguous bucket");
+    TORCH_CHECK(!pending_.count(b), "zero_ext: bucket ", b, " already has a quantized gather in flight");
+    Pending p;
+    p.send = at::zeros({rb}, at::kByte);   // the 4-byte padding is sent too: keep it defined
+    p.recv = at::empty({parts_ * rb}, at::kByte);
+    p.dst = dst;
+    quantize_into(master, p.send.data_ptr<uint8_t>());
+    held_ += p.send.nbytes() + p.recv.nbytes();
+    peak_ = std::max(peak_, held_);
+    WorkPtr work = comm.all_gather_quantized(p.recv, p.send, dst.numel(), dst.element_size());
+    pending_.emplace(b, std::move(p));
+    return work;
+}
+
+void QuantGather::finish(int64_t b) {
+    auto it = pending_.find(b);
+    if (it == pending_.end()) return;
+    Pending &p = it->second;
+    const int64_t n = p.dst.numel() / parts_, rb = p.send.numel();
+    const uint8_t *recv = p.recv.data_ptr<uint8_t>();
+    for (int64_t j = 0; j < parts_; j++) dequantize_from(recv + j * rb, n, p.dst.narrow(0, j * n, n));
+    held_ -= p.send.nbytes() + p.recv.nbytes();
+    pending_.erase(it);
+}
+
+void QuantGather::finish_all() {
+    while (!pending_.empty()) finish(pending_.begin()->first);
+}
+
+at::Tensor QuantGather::roundtrip(const at::Tensor &master, at::ScalarType dtype) const {
+    const at::Tensor m = master.contiguous();
+    at::Tensor record = at::empty({record_bytes(m.numel())}, at::kByte);
+    quantize_into(m, record.data_ptr<uint8_t>());
+    at::Tensor out = at::empty({m.numel()}, at::TensorOptions().dtype(dtype));
+    dequantize_from(record.data_ptr<uint8_t>(), m.numel(), out);
+    return out;
+}
+
+}  // namespace zx
