@@ -3,7 +3,7 @@
 // Note [Kernel table]
 //   Every arithmetic pass the engine makes over a bucket slice (optimizer
 //   steps, gradient scan, scaling, casts, the local sum of an all-to-all
-//   reduce-scatter) goes through one Kernels object, made by make_kernels()
+//   reduce-scatter, blockwise quantization) goes through one Kernels object, made by make_kernels()
 //   for the parameters' device when the Engine is built. The engine itself
 //   never asks which device it runs on:
 //     CPU  (kernels_cpu.cpp):  the C core (csrc/core), on torch's intra-op
@@ -50,6 +50,20 @@ public:
     virtual void cast_from_f32(int64_t n, const float *src, void *dst, zx_dtype dst_dtype) = 0;
     // dst = (accumulate ? dst : 0) + sum_j src[j*slice_n + i], j ascending.
     virtual void sum_slices(int64_t slice_n, int32_t nslices, const float *src, float *dst, bool accumulate) = 0;
+    // Blockwise quantization (Note [Blockwise quantization], csrc/core/zx_quant.c): the
+    // C core's formats and maths, bit-identical on every device. quantize: n elements
+    // of src (src_dtype) -> q (zx_quant_bytes bytes) and scales (zx_quant_blocks
+    // floats); residual null or n fp32 values of error feedback, updated.
+    virtual void quantize(int32_t bits, int64_t block_numel, int64_t n, const void *src, zx_dtype src_dtype,
+                          float *residual, void *q, float *scales) = 0;
+    // dst (n elements of dst_dtype) = code * the scale of its block.
+    virtual void dequantize(int32_t bits, int64_t block_numel, int64_t n, const void *q, const float *scales,
+                            void *dst, zx_dtype dst_dtype) = 0;
+    // dst (n fp32) = (accumulate ? dst : 0) + sum_j dequantized payload j, j ascending;
+    // payload j's codes and scales start slice_blocks blocks after payload j-1's.
+    virtual void dequantize_sum(int32_t bits, int64_t block_numel, int64_t n, int32_t nslices,
+                                int64_t slice_blocks, const void *q, const float *scales, float *dst,
+                                bool accumulate) = 0;
     // Set the byte size of a tensor's storage (stage 3 frees a released unit's
     // parameters this way, keeping the storage object that autograd aliases).
     virtual void resize_storage(const at::Tensor &t, int64_t bytes) = 0;

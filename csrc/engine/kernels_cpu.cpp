@@ -110,6 +110,39 @@ public:
         });
     }
 
+    void quantize(int32_t bits, int64_t bn, int64_t n, const void *src, zx_dtype dt, float *residual, void *q,
+                  float *scales) override {
+        const char *s = (const char *)src;
+        const int64_t es = dt == ZX_F32 ? 4 : 2, bb = bn * bits / 8;
+        blocks(n, bn, [&](int64_t b0, int64_t lo, int64_t hi) {
+            zx_check(zx_quantize(isa_, bits, (size_t)bn, (size_t)(hi - lo), s + lo * es, dt,
+                                 residual ? residual + lo : nullptr, (uint8_t *)q + b0 * bb, scales + b0),
+                     "quantizing");
+        });
+    }
+
+    void dequantize(int32_t bits, int64_t bn, int64_t n, const void *q, const float *scales, void *dst,
+                    zx_dtype dt) override {
+        char *d = (char *)dst;
+        const int64_t es = dt == ZX_F32 ? 4 : 2, bb = bn * bits / 8;
+        blocks(n, bn, [&](int64_t b0, int64_t lo, int64_t hi) {
+            zx_check(zx_dequantize(isa_, bits, (size_t)bn, (size_t)(hi - lo), (const uint8_t *)q + b0 * bb,
+                                   scales + b0, d + lo * es, dt),
+                     "dequantizing");
+        });
+    }
+
+    void dequantize_sum(int32_t bits, int64_t bn, int64_t n, int32_t nslices, int64_t slice_blocks, const void *q,
+                        const float *scales, float *dst, bool accumulate) override {
+        const int64_t bb = bn * bits / 8;
+        blocks(n, bn, [&](int64_t b0, int64_t lo, int64_t hi) {
+            zx_check(zx_dequantize_sum(isa_, bits, (size_t)bn, (size_t)(hi - lo), nslices, (size_t)slice_blocks,
+                                       (const uint8_t *)q + b0 * bb, scales + b0, dst + lo, accumulate ? 1 : 0,
+                                       1.0f),
+                     "summing quantized slices");
+        });
+    }
+
     void resize_storage(const at::Tensor &t, int64_t bytes) override {
         at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), (size_t)bytes);
     }
@@ -118,6 +151,16 @@ private:
     template <class F>
     void parallel(int64_t n, F &&fn) const {
         zx_parallel_for(n, fn);
+    }
+
+    // fn(first block, lo, hi) over tasks of whole quantization blocks (a block's codes
+    // and scale depend on its elements alone), about kParallelGrainNumel elements each.
+    template <class F>
+    void blocks(int64_t n, int64_t block_numel, F &&fn) const {
+        const int64_t nb = (n + block_numel - 1) / block_numel;
+        at::parallel_for(0, nb, std::max<int64_t>(1, kParallelGrainNumel / block_numel), [&](int64_t b0, int64_t b1) {
+            fn(b0, b0 * block_numel, std::min(n, b1 * block_numel));
+        });
     }
 
     // Kernels read fp32 gradients: a low-precision one is converted in small

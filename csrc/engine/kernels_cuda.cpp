@@ -81,6 +81,22 @@ public:
                  "CUDA slice sum");
     }
 
+    void quantize(int32_t bits, int64_t bn, int64_t n, const void *src, zx_dtype dt, float *residual, void *q,
+                  float *scales) override {
+        zx_check(zx_cuda_quantize(bits, (size_t)bn, (size_t)n, src, dt, residual, q, scales, stream()),
+                 "CUDA quantization");
+    }
+    void dequantize(int32_t bits, int64_t bn, int64_t n, const void *q, const float *scales, void *dst,
+                    zx_dtype dt) override {
+        zx_check(zx_cuda_dequantize(bits, (size_t)bn, (size_t)n, q, scales, dst, dt, stream()),
+                 "CUDA dequantization");
+    }
+    void dequantize_sum(int32_t bits, int64_t bn, int64_t n, int32_t nslices, int64_t slice_blocks, const void *q,
+                        const float *scales, float *dst, bool accumulate) override {
+        zx_check(zx_cuda_dequantize_sum(bits, (size_t)bn, (size_t)n, nslices, (size_t)slice_blocks, q, scales, dst,
+                                        accumulate ? 1 : 0, 1.0f, stream()),
+                 "CUDA sum of quantized slices");
+    }
     void resize_storage(const at::Tensor &t, int64_t bytes) override {
         c10::cuda::CUDAGuard guard(dev_);
         at::native::resize_bytes_cuda(t.storage().unsafeGetStorageImpl(), (size_t)bytes);

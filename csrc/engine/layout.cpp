@@ -98,19 +98,15 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     if (opts_.grad_quant_bits != 0) {
         TORCH_CHECK(opts_.stage >= 1 && opts_.alltoall_reduce_scatter,
                     "zero_ext: grad_quant needs stage 1-3 and the all-to-all reduce-scatter");
-        TORCH_CHECK(dev_.is_cpu(), "zero_ext: grad_quant runs on CPU parameters in this version (the CUDA "
-                    "kernels exist, the engine does not route them yet); use grad_quant=None on ", dev_);
         qreduce_ = std::make_unique<QuantReduce>((int32_t)opts_.grad_quant_bits, opts_.quant_block_numel,
-                                                 opts_.grad_quant_error_feedback, isa_, parts_);
+                                                 opts_.grad_quant_error_feedback, kern_.get(), dev_, parts_);
     }
     if (opts_.param_quant_bits != 0) {
         TORCH_CHECK(opts_.stage >= 1, "zero_ext: param_quant needs stage 1-3");
-        TORCH_CHECK(dev_.is_cpu(), "zero_ext: param_quant runs on CPU parameters in this version (the CUDA "
-                    "kernels exist, the engine does not route them yet); use param_quant=None on ", dev_);
         // One rank gathers nothing: its parameters stay exact.
         if (parts_ > 1)
             qgather_ = std::make_unique<QuantGather>((int32_t)opts_.param_quant_bits, opts_.quant_block_numel,
-                                                     isa_, parts_);
+                                                     kern_.get(), dev_, parts_);
     }
     const auto f32 = on_device(at::kFloat), pt = on_device(pdt_), rt = on_device(rdt_);
     const int64_t nb = zx_plan_num_buckets(plan_);

@@ -2,9 +2,6 @@
 // Note [Quantized parameter gather] in quant_gather.h.
 #include "engine/quant_gather.h"
 
-#include <algorithm>
-#include <atomic>
-
 #include "kernels_binding.h"   // defines: zx_check
 
 namespace zx {
@@ -20,8 +17,8 @@ zx_dtype zx_dtype_of(at::ScalarType t) {
 
 }  // namespace
 
-QuantGather::QuantGather(int32_t bits, int64_t block_numel, zx_isa isa, int64_t parts)
-    : bits_(bits), block_numel_(block_numel), isa_(isa), parts_(parts) {
+QuantGather::QuantGather(int32_t bits, int64_t block_numel, Kernels *kern, at::Device device, int64_t parts)
+    : bits_(bits), block_numel_(block_numel), kern_(kern), device_(device), parts_(parts) {
     TORCH_CHECK(bits == 8, "zero_ext: param_quant must be int8 (the supported bit width)");
     TORCH_CHECK(block_numel >= 2 && block_numel % 2 == 0, "zero_ext: quant_block_numel must be even and >= 2, got ",
                 block_numel);
@@ -38,41 +35,21 @@ int64_t QuantGather::record_bytes(int64_t slice_numel) const {
     return 4 * slice_blocks(slice_numel) + (((int64_t)codes + 3) & ~(int64_t)3);
 }
 
-void QuantGather::quantize_into(const at::Tensor &master, uint8_t *record) const {
-    TORCH_CHECK(master.scalar_type() == at::kFloat && master.is_contiguous() && master.device().is_cpu(),
-                "zero_ext: param_quant quantizes a contiguous float32 CPU master slice");
+// record: [scales][codes][pad], a uint8 tensor on the table's device.
+void QuantGather::quantize_into(const at::Tensor &master, at::Tensor record) const {
+    TORCH_CHECK(master.scalar_type() == at::kFloat && master.is_contiguous() && master.device() == device_,
+                "zero_ext: param_quant quantizes a contiguous float32 master slice on ", device_);
     const int64_t n = master.numel(), nb = slice_blocks(n);
-    const float *src = master.data_ptr<float>();
-    float *scales = reinterpret_cast<float *>(record);
-    uint8_t *codes = record + 4 * nb;
-    const size_t bbytes = (size_t)block_numel_ * (size_t)bits_ / 8;
-    std::atomic<int> status{ZX_OK};
-    // tasks over whole blocks (a block's codes and scale depend on it alone)
-    at::parallel_for(0, nb, std::max<int64_t>(1, (1 << 16) / block_numel_), [&](int64_t b0, int64_t b1) {
-        const int64_t lo = b0 * block_numel_, hi = std::min(n, b1 * block_numel_);
-        zx_status s = zx_quantize(isa_, bits_, (size_t)block_numel_, (size_t)(hi - lo), src + lo, ZX_F32, nullptr,
-                                  codes + (size_t)b0 * bbytes, scales + b0);
-        if (s != ZX_OK) status.store((int)s);
-    });
-    zx_check((zx_status)status.load(), "quantizing parameters (param_quant)");
+    uint8_t *r = record.data_ptr<uint8_t>();
+    kern_->quantize(bits_, block_numel_, n, master.data_ptr<float>(), ZX_F32, nullptr, r + 4 * nb,
+                    reinterpret_cast<float *>(r));
 }
 
-void QuantGather::dequantize_from(const uint8_t *record, int64_t slice_numel, at::Tensor dst) const {
+void QuantGather::dequantize_from(const at::Tensor &record, int64_t slice_numel, at::Tensor dst) const {
     const int64_t nb = slice_blocks(slice_numel);
-    const float *scales = reinterpret_cast<const float *>(record);
-    const uint8_t *codes = record + 4 * nb;
-    const zx_dtype dt = zx_dtype_of(dst.scalar_type());
-    char *out = static_cast<char *>(dst.data_ptr());
-    const size_t esz = dst.element_size();
-    const size_t bbytes = (size_t)block_numel_ * (size_t)bits_ / 8;
-    std::atomic<int> status{ZX_OK};
-    at::parallel_for(0, nb, std::max<int64_t>(1, (1 << 16) / block_numel_), [&](int64_t b0, int64_t b1) {
-        const int64_t lo = b0 * block_numel_, hi = std::min(slice_numel, b1 * block_numel_);
-        zx_status s = zx_dequantize(isa_, bits_, (size_t)block_numel_, (size_t)(hi - lo),
-                                    codes + (size_t)b0 * bbytes, scales + b0, out + (size_t)lo * esz, dt);
-        if (s != ZX_OK) status.store((int)s);
-    });
-    zx_check((zx_status)status.load(), "dequantizing parameters (param_quant)");
+    const uint8_t *r = record.data_ptr<uint8_t>();
+    kern_->dequantize(bits_, block_numel_, slice_numel, r + 4 * nb, reinterpret_cast<const float *>(r),
+                      dst.data_ptr(), zx_dtype_of(dst.scalar_type()));
 }
 
 WorkPtr QuantGather::launch(Communicator &comm, int64_t b, const at::Tensor &master, at::Tensor dst) {
@@ -81,10 +58,11 @@ WorkPtr QuantGather::launch(Communicator &comm, int64_t b, const at::Tensor &mas
                 " slices of ", n, " elements into a contiguous bucket");
     TORCH_CHECK(!pending_.count(b), "zero_ext: bucket ", b, " already has a quantized gather in flight");
     Pending p;
-    p.send = at::zeros({rb}, at::kByte);   // the 4-byte padding is sent too: keep it defined
-    p.recv = at::empty({parts_ * rb}, at::kByte);
+    const auto u8 = at::TensorOptions().dtype(at::kByte).device(device_);
+    p.send = at::zeros({rb}, u8);   // the 4-byte padding is sent too: keep it defined
+    p.recv = at::empty({parts_ * rb}, u8);
     p.dst = dst;
-    quantize_into(master, p.send.data_ptr<uint8_t>());
+    quantize_into(master, p.send);
     held_ += p.send.nbytes() + p.recv.nbytes();
     peak_ = std::max(peak_, held_);
     WorkPtr work = comm.all_gather_quantized(p.recv, p.send, dst.numel(), dst.element_size());
@@ -97,8 +75,7 @@ void QuantGather::finish(int64_t b) {
     if (it == pending_.end()) return;
     Pending &p = it->second;
     const int64_t n = p.dst.numel() / parts_, rb = p.send.numel();
-    const uint8_t *recv = p.recv.data_ptr<uint8_t>();
-    for (int64_t j = 0; j < parts_; j++) dequantize_from(recv + j * rb, n, p.dst.narrow(0, j * n, n));
+    for (int64_t j = 0; j < parts_; j++) dequantize_from(p.recv.narrow(0, j * rb, rb), n, p.dst.narrow(0, j * n, n));
     held_ -= p.send.nbytes() + p.recv.nbytes();
     pending_.erase(it);
 }
@@ -109,10 +86,10 @@ void QuantGather::finish_all() {
 
 at::Tensor QuantGather::roundtrip(const at::Tensor &master, at::ScalarType dtype) const {
     const at::Tensor m = master.contiguous();
-    at::Tensor record = at::empty({record_bytes(m.numel())}, at::kByte);
-    quantize_into(m, record.data_ptr<uint8_t>());
-    at::Tensor out = at::empty({m.numel()}, at::TensorOptions().dtype(dtype));
-    dequantize_from(record.data_ptr<uint8_t>(), m.numel(), out);
+    at::Tensor record = at::zeros({record_bytes(m.numel())}, at::TensorOptions().dtype(at::kByte).device(device_));
+    quantize_into(m, record);
+    at::Tensor out = at::empty({m.numel()}, at::TensorOptions().dtype(dtype).device(device_));
+    dequantize_from(record, m.numel(), out);
     return out;
 }
 

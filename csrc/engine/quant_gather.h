@@ -29,14 +29,16 @@
 #include <map>
 
 #include "core/zx_core.h"
-#include "engine/comm.h"   // defines: Communicator, WorkPtr
+#include "engine/comm.h"      // defines: Communicator, WorkPtr
+#include "engine/kernels.h"   // defines: Kernels
 
 namespace zx {
 
 class QuantGather {
 public:
     // bits: 8. block_numel: elements per scale (even).
-    QuantGather(int32_t bits, int64_t block_numel, zx_isa isa, int64_t parts);
+    // kern: the engine's kernel table (its device holds every buffer here).
+    QuantGather(int32_t bits, int64_t block_numel, Kernels *kern, at::Device device, int64_t parts);
 
     // Quantize `master` (this rank's fp32 slice of bucket b) and start the
     // all-gather of every rank's record; `dst` (parts * slice, param dtype) is
@@ -59,12 +61,13 @@ private:
     };
     int64_t slice_blocks(int64_t slice_numel) const;
     int64_t record_bytes(int64_t slice_numel) const;
-    void quantize_into(const at::Tensor &master, uint8_t *record) const;
-    void dequantize_from(const uint8_t *record, int64_t slice_numel, at::Tensor dst) const;
+    void quantize_into(const at::Tensor &master, at::Tensor record) const;
+    void dequantize_from(const at::Tensor &record, int64_t slice_numel, at::Tensor dst) const;
 
     int32_t bits_;
     int64_t block_numel_;
-    zx_isa isa_;
+    Kernels *kern_;
+    at::Device device_;
     int64_t parts_;
     std::map<int64_t, Pending> pending_;   // bucket -> its gather in flight
     int64_t held_ = 0, peak_ = 0;

@@ -2,15 +2,14 @@
 // Note [Quantized gradient reduction] in quant_reduce.h.
 #include "engine/quant_reduce.h"
 
-#include <algorithm>
-#include <atomic>
-
 #include "kernels_binding.h"   // defines: zx_check
 
 namespace zx {
 
-QuantReduce::QuantReduce(int32_t bits, int64_t block_numel, bool error_feedback, zx_isa isa, int64_t parts)
-    : bits_(bits), block_numel_(block_numel), error_feedback_(error_feedback), isa_(isa), parts_(parts) {
+QuantReduce::QuantReduce(int32_t bits, int64_t block_numel, bool error_feedback, Kernels *kern, at::Device device,
+                         int64_t parts)
+    : bits_(bits), block_numel_(block_numel), error_feedback_(error_feedback), kern_(kern), device_(device),
+      parts_(parts) {
     TORCH_CHECK(bits == 0 || bits == 8 || bits == 4, "zero_ext: grad_quant must be int8 or int4");
     TORCH_CHECK(bits == 0 || (block_numel >= 2 && block_numel % 2 == 0),
                 "zero_ext: quant_block_numel must be even and >= 2, got ", block_numel);
@@ -22,12 +21,14 @@ QuantReduce::Buffers &QuantReduce::buffers(int64_t slot, int64_t codes_bytes, in
     // Sized by the largest bucket seen; grown at most a few times (buckets come in
     // plan order, the first one is the small one).
     if (!bf.codes_send.defined() || bf.codes_send.numel() < codes_bytes) {
-        bf.codes_send = at::empty({codes_bytes}, at::kByte);
-        bf.codes_recv = at::empty({codes_bytes}, at::kByte);
+        const auto u8 = at::TensorOptions().dtype(at::kByte).device(device_);
+        bf.codes_send = at::empty({codes_bytes}, u8);
+        bf.codes_recv = at::empty({codes_bytes}, u8);
     }
     if (!bf.scales_send.defined() || bf.scales_send.numel() < nscales) {
-        bf.scales_send = at::empty({nscales}, at::kFloat);
-        bf.scales_recv = at::empty({nscales}, at::kFloat);
+        const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
+        bf.scales_send = at::empty({nscales}, f32);
+        bf.scales_recv = at::empty({nscales}, f32);
     }
     return bf;
 }
@@ -41,7 +42,8 @@ WorkPtr QuantReduce::launch(Communicator &comm, int64_t b, const at::Tensor &sen
     float *residual = nullptr;
     if (error_feedback_) {
         if ((int64_t)residual_.size() <= b) residual_.resize(b + 1);
-        if (!residual_[b].defined()) residual_[b] = at::zeros({send.numel()}, at::kFloat);
+        if (!residual_[b].defined())
+            residual_[b] = at::zeros({send.numel()}, at::TensorOptions().dtype(at::kFloat).device(device_));
         residual = residual_[b].data_ptr<float>();
     }
     const zx_dtype dt = send.scalar_type() == at::kFloat ? ZX_F32
@@ -50,18 +52,13 @@ WorkPtr QuantReduce::launch(Communicator &comm, int64_t b, const at::Tensor &sen
     const size_t esz = send.element_size();
     uint8_t *codes = bf.codes_send.data_ptr<uint8_t>();
     float *scales = bf.scales_send.data_ptr<float>();
-    // one slice per task: blocks never cross slices (each owner gets whole blocks)
-    std::atomic<int> status{ZX_OK};
-    at::parallel_for(0, parts_, 1, [&](int64_t j0, int64_t j1) {
-        for (int64_t j = j0; j < j1; j++) {
-            const int64_t lo = j * slice_numel;
-            zx_status s = zx_quantize(isa_, bits_, (size_t)block_numel_, (size_t)slice_numel,
-                                      src + (size_t)lo * esz, dt, residual ? residual + lo : nullptr,
-                                      codes + j * (int64_t)slice_bytes, scales + j * slice_blocks);
-            if (s != ZX_OK) status.store((int)s);
-        }
-    });
-    zx_check((zx_status)status.load(), "quantizing gradients (grad_quant)");
+    // slice by slice: blocks never cross slices (each owner gets whole blocks)
+    for (int64_t j = 0; j < parts_; j++) {
+        const int64_t lo = j * slice_numel;
+        kern_->quantize(bits_, block_numel_, slice_numel, src + (size_t)lo * esz, dt,
+                        residual ? residual + lo : nullptr, codes + j * (int64_t)slice_bytes,
+                        scales + j * slice_blocks);
+    }
     const int64_t ns = parts_ * slice_blocks, nc = parts_ * (int64_t)slice_bytes;
     auto works = comm.all_to_all_quantized(bf.codes_recv.narrow(0, 0, nc), bf.codes_send.narrow(0, 0, nc),
                                            bf.scales_recv.narrow(0, 0, ns), bf.scales_send.narrow(0, 0, ns),
@@ -76,22 +73,13 @@ void QuantReduce::finish(int64_t slot, int64_t slice_numel, at::Tensor dst, bool
     bf.scales_work.reset();
     const int64_t slice_blocks = (int64_t)zx_quant_blocks((size_t)slice_numel, (size_t)block_numel_);
     // fp32 destination: sum straight into it; a bf16/fp16 shard gets the fp32 sum rounded once
-    at::Tensor out = dst.scalar_type() == at::kFloat ? dst : at::empty({slice_numel}, at::kFloat);
+    at::Tensor out = dst.scalar_type() == at::kFloat
+                         ? dst
+                         : at::empty({slice_numel}, at::TensorOptions().dtype(at::kFloat).device(device_));
     const bool acc_in_kernel = accumulate && dst.scalar_type() == at::kFloat;
-    const uint8_t *codes = bf.codes_recv.data_ptr<uint8_t>();
-    const float *scales = bf.scales_recv.data_ptr<float>();
-    float *d = out.data_ptr<float>();
-    const size_t bbytes = (size_t)(bits_ == 8 ? block_numel_ : block_numel_ / 2);
-    std::atomic<int> status{ZX_OK};
-    // tasks over whole blocks; each sums the N slices of its blocks
-    at::parallel_for(0, slice_blocks, std::max<int64_t>(1, (1 << 16) / block_numel_), [&](int64_t b0, int64_t b1) {
-        const int64_t lo = b0 * block_numel_, hi = std::min(slice_numel, b1 * block_numel_);
-        zx_status s = zx_dequantize_sum(isa_, bits_, (size_t)block_numel_, (size_t)(hi - lo), (int32_t)parts_,
-                                        (size_t)slice_blocks, codes + (size_t)b0 * bbytes, scales + b0, d + lo,
-                                        acc_in_kernel ? 1 : 0, 1.0f);
-        if (s != ZX_OK) status.store((int)s);
-    });
-    zx_check((zx_status)status.load(), "summing quantized gradient slices (grad_quant)");
+    kern_->dequantize_sum(bits_, block_numel_, slice_numel, (int32_t)parts_, slice_blocks,
+                          bf.codes_recv.data_ptr<uint8_t>(), bf.scales_recv.data_ptr<float>(), out.data_ptr<float>(),
+                          acc_in_kernel);
     if (!out.is_same(dst)) {
         if (accumulate)
             dst.copy_(dst.to(at::kFloat).add_(out));

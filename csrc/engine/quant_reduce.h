@@ -28,19 +28,22 @@
 #include <vector>
 
 #include "core/zx_core.h"
-#include "engine/comm.h"   // defines: Communicator, WorkPtr
+#include "engine/comm.h"      // defines: Communicator, WorkPtr
+#include "engine/kernels.h"   // defines: Kernels
 
 namespace zx {
 
 class QuantReduce {
 public:
     // bits: 0 (off), 8 or 4. block_numel: elements per scale (even).
-    QuantReduce(int32_t bits, int64_t block_numel, bool error_feedback, zx_isa isa, int64_t parts);
+    // kern: the engine's kernel table (its device holds every buffer here).
+    QuantReduce(int32_t bits, int64_t block_numel, bool error_feedback, Kernels *kern, at::Device device,
+                int64_t parts);
 
     bool enabled() const { return bits_ != 0; }
 
     // Quantize bucket b's padded gradient `send` (parts * slice_numel elements of
-    // reduce_dtype, CPU) through the buffers of ring slot `slot`, start the scales'
+    // reduce_dtype, on the table's device) through the buffers of ring slot `slot`, start the scales'
     // and the codes' all-to-alls and return the codes' one (wait on it, then finish()).
     WorkPtr launch(Communicator &comm, int64_t b, const at::Tensor &send, int64_t slice_numel, int64_t slot);
 
@@ -63,7 +66,8 @@ private:
     int32_t bits_;
     int64_t block_numel_;
     bool error_feedback_;
-    zx_isa isa_;
+    Kernels *kern_;
+    at::Device device_;
     int64_t parts_;
     std::vector<Buffers> slots_;          // parallel to the engine's ring slots
     std::vector<at::Tensor> residual_;    // per bucket, (padded_numel,) fp32, when error_feedback
