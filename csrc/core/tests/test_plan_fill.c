@@ -75,8 +75,8 @@ static void check_filled(const problem *pr, const zx_plan_params *pp, const zx_p
               (long long)pr->numel[q]);
         zx_param_loc loc;
         zx_plan_param(plan, (int64_t)q, &loc);
-        CHECK(loc.pieces == count && loc.bucket == pc[0].bucket && loc.offset == pc[0].offset && loc.numel == pc[0].numel,
-              "trial %d: loc of %zu is its first piece", trial, q);
+        CHECK(loc.pieces == count && loc.bucket == pc[0].bucket && loc.offset == pc[0].offset &&
+              loc.numel == pc[0].numel, "trial %d: loc of %zu is its first piece", trial, q);
         if (pr->cost[q] > 0 || pr->state[q] == 0) CHECK(count == 1, "only fillers are cut");
         free(pc);
     }
@@ -95,7 +95,8 @@ static void check_filled(const problem *pr, const zx_plan_params *pp, const zx_p
         for (int64_t k = 0; k < bi.num_params; k++) {
             zx_piece pc;
             CHECK(zx_plan_bucket_piece(plan, b, k, &pc) == ZX_OK && pc.bucket == b, "piece");
-            CHECK(pc.offset >= end && pc.offset + pc.numel <= bi.padded_numel, "trial %d: pieces in offset order", trial);
+            CHECK(pc.offset >= end && pc.offset + pc.numel <= bi.padded_numel, "trial %d: pieces in offset order",
+                  trial);
             if (!bi.atomic) CHECK(pc.offset == end, "element-granular buckets are tight");
             const int64_t q = pc.param;
             CHECK(pr->dtype[q] == bi.dtype, "dtype of every piece");
@@ -125,7 +126,8 @@ static void check_filled(const problem *pr, const zx_plan_params *pp, const zx_p
                 zx_plan_fragments(plan, b, r, NULL, 0, &count);
                 zx_fragment *fr = malloc((size_t)(count + 1) * sizeof *fr);
                 zx_plan_fragments(plan, b, r, fr, count + 1, &count);
-                for (int64_t k = 0; k < count; k++) last = (int64_t)r * bi.slice_numel + fr[k].slice_offset + fr[k].numel;
+                for (int64_t k = 0; k < count; k++)
+                    last = (int64_t)r * bi.slice_numel + fr[k].slice_offset + fr[k].numel;
                 if (last < (int64_t)(r + 1) * bi.slice_numel) full[r] = 0;
                 free(fr);
             }
@@ -178,7 +180,8 @@ static void check_filled(const problem *pr, const zx_plan_params *pp, const zx_p
         CHECK(zx_plan_rank_state(plan, r, &s, &w) == ZX_OK, "rank state");
         total += s;
         whole_total += w;
-        if (fill_level[r] > 0) CHECK(w + fill_level[r] <= top + max_state * (1 + 1e-9), "trial %d: rank %d filled past the level", trial, r);
+        if (fill_level[r] > 0)
+            CHECK(w + fill_level[r] <= top + max_state * (1 + 1e-9), "trial %d: rank %d filled past the level", trial, r);
         /* one dtype, no units: a rank below the level has no gap, or nothing is left to fill with */
         if (!pp->unit && one_dtype && w + fill_level[r] < top * (1 - 1e-9))
             CHECK(full[r] || !leftover, "trial %d: rank %d below the level with a gap and fillers left", trial, r);
@@ -193,7 +196,8 @@ static void random_filled_plan(int trial) {
     const size_t n = pr.n;
     pr.numel = malloc(n * sizeof *pr.numel); pr.order = malloc(n * sizeof *pr.order);
     pr.dtype = malloc(n * sizeof *pr.dtype); pr.group = malloc(n * sizeof *pr.group);
-    pr.unit = malloc(n * sizeof *pr.unit); pr.cost = malloc(n * sizeof *pr.cost); pr.state = malloc(n * sizeof *pr.state);
+    pr.unit = malloc(n * sizeof *pr.unit); pr.cost = malloc(n * sizeof *pr.cost);
+    pr.state = malloc(n * sizeof *pr.state);
     const int mixed_dtypes = next_u64() % 3 == 0, use_units = next_u64() % 3 == 0;
     for (size_t i = 0; i < n; i++) {
         const int atomic = next_u64() % 2;
