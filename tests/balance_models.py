@@ -1,7 +1,9 @@
 """Models for the whole-tensor balance report: the example GPT (its default
-config) and a 24-layer one of the same shape ratios (balance depends on the
-ratios of the matrices' shapes, not on their scale), and the bound no whole-tensor
-assignment can beat."""
+config), a 24-layer one of the same shape ratios (balance depends on the
+ratios of the matrices' shapes, not on their scale) but a tiny vocabulary, a
+24-layer one of GPT-2 medium's ratios (its embedding big enough to fill the
+padding: Note [Filling atomic buckets]) and GPT-2 medium itself on the meta
+device, and the bound no whole-tensor assignment can beat."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +17,11 @@ def build(kind: str):
         return GPT(GPTConfig())
     if kind == "gpt24":
         return GPT(GPTConfig(n_layer=24, n_head=4, n_embd=64, block_size=32))
+    if kind == "gpt24m":   # GPT-2 medium's proportions: vocab / n_embd = 49, block / n_embd = 1
+        return GPT(GPTConfig(n_layer=24, n_head=4, n_embd=128, vocab_size=6272, block_size=128))
+    if kind == "gpt2-medium":   # the real shapes, on the meta device (no memory)
+        with torch.device("meta"):
+            return GPT(GPTConfig(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257, block_size=1024))
     raise ValueError(kind)
 
 

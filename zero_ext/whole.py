@@ -31,6 +31,41 @@ def update_kind(cls) -> int:
     return 0
 
 
+_STATE_PER_ELEMENT: dict = {}
+
+
+def state_bytes_per_element(cls, hyper: dict, shape) -> float:
+    """Optimizer state bytes per element of a parameter of `shape` under torch
+    optimizer class `cls` with group hyperparameters `hyper`, as torch itself
+    allocates it: one step on a zero tensor (meta device when the class allows,
+    else CPU), counting every state tensor of one or more dimensions (a scalar
+    step count is per tensor, not per element). Muon: 4 (momentum), AdamW: 8,
+    Adafactor on an m x n matrix: 4 (m + n) / (m n). The planner balances this
+    (Note [Filling atomic buckets] in csrc/core/zx_core.h)."""
+    shape = tuple(int(d) for d in shape)
+    opts = {k: v for k, v in hyper.items() if k not in ("params", "fused", "foreach", "differentiable")}
+    key = (cls, shape, repr(sorted(opts.items())))
+    if key not in _STATE_PER_ELEMENT:
+        numel = 1
+        for d in shape:
+            numel *= d
+        for device in ("meta", "cpu"):
+            p = torch.zeros(shape, device=device, requires_grad=True)
+            p.grad = torch.zeros(shape, device=device)
+            opt = cls([dict(opts, params=[p])])    # a group: takes any key a group may hold
+            try:
+                opt.step()
+            except RuntimeError:
+                if device == "cpu":
+                    raise
+                continue
+            state = opt.state[p]
+            _STATE_PER_ELEMENT[key] = sum(v.numel() * v.element_size() for v in state.values()
+                                          if torch.is_tensor(v) and v.dim() > 0) / max(numel, 1)
+            break
+    return _STATE_PER_ELEMENT[key]
+
+
 def build_whole_optimizer(zopt, part) -> None:
     """The inner torch optimizer of a 'whole' part: the part's class over this
     rank's whole tensors (fp32 master views with their gradient views), one inner

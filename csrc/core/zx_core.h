@@ -86,6 +86,10 @@ typedef struct zx_plan_params {
                                     parameter whose optimizer needs the whole tensor,
                                     with that update cost (zx_update_cost); 0 an
                                     element-granular one (Note [Tensor-atomic buckets]) */
+    const double *state;         /* (num_params,) or NULL: optimizer state bytes per element
+                                    of each parameter (0: no state). With cost, element-
+                                    granular parameters fill the atomic buckets' padding so
+                                    that state bytes balance (Note [Filling atomic buckets]) */
 } zx_plan_params;
 
 /* Tensor-atomic buckets (cost[p] > 0): parameters with an atomic key fill a bucket
@@ -97,6 +101,28 @@ typedef struct zx_plan_params {
  * across the whole model while each bucket keeps equal slices. The slice is the
  * largest bin rounded up to align; rank r's tensors sit whole at the start of
  * slice r, the rest of the slice is padding (zero, never read by an optimizer). */
+
+/* Note [Filling atomic buckets]: whole tensors alone cannot balance when ranks are
+ * about as many as matrices, but the usual recipe has an elementwise optimizer
+ * (AdamW) over the rest (embeddings, norms, biases), whose tensors can be cut
+ * anywhere. With `state` given, after every atomic bucket is binned, rank r's
+ * whole-tensor state W_r = sum of numel*state over its tensors, and the level
+ * L = max_r W_r. Each rank's padding ("gap": slice minus its bin) is then filled
+ * with pieces of element-granular parameters (state > 0, same dtype as the bucket
+ * and, when `unit` is given, the same unit) until its state reaches L or its gaps
+ * are full; whatever is left of those parameters stays in its element-granular
+ * bucket, which every rank shares equally. L >= max W_r minimizes the largest
+ * rank's state: raising L by d raises the maximum by d and lowers the equal share
+ * by d*k/N (k = ranks still taking filler), so L rises past max W_r only while
+ * every rank can still take filler (one dtype, no units: up to the lowest W_r plus
+ * its gaps, and no further than the fillers reach), which fills more padding. Atomic
+ * buckets are filled last-to-first from parameters last-to-first in `order`, so
+ * the parameters whose gradients arrive last in backward fill the buckets reduced
+ * last. A filled bucket is still one reduce-scatter + one all-gather of equal
+ * slices; its pieces of a filler are element-granular (each lies in one slice).
+ * A parameter cut this way has several pieces (zx_param_loc.pieces > 1, read
+ * with zx_plan_param_pieces); an element-granular bucket left without pieces is
+ * dropped. With state NULL, no atomic parameter or world_size 1 nothing moves. */
 
 /* What an optimizer's update of one tensor costs, for balancing tensor-atomic
  * parameters: 0 for an elementwise optimizer, rows*cols for a factored one
@@ -110,12 +136,15 @@ typedef enum zx_update_kind {
 double zx_update_cost(zx_update_kind kind, int64_t rows, int64_t cols);
 
 typedef struct zx_bucket_info {
-    int32_t group;               /* param group of every parameter inside */
+    int32_t group;               /* param group of every parameter inside (of every whole
+                                    tensor in a filled atomic bucket; its fillers keep theirs) */
     int32_t dtype;               /* zx_dtype of every parameter inside */
     int32_t unit;                /* unit of its parameters (0 when params->unit is NULL) */
-    int64_t first_param;         /* index into the bucket's parameter list (see below) */
-    int64_t num_params;          /* parameters in this bucket */
-    int64_t numel;               /* sum of parameter numels (unpadded) */
+    int64_t first_param;         /* index into the bucket's piece list (see below) */
+    int64_t num_params;          /* pieces in this bucket: one per parameter, except that a
+                                    filled atomic bucket also holds pieces of element-granular
+                                    parameters (Note [Filling atomic buckets]) */
+    int64_t numel;               /* sum of piece numels (unpadded) */
     int64_t padded_numel;        /* numel rounded up to a multiple of world_size*align */
     int64_t slice_numel;         /* padded_numel / world_size */
     int32_t atomic;              /* 1: tensor-atomic, rank r's slice holds whole tensors */
@@ -124,8 +153,20 @@ typedef struct zx_bucket_info {
 typedef struct zx_param_loc {
     int64_t bucket;              /* bucket index */
     int64_t offset;              /* element offset inside the bucket */
-    int64_t numel;               /* elements */
+    int64_t numel;               /* elements (of the first piece when pieces > 1) */
+    int64_t pieces;              /* 1: the whole parameter lies at (bucket, offset); > 1: it
+                                    was cut to fill atomic buckets and this is its first piece
+                                    (zx_plan_param_pieces lists them all) */
 } zx_param_loc;
+
+/* One contiguous piece of a parameter inside one bucket. */
+typedef struct zx_piece {
+    int64_t param;               /* parameter index */
+    int64_t bucket;              /* bucket index */
+    int64_t offset;              /* first element of the piece inside the bucket */
+    int64_t param_offset;        /* first element of the piece inside the parameter */
+    int64_t numel;               /* elements in the piece */
+} zx_piece;
 
 /* One piece of a parameter inside one rank's slice. */
 typedef struct zx_fragment {
@@ -147,10 +188,15 @@ int64_t zx_plan_num_buckets(const zx_plan *plan);
 int32_t zx_plan_world_size(const zx_plan *plan);
 /* Copies bucket b's description into *out. */
 zx_status zx_plan_bucket(const zx_plan *plan, int64_t b, zx_bucket_info *out);
-/* The k-th parameter (0 <= k < info.num_params) of bucket b, in layout order. */
+/* The parameter of the k-th piece (0 <= k < info.num_params) of bucket b, in layout order. */
 zx_status zx_plan_bucket_param(const zx_plan *plan, int64_t b, int64_t k, int64_t *param);
-/* Where parameter p lives. */
+/* The k-th piece of bucket b, in layout (offset) order. */
+zx_status zx_plan_bucket_piece(const zx_plan *plan, int64_t b, int64_t k, zx_piece *out);
+/* Where parameter p lives (its first piece when it was cut). */
 zx_status zx_plan_param(const zx_plan *plan, int64_t p, zx_param_loc *out);
+/* Every piece of parameter p, in bucket order; same cap/count contract as
+ * zx_plan_fragments. Together they cover [0, numel) exactly once. */
+zx_status zx_plan_param_pieces(const zx_plan *plan, int64_t p, zx_piece *out, int64_t cap, int64_t *count);
 /* Sum over buckets of slice_numel: the length of one rank's flat shard. */
 int64_t zx_plan_shard_numel(const zx_plan *plan);
 /* Element offset of bucket b's slice inside a rank's flat shard. */
@@ -165,6 +211,13 @@ zx_status zx_plan_fragments(const zx_plan *plan, int64_t b, int32_t rank,
 int32_t zx_plan_owner(const zx_plan *plan, int64_t p);
 /* Rank r's share of the tensor-atomic parameters: their update cost and elements. */
 zx_status zx_plan_rank_load(const zx_plan *plan, int32_t rank, double *cost, int64_t *numel);
+/* Rank r's optimizer state bytes (zx_plan_params.state over every element in its
+ * slices, padding excluded; 0 when state was NULL) and the part of it that is
+ * whole tensors' state. */
+zx_status zx_plan_rank_state(const zx_plan *plan, int32_t rank, double *bytes, double *whole_bytes);
+/* The state level the fillers aimed at (Note [Filling atomic buckets]); 0 when
+ * nothing was filled. */
+double zx_plan_fill_level(const zx_plan *plan);
 /* Writes a human-readable table of the plan (NUL-terminated, truncated to
  * `cap` bytes) and the length it needed (excluding NUL) to *needed. */
 zx_status zx_plan_describe(const zx_plan *plan, char *buf, size_t cap, size_t *needed);

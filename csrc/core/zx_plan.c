@@ -26,13 +26,16 @@ struct zx_plan {
     int64_t num_params;
     int64_t num_buckets;
     zx_bucket_info *buckets;    /* (num_buckets,) */
-    int64_t *bucket_params;     /* (num_params,) params in bucket layout order; bucket b
-                                   owns [buckets[b].first_param, +num_params) */
+    zx_piece *pieces;           /* (num_pieces,) in bucket layout order; bucket b owns
+                                   [buckets[b].first_param, +num_params) */
+    int64_t num_pieces;
     zx_param_loc *locs;         /* (num_params,) where each parameter lives */
     int32_t *owner;             /* (num_params,) owning rank of an atomic param, else -1 */
     double *cost;               /* (num_params,) update cost of an atomic param, else 0 */
+    double *state;              /* (num_params,) optimizer state bytes per element, or 0 */
     int64_t *shard_offsets;     /* (num_buckets,) offset of bucket b's slice in a shard */
     int64_t shard_numel;        /* sum of slice_numel */
+    double fill_level;          /* Note [Filling atomic buckets]: the state level, 0 if unfilled */
 };
 
 /* Scratch state while assembling (Note [Bucket assembly]). */
@@ -65,6 +68,7 @@ static zx_status zx_validate(const zx_plan_params *p) {
         if (p->numel[i] <= 0 || p->group[i] < 0) return ZX_ERR_INVALID_ARG;
         if (zx_dtype_size((zx_dtype)p->dtype[i]) == 0) return ZX_ERR_INVALID_ARG;
         if (p->cost && !(p->cost[i] >= 0.0)) return ZX_ERR_INVALID_ARG;   /* also NaN */
+        if (p->state && !(p->state[i] >= 0.0 && p->state[i] < 1e300)) return ZX_ERR_INVALID_ARG;
     }
     /* order must be a permutation */
     char *seen = calloc(p->num_params, 1);
@@ -130,6 +134,220 @@ static int64_t zx_bin_atomic(const zx_plan_params *p, const int64_t *params, int
     return biggest;
 }
 
+/* Pass 3a (Note [Tensor-atomic buckets]): bin every atomic bucket, set its slice,
+ * order its members by owner (then by `order`); used[a*N + r] = elements of rank
+ * r's whole tensors in the a-th atomic bucket. */
+static zx_status zx_bin_buckets(const zx_plan_params *p, zx_plan *plan, int64_t *members, int64_t *used) {
+    const int32_t nr = plan->world_size;
+    const int64_t n = plan->num_params;
+    int64_t *idx = malloc((size_t)n * sizeof *idx), *bin_numel = malloc((size_t)nr * sizeof *bin_numel);
+    double *bin_cost = malloc((size_t)nr * sizeof *bin_cost), *rank_cost = calloc((size_t)nr, sizeof *rank_cost);
+    int32_t *bin_rank = malloc((size_t)nr * sizeof *bin_rank), *rank_of = malloc((size_t)nr * sizeof *rank_of);
+    int32_t *rank_for_bin = malloc((size_t)nr * sizeof *rank_for_bin);
+    zx_status st = idx && bin_numel && bin_cost && rank_cost && bin_rank && rank_of && rank_for_bin
+                       ? ZX_OK : ZX_ERR_OUT_OF_MEMORY;
+    int64_t a = 0;
+    for (int64_t b = 0; b < plan->num_buckets && st == ZX_OK; b++) {
+        zx_bucket_info *bi = &plan->buckets[b];
+        if (!bi->atomic) continue;
+        int64_t *bp = members + bi->first_param;
+        const int64_t biggest = zx_bin_atomic(p, bp, bi->num_params, plan->owner, rank_cost, idx, bin_numel,
+                                              bin_cost, bin_rank, rank_of, rank_for_bin);
+        if (biggest > INT64_MAX / nr - p->align) { st = ZX_ERR_OVERFLOW; break; }
+        bi->slice_numel = (biggest + p->align - 1) / p->align * p->align;
+        bi->padded_numel = bi->slice_numel * nr;
+        /* layout order: by rank, then by `order` (stable insertion sort by owner) */
+        for (int64_t j = 1; j < bi->num_params; j++) {
+            const int64_t v = bp[j];
+            int64_t t = j;
+            while (t > 0 && plan->owner[bp[t - 1]] > plan->owner[v]) { bp[t] = bp[t - 1]; t--; }
+            bp[t] = v;
+        }
+        int64_t *u = used + a++ * nr;
+        for (int32_t r = 0; r < nr; r++) u[r] = 0;
+        for (int64_t j = 0; j < bi->num_params; j++) u[plan->owner[bp[j]]] += p->numel[bp[j]];
+    }
+    free(idx); free(bin_numel); free(bin_cost); free(rank_cost); free(bin_rank); free(rank_of); free(rank_for_bin);
+    return st;
+}
+
+/* Can element-granular parameter q (taken[q] of it already moved) fill atomic bucket bi? */
+static int zx_can_fill(const zx_plan_params *p, const zx_bucket_info *bi, int64_t q, const int64_t *taken) {
+    return !zx_is_atomic(p, q) && p->state[q] > 0.0 && taken[q] < p->numel[q] && p->dtype[q] == bi->dtype &&
+           (!p->unit || p->unit[q] == bi->unit);
+}
+
+/* Note [Filling atomic buckets], the level above max_r W_r: while every rank can
+ * still take filler, raising the level costs nothing (the maximum rises as much as
+ * the equal share falls), and it fills more padding. So with one dtype and no
+ * units (any filler fits any gap) the level rises to the lowest of W_r + its gaps
+ * times the smallest filler state per element, but not past what the fillers hold. */
+static double zx_raise_level(const zx_plan_params *p, const zx_plan *plan, const int64_t *used, const double *whole,
+                             double top) {
+    const int32_t nr = plan->world_size;
+    if (p->unit) return top;
+    int32_t dtype = -1;
+    for (int64_t b = 0; b < plan->num_buckets; b++) {
+        const zx_bucket_info *bi = &plan->buckets[b];
+        if (!bi->atomic) continue;
+        if (dtype >= 0 && bi->dtype != dtype) return top;
+        dtype = bi->dtype;
+    }
+    double s_min = 0.0, supply = 0.0;
+    for (int64_t q = 0; q < plan->num_params; q++) {
+        if (zx_is_atomic(p, q) || p->state[q] <= 0.0) continue;
+        if (p->dtype[q] != dtype) return top;
+        s_min = s_min == 0.0 || p->state[q] < s_min ? p->state[q] : s_min;
+        supply += (double)p->numel[q] * p->state[q];
+    }
+    if (supply <= 0.0) return top;
+    double cap = -1.0;
+    for (int32_t r = 0; r < nr; r++) {
+        int64_t gap = 0, a = 0;
+        for (int64_t b = 0; b < plan->num_buckets; b++)
+            if (plan->buckets[b].atomic) gap += plan->buckets[b].slice_numel - used[a++ * nr + r];
+        const double c = whole[r] + (double)gap * s_min;
+        cap = cap < 0.0 || c < cap ? c : cap;
+    }
+    double lo = top, hi = top + supply;            /* the level the fillers can bring every rank to */
+    for (int it = 0; it < 100; it++) {
+        const double mid = 0.5 * (lo + hi);
+        double need = 0.0;
+        for (int32_t r = 0; r < nr; r++) need += mid > whole[r] ? mid - whole[r] : 0.0;
+        if (need <= supply) lo = mid; else hi = mid;
+    }
+    const double level = cap < lo ? cap : lo;
+    return level > top ? level : top;
+}
+
+/* Pass 3b (Note [Filling atomic buckets]): pieces of element-granular parameters
+ * into the atomic buckets' gaps, up to the level max_r W_r. taken[q] = the prefix
+ * of q moved. The pieces of bucket b are fill[fill_first[b] + 0..fill_count[b]),
+ * offsets ascending; each atomic bucket's numel grows by what it took. */
+static zx_status zx_fill_buckets(const zx_plan_params *p, zx_plan *plan, const int64_t *used, int64_t num_atomic,
+                                 int64_t *taken, zx_piece **fill, int64_t *num_fill, int64_t *fill_first,
+                                 int64_t *fill_count) {
+    const int32_t nr = plan->world_size;
+    const int64_t n = plan->num_params;
+    double *level = calloc((size_t)nr, sizeof *level);
+    if (!level) return ZX_ERR_OUT_OF_MEMORY;
+    for (int64_t q = 0; q < n; q++)
+        if (plan->owner[q] >= 0) level[plan->owner[q]] += (double)p->numel[q] * p->state[q];
+    double top = 0.0;
+    for (int32_t r = 0; r < nr; r++) top = level[r] > top ? level[r] : top;
+    top = zx_raise_level(p, plan, used, level, top);
+    plan->fill_level = top;
+    zx_status st = ZX_OK;
+    int64_t cap = 0, a = num_atomic;
+    for (int64_t b = plan->num_buckets - 1; b >= 0 && st == ZX_OK; b--) {   /* last-reduced first */
+        zx_bucket_info *bi = &plan->buckets[b];
+        fill_first[b] = *num_fill;
+        if (!bi->atomic) continue;
+        const int64_t *u = used + --a * nr;
+        int64_t i = n - 1;                         /* position in `order` of the next candidate */
+        for (int32_t r = 0; r < nr && st == ZX_OK; r++) {
+            int64_t at = (int64_t)r * bi->slice_numel + u[r];
+            const int64_t end = (int64_t)(r + 1) * bi->slice_numel;
+            while (at < end && level[r] < top) {
+                while (i >= 0 && !zx_can_fill(p, bi, p->order[i], taken)) i--;
+                if (i < 0) break;
+                const int64_t q = p->order[i], avail = p->numel[q] - taken[q];
+                const double want = (top - level[r]) / p->state[q];
+                int64_t k = avail;
+                if (want < (double)avail) {
+                    k = (int64_t)want;
+                    if ((double)k < want) k++;
+                }
+                if (k > end - at) k = end - at;
+                if (*num_fill == cap) {
+                    cap = cap ? 2 * cap : 64;
+                    zx_piece *grown = realloc(*fill, (size_t)cap * sizeof *grown);
+                    if (!grown) { st = ZX_ERR_OUT_OF_MEMORY; break; }
+                    *fill = grown;
+                }
+                (*fill)[(*num_fill)++] = (zx_piece){q, b, at, taken[q], k};
+                fill_count[b]++;
+                taken[q] += k;
+                at += k;
+                level[r] += (double)k * p->state[q];
+                bi->numel += k;
+            }
+        }
+    }
+    free(level);
+    return st;
+}
+
+/* Pass 3c: the pieces of every bucket in offset order (atomic: rank by rank, its
+ * whole tensors then its fillers; element-granular: what the fillers left, packed
+ * tight), padding, slices, shard offsets, each parameter's first piece. An
+ * element-granular bucket left empty is dropped. */
+static zx_status zx_assemble(const zx_plan_params *p, zx_plan *plan, const int64_t *members, const int64_t *taken,
+                             const zx_piece *fill, int64_t num_fill, const int64_t *fill_first,
+                             const int64_t *fill_count) {
+    const int32_t nr = plan->world_size;
+    const int64_t n = plan->num_params, quantum = (int64_t)nr * p->align;
+    int64_t total = num_fill;
+    for (int64_t q = 0; q < n; q++) total += taken[q] < p->numel[q];
+    plan->pieces = malloc((size_t)(total ? total : 1) * sizeof *plan->pieces);
+    if (!plan->pieces) return ZX_ERR_OUT_OF_MEMORY;
+    int64_t nb = 0, at = 0, shard = 0;
+    for (int64_t b = 0; b < plan->num_buckets; b++) {
+        zx_bucket_info bi = plan->buckets[b];      /* a copy: buckets compact in place, nb <= b */
+        const int64_t *bp = members + bi.first_param, first = at;
+        if (bi.atomic) {
+            int64_t j = 0, f = fill_first[b];
+            const int64_t fe = f + fill_count[b];
+            for (int32_t r = 0; r < nr; r++) {
+                int64_t off = (int64_t)r * bi.slice_numel;
+                for (; j < bi.num_params && plan->owner[bp[j]] == r; j++) {
+                    plan->pieces[at++] = (zx_piece){bp[j], nb, off, 0, p->numel[bp[j]]};
+                    off += p->numel[bp[j]];
+                }
+                for (; f < fe && fill[f].offset < (int64_t)(r + 1) * bi.slice_numel; f++) {
+                    plan->pieces[at] = fill[f];
+                    plan->pieces[at++].bucket = nb;
+                }
+            }
+        } else {
+            int64_t off = 0;
+            for (int64_t j = 0; j < bi.num_params; j++) {
+                const int64_t q = bp[j];
+                if (taken[q] == p->numel[q]) continue;
+                plan->pieces[at++] = (zx_piece){q, nb, off, taken[q], p->numel[q] - taken[q]};
+                off += p->numel[q] - taken[q];
+            }
+            if (off == 0) continue;                /* every piece went to fill atomic buckets */
+            if (off > INT64_MAX - quantum) return ZX_ERR_OVERFLOW;
+            bi.numel = off;
+            bi.padded_numel = (off + quantum - 1) / quantum * quantum;
+            bi.slice_numel = bi.padded_numel / nr;
+        }
+        bi.first_param = first;
+        bi.num_params = at - first;
+        plan->buckets[nb] = bi;
+        plan->shard_offsets[nb] = shard;
+        if (zx_add_overflows(shard, bi.slice_numel)) return ZX_ERR_OVERFLOW;
+        shard += bi.slice_numel;
+        nb++;
+    }
+    plan->num_buckets = nb;
+    plan->num_pieces = at;
+    plan->shard_numel = shard;
+    for (int64_t q = 0; q < n; q++) plan->locs[q].pieces = 0;
+    for (int64_t k = 0; k < at; k++) {
+        const zx_piece *pc = &plan->pieces[k];
+        zx_param_loc *loc = &plan->locs[pc->param];
+        if (pc->param_offset == 0) {
+            loc->bucket = pc->bucket;
+            loc->offset = pc->offset;
+            loc->numel = pc->numel;
+        }
+        loc->pieces++;
+    }
+    return ZX_OK;
+}
+
 zx_status zx_plan_create(const zx_plan_params *p, zx_plan **out) {
     if (!out) return ZX_ERR_INVALID_ARG;
     *out = NULL;
@@ -144,12 +362,12 @@ zx_status zx_plan_create(const zx_plan_params *p, zx_plan **out) {
     int64_t *bucket_bytes = calloc((size_t)n, sizeof *bucket_bytes);
     if (plan) {
         plan->buckets = calloc((size_t)n, sizeof *plan->buckets);     /* at most n buckets */
-        plan->bucket_params = malloc((size_t)n * sizeof *plan->bucket_params);
+        plan->state = calloc((size_t)n, sizeof *plan->state);
         plan->locs = malloc((size_t)n * sizeof *plan->locs);
         plan->owner = malloc((size_t)n * sizeof *plan->owner);
         plan->cost = calloc((size_t)n, sizeof *plan->cost);
     }
-    if (!plan || !bucket_of || !open || !bucket_bytes || !plan->buckets || !plan->bucket_params ||
+    if (!plan || !bucket_of || !open || !bucket_bytes || !plan->buckets || !plan->state ||
         !plan->locs || !plan->owner || !plan->cost) {
         free(bucket_of); free(open); free(bucket_bytes); zx_plan_free(plan);
         return ZX_ERR_OUT_OF_MEMORY;
@@ -159,6 +377,7 @@ zx_status zx_plan_create(const zx_plan_params *p, zx_plan **out) {
     for (int64_t q = 0; q < n; q++) {
         plan->owner[q] = -1;
         if (zx_is_atomic(p, q)) plan->cost[q] = p->cost[q];
+        if (p->state) plan->state[q] = p->state[q];
     }
 
     /* Pass 1: assign parameters to buckets (Note [Bucket assembly]). */
@@ -211,6 +430,8 @@ zx_status zx_plan_create(const zx_plan_params *p, zx_plan **out) {
     plan->num_buckets = num_buckets;
 
     /* Pass 2: each bucket's parameters, in `order`. */
+    int64_t *members = malloc((size_t)n * sizeof *members);
+    if (!members) { free(bucket_of); zx_plan_free(plan); return ZX_ERR_OUT_OF_MEMORY; }
     int64_t first = 0;
     for (int64_t b = 0; b < num_buckets; b++) {
         zx_bucket_info *bi = &plan->buckets[b];
@@ -221,67 +442,27 @@ zx_status zx_plan_create(const zx_plan_params *p, zx_plan **out) {
     for (int64_t i = 0; i < n; i++) {
         const int64_t q = p->order[i], b = bucket_of[q];
         zx_bucket_info *bi = &plan->buckets[b];
-        plan->bucket_params[bi->first_param + bi->num_params++] = q;
+        members[bi->first_param + bi->num_params++] = q;
     }
     free(bucket_of);
 
-    /* Pass 3: offsets inside each bucket, padding, slices, shard offsets. */
+    /* Pass 3: bin the atomic buckets, fill their gaps, lay every bucket out. */
+    int64_t num_atomic = 0;
+    for (int64_t b = 0; b < num_buckets; b++) num_atomic += plan->buckets[b].atomic;
+    int64_t *used = malloc((size_t)(num_atomic ? num_atomic : 1) * (size_t)nr * sizeof *used);
+    int64_t *taken = calloc((size_t)n, sizeof *taken);
+    int64_t *fill_first = calloc((size_t)num_buckets, sizeof *fill_first);
+    int64_t *fill_count = calloc((size_t)num_buckets, sizeof *fill_count);
     plan->shard_offsets = malloc((size_t)num_buckets * sizeof *plan->shard_offsets);
-    int64_t *idx = malloc((size_t)n * sizeof *idx), *bin_numel = malloc((size_t)nr * sizeof *bin_numel);
-    double *bin_cost = malloc((size_t)nr * sizeof *bin_cost), *rank_cost = calloc((size_t)nr, sizeof *rank_cost);
-    int32_t *bin_rank = malloc((size_t)nr * sizeof *bin_rank), *rank_of = malloc((size_t)nr * sizeof *rank_of);
-    int32_t *rank_for_bin = malloc((size_t)nr * sizeof *rank_for_bin);
-    int64_t *fill = malloc((size_t)nr * sizeof *fill);
-    if (!plan->shard_offsets || !idx || !bin_numel || !bin_cost || !rank_cost || !bin_rank || !rank_of ||
-        !rank_for_bin || !fill)
-        st = ZX_ERR_OUT_OF_MEMORY;
-    const int64_t quantum = (int64_t)nr * p->align;
-    int64_t shard = 0;
-    for (int64_t b = 0; b < num_buckets && st == ZX_OK; b++) {
-        zx_bucket_info *bi = &plan->buckets[b];
-        int64_t *bp = plan->bucket_params + bi->first_param;
-        if (bi->atomic) {
-            const int64_t biggest = zx_bin_atomic(p, bp, bi->num_params, plan->owner, rank_cost, idx, bin_numel,
-                                                  bin_cost, bin_rank, rank_of, rank_for_bin);
-            if (biggest > INT64_MAX / nr - p->align) { st = ZX_ERR_OVERFLOW; break; }
-            bi->slice_numel = (biggest + p->align - 1) / p->align * p->align;
-            bi->padded_numel = bi->slice_numel * nr;
-            /* layout order: by rank, then by `order` (stable insertion sort by owner) */
-            for (int64_t j = 1; j < bi->num_params; j++) {
-                const int64_t v = bp[j];
-                int64_t t = j;
-                while (t > 0 && plan->owner[bp[t - 1]] > plan->owner[v]) { bp[t] = bp[t - 1]; t--; }
-                bp[t] = v;
-            }
-            for (int32_t r = 0; r < nr; r++) fill[r] = 0;
-            for (int64_t j = 0; j < bi->num_params; j++) {
-                const int64_t q = bp[j];
-                const int32_t r = plan->owner[q];
-                plan->locs[q].bucket = b;
-                plan->locs[q].offset = (int64_t)r * bi->slice_numel + fill[r];
-                plan->locs[q].numel = p->numel[q];
-                fill[r] += p->numel[q];
-            }
-        } else {
-            if (bi->numel > INT64_MAX - quantum) { st = ZX_ERR_OVERFLOW; break; }
-            bi->padded_numel = (bi->numel + quantum - 1) / quantum * quantum;
-            bi->slice_numel = bi->padded_numel / nr;
-            int64_t off = 0;
-            for (int64_t j = 0; j < bi->num_params; j++) {
-                const int64_t q = bp[j];
-                plan->locs[q].bucket = b;
-                plan->locs[q].offset = off;
-                plan->locs[q].numel = p->numel[q];
-                off += p->numel[q];
-            }
-        }
-        plan->shard_offsets[b] = shard;
-        if (zx_add_overflows(shard, bi->slice_numel)) { st = ZX_ERR_OVERFLOW; break; }
-        shard += bi->slice_numel;
-    }
-    free(idx); free(bin_numel); free(bin_cost); free(rank_cost); free(bin_rank); free(rank_of); free(rank_for_bin); free(fill);
+    zx_piece *fill = NULL;
+    int64_t num_fill = 0;
+    st = used && taken && fill_first && fill_count && plan->shard_offsets ? ZX_OK : ZX_ERR_OUT_OF_MEMORY;
+    if (st == ZX_OK) st = zx_bin_buckets(p, plan, members, used);
+    if (st == ZX_OK && p->state && num_atomic > 0 && nr > 1)
+        st = zx_fill_buckets(p, plan, used, num_atomic, taken, &fill, &num_fill, fill_first, fill_count);
+    if (st == ZX_OK) st = zx_assemble(p, plan, members, taken, fill, num_fill, fill_first, fill_count);
+    free(members); free(used); free(taken); free(fill_first); free(fill_count); free(fill);
     if (st != ZX_OK) { zx_plan_free(plan); return st; }
-    plan->shard_numel = shard;
     *out = plan;
     return ZX_OK;
 }
@@ -289,7 +470,8 @@ zx_status zx_plan_create(const zx_plan_params *p, zx_plan **out) {
 void zx_plan_free(zx_plan *plan) {
     if (!plan) return;
     free(plan->buckets);
-    free(plan->bucket_params);
+    free(plan->pieces);
+    free(plan->state);
     free(plan->locs);
     free(plan->owner);
     free(plan->cost);
@@ -316,8 +498,29 @@ zx_status zx_plan_bucket_param(const zx_plan *plan, int64_t b, int64_t k, int64_
     if (!plan || !param || b < 0 || b >= plan->num_buckets) return ZX_ERR_INVALID_ARG;
     const zx_bucket_info *bi = &plan->buckets[b];
     if (k < 0 || k >= bi->num_params) return ZX_ERR_INVALID_ARG;
-    *param = plan->bucket_params[bi->first_param + k];
+    *param = plan->pieces[bi->first_param + k].param;
     return ZX_OK;
+}
+
+zx_status zx_plan_bucket_piece(const zx_plan *plan, int64_t b, int64_t k, zx_piece *out) {
+    if (!plan || !out || b < 0 || b >= plan->num_buckets) return ZX_ERR_INVALID_ARG;
+    const zx_bucket_info *bi = &plan->buckets[b];
+    if (k < 0 || k >= bi->num_params) return ZX_ERR_INVALID_ARG;
+    *out = plan->pieces[bi->first_param + k];
+    return ZX_OK;
+}
+
+zx_status zx_plan_param_pieces(const zx_plan *plan, int64_t p, zx_piece *out, int64_t cap, int64_t *count) {
+    if (!plan || !count || p < 0 || p >= plan->num_params || cap < 0 || (cap > 0 && !out))
+        return ZX_ERR_INVALID_ARG;
+    int64_t found = 0;
+    for (int64_t k = 0; k < plan->num_pieces; k++) {
+        if (plan->pieces[k].param != p) continue;
+        if (found < cap) out[found] = plan->pieces[k];
+        found++;
+    }
+    *count = found;
+    return found > cap ? ZX_ERR_BUFFER_TOO_SMALL : ZX_OK;
 }
 
 zx_status zx_plan_param(const zx_plan *plan, int64_t p, zx_param_loc *out) {
@@ -335,15 +538,14 @@ zx_status zx_plan_fragments(const zx_plan *plan, int64_t b, int32_t rank,
     const int64_t lo = (int64_t)rank * bi->slice_numel, hi = lo + bi->slice_numel;
     int64_t found = 0;
     for (int64_t k = 0; k < bi->num_params; k++) {
-        const int64_t q = plan->bucket_params[bi->first_param + k];
-        const zx_param_loc *loc = &plan->locs[q];
-        const int64_t a = loc->offset > lo ? loc->offset : lo;
-        const int64_t e = loc->offset + loc->numel < hi ? loc->offset + loc->numel : hi;
+        const zx_piece *pc = &plan->pieces[bi->first_param + k];
+        const int64_t a = pc->offset > lo ? pc->offset : lo;
+        const int64_t e = pc->offset + pc->numel < hi ? pc->offset + pc->numel : hi;
         if (a >= e) continue;
         if (found < cap) {
-            out[found].param = q;
+            out[found].param = pc->param;
             out[found].bucket = b;
-            out[found].param_offset = a - loc->offset;
+            out[found].param_offset = pc->param_offset + (a - pc->offset);
             out[found].slice_offset = a - lo;
             out[found].numel = e - a;
         }
@@ -366,6 +568,28 @@ zx_status zx_plan_rank_load(const zx_plan *plan, int32_t rank, double *cost, int
         if (plan->owner[q] != rank) continue;
         *cost += plan->cost[q];
         *numel += plan->locs[q].numel;
+    }
+    return ZX_OK;
+}
+
+double zx_plan_fill_level(const zx_plan *plan) { return plan ? plan->fill_level : 0.0; }
+
+zx_status zx_plan_rank_state(const zx_plan *plan, int32_t rank, double *bytes, double *whole_bytes) {
+    if (!plan || !bytes || !whole_bytes || rank < 0 || rank >= plan->world_size) return ZX_ERR_INVALID_ARG;
+    *bytes = 0.0;
+    *whole_bytes = 0.0;
+    for (int64_t b = 0; b < plan->num_buckets; b++) {
+        const zx_bucket_info *bi = &plan->buckets[b];
+        const int64_t lo = (int64_t)rank * bi->slice_numel, hi = lo + bi->slice_numel;
+        for (int64_t k = 0; k < bi->num_params; k++) {
+            const zx_piece *pc = &plan->pieces[bi->first_param + k];
+            const int64_t a = pc->offset > lo ? pc->offset : lo;
+            const int64_t e = pc->offset + pc->numel < hi ? pc->offset + pc->numel : hi;
+            if (a >= e) continue;
+            const double s = (double)(e - a) * plan->state[pc->param];
+            *bytes += s;
+            if (plan->owner[pc->param] >= 0) *whole_bytes += s;
+        }
     }
     return ZX_OK;
 }

@@ -33,7 +33,7 @@ static void check_random_plan(int trial) {
     int32_t u = 0;
     for (size_t i = 0; i < n; i++) { if (rnd() % 5 == 0) u++; unit[order[i]] = u; }
     zx_plan_params pp = {n, numel, dtype, group, use_units ? unit : NULL, order,
-                         (int32_t)rnd_range(1, 9), rnd_range(64, 40000), rnd_range(64, 8000), rnd_range(1, 32), NULL};
+                         (int32_t)rnd_range(1, 9), rnd_range(64, 40000), rnd_range(64, 8000), rnd_range(1, 32), NULL, NULL};
     zx_plan *plan = NULL;
     zx_status st = zx_plan_create(&pp, &plan);
     CHECK(st == ZX_OK && plan, "trial %d: create -> %s", trial, zx_status_string(st));
@@ -123,7 +123,7 @@ done:
 static void check_errors(void) {
     int64_t numel[2] = {3, 4}, order[2] = {1, 0}, bad_order[2] = {1, 1};
     int32_t dtype[2] = {0, 0}, group[2] = {0, 0};
-    zx_plan_params pp = {2, numel, dtype, group, NULL, order, 2, 1024, 256, 4, NULL};
+    zx_plan_params pp = {2, numel, dtype, group, NULL, order, 2, 1024, 256, 4, NULL, NULL};
     zx_plan *plan = (zx_plan *)0x1;
     CHECK(zx_plan_create(NULL, &plan) == ZX_ERR_INVALID_ARG && plan == NULL, "NULL params");
     CHECK(zx_plan_create(&pp, NULL) == ZX_ERR_INVALID_ARG, "NULL out");
@@ -177,7 +177,7 @@ static void check_atomic_plan(int trial) {
     }
     const int32_t N = (int32_t)rnd_range(1, 9);
     zx_plan_params pp = {n, numel, dtype, group, NULL, order, N, rnd_range(64, 40000), rnd_range(64, 8000),
-                         rnd_range(1, 16), cost};
+                         rnd_range(1, 16), cost, NULL};
     zx_plan *plan = NULL;
     CHECK(zx_plan_create(&pp, &plan) == ZX_OK && plan, "trial %d: atomic create", trial);
     if (!plan) goto done;
@@ -246,7 +246,7 @@ static void check_atomic_balance(void) {
         numel[i] = 64 * 64; dtype[i] = 0; group[i] = 0; order[i] = i;
         cost[i] = zx_update_cost(ZX_UPDATE_ORTHOGONALIZED, 64, 64);
     }
-    zx_plan_params pp = {n, numel, dtype, group, NULL, order, 4, 1 << 30, 1 << 30, 16, cost};
+    zx_plan_params pp = {n, numel, dtype, group, NULL, order, 4, 1 << 30, 1 << 30, 16, cost, NULL};
     zx_plan *plan = NULL;
     CHECK(zx_plan_create(&pp, &plan) == ZX_OK, "balance create");
     zx_bucket_info bi;
