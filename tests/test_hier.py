@@ -1,13 +1,15 @@
 """Stage 3 hierarchical partitioning (node_size) on real gloo ranks: 4 ranks as 2
 nodes of 2, and 3 ranks as 3 nodes of 1.
 
-1. Exact: every mode trains in lockstep with plain stage 3 on the same batches for
-   20 steps, and the fp32 master shards and the gathered parameters are bit-identical
+1. Exact: every mode trains in lockstep with plain stage 3 on the same batches (20
+   steps; the MLPs 8), and the fp32 master shards and the gathered parameters are bit-identical
    to plain stage 3's on every rank: an MLP with a module applied twice in one forward
    (a second forward of a unit before its backward), an MLP under activation
    checkpointing (units recomputed in backward), the tiny GPT.
-2. Backward gathers never cross nodes: during loss.backward() the world group issues
-   no all-gather (plain stage 3 does, so the check can fail) while the node groups do.
+2. Backward gathers never cross nodes: each step the world group gathers what plain
+   stage 3 gathers less exactly what the node groups gathered, and during
+   loss.backward() the world group issues no all-gather (plain stage 3 does on the
+   MLPs, so the check can fail).
 3. With param_quant="int8" + grad_quant (int8 and int4) the hierarchical run equals
    the quantized run without it bit for bit, and after every step every rank holds
    bit-identical parameters (all ranks' gathered parameters compared).
@@ -25,7 +27,8 @@ import pytest
 from cases import batch, build_model, loss_of
 from dist_harness import run_world
 
-STEPS = 20
+STEPS = 20          # the GPT (the must-show: 20 steps)
+MLP_STEPS = 8       # the MLP cases (time)
 UNITS = dict(unit_modules=["Linear", "Block"], min_unit_numel=0)   # as tests/test_stage3.py
 
 
@@ -99,15 +102,15 @@ def _worker4(rank, world):
     q4 = dict(param_quant="int8", grad_quant="int4", quant_block_numel=32)
     return {
         "invalid": _invalid(rank, world),
-        "mlp_twice": _lockstep(rank, world, "mlp_twice", {"plain": {}, "hier": hier}, STEPS),
-        "mlp_ckpt": _lockstep(rank, world, "mlp_ckpt", {"plain": {}, "hier": hier}, STEPS),
+        "mlp_twice": _lockstep(rank, world, "mlp_twice", {"plain": {}, "hier": hier}, MLP_STEPS),
+        "mlp_ckpt": _lockstep(rank, world, "mlp_ckpt", {"plain": {}, "hier": hier}, MLP_STEPS),
         "gpt": _lockstep(rank, world, "gpt", {"plain": {}, "hier": hier, "q8": q8, "q8_hier": {**q8, **hier},
                                              "q4_hier": {**q4, **hier}}, STEPS),
     }
 
 
 def _worker3(rank, world):
-    return _lockstep(rank, world, "gpt", {"plain": {}, "hier1": dict(node_size=1), "hier3": dict(node_size=3)}, 8)
+    return _lockstep(rank, world, "gpt", {"plain": {}, "hier1": dict(node_size=1), "hier3": dict(node_size=3)}, 5)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +138,7 @@ def test_hierarchical_is_exact(four, kind):
         # backward() itself the world group gathers nothing.
         assert min(hier["node"]) > 0
         assert [w + n for w, n in zip(hier["world"], hier["node"])] == plain["world"], kind
-        assert hier["world_bwd"] == [0] * STEPS, f"{kind} rank {r}: a backward gather crossed nodes"
+        assert hier["world_bwd"] == [0] * len(plain["world_bwd"]), f"{kind} rank {r}: a backward gather crossed nodes"
         if kind != "gpt":   # the tiny GPT's backward gathers are all prefetched during forward
             assert sum(plain["world_bwd"]) > 0, f"{kind}: plain stage 3 should re-gather in backward"
         assert hier["peak_secondary"] > 0 and hier["stats"]["buffer_bytes"]["secondary"] == 0
@@ -200,6 +203,6 @@ def test_three_ranks_node_sizes_1_and_3():
     for r, out in enumerate(res):
         for mode in ("hier1", "hier3"):
             assert _same(out["plain"]["masters"], out[mode]["masters"]), f"{mode} rank {r}: masters differ"
-        assert out["hier1"]["world_bwd"] == [0] * 8 and min(out["hier1"]["node"]) > 0
+        assert out["hier1"]["world_bwd"] == [0] * 5 and min(out["hier1"]["node"]) > 0
         assert [w + n for w, n in zip(out["hier1"]["world"], out["hier1"]["node"])] == out["plain"]["world"]
         assert "comm_groups" not in out["hier3"]["stats"]   # node_size == world: plain stage 3
