@@ -168,7 +168,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("options"))
         .def("gather_unit", &zx::Engine::gather_unit, py::arg("unit"), py::arg("wait") = true,
              py::call_guard<py::gil_scoped_release>())
-        .def("release_unit", &zx::Engine::release_unit, py::call_guard<py::gil_scoped_release>())
+        .def("release_unit", &zx::Engine::release_unit, py::arg("unit"), py::arg("keep") = false,
+             py::call_guard<py::gil_scoped_release>())
+        .def("enable_hierarchy", [](zx::Engine &e, py::object pg) {
+                 e.enable_hierarchy(pg.cast<zx::ProcessGroupPtr>());
+             }, py::arg("node_group"))
         .def("gather_units", &zx::Engine::gather_units, py::arg("units"),
              py::call_guard<py::gil_scoped_release>())
         .def("unit_gathered", &zx::Engine::unit_gathered)

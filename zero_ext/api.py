@@ -16,6 +16,7 @@ from .config import ZeroConfig, make_config
 from .gather import OWNER_ATTR
 from .materialize import initialize_by_unit, is_meta, replace_meta
 from .model import ZeroModel, cast_buffers
+from .nodes import node_group, resolve_node_size
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, _Part
 from .units import assign_units, frozen_to_shard
 from .whole import WHOLE, ZeroOptimizerPart, update_kind
@@ -253,6 +254,12 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     if error is None and cfg.check_sequence is True and world > 1 and dist.get_backend(pg) != "gloo":
         error = ZeroInputError(f"zero_ext: check_sequence=True runs on gloo only (this group's backend is "
                                f"{dist.get_backend(pg)!r}); use check_sequence='auto' or False")
+    node_size = None
+    if error is None:
+        try:
+            node_size = resolve_node_size(cfg.node_size, world)
+        except ValueError as e:
+            error = e
     if world > 1 and verify and dist.get_backend(pg) != "fake":   # fake moves no data
         _verify_across_ranks(pg, rank, world, fingerprint, error)
     elif error is not None:
@@ -298,6 +305,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)
     if sharded_frozen:   # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp)
         engine.add_frozen(sharded_frozen, frozen_units)
+    if node_size is not None:   # Note [Hierarchical partitioning] (csrc/engine/secondary.h)
+        engine.enable_hierarchy(node_group(pg, node_size))
     in_engine = {id(p) for p in sharded_frozen}
     replicated = [p for p in frozen if id(p) not in in_engine]
     if meta:

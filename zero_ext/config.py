@@ -116,6 +116,16 @@ class ZeroConfig:
         stays exact.
     quant_block_numel: elements per quantization block (one fp32 scale each) of grad_quant
         and param_quant; even, >= 2.
+    node_size: None (the default: off), an int L or "auto" (LOCAL_WORLD_SIZE, as torchrun
+        sets it): stage 3 hierarchical partitioning. The process group's ranks form
+        nodes of L consecutive ranks; after a unit's forward each rank keeps its 1/L part
+        of the gathered unit, and the unit's backward gather is an all-gather of those
+        parts inside the node: it never crosses nodes and is bit-identical to the plain
+        stage-3 gather (also with param_quant: the same dequantized values). Costs up to
+        the model's parameters / L per rank between forward and backward
+        (stats()["buffer_bytes"]["secondary"], "peak_secondary"); stats()["comm_groups"]
+        splits the bytes into "intra" and "inter" node parts. L must divide the world
+        size; L equal to the world size is plain stage 3. Stage 3 only.
     check_sequence: False (default), True or "auto" (on with gloo): ranks whose collectives diverge
         (a skipped backward, an extra micro-step, a stage-3 unit skipped, step() on some
         ranks only, requires_grad changed on some ranks) raise on every rank naming the
@@ -163,6 +173,7 @@ class ZeroConfig:
     grad_quant_error_feedback: bool = False
     param_quant: str | None = None
     quant_block_numel: int = 256
+    node_size: int | str | None = None
     check_sequence: bool | str = False
     sequence_timeout: float = 3.0
 
@@ -310,6 +321,11 @@ class ZeroConfig:
              "grad_quant_error_feedback=True needs grad_quant='int8' or 'int4'")
         need(self.param_quant in _PARAM_QUANT, f"param_quant must be None or 'int8' (the supported bit width "
              f"for parameter gathers); got {self.param_quant!r}")
+        if self.node_size is not None:
+            if self.node_size != "auto":
+                integer("node_size", 1)
+            need(self.stage == 3, f"node_size={self.node_size!r} (hierarchical partitioning) is for stage 3 "
+                 f"(got stage={self.stage!r}); use stage=3 or node_size=None")
         if self.param_quant is not None:
             need(self.stage != 0, f"param_quant={self.param_quant!r} needs stage 1, 2 or 3 (stage 0 keeps full "
                  f"replicas and gathers no parameters); use stage=1 or param_quant=None")

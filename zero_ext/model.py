@@ -286,7 +286,8 @@ class _UnitHooks:
         if _in_backward():                # recomputation keeps it for its backward
             return
         if k not in self._upcoming(-1):   # not needed again at once
-            self.engine.release_unit(k)
+            # keep: a backward follows, so node_size keeps a node-local part for it
+            self.engine.release_unit(k, torch.is_grad_enabled())
 
     def _pre_backward(self, k, grad):
         self.wrapper._begin_backward()

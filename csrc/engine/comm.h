@@ -34,6 +34,9 @@ struct CommCounter {
     }
 };
 
+// {"calls", "numel", "bytes", "wire_bytes"} for stats().
+py::dict counter_dict(const CommCounter &c);
+
 class Communicator {
 public:
     explicit Communicator(c10::optional<ProcessGroupPtr> pg);

@@ -14,6 +14,7 @@
 //   comm.h/.cpp      Communicator: collectives on the process group, counters
 //   sequence.h/.cpp  the collective sequence check: divergent ranks named, not hung
 //   frozen.cpp       stage 3: frozen (requires_grad=False) parameters sharded per unit
+//   secondary.h/.cpp stage 3: node-local secondary parts for backward gathers (node_size)
 //   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
 //                    the per-device kernel table (Note [Kernel table])
 #pragma once
@@ -32,6 +33,7 @@
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
 #include "engine/quant_gather.h"   // defines: QuantGather (param_quant)
 #include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
+#include "engine/secondary.h"      // defines: Secondary (node_size)
 
 namespace zx {
 
@@ -186,7 +188,11 @@ public:
     // Launch the gathers of the given units' buckets that are neither gathered nor in
     // flight, as few collectives as possible (Note [Coalesced unit gathers]).
     void gather_units(const std::vector<int64_t> &units);
-    void release_unit(int64_t u);      // free the full parameters (storage resized to 0)
+    // Free the full parameters (storage resized to 0). keep: a backward follows, so
+    // with node_size each rank first keeps its node part (Note [Hierarchical partitioning]).
+    void release_unit(int64_t u, bool keep = false);
+    // Stage 3, node_size: this rank's node group (L ranks); call once, right after construction.
+    void enable_hierarchy(ProcessGroupPtr node_pg);
     bool unit_gathered(int64_t u) const;
     bool unit_requested(int64_t u) const;   // every bucket gathered or in flight
     int64_t unit_numel(int64_t u) const;    // elements a gather of unit u brings (padded)
@@ -310,6 +316,7 @@ private:
     std::vector<std::vector<StepRun>> my_frags_;
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
     std::unique_ptr<QuantGather> qgather_; // param_quant (world > 1): quantized all-gather, else null
+    std::unique_ptr<Secondary> sec_;       // node_size (stage 3, 1 <= L < world): secondary parts, else null
     // Note [Stage 3 frozen parameters]: frozen parameters, their full views and
     // offsets in their bucket; one bucket per unit that has any; unit -> bucket or -1.
     std::vector<at::Tensor> frozen_params_, frozen_views_;

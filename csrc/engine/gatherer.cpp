@@ -34,6 +34,7 @@ void Engine::publish_params() {
     cast_masters();
     if (opts_.stage == 3) {
         // Gathered units hold stale values: release them; the next gather reads the shards.
+        if (sec_) sec_->drop_all();
         for (auto &bk : buckets_) release_bucket(bk);
         release_all_frozen();
         return;
@@ -105,8 +106,14 @@ void Engine::wait_gather(Bucket &bk) {
     if (bk.gather_work) {
         auto work = std::move(bk.gather_work);
         bk.gather_work.reset();
+        const int64_t s = subject_of(bk);
+        if (sec_ && sec_->in_flight(s)) {   // Note [Hierarchical partitioning]
+            Communicator::wait(work, "node all-gather");
+            sec_->finish(s);
+            return;
+        }
         comm_.watch(work, "unit all-gather");
-        if (qgather_ && !bk.frozen) qgather_->finish(subject_of(bk));
+        if (qgather_ && !bk.frozen) qgather_->finish(s);
     }
 }
 
@@ -162,6 +169,10 @@ void Engine::launch_gather(Bucket &bk) {
         mark_gathered(bk);
         return;
     }
+    if (sec_ && sec_->has(subject_of(bk))) {   // Note [Hierarchical partitioning]: inside the node
+        bk.gather_work = sec_->launch(subject_of(bk), bk.flat_param);
+        return;
+    }
     comm_.seq.subject(subject_of(bk), bk.unit);
     // param_quant: trainable buckets travel quantized from the exact master (frozen
     // ones have no master and stay exact)
@@ -193,11 +204,13 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
         for (Bucket *bk : unit_gather_buckets(u))
             if (!requested(*bk) && std::find(todo.begin(), todo.end(), bk) == todo.end()) todo.push_back(bk);
     // Coalesce the buckets in the parameters' dtype; anything else goes alone (and
-    // quantized gathers, which carry records rather than slices).
+    // quantized gathers, which carry records rather than slices, and gathers from
+    // node-local secondary parts).
     auto g = std::make_shared<GatherGroup>();
     int64_t slice = 0;
     for (Bucket *bk : todo) {
-        if (world_ == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != pdt_ || (qgather_ && !bk->frozen)) {
+        if (world_ == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != pdt_ || (qgather_ && !bk->frozen) ||
+            (sec_ && sec_->has(subject_of(*bk)))) {
             launch_gather(*bk);
             continue;
         }
@@ -225,14 +238,22 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
     g->work = comm_.all_gather(g->out, g->in);
 }
 
-void Engine::release_unit(int64_t u) {
-    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
-    for (int64_t b : unit_buckets_[u]) release_bucket(buckets_[b]);
-    release_frozen(u);
+void Engine::release_unit(int64_t u, bool keep) {
+    for (Bucket *bk : unit_gather_buckets(u)) {   // trainable, then frozen
+        if (sec_) {   // Note [Hierarchical partitioning]
+            wait_gather(*bk);
+            if (!keep)
+                sec_->drop(subject_of(*bk));
+            else if (bk->gathered)
+                sec_->keep(subject_of(*bk), bk->flat_param);
+        }
+        release_bucket(*bk);
+    }
 }
 
 void Engine::commit_unit(int64_t u, int64_t src) {
     TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
+    if (sec_) sec_->drop_all();   // the masters change
     for (int64_t b : unit_buckets_[u]) {
         Bucket &bk = buckets_[b];
         if (bk.staging.defined()) {   // open_unit_fp32: full-precision values
@@ -260,6 +281,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
 void Engine::open_unit_fp32(int64_t u) {
     TORCH_CHECK(opts_.stage == 3, "zero_ext: open_unit_fp32 is a stage-3 operation");
     TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
+    if (sec_) sec_->drop_all();
     if (!lp_) {
         gather_unit(u, true);
         return;

@@ -261,15 +261,6 @@ at::Tensor Engine::state(const std::string &name) {
     return t;
 }
 
-static py::dict counter_dict(const CommCounter &c) {
-    py::dict d;
-    d["calls"] = c.calls;
-    d["numel"] = c.numel;
-    d["bytes"] = c.bytes;
-    d["wire_bytes"] = c.wire_bytes;
-    return d;
-}
-
 py::dict Engine::stats() const {
     int64_t param_bytes = 0, grad_bytes = 0, numel = 0, padded = 0;
     for (const auto &bk : buckets_) {
@@ -308,8 +299,11 @@ py::dict Engine::stats() const {
     buf["quant_gather_buffers"] = gather_records;   // param_quant: records of the gathers in flight
     buf["peak_quant_gather_buffers"] = qgather_ ? qgather_->peak_buffer_bytes() : 0;
     buf["kernel_scratch"] = kern_->scratch_bytes();  // e.g. CUDA: fp32 copy of a low-precision gradient slice
+    const int64_t secondary = sec_ ? sec_->bytes() : 0;
+    buf["secondary"] = secondary;   // node_size: this rank's parts kept for backward gathers (Note [Hierarchical partitioning])
+    buf["peak_secondary"] = sec_ ? sec_->peak_bytes() : 0;
     buf["total"] = ring_bytes + gathered_bytes_ + quant_buffers + quant_residual + gather_records +
-                   kern_->scratch_bytes();
+                   kern_->scratch_bytes() + secondary;
     py::dict comm;
     comm["all_reduce"] = counter_dict(comm_.c_all_reduce);
     comm["reduce_scatter"] = counter_dict(comm_.c_reduce_scatter);
@@ -335,6 +329,7 @@ py::dict Engine::stats() const {
     d["model_state_bytes"] = msb;
     d["buffer_bytes"] = buf;
     d["comm"] = comm;
+    if (sec_) d["comm_groups"] = sec_->group_stats(comm_);   // Note [Per-group byte counters]
     d["reductions"] = reductions_;
     d["num_units"] = (int64_t)unit_buckets_.size();
     d["frozen_shard_bytes"] = frozen_shard_bytes();   // stage 3: this rank's slices of frozen parameters

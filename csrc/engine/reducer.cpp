@@ -94,6 +94,7 @@ void Engine::finalize_backward() {
     if (opts_.stage == 3) {
         for (auto &bk : buckets_) release_bucket(bk);
         release_all_frozen();   // Note [Stage 3 frozen parameters]
+        if (sec_) sec_->drop_all();   // Note [Hierarchical partitioning]: the pass is over
     }
     // Reset readiness for the next backward.
     std::fill(ready_.begin(), ready_.end(), 0);

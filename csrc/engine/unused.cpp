@@ -54,6 +54,7 @@ void Engine::ensure_step_tables() {
 
 void Engine::begin_step() {
     ensure_step_tables();
+    if (sec_) sec_->drop_all();   // the masters change (Note [Hierarchical partitioning])
     if (world_ > 1) {
         at::Tensor t = at::from_blob(used_.data(), {(int64_t)used_.size()}, at::kByte).clone().to(dev_);
         comm_.all_reduce_max_blocking(t, comm_.c_used_flags, "unused-parameter flags all-reduce");

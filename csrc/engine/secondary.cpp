@@ -1,0 +1,105 @@
+// secondary.cpp — see secondary.h (Note [Hierarchical partitioning]).
+#include "engine/secondary.h"
+
+#include <algorithm>
+
+#include "engine/engine.h"
+
+namespace zx {
+
+Secondary::Secondary(ProcessGroupPtr node_pg, int64_t world) : comm_(node_pg), world_(world) {
+    TORCH_CHECK(world_ % comm_.world() == 0, "zero_ext: node_size ", comm_.world(),
+                " does not divide the world size ", world_, "; choose a node_size that divides it");
+}
+
+void Secondary::keep(int64_t s, const at::Tensor &flat) {
+    const int64_t part = flat.numel() / comm_.world();
+    TORCH_CHECK(part * comm_.world() == flat.numel(), "zero_ext: internal: bucket of ", flat.numel(),
+                " elements does not split into ", comm_.world(), " node parts");
+    drop(s);
+    at::Tensor t = flat.narrow(0, comm_.rank() * part, part).clone();
+    bytes_ += t.nbytes();
+    peak_bytes_ = std::max(peak_bytes_, bytes_);
+    parts_[s] = std::move(t);
+}
+
+WorkPtr Secondary::launch(int64_t s, at::Tensor flat) {
+    auto it = parts_.find(s);
+    TORCH_CHECK(it != parts_.end(), "zero_ext: internal: no secondary part for bucket ", s);
+    at::Tensor part = it->second;
+    parts_.erase(it);
+    inflight_[s] = part;
+    comm_.seq.subject(s, -1);
+    return comm_.all_gather(std::move(flat), part);
+}
+
+void Secondary::finish(int64_t s) {
+    auto it = inflight_.find(s);
+    if (it == inflight_.end()) return;
+    bytes_ -= it->second.nbytes();
+    inflight_.erase(it);
+}
+
+void Secondary::drop(int64_t s) {
+    auto it = parts_.find(s);
+    if (it == parts_.end()) return;
+    bytes_ -= it->second.nbytes();
+    parts_.erase(it);
+}
+
+void Secondary::drop_all() {
+    for (auto &kv : parts_) bytes_ -= kv.second.nbytes();
+    parts_.clear();
+}
+
+// A counter's share exchanged with other nodes: num/den of its bytes (rounded down).
+static CommCounter share(const CommCounter &c, int64_t num, int64_t den) {
+    CommCounter out;
+    out.calls = c.calls;
+    out.numel = c.numel * num / den;
+    out.bytes = c.bytes * num / den;
+    out.wire_bytes = c.wire_bytes * num / den;
+    return out;
+}
+
+static CommCounter minus(const CommCounter &a, const CommCounter &b) {
+    CommCounter out;
+    out.calls = a.calls;
+    out.numel = a.numel - b.numel;
+    out.bytes = a.bytes - b.bytes;
+    out.wire_bytes = a.wire_bytes - b.wire_bytes;
+    return out;
+}
+
+py::dict Secondary::group_stats(const Communicator &w) const {
+    const int64_t L = comm_.world(), N = world_;
+    const std::pair<const char *, const CommCounter *> kinds[] = {
+        {"all_reduce", &w.c_all_reduce}, {"reduce_scatter", &w.c_reduce_scatter},
+        {"all_gather", &w.c_all_gather}, {"broadcast", &w.c_broadcast}, {"used_flags", &w.c_used_flags}};
+    py::dict intra, inter;
+    for (auto [name, c] : kinds) {
+        const CommCounter out = share(*c, N - L, N);
+        inter[name] = counter_dict(out);
+        intra[name] = counter_dict(minus(*c, out));
+    }
+    intra["node_all_gather"] = counter_dict(comm_.c_all_gather);   // the backward gathers, all intra
+    py::dict d;
+    d["intra"] = intra;
+    d["inter"] = inter;
+    d["node_size"] = L;
+    return d;
+}
+
+void Engine::enable_hierarchy(ProcessGroupPtr node_pg) {
+    TORCH_CHECK(opts_.stage == 3, "zero_ext: node_size (hierarchical partitioning) is for stage 3; "
+                "use stage=3 or node_size=None");
+    TORCH_CHECK(!sec_, "zero_ext: internal: enable_hierarchy called twice");
+    auto sec = std::make_unique<Secondary>(std::move(node_pg), world_);
+    for (auto *bks : {&buckets_, &frozen_buckets_})
+        for (const auto &bk : *bks)
+            TORCH_CHECK(bk.padded_numel % sec->node_size() == 0, "zero_ext: internal: bucket of ",
+                        bk.padded_numel, " elements does not split into ", sec->node_size(), " node parts");
+    sec_ = std::move(sec);
+}
+
+}  // namespace zx
