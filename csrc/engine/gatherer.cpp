@@ -110,10 +110,13 @@ void Engine::wait_gather(Bucket &bk) {
         if (sec_ && sec_->in_flight(s)) {   // Note [Hierarchical partitioning]
             Communicator::wait(work, "node all-gather");
             sec_->finish(s);
-            return;
+        } else {
+            comm_.watch(work, "unit all-gather");
+            if (qgather_ && !bk.frozen) qgather_->finish(s);
         }
-        comm_.watch(work, "unit all-gather");
-        if (qgather_ && !bk.frozen) qgather_->finish(s);
+        // A finished gather holds the full bucket, used or not: a prefetched unit that
+        // the pass then skipped must still be freed (and uncounted) by release_bucket.
+        mark_gathered(bk);
     }
 }
 
