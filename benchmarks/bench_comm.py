@@ -46,24 +46,41 @@ MODES = {
 }
 
 
-def worker(rank, world, store, out_dir, args):
+def start_rank(rank, world, store, n_layer=2, n_embd=64):
+    """One benchmark rank (also bench_comm_hier.py's): the repository and examples/
+    importable, one thread, the gloo process group, tinyshakespeare and the GPT config
+    (block 64, 4 heads). Returns (data, config)."""
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "examples"))
     import torch.distributed as dist
 
-    import zero_ext
-    from gpt import GPT, CharDataset, GPTConfig
+    from gpt import CharDataset, GPTConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     data = CharDataset(str(DATA))
-    cfg = GPTConfig(vocab_size=data.vocab_size, block_size=64, n_layer=2, n_head=4, n_embd=64)
+    return data, GPTConfig(vocab_size=data.vocab_size, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd)
+
+
+def gpt_and_adamw(cfg):
+    """The same initial GPT and AdamW in every mode."""
+    from gpt import GPT
+
+    torch.manual_seed(1234)
+    model = GPT(cfg)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def worker(rank, world, store, out_dir, args):
+    import torch.distributed as dist
+
+    import zero_ext
+
+    data, cfg = start_rank(rank, world, store)
     runs = {}
     for name in args.modes:
-        torch.manual_seed(1234)
-        model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-        zm, zo = zero_ext.zeroify(model, opt, stage=args.stage, quant_block_numel=args.block, **MODES[name])
+        zm, zo = zero_ext.zeroify(*gpt_and_adamw(cfg), stage=args.stage, quant_block_numel=args.block,
+                                  **MODES[name])
         runs[name] = (zm, zo, [], [])
     for step in range(args.steps):
         gen_seed = 1000 * rank + step

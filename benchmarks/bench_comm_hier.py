@@ -48,7 +48,6 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "bench_comm_hier.json"
-DATA = REPO / "examples" / "data" / "tinyshakespeare.txt"
 HEADER_BYTES = 66   # per packet on lo: Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12
 
 BF16 = {"param_dtype": "bf16", "reduce_dtype": "bf16"}
@@ -95,24 +94,16 @@ def snapshot(zo):
 
 
 def worker(rank, world, store, out_dir, args):
-    sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "examples"))
     import torch.distributed as dist
 
     import zero_ext
-    from gpt import GPT, CharDataset, GPTConfig
+    from bench_comm import gpt_and_adamw, start_rank
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    data = CharDataset(str(DATA))
-    cfg = GPTConfig(vocab_size=data.vocab_size, block_size=64, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd)
+    data, cfg = start_rank(rank, world, store, args.n_layer, args.n_embd)
     out = {}
     for name in args.modes:
-        torch.manual_seed(1234)
-        model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-        zm, zo = zero_ext.zeroify(model, opt, stage=3, quant_block_numel=args.block, unit_modules=["Block"],
-                                  **options(name, args.node_size))
+        zm, zo = zero_ext.zeroify(*gpt_and_adamw(cfg), stage=3, quant_block_numel=args.block,
+                                  unit_modules=["Block"], **options(name, args.node_size))
 
         def step(k):
             x, y = data.get_batch("train", 8, 64, torch.Generator().manual_seed(1000 * rank + k))

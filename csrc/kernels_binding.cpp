@@ -16,7 +16,7 @@
 // the C functions directly.
 #include "kernels_binding.h"
 
-#include "parallel.h"   // defines: zx_parallel_for, zx_parallel_threads_seen
+#include "parallel.h"   // defines: zx_parallel_for, zx_parallel_blocks, zx_parallel_threads_seen
 
 #include <algorithm>
 #include <atomic>
@@ -276,17 +276,17 @@ std::tuple<int64_t, int64_t> quant_sizes(int64_t bits, int64_t block_numel, int6
     return {(int64_t)bytes, (int64_t)zx_quant_blocks((size_t)n, (size_t)block_numel)};
 }
 
-// Run fn(block_lo, block_hi) over [0, nblocks) blocks, about kParallelGrainNumel elements a task.
+// fn(first block, lo, hi) over whole blocks of [0, n) (zx_parallel_blocks), without the GIL;
+// the first failing status raises.
 template <class F>
-void parallel_blocks(int64_t nblocks, int64_t block_numel, const char *what, F &&fn) {
+void parallel_blocks(int64_t n, int64_t block_numel, const char *what, F &&fn) {
     std::atomic<int> status{ZX_OK};
     {
         py::gil_scoped_release no_gil;
-        at::parallel_for(0, nblocks, std::max<int64_t>(1, kParallelGrainNumel / block_numel),
-                         [&](int64_t lo, int64_t hi) {
-                             zx_status s = fn(lo, hi);
-                             if (s != ZX_OK) status.store((int)s);
-                         });
+        zx_parallel_blocks(n, block_numel, [&](int64_t b0, int64_t lo, int64_t hi) {
+            zx_status s = fn(b0, lo, hi);
+            if (s != ZX_OK) status.store((int)s);
+        });
     }
     zx_check((zx_status)status.load(), what);
 }
@@ -313,8 +313,7 @@ void py_quantize(const std::string &isa_name, int64_t bits, int64_t block_numel,
     float *sp = scales.data_ptr<float>();
     const int64_t block_bytes = block_numel * bits / 8;
     const size_t esz = zx_dtype_size(dt);
-    parallel_blocks(nblocks, block_numel, "quantize", [&](int64_t b0, int64_t b1) {
-        const int64_t lo = b0 * block_numel, hi = std::min(n, b1 * block_numel);
+    parallel_blocks(n, block_numel, "quantize", [&](int64_t b0, int64_t lo, int64_t hi) {
         return zx_quantize(isa, (int32_t)bits, (size_t)block_numel, (size_t)(hi - lo), s + (size_t)lo * esz,
                            dt, r ? r + lo : nullptr, qp + b0 * block_bytes, sp + b0);
     });
@@ -332,8 +331,7 @@ void py_dequantize(const std::string &isa_name, int64_t bits, int64_t block_nume
     const float *sp = scales.data_ptr<float>();
     const int64_t block_bytes = block_numel * bits / 8;
     const size_t esz = zx_dtype_size(dt);
-    parallel_blocks(nblocks, block_numel, "dequantize", [&](int64_t b0, int64_t b1) {
-        const int64_t lo = b0 * block_numel, hi = std::min(n, b1 * block_numel);
+    parallel_blocks(n, block_numel, "dequantize", [&](int64_t b0, int64_t lo, int64_t hi) {
         return zx_dequantize(isa, (int32_t)bits, (size_t)block_numel, (size_t)(hi - lo), qp + b0 * block_bytes,
                              sp + b0, d + (size_t)lo * esz, dt);
     });
@@ -351,8 +349,7 @@ void py_dequantize_sum(const std::string &isa_name, int64_t bits, int64_t block_
     const uint8_t *qp = q.data_ptr<uint8_t>();
     const float *sp = scales.data_ptr<float>();
     const int64_t block_bytes = block_numel * bits / 8;
-    parallel_blocks(nblocks, block_numel, "dequantize_sum", [&](int64_t b0, int64_t b1) {
-        const int64_t lo = b0 * block_numel, hi = std::min(n, b1 * block_numel);
+    parallel_blocks(n, block_numel, "dequantize_sum", [&](int64_t b0, int64_t lo, int64_t hi) {
         return zx_dequantize_sum(isa, (int32_t)bits, (size_t)block_numel, (size_t)(hi - lo), (int32_t)nslices,
                                  (size_t)nblocks, qp + b0 * block_bytes, sp + b0, d + lo, accumulate,
                                  (float)scale);

@@ -37,6 +37,5 @@ def node_group(pg, node_size: int):
     nodes = [ranks[g:g + node_size] for g in range(0, len(ranks), node_size)]
     mine = nodes[pg.rank() // node_size]
     if len(ranks) == dist.get_world_size():
-        groups = [dist.new_group(r, backend=backend) for r in nodes]
-        return groups[pg.rank() // node_size]
+        return dist.new_subgroups_by_enumeration(nodes, backend=backend)[0]
     return dist.new_group(mine, backend=backend, use_local_synchronization=True)

@@ -9,7 +9,7 @@
 
 #include "core/zx_step_control.h"   // defines: ZX_CTL_*
 #include "kernels_binding.h"   // defines: zx_check
-#include "parallel.h"          // defines: zx_parallel_for, kParallelGrainNumel
+#include "parallel.h"          // defines: zx_parallel_for, zx_parallel_blocks, kParallelGrainNumel
 
 namespace zx {
 
@@ -114,7 +114,7 @@ public:
                   float *scales) override {
         const char *s = (const char *)src;
         const int64_t es = dt == ZX_F32 ? 4 : 2, bb = bn * bits / 8;
-        blocks(n, bn, [&](int64_t b0, int64_t lo, int64_t hi) {
+        zx_parallel_blocks(n, bn, [&](int64_t b0, int64_t lo, int64_t hi) {
             zx_check(zx_quantize(isa_, bits, (size_t)bn, (size_t)(hi - lo), s + lo * es, dt,
                                  residual ? residual + lo : nullptr, (uint8_t *)q + b0 * bb, scales + b0),
                      "quantizing");
@@ -125,7 +125,7 @@ public:
                     zx_dtype dt) override {
         char *d = (char *)dst;
         const int64_t es = dt == ZX_F32 ? 4 : 2, bb = bn * bits / 8;
-        blocks(n, bn, [&](int64_t b0, int64_t lo, int64_t hi) {
+        zx_parallel_blocks(n, bn, [&](int64_t b0, int64_t lo, int64_t hi) {
             zx_check(zx_dequantize(isa_, bits, (size_t)bn, (size_t)(hi - lo), (const uint8_t *)q + b0 * bb,
                                    scales + b0, d + lo * es, dt),
                      "dequantizing");
@@ -135,7 +135,7 @@ public:
     void dequantize_sum(int32_t bits, int64_t bn, int64_t n, int32_t nslices, int64_t slice_blocks, const void *q,
                         const float *scales, float *dst, bool accumulate) override {
         const int64_t bb = bn * bits / 8;
-        blocks(n, bn, [&](int64_t b0, int64_t lo, int64_t hi) {
+        zx_parallel_blocks(n, bn, [&](int64_t b0, int64_t lo, int64_t hi) {
             zx_check(zx_dequantize_sum(isa_, bits, (size_t)bn, (size_t)(hi - lo), nslices, (size_t)slice_blocks,
                                        (const uint8_t *)q + b0 * bb, scales + b0, dst + lo, accumulate ? 1 : 0,
                                        1.0f),
@@ -151,16 +151,6 @@ private:
     template <class F>
     void parallel(int64_t n, F &&fn) const {
         zx_parallel_for(n, fn);
-    }
-
-    // fn(first block, lo, hi) over tasks of whole quantization blocks (a block's codes
-    // and scale depend on its elements alone), about kParallelGrainNumel elements each.
-    template <class F>
-    void blocks(int64_t n, int64_t block_numel, F &&fn) const {
-        const int64_t nb = (n + block_numel - 1) / block_numel;
-        at::parallel_for(0, nb, std::max<int64_t>(1, kParallelGrainNumel / block_numel), [&](int64_t b0, int64_t b1) {
-            fn(b0, b0 * block_numel, std::min(n, b1 * block_numel));
-        });
     }
 
     // Kernels read fp32 gradients: a low-precision one is converted in small
