@@ -78,6 +78,7 @@ bench: build $(VENV)/.bench-deps
 	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_comm.py
 	$(PY) benchmarks/bench_comm_hier.py
+	$(PY) benchmarks/bench_whole.py
 	$(PY) -m nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1800 \
 	    --output-dir benchmarks/results --output zero_vs_ddp.executed.ipynb benchmarks/zero_vs_ddp.ipynb
 

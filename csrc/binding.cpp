@@ -87,7 +87,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("copy_params", &zx::EngineOptions::copy_params)
         .def_readwrite("param_dtype", &zx::EngineOptions::param_dtype)
         .def_readwrite("reduce_dtype", &zx::EngineOptions::reduce_dtype)
-        .def_readwrite("group_update_kind", &zx::EngineOptions::group_update_kind);
+        .def_readwrite("group_update_kind", &zx::EngineOptions::group_update_kind)
+        .def_readwrite("param_state", &zx::EngineOptions::param_state);
 
     // The loss-scaling state machine of the C core (zx_scaler.c), state and all.
     py::class_<zx_loss_scaler>(m, "LossScaler")
@@ -210,6 +211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("fragments", &zx::Engine::fragments, py::arg("rank"))
         .def("set_active_groups", &zx::Engine::set_active_groups, py::arg("groups"))
         .def("owned_tensors", &zx::Engine::owned_tensors)
+        .def("cut_params", &zx::Engine::cut_params)
         .def("owners", &zx::Engine::owners)
         .def("atomic_stats", &zx::Engine::atomic_stats)
         .def("publish_params", &zx::Engine::publish_params, py::call_guard<py::gil_scoped_release>())
@@ -220,7 +222,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("grad_sumsq", &zx::Engine::grad_sumsq, py::call_guard<py::gil_scoped_release>())
         .def("all_gather_params", &zx::Engine::all_gather_params, py::call_guard<py::gil_scoped_release>())
         .def("wait_params", &zx::Engine::wait_params, py::call_guard<py::gil_scoped_release>())
-        .def("begin_step", &zx::Engine::begin_step, py::call_guard<py::gil_scoped_release>())
+        .def("flush_params", &zx::Engine::flush_params, py::call_guard<py::gil_scoped_release>())
+        .def("begin_step", &zx::Engine::begin_step, py::arg("advance") = true, py::call_guard<py::gil_scoped_release>())
+        .def("advance_steps", &zx::Engine::advance_steps, py::call_guard<py::gil_scoped_release>())
         .def("stepped_params", &zx::Engine::stepped_params)
         .def("param_steps", &zx::Engine::param_steps)
         .def("set_param_steps", &zx::Engine::set_param_steps)
@@ -238,6 +242,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("store"), py::arg("names"), py::arg("patience_s"), py::arg("group"))
         .def("sequence_mark", &zx::Engine::sequence_mark)
         .def("state", &zx::Engine::state)
+        .def("state_windows", &zx::Engine::state_windows)
         .def("states", [](zx::Engine &e) {
             py::dict d;
             for (auto &kv : e.states()) d[py::str(kv.first)] = kv.second;

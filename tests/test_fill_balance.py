@@ -4,7 +4,8 @@ matrices, AdamW over embeddings, norms and biases) when AdamW's tensors fill the
 padding of Muon's whole-tensor buckets, against today's layout (whole tensors
 alone), from the C planner itself (zero_ext._C.plan_balance, the inputs the engine
 gives it at stage 2), with the state sizes torch's own optimizers allocate. This is
-the plan only: the engine does not lay filled buckets out yet."""
+the plan; tests/test_fill_engine.py shows the engine laying it out (each rank holds
+the state planned for it)."""
 import pytest
 import torch
 

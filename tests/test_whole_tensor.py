@@ -103,10 +103,12 @@ def _mixed_worker(rank, world):
     return out
 
 
-def test_whole_tensor_bf16():
+@pytest.mark.parametrize("world", [2, 4])
+def test_whole_tensor_bf16(world):
     """Mixed precision: bf16 parameters, fp32 masters; Muon + AdamW trains as the
-    fp32 run does (torch's bf16 matmuls set the bound, as in test_mixed_precision)."""
-    out = run_world(_mixed_worker, 2, timeout_s=300)[0]
+    fp32 run does (torch's bf16 matmuls set the bound, as in test_mixed_precision).
+    At 4 ranks an AdamW tensor is cut to fill Muon's padding (tests/test_fill_engine.py)."""
+    out = run_world(_mixed_worker, world, timeout_s=300)[0]
     fp32, bf16 = out["fp32"], out["bf16"]
     assert bf16[1] > 0 and fp32[1] == 0, "bf16 keeps fp32 master weights, fp32 needs none"
     assert bf16[2] > 1e-3
@@ -155,3 +157,59 @@ def test_whole_tensor_errors():
         model = torch.nn.Linear(4, 3)
         with pytest.raises(ValueError, match="not an elementwise optimizer.*Muon, Adafactor"):
             zero_ext.zeroify(model, cls(model.parameters()), stage=2)
+
+
+class _WithUnused(torch.nn.Module):
+    """An MLP with a hidden layer its forward never uses (as a model whose branch
+    is switched off): torch's optimizers skip its .grad None parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.spare = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+def _unused_worker(rank, world, recipe, stage):
+    import copy
+    import zero_ext
+    torch.manual_seed(0)
+    ref = _WithUnused()
+    mine = copy.deepcopy(ref)
+
+    def optimizers(m):
+        if recipe == "adafactor":
+            return [torch.optim.Adafactor(m.parameters(), lr=1e-2, weight_decay=0.1)]
+        mats = [m.l1.weight, m.l2.weight, m.spare.weight]
+        return [torch.optim.Muon(mats, lr=2e-2, weight_decay=0.1),
+                torch.optim.AdamW([m.l1.bias, m.l2.bias, m.spare.bias], lr=3e-3, weight_decay=0.1, fused=True)]
+
+    opt_ref = optimizers(ref)
+    zm, zos = zero_ext.zeroify(mine, optimizers(mine), stage=stage)
+    zos = zos if isinstance(zos, list) else [zos]
+    spare0 = ref.spare.weight.detach().clone()
+    for step in range(5):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))   # the same on every rank
+        for model, opts in ((ref, opt_ref), (zm, zos)):
+            model(x).square().mean().backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    sd = zm.state_dict()
+    return {n: (torch.equal(p.detach(), sd[n]), (p.detach() - sd[n]).abs().max().item())
+            for n, p in ref.named_parameters()}, torch.equal(sd["spare.weight"], spare0)
+
+
+@pytest.mark.parametrize("recipe,stage", [("muon", 2), ("adafactor", 1)])
+def test_whole_tensor_unused_parameter(recipe, stage):
+    """A parameter no rank gives a gradient is skipped by Muon/Adafactor as by
+    torch (before: stepped with a zero gradient, so weight decay shrank it); and each
+    optimizer's zero_grad() clears only its own gradients (before: muon.zero_grad()
+    cleared AdamW's too, so `for o in opts: o.step(); o.zero_grad()` stepped AdamW
+    with zeros). Every rank sees the same batch: the reference is plain torch."""
+    for r, (cmp, spare_kept) in enumerate(run_world(_unused_worker, 2, recipe, stage, timeout_s=300)):
+        assert spare_kept, f"rank {r}: the unused matrix changed"
+        for n, (equal, diff) in cmp.items():
+            assert diff <= 1e-6, f"rank {r}: {n} differs from torch by {diff}"

@@ -19,7 +19,7 @@ from .model import ZeroModel, cast_buffers
 from .nodes import node_group, resolve_node_size
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, _Part
 from .units import assign_units, frozen_to_shard
-from .whole import WHOLE, ZeroOptimizerPart, update_kind
+from .whole import WHOLE, ZeroOptimizerPart, fill_state_sizes, update_kind
 
 
 class ZeroInputError(ValueError):
@@ -283,6 +283,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     opts.reduce_dtype = cfg.reduce_dtype
     opts.group_update_kind = [update_kind(part.cls) for part in parts for _ in part.groups]
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    opts.param_state = fill_state_sizes(parts, [g for o in optimizers for g in o.param_groups], params, groups,
+                                        cfg.stage, world)
     meta = is_meta(model)
     born: set = set()
     if meta:

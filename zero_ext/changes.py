@@ -91,7 +91,9 @@ class ModelGuard:
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.stage3 = wrapper._units is not None
         self.low = wrapper._compute_dtype is not None
-        self.track = self.stage3 or self.low         # fp32 stages 0-2 keep edits by themselves
+        # fp32 stages 0-2 keep edits by themselves, except in a parameter cut into pieces
+        # (Note [Cut parameters] in csrc/engine/layout.cpp), which owns its storage
+        self.track = self.stage3 or self.low or bool(wrapper._engine.cut_params())
         self.versions = self._versions()
         self._pieces = None                          # per parameter: (offset in it, master view)
         self._loading = None                         # the module whose load_state_dict is running
@@ -183,7 +185,7 @@ class ModelGuard:
         if engine is None:
             return
         if prefix == "" or self._loading is None:   # the module load_state_dict was called on
-            engine.wait_params()
+            engine.flush_params()
             self.check_edits()                 # earlier edits reach the master before any load
             self._loading = module
         for name, p in module._parameters.items():

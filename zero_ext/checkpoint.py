@@ -15,7 +15,8 @@ independent of the layout that wrote it:
                           contiguous pieces of the flattened parameter), as the local
                           shards of a ShardedTensor; DCP records every piece's offset.
     optim/<state>/<name>  a per-element optimizer state (exp_avg, momentum_buffer, ...),
-                          the same pieces.
+                          the same pieces; only for parameters of elementwise
+                          optimizers (a whole tensor's state is under whole/).
     model/<name>          frozen parameter or buffer: a plain tensor of its own shape,
                           written once (by rank 0; they are replicated). Stage 3 shards
                           frozen parameters (Note [Stage 3 frozen parameters]): save
@@ -203,6 +204,8 @@ class _Shard:
         for r in range(e.partitions):
             for i, _, _, n in e.fragments(r):
                 self.numel[i] += n
+        self.atomic = [o >= 0 for o in e.owners()]          # whole tensors: per-tensor state only
+        self.windows = e.state_windows()                    # per bucket: (lo, numel, flat offset)
         self.views = None                                   # generic path: bucket -> shard view
         if optimizer._shard_opt is not None:
             groups = e.bucket_groups()
@@ -216,9 +219,11 @@ class _Shard:
     def states(self) -> dict:
         """name -> per-bucket 1-D tensors of each per-element optimizer state."""
         if self.views is None:
+            # Note [State windows] (csrc/engine/layout.cpp): each bucket's state covers a window of its slice
             out = {}
             for name, flat in self.engine.states().items():
-                out[name] = [flat.narrow(0, o, m.numel()) for o, m in zip(self.offsets, self.masters)]
+                out[name] = _Windows([flat.narrow(0, off, n) for _, n, off in self.windows],
+                                     [lo for lo, _, _ in self.windows])
             return out
         state = self.opt._shard_opt.state
         names = sorted({k for v in self.views for k, t in state.get(v, {}).items() if _per_element(t, v)})
@@ -238,7 +243,27 @@ class _Shard:
 
     def local(self, pieces: list, shard_offset: int, n: int) -> torch.Tensor:
         b = self.bucket_of(shard_offset)
-        return pieces[b].narrow(0, shard_offset - self.offsets[b], n)
+        at = shard_offset - self.offsets[b] - (pieces.lo[b] if isinstance(pieces, _Windows) else 0)
+        if at < 0 or at + n > pieces[b].numel():         # outside a state window: no state there
+            return torch.zeros(n, dtype=pieces[b].dtype)
+        return pieces[b].narrow(0, at, n)
+
+    def full(self, pieces: list, b: int) -> torch.Tensor:
+        """Bucket b's slice of `pieces`, slice-sized (zeros outside a state window)."""
+        n = self.masters[b].numel()
+        if not isinstance(pieces, _Windows) or (pieces.lo[b] == 0 and pieces[b].numel() == n):
+            return pieces[b]
+        out = torch.zeros(n, dtype=pieces[b].dtype)
+        out.narrow(0, pieces.lo[b], pieces[b].numel()).copy_(pieces[b])
+        return out
+
+
+class _Windows(list):
+    """Per bucket, a per-element state over the window of its slice starting at lo[b]."""
+
+    def __init__(self, tensors: list, lo: list):
+        super().__init__(tensors)
+        self.lo = lo
 
 
 def _per_element(t, view) -> bool:
@@ -286,6 +311,8 @@ def _sharded_entries(shard: _Shard, names: list, pieces_by_kind: dict, writing: 
         for i, poff, soff, n in mine:
             local[i].append((poff, shard.local(pieces, soff, n)))
         for i, name in enumerate(names):
+            if kind.startswith("optim/") and shard.atomic[i]:
+                continue                                  # a whole tensor's state is under whole/
             if local[i] and shard.numel[i] > 0:
                 out[f"{kind}/{name}"] = _sharded(shard.numel[i], chunks[i], local[i], rank)
     return out
@@ -312,7 +339,7 @@ def _settle(model, optimizer):
     optimizer = core_optimizer(optimizer)
     engine = optimizer._engine
     engine.wait_reductions()
-    engine.wait_params()
+    engine.flush_params()
     return engine, _pg(optimizer), _layout(model, optimizer)
 
 
@@ -724,13 +751,15 @@ def consolidate(path) -> dict:
     m = read_manifest(real)
     sd = {OBJECTS: torch.empty(m["objects_bytes"], dtype=torch.uint8)}
     flat = {}
+    # a whole tensor's state is under whole/ (Note [State windows] in csrc/engine/layout.cpp)
+    whole_groups = {g for part in m.get("parts", []) if part["kind"] == "whole" for g in part["groups"]}
     for name, info in m["params"].items():
         numel = 1
         for d in info["shape"]:
             numel *= d
         for kind in ["model"] + [f"optim/{s}" for s in m["states"]]:
-            flat[(kind, name)] = torch.empty(numel)
-            if numel:
+            flat[(kind, name)] = torch.zeros(numel)
+            if numel and (kind == "model" or info["group"] not in whole_groups):
                 sd[f"{kind}/{name}"] = flat[(kind, name)]
     for name, info in m["plain"].items():
         sd[f"model/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
@@ -772,7 +801,7 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
     kinds = {"model": shard.masters, **{f"optim/{s}": p for s, p in states.items()}}
     names = _engine_names(optimizer, layout)
     receiving = rank == to
-    out = {k: [torch.empty(n) for n in shard.numel] for k in kinds} if receiving else None
+    out = {k: [torch.zeros(n) for n in shard.numel] for k in kinds} if receiving else None
 
     def place(kind, frags, src, base):
         for i, poff, soff, n in frags:
@@ -797,12 +826,12 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
                 for r in range(parts):
                     if r == to:
                         if receiving:
-                            place(kind, by_bucket[r][b], pieces[b], base)
+                            place(kind, by_bucket[r][b], shard.full(pieces, b), base)
                     elif receiving:
                         dist.recv(buf[:n_b], src=dist.get_global_rank(pg, r), group=pg)
                         place(kind, by_bucket[r][b], buf[:n_b], base)
                     elif rank == r:
-                        dist.send(pieces[b].contiguous(), dst=dst, group=pg)
+                        dist.send(shard.full(pieces, b).contiguous(), dst=dst, group=pg)
         del buf
     # whole-tensor states: each owner's, to rank `to` (they are per tensor, not per element)
     mine = {name: {k: t.clone() for k, t in opt.state.get(view, {}).items()}

@@ -50,7 +50,7 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
         raise ValueError(f"zero_ext: modifier_rank must be in [0, {world}), got {modifier_rank}")
     stage3 = wrapper._units is not None
     units = sorted({o[1] for _, o in owned}) if stage3 else []
-    engine.wait_params()
+    engine.flush_params()
     was_gathered = {u: engine.unit_gathered(u) for u in units}
     for u in units:
         engine.gather_unit(u, True)

@@ -54,7 +54,7 @@ class ZeroModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._engine.sequence_mark(PHASE_FORWARD)
-        self._engine.wait_params()
+        self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/layout.cpp)
         if self._config.broadcast_buffers and self._buffers_to_sync and self._engine.world_size > 1:
             self._engine.broadcast_tensors(self._buffers_to_sync, 0)
         if self._compute_dtype is not None:
@@ -78,7 +78,7 @@ class ZeroModel(nn.Module):
             self._engine.set_require_sync(old)
 
     def state_dict(self, *args, **kwargs):
-        self._engine.wait_params()
+        self._engine.flush_params()
         if self._units is not None:
             return self._units.full_state_dict(*args, **kwargs)
         return self.module.state_dict(*args, **kwargs)

@@ -236,7 +236,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self._iter_skip:
             # Note [Unused parameters] (csrc/engine/unused.cpp): one small all-reduce
             # decides which parameters got a gradient on some rank; the others are skipped.
-            self._engine.begin_step()
+            # Several optimizers: each advances its parameters' step counts when it steps.
+            self._engine.begin_step(len(self._parts) == 1)
 
     def _step_parts(self, which, closure=None):
         loss = self._begin_step_call(closure)
@@ -259,6 +260,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         one = len(self._parts) == 1
         if not one:
             self._engine.set_active_groups(part.groups)
+            self._engine.advance_steps()
         try:
             if part.kind == "fused":
                 self._fused_step(scale, part)
@@ -271,14 +273,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         with self._keep_unstepped():
                             part.opt.step()
                     else:
-                        part.opt.step()
-                    if part.kind == "whole":
-                        self._tensor_updates += len(part.owned)
+                        self._whole_step(part)
                 self._engine.cast_masters()   # low precision: the copy that is gathered next
             self._engine.all_gather_params()
         finally:
             if not one:
                 self._engine.set_active_groups([])
+
+    def _whole_step(self, part: _Part) -> None:
+        """The torch optimizer over this rank's whole tensors. As torch skips a
+        parameter whose .grad is None (Note [Unused parameters]: no rank gave it a
+        gradient), those tensors' gradients are hidden for the step: no weight decay,
+        no momentum or step-count update for them."""
+        stepped = self._engine.stepped_params()
+        hidden = [(m, m.grad) for i, m in part.owned if not stepped[i]]
+        for m, _ in hidden:
+            m.grad = None
+        try:
+            part.opt.step()
+        finally:
+            for m, g in hidden:
+                m.grad = g
+        self._tensor_updates += len(part.owned) - len(hidden)
 
     @contextlib.contextmanager
     def _keep_unstepped(self):
@@ -353,10 +369,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Wait for every outstanding collective (reductions, the parameter gather);
         only needed with overlap_param_gather=True before reading parameters directly."""
         self._engine.wait_reductions()
-        self._engine.wait_params()
+        self._engine.flush_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.zero_grad(set_to_none)
+
+    def _zero_grad_part(self, k: int, set_to_none: bool) -> None:
+        self._engine.set_active_groups(self._parts[k].groups)
+        try:
+            self._engine.zero_grad(set_to_none)
+        finally:
+            self._engine.set_active_groups([])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -66,6 +66,22 @@ def state_bytes_per_element(cls, hyper: dict, shape) -> float:
     return _STATE_PER_ELEMENT[key]
 
 
+def fill_state_sizes(parts, group_dicts: list, params: list, groups: list, stage, world: int) -> list:
+    """Per trainable parameter, the optimizer state bytes per element that the
+    planner balances by filling the padding of tensor-atomic buckets with pieces of
+    element-granular parameters (Note [Filling atomic buckets] in csrc/core/zx_core.h,
+    Note [Cut parameters] in csrc/engine/layout.cpp); [] when nothing is filled:
+    stage 0 or 3, one rank, no whole-tensor optimizer, or an elementwise one that
+    runs as a torch optimizer over shard views rather than as a fused kernel."""
+    if stage not in (1, 2) or world < 2:
+        return []
+    if not any(p.kind == "whole" for p in parts) or any(p.kind == "shard" for p in parts):
+        return []
+    cls_of = {gi: part.cls for part in parts for gi in part.groups}
+    return [state_bytes_per_element(cls_of[g], {k: v for k, v in group_dicts[g].items() if k != "params"},
+                                    p.shape) for p, g in zip(params, groups)]
+
+
 def build_whole_optimizer(zopt, part) -> None:
     """The inner torch optimizer of a 'whole' part: the part's class over this
     rank's whole tensors (fp32 master views with their gradient views), one inner
@@ -110,7 +126,9 @@ class ZeroOptimizerPart(torch.optim.Optimizer):
         return self._core._step_parts([self._index], closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._core.zero_grad(set_to_none)
+        """This optimizer's gradients only, as torch's zero_grad (the other parts'
+        optimizers may still step with theirs)."""
+        self._core._zero_grad_part(self._index, set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return self._core.clip_grad_norm_(max_norm, norm_type)

@@ -62,12 +62,31 @@ py::dict Engine::atomic_stats() const {
         nmax = std::max(nmax, m);
         nsum += m;
     }
+    int64_t filled = 0;   // elements of element-granular pieces inside atomic buckets
     for (const auto &bk : buckets_) {
         if (!bk.atomic) continue;
         buckets++;
-        tensors += (int64_t)bk.params.size();
+        for (int64_t i : bk.params) {
+            if (zx_plan_owner(plan_, i) >= 0) {
+                tensors++;
+                int64_t m = 1;   // (stage 3 parameters may be empty now: the logical shape)
+                for (int64_t d : shapes_[i]) m *= d;
+                atomic_numel += m;
+            }
+        }
         padding += bk.padded_numel - bk.numel;
-        atomic_numel += bk.numel;
+        filled += bk.numel;
+    }
+    // Planned optimizer state per rank (zx_plan_rank_state; 0 unless the
+    // optimizers' state sizes were given: Note [Filling atomic buckets]).
+    py::list state;
+    double smax = 0.0, ssum = 0.0;
+    for (int64_t r = 0; r < parts_; r++) {
+        double bytes = 0.0, whole = 0.0;
+        zx_check(zx_plan_rank_state(plan_, (int32_t)r, &bytes, &whole), "reading the plan");
+        state.append(bytes);
+        smax = std::max(smax, bytes);
+        ssum += bytes;
     }
     py::dict d;
     d["tensors"] = tensors;
@@ -78,6 +97,10 @@ py::dict Engine::atomic_stats() const {
     d["numel_per_rank"] = numel;
     d["cost_balance"] = csum > 0 ? cmax / (csum / (double)parts_) : 1.0;
     d["numel_balance"] = nsum > 0 ? (double)nmax / ((double)nsum / (double)parts_) : 1.0;
+    d["filled_numel"] = filled - atomic_numel;   // pieces of element-granular parameters in the padding
+    d["cut_params"] = (int64_t)cut_params().size();
+    d["state_bytes_per_rank"] = state;   // planned: whole tensors' + element-granular state
+    d["state_balance"] = ssum > 0 ? smax / (ssum / (double)parts_) : 1.0;
     return d;
 }
 

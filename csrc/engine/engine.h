@@ -7,7 +7,8 @@
 // creates one Engine per zeroify() call and calls into it from thin hooks.
 //
 // One class, one file per concern (csrc/engine/):
-//   layout.cpp       the buckets, shards and views built from the plan; state; stats
+//   layout.cpp       the buckets, shards and views built from the plan; stats
+//   fill.cpp         atomic buckets filled with cut parameters; per-element state windows
 //   reducer.cpp      gradient readiness, the ring, reduce-scatter / all-reduce
 //   gatherer.cpp     parameter all-gather (stages 0-2) and stage-3 units
 //   stepper.cpp      optimizer steps, gradient norm and scaling, casts
@@ -57,6 +58,11 @@ struct EngineOptions {
     // 1 factored (Adafactor), 2 orthogonalized (Muon): those groups' tensors are
     // owned whole by one rank (Note [Tensor-atomic buckets], core/zx_core.h).
     std::vector<int64_t> group_update_kind;
+    // Per parameter, optimizer state bytes per element (empty: none given). With
+    // tensor-atomic groups, element-granular pieces fill the atomic buckets' padding
+    // so that state balances (Note [Filling atomic buckets], core/zx_core.h;
+    // Note [Cut parameters] in layout.cpp). Stages 1-2 only.
+    std::vector<double> param_state;
 };
 
 // One bucket of the plan, as tensors. Note [Gradient layout]:
@@ -71,12 +77,17 @@ struct GatherGroup;
 
 struct Bucket {
     int64_t group = 0;                 // param group index
-    std::vector<int64_t> params;       // engine parameter indices, layout order
+    std::vector<int64_t> params;       // engine parameter index of each piece, layout order
     int64_t numel = 0;                 // elements of parameters (unpadded)
     int64_t padded_numel = 0;          // numel padded to partitions*align
     int64_t slice_numel = 0;           // padded_numel / partitions: one rank's share
     int64_t shard_offset = 0;          // where this bucket's slice sits in a shard
     bool atomic = false;               // tensor-atomic: each slice holds whole tensors
+    bool mixed = false;                // atomic and filled with element-granular pieces (Note [Cut parameters])
+    std::vector<int64_t> groups;       // mixed: every param group with a piece inside
+    std::vector<char> stepped;         // mixed: per entry of groups, stepped since the last gather
+    int64_t state_lo = 0, state_numel = 0;   // this rank's window of the slice with per-element state
+    int64_t state_offset = 0;          // where that window starts in the flat states
     std::vector<std::pair<int64_t, int64_t>> gaps;  // padding (offset, numel): zeroed before reduction
     at::Tensor flat_param;             // (padded_numel,) param_dtype; parameters are views
     at::Tensor flat_grad;              // (padded_numel,) reduce_dtype in stage 0/1, else undefined
@@ -159,11 +170,17 @@ public:
     void cast_masters();
     void all_gather_params();          // launch: every rank's slices -> full buckets
     void wait_params();                // block until the parameter gather is done
-    void zero_grad(bool set_to_none);
+    // Parameters are needed now (forward, reads): launch the gathers of mixed buckets
+    // some of whose groups stepped (Note [Cut parameters]), then wait_params().
+    void flush_params();
+    void zero_grad(bool set_to_none);  // with set_active_groups: those groups' gradients only
     // Note [Unused parameters] (unused.cpp): agree across ranks (one small
     // all-reduce) which parameters got a gradient, and advance their step counts.
     // Call once per optimizer step, before step_adam/step_sgd or a generic step.
-    void begin_step();
+    // advance=false: several wrapped optimizers; each advances its own parameters'
+    // counts with advance_steps() under set_active_groups, when it steps.
+    void begin_step(bool advance = true);
+    void advance_steps();              // step counts of the stepped parameters of the active groups
     std::vector<bool> stepped_params() const;   // per parameter: stepped by this step
     std::vector<int64_t> param_steps();         // per parameter: optimizer steps taken
     void set_param_steps(const std::vector<int64_t> &steps);
@@ -179,6 +196,8 @@ public:
     // Owner rank of each parameter (-1: element-granular).
     std::vector<int64_t> owners() const;
     py::dict atomic_stats() const;
+    // Parameters cut into pieces to fill atomic buckets (Note [Cut parameters]).
+    std::vector<int64_t> cut_params() const;
 
     // --- stage 3 ---
     // Make unit u's parameters whole: launch its all-gather if it is neither
@@ -222,8 +241,13 @@ public:
     int64_t frozen_shard_bytes() const;
 
     // --- state ---
-    // Flat optimizer state over the shard (exp_avg, ...), created zero-filled on demand.
+    // Flat per-element optimizer state (exp_avg, ...), created zero-filled on demand,
+    // over the state windows only (Note [State windows]): elements of tensor-atomic
+    // parameters, whose optimizer keeps its own per-tensor state, have none.
     at::Tensor state(const std::string &name);
+    // Per bucket: (first element of this rank's window inside its slice, elements,
+    // offset of the window in the flat states).
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> state_windows() const;
     std::map<std::string, at::Tensor> &states() { return states_; }
     py::dict stats() const;
     std::string describe_plan() const;
@@ -268,6 +292,15 @@ private:
     void forget_grads();               // zero_grad(set_to_none=True)
     void ensure_step_tables();
     std::vector<StepRun> step_runs(int64_t b) const;
+    std::vector<StepRun> mixed_runs(int64_t b) const;   // a mixed bucket's element-granular runs
+    bool active_param(int64_t i) const {
+        return active_groups_.empty() ||
+               (group_of_[i] < (int64_t)active_groups_.size() && active_groups_[group_of_[i]]);
+    }
+    // into_params: cut parameters := their pieces of the gathered buckets; else the
+    // pieces := the cut parameters (their edits).
+    void copy_cut_params(bool into_params);
+    void plan_state_windows();
     void commit_frozen(int64_t u, int64_t src);
     void open_frozen_fp32(int64_t u);
     void release_all_frozen();
@@ -276,6 +309,13 @@ private:
     at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(dev_); }
 
     std::vector<at::Tensor> params_;
+    std::vector<int64_t> group_of_;              // each parameter's param group
+    // Note [Cut parameters]: per parameter its pieces (one entry when it lies whole
+    // in one bucket); cut_[i]: it was cut, so it owns storage instead of being a view.
+    std::vector<std::vector<zx_piece>> pieces_;
+    std::vector<char> cut_;
+    bool any_cut_ = false, cut_stale_ = false;
+    int64_t state_numel_ = 0;                    // Note [State windows]
     std::vector<std::vector<int64_t>> shapes_;   // each parameter's logical shape
     std::vector<char> active_groups_;            // set_active_groups: empty = all
     std::vector<at::Tensor> grad_views_;   // stage 0/1: param i's view into flat_grad

@@ -46,27 +46,65 @@ void Engine::publish_params() {
 void Engine::absorb_param_edits() {
     TORCH_CHECK(opts_.stage <= 2, "zero_ext: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
     wait_params();
+    if (any_cut_) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
     if (!lp_ && !qgather_) return;   // the owned slice is the master
     for (auto &bk : buckets_) absorb(master_slice(bk), owned_slice(bk.flat_param, bk));
 }
 
 void Engine::all_gather_params() {
-    if (parts_ == 1 || opts_.stage == 3) return;   // stage 3 gathers per unit, on demand
+    if (parts_ == 1 || opts_.stage == 3) {   // stage 3 gathers per unit, on demand
+        if (any_cut_) copy_cut_params(true);
+        return;
+    }
     wait_params();
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
-        if (!active(bk)) continue;
+        if (bk.mixed) {
+            // Note [Cut parameters]: gathered once every group inside has stepped.
+            bool all = true;
+            for (size_t k = 0; k < bk.groups.size(); k++) {
+                const int64_t g = bk.groups[k];
+                if (active_groups_.empty() || (g < (int64_t)active_groups_.size() && active_groups_[g])) bk.stepped[k] = 1;
+                all = all && bk.stepped[k];
+            }
+            if (!all) continue;
+            std::fill(bk.stepped.begin(), bk.stepped.end(), 0);
+        } else if (!active(bk)) {
+            continue;
+        }
         at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
         comm_.seq.subject(b, -1);
         gather_works_.push_back(qgather_ ? qgather_->launch(comm_, b, master_slice(bk), bk.flat_param)
                                          : comm_.all_gather(bk.flat_param, in));
+        cut_stale_ = cut_stale_ || any_cut_;
     }
+}
+
+void Engine::flush_params() {
+    if (parts_ > 1 && opts_.stage < 3) {
+        bool pending = false;
+        for (const auto &bk : buckets_)
+            for (char st : bk.stepped) pending = pending || st;
+        if (pending) {
+            // Some optimizer was not stepped this iteration: gather what did step.
+            const std::vector<char> saved = active_groups_;
+            active_groups_.clear();
+            for (auto &bk : buckets_)
+                if (std::find(bk.stepped.begin(), bk.stepped.end(), 1) != bk.stepped.end())
+                    std::fill(bk.stepped.begin(), bk.stepped.end(), 1);
+            active_groups_.assign(1, 0);   // nothing else: only the mixed buckets, whose groups are all stepped now
+            all_gather_params();
+            active_groups_ = saved;
+        }
+    }
+    wait_params();
 }
 
 void Engine::wait_params() {
     for (auto &w : gather_works_) comm_.watch(w, "parameter all-gather");
     gather_works_.clear();
     if (qgather_ && opts_.stage < 3) qgather_->finish_all();   // stage 3: wait_gather finishes its own
+    if (cut_stale_) copy_cut_params(true);
 }
 
 void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {

@@ -1,7 +1,7 @@
 // layout.cpp — the Engine built from the plan: buckets as flat tensors on the
 // parameters' device, parameters (and stage 0/1 gradients) as views into them,
-// the fp32 master and optimizer states over this rank's shard; where each
-// piece lives (slices, fragments); stats() and the printable plan.
+// the fp32 master over this rank's shard (optimizer states: fill.cpp); where
+// each piece lives (slices, fragments); stats() and the printable plan.
 #include "engine/engine.h"
 
 #include "kernels_binding.h"   // defines: zx_check, parse_isa
@@ -87,11 +87,26 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     // Stage 3: one bucket per (unit, group); the unit is the granularity.
     const int64_t cap = s3 ? INT64_MAX / 4 : opts_.bucket_bytes;
     const int64_t first_cap = s3 ? INT64_MAX / 4 : opts_.first_bucket_bytes;
+    // Note [Cut parameters]: state per element, so element-granular pieces fill the padding.
+    const bool fill = any_atomic && !opts_.param_state.empty() && (opts_.stage == 1 || opts_.stage == 2);
+    TORCH_CHECK(opts_.param_state.empty() || (int64_t)opts_.param_state.size() == n,
+                "zero_ext: one state size per parameter expected, got ", opts_.param_state.size());
     zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), s3 ? unit.data() : nullptr,
                       order.data(), (int32_t)parts_, cap, first_cap, opts_.align,
-                      any_atomic ? cost.data() : nullptr};
+                      any_atomic ? cost.data() : nullptr, fill ? opts_.param_state.data() : nullptr};
     zx_check(zx_plan_create(&pp, &plan_), "planning the bucket layout");
     shard_numel_ = zx_plan_shard_numel(plan_);
+    group_of_ = groups;
+    pieces_.resize(n);
+    cut_.assign(n, 0);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t count = 0;
+        zx_plan_param_pieces(plan_, i, nullptr, 0, &count);
+        pieces_[i].resize((size_t)count);
+        zx_check(zx_plan_param_pieces(plan_, i, pieces_[i].data(), count, &count), "reading the plan");
+        cut_[i] = count > 1;
+        any_cut_ = any_cut_ || count > 1;
+    }
 
     // Buckets as tensors; parameters (and stage 0/1 gradients) become views.
     kern_ = make_kernels(dev_, isa_, rzx_);
@@ -141,14 +156,26 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         at::Tensor src32 = lp_ && opts_.copy_params ? at::zeros({bi.padded_numel}, f32) : at::Tensor();
         max_padded_ = std::max(max_padded_, bi.padded_numel);
         for (int64_t k = 0; k < bi.num_params; k++) {
-            int64_t i;
-            zx_check(zx_plan_bucket_param(plan_, b, k, &i), "reading the plan");
+            zx_piece pc;
+            zx_check(zx_plan_bucket_piece(plan_, b, k, &pc), "reading the plan");
+            const int64_t i = pc.param;
+            bk.params.push_back(i);
+            at::Tensor &p = params_[i];
+            if (cut_[i]) {
+                // Note [Cut parameters]: this piece's values; the parameter keeps storage of its own.
+                bk.mixed = bk.mixed || bk.atomic;
+                if (opts_.copy_params) {
+                    at::NoGradGuard ng;
+                    (lp_ ? src32 : bk.flat_param).narrow(0, pc.offset, pc.numel)
+                        .copy_(p.detach().reshape(-1).narrow(0, pc.param_offset, pc.numel));
+                }
+                continue;
+            }
+            bk.mixed = bk.mixed || (bk.atomic && zx_plan_owner(plan_, i) < 0);
             zx_param_loc loc;
             zx_check(zx_plan_param(plan_, i, &loc), "reading the plan");
-            bk.params.push_back(i);
             bucket_of_[i] = b;
             offset_of_[i] = loc.offset;
-            at::Tensor &p = params_[i];
             at::Tensor view = bk.flat_param.narrow(0, loc.offset, loc.numel).view(p.sizes());
             if (opts_.copy_params) {
                 at::NoGradGuard ng;
@@ -164,9 +191,19 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                 p.mutable_grad() = at::Tensor();
             }
         }
-        // Padding between and after the parameters (atomic buckets pad every slice).
+        if (bk.mixed) {
+            for (int64_t i : bk.params)
+                if (std::find(bk.groups.begin(), bk.groups.end(), group_of_[i]) == bk.groups.end())
+                    bk.groups.push_back(group_of_[i]);
+            bk.stepped.assign(bk.groups.size(), 0);
+        }
+        // Padding between and after the pieces (atomic buckets pad every slice).
         std::vector<std::pair<int64_t, int64_t>> spans;
-        for (int64_t i : bk.params) spans.emplace_back(offset_of_[i], numel[i]);
+        for (int64_t k = 0; k < bi.num_params; k++) {
+            zx_piece pc;
+            zx_check(zx_plan_bucket_piece(plan_, b, k, &pc), "reading the plan");
+            spans.emplace_back(pc.offset, pc.numel);
+        }
         std::sort(spans.begin(), spans.end());
         int64_t at = 0;
         for (const auto &sp : spans) {
@@ -190,6 +227,23 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         }
     }
     if (s3) peak_gathered_bytes_ = 0;
+    TORCH_CHECK(!s3 || !any_cut_, "zero_ext: internal: stage 3 cuts no parameter");
+    for (int64_t i = 0; i < n; i++) {
+        if (!cut_[i]) continue;
+        // Note [Cut parameters]: storage of its own in param_dtype, filled from the buckets.
+        at::Tensor &p = params_[i];
+        bucket_of_[i] = pieces_[i][0].bucket;
+        offset_of_[i] = pieces_[i][0].offset;
+        const at::Tensor grad = p.grad();
+        p.set_data(at::empty(shapes_[i], pt));
+        p.mutable_grad() = at::Tensor();
+        if (grad.defined() && opts_.stage <= 1)
+            for (const zx_piece &pc : pieces_[i])
+                buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel)
+                    .copy_(grad.reshape(-1).narrow(0, pc.param_offset, pc.numel));
+    }
+    if (any_cut_) copy_cut_params(true);
+    plan_state_windows();
     // The gradient shard and the ring are allocated at the first backward
     // (grad_shard_slice, acquire_slot), so building the model costs no more.
 }
@@ -251,14 +305,6 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(in
             out.emplace_back(f.param, f.param_offset, buckets_[b].shard_offset + f.slice_offset, f.numel);
     }
     return out;
-}
-
-at::Tensor Engine::state(const std::string &name) {
-    auto it = states_.find(name);
-    if (it != states_.end()) return it->second;
-    at::Tensor t = at::zeros({shard_numel_}, on_device(at::kFloat));
-    states_[name] = t;
-    return t;
 }
 
 py::dict Engine::stats() const {

@@ -22,6 +22,16 @@ void Engine::ensure_grad_view(int64_t i) {
     const at::Tensor &view = grad_views_[i];
     TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: parameter ", i,
                 " got a sparse gradient; use dense embeddings (sparse=False)");
+    if (cut_[i]) {
+        // Note [Cut parameters]: added piece by piece into each bucket's flat_grad.
+        if (g.defined()) {
+            const at::Tensor flat = g.reshape(-1);
+            for (const zx_piece &pc : pieces_[i])
+                buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
+            p.mutable_grad() = at::Tensor();
+        }
+        return;
+    }
     if (!grad_views_ok_) {
         // Note [Mixed precision]: accumulate in reduce_dtype, keep no param.grad.
         if (g.defined()) {
@@ -40,15 +50,17 @@ void Engine::ensure_grad_view(int64_t i) {
 void Engine::stage_grad(int64_t i) {
     at::Tensor &p = params_[i];
     const at::Tensor g = p.grad();
-    Bucket &bk = buckets_[bucket_of_[i]];
-    if (bk.slot < 0) acquire_slot(bucket_of_[i]);
-    at::Tensor dst = slots_[bk.slot].send.narrow(0, offset_of_[i], p.numel());
-    if (g.defined()) {
-        TORCH_CHECK(!g.is_sparse(), "zero_ext: parameter ", i,
-                    " got a sparse gradient; use dense embeddings (sparse=False)");
-        dst.view(p.sizes()).copy_(g);
-    } else {
-        dst.zero_();
+    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: parameter ", i,
+                " got a sparse gradient; use dense embeddings (sparse=False)");
+    const at::Tensor flat = g.defined() ? g.reshape(-1) : at::Tensor();
+    for (const zx_piece &pc : pieces_[i]) {   // one piece unless cut (Note [Cut parameters])
+        Bucket &bk = buckets_[pc.bucket];
+        if (bk.slot < 0) acquire_slot(pc.bucket);
+        at::Tensor dst = slots_[bk.slot].send.narrow(0, pc.offset, pc.numel);
+        if (flat.defined())
+            dst.copy_(flat.narrow(0, pc.param_offset, pc.numel));
+        else
+            dst.zero_();
     }
     p.mutable_grad() = at::Tensor();   // stage 2 keeps no full gradient
 }
@@ -64,14 +76,18 @@ void Engine::mark_ready(int64_t i) {
                 " was marked ready twice in one backward pass; if you call backward() "
                 "twice, call it under model.no_sync() for all but the last, or step in between");
     ready_[i] = 1;
-    Bucket &bk = buckets_[bucket_of_[i]];
-    if (--bk.pending == 0) {
+    bool done = false;
+    for (const zx_piece &pc : pieces_[i]) {
+        Bucket &bk = buckets_[pc.bucket];
+        if (--bk.pending > 0) continue;
+        done = true;
         // Stage 3: its backward is over; the root unit waits for the end.
         if (opts_.stage == 3 && bk.unit != 0) release_bucket(bk);
-        // Launch strictly in bucket order so that every rank issues the same collectives.
+    }
+    // Launch strictly in bucket order so that every rank issues the same collectives.
+    if (done)
         while (next_launch_ < (int64_t)buckets_.size() && buckets_[next_launch_].pending == 0)
             launch(next_launch_++);
-    }
 }
 
 void Engine::finalize_backward() {
@@ -83,7 +99,7 @@ void Engine::finalize_backward() {
         if (ready_[i]) continue;
         if (opts_.stage >= 2) stage_grad(i);
         ready_[i] = 1;
-        buckets_[bucket_of_[i]].pending--;
+        for (const zx_piece &pc : pieces_[i]) buckets_[pc.bucket].pending--;
     }
     while (next_launch_ < (int64_t)buckets_.size()) launch(next_launch_++);
     // Note [Reductions end with backward]: as DDP's reducer does, wait here.
@@ -221,6 +237,25 @@ void Engine::wait_reductions() {
 
 void Engine::zero_grad(bool set_to_none) {
     wait_reductions();
+    if (!active_groups_.empty()) {
+        // One of several wrapped optimizers: only its groups' gradients, as torch's
+        // zero_grad touches only its own parameters (the others may still step).
+        ensure_step_tables();
+        for (size_t i = 0; i < params_.size(); i++) {
+            if (!active_param((int64_t)i)) continue;
+            if (opts_.stage <= 1)
+                for (const zx_piece &pc : pieces_[i]) buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
+            if (set_to_none) {
+                params_[i].mutable_grad() = at::Tensor();
+                used_[i] = 0;   // Note [Unused parameters]
+            }
+        }
+        if (grad_shard_.defined())
+            for (size_t b = 0; b < buckets_.size(); b++)
+                for (const StepRun &f : my_frags_[b])
+                    if (active_param(f.param)) grad_shard_.narrow(0, buckets_[b].shard_offset + f.offset, f.numel).zero_();
+        return;
+    }
     for (auto &bk : buckets_)
         if (bk.flat_grad.defined()) bk.flat_grad.zero_();
     if (grad_shard_.defined()) grad_shard_.zero_();

@@ -36,24 +36,33 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
     at::Tensor vmax = ams ? state("max_exp_avg_sq") : at::Tensor();
     const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
     for (auto &bk : buckets_) {
-        if (bk.atomic || !active(bk)) continue;   // whole tensors / another part's groups
+        // Whole tensors / another part's groups; a mixed bucket's pieces (Note [Cut parameters]).
+        if (bk.atomic ? !bk.mixed : !active(bk)) continue;
+        const int64_t b = &bk - buckets_.data();
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
-        const zx_adam_hparams &hp = hps[bk.group];
         float *p = master(bk);
         char *lp = (char *)lp_out(bk);
         const at::Tensor gs = grad_shard_slice(bk);
-        float *mp = m.data_ptr<float>() + bk.shard_offset, *vp = v.data_ptr<float>() + bk.shard_offset;
-        float *xp = hp.amsgrad ? vmax.data_ptr<float>() + bk.shard_offset : nullptr;
+        // Note [State windows]: the states hold this bucket's window only.
+        const int64_t so = bk.state_offset - bk.state_lo;
+        float *mp = m.data_ptr<float>() + so, *vp = v.data_ptr<float>() + so;
+        float *xp = ams ? vmax.data_ptr<float>() + so : nullptr;
         if (ctl.defined()) {   // Note [Step control]: device step counts, one call per bucket
-            kern_->adam(bk.slice_numel, p, gs, mp, vp, xp, lp, pzx_, hp, ctl_ptr(ctl), step_ptr(steps, bk.group));
+            TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
+            const zx_adam_hparams &hp = hps[bk.group];
+            kern_->adam(bk.slice_numel, p, gs, mp, vp, hp.amsgrad ? xp : nullptr, lp, pzx_, hp, ctl_ptr(ctl),
+                        step_ptr(steps, bk.group));
             continue;
         }
         // Note [Unused parameters]: only the stretches of stepped parameters.
-        for (const StepRun &r : step_runs(&bk - buckets_.data())) {
-            zx_adam_hparams h = hp;
+        for (const StepRun &r : bk.mixed ? mixed_runs(b) : step_runs(b)) {
+            const int64_t g = bk.mixed ? group_of_[r.param] : bk.group;
+            if (bk.mixed && !active_param(r.param)) continue;
+            TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", g);
+            zx_adam_hparams h = hps[g];
             h.step = r.step;
             const int64_t o = r.offset;
-            kern_->adam(r.numel, p + o, gs.narrow(0, o, r.numel), mp + o, vp + o, xp ? xp + o : nullptr,
+            kern_->adam(r.numel, p + o, gs.narrow(0, o, r.numel), mp + o, vp + o, h.amsgrad ? xp + o : nullptr,
                         lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
         }
     }
@@ -67,22 +76,28 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
     at::Tensor buf = momentum ? state("momentum_buffer") : at::Tensor();
     const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
     for (auto &bk : buckets_) {
-        if (bk.atomic || !active(bk)) continue;   // whole tensors / another part's groups
+        if (bk.atomic ? !bk.mixed : !active(bk)) continue;   // as step_adam
+        const int64_t b = &bk - buckets_.data();
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
-        const zx_sgd_hparams &hp = hps[bk.group];
         float *p = master(bk);
         char *lp = (char *)lp_out(bk);
         const at::Tensor gs = grad_shard_slice(bk);
-        float *bp = hp.momentum != 0.0 ? buf.data_ptr<float>() + bk.shard_offset : nullptr;
+        float *bp = momentum ? buf.data_ptr<float>() + bk.state_offset - bk.state_lo : nullptr;   // Note [State windows]
         if (ctl.defined()) {   // Note [Step control]
-            kern_->sgd(bk.slice_numel, p, gs, bp, lp, pzx_, hp, ctl_ptr(ctl), step_ptr(steps, bk.group));
+            TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
+            const zx_sgd_hparams &hp = hps[bk.group];
+            kern_->sgd(bk.slice_numel, p, gs, hp.momentum != 0.0 ? bp : nullptr, lp, pzx_, hp, ctl_ptr(ctl),
+                       step_ptr(steps, bk.group));
             continue;
         }
-        for (const StepRun &r : step_runs(&bk - buckets_.data())) {   // Note [Unused parameters]
-            zx_sgd_hparams h = hp;
+        for (const StepRun &r : bk.mixed ? mixed_runs(b) : step_runs(b)) {   // Note [Unused parameters]
+            const int64_t g = bk.mixed ? group_of_[r.param] : bk.group;
+            if (bk.mixed && !active_param(r.param)) continue;
+            TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", g);
+            zx_sgd_hparams h = hps[g];
             h.first_step = r.step == 1;
             const int64_t o = r.offset;
-            kern_->sgd(r.numel, p + o, gs.narrow(0, o, r.numel), bp ? bp + o : nullptr,
+            kern_->sgd(r.numel, p + o, gs.narrow(0, o, r.numel), h.momentum != 0.0 ? bp + o : nullptr,
                        lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
         }
     }
@@ -112,7 +127,15 @@ std::vector<int64_t> Engine::bucket_groups() {
 void Engine::scale_grads(double factor) {
     wait_reductions();
     if (factor == 1.0) return;
+    if (any_cut_) ensure_step_tables();
     for (auto &bk : buckets_) {
+        if (bk.mixed) {
+            // Note [Cut parameters]: only the pieces of the active groups.
+            const at::Tensor gs = grad_shard_slice(bk);
+            for (const StepRun &f : my_frags_[&bk - buckets_.data()])
+                if (active_param(f.param)) gs.narrow(0, f.offset, f.numel).mul_(factor);
+            continue;
+        }
         if (!active(bk)) continue;
         at::Tensor gs = grad_shard_slice(bk);
         if (rdt_ != at::kFloat) {
@@ -154,7 +177,10 @@ void Engine::cast_masters() {
     if (!lp_) return;
     wait_params();
     for (auto &bk : buckets_) {
-        if (!active(bk)) continue;
+        bool any = active(bk);
+        for (int64_t g : bk.groups)   // a mixed bucket: any of its groups (Note [Cut parameters])
+            any = any || active_groups_.empty() || (g < (int64_t)active_groups_.size() && active_groups_[g]);
+        if (!any) continue;
         const float *p = master(bk);
         char *lp = (char *)lp_slice(bk).data_ptr();
         kern_->cast_from_f32(bk.slice_numel, p, lp, pzx_);

@@ -14,7 +14,8 @@
 //       set_to_none=False keeps it, as torch keeps the zeroed .grad tensors;
 //     - begin_step(): one all-reduce (MAX, one byte per parameter; counted as
 //       stats()["comm"]["used_flags"]) turns the flags into stepped_[i], the same
-//       on every rank, and advances param_steps_[i] of the stepped parameters;
+//       on every rank, and advances param_steps_[i] of the stepped parameters
+//       (with several wrapped optimizers, advance_steps() per optimizer as it steps);
 //     - step_runs(b): the stretches of bucket b's owned slice to update. When all
 //       of the slice's parameters are stepped with one step count (the usual
 //       case) it is the whole slice, padding included, as a single kernel call;
@@ -23,6 +24,8 @@
 //   Reductions are unchanged: every rank still reduces every bucket (unused
 //   parameters contribute zeros), so nothing hangs.
 #include "engine/engine.h"
+
+#include "kernels_binding.h"   // defines: zx_check
 
 #include <algorithm>
 #include <cstring>
@@ -44,15 +47,38 @@ void Engine::ensure_step_tables() {
     if (!my_frags_.empty() || buckets_.empty()) return;
     // This rank's fragments per bucket, in slice order.
     my_frags_.resize(buckets_.size());
-    for (const auto &[i, poff, soff, numel] : fragments(parts_ > 1 ? rank_ : 0)) {
-        const int64_t b = bucket_of_[(size_t)i];
-        my_frags_[(size_t)b].push_back({i, soff - buckets_[(size_t)b].shard_offset, numel, 0});
+    std::vector<zx_fragment> fr;
+    const int32_t r = (int32_t)(parts_ > 1 ? rank_ : 0);
+    for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
+        int64_t count = 0;
+        zx_plan_fragments(plan_, b, r, nullptr, 0, &count);
+        fr.resize((size_t)count);
+        zx_check(zx_plan_fragments(plan_, b, r, fr.data(), count, &count), "reading the plan");
+        for (const auto &f : fr) my_frags_[(size_t)b].push_back({f.param, f.slice_offset, f.numel, 0});
+        std::sort(my_frags_[(size_t)b].begin(), my_frags_[(size_t)b].end(),
+                  [](const StepRun &a, const StepRun &c) { return a.offset < c.offset; });
     }
-    for (auto &frags : my_frags_)
-        std::sort(frags.begin(), frags.end(), [](const StepRun &a, const StepRun &c) { return a.offset < c.offset; });
 }
 
-void Engine::begin_step() {
+std::vector<StepRun> Engine::mixed_runs(int64_t b) const {
+    // Note [Cut parameters]: the element-granular pieces of a mixed bucket, as runs
+    // of adjacent fragments with one param group and one step count.
+    TORCH_CHECK(step_begun_, "zero_ext: internal: a fused step ran without begin_step()");
+    std::vector<StepRun> runs;
+    for (const auto &f : my_frags_[(size_t)b]) {
+        if (zx_plan_owner(plan_, f.param) >= 0 || !stepped_[(size_t)f.param]) continue;
+        const int64_t s = param_steps_[(size_t)f.param];
+        const StepRun *last = runs.empty() ? nullptr : &runs.back();
+        if (last && last->step == s && last->offset + last->numel == f.offset &&
+            group_of_[(size_t)last->param] == group_of_[(size_t)f.param])
+            runs.back().numel += f.numel;
+        else
+            runs.push_back({f.param, f.offset, f.numel, s});
+    }
+    return runs;
+}
+
+void Engine::begin_step(bool advance) {
     ensure_step_tables();
     if (sec_) sec_->drop_all();   // the masters change (Note [Hierarchical partitioning])
     if (world_ > 1) {
@@ -63,9 +89,14 @@ void Engine::begin_step() {
     } else {
         stepped_ = used_;
     }
-    for (size_t i = 0; i < stepped_.size(); i++)
-        if (stepped_[i]) param_steps_[i]++;
     step_begun_ = true;
+    if (advance) advance_steps();
+}
+
+void Engine::advance_steps() {
+    TORCH_CHECK(step_begun_, "zero_ext: internal: advance_steps() without begin_step()");
+    for (size_t i = 0; i < stepped_.size(); i++)
+        if (stepped_[i] && active_param((int64_t)i)) param_steps_[i]++;
 }
 
 std::vector<StepRun> Engine::step_runs(int64_t b) const {
