@@ -24,12 +24,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+from machine import spawn_ranks  # noqa: E402  (benchmarks/, the script's directory)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "bench_comm.json"
@@ -121,10 +121,7 @@ def main():
     if "exact" not in args.modes:
         args.modes = ["exact"] + args.modes
     t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(args.world, os.path.join(tmp, "store"), tmp, args),
-                           nprocs=args.world, start_method="spawn")
-        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(args.world)]
+    ranks = spawn_ranks(worker, args.world, args)
     r0 = ranks[0]
     exact = r0["exact"]
     tail = 20

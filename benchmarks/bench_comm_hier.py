@@ -39,12 +39,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+from machine import spawn_ranks  # noqa: E402  (benchmarks/, the script's directory)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "bench_comm_hier.json"
@@ -203,10 +203,7 @@ def main():
         args.modes = ["exact_bf16"] + args.modes
     world, node = args.world, args.node_size
     t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(world, os.path.join(tmp, "store"), tmp, args),
-                           nprocs=world, start_method="spawn")
-        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    ranks = spawn_ranks(worker, world, args)
     r0 = ranks[0]
     exact = cross_node(r0["exact_bf16"], world, node, args.steps)
     exact_wire = sum(w for _, w in exact.values())

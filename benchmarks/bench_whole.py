@@ -22,17 +22,15 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_comm import start_rank  # noqa: E402
-from machine import cpu_model, interleaved  # noqa: E402
+from machine import cpu_model, interleaved, spawn_ranks  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "bench_whole.json"
 SYSTEMS = ["ddp", "zero_s1", "zero_s2"]
@@ -114,10 +112,7 @@ def main():
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     t0 = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(args.world, os.path.join(tmp, "store"), tmp, args),
-                           nprocs=args.world, start_method="spawn")
-        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(args.world)]
+    ranks = spawn_ranks(worker, args.world, args)
     r0 = ranks[0]
     summary, rows = {}, []
     for name in SYSTEMS:

@@ -35,3 +35,18 @@ def interleaved(names: list, time_one, reps: int) -> list:
             row[name] = time_one(name, rep)
         per_rep.append(row)
     return per_rep
+
+
+def spawn_ranks(worker, world: int, args) -> list:
+    """Run worker(rank, world, store_path, out_dir, args) in `world` spawned processes,
+    each saving its results to out_dir/rank<rank>.pt; return them in rank order."""
+    import os
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(worker, args=(world, os.path.join(tmp, "store"), tmp, args),
+                           nprocs=world, start_method="spawn")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]

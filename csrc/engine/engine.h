@@ -264,9 +264,11 @@ public:
     void sequence_mark(int64_t phase);   // a SeqPhase: forward, backward, clip, step
 
 private:
-    bool active(const Bucket &bk) const {
-        return active_groups_.empty() || (bk.group < (int64_t)active_groups_.size() && active_groups_[bk.group]);
+    // set_active_groups: no groups given = all active.
+    bool active_group(int64_t g) const {
+        return active_groups_.empty() || (g < (int64_t)active_groups_.size() && active_groups_[g]);
     }
+    bool active(const Bucket &bk) const { return active_group(bk.group); }
     void launch(int64_t b);
     void complete(int64_t b);          // wait for b's reduction and post-process it
     int64_t acquire_slot(int64_t b);
@@ -286,6 +288,7 @@ private:
     at::Tensor master_slice(Bucket &bk);
     at::Tensor lp_slice(Bucket &bk);   // the gather input (stage 3) / owned slice of flat_param
     void absorb(at::Tensor master, const at::Tensor &lp_new);
+    void launch_param_gather(int64_t b);   // bucket b's all-gather (stages 1-2)
     at::Tensor owned_slice(const at::Tensor &flat, const Bucket &bk) const;
     at::Tensor grad_shard_slice(const Bucket &bk);
     void note_grad(int64_t i);         // param i got a gradient on this rank
@@ -293,10 +296,7 @@ private:
     void ensure_step_tables();
     std::vector<StepRun> step_runs(int64_t b) const;
     std::vector<StepRun> mixed_runs(int64_t b) const;   // a mixed bucket's element-granular runs
-    bool active_param(int64_t i) const {
-        return active_groups_.empty() ||
-               (group_of_[i] < (int64_t)active_groups_.size() && active_groups_[group_of_[i]]);
-    }
+    bool active_param(int64_t i) const { return active_group(group_of_[i]); }
     // into_params: cut parameters := their pieces of the gathered buckets; else the
     // pieces := the cut parameters (their edits).
     void copy_cut_params(bool into_params);

@@ -63,8 +63,7 @@ void Engine::all_gather_params() {
             // Note [Cut parameters]: gathered once every group inside has stepped.
             bool all = true;
             for (size_t k = 0; k < bk.groups.size(); k++) {
-                const int64_t g = bk.groups[k];
-                if (active_groups_.empty() || (g < (int64_t)active_groups_.size() && active_groups_[g])) bk.stepped[k] = 1;
+                if (active_group(bk.groups[k])) bk.stepped[k] = 1;
                 all = all && bk.stepped[k];
             }
             if (!all) continue;
@@ -72,30 +71,32 @@ void Engine::all_gather_params() {
         } else if (!active(bk)) {
             continue;
         }
-        at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
-        comm_.seq.subject(b, -1);
-        gather_works_.push_back(qgather_ ? qgather_->launch(comm_, b, master_slice(bk), bk.flat_param)
-                                         : comm_.all_gather(bk.flat_param, in));
-        cut_stale_ = cut_stale_ || any_cut_;
+        launch_param_gather(b);
     }
 }
 
+void Engine::launch_param_gather(int64_t b) {
+    Bucket &bk = buckets_[b];
+    at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
+    comm_.seq.subject(b, -1);
+    gather_works_.push_back(qgather_ ? qgather_->launch(comm_, b, master_slice(bk), bk.flat_param)
+                                     : comm_.all_gather(bk.flat_param, in));
+    cut_stale_ = cut_stale_ || any_cut_;
+}
+
 void Engine::flush_params() {
-    if (parts_ > 1 && opts_.stage < 3) {
-        bool pending = false;
-        for (const auto &bk : buckets_)
-            for (char st : bk.stepped) pending = pending || st;
-        if (pending) {
-            // Some optimizer was not stepped this iteration: gather what did step.
-            const std::vector<char> saved = active_groups_;
-            active_groups_.clear();
-            for (auto &bk : buckets_)
-                if (std::find(bk.stepped.begin(), bk.stepped.end(), 1) != bk.stepped.end())
-                    std::fill(bk.stepped.begin(), bk.stepped.end(), 1);
-            active_groups_.assign(1, 0);   // nothing else: only the mixed buckets, whose groups are all stepped now
-            all_gather_params();
-            active_groups_ = saved;
-        }
+    // Note [Cut parameters]: a mixed bucket some of whose optimizers did not step this
+    // iteration is gathered now, with what did step (the same buckets on every rank).
+    std::vector<int64_t> pending;
+    for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
+        std::vector<char> &st = buckets_[b].stepped;
+        if (std::find(st.begin(), st.end(), 1) == st.end()) continue;
+        std::fill(st.begin(), st.end(), 0);
+        pending.push_back(b);
+    }
+    if (!pending.empty()) {
+        wait_params();
+        for (int64_t b : pending) launch_param_gather(b);
     }
     wait_params();
 }

@@ -179,7 +179,7 @@ void Engine::cast_masters() {
     for (auto &bk : buckets_) {
         bool any = active(bk);
         for (int64_t g : bk.groups)   // a mixed bucket: any of its groups (Note [Cut parameters])
-            any = any || active_groups_.empty() || (g < (int64_t)active_groups_.size() && active_groups_[g]);
+            any = any || active_group(g);
         if (!any) continue;
         const float *p = master(bk);
         char *lp = (char *)lp_slice(bk).data_ptr();
