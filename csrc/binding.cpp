@@ -88,7 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("param_dtype", &zx::EngineOptions::param_dtype)
         .def_readwrite("reduce_dtype", &zx::EngineOptions::reduce_dtype)
         .def_readwrite("group_update_kind", &zx::EngineOptions::group_update_kind)
-        .def_readwrite("param_state", &zx::EngineOptions::param_state);
+        .def_readwrite("param_state", &zx::EngineOptions::param_state)
+        .def_readwrite("agree_unused", &zx::EngineOptions::agree_unused);
 
     // The loss-scaling state machine of the C core (zx_scaler.c), state and all.
     py::class_<zx_loss_scaler>(m, "LossScaler")
@@ -225,6 +226,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("flush_params", &zx::Engine::flush_params, py::call_guard<py::gil_scoped_release>())
         .def("begin_step", &zx::Engine::begin_step, py::arg("advance") = true, py::call_guard<py::gil_scoped_release>())
         .def("advance_steps", &zx::Engine::advance_steps, py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("agrees_unused", &zx::Engine::agrees_unused)
+        .def("locally_unused", &zx::Engine::locally_unused)
         .def("stepped_params", &zx::Engine::stepped_params)
         .def("param_steps", &zx::Engine::param_steps)
         .def("set_param_steps", &zx::Engine::set_param_steps)

@@ -110,8 +110,9 @@ def test_unused_parameters_match_ddp(world):
             else:
                 over = {n: d for n, d in r["rel"].items() if d > REL}
                 assert not over, f"{where}: differs from DDP(find_unused_parameters=True) by more than {REL}: {over}"
-            # One small all-reduce per step (one byte per parameter), none at one rank.
-            expect = (STEPS, STEPS * 8) if world > 1 else (0, 0)
+            # One small all-reduce per step (one byte per parameter and one "this rank missed
+            # one"), none at one rank: `never` is missed at the first step, so "auto" keeps it.
+            expect = (STEPS, STEPS * (8 + 1)) if world > 1 else (0, 0)
             assert (r["flags"]["calls"], r["flags"]["bytes"]) == expect, (where, r["flags"])
 
 
@@ -166,3 +167,83 @@ def test_checkpoint_keeps_per_parameter_steps(tmp_path):
         assert float(mine[i]["step"]) == float(theirs[i]["step"]), (i, mine[i]["step"], theirs[i]["step"])
     steps = sorted({float(s["step"]) for s in theirs.values()})
     assert steps == [2.0, 5.0, float(STEPS)], steps    # b: steps 2 and 5; a: the other 5; trunk: all
+
+
+class TwoHeads(nn.Module):
+    """Every parameter used in every step, unless skip_b."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk = nn.Linear(16, 32)
+        self.a = nn.Linear(32, 16)
+        self.b = nn.Linear(32, 16)
+
+    def forward(self, x, y, skip_b: bool = False):
+        h = torch.tanh(self.trunk(x))
+        out = self.a(h) if skip_b else self.a(h) + self.b(h)
+        return nn.functional.mse_loss(out, y)
+
+
+def _agreement_worker(rank, world):
+    """find_unused_parameters: how often the used-flags all-reduce runs, and that the
+    result is DDP's whichever way; a parameter that stops getting gradients raises."""
+    import zero_ext
+    base = TwoHeads()
+    ref = copy.deepcopy(base)
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    ropt = OPTIMIZERS["adamw"](list(ref.parameters()))
+    for step in range(STEPS):
+        ddp(*data(step, rank, world)).backward()
+        ropt.step()
+        ropt.zero_grad()
+    out = {}
+    for mode in (True, False, "auto"):
+        for stage in (0, 2, 3):
+            model = copy.deepcopy(base)
+            zm, zo = zero_ext.zeroify(model, OPTIMIZERS["adamw"](list(model.parameters())), stage=stage,
+                                      find_unused_parameters=mode)
+            for step in range(STEPS):
+                zm(*data(step, rank, world)).backward()
+                zo.step()
+                zo.zero_grad()
+            sd = zm.state_dict()
+            out[(mode, stage)] = {
+                "rel": max(((sd[n] - p.detach()).norm() / p.detach().norm()).item() for n, p in ref.named_parameters()),
+                "flags": zo.stats()["comm"]["used_flags"]["calls"]}
+    # every parameter used at the first step, then b skipped on every rank
+    for mode in ("auto", False, True):
+        model = copy.deepcopy(base)
+        zm, zo = zero_ext.zeroify(model, OPTIMIZERS["adamw"](list(model.parameters())), stage=2,
+                                  find_unused_parameters=mode)
+        error = None
+        try:
+            for step in range(3):
+                zm(*data(step, rank, world), skip_b=step == 2).backward()
+                zo.step()
+                zo.zero_grad()
+        except zero_ext.ZeroUsageError as e:
+            error = str(e)
+        out[("skip", mode)] = {"error": error, "b": zm.state_dict()["b.weight"]}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_used_flags_agreement_only_when_needed(world):
+    outs = run_world(_agreement_worker, world, timeout_s=300)
+    for rank, out in enumerate(outs):
+        for mode, stage in ((m, s) for m in (True, False, "auto") for s in (0, 2, 3)):
+            r = out[(mode, stage)]
+            where = f"rank {rank}/{world}, find_unused_parameters={mode!r}, stage {stage}"
+            assert r["rel"] <= (0.0 if world <= 2 else REL), f"{where}: differs from DDP by {r['rel']}"
+            # True: every step (DDP(find_unused_parameters=True)); "auto": the first step only,
+            # since every rank had every gradient there; False: never (DDP's default)
+            assert r["flags"] == {True: STEPS, False: 0, "auto": 1}[mode], (where, r["flags"])
+        for mode in ("auto", False):
+            msg = out[("skip", mode)]["error"]
+            assert msg is not None, f"rank {rank}: find_unused_parameters={mode!r}: a parameter without a " \
+                                    f"gradient was stepped silently"
+            assert "b.weight" in msg and "find_unused_parameters=True" in msg, msg
+        assert out[("skip", True)]["error"] is None
+    # with the agreement, the skipped head is left alone at that step on every rank, as torch does
+    assert all(torch.equal(o[("skip", True)]["b"], outs[0][("skip", True)]["b"]) for o in outs)

@@ -11,7 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C
+from .auto import choose_stage, free_memory
 from .changes import ModelGuard, retire_optimizer
+from .comm import Comm, check_device
 from .config import ZeroConfig, make_config
 from .gather import OWNER_ATTR
 from .materialize import initialize_by_unit, is_meta, replace_meta
@@ -116,7 +118,7 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
     if len(devices) > 1:
         _fail(f"the model's parameters are on different device types {sorted(devices)}; move the "
               f"whole model to one device (model.to(device)) first")
-    if meta and cfg.stage != 3:
+    if meta and cfg.stage not in (3, "auto"):
         _fail(f"the model is on the meta device; building it sharded needs stage=3 (got stage={cfg.stage}), "
               f"or build it on the CPU")
     for p in params:
@@ -139,16 +141,15 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
     return params, groups, frozen, fused, text, parts
 
 
-def _verify_across_ranks(pg, rank: int, world: int, fingerprint: int, error: Exception | None) -> None:
+def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, free: int) -> int:
     """One small all-gather: every rank learns whether every other rank accepted
     its inputs and wraps the same parameters and config. Raises on all ranks, so
-    no rank is left waiting in a later collective."""
-    mine = torch.tensor([0 if error is None else 1, fingerprint], dtype=torch.int64)
-    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=pg)
-    everyone = torch.stack(gathered)
+    no rank is left waiting in a later collective. Returns the least `free` over
+    the ranks (stage="auto"'s memory budget; -1 when not asked)."""
+    everyone = comm.all_gather_int64([0 if error is None else 1, fingerprint, free])
     if error is not None:
         raise error
+    world, rank = comm.world, comm.rank
     failed = [r for r in range(world) if everyone[r, 0] != 0]
     if failed:
         raise ZeroInputError(f"zero_ext: rank(s) {failed} rejected their zeroify() inputs (their error is in "
@@ -158,43 +159,32 @@ def _verify_across_ranks(pg, rank: int, world: int, fingerprint: int, error: Exc
         raise ZeroInputError(f"zero_ext: rank(s) {differ} wrap different parameters, param groups, optimizer "
                              f"or config than rank {rank}; every rank must build the same model and call "
                              f"zeroify() with the same options")
+    return int(everyone[:, 2].min())
 
 
-def _broadcast_from_first(pg, tensors) -> None:
-    """Every rank starts from the first rank's parameters and buffers, as DDP does
-    (one coalesced broadcast per dtype)."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    by_dtype: dict = {}
-    for t in tensors:
-        if t.numel() > 0:
-            by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for ts in by_dtype.values():
-            flat = _flatten_dense_tensors([t.data for t in ts])
-            dist.broadcast(flat, src=dist.get_global_rank(pg, 0), group=pg)
-            for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
-                t.data.copy_(v)
+def _device_of(model) -> torch.device:
+    """The engine's device: the parameters' (a meta-device build materializes on the CPU)."""
+    if isinstance(model, nn.Module):
+        for p in model.parameters():
+            return p.device if p.device.type != "meta" else torch.device("cpu")
+    return torch.device("cpu")
 
 
-def _resolve_auto_stage(model, optimizer, cfg: ZeroConfig, pg, rank: int, world: int):
-    """stage="auto": set cfg.stage from the memory estimate (zero_ext/auto.py) and say
-    why on rank 0. Returns the error instead of raising it, so that zeroify raises it
-    on every rank (as any input error) rather than leave one waiting."""
+def _auto_stage_error(optimizer):
+    """stage="auto"'s own input check (rank-local)."""
     if isinstance(optimizer, (list, tuple)):
         return ZeroInputError("zero_ext: stage='auto' takes one torch optimizer; with several (e.g. Muon + "
                               "AdamW) pass stage=1, 2 or 3")
-    if not isinstance(model, nn.Module) or not isinstance(optimizer, torch.optim.Optimizer):
-        return None                      # _inspect names the problem
-    from .auto import choose_stage
-    try:
-        backend = dist.get_backend(pg) if pg is not None else "none"
-        cfg.stage, why = choose_stage(model, optimizer, cfg, world, backend, meta=is_meta(model))
-    except (ValueError, TypeError) as e:
-        return e
+    return None
+
+
+def _resolve_auto_stage(model, optimizer, cfg: ZeroConfig, free, rank: int, world: int, backend: str) -> None:
+    """stage="auto": set cfg.stage from the memory estimate (zero_ext/auto.py) and say
+    why on rank 0. Runs after the agreement check, on inputs every rank shares (the same
+    model, options and least free memory), so every rank decides, or raises, alike."""
+    cfg.stage, why = choose_stage(model, optimizer, cfg, world, backend, meta=is_meta(model), free=free)
     if rank == 0:
         print(why, flush=True)
-    return None
 
 
 def _enable_sequence_check(engine, model, params, pg, cfg: ZeroConfig) -> None:
@@ -239,44 +229,58 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         error = e
     pg_arg = cfg.process_group if cfg is not None else options.get("process_group")
     pg, rank, world = _resolve_group(pg_arg)
-    if error is None and cfg.stage == "auto":
-        error = _resolve_auto_stage(model, optimizer, cfg, pg, rank, world)
+    backend = dist.get_backend(pg) if pg is not None else "none"
+    comm = Comm(pg if world > 1 else None, _device_of(model))   # Note [One communication layer]
+    if world > 1:
+        wrong_device = check_device(pg, comm.device, backend)
+        if wrong_device is not None:    # no collective could carry the agreement check: every rank raises
+            raise ZeroInputError("zero_ext: " + wrong_device)
+    auto = error is None and cfg.stage == "auto"
+    free = None
+    if auto:
+        error = _auto_stage_error(optimizer)
     params = groups = frozen = parts = None
     fused, text = False, ""
     if error is None:
         try:
             meta = isinstance(model, nn.Module) and is_meta(model)
             params, groups, frozen, fused, text, parts = _inspect(model, optimizer, cfg, meta)
+            if auto and cfg.memory_budget is None:
+                free = free_memory(model)
         except (ValueError, TypeError) as e:
             error = e
     fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
     verify = cfg.verify_across_ranks if cfg is not None else True
-    if error is None and cfg.check_sequence is True and world > 1 and dist.get_backend(pg) != "gloo":
+    if error is None and cfg.check_sequence is True and world > 1 and backend != "gloo":
         error = ZeroInputError(f"zero_ext: check_sequence=True runs on gloo only (this group's backend is "
-                               f"{dist.get_backend(pg)!r}); use check_sequence='auto' or False")
+                               f"{backend!r}); use check_sequence='auto' or False")
     node_size = None
     if error is None:
         try:
             node_size = resolve_node_size(cfg.node_size, world)
         except ValueError as e:
             error = e
-    if world > 1 and verify and dist.get_backend(pg) != "fake":   # fake moves no data
-        _verify_across_ranks(pg, rank, world, fingerprint, error)
+    if world > 1 and verify and backend != "fake":   # fake moves no data
+        least = _verify_across_ranks(comm, fingerprint, error, free[0] if free else -1)
+        if free is not None:   # every rank budgets with the least free memory, so all choose one stage
+            free = (least, f"{free[1]}, the least over {world} ranks")
     elif error is not None:
         raise error
+    if auto:
+        _resolve_auto_stage(model, optimizer, cfg, free, rank, world, backend)
 
     opts = _C.EngineOptions()
     opts.stage = cfg.stage
     opts.bucket_bytes = cfg.resolved_bucket_bytes(sum(p.numel() * p.element_size() for p in params))
     opts.first_bucket_bytes = cfg.first_bucket_bytes
     opts.align = cfg.resolved_align(world)
-    backend = dist.get_backend(pg) if pg is not None else "none"
     opts.alltoall_reduce_scatter = cfg.reduce_scatter == "alltoall" or cfg.grad_quant is not None or (
         cfg.reduce_scatter == "auto" and backend == "gloo")
     opts.grad_quant_bits = {None: 0, "int8": 8, "int4": 4}[cfg.grad_quant]
     opts.grad_quant_error_feedback = cfg.grad_quant_error_feedback
     opts.quant_block_numel = cfg.quant_block_numel
     opts.param_quant_bits = {None: 0, "int8": 8}[cfg.param_quant]
+    opts.agree_unused = {False: 0, True: 1, "auto": 2}[cfg.find_unused_parameters]
     opts.grad_ring_buckets = cfg.grad_ring_buckets
     opts.isa = cfg.isa
     opts.param_dtype = cfg.param_dtype
@@ -293,7 +297,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         frozen = [p for p in model.parameters() if not p.requires_grad]
         opts.copy_params = False
     elif world > 1:
-        _broadcast_from_first(pg, list(model.parameters()) + list(model.buffers()))
+        comm.broadcast_(list(model.parameters()) + list(model.buffers()))   # as DDP: rank 0's values
     units, unit_modules, root_holders = [], [model], []
     sharded_frozen, frozen_units = frozen_to_shard(frozen, cfg.stage, cfg.param_dtype), []
     if cfg.stage == 3:
@@ -313,9 +317,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     replicated = [p for p in frozen if id(p) not in in_engine]
     if meta:
         unit_of = {id(p): u for p, u in zip(params + sharded_frozen, units + frozen_units)}
-        initialize_by_unit(model, engine, unit_of, init_fn, born, pg if world > 1 else None)
-        if world > 1:
-            _broadcast_from_first(pg, replicated + list(model.buffers()))
+        initialize_by_unit(model, engine, unit_of, comm, init_fn, born)
+        comm.broadcast_(replicated + list(model.buffers()))
 
     if cfg.param_dtype != "fp32":
         # Frozen parameters have no master: they simply compute in param_dtype too
@@ -332,7 +335,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), units[i] if units else 0))
     for p, u in zip(sharded_frozen, frozen_units):
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), u))
-    zopt = ZeroOptimizer(optimizers, engine, cfg, fused, fingerprint, pg, parts=parts, param_groups_of=groups)
+    zopt = ZeroOptimizer(optimizers, engine, cfg, fused, fingerprint, comm, parts=parts, param_groups_of=groups)
     wrapped._guard = zopt._guard = ModelGuard(wrapped, model, params, shapes, sharded_frozen, frozen_shapes)
     for o in optimizers:
         retire_optimizer(o)

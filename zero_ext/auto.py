@@ -48,10 +48,16 @@ def _estimates(model, optimizer, cfg, world: int, backend: str, stages) -> dict:
     return out
 
 
-def choose_stage(model, optimizer, cfg, world: int, backend: str, meta: bool = False) -> tuple[int, str]:
+def choose_stage(model, optimizer, cfg, world: int, backend: str, meta: bool = False,
+                 free: tuple[int, str] | None = None) -> tuple[int, str]:
     """(stage, the reason in words). Raises ValueError, naming the smallest world size
-    at which a stage would fit, when none fits at this one."""
-    budget, source = (cfg.memory_budget, "memory_budget") if cfg.memory_budget is not None else free_memory(model)
+    at which a stage would fit, when none fits at this one. free: (bytes, source) of the
+    budget when memory_budget is None (zeroify passes the smallest over ranks, so that
+    every rank chooses the same stage); None = this process's free_memory()."""
+    if cfg.memory_budget is not None:
+        budget, source = cfg.memory_budget, "memory_budget"
+    else:
+        budget, source = free if free is not None else free_memory(model)
     # quantized communication has no stage-0 form (ZeroConfig refuses stage 0 with it)
     quant = cfg.grad_quant is not None or cfg.param_quant is not None
     stages = [3] if meta else [1, 2, 3] if quant else [0, 1, 2, 3]

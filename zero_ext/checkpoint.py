@@ -58,7 +58,6 @@ import warnings
 import zlib
 
 import torch
-import torch.distributed as dist
 
 FORMAT = 1
 MANIFEST = "zero_ext.json"
@@ -335,25 +334,17 @@ def _steps_of(objects: dict, name: str, group: int) -> int:
 
 
 def _settle(model, optimizer):
-    """(engine, process group, layout), once every outstanding collective is done."""
+    """(engine, its Comm, layout), once every outstanding collective is done."""
     optimizer = core_optimizer(optimizer)
     engine = optimizer._engine
     engine.wait_reductions()
     engine.flush_params()
-    return engine, _pg(optimizer), _layout(model, optimizer)
+    return engine, optimizer._comm, _layout(model, optimizer)
 
 
-def _pg(optimizer):
-    optimizer = core_optimizer(optimizer)
-    return optimizer._pg if optimizer._engine.world_size > 1 else None
-
-
-def _decide(pg, error: str | None, src_rank: int = 0):
+def _decide(comm, error: str | None, src_rank: int = 0):
     """Rank 0's verdict reaches every rank: all raise the same error or none does."""
-    if pg is not None:
-        box = [error]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, src_rank), group=pg)
-        error = box[0]
+    error = comm.broadcast_object(error, src=src_rank)
     if error is not None:
         raise CheckpointError(error)
 
@@ -400,7 +391,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
     an LR scheduler whose state_dict() is saved too."""
     path = os.path.abspath(os.fspath(path))
     optimizer = core_optimizer(optimizer)
-    engine, pg, layout = _settle(model, optimizer)
+    engine, comm, layout = _settle(model, optimizer)
     rank = engine.rank
     shard = _Shard(optimizer)
     states = shard.states()
@@ -412,7 +403,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
             os.makedirs(tmp)
         except OSError as e:
             error = f"zero_ext: cannot create {tmp!r} to save a checkpoint: {e}"
-    _decide(pg, error)
+    _decide(comm, error)
 
     names = _engine_names(optimizer, layout)
     kinds = {"model": shard.masters, **{f"optim/{s}": p for s, p in states.items()}}
@@ -445,7 +436,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
         from torch.distributed import checkpoint as dcp
         with _quiet():
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
-                     process_group=pg, no_dist=pg is None)
+                     process_group=comm.pg, no_dist=comm.pg is None)
     except Exception as e:  # noqa: BLE001 - DCP raises the same failure on every rank
         raise CheckpointError(f"zero_ext: saving checkpoint {path!r} failed on rank {rank} ({type(e).__name__}: "
                               f"{e}); another rank may have died. The previous checkpoint at {path!r}, if any, "
@@ -467,7 +458,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
             _replace(tmp, path)
         except OSError as e:
             error = f"zero_ext: finishing checkpoint {path!r} failed: {e}"
-    _decide(pg, error)
+    _decide(comm, error)
 
 
 def _replace(tmp: str, path: str) -> None:
@@ -565,7 +556,7 @@ def load(path, model, optimizer, *, scheduler=None):
     (rank 0 reads the manifest and every file's size and CRC32, and compares the
     model) and raises the same CheckpointError on every rank if anything is wrong."""
     optimizer = core_optimizer(optimizer)
-    engine, pg, layout = _settle(model, optimizer)
+    engine, comm, layout = _settle(model, optimizer)
     rank = engine.rank
     real = resolve(path)
     error, manifest = None, None
@@ -575,10 +566,8 @@ def load(path, model, optimizer, *, scheduler=None):
             error = _mismatch(manifest, layout, real)
         except CheckpointError as e:
             error = str(e)
-    if pg is not None:                      # rank 0's verdict and directory hold for every rank
-        box = [error, manifest, real]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
-        error, manifest, real = box
+    # rank 0's verdict and directory hold for every rank
+    error, manifest, real = comm.broadcast_object((error, manifest, real), src=0)
     if error is not None:
         raise CheckpointError(error)
 
@@ -599,7 +588,7 @@ def load(path, model, optimizer, *, scheduler=None):
     sd.update({k: t for per in whole.values() for k, t in per.items()})
     try:
         with torch.no_grad(), _quiet():
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(real), process_group=pg, no_dist=pg is None)
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(real), process_group=comm.pg, no_dist=comm.pg is None)
     except Exception as e:  # noqa: BLE001 - DCP raises the same failure on every rank
         raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed on rank {rank} ({type(e).__name__}: "
                               f"{e}); the model and optimizer may be partly loaded: load again or rebuild them") from e
@@ -794,7 +783,7 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
     receiving rank holds one bucket slice at a time (its extra memory is bounded by
     a bucket, not the model) and the senders send views of their shards."""
     optimizer = core_optimizer(optimizer)
-    engine, pg, layout = _settle(model, optimizer)
+    engine, comm, layout = _settle(model, optimizer)
     rank, parts = engine.rank, engine.partitions
     shard = _Shard(optimizer)
     states = shard.states()
@@ -818,8 +807,7 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
             for r in range(parts):
                 for f in engine.fragments(r):
                     by_bucket[r][shard.bucket_of(f[2])].append(f)
-        buf = torch.empty(max(m.numel() for m in shard.masters)) if receiving else None
-        dst = dist.get_global_rank(pg, to)
+        # each rank's slice of bucket b, from its owner (a broadcast: Note [One communication layer])
         for b, m in enumerate(shard.masters):
             n_b, base = m.numel(), shard.offsets[b]
             for kind, pieces in kinds.items():
@@ -827,19 +815,16 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
                     if r == to:
                         if receiving:
                             place(kind, by_bucket[r][b], shard.full(pieces, b), base)
-                    elif receiving:
-                        dist.recv(buf[:n_b], src=dist.get_global_rank(pg, r), group=pg)
-                        place(kind, by_bucket[r][b], buf[:n_b], base)
-                    elif rank == r:
-                        dist.send(shard.full(pieces, b).contiguous(), dst=dst, group=pg)
-        del buf
+                        continue
+                    got = comm.broadcast_from(shard.full(pieces, b) if rank == r else None, n_b, m.dtype, r)
+                    if receiving:
+                        place(kind, by_bucket[r][b], got, base)
     # whole-tensor states: each owner's, to rank `to` (they are per tensor, not per element)
-    mine = {name: {k: t.clone() for k, t in opt.state.get(view, {}).items()}
+    mine = {name: {k: t.detach().cpu().clone() if torch.is_tensor(t) else t for k, t in opt.state.get(view, {}).items()}
             for name, opt, view in _whole_tensors(optimizer, layout)}
     whole = mine
     if parts > 1:
-        got = [None] * engine.world_size if receiving else None
-        dist.gather_object(mine, got, dst=dist.get_global_rank(pg, to), group=pg)
+        got = comm.gather_object(mine, dst=to)
         whole = {n: st for d in (got or []) for n, st in d.items()}
     frozen = _gather_frozen(model, keep=receiving)
     if not receiving:

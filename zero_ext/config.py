@@ -135,6 +135,14 @@ class ZeroConfig:
         ~200 ms one), hence off by default. gloo only (True with another backend raises).
     sequence_timeout: seconds an engine collective may wait before the ranks compare
         their positions through the process group's store (check_sequence).
+    find_unused_parameters: how the ranks agree on parameters that got no gradient
+        (Note [Unused parameters] in csrc/engine/unused.cpp): a parameter no rank gave a
+        gradient is left as torch leaves one whose .grad is None. True: one small
+        all-reduce (a byte per parameter) every step, as DDP(find_unused_parameters=True).
+        False: none, as DDP's default; a parameter without a gradient on some rank raises
+        ZeroUsageError naming it. "auto" (default): the all-reduce runs at the first step
+        and keeps running only if some rank missed some parameter there; otherwise no step
+        pays it, and a parameter that later gets no gradient raises as with False.
     """
 
     stage: int | str = 2
@@ -176,6 +184,7 @@ class ZeroConfig:
     node_size: int | str | None = None
     check_sequence: bool | str = False
     sequence_timeout: float = 3.0
+    find_unused_parameters: bool | str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -296,6 +305,8 @@ class ZeroConfig:
         integer("loss_scale_hysteresis", 1)
         need(isinstance(self.check_sequence, bool) or self.check_sequence == "auto",
              f"check_sequence must be 'auto', True or False, got {self.check_sequence!r}")
+        need(isinstance(self.find_unused_parameters, bool) or self.find_unused_parameters == "auto",
+             f"find_unused_parameters must be 'auto', True or False, got {self.find_unused_parameters!r}")
         number("sequence_timeout", lambda v: v > 0, "a number of seconds > 0")
         choice("reduce_scatter", _REDUCE_SCATTER)
         choice("fused", _FUSED)

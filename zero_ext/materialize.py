@@ -200,8 +200,8 @@ def _qualified(model: nn.Module) -> dict:
 
 
 @torch.no_grad()
-def initialize_by_unit(model: nn.Module, engine, unit_of: dict, init_fn=None, born: set = frozenset(),
-                       pg=None) -> None:
+def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=None,
+                       born: set = frozenset()) -> None:
     """Replays what building the model on the CPU and then calling
     model.apply(init_fn) does: (1) each module's reset_parameters(), as its
     constructor ran it, where a parameter tied to an earlier module keeps that
@@ -209,7 +209,8 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, init_fn=None, bo
     its random draws still happened); (2) init_fn over every module, if given.
     unit_of: id(parameter) -> unit for every parameter the engine manages; born:
     ids of the plain tensors replace_meta created. Raises (on every rank) if
-    anything was left uninitialized (Note [Meta builds lose nothing])."""
+    anything was left uninitialized (Note [Meta builds lose nothing]); comm: the
+    zero_ext/comm.py Comm that carries that verdict."""
     members: dict = {}
     for p in {id(p): p for p in model.parameters()}.values():
         if id(p) in unit_of:
@@ -268,9 +269,7 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, init_fn=None, bo
                 elif old is not None:
                     log.written.add(id(old))       # a buffer replaced by a computed one
     missing += [names[id(t)] for t in plain if id(t) not in log.written and names.get(id(t))]
-    bad = torch.tensor([len(missing) + len(replaced)], dtype=torch.int64)
-    if pg is not None and dist.get_world_size(pg) > 1:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=pg)
+    bad = comm.all_reduce([len(missing) + len(replaced)], op=dist.ReduceOp.MAX, dtype=torch.int64)[0]
     if replaced:
         raise RuntimeError(f"zero_ext: an init replaced parameters by new nn.Parameter objects "
                            f"({', '.join(replaced[:8])}); the engine holds the original ones: initialize "
@@ -283,6 +282,6 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, init_fn=None, bo
             f"an init_fn that initializes them (for a Hugging Face model: init_fn=model._init_weights); "
             f"buffers that a module computes in its constructor are kept if you build the model under "
             f"`with zero_ext.meta_parameters():` instead of `with torch.device('meta'):`")
-    if int(bad.item()):
+    if bad:
         raise RuntimeError("zero_ext: another rank found tensors left uninitialized by the meta-device "
                            "build (its error names them); no rank continues")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import _C
 from .changes import ADD_GROUP_FIX, ZeroUsageError
+from .comm import Comm
 from .model import PHASE_CLIP, PHASE_STEP
 from .step_control import StepControl
 from .whole import build_whole_optimizer
@@ -47,7 +48,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose state is sharded across ranks (see zeroify)."""
 
     def __init__(self, optimizer, engine, config, fused: bool, fingerprint: int,
-                 process_group=None, parts: list | None = None, param_groups_of: list | None = None):
+                 comm=None, parts: list | None = None, param_groups_of: list | None = None):
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         groups = [g for o in optimizers for g in o.param_groups]
         torch.optim.Optimizer.__init__(self, groups, optimizers[0].defaults)
@@ -68,7 +69,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._config = config
         self._fused = fused
         self._fingerprint = fingerprint
-        self._pg = process_group
+        self._comm = comm if comm is not None else Comm(None, torch.device("cpu"))   # Note [One communication layer]
         self._host_steps = [0] * len(self.param_groups)  # optimizer steps taken, per group
         self._clip_coef = 1.0                           # folded into the next step
         self._shard_opt = None
@@ -234,10 +235,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._host_skipped += 1
                 self._iter_skip = True
         if not self._iter_skip:
-            # Note [Unused parameters] (csrc/engine/unused.cpp): one small all-reduce
-            # decides which parameters got a gradient on some rank; the others are skipped.
+            # Note [Unused parameters] (csrc/engine/unused.cpp): the ranks agree which
+            # parameters got a gradient on some rank (the others are skipped), or, once
+            # find_unused_parameters says they need not, each rank checks it had them all.
             # Several optimizers: each advances its parameters' step counts when it steps.
+            if self._engine.world_size > 1 and not self._engine.agrees_unused:
+                self._refuse_missing_grads(self._engine.locally_unused())
             self._engine.begin_step(len(self._parts) == 1)
+
+    def _refuse_missing_grads(self, missing: list) -> None:
+        if not missing:
+            return
+        model = self._guard._model() if self._guard is not None else None
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        listed = [names.get(id(self._params[i]), f"#{i}") for i in missing[:8]]
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        why = ("find_unused_parameters=False" if self._config.find_unused_parameters is False else
+               "every parameter got a gradient on every rank at the first step, so the ranks stopped "
+               "agreeing on unused parameters (find_unused_parameters='auto')")
+        raise ZeroUsageError(
+            f"zero_ext: rank {self._engine.rank}: parameter(s) {', '.join(listed)}{more} got no gradient in this "
+            f"step, but {why}. Pass find_unused_parameters=True to zeroify() (one small all-reduce per step, as "
+            f"DDP(find_unused_parameters=True)) for a model whose parameters are not all used in every step")
 
     def _step_parts(self, which, closure=None):
         loss = self._begin_step_call(closure)
@@ -396,10 +415,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         elif norm_type == math.inf:
             self._engine.wait_reductions()
             local = max((g.abs().max().item() for g in self._engine.grad_shards() if g.numel()), default=0.0)
-            t = torch.tensor([local * self._grad_scale()], dtype=torch.float64)
+            total = local * self._grad_scale()
             if self._engine.partitions > 1:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
-            total = t.item()
+                total = self._comm.all_reduce([total], op=dist.ReduceOp.MAX)[0]
             nonfinite = 0 if math.isfinite(total) else 1
         else:
             raise ValueError(f"zero_ext: clip_grad_norm_ supports norm_type 2.0 and inf, got {norm_type}")

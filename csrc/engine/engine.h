@@ -63,6 +63,10 @@ struct EngineOptions {
     // so that state balances (Note [Filling atomic buckets], core/zx_core.h;
     // Note [Cut parameters] in layout.cpp). Stages 1-2 only.
     std::vector<double> param_state;
+    // Note [Unused parameters]: when the ranks agree on which parameters got a gradient:
+    // 0 never (a missing gradient is the caller's error), 1 every step, 2 at the first
+    // step, and on only if some rank missed some parameter there.
+    int64_t agree_unused = 2;
 };
 
 // One bucket of the plan, as tensors. Note [Gradient layout]:
@@ -182,6 +186,11 @@ public:
     void begin_step(bool advance = true);
     void advance_steps();              // step counts of the stepped parameters of the active groups
     std::vector<bool> stepped_params() const;   // per parameter: stepped by this step
+    // Note [Unused parameters]: whether the next begin_step() agrees across ranks on
+    // which parameters got a gradient; if not, every parameter must have one here:
+    // locally_unused() lists those that have none (the caller raises, naming them).
+    bool agrees_unused() const { return world_ > 1 && opts_.agree_unused != 0 && agree_used_; }
+    std::vector<int64_t> locally_unused() const;
     std::vector<int64_t> param_steps();         // per parameter: optimizer steps taken
     void set_param_steps(const std::vector<int64_t> &steps);
     void broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src);
@@ -353,6 +362,8 @@ private:
     std::vector<uint8_t> used_, stepped_;
     std::vector<int64_t> param_steps_;
     bool step_begun_ = false;          // begin_step() has run (the step tables exist)
+    bool agree_used_ = true;           // begin_step() all-reduces the used flags (agree_unused)
+    bool agree_decided_ = false;       // agree_unused == 2: the first step has decided agree_used_
     std::vector<std::vector<StepRun>> my_frags_;
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
     std::unique_ptr<QuantGather> qgather_; // param_quant (world > 1): quantized all-gather, else null

@@ -1,5 +1,5 @@
 // unused.cpp — parameters that got no gradient: which ones, agreed across
-// ranks with one small all-reduce per step, per-parameter step counts, and the
+// ranks with one small all-reduce when needed, per-parameter step counts, and the
 // runs of this rank's fragments that a fused step updates.
 //
 // Note [Unused parameters]
@@ -12,10 +12,20 @@
 //     - used_[i]: parameter i got a gradient on this rank (its accumulation hook
 //       fired) since the last zero_grad(set_to_none=True); zero_grad with
 //       set_to_none=False keeps it, as torch keeps the zeroed .grad tensors;
-//     - begin_step(): one all-reduce (MAX, one byte per parameter; counted as
-//       stats()["comm"]["used_flags"]) turns the flags into stepped_[i], the same
-//       on every rank, and advances param_steps_[i] of the stepped parameters
-//       (with several wrapped optimizers, advance_steps() per optimizer as it steps);
+//     - begin_step(): one all-reduce (MAX, one byte per parameter and one byte
+//       "this rank missed some parameter"; counted as stats()["comm"]["used_flags"])
+//       turns the flags into stepped_[i], the same on every rank, and advances
+//       param_steps_[i] of the stepped parameters (with several wrapped optimizers,
+//       advance_steps() per optimizer as it steps);
+//     - that all-reduce is the one collective per step beyond the reduce(-scatter)
+//       and the gather, a launch and a latency on NCCL; as DDP without
+//       find_unused_parameters, most models never need it. opts_.agree_unused
+//       (find_unused_parameters) says when it runs: 1 every step; 2 ("auto") at the
+//       first step, and on only while some rank missed some parameter: once every
+//       rank had every gradient, no later step pays it; 0 never. Without it every
+//       parameter had a gradient on every rank (stepped_ = all), which each rank
+//       checks locally for free: the optimizer raises before begin_step(), naming
+//       locally_unused(), rather than step a parameter that maybe no rank used;
 //     - step_runs(b): the stretches of bucket b's owned slice to update. When all
 //       of the slice's parameters are stepped with one step count (the usual
 //       case) it is the whole slice, padding included, as a single kernel call;
@@ -81,11 +91,21 @@ std::vector<StepRun> Engine::mixed_runs(int64_t b) const {
 void Engine::begin_step(bool advance) {
     ensure_step_tables();
     if (sec_) sec_->drop_all();   // the masters change (Note [Hierarchical partitioning])
-    if (world_ > 1) {
-        at::Tensor t = at::from_blob(used_.data(), {(int64_t)used_.size()}, at::kByte).clone().to(dev_);
+    const int64_t n = (int64_t)used_.size();
+    if (agrees_unused()) {
+        at::Tensor t = at::empty({n + 1}, at::kByte);
+        std::memcpy(t.data_ptr<uint8_t>(), used_.data(), (size_t)n);
+        t.data_ptr<uint8_t>()[n] = std::find(used_.begin(), used_.end(), (uint8_t)0) != used_.end();
+        t = t.to(dev_);
         comm_.all_reduce_max_blocking(t, comm_.c_used_flags, "unused-parameter flags all-reduce");
         t = t.cpu();
-        std::memcpy(stepped_.data(), t.data_ptr<uint8_t>(), stepped_.size());
+        std::memcpy(stepped_.data(), t.data_ptr<uint8_t>(), (size_t)n);
+        if (opts_.agree_unused == 2 && !agree_decided_) {   // "auto": the first step decides
+            agree_decided_ = true;
+            agree_used_ = t.data_ptr<uint8_t>()[n] != 0;      // some rank missed some parameter
+        }
+    } else if (world_ > 1) {
+        std::fill(stepped_.begin(), stepped_.end(), (uint8_t)1);   // checked by the caller: locally_unused() is empty
     } else {
         stepped_ = used_;
     }
@@ -133,6 +153,13 @@ void Engine::set_param_steps(const std::vector<int64_t> &steps) {
     TORCH_CHECK(steps.size() == param_steps_.size(), "zero_ext: ", steps.size(), " step counts for ",
                 param_steps_.size(), " parameters; pass one step count per trainable parameter");
     param_steps_ = steps;
+}
+
+std::vector<int64_t> Engine::locally_unused() const {
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < params_.size(); i++)
+        if (i >= used_.size() || !used_[i]) out.push_back((int64_t)i);
+    return out;
 }
 
 std::vector<bool> Engine::stepped_params() const {
