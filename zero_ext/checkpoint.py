@@ -808,6 +808,7 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
                 for f in engine.fragments(r):
                     by_bucket[r][shard.bucket_of(f[2])].append(f)
         # each rank's slice of bucket b, from its owner (a broadcast: Note [One communication layer])
+        buf = torch.empty(max(m.numel() for m in shard.masters), device=comm.device)
         for b, m in enumerate(shard.masters):
             n_b, base = m.numel(), shard.offsets[b]
             for kind, pieces in kinds.items():
@@ -816,9 +817,10 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
                         if receiving:
                             place(kind, by_bucket[r][b], shard.full(pieces, b), base)
                         continue
-                    got = comm.broadcast_from(shard.full(pieces, b) if rank == r else None, n_b, m.dtype, r)
+                    got = comm.broadcast_from(shard.full(pieces, b) if rank == r else None, buf[:n_b], r)
                     if receiving:
                         place(kind, by_bucket[r][b], got, base)
+        del buf
     # whole-tensor states: each owner's, to rank `to` (they are per tensor, not per element)
     mine = {name: {k: t.detach().cpu().clone() if torch.is_tensor(t) else t for k, t in opt.state.get(view, {}).items()}
             for name, opt, view in _whole_tensors(optimizer, layout)}

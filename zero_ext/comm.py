@@ -94,13 +94,14 @@ class Comm:
                 for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
                     t.data.copy_(v)
 
-    def broadcast_from(self, tensor: torch.Tensor | None, numel: int, dtype: torch.dtype, src: int) -> torch.Tensor:
-        """Rank `src`'s `tensor` (numel elements) on every rank, as an engine-device tensor;
-        the other ranks pass None. Used to stream a shard to one rank (consolidation)."""
+    def broadcast_from(self, tensor: torch.Tensor | None, out: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank `src`'s `tensor` on every rank, in `out` (a reusable engine-device buffer
+        of its numel and dtype) on the others; `src` gets its own tensor back. Streams a
+        shard to one rank (consolidation) one piece at a time."""
         if self.rank == src:
-            buf = tensor.reshape(-1).to(self.device, dtype).contiguous()
+            buf = tensor.reshape(-1).to(self.device, out.dtype).contiguous()
         else:
-            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            buf = out
         if self.world > 1:
             dist.broadcast(buf, src=self._global(src), group=self.pg)
         return buf

@@ -189,7 +189,7 @@ public:
     // Note [Unused parameters]: whether the next begin_step() agrees across ranks on
     // which parameters got a gradient; if not, every parameter must have one here:
     // locally_unused() lists those that have none (the caller raises, naming them).
-    bool agrees_unused() const { return world_ > 1 && opts_.agree_unused != 0 && agree_used_; }
+    bool agrees_unused() const;
     std::vector<int64_t> locally_unused() const;
     std::vector<int64_t> param_steps();         // per parameter: optimizer steps taken
     void set_param_steps(const std::vector<int64_t> &steps);

@@ -25,7 +25,12 @@
 //       rank had every gradient, no later step pays it; 0 never. Without it every
 //       parameter had a gradient on every rank (stepped_ = all), which each rank
 //       checks locally for free: the optimizer raises before begin_step(), naming
-//       locally_unused(), rather than step a parameter that maybe no rank used;
+//       locally_unused(), rather than step a parameter that maybe no rank used.
+//       Under the sequence check (Note [Collective sequence check]) a rank that
+//       misses a gradient agrees instead: if every rank missed it too (a branch no
+//       rank took) the step is torch's, and "auto" agrees from then on; if not, the
+//       ranks' collectives differ and the check names the divergent rank everywhere
+//       (a rank that skipped its backward is the usual cause);
 //     - step_runs(b): the stretches of bucket b's owned slice to update. When all
 //       of the slice's parameters are stepped with one step count (the usual
 //       case) it is the whole slice, padding included, as a single kernel call;
@@ -88,6 +93,13 @@ std::vector<StepRun> Engine::mixed_runs(int64_t b) const {
     return runs;
 }
 
+bool Engine::agrees_unused() const {
+    if (world_ == 1) return false;
+    if (opts_.agree_unused != 0 && agree_used_) return true;
+    return comm_.seq.enabled() && (used_.size() < params_.size() ||
+                                   std::find(used_.begin(), used_.end(), (uint8_t)0) != used_.end());
+}
+
 void Engine::begin_step(bool advance) {
     ensure_step_tables();
     if (sec_) sec_->drop_all();   // the masters change (Note [Hierarchical partitioning])
@@ -100,9 +112,10 @@ void Engine::begin_step(bool advance) {
         comm_.all_reduce_max_blocking(t, comm_.c_used_flags, "unused-parameter flags all-reduce");
         t = t.cpu();
         std::memcpy(stepped_.data(), t.data_ptr<uint8_t>(), (size_t)n);
-        if (opts_.agree_unused == 2 && !agree_decided_) {   // "auto": the first step decides
+        const bool missed = t.data_ptr<uint8_t>()[n] != 0;   // some rank missed some parameter
+        if (opts_.agree_unused == 2) {   // "auto": the first step decides; a missed one later turns it back on
+            if (!agree_decided_ || missed) agree_used_ = missed;
             agree_decided_ = true;
-            agree_used_ = t.data_ptr<uint8_t>()[n] != 0;      // some rank missed some parameter
         }
     } else if (world_ > 1) {
         std::fill(stepped_.begin(), stepped_.end(), (uint8_t)1);   // checked by the caller: locally_unused() is empty
