@@ -3,7 +3,8 @@
 #   make demo    the main job: GPT training on 2 CPU ranks, ZeRO vs DDP, side by side
 #   make bench   the benchmarks (tables + JSON under benchmarks/results/); installs DeepSpeed, a peer
 #   make gpu-check  on a GPU machine whose python has torch+CUDA, pybind11, ninja, pytest:
-#                builds, runs the GPU tests, compute-sanitizer and GPU benchmarks; installs nothing
+#                builds, runs the GPU tests, compute-sanitizer and GPU benchmarks; installs nothing;
+#                at most 20 min on one H100; results in benchmarks/reference/<gpu>/gpu-check.json
 # A user with a torch of their own (e.g. CUDA) keeps it: make ZX_SYSTEM_TORCH=1 ...
 # builds the venv on top of the system site-packages and installs no torch.
 

@@ -6,6 +6,11 @@ fn(rank, world_size, *args) runs in each process after init_process_group('gloo'
 (FileStore rendezvous in a temp dir, so no ports); its return value comes back
 per rank. A worker's exception fails the call with the worker's traceback, and a
 run that outlives timeout_s is killed, so no test can hang.
+
+backend= picks another init_process_group backend: "cuda:gloo" (a CUDA-only gloo
+group, so several ranks can share one GPU: NCCL refuses two ranks on one device)
+or "nccl". With a backend that carries CUDA tensors each rank first makes
+cuda:(rank % device count) its current device, so on one GPU every rank is on cuda:0.
 """
 from __future__ import annotations
 
@@ -22,7 +27,12 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _entry(rank, world, store_path, out_dir, fn, args, init_pg):
+def uses_cuda(backend: str) -> bool:
+    """Whether a process group of this backend string carries CUDA tensors."""
+    return backend == "nccl" or "cuda" in backend
+
+
+def _entry(rank, world, store_path, out_dir, fn, args, init_pg, backend="gloo"):
     for p in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -30,8 +40,10 @@ def _entry(rank, world, store_path, out_dir, fn, args, init_pg):
 
     torch.set_num_threads(1)
     try:
+        if uses_cuda(backend):
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         if init_pg:
-            dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+            dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -66,12 +78,12 @@ def _joined(ctx, expect_errors: bool) -> bool:
 
 
 def run_world(fn, world_size: int, *args, timeout_s: float = 300, init_pg: bool = True,
-              expect_errors: bool = False):
+              expect_errors: bool = False, backend: str = "gloo"):
     """Returns [result of rank 0, ..., result of rank N-1]. With expect_errors=True
     returns the per-rank dicts {"ok", "result"|"error"} instead of raising."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_entry, args=(world_size, store, tmp, fn, args, init_pg),
+        ctx = mp.start_processes(_entry, args=(world_size, store, tmp, fn, args, init_pg, backend),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -91,7 +103,7 @@ def run_world(fn, world_size: int, *args, timeout_s: float = 300, init_pg: bool 
                     raise RuntimeError(f"rank {r} of {fn.__name__} exited without a result")
                 outs.append({"ok": False, "error": "exited without a result", "trace": ""})
                 continue
-            outs.append(torch.load(path, weights_only=False))
+            outs.append(torch.load(path, weights_only=False, map_location="cpu"))   # CUDA results too
     if expect_errors:
         return outs
     failed = [(r, o) for r, o in enumerate(outs) if not o["ok"]]
