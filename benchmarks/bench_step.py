@@ -19,7 +19,10 @@ the same AdamW sharded by whole parameters), DeepSpeed's ZeRO-1/2 engine runs on
 accelerator over gloo (--deepspeed 1|2; `make bench` installs deepspeed, `make test` does
 not); both are optional in the same way, and a DeepSpeed that is not installed is reported
 as such without launching a job.
-Also reported: model-state bytes per rank (opt.stats(); summed tensors for DDP, summed
+Also reported: the exposed communication per step of zero_ext's systems (rank 0's host time
+blocked waiting for collectives, stats()["comm_wait_s"]: on the CPU what overlap did not hide;
+`-- --comm-delay-ms 5` delays every zero_ext collective to show it under a slower link, see
+tests/test_overlap.py), model-state bytes per rank (opt.stats(); summed tensors for DDP, summed
 local DTensor shards of parameters, gradients and AdamW states for FSDP2), the peak
 resident set size per rank (VmHWM from /proc/self/status at the end of each job: the
 whole process, interpreter and data included; the largest rank, median over
@@ -236,6 +239,8 @@ def main():
             if median_known(r["comm_bytes_per_step"] for r in system_runs) is not None else None,
             "wire_vs_theory": wire / (theory * (world_size - 1)) if world_size > 1 else None,
             "written_vs_theory": written / (theory * (world_size - 1)) if world_size > 1 else None,
+            # zero_ext: rank 0's host time blocked in collective waits per step (stats()["comm_wait_s"])
+            "exposed_comm_ms_per_step": median_known(r.get("exposed_comm_ms_per_step") for r in system_runs),
             "final_val_loss": [r["final_val_loss"] for r in system_runs],
             "runs": system_runs,
         }
@@ -244,7 +249,7 @@ def main():
     load_after = os.getloadavg()[0]
     first = runs["ddp"][0]
     header = ["system", "step ms (median)", "vs DDP median [min, max]", "vs FSDP2 median [min, max]",
-              "model state/rank", "buffers/rank", "peak RSS/rank", "comm/step/rank", "theory/rank",
+              "exposed comm ms", "model state/rank", "buffers/rank", "peak RSS/rank", "comm/step/rank", "theory/rank",
               "loopback/step", "vs DDP", "vs theory", "written/step", "vs DDP"]
 
     def ratio_text(ratio):
@@ -260,6 +265,7 @@ def main():
             f"{r['step_time_ms']['median']:.2f}",
             ratio_text(r["ratio_vs_ddp"]),
             ratio_text(r["ratio_vs_fsdp2"]),
+            "n/a" if r["exposed_comm_ms_per_step"] is None else f"{r['exposed_comm_ms_per_step']:.2f}",
             format_bytes(max(r["model_state_bytes_per_rank"])),
             format_bytes(r["buffer_bytes"]),
             format_bytes(r["peak_rss_bytes_per_rank"]),

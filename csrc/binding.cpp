@@ -223,11 +223,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("grad_sumsq", &zx::Engine::grad_sumsq, py::call_guard<py::gil_scoped_release>())
         .def("all_gather_params", &zx::Engine::all_gather_params, py::call_guard<py::gil_scoped_release>())
         .def("wait_params", &zx::Engine::wait_params, py::call_guard<py::gil_scoped_release>())
-        .def("flush_params", &zx::Engine::flush_params, py::call_guard<py::gil_scoped_release>())
+        .def("flush_params", &zx::Engine::flush_params, py::arg("wait") = true,
+             py::call_guard<py::gil_scoped_release>())
+        .def("wait_param_buckets", &zx::Engine::wait_param_buckets, py::arg("buckets"),
+             py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("bucket_of_params", &zx::Engine::bucket_of_params)
         .def("begin_step", &zx::Engine::begin_step, py::arg("advance") = true, py::call_guard<py::gil_scoped_release>())
         .def("advance_steps", &zx::Engine::advance_steps, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("agrees_unused", &zx::Engine::agrees_unused)
         .def("locally_unused", &zx::Engine::locally_unused)
+        .def_property_readonly("grads_since_step", &zx::Engine::grads_since_step)
         .def("stepped_params", &zx::Engine::stepped_params)
         .def("param_steps", &zx::Engine::param_steps)
         .def("set_param_steps", &zx::Engine::set_param_steps)
@@ -252,6 +257,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return d;
         })
         .def("stats", &zx::Engine::stats)
+        .def("set_comm_delay", &zx::Engine::set_comm_delay, py::arg("ms"), py::arg("serialize") = false)
         .def("describe_plan", &zx::Engine::describe_plan)
         .def("grad_divisor", &zx::Engine::grad_divisor)
         .def_property_readonly("rank", &zx::Engine::rank)

@@ -116,6 +116,9 @@ def parse_args(argv=None):
                              "gradient reduction; fp16 adds dynamic loss scaling); --ddp: torch.autocast; "
                              "--fsdp2: MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)")
     parser.add_argument("--json", type=Path, default=None, help="rank 0 writes the run summary here")
+    parser.add_argument("--comm-delay-ms", type=float, default=0.0,
+                        help="zero_ext only: delay every collective this much (zero_ext.delay_collectives), as "
+                             "a slower link would; the summary's exposed_comm_ms_per_step shows what stays exposed")
     parser.add_argument("--save-every", type=int, default=0,
                         help="save a checkpoint every K steps and after the last (0: never)")
     parser.add_argument("--checkpoint", type=Path, default=Path("checkpoints/train_gpt"),
@@ -199,7 +202,10 @@ def wrap_for_data_parallel(model, opt, args):
         return peers.deepspeed_engine(model, opt, args)
     import zero_ext
     options = {"param_dtype": args.dtype, **args.zero_config}
-    return zero_ext.zeroify(model, opt, stage=args.stage, **options)
+    model, opt = zero_ext.zeroify(model, opt, stage=args.stage, **options)
+    if args.comm_delay_ms:
+        zero_ext.delay_collectives(opt, args.comm_delay_ms)   # a slower link, to see what overlap hides
+    return model, opt
 
 
 def learning_rate(step, args):
@@ -335,6 +341,12 @@ def peer(args):
     return "ddp" if args.ddp else "fsdp2" if args.fsdp2 else "zero_redundancy" if args.zero_redundancy else None
 
 
+def comm_wait_s(opt, args):
+    """Seconds zero_ext's host was blocked waiting for collectives (the exposed communication
+    on the CPU; stats()["comm_wait_s"]); None for the peers, which do not count it."""
+    return None if peer(args) else opt.stats()["comm_wait_s"]
+
+
 def comm_counters(opt, args):
     """zero_ext's cumulative collective counters: (total bytes, {kind: bytes}); (None, {}) for the peers."""
     if peer(args):
@@ -444,6 +456,7 @@ def train(args):
             wire_start = loopback_tx_bytes()
             written_start = process_write_bytes()
             comm_start, kinds_start = comm_counters(opt, args)
+            wait_start = comm_wait_s(opt, args)
         t0 = time.perf_counter()
         if args.deepspeed is not None:                         # the engine owns backward and step
             loss = peers.deepspeed_train_step(model, opt, stream, args, learning_rate(step, args),
@@ -468,6 +481,8 @@ def train(args):
     comm_end, kinds_end = comm_counters(opt, args)
     timed = step_times[warmup - start_step:]
     timed_steps = len(timed)
+    wait_end = comm_wait_s(opt, args)
+    exposed_ms = None if wait_end is None else 1000 * (wait_end - wait_start) / timed_steps
 
     final = estimate_loss(model, data, args)
     model_state, buffer_bytes = memory_report(model, opt, args, sum(deepspeed_grad_bytes))
@@ -524,6 +539,8 @@ def train(args):
         "comm_bytes_per_step": comm_per_step,                  # per rank; all_reduce counted twice
         "comm_bytes_per_step_by_kind": comm_kinds_per_step,
         "comm_source": comm_source,
+        "exposed_comm_ms_per_step": exposed_ms,                # rank 0 blocked in collective waits
+        "comm_delay_ms": args.comm_delay_ms,                   # every collective delayed this much
         "wire_bytes_per_step": wire_per_step,                  # loopback, all ranks together
         "written_bytes_per_step": written_per_step,            # /proc/self/io wchar, all ranks together
         "zero_ext_stats": stats,

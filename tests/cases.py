@@ -66,6 +66,7 @@ PREFETCH_MODELS = {
     "gpt_ckpt": lambda m: m.CheckpointGPT(GPTConfig(**TINY_GPT)),
     "head_late": lambda m: m.HeadLate(),
     "tiny_blocks": lambda m: m.TinyBlocks(),
+    "direct": lambda m: m.DirectParams(),
 }
 
 

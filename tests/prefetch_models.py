@@ -137,6 +137,25 @@ class HeadLate(nn.Module):
         return F.mse_loss(self.mlm(h), y) + nsp.square().mean()
 
 
+class DirectParams(nn.Module):
+    """Parameters read without calling their module: a head used as F.linear(h, head.weight)
+    (a tied or custom head) and a parameter of the root itself. Stages 1-2 with
+    overlap_param_gather must not read them mid-gather (Note [Gathers waited per module])."""
+
+    def __init__(self, d_in=13, hidden=37, d_out=5, depth=3):
+        super().__init__()
+        self.head = nn.Linear(hidden, d_out)          # never called
+        self.embed = nn.Linear(d_in, hidden)
+        self.trunk = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(depth))
+        self.scale = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x, y):
+        h = torch.tanh(self.embed(x))
+        for layer in self.trunk:
+            h = h + torch.tanh(layer(h))
+        return F.mse_loss(F.linear(h * self.scale, self.head.weight, self.head.bias), y)
+
+
 class TinyBlock(nn.Module):
     def __init__(self, d):
         super().__init__()

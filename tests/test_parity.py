@@ -38,6 +38,9 @@ def extra_cases():
                  config=dict(bucket_bytes=2048, first_bucket_bytes=1024, grad_ring_buckets=1)),
             Case(f"overlap-gather-s{stage}", model="gpt", stage=stage, clip=0.05,
                  config=dict(overlap_param_gather=True, bucket_bytes=4096, first_bucket_bytes=1024)),
+            # parameters read without their module's call: waited for when each forward starts
+            Case(f"overlap-gather-direct-s{stage}", model="direct", stage=stage,
+                 config=dict(overlap_param_gather=True, bucket_bytes=1024, first_bucket_bytes=1024)),
         ]
     return cases
 

@@ -225,6 +225,37 @@ def _agreement_worker(rank, world):
         except zero_ext.ZeroUsageError as e:
             error = str(e)
         out[("skip", mode)] = {"error": error, "b": zm.state_dict()["b.weight"]}
+    # an optimizer.step() with no backward since zero_grad() (applying an edit, a scheduler
+    # warm-up): no parameter has a gradient on any rank, so nothing moves, as torch; no
+    # agreement is needed for it, so "auto" and False pay no collective and raise nothing
+    ref = copy.deepcopy(base)
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    ropt = OPTIMIZERS["adamw"](list(ref.parameters()))
+
+    def idle_step(m, o, step):
+        if step == 2:
+            o.zero_grad()
+            o.step()
+        m(*data(step, rank, world)).backward()
+        o.step()
+        o.zero_grad()
+    for step in range(4):
+        idle_step(ddp, ropt, step)
+    for mode in ("auto", False):
+        for stage in (1, 2, 3):
+            model = copy.deepcopy(base)
+            zm, zo = zero_ext.zeroify(model, OPTIMIZERS["adamw"](list(model.parameters())), stage=stage,
+                                      find_unused_parameters=mode)
+            error = None
+            try:
+                for step in range(4):
+                    idle_step(zm, zo, step)
+            except zero_ext.ZeroUsageError as e:
+                error = str(e)
+            sd = zm.state_dict()
+            out[("idle", mode, stage)] = {
+                "error": error, "flags": zo.stats()["comm"]["used_flags"]["calls"],
+                "rel": max(((sd[n] - p.detach()).norm() / p.detach().norm()).item() for n, p in ref.named_parameters())}
     return out
 
 
@@ -245,5 +276,10 @@ def test_used_flags_agreement_only_when_needed(world):
                                     f"gradient was stepped silently"
             assert "b.weight" in msg and "find_unused_parameters=True" in msg, msg
         assert out[("skip", True)]["error"] is None
+        for mode, stage in ((m, s) for m in ("auto", False) for s in (1, 2, 3)):
+            r, where = out[("idle", mode, stage)], f"rank {rank}/{world}, find_unused_parameters={mode!r}, stage {stage}"
+            assert r["error"] is None, f"{where}: a step with no backward raised: {r['error']}"
+            assert r["rel"] <= (0.0 if world <= 2 else REL), f"{where}: differs from DDP by {r['rel']}"
+            assert r["flags"] == {"auto": 1, False: 0}[mode], (where, r["flags"])
     # with the agreement, the skipped head is left alone at that step on every rank, as torch does
     assert all(torch.equal(o[("skip", True)]["b"], outs[0][("skip", True)]["b"]) for o in outs)

@@ -10,6 +10,7 @@ import gc
 from .api import ZeroInputError, zeroify
 from .changes import ZeroUsageError
 from .checkpoint import CheckpointError, consolidated_state_dict, load, save
+from .comm import delay_collectives
 from .config import ZeroConfig
 from .gather import gathered_parameters
 from .materialize import meta_parameters
@@ -18,7 +19,7 @@ from .optim import ZeroOptimizer
 
 __all__ = ["zeroify", "ZeroConfig", "ZeroModel", "ZeroOptimizer", "ZeroInputError", "ZeroUsageError",
            "gathered_parameters", "meta_parameters", "save", "load", "consolidated_state_dict", "CheckpointError",
-           "estimate_memory"]
+           "estimate_memory", "delay_collectives"]
 __version__ = "0.1.0"
 
 

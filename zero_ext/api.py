@@ -13,13 +13,14 @@ from torch import nn
 from . import _C
 from .auto import choose_stage, free_memory
 from .changes import ModelGuard, retire_optimizer
-from .comm import Comm, check_device
+from .comm import Comm, check_device, device_backend
 from .config import ZeroConfig, make_config
 from .gather import OWNER_ATTR
 from .materialize import initialize_by_unit, is_meta, replace_meta
 from .model import ZeroModel, cast_buffers
 from .nodes import node_group, resolve_node_size
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, _Part
+from .param_waits import ParamWaits
 from .units import assign_units, frozen_to_shard
 from .whole import WHOLE, ZeroOptimizerPart, fill_state_sizes, update_kind
 
@@ -231,6 +232,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     pg, rank, world = _resolve_group(pg_arg)
     backend = dist.get_backend(pg) if pg is not None else "none"
     comm = Comm(pg if world > 1 else None, _device_of(model))   # Note [One communication layer]
+    gloo = device_backend(backend, comm.device.type) == "gloo"   # "gloo", "cuda:gloo", "cpu:gloo,cuda:gloo"
     if world > 1:
         wrong_device = check_device(pg, comm.device, backend)
         if wrong_device is not None:    # no collective could carry the agreement check: every rank raises
@@ -251,7 +253,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
             error = e
     fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
     verify = cfg.verify_across_ranks if cfg is not None else True
-    if error is None and cfg.check_sequence is True and world > 1 and backend != "gloo":
+    if error is None and cfg.check_sequence is True and world > 1 and not gloo:
         error = ZeroInputError(f"zero_ext: check_sequence=True runs on gloo only (this group's backend is "
                                f"{backend!r}); use check_sequence='auto' or False")
     node_size = None
@@ -275,7 +277,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     opts.first_bucket_bytes = cfg.first_bucket_bytes
     opts.align = cfg.resolved_align(world)
     opts.alltoall_reduce_scatter = cfg.reduce_scatter == "alltoall" or cfg.grad_quant is not None or (
-        cfg.reduce_scatter == "auto" and backend == "gloo")
+        cfg.reduce_scatter == "auto" and gloo)
     opts.grad_quant_bits = {None: 0, "int8": 8, "int4": 4}[cfg.grad_quant]
     opts.grad_quant_error_feedback = cfg.grad_quant_error_feedback
     opts.quant_block_numel = cfg.quant_block_numel
@@ -330,6 +332,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         cast_buffers(model, low, cfg.cast_buffers)
     buffers = [b for b in model.buffers() if b.numel() > 0]
     wrapped = ZeroModel(model, engine, cfg, buffers, unit_modules, root_holders)
+    if cfg.overlap_param_gather and cfg.stage in (1, 2) and world > 1:
+        wrapped._param_waits = ParamWaits(wrapped, model, engine, params)
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), units[i] if units else 0))
@@ -344,7 +348,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     zopt._units = wrapped._units
     zopt._params = params            # engine parameter i = params[i]
     zopt._param_shapes = shapes      # logical shape of engine parameter i
-    if world > 1 and cfg.check_sequence is not False and backend == "gloo":
+    if world > 1 and cfg.check_sequence is not False and gloo:
         _enable_sequence_check(engine, model, params, pg, cfg)
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)

@@ -19,6 +19,7 @@ Note [One communication layer]
 from __future__ import annotations
 
 import pickle
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,19 @@ def group_devices(pg) -> list[str]:
         return sorted({d.type for d in pg._device_types})
     except (AttributeError, RuntimeError):
         return []
+
+
+def device_backend(backend: str, device_type: str | None = None) -> str:
+    """The backend that carries `device_type` tensors in a backend string as dist.get_backend
+    gives it: "gloo", "cuda:gloo", "cpu:gloo,cuda:nccl". Without a device type: the one backend
+    every device uses, or the whole string when they differ."""
+    if ":" not in backend:
+        return backend
+    pairs = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    if device_type is not None and device_type in pairs:
+        return pairs[device_type]
+    names = set(pairs.values())
+    return names.pop() if len(names) == 1 else backend
 
 
 def check_device(pg, device: torch.device, backend: str) -> str | None:
@@ -57,6 +71,11 @@ class Comm:
         self.device = torch.device(device)
         self.world = pg.size() if pg is not None else 1
         self.rank = pg.rank() if pg is not None else 0
+        self.delay_s = 0.0       # Note [Communication delay] (csrc/engine/comm.cpp): after each collective
+
+    def _delayed(self) -> None:
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.pg, rank)
@@ -69,12 +88,14 @@ class Comm:
             return mine.cpu().view(1, -1)
         out = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(out, mine, group=self.pg)
+        self._delayed()
         return torch.stack(out).cpu()
 
     def all_reduce(self, values: list[float], op=dist.ReduceOp.MAX, dtype=torch.float64) -> list[float]:
         t = torch.tensor(values, dtype=dtype, device=self.device)
         if self.world > 1:
             dist.all_reduce(t, op=op, group=self.pg)
+            self._delayed()
         return t.cpu().tolist()
 
     def broadcast_(self, tensors, src: int = 0) -> None:
@@ -91,6 +112,7 @@ class Comm:
             for ts in by_dtype.values():
                 flat = _flatten_dense_tensors([t.data.to(self.device) for t in ts])
                 dist.broadcast(flat, src=self._global(src), group=self.pg)
+                self._delayed()
                 for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
                     t.data.copy_(v)
 
@@ -104,6 +126,7 @@ class Comm:
             buf = out
         if self.world > 1:
             dist.broadcast(buf, src=self._global(src), group=self.pg)
+            self._delayed()
         return buf
 
     # ---- objects (pickled into uint8 tensors on the engine's device)
@@ -121,9 +144,11 @@ class Comm:
         data = self._bytes_of(obj) if self.rank == src else None
         size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=self.device)
         dist.broadcast(size, src=self._global(src), group=self.pg)
+        self._delayed()
         if data is None:
             data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         dist.broadcast(data, src=self._global(src), group=self.pg)
+        self._delayed()
         return obj if self.rank == src else self._object_of(data)
 
     def gather_object(self, obj, dst: int) -> list | None:
@@ -131,6 +156,27 @@ class Comm:
         per rank, so a rank holds one other rank's bytes at a time."""
         got = [self.broadcast_object(obj if r == self.rank else None, src=r) for r in range(self.world)]
         return got if self.rank == dst else None
+
+
+def delay_collectives(model_or_optimizer, ms: float, serialize: bool = False) -> None:
+    """Make every collective of a zeroified model take at least `ms` milliseconds longer, as
+    if the link were that slow (Note [Communication delay], csrc/engine/comm.cpp): the
+    engine's (C++: gradient reduce-scatters, parameter gathers, prefetches; on CUDA a sleep
+    on a side stream the collective waits for) and this module's. serialize=True waits for
+    each collective where it is launched, so nothing overlaps: a step then costs its
+    compute plus every delay. ms=0 turns it off. For tests and benchmarks of overlap
+    (tests/test_overlap.py, benchmarks/bench_step.py --comm-delay-ms)."""
+    core = getattr(model_or_optimizer, "_core", model_or_optimizer)   # a part of several optimizers
+    engine = getattr(core, "_engine", None)
+    if engine is None:
+        raise TypeError(f"zero_ext: delay_collectives takes the model or optimizer zeroify() returned, "
+                        f"got {type(model_or_optimizer).__name__}")
+    if not ms >= 0:
+        raise ValueError(f"zero_ext: delay_collectives: ms={ms!r}; pass 0 or more milliseconds")
+    engine.set_comm_delay(float(ms), bool(serialize))
+    comm = getattr(core, "_comm", None)
+    if comm is not None:
+        comm.delay_s = ms / 1000.0
 
 
 def comm_of(optimizer) -> Comm:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from . import prefetch
+from .comm import device_backend
 from .config import ZeroConfig, make_config
 
 _SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -185,7 +186,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     # The ring (Engine::acquire_slot): stage 1 needs it for the reduce-scatter output
     # only with N > 1; stage 2-3 stage every gradient in it, one slot at N = 1 (reduced
     # at once), else grad_ring_buckets slots (at most one per bucket).
-    alltoall = cfg.reduce_scatter == "alltoall" or (cfg.reduce_scatter == "auto" and backend == "gloo")
+    alltoall = cfg.reduce_scatter == "alltoall" or (cfg.reduce_scatter == "auto" and device_backend(backend) == "gloo")
     if s == 0 or (s == 1 and world_size == 1):
         slots = 0
     elif world_size == 1:

@@ -51,10 +51,15 @@ class ZeroModel(nn.Module):
         self._callback_queued = False
         self._units = _UnitHooks(self, unit_modules, root_holders) if config.stage == 3 else None
         self._compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.param_dtype)
+        self._param_waits = None   # stages 1-2, overlap_param_gather: set by zeroify (param_waits.py)
 
     def forward(self, *args, **kwargs):
         self._engine.sequence_mark(PHASE_FORWARD)
-        self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/layout.cpp)
+        waits = self._param_waits
+        if waits is not None:
+            waits.before_forward()   # Note [Gathers waited per module] (zero_ext/param_waits.py)
+        else:
+            self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/layout.cpp)
         if self._config.broadcast_buffers and self._buffers_to_sync and self._engine.world_size > 1:
             self._engine.broadcast_tensors(self._buffers_to_sync, 0)
         if self._compute_dtype is not None:
@@ -62,7 +67,10 @@ class ZeroModel(nn.Module):
             # are cast to the parameters' dtype; integer ones (token ids) are left alone.
             args, kwargs = torch.utils._pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(self._compute_dtype) if t.is_floating_point() else t, (args, kwargs))
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if waits is not None:
+            waits.after_forward()
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -239,7 +239,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # parameters got a gradient on some rank (the others are skipped), or, once
             # find_unused_parameters says they need not, each rank checks it had them all.
             # Several optimizers: each advances its parameters' step counts when it steps.
-            if self._engine.world_size > 1 and not self._engine.agrees_unused:
+            if self._engine.world_size > 1 and not self._engine.agrees_unused and self._engine.grads_since_step:
                 self._refuse_missing_grads(self._engine.locally_unused())
             self._engine.begin_step(len(self._parts) == 1)
 

@@ -7,12 +7,16 @@
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
+#include <mutex>
 #include <utility>
 #include <vector>
 
 #include "engine/sequence.h"   // defines: Sequence (Note [Collective sequence check])
 
 namespace zx {
+
+class Kernels;
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
@@ -72,16 +76,36 @@ public:
     // Every wait on a collective goes through here, so that a peer that died
     // (or a timeout of the process group) surfaces as one message naming what failed.
     static void wait(const WorkPtr &work, const char *what);
-    // wait(), watched by the sequence check: ranks that diverged are named.
-    void watch(const WorkPtr &work, const char *what) { seq.watch(work, what); }
+    // wait(), watched by the sequence check: ranks that diverged are named. Timed:
+    // the host's time blocked here is waited_s() (exposed communication on the CPU).
+    void watch(const WorkPtr &work, const char *what);
+    // wait() of a collective of another group (the node group), timed like watch().
+    void timed_wait(const WorkPtr &work, const char *what);
+    double waited_s() const { return (double)waited_ns_ * 1e-9; }
+
+    // Note [Communication delay]: every collective launched here takes at least ms
+    // longer; serialize: the launch waits for it (no overlap at all). device_kern: the
+    // kernel table of a CUDA engine (the sleep runs on a side stream), null on the CPU.
+    void set_delay(double ms, bool serialize, Kernels *device_kern);
+    double delay_ms() const { return delay_ms_; }
 
     CommCounter c_all_reduce, c_reduce_scatter, c_all_gather, c_broadcast;
     CommCounter c_used_flags;   // Note [Unused parameters]: one byte per parameter per step
     Sequence seq;   // records every collective issued here; the engine sets seq.subject()
 
 private:
+    // Issues one collective (issue() returns its Work) under Note [Communication delay].
+    template <class F>
+    WorkPtr launch(F &&issue);
+
     c10::optional<ProcessGroupPtr> pg_;
     int64_t rank_ = 0, world_ = 1;
+    int64_t waited_ns_ = 0;
+    double delay_ms_ = 0;
+    bool delay_serialize_ = false;
+    Kernels *delay_kern_ = nullptr;
+    std::mutex delay_mu_;
+    std::chrono::steady_clock::time_point link_free_{};   // the CPU delay's link: busy until then
 };
 
 }  // namespace zx

@@ -175,8 +175,13 @@ public:
     void all_gather_params();          // launch: every rank's slices -> full buckets
     void wait_params();                // block until the parameter gather is done
     // Parameters are needed now (forward, reads): launch the gathers of mixed buckets
-    // some of whose groups stepped (Note [Cut parameters]), then wait_params().
-    void flush_params();
+    // some of whose groups stepped (Note [Cut parameters]), then wait_params() unless
+    // wait is false (Note [Gathers waited per module], zero_ext/model.py).
+    void flush_params(bool wait = true);
+    // Wait for the stage 1-2 parameter gathers of these buckets only (all of them when
+    // some parameter is cut across buckets); bucket_of_params(): each parameter's bucket.
+    void wait_param_buckets(const std::vector<int64_t> &buckets);
+    const std::vector<int64_t> &bucket_of_params() const { return bucket_of_; }
     void zero_grad(bool set_to_none);  // with set_active_groups: those groups' gradients only
     // Note [Unused parameters] (unused.cpp): agree across ranks (one small
     // all-reduce) which parameters got a gradient, and advance their step counts.
@@ -191,6 +196,7 @@ public:
     // locally_unused() lists those that have none (the caller raises, naming them).
     bool agrees_unused() const;
     std::vector<int64_t> locally_unused() const;
+    bool grads_since_step() const { return grads_since_step_; }
     std::vector<int64_t> param_steps();         // per parameter: optimizer steps taken
     void set_param_steps(const std::vector<int64_t> &steps);
     void broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src);
@@ -259,6 +265,9 @@ public:
     std::vector<std::tuple<int64_t, int64_t, int64_t>> state_windows() const;
     std::map<std::string, at::Tensor> &states() { return states_; }
     py::dict stats() const;
+    // Note [Communication delay] (comm.cpp): every collective of this engine (node group
+    // included) takes at least ms longer; serialize: each is waited for at its launch.
+    void set_comm_delay(double ms, bool serialize);
     std::string describe_plan() const;
     int64_t rank() const { return rank_; }
     int64_t world_size() const { return world_; }
@@ -344,7 +353,7 @@ private:
     bool require_sync_ = true;
     int64_t next_launch_ = 0;
     std::deque<std::pair<int64_t, WorkPtr>> inflight_;
-    std::vector<WorkPtr> gather_works_;
+    std::vector<std::pair<int64_t, WorkPtr>> gather_works_;   // stage 1-2: (bucket, its gather in flight)
     at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) reduce_dtype gradient sums
     at::Tensor master_shard_;              // stage 3 or low precision: (shard_numel,) fp32 master
     at::Tensor lp_shard_;                  // stage 3, low precision: (shard_numel,) gather input
@@ -364,6 +373,7 @@ private:
     bool step_begun_ = false;          // begin_step() has run (the step tables exist)
     bool agree_used_ = true;           // begin_step() all-reduces the used flags (agree_unused)
     bool agree_decided_ = false;       // agree_unused == 2: the first step has decided agree_used_
+    bool grads_since_step_ = false;    // some gradient arrived on this rank since the last begin_step()
     std::vector<std::vector<StepRun>> my_frags_;
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
     std::unique_ptr<QuantGather> qgather_; // param_quant (world > 1): quantized all-gather, else null

@@ -57,7 +57,9 @@ void Engine::all_gather_params() {
         return;
     }
     wait_params();
-    for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
+    // Last bucket first: buckets fill in gradient order (the model's last layers first),
+    // so the first layers' parameters, which the next forward needs first, are gathered first.
+    for (int64_t b = (int64_t)buckets_.size() - 1; b >= 0; b--) {
         Bucket &bk = buckets_[b];
         if (bk.mixed) {
             // Note [Cut parameters]: gathered once every group inside has stepped.
@@ -79,12 +81,12 @@ void Engine::launch_param_gather(int64_t b) {
     Bucket &bk = buckets_[b];
     at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
     comm_.seq.subject(b, -1);
-    gather_works_.push_back(qgather_ ? qgather_->launch(comm_, b, master_slice(bk), bk.flat_param)
-                                     : comm_.all_gather(bk.flat_param, in));
+    gather_works_.emplace_back(b, qgather_ ? qgather_->launch(comm_, b, master_slice(bk), bk.flat_param)
+                                           : comm_.all_gather(bk.flat_param, in));
     cut_stale_ = cut_stale_ || any_cut_;
 }
 
-void Engine::flush_params() {
+void Engine::flush_params(bool wait) {
     // Note [Cut parameters]: a mixed bucket some of whose optimizers did not step this
     // iteration is gathered now, with what did step (the same buckets on every rank).
     std::vector<int64_t> pending;
@@ -98,11 +100,29 @@ void Engine::flush_params() {
         wait_params();
         for (int64_t b : pending) launch_param_gather(b);
     }
-    wait_params();
+    if (wait) wait_params();
+}
+
+void Engine::wait_param_buckets(const std::vector<int64_t> &buckets) {
+    if (any_cut_) {   // a cut parameter is copied out once all of its buckets have arrived
+        wait_params();
+        return;
+    }
+    for (size_t k = 0; k < gather_works_.size();) {
+        const int64_t b = gather_works_[k].first;
+        if (std::find(buckets.begin(), buckets.end(), b) == buckets.end()) {
+            k++;
+            continue;
+        }
+        WorkPtr work = std::move(gather_works_[k].second);
+        gather_works_.erase(gather_works_.begin() + (std::ptrdiff_t)k);
+        comm_.watch(work, "parameter all-gather");
+        if (qgather_ && opts_.stage < 3) qgather_->finish(b);
+    }
 }
 
 void Engine::wait_params() {
-    for (auto &w : gather_works_) comm_.watch(w, "parameter all-gather");
+    for (auto &w : gather_works_) comm_.watch(w.second, "parameter all-gather");
     gather_works_.clear();
     if (qgather_ && opts_.stage < 3) qgather_->finish_all();   // stage 3: wait_gather finishes its own
     if (cut_stale_) copy_cut_params(true);
@@ -147,7 +167,7 @@ void Engine::wait_gather(Bucket &bk) {
         bk.gather_work.reset();
         const int64_t s = subject_of(bk);
         if (sec_ && sec_->in_flight(s)) {   // Note [Hierarchical partitioning]
-            Communicator::wait(work, "node all-gather");
+            sec_->comm().timed_wait(work, "node all-gather");
             sec_->finish(s);
         } else {
             comm_.watch(work, "unit all-gather");

@@ -69,6 +69,10 @@ public:
     virtual void resize_storage(const at::Tensor &t, int64_t bytes) = 0;
     // Bytes of working memory the table holds between calls (stats()'s buffer_bytes).
     virtual int64_t scratch_bytes() const { return 0; }
+    // Note [Communication delay] (comm.cpp), CUDA only: a side stream waits for the
+    // current one and sleeps ms, and is the current stream until comm_delay_end().
+    virtual void comm_delay_begin(double ms) {}
+    virtual void comm_delay_end() {}
 };
 
 // isa: the CPU ISA ("auto" already resolved); ignored for CUDA.

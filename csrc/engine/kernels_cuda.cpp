@@ -11,7 +11,10 @@
 
 #ifdef ZX_WITH_CUDA
 
+#include <ATen/cuda/CUDAEvent.h>       // at::cuda::CUDAEvent
+#include <ATen/cuda/Sleep.h>           // at::cuda::sleep
 #include <ATen/native/cuda/Resize.h>   // at::native::resize_bytes_cuda
+#include <optional>
 #include <c10/cuda/CUDAGuard.h>    // c10::cuda::CUDAGuard
 #include <c10/cuda/CUDAStream.h>   // c10::cuda::getCurrentCUDAStream
 
@@ -106,7 +109,40 @@ public:
         return (scratch_.defined() ? scratch_.nbytes() : 0) + (out2_.defined() ? out2_.nbytes() : 0);
     }
 
+    // Note [Communication delay] (comm.cpp): the side stream waits for the current one,
+    // spins ms there and is current while the collective is launched.
+    void comm_delay_begin(double ms) override {
+        c10::cuda::CUDAGuard guard(dev_);
+        const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(dev_.index());
+        if (!delay_stream_.has_value()) delay_stream_ = c10::cuda::getStreamFromPool(false, dev_.index());
+        at::cuda::CUDAEvent ready;
+        ready.record(cur);
+        ready.block(*delay_stream_);
+        if (cycles_per_ms_ <= 0) cycles_per_ms_ = measure_cycles_per_ms(*delay_stream_);
+        prev_stream_ = cur;
+        c10::cuda::setCurrentCUDAStream(*delay_stream_);
+        at::cuda::sleep((int64_t)(ms * cycles_per_ms_));
+    }
+    void comm_delay_end() override {
+        if (prev_stream_.has_value()) c10::cuda::setCurrentCUDAStream(*prev_stream_);
+        prev_stream_.reset();
+    }
+
 private:
+    // Clock cycles of the spin kernel per millisecond, timed once on stream s.
+    static double measure_cycles_per_ms(const c10::cuda::CUDAStream &s) {
+        constexpr int64_t kCycles = 10000000;
+        c10::cuda::CUDAStreamGuard on(s);
+        at::cuda::CUDAEvent start(cudaEventDefault), end(cudaEventDefault);
+        at::cuda::sleep(kCycles / 100);   // warm-up: the kernel's first launch loads it
+        start.record(s);
+        at::cuda::sleep(kCycles);
+        end.record(s);
+        end.synchronize();
+        const double ms = start.elapsed_time(end);
+        return ms > 0 ? (double)kCycles / ms : 1.0e6;
+    }
+
     void *stream() const { return (void *)c10::cuda::getCurrentCUDAStream(dev_.index()).stream(); }
 
     // fp32 view of a gradient slice: low-precision ones are converted into a
@@ -124,6 +160,8 @@ private:
     at::Device dev_;
     zx_dtype rdt_;
     at::Tensor scratch_, out2_;
+    std::optional<c10::cuda::CUDAStream> delay_stream_, prev_stream_;
+    double cycles_per_ms_ = 0;
 };
 
 }  // namespace

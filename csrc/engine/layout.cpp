@@ -254,7 +254,7 @@ Engine::~Engine() {
     try {
         if (comm_.seq.diverged()) inflight_.clear(), gather_works_.clear();
         for (auto &w : inflight_) w.second->wait();
-        for (auto &w : gather_works_) w->wait();
+        for (auto &w : gather_works_) w.second->wait();
         for (auto *bks : {&buckets_, &frozen_buckets_})
             for (auto &bk : *bks)
                 if (bk.gather_work && !comm_.seq.diverged()) bk.gather_work->wait();
@@ -305,6 +305,12 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(in
             out.emplace_back(f.param, f.param_offset, buckets_[b].shard_offset + f.slice_offset, f.numel);
     }
     return out;
+}
+
+void Engine::set_comm_delay(double ms, bool serialize) {
+    Kernels *device = dev_.is_cuda() ? kern_.get() : nullptr;
+    comm_.set_delay(ms, serialize, device);
+    if (sec_) sec_->comm().set_delay(ms, serialize, device);
 }
 
 py::dict Engine::stats() const {
@@ -375,6 +381,10 @@ py::dict Engine::stats() const {
     d["model_state_bytes"] = msb;
     d["buffer_bytes"] = buf;
     d["comm"] = comm;
+    // Seconds the host was blocked waiting for collectives (exposed communication on the
+    // CPU; on CUDA the waits are stream waits and this stays near 0).
+    d["comm_wait_s"] = comm_.waited_s() + (sec_ ? sec_->comm().waited_s() : 0.0);
+    d["comm_delay_ms"] = comm_.delay_ms();
     if (sec_) d["comm_groups"] = sec_->group_stats(comm_);   // Note [Per-group byte counters]
     d["reductions"] = reductions_;
     d["num_units"] = (int64_t)unit_buckets_.size();

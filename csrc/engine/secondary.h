@@ -72,6 +72,7 @@ public:
     // {"intra": {kind: counters}, "inter": {...}} (Note [Per-group byte counters]).
     py::dict group_stats(const Communicator &world_comm) const;
     const Communicator &comm() const { return comm_; }
+    Communicator &comm() { return comm_; }
 
 private:
     Communicator comm_;                        // the node group; its own counters

@@ -30,7 +30,12 @@
 //       misses a gradient agrees instead: if every rank missed it too (a branch no
 //       rank took) the step is torch's, and "auto" agrees from then on; if not, the
 //       ranks' collectives differ and the check names the divergent rank everywhere
-//       (a rank that skipped its backward is the usual cause);
+//       (a rank that skipped its backward is the usual cause). A step with no
+//       backward since the last one (an optimizer.step() after zero_grad() alone,
+//       as to apply an edit) needs no agreement either: no gradient arrived on any
+//       rank, so the stepped parameters are this rank's used_ flags, as at one rank
+//       (a rank that alone skipped its backward is a script bug that DDP does not
+//       catch either; the sequence check names it);
 //     - step_runs(b): the stretches of bucket b's owned slice to update. When all
 //       of the slice's parameters are stepped with one step count (the usual
 //       case) it is the whole slice, padding included, as a single kernel call;
@@ -50,6 +55,7 @@ namespace zx {
 void Engine::note_grad(int64_t i) {
     if (used_.empty()) used_.assign(params_.size(), 0);
     used_[(size_t)i] = 1;
+    grads_since_step_ = true;
 }
 
 void Engine::forget_grads() { std::fill(used_.begin(), used_.end(), (uint8_t)0); }
@@ -117,12 +123,13 @@ void Engine::begin_step(bool advance) {
             if (!agree_decided_ || missed) agree_used_ = missed;
             agree_decided_ = true;
         }
-    } else if (world_ > 1) {
+    } else if (world_ > 1 && grads_since_step_) {
         std::fill(stepped_.begin(), stepped_.end(), (uint8_t)1);   // checked by the caller: locally_unused() is empty
-    } else {
+    } else {   // one rank, or no backward since the last step (every rank alike)
         stepped_ = used_;
     }
     step_begun_ = true;
+    grads_since_step_ = false;
     if (advance) advance_steps();
 }
 
