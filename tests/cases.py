@@ -79,6 +79,7 @@ class Case:
     stage: int = 2
     steps: int = 20
     accum: int = 1                   # micro-steps per step (all but the last under no_sync)
+    sync_attr: bool = False          # accumulation as DDP scripts write it: require_backward_grad_sync = last
     two_groups: bool = False
     scheduler: bool = False          # StepLR(step_size=5, gamma=0.5)
     frozen: bool = False             # freeze one parameter on both sides
@@ -187,6 +188,11 @@ def train_pair(case: Case, rank: int, world: int):
         for micro in range(case.accum):
             x, y = batch(case.model, rank, step, micro)
             last = micro == case.accum - 1
+            if case.sync_attr:   # DDP's attribute, set before the forward (nanoGPT's train.py)
+                ddp.require_backward_grad_sync = zm.require_backward_grad_sync = last
+                (loss_of(case.model, ddp, x, y) / case.accum).backward()
+                (loss_of(case.model, zm, x, y) / case.accum).backward()
+                continue
             with (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()):
                 (loss_of(case.model, ddp, x, y) / case.accum).backward()
             with (contextlib.nullcontext() if last else zm.no_sync()):

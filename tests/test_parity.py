@@ -41,6 +41,7 @@ def extra_cases():
             # parameters read without their module's call: waited for when each forward starts
             Case(f"overlap-gather-direct-s{stage}", model="direct", stage=stage,
                  config=dict(overlap_param_gather=True, bucket_bytes=1024, first_bucket_bytes=1024)),
+            Case(f"accum4-attr-s{stage}", model="gpt", stage=stage, accum=4, sync_attr=True),
         ]
     return cases
 
@@ -86,7 +87,8 @@ def test_parity_with_ddp(world):
         for case in cases:
             r = res[case.name]
             check(f"world {world} rank {rank} {case.name}", r, case.optimizer)
-            if case.accum == 1 and case.clip is None:
+            # require_backward_grad_sync=False on micro-steps: stages 0-1 reduce once per step
+            if (case.accum == 1 or (case.sync_attr and case.stage <= 1)) and case.clip is None:
                 check_comm(f"world {world} {case.name}", r, case.stage, world, case.steps)
     # every rank ends with the same parameters as every other (they all matched DDP)
     assert all(set(r) == set(results[0]) for r in results)

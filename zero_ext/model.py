@@ -85,6 +85,17 @@ class ZeroModel(nn.Module):
         finally:
             self._engine.set_require_sync(old)
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's attribute, as scripts set it on accumulation micro-steps
+        (`model.require_backward_grad_sync = last_micro_step`): False is no_sync() until
+        set back to True."""
+        return bool(self._engine.require_sync())
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._engine.set_require_sync(bool(value))
+
     def state_dict(self, *args, **kwargs):
         self._engine.flush_params()
         if self._units is not None:
