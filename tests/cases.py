@@ -84,6 +84,8 @@ class Case:
     scheduler: bool = False          # StepLR(step_size=5, gamma=0.5)
     frozen: bool = False             # freeze one parameter on both sides
     clip: float | None = None        # clip_grad_norm_ before each step
+    torch_clip: dict | None = None   # clip with torch.nn.utils.clip_grad_norm_(zm.parameters(), clip, **this)
+    clip_value: float | None = None  # torch.nn.utils.clip_grad_value_ on both sides before each step
     eval_every: int | None = None    # gpt: a generation + a reversed-block pass every k steps
     config: dict = field(default_factory=dict)
 
@@ -197,10 +199,17 @@ def train_pair(case: Case, rank: int, world: int):
                 (loss_of(case.model, ddp, x, y) / case.accum).backward()
             with (contextlib.nullcontext() if last else zm.no_sync()):
                 (loss_of(case.model, zm, x, y) / case.accum).backward()
-        if case.clip is not None:
+        if case.clip is not None and case.torch_clip is not None:   # as a DDP script clips
+            n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip, **case.torch_clip)
+            n_mine = torch.nn.utils.clip_grad_norm_(zm.parameters(), case.clip, **case.torch_clip)
+            norms.append((float(n_ref), float(n_mine)))
+        elif case.clip is not None:
             n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
             n_mine = zo.clip_grad_norm_(case.clip)
             norms.append((float(n_ref), float(n_mine)))
+        if case.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(ref.parameters(), case.clip_value)
+            torch.nn.utils.clip_grad_value_(zm.parameters(), case.clip_value)
         opt_ref.step()
         opt_ref.zero_grad()
         zo.step()

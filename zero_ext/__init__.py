@@ -16,6 +16,9 @@ from .gather import gathered_parameters
 from .materialize import meta_parameters
 from .model import ZeroModel
 from .optim import ZeroOptimizer
+from .torch_utils import install as _install_torch_utils
+
+_install_torch_utils()   # Note [torch's clipping utilities]: torch's clip_grad_* right on zeroified models
 
 __all__ = ["zeroify", "ZeroConfig", "ZeroModel", "ZeroOptimizer", "ZeroInputError", "ZeroUsageError",
            "gathered_parameters", "meta_parameters", "save", "load", "consolidated_state_dict", "CheckpointError",

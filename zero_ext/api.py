@@ -346,6 +346,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     # what this rank holds for frozen parameters: whole ones, and its stage-3 slices
     zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in replicated) + engine.frozen_shard_bytes
     zopt._units = wrapped._units
+    wrapped._optimizer = weakref.ref(zopt)   # Note [torch's clipping utilities] (torch_utils.py)
     zopt._params = params            # engine parameter i = params[i]
     zopt._param_shapes = shapes      # logical shape of engine parameter i
     if world > 1 and cfg.check_sequence is not False and gloo:

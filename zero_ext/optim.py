@@ -429,6 +429,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._clip_coef *= coef
         return torch.tensor(total)
 
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every averaged gradient element to [-clip_value, clip_value], as
+        torch.nn.utils.clip_grad_value_ on DDP's gradients: the reduced gradient shards,
+        in place (their values times the averaging and loss-scale factor are the gradients)."""
+        if self._ctl is not None:
+            raise ZeroUsageError("zero_ext: clip_grad_value_ with the step control on the device (a GPU): the "
+                                 "loss scale is not read back there; use clip_grad_norm_, or zeroify with "
+                                 "step_control=False")
+        self._engine.sequence_mark(PHASE_CLIP)
+        self._engine.wait_reductions()
+        bound = float(clip_value) / self._grad_scale()
+        with torch.no_grad():
+            for g in self._engine.grad_shards():
+                if g.numel():
+                    g.clamp_(-bound, bound)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """This rank's sharded state (load back with the same world size and stage)."""
