@@ -160,3 +160,39 @@ def test_stage3_billion_parameters_fake_backend(dtype):
     if dtype == "bf16":
         assert abs(s["model_state_bytes"]["master_weights"] - 4 * psi / 64) <= 0.01 * 4 * psi / 64
         assert abs(s["model_state_bytes"]["parameters"] - 2 * psi / 64) <= 0.01 * 2 * psi / 64
+
+
+def _plain_state_dict_worker(rank, world):
+    import torch
+
+    import zero_ext
+    from cases import batch, build_model
+    model = build_model("gpt")
+    zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3)
+    x, y = batch("gpt", rank, 0, 0)
+    zm(x, y)[1].backward()
+    zo.step()
+    zo.zero_grad()
+    try:
+        zm.module.state_dict()
+        error = None
+    except zero_ext.ZeroUsageError as e:
+        error = str(e)
+    full = zm.state_dict()
+    with zero_ext.gathered_parameters(zm):
+        inside = {k: v.clone() for k, v in zm.module.state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in build_model("gpt").state_dict().items()}
+    return {"error": error, "full": {k: tuple(v.shape) for k, v in full.items()}, "shapes": shapes,
+            "same": all(torch.equal(full[k], inside[k]) for k in full)}
+
+
+def test_plain_module_state_dict_refuses_released_parameters():
+    """A DDP script's `model.module.state_dict()` checkpoint would hold stage 3's released
+    parameters as empty tensors (a file with no weights): it raises, naming model.state_dict()
+    and zero_ext.save; model.state_dict() and the plain call inside gathered_parameters give
+    every full tensor."""
+    for rank, r in enumerate(run_world(_plain_state_dict_worker, 2)):
+        assert r["error"] is not None, f"rank {rank}: module.state_dict() returned released (empty) parameters"
+        assert "model.state_dict()" in r["error"] and "zero_ext.save" in r["error"], r["error"]
+        assert r["full"] == r["shapes"], f"rank {rank}: model.state_dict() shapes {r['full']}"
+        assert r["same"], f"rank {rank}: gathered module.state_dict() differs from model.state_dict()"

@@ -75,6 +75,16 @@ MOVE_FIX = ("choose the compute precision with zeroify(..., param_dtype='bf16' o
             "zeroify() the model again with the new settings, and zero_ext.load() it")
 
 
+def _released_names(guard, module) -> dict:
+    """Stage 3: state_dict key (without prefix) -> logical shape, for the sharded parameters."""
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        i = guard.index.get(id(p))
+        if i is not None and guard.shapes[i].numel() > 0:
+            out[name] = guard.shapes[i]
+    return out
+
+
 class ModelGuard:
     """Installed by zeroify() on the model: load hooks, the per-step edit check and
     the move guard. Holds the wrapper weakly (Note [No cycles through C++] in model.py)."""
@@ -97,6 +107,9 @@ class ModelGuard:
         self.versions = self._versions()
         self._pieces = None                          # per parameter: (offset in it, master view)
         self._loading = None                         # the module whose load_state_dict is running
+        self._released = None                        # stage 3: see _released_state_hook
+        if self.stage3:
+            model.register_state_dict_post_hook(self._released_state_hook())
         for m in model.modules():
             m.register_load_state_dict_pre_hook(self._pre_load)
             m.register_load_state_dict_post_hook(self._post_load)
@@ -119,6 +132,33 @@ class ModelGuard:
         return f"of shape {tuple(t.shape)}"
 
     # ------------------------------------------------------------------ edits
+    def _released_state_hook(self):
+        """Stage 3: model.module.state_dict() outside a gather would hold the released
+        parameters as empty tensors, so a checkpoint written from it holds no weights.
+        It raises instead, naming the calls that gather. (zero_ext's own reads use
+        keep_vars=True, whose values are the Parameters, and are let through.)"""
+        ref = weakref.ref(self)
+
+        def hook(module, state_dict, prefix, local_metadata):
+            guard = ref()
+            if guard is None:
+                return
+            if guard._released is None:
+                guard._released = _released_names(guard, module)
+            empty = [prefix + n for n, shape in guard._released.items()
+                     if (t := state_dict.get(prefix + n)) is not None and not isinstance(t, nn.Parameter)
+                     and t.numel() == 0]
+            if empty:
+                more = f" and {len(empty) - 3} more" if len(empty) > 3 else ""
+                raise ZeroUsageError(
+                    f"zero_ext: stage 3: module.state_dict() would hold {', '.join(empty[:3])}{more} as empty "
+                    f"tensors: between forwards each rank keeps only its shard. Call model.state_dict() on the "
+                    f"model zeroify() returned, on every rank (it gathers unit by unit; rank 0 may then save it), "
+                    f"or zero_ext.save(path, model, optimizer) (sharded, every rank); or read it inside "
+                    f"`with zero_ext.gathered_parameters(model):`")
+
+        return hook
+
     def _versions(self) -> list:
         return [p._version for p in self.params] if self.track else []
 
