@@ -150,3 +150,30 @@ def test_wrappers_are_freed(stage):
     del zm, zo, model
     gc.collect()
     assert all(r() is None for r in refs), "zeroify's objects outlive their last user reference"
+
+
+def _rank0_file_worker(rank, world, path):
+    import torch.distributed as dist
+
+    import zero_ext
+    model = torch.nn.Linear(8, 8)
+    zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=2)
+    zm(torch.randn(4, 8)).sum().backward()
+    zo.step()
+    if rank == 0:                                  # a DDP script's rank-0 checkpoint
+        torch.save(zo.state_dict(), path)
+    dist.barrier()
+    try:
+        zo.load_state_dict(torch.load(path, weights_only=False))   # every rank resumes from it
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def test_rank0_optimizer_file_is_refused_elsewhere(tmp_path):
+    """optimizer.state_dict() is this rank's shard: a file rank 0 alone wrote loads on rank 0
+    and is refused on every other rank, naming zero_ext.save and consolidated_state_dict."""
+    errors = run_world(_rank0_file_worker, 2, str(tmp_path / "opt.pt"))
+    assert errors[0] is None, errors[0]
+    assert errors[1] is not None and "rank 0 alone" in errors[1], errors[1]
+    assert "zero_ext.save" in errors[1] and "consolidated_state_dict" in errors[1], errors[1]

@@ -486,9 +486,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         mine = (self._config.stage, self._engine.world_size, self._engine.rank, self.wrapped_class.__name__)
         theirs = (z["stage"], z["world_size"], z["rank"], z["optimizer"])
         if mine != theirs:
+            shard = (f"; optimizer.state_dict() holds only the saving rank's shard (a checkpoint that rank "
+                     f"{z['rank']} alone wrote holds no other rank's state)" if z["rank"] != self._engine.rank else "")
             raise ValueError(f"zero_ext: optimizer state saved at (stage, world_size, rank, optimizer) = "
-                             f"{theirs} cannot load at {mine}; this state_dict round-trips only at the same "
-                             f"stage, world size and rank")
+                             f"{theirs} cannot load at {mine}{shard}; this state_dict round-trips only at the "
+                             f"same stage, world size and rank. To checkpoint for any rank, world size or stage: "
+                             f"zero_ext.save(path, model, optimizer) / zero_ext.load(...) on every rank, or "
+                             f"zero_ext.consolidated_state_dict(model, optimizer) for one plain torch state")
         if z["fingerprint"] != self._fingerprint:
             raise ValueError("zero_ext: optimizer state was saved for different parameters (shapes, groups or "
                              "config differ); build the same model and config before loading")
