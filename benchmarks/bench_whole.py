@@ -12,7 +12,7 @@ state each rank holds after training (DDP: torch's Muon and AdamW states, whole 
 every rank; zero_ext: stats()["model_state_bytes"]["optimizer_states"], the fused
 AdamW windows plus torch's Muon state of the tensors the rank owns), max/mean over
 ranks; the planned max/mean (stats()["atomic"]["state_balance"]), parameters cut to
-fill Muon's padding (Note [Cut parameters] in csrc/engine/layout.cpp), and the final
+fill Muon's padding (Note [Cut parameters] in csrc/engine/fill.cpp), and the final
 loss (mean of the last 5 steps) against DDP's. 1 thread per rank. Writes
 benchmarks/results/bench_whole.json.
 """

@@ -115,7 +115,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return skip != 0;
         }, "Report this step's overflow; returns True when the step must be skipped.")
         // The struct's bytes, for a copy in device memory that the CUDA step
-        // control advances (Note [Step control], csrc/cuda/zx_cuda_control.h).
+        // control advances (Note [Step control] in csrc/core/zx_step_control.h; kernels in csrc/cuda/zx_cuda_control.h).
         .def("to_bytes", [](const zx_loss_scaler &s) {
             at::Tensor t = at::empty({(int64_t)sizeof(zx_loss_scaler)}, at::TensorOptions().dtype(at::kByte));
             std::memcpy(t.data_ptr(), &s, sizeof(zx_loss_scaler));

@@ -182,7 +182,7 @@ std::tuple<double, int64_t> zx_py_cuda_grad_sumsq(at::Tensor grad, double scale)
     return std::make_tuple((double)h[0], (int64_t)h[1]);
 }
 
-// The step control kernels (Note [Step control], csrc/cuda/zx_cuda_control.h).
+// The step control kernels (Note [Step control] in csrc/core/zx_step_control.h; kernels in csrc/cuda/zx_cuda_control.h).
 // scaler: the uint8 CUDA tensor holding a zx_loss_scaler (LossScaler.to_bytes()), or None.
 zx_loss_scaler *zx_scaler_ptr(const std::optional<at::Tensor> &scaler, const at::Device &device) {
     if (!scaler.has_value()) return nullptr;

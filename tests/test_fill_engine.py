@@ -1,6 +1,6 @@
 """Issue 16 must-show 2 in the engine: with Muon + AdamW in stages 1-2, AdamW's
 tensors are cut into pieces that fill the padding of Muon's whole-tensor buckets
-(Note [Cut parameters] in csrc/engine/layout.cpp), and the fused step keeps
+(Note [Cut parameters] in csrc/engine/fill.cpp), and the fused step keeps
 per-element state only where it steps (Note [State windows]). Shown here:
 
 - the optimizer state each rank really holds (the engine's flat states plus torch's

@@ -102,7 +102,7 @@ class ModelGuard:
         self.stage3 = wrapper._units is not None
         self.low = wrapper._compute_dtype is not None
         # fp32 stages 0-2 keep edits by themselves, except in a parameter cut into pieces
-        # (Note [Cut parameters] in csrc/engine/layout.cpp), which owns its storage
+        # (Note [Cut parameters] in csrc/engine/fill.cpp), which owns its storage
         self.track = self.stage3 or self.low or bool(wrapper._engine.cut_params())
         self.versions = self._versions()
         self._pieces = None                          # per parameter: (offset in it, master view)
@@ -247,7 +247,7 @@ class ModelGuard:
                 raise ZeroUsageError(
                     "zero_ext: load_state_dict with torch.__future__.set_swap_module_params_on_conversion(True) "
                     "would swap out parameters that zero_ext keeps in its buckets; set it back to False")
-            state_dict[key] = p                # torch's own copy becomes a no-op (Note [Loading ...])
+            state_dict[key] = p                # torch's own copy becomes a no-op (Note [Loading into a zeroified model])
             shape = self.shapes[i]
             if len(shape) == 0 and value.dim() == 1 and value.shape[0] == 1:
                 value = value[0]               # torch's 0.3 compatibility rule

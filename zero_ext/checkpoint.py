@@ -5,7 +5,8 @@
     full = zero_ext.consolidated_state_dict(model, opt, to=0)   # {"model", "optimizer"} on rank 0
     python -m zero_ext.consolidate ckpt full.pt                 # offline, no process group
 
-Note [Checkpoint format]: a checkpoint is a directory written by
+Note [Checkpoint format]
+A checkpoint is a directory written by
 torch.distributed.checkpoint (DCP: `.metadata` + one `__<rank>_0.distcp` file per
 writing rank) plus our manifest `zero_ext.json`. Every tensor is a *logical* one,
 independent of the layout that wrote it:
@@ -40,7 +41,8 @@ The manifest describes the model (names, shapes, param groups, optimizer class) 
 every file (bytes, CRC32), so a checkpoint of another model, a truncated, corrupt or
 missing file is refused with its own message on every rank before anything is read.
 
-Note [Atomic save]: ranks write into the sibling directory <path>.tmp; rank 0 then
+Note [Atomic save]
+Ranks write into the sibling directory <path>.tmp; rank 0 then
 checksums the files, writes the manifest last, renames <path> to <path>.old, <path>.tmp
 to <path>, and removes <path>.old. A crash before the first rename leaves <path>
 untouched; a crash between the renames leaves a complete <path>.old, which load()
@@ -218,7 +220,7 @@ class _Shard:
     def states(self) -> dict:
         """name -> per-bucket 1-D tensors of each per-element optimizer state."""
         if self.views is None:
-            # Note [State windows] (csrc/engine/layout.cpp): each bucket's state covers a window of its slice
+            # Note [State windows] (csrc/engine/fill.cpp): each bucket's state covers a window of its slice
             out = {}
             for name, flat in self.engine.states().items():
                 out[name] = _Windows([flat.narrow(0, off, n) for _, n, off in self.windows],
@@ -740,7 +742,7 @@ def consolidate(path) -> dict:
     m = read_manifest(real)
     sd = {OBJECTS: torch.empty(m["objects_bytes"], dtype=torch.uint8)}
     flat = {}
-    # a whole tensor's state is under whole/ (Note [State windows] in csrc/engine/layout.cpp)
+    # a whole tensor's state is under whole/ (Note [State windows] in csrc/engine/fill.cpp)
     whole_groups = {g for part in m.get("parts", []) if part["kind"] == "whole" for g in part["groups"]}
     for name, info in m["params"].items():
         numel = 1

@@ -4,7 +4,9 @@ is then initialized with at most a few units whole at a time.
 
 Initialization replays building the model on the CPU (each module's
 reset_parameters(), children before parents, as their constructors ran it) and
-then, if given, model.apply(init_fn). Note [Meta builds lose nothing]:
+then, if given, model.apply(init_fn).
+
+Note [Meta builds lose nothing]
   * Every parameter write lands. A call (reset_parameters() or init_fn(m)) may
     touch any parameter, not just m's own: HF's _init_weights on GPT2Attention
     writes c_proj.weight, T5's on the root writes shared.weight. A torch-function

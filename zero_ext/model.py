@@ -59,7 +59,7 @@ class ZeroModel(nn.Module):
         if waits is not None:
             waits.before_forward()   # Note [Gathers waited per module] (zero_ext/param_waits.py)
         else:
-            self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/layout.cpp)
+            self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/fill.cpp)
         if self._config.broadcast_buffers and self._buffers_to_sync and self._engine.world_size > 1:
             self._engine.broadcast_tensors(self._buffers_to_sync, 0)
         if self._compute_dtype is not None:
@@ -111,7 +111,10 @@ class ZeroModel(nn.Module):
                              "sharded buckets; use assign=False")
         return self.module.load_state_dict(state_dict, strict=strict)
 
-    # Autograd hook plumbing. Note [No cycles through C++]: the engine holds the
+    # Autograd hook plumbing.
+    #
+    # Note [No cycles through C++]
+    #   The engine holds the
     # parameters in C++, and the hooks live on the parameters, so a hook that
     # held the wrapper (or the engine) strongly would form a cycle Python's GC
     # cannot see, keeping the engine and its process group alive past

@@ -100,7 +100,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             dynamic=dynamic)
 
     def _make_step_control(self, config):
-        """Note [Step control] (zero_ext/step_control.py): the fused step's scalars in
+        """Note [Step control] (csrc/core/zx_step_control.h; zero_ext/step_control.py): the fused step's scalars in
         the parameters' memory; "auto" turns it on for CUDA parameters."""
         shards = self._engine.param_shards()
         device = shards[0].device if shards else torch.device("cpu")

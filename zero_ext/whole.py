@@ -70,7 +70,7 @@ def fill_state_sizes(parts, group_dicts: list, params: list, groups: list, stage
     """Per trainable parameter, the optimizer state bytes per element that the
     planner balances by filling the padding of tensor-atomic buckets with pieces of
     element-granular parameters (Note [Filling atomic buckets] in csrc/core/zx_core.h,
-    Note [Cut parameters] in csrc/engine/layout.cpp); [] when nothing is filled:
+    Note [Cut parameters] in csrc/engine/fill.cpp); [] when nothing is filled:
     stage 0 or 3, one rank, no whole-tensor optimizer, or an elementwise one that
     runs as a torch optimizer over shard views rather than as a fused kernel."""
     if stage not in (1, 2) or world < 2:

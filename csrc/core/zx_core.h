@@ -92,7 +92,8 @@ typedef struct zx_plan_params {
                                     that state bytes balance (Note [Filling atomic buckets]) */
 } zx_plan_params;
 
-/* Tensor-atomic buckets (cost[p] > 0): parameters with an atomic key fill a bucket
+/* Note [Tensor-atomic buckets]
+ * Tensor-atomic parameters (cost[p] > 0): parameters with an atomic key fill a bucket
  * until it is past its cap *and* holds at least 2*world_size tensors (so each rank
  * can get whole tensors and the padding stays small). Inside the bucket, tensors
  * go to world_size bins, largest first to the bin with the fewest elements; the
@@ -102,7 +103,8 @@ typedef struct zx_plan_params {
  * largest bin rounded up to align; rank r's tensors sit whole at the start of
  * slice r, the rest of the slice is padding (zero, never read by an optimizer). */
 
-/* Note [Filling atomic buckets]: whole tensors alone cannot balance when ranks are
+/* Note [Filling atomic buckets]
+ * Whole tensors alone cannot balance when ranks are
  * about as many as matrices, but the usual recipe has an elementwise optimizer
  * (AdamW) over the rest (embeddings, norms, biases), whose tensors can be cut
  * anywhere. With `state` given, after every atomic bucket is binned, rank r's

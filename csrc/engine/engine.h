@@ -69,7 +69,9 @@ struct EngineOptions {
     int64_t agree_unused = 2;
 };
 
-// One bucket of the plan, as tensors. Note [Gradient layout]:
+// One bucket of the plan, as tensors.
+//
+// Note [Gradient layout]
 //   stage 0/1: flat_grad persists; param.grad is a view of it, so autograd
 //              accumulates straight into the bucket (DDP's gradient_as_bucket_view).
 //   stage 2:   no flat_grad; each gradient is copied into a ring slot as it
@@ -176,7 +178,7 @@ public:
     void wait_params();                // block until the parameter gather is done
     // Parameters are needed now (forward, reads): launch the gathers of mixed buckets
     // some of whose groups stepped (Note [Cut parameters]), then wait_params() unless
-    // wait is false (Note [Gathers waited per module], zero_ext/model.py).
+    // wait is false (Note [Gathers waited per module] in zero_ext/param_waits.py).
     void flush_params(bool wait = true);
     // Wait for the stage 1-2 parameter gathers of these buckets only (all of them when
     // some parameter is cut across buckets); bucket_of_params(): each parameter's bucket.

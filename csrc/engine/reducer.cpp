@@ -102,7 +102,8 @@ void Engine::finalize_backward() {
         for (const zx_piece &pc : pieces_[i]) buckets_[pc.bucket].pending--;
     }
     while (next_launch_ < (int64_t)buckets_.size()) launch(next_launch_++);
-    // Note [Reductions end with backward]: as DDP's reducer does, wait here.
+    // Note [Reductions end with backward]
+    // As DDP's reducer does, wait here.
     // The reductions overlapped the rest of backward; the step needs them next
     // anyway, and no later backward may write into a bucket (stage 0/1) or a
     // ring slot (stage 2) that a collective is still reading.
@@ -184,7 +185,8 @@ void Engine::launch(int64_t b) {
             // Note [Quantized gradient reduction] (quant_reduce.h)
             work = qreduce_->launch(comm_, b, send, bk.slice_numel, bk.slot);
         } else if (opts_.alltoall_reduce_scatter) {
-            // Note [Reduce-scatter on gloo]: gloo's reduce_scatter is an
+            // Note [Reduce-scatter on gloo]
+            // gloo's reduce_scatter is an
             // all-reduce underneath (2x the bytes); an equal-split all-to-all
             // moves exactly one slice to each peer, and sum_slices adds them.
             work = comm_.all_to_all(sl.recv.narrow(0, 0, bk.padded_numel), send, bk.padded_numel);
