@@ -11,8 +11,9 @@
 
 #ifdef ZX_WITH_CUDA
 
-#include <ATen/cuda/CUDAEvent.h>       // at::cuda::CUDAEvent
 #include <ATen/cuda/Sleep.h>           // at::cuda::sleep
+#include <c10/cuda/CUDAException.h>    // C10_CUDA_CHECK
+#include <cuda_runtime_api.h>          // events (ATen/cuda/CUDAEvent.h would need cuBLAS headers)
 #include <ATen/native/cuda/Resize.h>   // at::native::resize_bytes_cuda
 #include <optional>
 #include <c10/cuda/CUDAGuard.h>    // c10::cuda::CUDAGuard
@@ -28,6 +29,9 @@ namespace {
 class CudaKernels final : public Kernels {
 public:
     CudaKernels(const at::Device &dev, zx_dtype rdt) : dev_(dev), rdt_(rdt) {}
+    ~CudaKernels() override {
+        if (ready_ != nullptr) cudaEventDestroy(ready_);   // no throw from a destructor
+    }
     const char *name() const override { return "cuda"; }
 
     void adam(int64_t n, float *p, const at::Tensor &grad, float *m, float *v, float *vmax, void *lp,
@@ -115,9 +119,9 @@ public:
         c10::cuda::CUDAGuard guard(dev_);
         const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(dev_.index());
         if (!delay_stream_.has_value()) delay_stream_ = c10::cuda::getStreamFromPool(false, dev_.index());
-        at::cuda::CUDAEvent ready;
-        ready.record(cur);
-        ready.block(*delay_stream_);
+        if (ready_ == nullptr) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+        C10_CUDA_CHECK(cudaEventRecord(ready_, cur.stream()));
+        C10_CUDA_CHECK(cudaStreamWaitEvent(delay_stream_->stream(), ready_, 0));
         if (cycles_per_ms_ <= 0) cycles_per_ms_ = measure_cycles_per_ms(*delay_stream_);
         prev_stream_ = cur;
         c10::cuda::setCurrentCUDAStream(*delay_stream_);
@@ -133,13 +137,18 @@ private:
     static double measure_cycles_per_ms(const c10::cuda::CUDAStream &s) {
         constexpr int64_t kCycles = 10000000;
         c10::cuda::CUDAStreamGuard on(s);
-        at::cuda::CUDAEvent start(cudaEventDefault), end(cudaEventDefault);
+        cudaEvent_t start = nullptr, end = nullptr;
+        C10_CUDA_CHECK(cudaEventCreate(&start));
+        C10_CUDA_CHECK(cudaEventCreate(&end));
         at::cuda::sleep(kCycles / 100);   // warm-up: the kernel's first launch loads it
-        start.record(s);
+        C10_CUDA_CHECK(cudaEventRecord(start, s.stream()));
         at::cuda::sleep(kCycles);
-        end.record(s);
-        end.synchronize();
-        const double ms = start.elapsed_time(end);
+        C10_CUDA_CHECK(cudaEventRecord(end, s.stream()));
+        C10_CUDA_CHECK(cudaEventSynchronize(end));
+        float ms = 0;
+        C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
+        C10_CUDA_CHECK(cudaEventDestroy(start));
+        C10_CUDA_CHECK(cudaEventDestroy(end));
         return ms > 0 ? (double)kCycles / ms : 1.0e6;
     }
 
@@ -161,6 +170,7 @@ private:
     zx_dtype rdt_;
     at::Tensor scratch_, out2_;
     std::optional<c10::cuda::CUDAStream> delay_stream_, prev_stream_;
+    cudaEvent_t ready_ = nullptr;   // the current stream's point the delay starts from
     double cycles_per_ms_ = 0;
 };
 
