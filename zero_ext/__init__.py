@@ -13,6 +13,7 @@ from .checkpoint import CheckpointError, consolidated_state_dict, load, save
 from .comm import delay_collectives
 from .config import ZeroConfig
 from .gather import gathered_parameters
+from .from_deepspeed import config_from_deepspeed
 from .materialize import meta_parameters
 from .model import ZeroModel
 from .optim import ZeroOptimizer
@@ -22,7 +23,7 @@ _install_torch_utils()   # Note [torch's clipping utilities]: torch's clip_grad_
 
 __all__ = ["zeroify", "ZeroConfig", "ZeroModel", "ZeroOptimizer", "ZeroInputError", "ZeroUsageError",
            "gathered_parameters", "meta_parameters", "save", "load", "consolidated_state_dict", "CheckpointError",
-           "estimate_memory", "delay_collectives"]
+           "estimate_memory", "delay_collectives", "config_from_deepspeed"]
 __version__ = "0.1.0"
 
 
