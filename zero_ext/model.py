@@ -72,6 +72,14 @@ class ZeroModel(nn.Module):
             waits.after_forward()
         return out
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's Module.zero_grad, the sharded gradients included: a loop that
+        clears gradients with model.zero_grad() (the Hugging Face Trainer's does) must
+        not carry this step's gradient shards into the next one, as optimizer.zero_grad()
+        would not either."""
+        self._engine.zero_grad(set_to_none)
+        super().zero_grad(set_to_none)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (stages 0-1) for the backward passes run
