@@ -33,7 +33,7 @@ $(VENV)/.deps: Makefile
 	    $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
 	fi
 	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 ninja pytest numpy nbconvert nbclient ipykernel matplotlib tqdm \
-	    "transformers==$(TRANSFORMERS_VERSION)" "peft==$(PEFT_VERSION)"
+	    "transformers==$(TRANSFORMERS_VERSION)" "peft==$(PEFT_VERSION)" "lightning==2.6.6" "accelerate==1.15.0"
 	@touch $@
 
 venv: $(VENV)/.deps

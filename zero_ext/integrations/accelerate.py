@@ -1,0 +1,90 @@
+"""zero_ext with Hugging Face Accelerate: prepare() in place of accelerator.prepare().
+
+    from accelerate import Accelerator
+    from zero_ext.integrations.accelerate import prepare
+
+    accelerator = Accelerator(gradient_accumulation_steps=4)            # launched with torchrun / accelerate launch
+    model, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler, stage=2)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            loss = loss_fn(model(x), y)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    accelerator.save_state("ckpt")            # every rank; accelerator.load_state("ckpt") to resume
+
+prepare() moves the model to accelerator.device, calls zero_ext.zeroify(model,
+optimizer, stage=..., **options) and hands everything else (data loaders, LR
+schedulers, ...) to accelerator.prepare(). The model is not given to Accelerate, which
+would wrap it in DDP; the optimizer comes back wrapped in Accelerate's own
+AcceleratedOptimizer, so that accumulate() skips the step and zero_grad on
+accumulation micro-steps as usual. So:
+
+- accelerator.backward(loss) divides by gradient_accumulation_steps and runs backward;
+- accelerator.accumulate(model) runs the micro-steps under the zeroified model's no_sync();
+- accelerator.clip_grad_norm_(model.parameters(), c) calls torch.nn.utils.clip_grad_norm_,
+  which `import zero_ext` routes to the sharded clipping (Note [torch's clipping
+  utilities] in zero_ext/torch_utils.py); clip_grad_value_ likewise;
+- accelerator.save_state(dir) / load_state(dir) (every rank) save and restore the
+  model and optimizer through zero_ext.save / zero_ext.load into dir/zero_ext (hooks
+  that prepare() registers): each rank writes its own shard, and the checkpoint
+  resumes at any world size or stage. Accelerate saves the rest as usual (schedulers,
+  data loader positions, RNG states); it writes no model.safetensors or optimizer.bin
+  for the zeroified pair. accelerator.save_model(model, dir) writes the full model
+  (model.state_dict(), which in stage 3 every rank must call: call save_model on every rank).
+
+Precision: fp32 parameters; mixed_precision="bf16" (autocast) works, "fp16" (a
+GradScaler over p.grad) is refused: use param_dtype="fp16" (zero_ext scales the loss).
+"""
+from __future__ import annotations
+
+import os
+
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+
+import zero_ext
+
+ZERO_DIR = "zero_ext"    # <save_state dir>/zero_ext (zero_ext_1, ... for further prepared models)
+
+
+def prepare(accelerator, model: nn.Module, optimizer, *others, stage: int | str = 2, config=None, **zero_options):
+    """(model, optimizer, *others) ready for training: the zeroified model, its optimizer
+    wrapped in an AcceleratedOptimizer, and accelerator.prepare(*others) in order."""
+    if accelerator.scaler is not None:
+        raise ValueError("zero_ext: Accelerator(mixed_precision='fp16') uses a GradScaler over p.grad, which ZeRO "
+                         "shards; use mixed_precision='no' or 'bf16', and compute in fp16 with "
+                         "prepare(..., param_dtype='fp16') (zero_ext scales the loss itself)")
+    if not isinstance(model, nn.Module) or isinstance(model, zero_ext.ZeroModel):
+        raise TypeError("zero_ext: prepare(accelerator, model, optimizer, ...) takes the plain module first and "
+                        "the plain torch optimizer second")
+    model = model.to(accelerator.device)
+    zmodel, zopt = zero_ext.zeroify(model, optimizer, stage=stage, config=config, **zero_options)
+    wrapped = AcceleratedOptimizer(zopt, device_placement=False)
+    _register_checkpoint_hooks(accelerator, zmodel, zopt)
+    rest = accelerator.prepare(*others) if others else ()
+    if len(others) == 1:
+        rest = (rest,)
+    return (zmodel, wrapped, *rest)
+
+
+def _register_checkpoint_hooks(accelerator, zmodel, zopt) -> None:
+    """accelerator.save_state / load_state: the zeroified pair through zero_ext.save / load."""
+    index = len(getattr(accelerator, "_zero_ext_pairs", []))
+    accelerator._zero_ext_pairs = getattr(accelerator, "_zero_ext_pairs", []) + [(zmodel, zopt)]
+    name = ZERO_DIR if index == 0 else f"{ZERO_DIR}_{index}"
+
+    def save_hook(models, weights, output_dir):
+        zero_ext.save(os.path.join(output_dir, name), zmodel, zopt)
+
+    def load_hook(models, input_dir):
+        zero_ext.load(os.path.join(input_dir, name), zmodel, zopt)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+__all__ = ["prepare", "ZERO_DIR"]

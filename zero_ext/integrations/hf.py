@@ -1,0 +1,123 @@
+"""zero_ext in the Hugging Face Trainer: a Trainer subclass.
+
+    from zero_ext.integrations.hf import ZeroTrainer
+
+    args = TrainingArguments(output_dir, max_grad_norm=1.0, gradient_accumulation_steps=4, save_steps=500, ...)
+    trainer = ZeroTrainer(model=model, args=args, train_dataset=ds, zero_stage=3)   # + any zeroify option
+    trainer.train()                                  # or train(resume_from_checkpoint=True / path)
+
+Launched as any distributed Trainer script (torchrun). ZeroTrainer is the Trainer
+with one change of wrapper: where the Trainer would let Accelerate wrap the model in
+DDP, it calls zero_ext.zeroify(model, optimizer) on the optimizer the Trainer built
+(create_optimizer: its param groups, weight decay split, LR schedule all as usual),
+and Accelerate only wraps the returned optimizer. Then:
+
+- max_grad_norm: the Trainer clips with accelerator.clip_grad_norm_(model.parameters()),
+  which calls torch.nn.utils.clip_grad_norm_, which `import zero_ext` routes to the
+  sharded clipping (Note [torch's clipping utilities] in zero_ext/torch_utils.py); the
+  logged grad_norm is the global norm before clipping, as under DDP.
+- gradient_accumulation_steps: the micro-steps run under accelerator.no_sync(model),
+  which is the zeroified model's no_sync().
+- Checkpoints (save_steps / save_strategy, resume_from_checkpoint): each
+  checkpoint-N/ holds what the Trainer writes (the full model as save_pretrained
+  files, written by rank 0 from model.state_dict(), which every rank builds: stage 3
+  gathers it unit by unit; trainer_state.json, RNG states) and, instead of the
+  Trainer's rank-0 optimizer.pt/scheduler.pt, the directory checkpoint-N/zero_ext:
+  zero_ext.save() from every rank (each rank's shard of the fp32 masters and
+  optimizer states, and the LR scheduler's state). Resuming loads it with
+  zero_ext.load() on every rank, at any world size or stage.
+
+Precision: keep the model in fp32 and choose the compute dtype with zero_ext's own
+option, ZeroTrainer(..., zero_options={"param_dtype": "bf16"}); bf16=True (autocast)
+works too. fp16=True is refused (its GradScaler unscales p.grad, which ZeRO shards).
+"""
+from __future__ import annotations
+
+import os
+
+from transformers import Trainer
+
+import zero_ext
+from zero_ext.config import make_config
+
+ZERO_DIR = "zero_ext"    # checkpoint-N/zero_ext: the zero_ext.save directory
+
+
+class ZeroTrainer(Trainer):
+    """transformers.Trainer training with zero_ext ZeRO stage `zero_stage` (0-3 or
+    "auto"); `zero_config` / `zero_options` are zeroify()'s config and options.
+    After train(), `zero_model` and `zero_optimizer` are what zeroify() returned."""
+
+    def __init__(self, *args, zero_stage: int | str = 2, zero_config=None, zero_options: dict | None = None,
+                 **kwargs):
+        make_config(zero_config, zero_stage, dict(zero_options or {}))   # a typo'd option fails here
+        super().__init__(*args, **kwargs)
+        if self.args.fp16:
+            raise ValueError("zero_ext: ZeroTrainer does not support TrainingArguments(fp16=True) (its GradScaler "
+                             "unscales p.grad, which ZeRO shards); train in fp32 or bf16=True, or compute in fp16 "
+                             "with zero_options={'param_dtype': 'fp16'} (zero_ext scales the loss itself)")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("zero_ext: ZeroTrainer replaces DeepSpeed/FSDP; drop deepspeed=/fsdp= from "
+                             "TrainingArguments")
+        self.zero_stage = zero_stage
+        self.zero_config = zero_config
+        self.zero_options = dict(zero_options or {})
+        self.zero_model = None
+        self.zero_optimizer = None
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if self.zero_model is not None:
+            return self.zero_model          # training or evaluation: stage 3 gathers as it runs
+        if not training:
+            return super()._wrap_model(model, training, dataloader)
+        if self.optimizer is None:
+            raise RuntimeError("zero_ext: ZeroTrainer found no optimizer to wrap (create_optimizer runs first)")
+        if isinstance(self.optimizer, (zero_ext.ZeroOptimizer, list)):
+            raise RuntimeError("zero_ext: the Trainer's optimizer is already a zero_ext optimizer; pass the plain "
+                               "torch optimizer (or none) to ZeroTrainer")
+        self.zero_model, self.zero_optimizer = zero_ext.zeroify(self.model, self.optimizer, stage=self.zero_stage,
+                                                                config=self.zero_config, **self.zero_options)
+        self.optimizer = self.zero_optimizer   # Accelerate wraps this one; the model is not given to Accelerate
+        return self.zero_model
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """As Trainer.save_model (call it on every rank): the full model, written by rank 0."""
+        if self.zero_model is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = self.zero_model.state_dict()     # every rank: stage 3 gathers unit by unit
+        self._save(output_dir, state_dict=_tied(self.model, state_dict))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.zero_model is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        zero_ext.save(os.path.join(output_dir, ZERO_DIR), self.zero_model, self.zero_optimizer,
+                      scheduler=self.lr_scheduler)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or self.zero_model is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, ZERO_DIR)
+        if not os.path.isdir(path) and not os.path.isdir(path + ".old"):
+            raise ValueError(f"zero_ext: {checkpoint!r} has no {ZERO_DIR}/ directory, so it was not saved by "
+                             f"ZeroTrainer and holds no sharded optimizer state to resume from; to start from its "
+                             f"weights only, load the model with from_pretrained({checkpoint!r}) and train "
+                             f"without resume_from_checkpoint")
+        zero_ext.load(path, self.zero_model, self.zero_optimizer, scheduler=self.lr_scheduler)
+
+
+def _tied(module, state_dict: dict) -> dict:
+    """state_dict with tied parameters (GPT-2's lm_head and wte) as one tensor again, as
+    save_pretrained expects to find them (stage 3 gathers each name into its own copy)."""
+    first = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+        if name in state_dict and first[id(p)] != name and first[id(p)] in state_dict:
+            state_dict[name] = state_dict[first[id(p)]]
+    return state_dict
+
+
+__all__ = ["ZeroTrainer", "ZERO_DIR"]
