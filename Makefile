@@ -1,6 +1,7 @@
 # zero_ext — set-up, build, test, demo. Every target does its own set-up and is idempotent.
 #   make test    build everything (venv, torch, the extension) and pass the tests
 #   make demo    the main job: GPT training on 2 CPU ranks, ZeRO vs DDP, side by side
+#   make docs    the documentation site (mkdocs --strict) into build/site; make test builds it too
 #   make bench   the benchmarks (tables + JSON under benchmarks/results/); installs DeepSpeed, a peer
 #   make gpu-check  on a GPU machine whose python has torch+CUDA, pybind11, ninja, pytest:
 #                builds, runs the GPU tests, compute-sanitizer and GPU benchmarks; installs nothing;
@@ -19,7 +20,7 @@ ZX_SYSTEM_TORCH ?= 0
 PYTEST_ARGS ?=
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/engine/*.cpp csrc/engine/*.h csrc/core/*.c csrc/core/*.h csrc/core/*.inc csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh) setup.py
 
-.PHONY: all venv build test core-test pytest demo bench gpu-check clean
+.PHONY: all venv build test core-test docs pytest demo bench gpu-check clean
 
 all: build
 
@@ -34,6 +35,7 @@ $(VENV)/.deps: Makefile
 	fi
 	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 ninja pytest numpy nbconvert nbclient ipykernel matplotlib tqdm \
 	    "transformers==$(TRANSFORMERS_VERSION)" "peft==$(PEFT_VERSION)" "lightning==2.6.6" "accelerate==1.15.0"
+	$(PY) -m pip install -q "mkdocs==1.6.1" "mkdocstrings==1.0.8" "mkdocstrings-python==2.0.11"
 	@touch $@
 
 venv: $(VENV)/.deps
@@ -53,7 +55,12 @@ core-test:
 pytest: build
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
 
-test: core-test pytest
+# The site's tables come from benchmarks/reference/ and the sources (tools/docsgen.py, the
+# mkdocs hook); --strict fails on a broken link, a missing API entry or a stale table.
+docs: $(VENV)/.deps
+	$(PY) -m mkdocs build --strict -q
+
+test: core-test docs pytest
 
 demo: build
 	$(PY) examples/demo.py

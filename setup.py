@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -96,9 +96,8 @@ else:
     extra = {"cxx": cxx_flags}
 
 setup(
-    name="zero_ext",
-    version="0.1.0",
-    packages=["zero_ext"],
+    # name, version and the rest of the metadata: pyproject.toml
+    packages=find_packages(include=["zero_ext", "zero_ext.*"]),
     libraries=[("zxcore", {
         "sources": core_sources,
         "include_dirs": ["csrc/core"],

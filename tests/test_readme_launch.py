@@ -1,14 +1,15 @@
 """The README's multi-GPU launch, executed as written (issue 26, part 5).
 
-From README.md's "GPUs" section this takes the script (the first ```python block, which
-must also be examples/train_multigpu.py byte for byte) and the launch line (the first
-line starting with "torchrun --standalone"), writes the script as the README shows it to a
-temporary file and runs the launch line with python -m torch.distributed.run, two
-processes instead of eight, the checkpoint in a temporary directory and fewer steps:
+README.md's "GPUs" section holds the launch line (the first line starting with
+"torchrun --standalone"); the script it runs is shown in full on the docs page
+docs/guide/gpus.md (its first ```python block), which must be examples/train_multigpu.py
+byte for byte. This writes the script as the page shows it to a temporary file and runs
+the README's launch line with python -m torch.distributed.run, two processes instead of
+eight, the checkpoint in a temporary directory and fewer steps:
 
-- CPU: ZX_BACKEND=gloo (the README's override of "nccl"): exit 0, rank 0 prints the
+- CPU: ZX_BACKEND=gloo (the script's override of "nccl"): exit 0, rank 0 prints the
   documented lines, the loss falls; then one process resumes from the 2-process
-  checkpoint, as the README says a restarted job does (any world size).
+  checkpoint, as the docs say a restarted job does (any world size).
 - GPU (skipped without CUDA): ZX_BACKEND=cuda:gloo, two ranks sharing one GPU.
 
 About 40 s on 2 CPU cores.
@@ -25,6 +26,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+GPU_PAGE = os.path.join(ROOT, "docs", "guide", "gpus.md")
 EXAMPLE = os.path.join(ROOT, "examples", "train_multigpu.py")
 TIMEOUT_S = 240
 LINE = re.compile(r"^step (\d+) loss ([0-9.]+) world size (\d+) (cpu|cuda)$")
@@ -38,8 +40,9 @@ def _gpu_section() -> str:
 
 
 def readme_script() -> str:
-    m = re.search(r"```python\n(.*?)```", _gpu_section(), re.S)
-    assert m, "README's GPUs section has no ```python block"
+    """The script as the docs show it: docs/guide/gpus.md's first ```python block."""
+    m = re.search(r"```python\n(.*?)```", open(GPU_PAGE, encoding="utf-8").read(), re.S)
+    assert m, "docs/guide/gpus.md has no ```python block"
     return m.group(1)
 
 
@@ -94,9 +97,10 @@ def _steps(output):
 
 def test_readme_shows_the_example_verbatim():
     assert readme_script() == open(EXAMPLE, encoding="utf-8").read(), \
-        "README's GPUs script differs from examples/train_multigpu.py: make them the same"
+        "docs/guide/gpus.md's script differs from examples/train_multigpu.py: make them the same"
     assert 'dist.init_process_group(backend)' in readme_script() and '"nccl"' in readme_script()
-    assert "ZX_BACKEND" in _gpu_section()
+    assert "examples/train_multigpu.py" in _gpu_section() and "docs/guide/gpus.md" in _gpu_section()
+    assert "ZX_BACKEND" in open(GPU_PAGE, encoding="utf-8").read()
 
 
 def _launch_and_resume(tmp_path, backend, device):

@@ -32,7 +32,7 @@ def dtype_name(v: Any) -> Any:
 
 @dataclasses.dataclass
 class ZeroConfig:
-    """Options of zeroify(). See README "Options" for the full story of each.
+    """Options of zeroify(); docs/guide/options.md shows them as a table generated from here.
 
     stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded),
         3 (+ parameters sharded, gathered per unit on demand), or "auto": the stage
@@ -131,8 +131,8 @@ class ZeroConfig:
         ranks only, requires_grad changed on some ranks) raise on every rank naming the
         rank, step and bucket/unit, instead of hanging until the process group's timeout.
         Costs one small all-gather per phase (forward, backward, clip, step) that
-        communicates (measured: +25% to +65% on a ~10 ms step, lost in the noise on a
-        ~200 ms one), hence off by default. gloo only (True with another backend raises).
+        communicates, which short steps feel (benchmarks/bench_sequence.py measures it),
+        hence off by default. gloo only (True with another backend raises).
     sequence_timeout: seconds an engine collective may wait before the ranks compare
         their positions through the process group's store (check_sequence).
     find_unused_parameters: how the ranks agree on parameters that got no gradient

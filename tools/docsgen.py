@@ -1,0 +1,741 @@
+"""The generated parts of README.md and the docs site: one source per fact.
+
+    python tools/docsgen.py           rewrite README.md's generated regions
+    python tools/docsgen.py --check   exit 1 if README.md's regions are stale (tests/test_docs.py runs it)
+
+Every figure the README or the docs state comes from a file under benchmarks/reference/
+(each directory's machine.json names the machine and the commit of each file), and every
+status claim (what ran where) from the result files that `make gpu-check` and the
+benchmarks write there. They reach the text only through the generators below:
+
+- README.md holds their output between `<!-- gen:NAME -->` and `<!-- /gen:NAME -->`
+  (GitHub shows the file as it is), checked fresh by tests/test_docs.py.
+- A docs page holds a lone `<!-- gen:NAME [ARG] -->` line, expanded when mkdocs builds
+  the site: this file is also the site's mkdocs hook (mkdocs.yml: hooks), which adds the
+  plots and puts docs/integrations.md in the navigation once it exists.
+
+Outside generated regions, code and `within N%`-style tolerances, a number that looks
+measured (a decimal, a percentage, a ratio like 1.3x) is an error (`stray_figures`,
+tests/test_docs.py). Nothing here imports zero_ext: the sources are read as text.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import json
+import pathlib
+import re
+import sys
+import xml.sax.saxutils
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "benchmarks" / "reference"
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+MARKER = re.compile(r"^<!-- gen:([\w-]+)(?: ([^>]*?))? -->$", re.M)
+REGION = re.compile(r"^<!-- gen:([\w-]+)(?: ([^>]*?))? -->\n(.*?)^<!-- /gen:\1 -->$", re.M | re.S)
+
+
+class DocsError(Exception):
+    """A generator cannot produce its text (a missing reference file, test file, ...)."""
+
+
+# ------------------------------------------------------------------ reference files
+
+def ref(rel: str) -> dict:
+    """benchmarks/reference/<rel> parsed."""
+    path = REFERENCE / rel
+    if not path.exists():
+        raise DocsError(f"benchmarks/reference/{rel} does not exist")
+    return json.loads(path.read_text())
+
+
+def provenance(rel: str) -> str:
+    """'NVIDIA H200, torch ..., 2026-11-23, commit 99b708e': the machine and commit of a
+    reference file, from the file itself (gpu-check.json has both) or its machine.json."""
+    machine_dir, name = rel.split("/", 1)
+    meta_path = REFERENCE / machine_dir / "machine.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    data = ref(rel)
+    entry = meta.get("files", {}).get(name, {})
+    commit = data.get("commit") or entry.get("commit")
+    date = (data.get("date_utc") or entry.get("date") or "")[:10]
+    machine = meta.get("machine") or data.get("gpu")
+    if not machine or not commit:
+        raise DocsError(f"benchmarks/reference/{rel}: no machine or commit (add it to {machine_dir}/machine.json)")
+    software = meta.get("software", "")
+    parts = [machine, software, date, f"commit {commit[:7]}"]
+    return f"`benchmarks/reference/{rel}`: " + ", ".join(p for p in parts if p)
+
+
+def source_line(*rels: str) -> str:
+    return "\n".join(f"<small>Source: {provenance(r)}.</small>  " for r in rels).rstrip() + "\n"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out) + "\n"
+
+
+def spread(d: dict, fmt: str = ".2f", unit: str = "x") -> str:
+    return f"{d['median']:{fmt}}{unit} [{d['min']:{fmt}}, {d['max']:{fmt}}]"
+
+
+# ------------------------------------------------------------------ performance
+
+H200 = "h200"
+EPYC = "epyc-avx2-2026-11-23"
+
+
+def gen_perf_headline(arg: str = "") -> str:
+    """A 1.31B GPT's training step on one H200: zero_ext's stages against plain torch and FSDP2."""
+    rel = f"{H200}/bench_step_gpu.json"
+    d = ref(rel)
+    a = d["meta"]["args"]
+    names = {"torch": "plain torch (autocast bf16, fused AdamW)", "fsdp2": "FSDP2 `fully_shard`",
+             "zero1": "zero_ext stage 1", "zero2": "zero_ext stage 2", "zero3": "zero_ext stage 3"}
+    rows = []
+    for key, s in d["systems"].items():
+        rows.append([names.get(key, key), f"{s['median_ms']:.1f}", f"{s['vs_torch']:.2f}x", f"{s['vs_fsdp2']:.2f}x",
+                     f"{s['peak_bytes'] / 2**30:.1f}"])
+    text = (f"One training step of a {d['meta']['numel'] / 1e9:.2f}B-parameter bf16 GPT ({a['layers']} layers, "
+            f"width {a['width']}, batch {a['batch']} x {a['seq']} tokens) at world size 1: nothing is sharded "
+            f"across ranks here, so this is the engine's overhead against the peers (median of {a['reps']} "
+            f"repetitions).\n\n")
+    text += table(["system", "ms / step", "time vs plain torch", "time vs FSDP2", "peak GiB"], rows)
+    return text + "\n" + source_line(rel)
+
+
+def gen_perf_optimizer_gpu(arg: str = "") -> str:
+    rel = f"{H200}/bench_optimizer_gpu.json"
+    d = ref(rel)
+    rows = []
+    for s in d["sizes"]:
+        t = s["times"]
+        rows.append([f"{s['numel'] / 2**20:,.0f}M", f"{t['ours']['median_ms']:.3f}", f"{t['torch_fused+copy']['median_ms']:.3f}",
+                     f"{t['copy']['median_ms']:.3f}", f"{s['ours_fraction_of_copy']:.2f}",
+                     f"{s['speedup_vs_torch_fused_plus_copy']:.2f}x"])
+    m = d["many_small_tensors"]
+    text = ("AdamW step with the bf16 copy-out in the same pass (zero_ext's CUDA kernel) against torch's "
+            "`AdamW(fused=True)` followed by a separate bf16 copy, and a device-to-device copy of the same "
+            "bytes as the bandwidth ceiling (median ms).\n\n")
+    text += table(["parameters", "zero_ext ms", "torch fused + copy ms", "copy ms", "zero_ext / copy bandwidth",
+                   "zero_ext vs torch"], rows)
+    text += (f"\n{m['tensors']:,} small tensors ({m['numel_total'] / 1e6:,.0f}M parameters): one flat zero_ext step "
+             f"{m['times']['ours_flat']['median_ms']:.2f} ms against torch's fused list + foreach copy "
+             f"{m['times']['torch_fused_list+foreach_copy']['median_ms']:.2f} ms "
+             f"({m['speedup_vs_torch']:.2f}x).\n\n")
+    return text + "![AdamW bandwidth on the H200](img/optimizer_gpu.svg)\n\n" + source_line(rel)
+
+
+def gen_perf_optimizer_cpu(arg: str = "") -> str:
+    rel = f"{EPYC}/bench_optimizer.json"
+    d = ref(rel)
+    names = {"ours fp32": "zero_ext AdamW, fp32", "ours + bf16 out": "zero_ext AdamW + bf16 copy-out in the same pass",
+             "torch foreach": "torch AdamW foreach", "torch fused": "torch AdamW fused",
+             "torch fused + bf16 copy": "torch AdamW fused + separate bf16 `copy_`"}
+    rows = [[names.get(r["name"], r["name"]), f"{r['median_s'] * 1e3:.1f}", f"{r['speedup_vs_torch_fused']:.2f}x",
+             f"{r['fraction_of_copy_bw']:.2f}"] for r in d["results"]]
+    text = (f"{d['numel'] / 2**20:,.0f}M parameters, {d['threads']} threads, ISA path `{d['isa']}`, "
+            f"{d['reps']} interleaved repetitions (median). Copy bandwidth counts the write-allocate read "
+            f"that a read-modify-write step does not pay, so fractions above one happen.\n\n")
+    text += table(["contender", "ms", "speed vs torch fused", "fraction of copy bandwidth"], rows)
+    srows = []
+    for s in d["scaling"]:
+        srows.append([f"{s['numel']:,}", s["threads"], f"{s['ours']['params_per_s'] / 1e9:.2f}",
+                      f"{s['ours'].get('time_vs_1_thread', 1.0):.2f}", f"{s['torch fused']['params_per_s'] / 1e9:.2f}",
+                      f"{s['torch fused'].get('time_vs_1_thread', 1.0):.2f}", f"{s['ours_speedup_vs_fused']:.2f}x"])
+    text += "\nThread scaling (torch's intra-op threads), ours against torch fused in the same run:\n\n"
+    text += table(["parameters", "threads", "zero_ext Gparams/s", "zero_ext time vs 1 thread", "torch Gparams/s",
+                   "torch time vs 1 thread", "zero_ext vs torch"], srows)
+    return text + "\n" + source_line(rel)
+
+
+def gen_perf_units(arg: str = "") -> str:
+    rel = f"{EPYC}/bench_units.json"
+    d = ref(rel)
+    names = {"1": "zero_ext stage 1", "2": "zero_ext stage 2", "3": "zero_ext stage 3",
+             "3-single": "zero_ext stage 3, `coalesce_numel=0`", "fsdp2": "FSDP2 (`fully_shard` per block)",
+             "ddp": "DDP"}
+    rows = []
+    for key, s in d["systems"].items():
+        c = s.get("collectives_per_step")
+        coll = f"{c['all_gather']} all-gathers, {c['reduce_scatter']} reduce-scatters" if c else ""
+        rows.append([names.get(key, key), spread(s["vs_ddp"]) if "vs_ddp" in s else "1",
+                     spread(s["vs_fsdp2"]) if "vs_fsdp2" in s else "1", coll])
+    text = (f"{d['blocks']} blocks of Linear(32, 32) + LayerNorm(32), each block a stage-3 unit "
+            f"({d['params']:,} parameters), {d['world_size']} gloo ranks x {d['threads_per_rank']} thread: a step "
+            f"is almost only per-unit overhead. Step time ratios within a repetition, median [min, max] over "
+            f"{d['reps']} repetitions of {d['steps']} steps.\n\n")
+    text += table(["system", "time vs DDP", "time vs FSDP2", "collectives per step"], rows)
+    return text + "\n" + source_line(rel)
+
+
+def gen_perf_comm(arg: str = "") -> str:
+    rel = f"{EPYC}/bench_comm.json"
+    d = ref(rel)
+    names = {"exact": "exact", "int8": '`grad_quant="int8"`', "int4": '`grad_quant="int4"`',
+             "int4_ef": '`grad_quant="int4"`, error feedback', "int8_ef": '`grad_quant="int8"`, error feedback',
+             "q8gather": '`param_quant="int8"`', "q8gather_int8": '`param_quant="int8"` + `grad_quant="int8"`'}
+    rows = []
+    for key, m in d["modes"].items():
+        rows.append([names.get(key, key), f"{m['final_loss']:.4f}", f"{100 * m['final_loss_vs_exact']:+.2f}%",
+                     f"{m['wire_vs_exact']:.3f}", f"{m['all_gather_wire_vs_exact']:.3f}",
+                     f"{m['step_time_vs_exact']:.2f}"])
+    text = (f"{d['steps']} steps, {d['world']} gloo ranks, stage {d['stage']}, the GPT of `examples/gpt.py` on "
+            f"tinyshakespeare (block {d['block']}), every mode on the same batches in lockstep. Final loss: the "
+            f"mean of the last 20 steps.\n\n")
+    text += table(["mode", "final loss", "vs exact", "reduce-scatter wire / exact", "all-gather wire / exact",
+                   "step time vs exact"], rows)
+    return text + "\n![Loss per step and mode](img/comm_losses.svg)\n\n" + source_line(rel)
+
+
+def gen_perf_comm_hier(arg: str = "") -> str:
+    rel = f"{EPYC}/bench_comm_hier.json"
+    d = ref(rel)
+    rows = []
+    for key, m in d["modes"].items():
+        opts = ", ".join(f"`{k}={v!r}`" for k, v in m["options"].items() if k not in ("param_dtype", "reduce_dtype"))
+        rows.append([key, opts or "exact", f"{m['inter_wire_bytes_per_step'] / 2**20:.2f}",
+                     f"{m['inter_wire_vs_exact_bf16']:.2f}", f"{m['peak_secondary_bytes'] / 2**20:.2f}"])
+    text = (f"Stage 3, bf16 parameters and reduction, {d['world']} ranks as nodes of {d['node_size']}, a GPT of "
+            f"{d['n_layer']} layers (width {d['n_embd']}); bytes crossing nodes per step.\n\n")
+    text += table(["mode", "options", "MiB across nodes / step", "vs exact bf16", "node-local parts, MiB (peak)"], rows)
+    return text + "\n" + source_line(rel)
+
+
+def gen_perf_whole(arg: str = "") -> str:
+    rel = f"{EPYC}/bench_whole.json"
+    d = ref(rel)
+    names = {"ddp": "DDP + torch Muon/AdamW", "zero_s1": "zero_ext stage 1", "zero_s2": "zero_ext stage 2"}
+    rows = [[names.get(k, k), f"{s['step_time_vs_ddp']:.2f}", f"{s['state_max_vs_ddp']:.3f}",
+             f"{s['state_max_over_mean']:.3f}", f"{100 * s['final_loss_vs_ddp']:+.3f}%"] for k, s in d["systems"].items()]
+    text = (f"Muon on the hidden matrices + AdamW on the rest, {d['world']} gloo ranks, GPT {d['n_layer']} layers / "
+            f"width {d['n_embd']}, {d['steps']} steps.\n\n")
+    text += table(["system", "step time vs DDP", "optimizer state of the most loaded rank vs DDP", "max / mean",
+                   "final loss vs DDP"], rows)
+    return text + "\n" + source_line(rel)
+
+
+# ------------------------------------------------------------------ plots (site only)
+
+def plots() -> dict[str, bytes]:
+    """{site path: SVG} for the images the performance generators reference."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.rcParams["svg.hashsalt"] = "zero_ext"
+    out = {}
+
+    d = ref(f"{EPYC}/bench_comm.json")
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for key, m in d["modes"].items():
+        losses = m["losses"]
+        k = 10
+        smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1]) for i in range(len(losses))]
+        ax.plot(smooth, label=key, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss (mean of {k} steps)")
+    ax.set_title(f"Quantized communication: {d['world']} gloo ranks, stage {d['stage']}")
+    ax.legend(fontsize=7)
+    out["img/comm_losses.svg"] = _svg(fig)
+
+    d = ref(f"{H200}/bench_optimizer_gpu.json")
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    sizes = [s["numel"] for s in d["sizes"]]
+    per = d["meta"]["bytes_per_param_ours"]
+    for label, key in (("zero_ext AdamW + bf16 copy-out", "ours"), ("torch fused + copy", "torch_fused+copy")):
+        ax.plot(sizes, [s["numel"] * per / (s["times"][key]["median_ms"] * 1e-3) / 1e9 for s in d["sizes"]],
+                marker="o", label=label)
+    ax.plot(sizes, [s["copy_GBps"] for s in d["sizes"]], linestyle="--", label="device copy")
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel(f"GB/s ({per} bytes per parameter)")
+    ax.set_title(d["meta"]["device"])
+    ax.legend(fontsize=7)
+    out["img/optimizer_gpu.svg"] = _svg(fig)
+    return out
+
+
+def _svg(fig) -> bytes:
+    import matplotlib.pyplot as plt
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+# ------------------------------------------------------------------ status
+
+# (feature, CPU tests in `make test`, gpu-check steps, benchmark result files)
+STATUS = [
+    ("Stages 0-3 on CPU (gloo), fp32, against DDP + the same torch optimizer, 1-4 ranks",
+     ["tests/test_parity.py", "tests/test_unused.py"], ["tests_multirank"], []),
+    ("Mixed precision: bf16/fp16 parameters, fp32 masters, dynamic loss scaling",
+     ["tests/test_mixed_precision.py"], ["tests_engine", "tests_multirank"], []),
+    ("Fused CPU kernels (scalar, AVX2, AVX-512) on torch's intra-op threads",
+     ["tests/test_kernels.py", "tests/test_threads.py"], [], [f"{EPYC}/bench_optimizer.json"]),
+    ("CUDA optimizer kernels against the C reference; compute-sanitizer",
+     ["tests/test_cuda_compile.py"], ["tests_kernels", "memcheck", "racecheck"], [f"{H200}/bench_optimizer_gpu.json"]),
+    ("The engine on CUDA tensors (world size 1, NCCL), no host synchronization in a step",
+     [], ["tests_engine", "cuda_sanitizer"], [f"{H200}/bench_step_gpu.json"]),
+    ("Several ranks on one GPU (`cuda:gloo`) against DDP", [], ["tests_multirank"], []),
+    ("Several GPUs over NCCL", [], [], []),
+    ("Stage 3: units, prefetch, coalesced gathers, meta-device builds, frozen parameters",
+     ["tests/test_stage3.py", "tests/test_prefetch.py", "tests/test_meta_init.py", "tests/test_frozen_stage3.py"],
+     [], [f"{EPYC}/bench_units.json"]),
+    ("Communication overlapped with compute (delayed collectives)", ["tests/test_overlap.py"], ["tests_overlap"], []),
+    ("Checkpoints across world sizes and stages; consolidation", ["tests/test_checkpoint.py", "tests/test_state.py"],
+     [], []),
+    ("Elastic restarts with torchrun's agents (2 agents on one machine)", ["tests/test_elastic.py"], [], []),
+    ("Quantized communication (int8/int4 gradients, int8 gathers) on CPU",
+     ["tests/test_quant_reduce.py", "tests/test_quant_gather.py", "tests/test_quant_kernels.py"], [],
+     [f"{EPYC}/bench_comm.json"]),
+    ("Quantization kernels on CUDA", [], ["tests_quant_cuda", "memcheck_quant", "racecheck_quant"], []),
+    ("Hierarchical partitioning (`node_size`)", ["tests/test_hier.py"], [], [f"{EPYC}/bench_comm_hier.json"]),
+    ("Muon / Adafactor on whole tensors, with AdamW beside them",
+     ["tests/test_whole_tensor.py", "tests/test_fill_engine.py", "tests/test_whole_tensor_checkpoint.py"], [],
+     [f"{EPYC}/bench_whole.json"]),
+    ("Hugging Face transformers and PEFT models", ["tests/test_hf_models.py"], [], []),
+    ("Memory estimator and `stage=\"auto\"`", ["tests/test_estimate.py", "tests/test_auto_stage.py",
+                                               "tests/test_memory.py"], [], []),
+    ("Divergent ranks named instead of a hang (`check_sequence`)", ["tests/test_diverge.py", "tests/test_failure.py"],
+     [], []),
+    ("torch's `clip_grad_norm_` on a zeroified model", ["tests/test_torch_clip.py"], [], []),
+    ("The README's multi-GPU launch, run as written", ["tests/test_readme_launch.py"], ["tests_readme"], []),
+    ("Porting guides: DDP and FSDP2 scripts, DeepSpeed configs",
+     ["tests/test_porting.py", "tests/test_from_deepspeed.py"], [], []),
+    ("Optimizer or parameter offload to host memory", "not implemented", [], []),
+    ("`torch.compile` of a zeroified model", "not tested", [], []),
+]
+
+
+def gpu_check_results() -> list[tuple[str, dict]]:
+    """[(benchmarks/reference/<gpu>/gpu-check.json relative path, parsed)], newest first."""
+    found = [(p.relative_to(REFERENCE).as_posix(), json.loads(p.read_text())) for p in REFERENCE.glob("*/gpu-check.json")]
+    return sorted(found, key=lambda x: x[1].get("date_utc", ""), reverse=True)
+
+
+def machine_name(rel: str) -> str:
+    """The short name of the machine a reference file was measured on."""
+    meta_path = REFERENCE / rel.split("/")[0] / "machine.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    name = meta.get("name") or meta.get("machine") or ref(rel).get("gpu")
+    if not name:
+        raise DocsError(f"benchmarks/reference/{rel}: no machine name (machine.json)")
+    return name
+
+
+def gen_status(arg: str = "") -> str:
+    checks = gpu_check_results()
+    rows = []
+    for feature, tests, steps, benches in STATUS:
+        if isinstance(tests, str):                    # "not implemented", "not tested"
+            rows.append([feature, tests, tests, "-"])
+            continue
+        for t in tests:
+            if not (ROOT / t).exists():
+                raise DocsError(f"the status table names {t}, which does not exist")
+        cpu = ", ".join(f"`{pathlib.Path(t).name}`" for t in tests) if tests else "none"
+        gpu, missing = [], []
+        for step in steps:
+            for rel, check in checks:
+                hit = next((s for s in check.get("steps", []) if s["name"] == step), None)
+                if hit:
+                    t = hit.get("tests")
+                    counts = f", {t['tests'] - t['skipped']} of {t['tests']} tests ran" if isinstance(t, dict) else ""
+                    gpu.append(f"`{step}` {hit['status']} on {check.get('gpu')} "
+                               f"({str(check.get('commit', ''))[:7]}{counts})")
+                    break
+            else:
+                missing.append(f"`{step}`")
+        if missing:
+            gpu.append("no result yet: " + ", ".join(missing))
+        if not steps:
+            gpu = ["not in `make gpu-check`" if any(w in feature for w in ("GPU", "CUDA", "NCCL")) else "-"]
+        measured = ", ".join(f"{machine_name(b)} (`{b.split('/')[-1]}`)" for b in benches) or "-"
+        rows.append([feature, cpu, "; ".join(gpu), measured])
+    head = ("What ran where. CPU: the tests `make test` runs (CI runs it on every change, on CPU). "
+            "GPU: the steps of `make gpu-check`, read from the result file it writes "
+            "(`benchmarks/reference/<gpu>/gpu-check.json`)")
+    if checks:
+        head += ": " + ", ".join(f"`{rel}`" for rel, _ in checks)
+    else:
+        head += "; no such file is in the repository yet, so no GPU test result is claimed"
+    head += ". Benchmarked on: the result files under `benchmarks/reference/`, shown on the Performance page.\n\n"
+    return head + table(["feature", "CPU tests (`make test`)", "GPU (`make gpu-check`)", "benchmarked on"], rows)
+
+
+# ------------------------------------------------------------------ notes, options, errors, DeepSpeed keys
+
+NOTE_DIRS = ("zero_ext", "csrc", "tests", "benchmarks", "examples")
+NOTE_SUFFIXES = {".py", ".c", ".h", ".cpp", ".cu", ".cuh"}
+NOTE_HEADING = re.compile(r'^\s*(?://+|#+|/\*+|\*|""")?\s*Note \[([^\]]+)\]\s*$')
+COMMENT_PREFIX = re.compile(r'^\s*(?://+|#+|/\*+|\*+/?|""")?\s?')
+
+
+def notes() -> list[tuple[str, str, str]]:
+    """[(note name, file, its first sentence)] for every `Note [X]` heading (tests/test_notes.py's rule)."""
+    found = []
+    paths = [ROOT / "setup.py"] + [p for d in NOTE_DIRS for p in sorted((ROOT / d).rglob("*"))
+                                   if p.is_file() and p.suffix in NOTE_SUFFIXES and "build" not in p.parts]
+    for path in paths:
+        lines = path.read_text(errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            m = NOTE_HEADING.match(line)
+            if not m or path.name == "test_notes.py":
+                continue
+            body = []
+            for nxt in lines[i + 1:i + 12]:
+                t = COMMENT_PREFIX.sub("", nxt).strip().rstrip("*/").strip()
+                if re.fullmatch(r"[~=\-]+", t):        # an underline
+                    continue
+                if not t:
+                    if body:
+                        break
+                    continue
+                body.append(t)
+            text = " ".join(body)
+            first = re.split(r"(?<=[a-z0-9)\]`'])\.\s", text, maxsplit=1)[0]
+            found.append((m.group(1), path.relative_to(ROOT).as_posix(), first[:220]))
+    return sorted(found, key=lambda n: n[0].lower())
+
+
+def gen_notes(arg: str = "") -> str:
+    rows = [[f"Note [{name}]", f"`{path}`", _cell(text)] for name, path, text in notes()]
+    return table(["note", "file", "begins"], rows)
+
+
+def _cell(text: str) -> str:
+    """Text for a table cell: no column breaks, no HTML, no reference-style links."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace("[", "\\[")
+
+
+def zeroconfig_options() -> list[tuple[str, str, str]]:
+    """[(option, default as written in zero_ext/config.py, description)] from ZeroConfig's
+    fields and its docstring (read as text: nothing imported)."""
+    tree = ast.parse((ROOT / "zero_ext" / "config.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ZeroConfig")
+    defaults = {n.target.id: ast.unparse(n.value) for n in cls.body
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.value is not None}
+    doc = ast.get_docstring(cls, clean=True)
+    entries, current, pending = {}, None, ""
+    for line in doc.splitlines():
+        if re.match(r"^[a-z_][a-z0-9_]*(?:,\s*[a-z_][a-z0-9_]*)*,$", line):   # a list of names going on
+            pending += line + " "
+            continue
+        m = re.match(r"^([a-z_][a-z0-9_]*(?:,\s*[a-z_][a-z0-9_]*)*),?:\s*(.*)$", pending + line)
+        pending = ""
+        if m and not line.startswith(" "):
+            names = [n.strip() for n in m.group(1).split(",")]
+            current = names
+            text = m.group(2)
+            for n in names:
+                entries.setdefault(n, "")
+            entries[names[0]] = text
+            continue
+        if current and line.startswith(" "):
+            entries[current[0]] += " " + line.strip()
+        elif current and not line.strip():
+            current = None
+    grouped = {}
+    for name in defaults:
+        if name not in entries:
+            raise DocsError(f"ZeroConfig.{name} has no entry in its docstring (zero_ext/config.py)")
+        grouped[name] = entries[name] or "see above"
+    return [(n, defaults[n], grouped[n]) for n in defaults]
+
+
+def gen_options(arg: str = "") -> str:
+    rows = [[f"`{n}`", f"`{d}`", _cell(text)] for n, d, text in zeroconfig_options()]
+    return table(["option", "default", "meaning"], rows)
+
+
+def deepspeed_keys() -> dict:
+    tree = ast.parse((ROOT / "zero_ext" / "from_deepspeed.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "KEYS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise DocsError("zero_ext/from_deepspeed.py has no KEYS table")
+
+
+def gen_deepspeed_keys(arg: str = "") -> str:
+    verdicts = {"maps": "`{arg}`", "not needed": "not needed", "script": "your training loop",
+                "not supported": "not supported", "if disabled": "not supported (accepted when off)"}
+    rows = [[f"`{k}`", verdicts[v].format(arg=a), _cell(why)] for k, (v, a, why) in deepspeed_keys().items()]
+    return table(["DeepSpeed key", "zeroify", "why"], rows)
+
+
+RAISERS = {"ZeroInputError", "ZeroUsageError", "CheckpointError", "ValueError", "TypeError", "RuntimeError",
+           "FileNotFoundError", "NotImplementedError", "KeyError"}
+HELPERS = {"_fail": "ZeroInputError", "need": "ValueError"}
+
+
+def _template(node) -> str | None:
+    """A message expression as text, `{...}` for what is filled in at run time."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        out = ""
+        for v in node.values:
+            if isinstance(v, ast.Constant):
+                out += str(v.value)
+            else:
+                expr = ast.unparse(v.value)
+                out += "{" + (expr if len(expr) <= 24 else expr[:22] + "..") + "}"
+        return out
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        a, b = _template(node.left), _template(node.right)
+        if a is None and b is None:
+            return None
+        return (a if a is not None else "{...}") + (b if b is not None else "{...}")
+    return None
+
+
+def python_errors() -> list[tuple[str, str, str]]:
+    """[(exception, message template, file)] for every raise in zero_ext/ with a message."""
+    out = []
+    for path in sorted((ROOT / "zero_ext").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            call, kind = None, None
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                f = node.exc.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if name in RAISERS:
+                    call, kind = node.exc, name
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in HELPERS:
+                call, kind = node, HELPERS[node.func.id]
+            if call is None or not call.args:
+                continue
+            arg = call.args[-1] if kind == "ValueError" and getattr(call.func, "id", "") == "need" else call.args[0]
+            msg = _template(arg)
+            if msg is None:
+                continue
+            if getattr(call.func, "id", "") in HELPERS and not msg.startswith("zero_ext:"):
+                msg = "zero_ext: " + msg
+            if "internal" in msg.split(":", 2)[1:2] or "zero_ext: internal" in msg:
+                continue
+            out.append((kind, msg, rel))
+    return out
+
+
+CHECK = re.compile(r"\bTORCH_CHECK\(")
+CPP_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+def cpp_errors() -> list[tuple[str, str, str]]:
+    """[("RuntimeError", message template, file)] for the TORCH_CHECKs in csrc/ that users can meet."""
+    out = []
+    for path in sorted((ROOT / "csrc").rglob("*")):
+        if path.suffix not in (".cpp", ".h", ".cu") or "core" in path.parts:
+            continue
+        src = path.read_text(errors="replace")
+        for m in CHECK.finditer(src):
+            depth, i, args, start = 1, m.end(), [], m.end()
+            in_str = False
+            while i < len(src) and depth:
+                c = src[i]
+                if in_str:
+                    if c == "\\":
+                        i += 1
+                    elif c == '"':
+                        in_str = False
+                elif c == '"':
+                    in_str = True
+                elif c in "([{":
+                    depth += 1
+                elif c in ")]}":
+                    depth -= 1
+                    if not depth:
+                        args.append(src[start:i])
+                elif c == "," and depth == 1:
+                    args.append(src[start:i])
+                    start = i + 1
+                i += 1
+            parts = []
+            for a in args[1:]:
+                a = a.strip()
+                strings = CPP_STRING.findall(a)
+                if strings and CPP_STRING.sub("", a).strip() == "":
+                    parts.append("".join(strings))
+                else:
+                    a = " ".join(a.split())
+                    parts.append("{" + (a if len(a) <= 24 else a[:22] + "..") + "}")
+            msg = "".join(parts).replace('\\"', '"').replace("\\n", " ")
+            if not msg or "internal" in msg or "zero_ext" not in msg:
+                continue
+            out.append(("RuntimeError", msg, path.relative_to(ROOT).as_posix()))
+    return out
+
+
+def gen_errors(arg: str = "") -> str:
+    seen, rows = set(), []
+    order = ["ZeroInputError", "ZeroUsageError", "CheckpointError", "ValueError", "TypeError", "FileNotFoundError",
+             "KeyError", "NotImplementedError", "RuntimeError"]
+    for kind, msg, rel in sorted(python_errors() + cpp_errors(), key=lambda e: (order.index(e[0]), e[2], e[1])):
+        if (kind, msg) in seen:
+            continue
+        seen.add((kind, msg))
+        rows.append([f"`{kind}`", _cell(" ".join(msg.split())), f"`{rel}`"])
+    return (f"{len(rows)} messages, read from the sources (`{{...}}` is filled in when raised).\n\n"
+            + table(["raised as", "message", "raised in"], rows))
+
+
+GENERATORS = {
+    "perf-headline": gen_perf_headline, "perf-optimizer-gpu": gen_perf_optimizer_gpu,
+    "perf-optimizer-cpu": gen_perf_optimizer_cpu, "perf-units": gen_perf_units, "perf-comm": gen_perf_comm,
+    "perf-comm-hier": gen_perf_comm_hier, "perf-whole": gen_perf_whole, "status": gen_status,
+    "notes": gen_notes, "options": gen_options, "deepspeed-keys": gen_deepspeed_keys, "errors": gen_errors,
+}
+# Generators whose text states figures read from benchmarks/reference/ (exempt from the stray-figure scan).
+FROM_REFERENCE = {"perf-headline", "perf-optimizer-gpu", "perf-optimizer-cpu", "perf-units", "perf-comm",
+                  "perf-comm-hier", "perf-whole", "status"}
+
+
+def generate(name: str, arg: str | None = None) -> str:
+    if name not in GENERATORS:
+        raise DocsError(f"unknown generated region {name!r}; known: {', '.join(GENERATORS)}")
+    return GENERATORS[name](arg or "")
+
+
+# ------------------------------------------------------------------ README regions, page markers
+
+def render_regions(text: str) -> str:
+    """text with every `<!-- gen:NAME -->...<!-- /gen:NAME -->` region regenerated."""
+    def sub(m):
+        head = f"<!-- gen:{m.group(1)}{' ' + m.group(2) if m.group(2) else ''} -->"
+        return f"{head}\n{generate(m.group(1), m.group(2))}<!-- /gen:{m.group(1)} -->"
+    return REGION.sub(sub, text)
+
+
+def expand_markers(text: str) -> str:
+    """A docs page with each lone `<!-- gen:NAME [ARG] -->` line replaced by its generated text."""
+    return MARKER.sub(lambda m: generate(m.group(1), m.group(2)).rstrip("\n"), text)
+
+
+# ------------------------------------------------------------------ stray figures
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
+HTML_COMMENT = re.compile(r"<!--.*?-->", re.S)
+LINK_TARGET = re.compile(r"\]\([^)]*\)")
+FIGURE = re.compile(
+    r"(?<![\w.\-/])(?:"
+    r"\d+(?:\.\d+)?\s?%"                     # 12%, 0.5 %
+    r"|\d+(?:\.\d+)?[x×](?![\w-])"           # 1.3x, 2x
+    r"|\d+\.\d+(?![\w]|\.\d)"                # 0.92 (not 2.13.0)
+    r")")
+NOT_A_FIGURE = re.compile(
+    r"(?:within|at most|under|below|bound(?: of)?|target(?: of)?|tolerance(?: of)?|up to|<=|≤|>=|≥|<|>|±)\s*$"   # tolerances, limits
+    r"|(?:torch|python|Python|CUDA|cuda|version|transformers|peft|DeepSpeed|deepspeed|mkdocs|sm_|nvcc|"
+    r"lightning|accelerate|mkdocstrings(?:-python)?|==)\s*$", re.I)
+
+
+# Generators that quote the sources verbatim (the first sentence of each note, each error
+# message): their numbers are the code's (analytic ratios, limits), not the docs' claims.
+QUOTES_SOURCES = {"notes", "errors"}
+
+
+def strip_for_scan(text: str, exempt: set[str] = FROM_REFERENCE | QUOTES_SOURCES) -> str:
+    """text without code, comments, link targets and the regions of reference-fed generators."""
+    text = REGION.sub(lambda m: "" if m.group(1) in exempt else m.group(3), text)
+    text = FENCE.sub("", text)
+    text = CODE_SPAN.sub("", text)
+    text = HTML_COMMENT.sub("", text)
+    return LINK_TARGET.sub("]", text)
+
+
+def stray_figures(text: str) -> list[str]:
+    """The measured-looking numbers in text that no reference-fed generator produced."""
+    text = strip_for_scan(text)
+    found = []
+    for m in FIGURE.finditer(text):
+        if NOT_A_FIGURE.search(text[max(0, m.start() - 16):m.start()]):
+            continue
+        line_start = text.rfind("\n", 0, m.start()) + 1
+        line_end = text.find("\n", m.end())
+        found.append(f"{m.group(0)!r} in: {text[line_start:line_end if line_end >= 0 else None].strip()[:160]}")
+    return found
+
+
+def page_with_generated(text: str) -> str:
+    """A docs page as the scan sees it: markers expanded, wrapped as regions so the
+    reference-fed ones are exempt."""
+    return MARKER.sub(lambda m: f"<!-- gen:{m.group(1)}{' ' + m.group(2) if m.group(2) else ''} -->\n"
+                                f"{generate(m.group(1), m.group(2))}<!-- /gen:{m.group(1)} -->", text)
+
+
+# ------------------------------------------------------------------ mkdocs hook
+
+def on_config(config):
+    """docs/integrations.md joins the navigation once it exists (another change adds it)."""
+    nav = config.get("nav") or []
+    listed = json.dumps(nav)
+    if (DOCS / "integrations.md").exists() and "integrations.md" not in listed:
+        for entry in nav:
+            if isinstance(entry, dict) and "Guide" in entry:
+                entry["Guide"].append({"Trainers (Lightning, Hugging Face)": "integrations.md"})
+                break
+        else:
+            nav.append({"Integrations": "integrations.md"})
+    return config
+
+
+def on_files(files, config):
+    from mkdocs.structure.files import File
+    for path, content in plots().items():
+        files.append(File.generated(config, path, content=content))
+    return files
+
+
+REPO_LINK = re.compile(r"\[([^\]]+)\]\(((?:\.\./)+[^)#\s]+)\)")
+
+
+def repo_links(markdown: str, src_uri: str) -> str:
+    """Links from a docs page to repository files outside docs/ (`[x](../examples/a.py)`,
+    which work when the page is read on GitHub) become the file's path in code on the site;
+    one to a file that does not exist raises."""
+    page_dir = (DOCS / src_uri).parent
+
+    def sub(m):
+        target = (page_dir / m.group(2)).resolve()
+        if DOCS.resolve() in target.parents:
+            return m.group(0)                       # inside docs/: mkdocs checks it
+        if not target.exists() or ROOT not in target.parents:
+            raise DocsError(f"link to {m.group(2)}: no such file in the repository")
+        rel = target.relative_to(ROOT).as_posix()
+        return m.group(1) if m.group(1).strip("`") == rel else f"{m.group(1)} (`{rel}`)"
+    return REPO_LINK.sub(sub, markdown)
+
+
+def on_page_markdown(markdown, page, config, files):
+    try:
+        return repo_links(expand_markers(markdown), page.file.src_uri)
+    except DocsError as e:
+        from mkdocs.exceptions import PluginError
+        raise PluginError(f"{page.file.src_uri}: {e}") from None
+
+
+# ------------------------------------------------------------------ command line
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    old = README.read_text()
+    new = render_regions(old)
+    if check:
+        if new != old:
+            print("README.md's generated regions are stale: run python tools/docsgen.py", file=sys.stderr)
+            return 1
+        return 0
+    if new != old:
+        README.write_text(new)
+        print("README.md: generated regions rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
