@@ -11,8 +11,8 @@ benchmarks write there. They reach the text only through the generators below:
 - README.md holds their output between `<!-- gen:NAME -->` and `<!-- /gen:NAME -->`
   (GitHub shows the file as it is), checked fresh by tests/test_docs.py.
 - A docs page holds a lone `<!-- gen:NAME [ARG] -->` line, expanded when mkdocs builds
-  the site: this file is also the site's mkdocs hook (mkdocs.yml: hooks), which adds the
-  plots and puts docs/integrations.md in the navigation once it exists.
+  the site: this file is also the site's mkdocs hook (mkdocs.yml: hooks), which also adds
+  the plots and turns links to repository files outside docs/ into their paths.
 
 Outside generated regions, code and `within N%`-style tolerances, a number that looks
 measured (a decimal, a percentage, a ratio like 1.3x) is an error (`stray_figures`,
@@ -300,6 +300,7 @@ STATUS = [
      ["tests/test_whole_tensor.py", "tests/test_fill_engine.py", "tests/test_whole_tensor_checkpoint.py"], [],
      [f"{EPYC}/bench_whole.json"]),
     ("Hugging Face transformers and PEFT models", ["tests/test_hf_models.py"], [], []),
+    ("Trainers: Lightning, Hugging Face Trainer, Accelerate", ["tests/test_integrations.py"], [], []),
     ("Memory estimator and `stage=\"auto\"`", ["tests/test_estimate.py", "tests/test_auto_stage.py",
                                                "tests/test_memory.py"], [], []),
     ("Divergent ranks named instead of a hang (`check_sequence`)", ["tests/test_diverge.py", "tests/test_failure.py"],
@@ -670,20 +671,6 @@ def page_with_generated(text: str) -> str:
 
 
 # ------------------------------------------------------------------ mkdocs hook
-
-def on_config(config):
-    """docs/integrations.md joins the navigation once it exists (another change adds it)."""
-    nav = config.get("nav") or []
-    listed = json.dumps(nav)
-    if (DOCS / "integrations.md").exists() and "integrations.md" not in listed:
-        for entry in nav:
-            if isinstance(entry, dict) and "Guide" in entry:
-                entry["Guide"].append({"Trainers (Lightning, Hugging Face)": "integrations.md"})
-                break
-        else:
-            nav.append({"Integrations": "integrations.md"})
-    return config
-
 
 def on_files(files, config):
     from mkdocs.structure.files import File
