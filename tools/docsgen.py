@@ -699,8 +699,25 @@ def repo_links(markdown: str, src_uri: str) -> str:
     return REPO_LINK.sub(sub, markdown)
 
 
+def public_names() -> list[str]:
+    """zero_ext.__all__, read from zero_ext/__init__.py."""
+    tree = ast.parse((ROOT / "zero_ext" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise DocsError("zero_ext/__init__.py has no __all__")
+
+
+def missing_api_entries(api_markdown: str) -> list[str]:
+    """The names of zero_ext.__all__ that have no `::: zero_ext.[module.]name` entry."""
+    entries = set(re.findall(r"^::: zero_ext\.(?:[\w.]+\.)?(\w+)$", api_markdown, re.M))
+    return [n for n in public_names() if n not in entries]
+
+
 def on_page_markdown(markdown, page, config, files):
     try:
+        if page.file.src_uri == "api.md" and missing_api_entries(markdown):
+            raise DocsError(f"no API entry for {missing_api_entries(markdown)} (zero_ext.__all__)")
         return repo_links(expand_markers(markdown), page.file.src_uri)
     except DocsError as e:
         from mkdocs.exceptions import PluginError
