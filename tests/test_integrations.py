@@ -113,6 +113,10 @@ def _lightning_module_class():
             self.losses.append(loss.detach().clone())
             return loss
 
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
         def on_before_optimizer_step(self, optimizer):
             stats = _grad_stats(self.parameters())     # before Lightning clips (DDP's p.grad)
             if stats is not None:
@@ -141,6 +145,18 @@ def _lightning_fit(strategy: str, algorithm: str, ckpt_dir: str, ckpt_path: str 
     # 48 samples, 4 per batch and rank, 2 micro-batches per step: 3 optimizer steps per epoch
     trainer.fit(model, DataLoader(TensorDataset(*_regression_data()), batch_size=4), ckpt_path=ckpt_path)
     return model
+
+
+def _lightning_validate(strategy: str, ckpt_path: str) -> float:
+    """validate(ckpt_path=...) in a fresh Trainer: the checkpoint's weights, not fitting."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, num_nodes=1, strategy=strategy, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    loader = DataLoader(TensorDataset(*_regression_data()), batch_size=4)
+    metrics = trainer.validate(_lightning_module_class()(), loader, ckpt_path=ckpt_path, verbose=False)
+    return float(metrics[0]["val_loss"])
 
 
 def _lightning_final(path: str, rank: int, scratch: str):
@@ -174,6 +190,7 @@ def _lightning_cases(rank: int, world: int, cases: list, root: str) -> dict:
             "resumed_final": _lightning_final(os.path.join(resumed_dir, "epoch=1.ckpt"), rank,
                                               os.path.join(root, name)),
             "saved_dir": os.path.isdir(os.path.join(first_dir, "epoch=0.ckpt")),
+            "val_loss": _lightning_validate(strategy, os.path.join(first_dir, "epoch=1.ckpt")),
         }
     return out
 
@@ -206,6 +223,8 @@ def test_lightning_strategy_matches_ddp(lightning_runs, case):
         assert got[r]["losses"].shape == (12,) and got[r]["resumed_losses"].shape == (6,)
         torch.testing.assert_close(got[r]["losses"], ref[r]["losses"], **TOL)
         torch.testing.assert_close(got[r]["resumed_losses"], ref[r]["resumed_losses"], **TOL)
+    # validate(ckpt_path=...) outside fit: the full weights read from the checkpoint directory
+    assert abs(got[0]["val_loss"] - ref[0]["val_loss"]) <= 1e-6 * ref[0]["val_loss"], (got[0], ref[0])
     for key in ("final", "resumed_final"):
         g, w = got[0][key], ref[0][key]
         print(f"{case} {key}: max |weight - DDP's| = {_max_diff(g['state_dict'], w['state_dict']):.3g}")
@@ -341,7 +360,7 @@ def _accelerate_run(stage, ckpt: str, resume: bool) -> dict:
     from torch.utils.data import DataLoader, TensorDataset
 
     import zero_ext
-    from zero_ext.integrations.accelerate import prepare
+    from zero_ext.integrations.accelerate import prepare, save_model
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = _mlp()
@@ -378,6 +397,15 @@ def _accelerate_run(stage, ckpt: str, resume: bool) -> dict:
         full = zero_ext.consolidated_state_dict(model, opt.optimizer)   # rank 0; None elsewhere
     final = None if full is None else {"weights": {k: v.clone() for k, v in full["model"].items()},
                                        "optimizer": full["optimizer"]}
+    if stage is None:
+        accelerator.save_model(model, ckpt + "-model")
+        accelerator.wait_for_everyone()
+    else:
+        save_model(accelerator, model, ckpt + "-model")    # every rank; rank 0 writes
+    if accelerator.is_main_process:
+        from safetensors.torch import load_file
+
+        final["saved_model"] = load_file(os.path.join(ckpt + "-model", "model.safetensors"))
     accelerator.free_memory()
     return {"losses": torch.stack(losses), "norms": norms, "final": final}
 
@@ -416,4 +444,6 @@ def test_accelerate_prepare_matches_ddp(accelerate_runs, stage):
         g, w = accelerate_runs[0][stage][key]["final"], accelerate_runs[0][None][key]["final"]
         print(f"Accelerate stage {stage} {key}: max |weight - DDP's| = {_max_diff(g['weights'], w['weights']):.3g}")
         _assert_same(g["weights"], w["weights"], f"Accelerate stage {stage} {key} weights")
+        _assert_same(g["saved_model"], g["weights"], f"Accelerate stage {stage} {key} save_model")
+        _assert_same(w["saved_model"], w["weights"], f"Accelerate DDP {key} save_model")
         _assert_optimizer_same(g["optimizer"], w["optimizer"], f"Accelerate stage {stage} {key} optimizer")

@@ -15,6 +15,7 @@
             scheduler.step()
             optimizer.zero_grad()
     accelerator.save_state("ckpt")            # every rank; accelerator.load_state("ckpt") to resume
+    save_model(accelerator, model, "final")   # every rank: the full model, final/model.safetensors
 
 prepare() moves the model to accelerator.device, calls zero_ext.zeroify(model,
 optimizer, stage=..., **options) and hands everything else (data loaders, LR
@@ -33,8 +34,11 @@ accumulation micro-steps as usual. So:
   that prepare() registers): each rank writes its own shard, and the checkpoint
   resumes at any world size or stage. Accelerate saves the rest as usual (schedulers,
   data loader positions, RNG states); it writes no model.safetensors or optimizer.bin
-  for the zeroified pair. accelerator.save_model(model, dir) writes the full model
-  (model.state_dict(), which in stage 3 every rank must call: call save_model on every rank).
+  for the zeroified pair.
+- The full model for from_pretrained/load_state_dict: save_model(accelerator, model, dir)
+  below, on every rank. Not accelerator.save_model(model, dir): it drops, with a
+  warning, tensors that share a storage, and in stages 0-2 every parameter is a view
+  of a flat bucket, so it would write one tensor per bucket.
 
 Precision: fp32 parameters; mixed_precision="bf16" (autocast) works, "fp16" (a
 GradScaler over p.grad) is refused: use param_dtype="fp16" (zero_ext scales the loss).
@@ -71,6 +75,19 @@ def prepare(accelerator, model: nn.Module, optimizer, *others, stage: int | str 
     return (zmodel, wrapped, *rest)
 
 
+def save_model(accelerator, model, save_directory, filename: str = "model.safetensors") -> None:
+    """Write the zeroified `model`'s full state dict to save_directory/filename
+    (safetensors), as accelerator.save_model would for a plain model; every rank calls
+    it (stage 3 gathers the parameters unit by unit), the main process writes."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}   # own storages
+    if accelerator.is_main_process:
+        os.makedirs(save_directory, exist_ok=True)
+        save_file(state, os.path.join(save_directory, filename), metadata={"format": "pt"})
+    accelerator.wait_for_everyone()
+
+
 def _register_checkpoint_hooks(accelerator, zmodel, zopt) -> None:
     """accelerator.save_state / load_state: the zeroified pair through zero_ext.save / load."""
     index = len(getattr(accelerator, "_zero_ext_pairs", []))
@@ -87,4 +104,4 @@ def _register_checkpoint_hooks(accelerator, zmodel, zopt) -> None:
     accelerator.register_load_state_pre_hook(load_hook)
 
 
-__all__ = ["prepare", "ZERO_DIR"]
+__all__ = ["prepare", "save_model", "ZERO_DIR"]
