@@ -239,8 +239,6 @@ class ZeroStrategy(DDPStrategy):
         for stage in (0, 1, 2, 3):
             strategy_registry.register(f"zero_ext_stage{stage}", cls, description=f"zero_ext ZeRO stage {stage}",
                                        stage=stage, override=True)
-        strategy_registry.register("zero_ext_stage3_spawn", cls, description="zero_ext ZeRO stage 3, spawned ranks",
-                                   stage=3, start_method="spawn", override=True)
 
 
 def _unpack(extra, path: str, weights_only: bool | None) -> dict:
