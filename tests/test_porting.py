@@ -9,10 +9,12 @@ zero_ext one; a hunk that no longer applies fails here, so the guide cannot drif
   MixedPrecisionPolicy bf16/fp32, set_requires_gradient_sync, DCP) becomes stage 3 in
   bf16. Both run on 2 gloo ranks (FSDP2 runs on CPU with torch 2.13); bf16 compute on
   both sides, so the losses agree within bf16's rounding, not to the ulp.
-- From DeepSpeed: DeepSpeed is not installed by make test, so its script is only
-  compiled; the ported one must train exactly as port_from_ddp.py under DDP (the same
-  model, batches, AdamW and clipping as the DeepSpeed config asks).
+- From DeepSpeed: the ported script must train exactly as port_from_ddp.py under DDP (the
+  same model, batches, AdamW and clipping as the DeepSpeed config asks); where DeepSpeed is
+  installed (make bench installs it, make test does not) the DeepSpeed script itself must
+  too, which ties the two.
 """
+import importlib.util
 import json
 import os
 import pathlib
@@ -50,8 +52,9 @@ def apply(text: str, hunks, name: str = SCRIPT.name) -> str:
     return text
 
 
-def run(script: pathlib.Path, out: pathlib.Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples")]), OMP_NUM_THREADS="1")
+def run(script: pathlib.Path, out: pathlib.Path, **extra_env) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples")]), OMP_NUM_THREADS="1",
+               **extra_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
@@ -148,3 +151,21 @@ def test_deepspeed_guide_diff_trains_like_ddp(tmp_path, ddp):
            if abs(ddp["params"][k] - zero["params"][k]) > 1e-3 * max(1.0, abs(ddp["params"][k]))}
     assert not off, f"saved weights differ from DDP's (sum per tensor): {off}"
     assert (tmp_path / "zero.ckpt" / "zero_ext.json").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="DeepSpeed is not installed (make bench installs it; make test does not)")
+def test_deepspeed_script_trains_like_ddp(tmp_path, ddp):
+    """The "before" of the DeepSpeed guide, where DeepSpeed is installed (make bench installs
+    it; make test does not): with examples/ds_config.json its engine computes what DDP does,
+    so the ported zero_ext script's equality with DDP is equality with DeepSpeed."""
+    ds = run(DS_SCRIPT, tmp_path / "ds.json", **({} if torch_has_cuda() else {"DS_ACCELERATOR": "cpu"}))
+    print(f"\nlosses DDP {[round(x, 4) for x in ddp['losses']]}\n  DeepSpeed {[round(x, 4) for x in ds['losses']]}")
+    bad = [(k, a, b) for k, (a, b) in enumerate(zip(ddp["losses"], ds["losses"])) if not close(a, b)]
+    assert len(ddp["losses"]) == len(ds["losses"]) and not bad, f"DeepSpeed's losses differ from DDP's: {bad}"
+    assert close(ddp["val"], ds["val"]), (ddp["val"], ds["val"])
+
+
+def torch_has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
