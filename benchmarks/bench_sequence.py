@@ -5,13 +5,15 @@
 
 2 gloo ranks (torch.multiprocessing spawn, 1 thread each) train a GPT (examples/gpt.py,
 --layers/--embd, block 64, batch 8 per rank, AdamW) with zero_ext stages 0, 2 and 3, each
-built twice from one initial model: check_sequence=True ("on") and False ("off"). Each
-repetition runs --steps steps of every system in turn (the first rotating); a system's
-time in a repetition is its median step (rank 0's clock); the cost of the check is the
-on/off ratio within a repetition and the on - off difference in microseconds, median
-(min/max) over repetitions. The check costs one small all-gather per phase that
-communicates (stage 0: backward; stage 2: backward and step; stage 3: forward and
-backward) plus a record per collective. Writes benchmarks/results/bench_sequence.json.
+built three times from one initial model: check_sequence=False ("off"), "every_phase"
+(before: one small all-gather per phase that communicates, a barrier each) and True (the
+default: digests exchanged only where a rank leaves its learned pattern, Note [Exchanges
+on deviation] in csrc/engine/sequence.h). Each repetition runs --steps steps of every
+system in turn (the first rotating); a system's time in a repetition is its median step
+(rank 0's clock); the cost of a check is its ratio to "off" within a repetition and the
+difference in microseconds, median (min/max) over repetitions. Also reported: the digest
+exchanges per step after warm-up (stats()["sequence_exchanges"]). Writes
+benchmarks/results/bench_sequence.json.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from machine import cpu_model, interleaved, spread  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "bench_sequence.json"
 STAGES = (0, 2, 3)
+CHECKS = (False, "every_phase", True)
 WORLD, BATCH, BLOCK = 2, 8, 64
 
 
@@ -71,13 +74,17 @@ def worker(rank, store, args, out):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, block_size=BLOCK, n_layer=args.layers, n_head=4, n_embd=args.embd, bias=False)
     base = GPT(cfg)
-    built = {(stage, check): build(stage, check, base) for stage in STAGES for check in (True, False)}
+    built = {(stage, check): build(stage, check, base) for stage in STAGES for check in CHECKS}
     for model, opt in built.values():
         run_steps(model, opt, args.warmup, rank, 0, cfg.vocab_size)
+    before = {name: opt._engine.sequence_exchanges for name, (_, opt) in built.items()}
     per_rep = interleaved(list(built), lambda name, rep: statistics.median(
         run_steps(*built[name], args.steps, rank, 100 * (rep + 1), cfg.vocab_size)), args.reps)
+    exchanges = {name: (opt._engine.sequence_exchanges - before[name]) / (args.reps * args.steps)
+                 for name, (_, opt) in built.items()}
     if rank == 0:
-        torch.save(dict(per_rep=per_rep, params=sum(p.numel() for p in base.parameters())), out)
+        torch.save(dict(per_rep=per_rep, exchanges=exchanges, params=sum(p.numel() for p in base.parameters())),
+                   out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -105,15 +112,23 @@ def main():
           f"CPU: {cpu_model()}")
     rows, table = [], {}
     for stage in STAGES:
-        on = [r[(stage, True)] for r in per_rep]
         off = [r[(stage, False)] for r in per_rep]
-        e = dict(on_s=spread(on), off_s=spread(off), ratio=spread([a / b for a, b in zip(on, off)]),
-                 extra_us=spread([(a - b) * 1e6 for a, b in zip(on, off)]))
+        e = dict(off_s=spread(off))
+        for check, label in (("every_phase", "before"), (True, "now")):
+            on = [r[(stage, check)] for r in per_rep]
+            e[label] = dict(step_s=spread(on), ratio=spread([a / b for a, b in zip(on, off)]),
+                            extra_us=spread([(a - b) * 1e6 for a, b in zip(on, off)]),
+                            exchanges_per_step=res["exchanges"][(stage, check)])
         table[f"stage{stage}"] = e
-        rows.append([str(stage), f"{e['off_s']['median'] * 1e3:.2f}", f"{e['on_s']['median'] * 1e3:.2f}",
-                     f"{e['ratio']['median']:.3f}x ({e['ratio']['min']:.3f}-{e['ratio']['max']:.3f})",
-                     f"{e['extra_us']['median']:.0f} ({e['extra_us']['min']:.0f} to {e['extra_us']['max']:.0f})"])
-    print(format_table(["stage", "off ms/step", "on ms/step", "on/off (min-max)", "on - off us (min to max)"], rows))
+        b, n = e["before"], e["now"]
+        rows.append([str(stage), f"{e['off_s']['median'] * 1e3:.2f}",
+                     f"{b['ratio']['median']:.3f}x ({b['ratio']['min']:.3f}-{b['ratio']['max']:.3f})",
+                     f"{b['exchanges_per_step']:.2f}",
+                     f"{n['ratio']['median']:.3f}x ({n['ratio']['min']:.3f}-{n['ratio']['max']:.3f})",
+                     f"{n['extra_us']['median']:.0f} ({n['extra_us']['min']:.0f} to {n['extra_us']['max']:.0f})",
+                     f"{n['exchanges_per_step']:.2f}"])
+    print(format_table(["stage", "off ms/step", "every phase/off", "exch/step", "default/off (min-max)",
+                        "default - off us", "exch/step"], rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(torch=torch.__version__, cpu=cpu_model(), world=WORLD, layers=args.layers,
                                         embd=args.embd, reps=args.reps, steps=args.steps, stages=table), indent=1))

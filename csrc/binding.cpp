@@ -12,8 +12,6 @@ void zx_bind_cuda(pybind11::module_ &m);   // cuda_binding.cpp (a no-op without 
 void zx_bind_plan(pybind11::module_ &m);   // plan_binding.cpp (the planner, for estimate_memory)
 void zx_bind_control(pybind11::module_ &m);   // control_binding.cpp (the step control on CPU tensors)
 namespace zx {
-// sequence.cpp: the process group the next enable_sequence_check exchanges its digests on
-void set_next_sequence_group(c10::optional<ProcessGroupPtr> pg);
 }  // namespace zx
 
 namespace {
@@ -239,16 +237,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("zero_grad", &zx::Engine::zero_grad, py::call_guard<py::gil_scoped_release>())
         .def("broadcast_tensors", &zx::Engine::broadcast_tensors, py::call_guard<py::gil_scoped_release>())
         .def("enable_sequence_check", [](zx::Engine &e, py::object store, std::vector<std::string> names,
-                                         double patience_s, py::object group) {
+                                         double patience_s, py::object group, bool every_phase) {
                  c10::optional<zx::StorePtr> st;
                  if (!store.is_none()) st = store.cast<zx::StorePtr>();
                  c10::optional<zx::ProcessGroupPtr> g;
                  if (!group.is_none()) g = group.cast<zx::ProcessGroupPtr>();
-                 zx::set_next_sequence_group(g);
-                 e.enable_sequence_check(st, std::move(names), patience_s);
+                 e.enable_sequence_check(st, std::move(names), patience_s, g, every_phase);
              },
-             py::arg("store"), py::arg("names"), py::arg("patience_s"), py::arg("group"))
-        .def("sequence_mark", &zx::Engine::sequence_mark)
+             py::arg("store"), py::arg("names"), py::arg("patience_s"), py::arg("group"), py::arg("every_phase"))
+        .def("sequence_mark", &zx::Engine::sequence_mark, py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("sequence_exchanges", &zx::Engine::sequence_exchanges)
+        .def("sequence_sync", &zx::Engine::sequence_sync, py::call_guard<py::gil_scoped_release>())
         .def("state", &zx::Engine::state)
         .def("state_windows", &zx::Engine::state_windows)
         .def("states", [](zx::Engine &e) {

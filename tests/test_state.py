@@ -40,19 +40,23 @@ def _round_trip_worker(rank, world, stage, opt_name, fused):
     for k in range(2):
         _train(zm, zo, "gpt", rank, 3, 3 * k)
         sched.step()
-    saved = (zm.state_dict(), zo.state_dict(), sched.state_dict())
+    complete, sharded = zo.state_dict(), zo.sharded_state_dict()
+    saved = (zm.state_dict(), sharded, sched.state_dict())
     assert set(saved[0]) == set(build_model("gpt").state_dict()), "model keys are the plain module's"
-    model, zm, zo, sched = fresh()
-    zm.load_state_dict(saved[0])
-    zo.load_state_dict(saved[1])
-    sched.load_state_dict(saved[2])
-    for k in range(2, 4):
-        _train(zm, zo, "gpt", rank, 3, 3 * k)
-        sched.step()
-    resumed = [p.detach().clone() for p in model.parameters()]
-    diff = max((a - b).abs().max().item() for a, b in zip(straight, resumed))
+    diffs = []
+    for opt_state in (complete, sharded):      # the complete form and this rank's shard
+        model, zm, zo, sched = fresh()
+        zm.load_state_dict(saved[0])
+        zo.load_state_dict(opt_state)
+        sched.load_state_dict(saved[2])
+        for k in range(2, 4):
+            _train(zm, zo, "gpt", rank, 3, 3 * k)
+            sched.step()
+        resumed = [p.detach().clone() for p in model.parameters()]
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(straight, resumed)))
+    diff = max(diffs)
     moved = max((a - b).abs().max().item() for a, b in zip(straight, build_model("gpt").parameters()))
-    # loading into another world size / stage is refused with a clear message
+    # a shard loaded into another world size / stage is refused with a clear message
     other = dict(saved[1])
     other["zero_ext"] = dict(other["zero_ext"], world_size=world + 1)
     try:
@@ -160,8 +164,8 @@ def _rank0_file_worker(rank, world, path):
     zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=2)
     zm(torch.randn(4, 8)).sum().backward()
     zo.step()
-    if rank == 0:                                  # a DDP script's rank-0 checkpoint
-        torch.save(zo.state_dict(), path)
+    if rank == 0:                                  # rank 0's shard, written by rank 0 alone
+        torch.save(zo.sharded_state_dict(), path)
     dist.barrier()
     try:
         zo.load_state_dict(torch.load(path, weights_only=False))   # every rank resumes from it
@@ -171,9 +175,10 @@ def _rank0_file_worker(rank, world, path):
 
 
 def test_rank0_optimizer_file_is_refused_elsewhere(tmp_path):
-    """optimizer.state_dict() is this rank's shard: a file rank 0 alone wrote loads on rank 0
-    and is refused on every other rank, naming zero_ext.save and consolidated_state_dict."""
+    """sharded_state_dict() is this rank's shard: a file rank 0 alone wrote loads on rank 0
+    and is refused on every other rank, naming optimizer.state_dict() and zero_ext.save.
+    (tests/test_ddp_checkpoint.py: the complete state_dict() that DDP scripts save.)"""
     errors = run_world(_rank0_file_worker, 2, str(tmp_path / "opt.pt"))
     assert errors[0] is None, errors[0]
     assert errors[1] is not None and "rank 0 alone" in errors[1], errors[1]
-    assert "zero_ext.save" in errors[1] and "consolidated_state_dict" in errors[1], errors[1]
+    assert "zero_ext.save" in errors[1] and "optimizer.state_dict() on every rank" in errors[1], errors[1]

@@ -51,7 +51,7 @@ def _worker(rank, world, stage, opt_name, step_control, clip):
         zo.zero_grad()
         scales.append(zo.loss_scale)
         skipped.append(zo.skipped_steps)
-    sd = zo.state_dict()
+    sd = zo.sharded_state_dict()
     z = sd["zero_ext"]
     # Round trip: a fresh optimizer loads the state and reports the same scaler and steps.
     model2 = build_model("mlp")

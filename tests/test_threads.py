@@ -60,7 +60,9 @@ def test_results_do_not_depend_on_threads(threads):
 
 def test_engine_results_do_not_depend_on_threads(threads):
     """The engine's loops (gradient norm, fused AdamW step) over a shard of several
-    64K-element tasks: the same bits with 1 and 2 threads, and torch's norm."""
+    64K-element tasks: the same bits with 1 and 2 threads, and torch's norm. The
+    gradients come from one thread in both runs: torch's own matmul gives other bits
+    with another thread count (seen on an AVX-512 machine), which is not ours to test."""
     import zero_ext
 
     torch.manual_seed(1)
@@ -68,14 +70,16 @@ def test_engine_results_do_not_depend_on_threads(threads):
     x = torch.randn(8, 1000)
     out = {}
     for t in (1, 2):
-        threads(t)
+        threads(1)
         model = torch.nn.Linear(1000, 333)
         model.load_state_dict(base.state_dict())
         zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=1)
         zm(x).square().sum().backward()
+        threads(t)
         norm = float(zo.clip_grad_norm_(1.0))
         zo.step()
         out[t] = (norm, [p.detach().clone() for p in model.parameters()])
+    threads(1)
     ref_model = torch.nn.Linear(1000, 333)
     ref_model.load_state_dict(base.state_dict())
     ref_model(x).square().sum().backward()

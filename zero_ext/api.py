@@ -188,19 +188,24 @@ def _resolve_auto_stage(model, optimizer, cfg: ZeroConfig, free, rank: int, worl
         print(why, flush=True)
 
 
-def _enable_sequence_check(engine, model, params, pg, cfg: ZeroConfig) -> None:
-    """Note [Collective sequence check] (csrc/engine/sequence.h): checkpoints before
-    each phase's first collective, and waits that compare positions through the
-    group's store when they run longer than sequence_timeout."""
-    try:
-        store = dist.distributed_c10d._world.pg_map[pg][1]
-    except (AttributeError, KeyError, IndexError, TypeError):
-        store = None                     # checkpoints only
+def _enable_sequence_check(engine, model, params, pg, cfg: ZeroConfig, gloo: bool) -> None:
+    """Note [Collective sequence check] (csrc/engine/sequence.h): digests exchanged where
+    a rank leaves its pattern (Note [Exchanges on deviation]), and waits that compare
+    positions through the group's store when they run longer than sequence_timeout.
+    Where waits cannot be watched (NCCL: a wait orders streams, the host does not block)
+    the digests are exchanged at every phase instead."""
+    store = None
+    if gloo:
+        try:
+            store = dist.distributed_c10d._world.pg_map[pg][1]
+        except (AttributeError, KeyError, IndexError, TypeError):
+            store = None                 # digests at every phase only
     names = {id(p): n for n, p in model.named_parameters()}
-    # the digests' own gloo group over the same ranks (only they need to call new_group)
+    # the digests' own gloo group (CPU tensors) over the same ranks (only they call new_group)
     side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo", use_local_synchronization=True)
     engine.enable_sequence_check(store, [names.get(id(p), f"#{i}") for i, p in enumerate(params)],
-                                 float(cfg.sequence_timeout), side)
+                                 float(cfg.sequence_timeout), side,
+                                 store is None or cfg.check_sequence == "every_phase")
 
 
 def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | str | None = None,
@@ -253,9 +258,6 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
             error = e
     fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
     verify = cfg.verify_across_ranks if cfg is not None else True
-    if error is None and cfg.check_sequence is True and world > 1 and not gloo:
-        error = ZeroInputError(f"zero_ext: check_sequence=True runs on gloo only (this group's backend is "
-                               f"{backend!r}); use check_sequence='auto' or False")
     node_size = None
     if error is None:
         try:
@@ -349,8 +351,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     wrapped._optimizer = weakref.ref(zopt)   # Note [torch's clipping utilities] (torch_utils.py)
     zopt._params = params            # engine parameter i = params[i]
     zopt._param_shapes = shapes      # logical shape of engine parameter i
-    if world > 1 and cfg.check_sequence is not False and gloo:
-        _enable_sequence_check(engine, model, params, pg, cfg)
+    if world > 1 and cfg.check_sequence is not False and backend != "fake":   # fake moves no data
+        _enable_sequence_check(engine, model, params, pg, cfg, gloo)
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)
     if isinstance(optimizer, (list, tuple)):

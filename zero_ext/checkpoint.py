@@ -61,6 +61,8 @@ import zlib
 
 import torch
 
+from .model import PHASE_CHECKPOINT
+
 FORMAT = 1
 MANIFEST = "zero_ext.json"
 OBJECTS = "zero_ext/objects"
@@ -335,10 +337,13 @@ def _steps_of(objects: dict, name: str, group: int) -> int:
     return int(objects.get("param_steps", {}).get(name, objects["steps"][group]))
 
 
-def _settle(model, optimizer):
-    """(engine, its Comm, layout), once every outstanding collective is done."""
+def _settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT):
+    """(engine, its Comm, layout), once every outstanding collective is done and every
+    rank is here (a rank calling alone is named: Note [Collective sequence check])."""
     optimizer = core_optimizer(optimizer)
     engine = optimizer._engine
+    if phase is not None:
+        engine.sequence_mark(phase)
     engine.wait_reductions()
     engine.flush_params()
     return engine, optimizer._comm, _layout(model, optimizer)
@@ -777,21 +782,25 @@ def consolidate(path) -> dict:
 
 
 @torch.no_grad()
-def consolidated_state_dict(model, optimizer, to: int = 0):
+def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state: bool = True,
+                            phase: int = PHASE_CHECKPOINT):
     """The full model state_dict and a plain torch.optim state dict of the wrapped
-    class, assembled on rank `to` (of the model's process group): {"model",
-    "optimizer"} there, None on the other ranks; every rank calls it. Streamed bucket
-    by bucket and rank by rank with point-to-point sends, so besides the result the
-    receiving rank holds one bucket slice at a time (its extra memory is bounded by
-    a bucket, not the model) and the senders send views of their shards."""
+    class, assembled on rank `to` (of the model's process group; None: on every rank):
+    {"model", "optimizer"} there, None on the other ranks; every rank calls it.
+    Streamed bucket by bucket and rank by rank with point-to-point sends, so besides the
+    result the receiving rank holds one bucket slice at a time (its extra memory is
+    bounded by a bucket, not the model) and the senders send views of their shards.
+    model_state=False: the optimizer's state only ({"optimizer"})."""
     optimizer = core_optimizer(optimizer)
-    engine, comm, layout = _settle(model, optimizer)
+    engine = optimizer._engine
     rank, parts = engine.rank, engine.partitions
+    # stage 0 and one rank hold everything: no collective, so any rank may call it alone
+    engine, comm, layout = _settle(model, optimizer, phase if parts > 1 else None)
     shard = _Shard(optimizer)
     states = shard.states()
-    kinds = {"model": shard.masters, **{f"optim/{s}": p for s, p in states.items()}}
+    kinds = {**({"model": shard.masters} if model_state else {}), **{f"optim/{s}": p for s, p in states.items()}}
     names = _engine_names(optimizer, layout)
-    receiving = rank == to
+    receiving = to is None or rank == to
     out = {k: [torch.zeros(n) for n in shard.numel] for k in kinds} if receiving else None
 
     def place(kind, frags, src, base):
@@ -830,16 +839,18 @@ def consolidated_state_dict(model, optimizer, to: int = 0):
     if parts > 1:
         got = comm.gather_object(mine, dst=to)
         whole = {n: st for d in (got or []) for n, st in d.items()}
-    frozen = _gather_frozen(model, keep=receiving)
+    frozen = _gather_frozen(model, keep=receiving) if model_state else {}
     if not receiving:
         return None
     scalar = shard.scalar_state()
     objects = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
                "steps": list(optimizer._steps), "param_steps": _param_steps(optimizer, names), "scalar_state": scalar}
-    values = {name: out["model"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
-    values.update({n: t.clone() for n, t in _plain_tensors(model, layout).items()})
-    values.update({n: t for n, t in _plain_tensors(model, layout, frozen).items() if n not in values})  # stage-3 frozen
-    model_sd = {key: values[name] for key, name in layout["keys"].items()}
     tensors = {s: {name: out[f"optim/{s}"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
                for s in states}
-    return {"model": model_sd, "optimizer": optimizer_state_dict(layout, tensors, objects, whole)}
+    result = {"optimizer": optimizer_state_dict(layout, tensors, objects, whole)}
+    if model_state:
+        values = {name: out["model"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
+        values.update({n: t.clone() for n, t in _plain_tensors(model, layout).items()})
+        values.update({n: t for n, t in _plain_tensors(model, layout, frozen).items() if n not in values})  # frozen
+        result["model"] = {key: values[name] for key, name in layout["keys"].items()}
+    return result

@@ -151,11 +151,11 @@ class Comm:
         self._delayed()
         return obj if self.rank == src else self._object_of(data)
 
-    def gather_object(self, obj, dst: int) -> list | None:
-        """Every rank's object, in rank order, on rank `dst` (None elsewhere): one broadcast
-        per rank, so a rank holds one other rank's bytes at a time."""
+    def gather_object(self, obj, dst: int | None) -> list | None:
+        """Every rank's object, in rank order, on rank `dst` (None elsewhere; dst=None: on
+        every rank): one broadcast per rank, so a rank holds one other rank's bytes at a time."""
         got = [self.broadcast_object(obj if r == self.rank else None, src=r) for r in range(self.world)]
-        return got if self.rank == dst else None
+        return got if dst is None or self.rank == dst else None
 
 
 def delay_collectives(model_or_optimizer, ms: float, serialize: bool = False) -> None:

@@ -126,15 +126,20 @@ class ZeroConfig:
         (stats()["buffer_bytes"]["secondary"], "peak_secondary"); stats()["comm_groups"]
         splits the bytes into "intra" and "inter" node parts. L must divide the world
         size; L equal to the world size is plain stage 3. Stage 3 only.
-    check_sequence: False (default), True or "auto" (on with gloo): ranks whose collectives diverge
-        (a skipped backward, an extra micro-step, a stage-3 unit skipped, step() on some
-        ranks only, requires_grad changed on some ranks) raise on every rank naming the
-        rank, step and bucket/unit, instead of hanging until the process group's timeout.
-        Costs one small all-gather per phase (forward, backward, clip, step) that
-        communicates, which short steps feel (benchmarks/bench_sequence.py measures it),
-        hence off by default. gloo only (True with another backend raises).
+    check_sequence: True (default; "auto" is the same) or False: ranks whose collectives
+        diverge (evaluation or model.state_dict() on rank 0 alone in stage 3, a skipped
+        backward, an extra micro-step, a stage-3 unit skipped, step() on some ranks only,
+        requires_grad changed on some ranks) raise on every rank naming each rank's step,
+        phase and bucket/unit and the fix, instead of hanging or pairing the wrong
+        collectives (Note [Collective sequence check] in csrc/engine/sequence.h). On
+        gloo it costs nothing in a step that repeats the last one (the ranks compare
+        only where a rank leaves its pattern, Note [Exchanges on deviation];
+        benchmarks/bench_sequence.py measures it); on NCCL one small CPU all-gather per
+        phase, which the host runs ahead of the device. "every_phase": that all-gather at
+        every phase on gloo too (the check before it learned patterns; for benchmarks).
     sequence_timeout: seconds an engine collective may wait before the ranks compare
-        their positions through the process group's store (check_sequence).
+        their positions through the process group's store (check_sequence); a divergence
+        is named within about twice this.
     find_unused_parameters: how the ranks agree on parameters that got no gradient
         (Note [Unused parameters] in csrc/engine/unused.cpp): a parameter no rank gave a
         gradient is left as torch leaves one whose .grad is None. True: one small
@@ -182,7 +187,7 @@ class ZeroConfig:
     param_quant: str | None = None
     quant_block_numel: int = 256
     node_size: int | str | None = None
-    check_sequence: bool | str = False
+    check_sequence: bool | str = True
     sequence_timeout: float = 3.0
     find_unused_parameters: bool | str = "auto"
 
@@ -303,8 +308,8 @@ class ZeroConfig:
         number("max_loss_scale", lambda v: v >= self.min_loss_scale, ">= min_loss_scale")
         integer("loss_scale_growth_interval", 1)
         integer("loss_scale_hysteresis", 1)
-        need(isinstance(self.check_sequence, bool) or self.check_sequence == "auto",
-             f"check_sequence must be 'auto', True or False, got {self.check_sequence!r}")
+        need(isinstance(self.check_sequence, bool) or self.check_sequence in ("auto", "every_phase"),
+             f"check_sequence must be True, False, 'auto' or 'every_phase', got {self.check_sequence!r}")
         need(isinstance(self.find_unused_parameters, bool) or self.find_unused_parameters == "auto",
              f"find_unused_parameters must be 'auto', True or False, got {self.find_unused_parameters!r}")
         number("sequence_timeout", lambda v: v > 0, "a number of seconds > 0")

@@ -54,6 +54,9 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
     was_gathered = {u: engine.unit_gathered(u) for u in units}
     for u in units:
         engine.gather_unit(u, True)
+    pinned = wrapper._pinned if stage3 else None
+    if stage3:                 # the unit hooks leave them whole (a forward inside needs no collective)
+        pinned.update(units)
     versions = [p._version for p in params]
     try:
         yield params
@@ -68,8 +71,10 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
                     engine.broadcast_tensors([p.data for p, _ in owned], modifier_rank)
                     engine.absorb_param_edits()   # low precision: fold the edits into the fp32 master
                 engine.broadcast_tensors([p.data for p in replicated], modifier_rank)
+        if stage3:
+            pinned.subtract(units)
         for u in units:
-            if not was_gathered[u]:
+            if not was_gathered[u] and not pinned[u]:
                 engine.release_unit(u)
         guard = getattr(wrapper, "_guard", None)
         if guard is not None:          # committed, or refused below: not an edit outside (changes.py)

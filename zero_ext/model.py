@@ -2,6 +2,7 @@
 stage-3 unit hooks that gather parameters around each unit's forward and backward."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import weakref
@@ -27,8 +28,15 @@ def cast_buffers(model: nn.Module, low: torch.dtype, which) -> None:
                     m._buffers[name] = b.to(low)
 
 
-# Phases of Note [Collective sequence check] (SeqPhase in csrc/engine/sequence.h).
-PHASE_FORWARD, PHASE_BACKWARD, PHASE_CLIP, PHASE_STEP = 1, 2, 3, 4
+# Phases of Note [Collective sequence check] (SeqPhase in csrc/engine/sequence.h). The
+# last three run Python collectives: the engine exchanges digests at once.
+PHASE_FORWARD, PHASE_BACKWARD, PHASE_CLIP, PHASE_STEP, PHASE_FORWARD_NOGRAD = 1, 2, 3, 4, 5
+PHASE_MODEL_STATE, PHASE_OPTIM_STATE, PHASE_CHECKPOINT = 6, 7, 8
+
+
+def forward_phase() -> int:
+    """A forward with autograd, or one without (evaluation, generation): a phase of its own."""
+    return PHASE_FORWARD if torch.is_grad_enabled() else PHASE_FORWARD_NOGRAD
 UNIT_NEED_BASE = 16   # sequence_mark(UNIT_NEED_BASE + k): stage-3 unit k is needed (recorded, no data)
 
 
@@ -49,12 +57,13 @@ class ZeroModel(nn.Module):
         self._config = config
         self._buffers_to_sync = buffers
         self._callback_queued = False
+        self._pinned = collections.Counter()   # stage 3: units gathered_parameters() holds whole
         self._units = _UnitHooks(self, unit_modules, root_holders) if config.stage == 3 else None
         self._compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.param_dtype)
         self._param_waits = None   # stages 1-2, overlap_param_gather: set by zeroify (param_waits.py)
 
     def forward(self, *args, **kwargs):
-        self._engine.sequence_mark(PHASE_FORWARD)
+        self._engine.sequence_mark(forward_phase())
         waits = self._param_waits
         if waits is not None:
             waits.before_forward()   # Note [Gathers waited per module] (zero_ext/param_waits.py)
@@ -82,10 +91,12 @@ class ZeroModel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally (stages 0-1) for the backward passes run
-        inside; the first backward outside reduces them all. Stages 2-3 still reduce
-        every backward into the gradient shard (their memory saving), so no_sync
-        defers nothing there but remains correct."""
+        """As DDP's: the backward passes run inside accumulate gradients locally and send
+        nothing; the first backward outside reduces them all. Stages 0-1 accumulate in
+        their gradient buckets; stages 2-3 hold a full-size gradient (reduce_dtype) while
+        they accumulate, as DDP and FSDP2 do (Note [Local accumulation] in
+        csrc/engine/reducer.cpp). Without no_sync, stages 2-3 reduce every micro-step
+        into the gradient shard and never hold a full gradient: more bytes, less memory."""
         old = self._engine.require_sync()
         self._engine.set_require_sync(False)
         try:
@@ -221,9 +232,18 @@ class _UnitHooks:
             for u in launch:
                 self.engine.gather_unit(u, False)
 
+    def _release(self, k: int, keep: bool = False) -> None:
+        """Release unit k unless gathered_parameters() holds it whole."""
+        if not self.wrapper._pinned[k]:
+            self.engine.release_unit(k, keep)
+
     def _need(self, k: int) -> None:
         """Unit k is needed now: record it, resynchronize the cursor on it, make it
-        whole (counting it if it was not foreseen) and prefetch what follows."""
+        whole (counting it if it was not foreseen) and prefetch what follows. A unit
+        gathered_parameters() holds needs nothing (no collective, no sequence mark), so
+        rank 0 alone may evaluate inside `with zero_ext.gathered_parameters(model):`."""
+        if self.wrapper._pinned[k]:
+            return
         need = (k, _in_backward())
         # one backward need per unit in a row (a hook fires for each of its outputs);
         # forward needs all count (a module called twice is needed twice)
@@ -246,7 +266,7 @@ class _UnitHooks:
         if self.recording and self.recorded:
             self.learned[self.grad_pass] = self.recorded   # the previous pass is complete
         self.grad_pass = torch.is_grad_enabled()
-        self.engine.sequence_mark(PHASE_FORWARD)
+        self.engine.sequence_mark(forward_phase())
         known = self.learned.get(self.grad_pass)
         self.order = known if known is not None else self._guess()
         self.recorded, self.cursor, self.recording, self.in_root = [], 0, True, True
@@ -267,7 +287,7 @@ class _UnitHooks:
         if not backward_follows:
             self.recording = False
             for k in range(self.engine.num_units):   # no backward follows: free everything
-                self.engine.release_unit(k)
+                self._release(k)
             return
         if self.grad_pass not in self.learned:
             # first pass of its kind: backward is guessed as this forward reversed
@@ -284,7 +304,7 @@ class _UnitHooks:
 
     def _holder_post_forward(self, module, args, output):
         if not self.in_root and not _in_backward() and not torch.is_grad_enabled():
-            self.engine.release_unit(0)
+            self._release(0)
 
     def _pre_forward(self, k, module, args, kwargs):
         self._need(k)
@@ -317,7 +337,7 @@ class _UnitHooks:
             return
         if k not in self._upcoming(-1):   # not needed again at once
             # keep: a backward follows, so node_size keeps a node-local part for it
-            self.engine.release_unit(k, torch.is_grad_enabled())
+            self._release(k, torch.is_grad_enabled())
 
     def _pre_backward(self, k, grad):
         self.wrapper._begin_backward()
@@ -325,13 +345,15 @@ class _UnitHooks:
         return None
 
     def full_state_dict(self, *args, **kwargs):
-        """The plain module's state_dict, gathered one unit at a time (clones)."""
+        """The plain module's state_dict, gathered one unit at a time (clones). Collective:
+        a rank calling it alone is named (Note [Collective sequence check])."""
+        self.engine.sequence_mark(PHASE_MODEL_STATE)
         out = {}
         for k in range(self.engine.num_units):
             self.engine.gather_unit(k, True)
             for name, t in self.wrapper.module.state_dict(*args, keep_vars=True, **kwargs).items():
                 if name not in out and t.untyped_storage().nbytes() > 0:
                     out[name] = t.detach().clone()
-            self.engine.release_unit(k)
+            self._release(k)
         sd = self.wrapper.module.state_dict(keep_vars=True)
         return {name: out[name] for name in sd}

@@ -246,6 +246,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _refuse_missing_grads(self, missing: list) -> None:
         if not missing:
             return
+        # every rank that missed them meets here; a rank that alone skipped its backward
+        # waits here and is named on every rank (Note [Unused parameters])
+        self._engine.sequence_sync()
         model = self._guard._model() if self._guard is not None else None
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         listed = [names.get(id(self._params[i]), f"#{i}") for i in missing[:8]]
@@ -447,7 +450,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """This rank's sharded state (load back with the same world size and stage)."""
+        """The complete state of the wrapped torch optimizer, in torch's format, on every
+        rank, as DDP's optimizer gives it (Note [Complete optimizer state] in
+        zero_ext/optim_state.py). Collective in stages 1-3 at world size > 1: every rank
+        calls it (then rank 0 may save it); a rank calling it alone is named on every
+        rank. load_state_dict() takes it at any world size and stage, as does a plain
+        torch optimizer. For a checkpoint without assembling the state anywhere:
+        zero_ext.save / zero_ext.load; for this rank's shard: sharded_state_dict()."""
+        from . import optim_state
+        return optim_state.state_dict(self)
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's sharded state (no collective); load_state_dict() takes it back at the
+        same stage, world size and rank only."""
         self._engine.wait_reductions()
         groups = []
         for g in self.param_groups:
@@ -477,10 +492,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """A complete state dict (state_dict() here, or a plain torch or DDP optimizer's),
+        each rank taking its shard, at any world size and stage (no collective); or this
+        rank's own sharded_state_dict()."""
         z = state_dict.get("zero_ext") if isinstance(state_dict, dict) else None
         if z is None:
-            raise ValueError("zero_ext: this is not a zero_ext optimizer state dict (no 'zero_ext' entry); "
-                             "load the state of the plain optimizer before calling zeroify()")
+            from . import optim_state
+            return optim_state.load_state_dict(self, state_dict)
         if z.get("format") != STATE_FORMAT:
             raise ValueError(f"zero_ext: optimizer state format {z.get('format')} is not {STATE_FORMAT}")
         mine = (self._config.stage, self._engine.world_size, self._engine.rank, self.wrapped_class.__name__)
@@ -489,10 +507,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shard = (f"; optimizer.state_dict() holds only the saving rank's shard (a checkpoint that rank "
                      f"{z['rank']} alone wrote holds no other rank's state)" if z["rank"] != self._engine.rank else "")
             raise ValueError(f"zero_ext: optimizer state saved at (stage, world_size, rank, optimizer) = "
-                             f"{theirs} cannot load at {mine}{shard}; this state_dict round-trips only at the "
-                             f"same stage, world size and rank. To checkpoint for any rank, world size or stage: "
-                             f"zero_ext.save(path, model, optimizer) / zero_ext.load(...) on every rank, or "
-                             f"zero_ext.consolidated_state_dict(model, optimizer) for one plain torch state")
+                             f"{theirs} cannot load at {mine}{shard}; sharded_state_dict() round-trips only at "
+                             f"the same stage, world size and rank. To checkpoint for any rank, world size or "
+                             f"stage: optimizer.state_dict() on every rank (the complete state, as DDP's), or "
+                             f"zero_ext.save(path, model, optimizer) / zero_ext.load(...) on every rank")
         if z["fingerprint"] != self._fingerprint:
             raise ValueError("zero_ext: optimizer state was saved for different parameters (shapes, groups or "
                              "config differ); build the same model and config before loading")

@@ -134,11 +134,23 @@ class ZeroOptimizerPart(torch.optim.Optimizer):
         return self._core.clip_grad_norm_(max_norm, norm_type)
 
     def state_dict(self) -> dict:
-        """This rank's state of every part (the shared ZeroOptimizer's state_dict)."""
-        return self._core.state_dict()
+        """This optimizer's complete state in torch's format, on every rank (collective;
+        Note [Complete optimizer state] in zero_ext/optim_state.py): the state dict the
+        plain torch optimizer would hold."""
+        from . import optim_state
+        return optim_state.state_dict(self._core, self._index)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._core.load_state_dict(state_dict)
+        """This optimizer's complete state (state_dict() or a plain torch optimizer's), or
+        the shared ZeroOptimizer's sharded_state_dict()."""
+        if isinstance(state_dict, dict) and "zero_ext" in state_dict:
+            return self._core.load_state_dict(state_dict)
+        from . import optim_state
+        optim_state.load_state_dict(self._core, state_dict, self._index)
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's state of every part (the shared ZeroOptimizer's sharded_state_dict)."""
+        return self._core.sharded_state_dict()
 
     def stats(self) -> dict:
         return self._core.stats()

@@ -98,6 +98,7 @@ struct Bucket {
     at::Tensor flat_param;             // (padded_numel,) param_dtype; parameters are views
     at::Tensor flat_grad;              // (padded_numel,) reduce_dtype in stage 0/1, else undefined
     at::Tensor staging;                // stage 3, low precision: fp32 full values while initializing
+    at::Tensor local_grad;             // stages 2-3 under no_sync: (padded_numel,) reduce_dtype, else undefined
     int64_t pending = 0;               // parameters not yet ready in this backward
     int64_t slot = -1;                 // ring slot held (stage 2 / all-to-all), or -1
     // stage 3 (Note [Stage 3 parameter lifetime]):
@@ -280,8 +281,17 @@ public:
 
     // --- collective sequence check (Note [Collective sequence check], sequence.cpp) ---
     // store: the process group's store, for watched waits (None: checkpoints only).
-    void enable_sequence_check(c10::optional<StorePtr> store, std::vector<std::string> names, double patience_s);
-    void sequence_mark(int64_t phase);   // a SeqPhase: forward, backward, clip, step
+    // group: the digests' own gloo group (None: the engine's); every_phase: exchange at
+    // every phase (Note [Exchanges on deviation]).
+    void enable_sequence_check(c10::optional<StorePtr> store, std::vector<std::string> names, double patience_s,
+                               c10::optional<ProcessGroupPtr> group, bool every_phase);
+    // A SeqPhase (forward, backward, clip, step; the phases of Python collectives, which
+    // exchange at once), or kUnitNeedBase + unit.
+    void sequence_mark(int64_t phase);
+    int64_t sequence_exchanges() const { return comm_.seq.exchanges(); }
+    // Exchange digests now: a rank about to raise for something every rank should
+    // see alike (Note [Unused parameters]) first checks that the others are here too.
+    void sequence_sync();
 
 private:
     // set_active_groups: no groups given = all active.
@@ -294,6 +304,7 @@ private:
     int64_t acquire_slot(int64_t b);
     void release_slot(int64_t b);
     void stage_grad(int64_t i);        // stage 2: copy param i's grad into its bucket's slot
+    void accumulate_local(int64_t i);  // stages 2-3, sync off: add param i's grad to local_grad
     void ensure_grad_view(int64_t i);  // stage 0/1: param i's grad is its bucket view
     void wait_gather(Bucket &bk);
     void finish_group(const std::shared_ptr<GatherGroup> &g);

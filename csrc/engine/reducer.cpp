@@ -65,11 +65,47 @@ void Engine::stage_grad(int64_t i) {
     p.mutable_grad() = at::Tensor();   // stage 2 keeps no full gradient
 }
 
+// Note [Local accumulation]
+//   no_sync() / require_backward_grad_sync = False defers the reduction to the
+//   first backward with sync on, as DDP does: that micro-step sends no gradient
+//   bytes. Stages 0-1 accumulate in their full gradient buckets. Stages 2-3 keep
+//   no full gradient, so a micro-step without sync adds each parameter's
+//   gradient into its bucket's local_grad (reduce_dtype, allocated at the first
+//   such micro-step: the full-size gradient DDP and FSDP2 hold while they
+//   accumulate) and frees param.grad; the next reduction of the bucket sends
+//   local_grad plus that backward's gradients and frees it. Without no_sync,
+//   stages 2-3 reduce every micro-step into the shard and hold no full gradient.
+void Engine::accumulate_local(int64_t i) {
+    at::Tensor &p = params_[i];
+    const at::Tensor g = p.grad();
+    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: parameter ", i,
+                " got a sparse gradient; use dense embeddings (sparse=False)");
+    if (!g.defined()) return;
+    const at::Tensor flat = g.reshape(-1);
+    for (const zx_piece &pc : pieces_[i]) {
+        Bucket &bk = buckets_[pc.bucket];
+        if (!bk.local_grad.defined())
+            bk.local_grad = at::zeros({bk.padded_numel}, on_device(rdt_));
+        bk.local_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
+    }
+    p.mutable_grad() = at::Tensor();
+}
+
 void Engine::mark_ready(int64_t i) {
     TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: bad parameter index ", i);
     note_grad(i);
     if (opts_.stage <= 1) ensure_grad_view(i);
     const bool reduce_now = opts_.stage >= 2 || require_sync_;
+    if (opts_.stage >= 2 && !require_sync_) {
+        accumulate_local(i);
+        if (opts_.stage == 3) {   // its backward is over: release as a reducing pass would
+            for (const zx_piece &pc : pieces_[i]) {
+                Bucket &bk = buckets_[pc.bucket];
+                if (--bk.pending == 0 && bk.unit != 0) release_bucket(bk);
+            }
+        }
+        return;
+    }
     if (!reduce_now) return;
     if (opts_.stage >= 2) stage_grad(i);
     TORCH_CHECK(!ready_[i], "zero_ext: parameter ", i,
@@ -91,8 +127,17 @@ void Engine::mark_ready(int64_t i) {
 }
 
 void Engine::finalize_backward() {
-    const bool reduce_now = opts_.stage >= 2 || require_sync_;
-    if (!reduce_now) return;
+    if (!require_sync_) {   // Note [Local accumulation]: nothing sent
+        if (opts_.stage == 3) {
+            for (auto &bk : buckets_) {
+                release_bucket(bk);
+                bk.pending = (int64_t)bk.params.size();
+            }
+            release_all_frozen();
+            if (sec_) sec_->drop_all();
+        }
+        return;
+    }
     // Parameters that got no gradient this pass: their region holds zeros or
     // earlier accumulated gradients (stage 0/1), or is zero-filled (stage 2).
     for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
@@ -158,6 +203,10 @@ void Engine::launch(int64_t b) {
     Bucket &bk = buckets_[b];
     if (opts_.stage >= 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
     if (opts_.stage >= 2) {
+        if (bk.local_grad.defined()) {   // Note [Local accumulation]
+            slots_[bk.slot].send.narrow(0, 0, bk.padded_numel).add_(bk.local_grad);
+            bk.local_grad = at::Tensor();
+        }
         // Zero the padding so it never feeds the optimizer garbage.
         for (const auto &g : bk.gaps) slots_[bk.slot].send.narrow(0, g.first, g.second).zero_();
     }
@@ -261,8 +310,10 @@ void Engine::zero_grad(bool set_to_none) {
                     if (active_param(f.param)) grad_shard_.narrow(0, buckets_[b].shard_offset + f.offset, f.numel).zero_();
         return;
     }
-    for (auto &bk : buckets_)
+    for (auto &bk : buckets_) {
         if (bk.flat_grad.defined()) bk.flat_grad.zero_();
+        bk.local_grad = at::Tensor();   // Note [Local accumulation]
+    }
     if (grad_shard_.defined()) grad_shard_.zero_();
     for (auto &p : params_) {
         if (set_to_none) p.mutable_grad() = at::Tensor();

@@ -64,6 +64,40 @@ const char *kHint =
     "it with zero-weighted inputs instead), then restart from the last checkpoint. "
     "(zeroify(check_sequence=False) turns this check off.)";
 
+// The advice for a divergence that began in one of these phases on some ranks only.
+const char *phase_hint(int64_t phase) {
+    switch (phase) {
+        case kPhaseForwardNoGrad:
+            return "\nA forward without autograd (evaluation or generation) ran on some ranks only. In stage 3 "
+                   "every forward gathers the parameters with collectives, so all ranks must run it: evaluate on "
+                   "every rank (each on its own batches; all-reduce the loss), or gather the full parameters on "
+                   "every rank first (`with zero_ext.gathered_parameters(model): ...`) and then evaluate on one. "
+                   "Restart from the last checkpoint.";
+        case kPhaseModelState:
+            return "\nmodel.state_dict() gathers the sharded parameters with collectives (stage 3), so every rank "
+                   "must call it: call it on every rank and save on rank 0, or checkpoint with "
+                   "zero_ext.save(path, model, optimizer) on every rank.";
+        case kPhaseOptimState:
+            return "\noptimizer.state_dict() and load_state_dict() assemble or distribute the sharded optimizer "
+                   "state with collectives, so every rank must call them: call state_dict() on every rank and "
+                   "save on rank 0 (each rank then loads the file with load_state_dict()), or checkpoint with "
+                   "zero_ext.save(path, model, optimizer) / zero_ext.load(...) on every rank.";
+        case kPhaseCheckpoint:
+            return "\nzero_ext.save, zero_ext.load and zero_ext.consolidated_state_dict are collective: call them "
+                   "on every rank.";
+        default:
+            return nullptr;
+    }
+}
+
+// The advice for the records where the ranks differ: the phase one of them is in, if it
+// has a hint of its own, else the general one.
+std::string hint_for(const std::vector<const SeqRecord *> &at) {
+    for (const SeqRecord *r : at)
+        if (r && phase_hint(r->phase)) return phase_hint(r->phase);
+    return kHint;
+}
+
 std::atomic<int64_t> g_next_id{0};
 
 // A stage-3 unit needed by the unit hooks: recorded like a collective (kind 5, no
@@ -71,6 +105,17 @@ std::atomic<int64_t> g_next_id{0};
 // that follow it can pair wrongly. Python passes it as sequence_mark(kUnitNeedBase + unit).
 constexpr int64_t kSeqUnitNeed = 5;
 constexpr int64_t kUnitNeedBase = 16;
+// A mark exchanged at once (Note [Exchanges on deviation]): recorded like a collective
+// (kind 6, no data), so that a rank waiting there shows where it is.
+constexpr int64_t kSeqMark = 6;
+
+// What a record is, without when (step, micro-step, count): equal in every cycle that
+// issues the same collective.
+int64_t content(const SeqRecord &r) {
+    int64_t h = 0;
+    for (int64_t v : {r.phase, r.kind, r.bucket, r.unit, r.numel}) h = mix(h, v);
+    return h;
+}
 
 }  // namespace
 
@@ -86,15 +131,49 @@ void Sequence::attach(c10::optional<ProcessGroupPtr> pg, int64_t rank, int64_t w
     ring_.resize(kRing);
 }
 
-void Sequence::enable(StorePtr store, std::vector<std::string> names, double patience_s) {
+void Sequence::enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase) {
     store_ = std::move(store);
     names_ = std::move(names);
     patience_s_ = patience_s;
+    every_phase_ = every_phase || !store_;   // without a store, waits cannot be compared
     enabled_ = world_ > 1 && pg_.has_value();
     id_ = g_next_id++;   // engines are built in the same order on every rank
 }
 
-void Sequence::mark(int64_t phase, const FrozenSummary &frozen) {
+void Pattern::finish_pass() {
+    recent_[cur_.kind] = cur_.keys;
+    if (cycle_.size() < kMaxPasses) cycle_.push_back(std::move(cur_));
+    cur_ = Pass();
+    pass_++;
+}
+
+bool Pattern::next(int64_t key, bool pass_start) {
+    if (pass_start || !in_pass_) {
+        if (in_pass_) finish_pass();
+        in_pass_ = true;
+        cur_.kind = key;
+        cur_.keys.assign(1, key);
+        const Pass *at = pass_ < learned_.size() ? &learned_[pass_] : nullptr;
+        const bool hit = at && at->kind == key;
+        auto it = recent_.find(key);
+        ref_ = hit ? &at->keys : it != recent_.end() ? &it->second : at ? &at->keys : nullptr;
+        return hit;
+    }
+    const size_t p = cur_.keys.size();
+    if (p < kMaxKeys) cur_.keys.push_back(key);
+    return ref_ && p < ref_->size() && (*ref_)[p] == key;
+}
+
+void Pattern::end_cycle() {
+    if (in_pass_) finish_pass();
+    learned_.swap(cycle_);
+    cycle_.clear();
+    in_pass_ = false;
+    pass_ = 0;
+    ref_ = nullptr;
+}
+
+void Sequence::mark(int64_t phase, const FrozenSummary &frozen, bool now) {
     if (phase == kPhaseStep) {
         step_++;
         micro_ = 0;
@@ -103,10 +182,59 @@ void Sequence::mark(int64_t phase, const FrozenSummary &frozen) {
     }
     phase_ = phase;
     frozen_ = frozen;
+    if (!enabled_) return;
+    pending_ = true;
+    pending_now_ = now;
+    // A step counts even without a collective (a rank that skips it differs there);
+    // Python collectives follow `now`. Other marks wait for their first collective.
+    if (phase == kPhaseStep || now) commit();
+}
+
+void Sequence::commit() {
+    if (!pending_) return;
+    pending_ = false;
+    int64_t key = 0;
+    for (int64_t v : {phase_, frozen_.count, frozen_.hash, since_mark_}) key = mix(key, v);
+    since_mark_ = 0;
+    const bool pass_start = phase_ == kPhaseForward || phase_ == kPhaseForwardNoGrad || phase_ >= kPhaseModelState;
+    const bool known = pattern_.next(key, pass_start);
+    const bool learning = every_phase_ || cycles_ < kLearnCycles;
+    if (phase_ == kPhaseStep) {
+        pattern_.end_cycle();
+        cycles_++;
+    }
+    if (learning && !pending_now_) {
+        armed_ = true;          // exchanged before the phase's next collective (if it has one)
+    } else if (pending_now_ || !known) {
+        armed_ = true;          // a deviation, or Python collectives follow: exchange now
+        if (!recording_) before(kSeqMark, 0);
+    }
+}
+
+void Sequence::sync() {
+    if (!enabled_) return;
+    commit();
     armed_ = true;
+    before(kSeqMark, 0);
+}
+
+void Sequence::unit_need(int64_t unit) {
+    subject(-1, unit);
+    if (enabled_) {
+        commit();
+        const bool known = pattern_.next(mix(mix(kUnitNeedBase + unit, since_mark_), kSeqUnitNeed), false);
+        since_mark_ = 0;
+        if (!known && !every_phase_ && cycles_ >= kLearnCycles) armed_ = true;   // exchanged just below
+    }
+    before(kSeqUnitNeed, 0);
 }
 
 void Sequence::before(int64_t kind, int64_t numel) {
+    if (enabled_ && kind != kSeqMark) {
+        recording_ = true;   // a deviation found by the commit is exchanged with this record
+        commit();
+        recording_ = false;
+    }
     SeqRecord r;
     r.seq = last_.seq + 1;
     r.step = step_, r.micro = micro_, r.phase = phase_, r.kind = kind;
@@ -117,6 +245,7 @@ void Sequence::before(int64_t kind, int64_t numel) {
     bucket_ = unit_ = -1;
     ring_[r.seq % kRing] = r;
     last_ = r;
+    if (kind != kSeqUnitNeed && kind != kSeqMark) since_mark_ = mix(since_mark_, content(r));
     if (armed_ && enabled_) {
         armed_ = false;
         exchange(r);
@@ -128,9 +257,13 @@ std::string Sequence::describe(const SeqRecord &r, bool full) const {
     o << "step " << (r.phase == kPhaseStep ? r.step : r.step + 1) << ", ";
     switch (r.phase) {
         case kPhaseForward: o << "forward"; break;
+        case kPhaseForwardNoGrad: o << "forward without autograd (evaluation or generation)"; break;
         case kPhaseBackward: o << "backward pass " << r.micro; break;
         case kPhaseClip: o << "clip_grad_norm_"; break;
         case kPhaseStep: o << "step()"; break;
+        case kPhaseModelState: o << "model.state_dict()"; break;
+        case kPhaseOptimState: o << "optimizer.state_dict() or load_state_dict()"; break;
+        case kPhaseCheckpoint: o << "zero_ext.save, load or consolidated_state_dict"; break;
         default: o << "setup"; break;
     }
     if (r.phase != kPhaseBackward && r.phase != kPhaseStep)
@@ -138,6 +271,11 @@ std::string Sequence::describe(const SeqRecord &r, bool full) const {
     static const char *kinds[] = {"?", "all-reduce", "reduce-scatter", "all-gather", "broadcast"};
     if (r.kind == kSeqUnitNeed) {
         o << ": unit " << r.unit << " runs";
+        if (full) o << " (record #" << r.seq << ")";
+        return o.str();
+    }
+    if (r.kind == kSeqMark) {
+        o << " begins";
         if (full) o << " (record #" << r.seq << ")";
         return o.str();
     }
@@ -199,13 +337,14 @@ std::string Sequence::diagnose(const std::vector<std::vector<SeqRecord>> &rings,
             }
             if (!whats.empty() && !whats[g[0]].empty()) o << "; waiting in " << whats[g[0]];
         }
-        o << kHint;
+        o << hint_for(at);
         return o.str();
     }
     return "";
 }
 
 void Sequence::exchange(const SeqRecord &next) {
+    exchanges_++;
     constexpr int64_t D = kRecordFields + 4;
     const auto i64 = at::TensorOptions().dtype(at::kLong);
     at::Tensor mine = at::empty({D}, i64);
@@ -220,29 +359,13 @@ void Sequence::exchange(const SeqRecord &next) {
     for (int64_t r = 0; r < world_ && same; r++) same = std::memcmp(a + r * D, m, D * sizeof(int64_t)) == 0;
     if (same) return;
 
-    std::vector<std::string> fkeys(world_);
+    std::vector<FrozenSummary> fs(world_);
     for (int64_t r = 0; r < world_; r++) {
         const int64_t *f = a + r * D + kRecordFields;
-        fkeys[r] = std::to_string(f[0]) + "/" + std::to_string(f[3]);
+        fs[r] = {f[0], f[1], f[2], f[3]};
     }
-    auto fgroups = groups_of(fkeys);
-    if (fgroups.size() > 1) {
-        std::ostringstream o;
-        o << "zero_ext: the ranks train different parameters: requires_grad was changed on some ranks after "
-             "zeroify(); at " << describe(next, false) << ":";
-        for (const auto &g : fgroups) {
-            const int64_t *f = a + g[0] * D + kRecordFields;
-            o << "\n  " << ranks_text(g) << ": " << f[0] << " trainable parameter" << (f[0] == 1 ? "" : "s")
-              << " with requires_grad=False";
-            if (f[0] > 0) {
-                const int64_t i = f[1];
-                o << " (first: " << (i >= 0 && i < (int64_t)names_.size() ? "'" + names_[i] + "'" : std::to_string(i))
-                  << ", parameter " << i << " in bucket " << f[2] << ")";
-            }
-        }
-        o << kHint;
-        fail(o.str());
-    }
+    const std::string frozen = frozen_message(fs, describe(next, false));
+    if (!frozen.empty()) fail(frozen);
     // The records differ: every rank saw the same table, so all exchange their rings.
     at::Tensor ring = at::zeros({kRing * kRecordFields}, i64);
     int64_t k = 0;
@@ -261,15 +384,43 @@ void Sequence::exchange(const SeqRecord &next) {
     if (msg.empty()) {
         // different numbers of collectives with agreeing records: name each rank's next one
         std::vector<std::string> keys(world_);
-        for (int64_t r = 0; r < world_; r++) keys[r] = describe(get(a + r * D));
+        std::vector<SeqRecord> nexts(world_);
+        std::vector<const SeqRecord *> at(world_);
+        for (int64_t r = 0; r < world_; r++) {
+            nexts[r] = get(a + r * D);
+            keys[r] = describe(nexts[r]);
+            at[r] = &nexts[r];
+        }
         auto groups = groups_of(keys);
         std::ostringstream o;
         o << "zero_ext: collective sequence diverged:";
         for (const auto &g : groups) o << "\n  " << ranks_text(g) << ": " << keys[g[0]];
-        o << kHint;
+        o << hint_for(at);
         msg = o.str();
     }
     fail(msg);
+}
+
+std::string Sequence::frozen_message(const std::vector<FrozenSummary> &fs, const std::string &where) const {
+    std::vector<std::string> fkeys(fs.size());
+    for (size_t r = 0; r < fs.size(); r++) fkeys[r] = std::to_string(fs[r].count) + "/" + std::to_string(fs[r].hash);
+    auto fgroups = groups_of(fkeys);
+    if (fgroups.size() <= 1) return "";
+    std::ostringstream o;
+    o << "zero_ext: the ranks train different parameters: requires_grad was changed on some ranks after "
+         "zeroify(); at " << where << ":";
+    for (const auto &g : fgroups) {
+        const FrozenSummary &f = fs[g[0]];
+        o << "\n  " << ranks_text(g) << ": " << f.count << " trainable parameter" << (f.count == 1 ? "" : "s")
+          << " with requires_grad=False";
+        if (f.count > 0) {
+            const int64_t i = f.first;
+            o << " (first: " << (i >= 0 && i < (int64_t)names_.size() ? "'" + names_[i] + "'" : std::to_string(i))
+              << ", parameter " << i << " in bucket " << f.first_bucket << ")";
+        }
+    }
+    o << kHint;
+    return o.str();
 }
 
 std::string Sequence::key(int64_t r) const {
@@ -277,7 +428,7 @@ std::string Sequence::key(int64_t r) const {
 }
 
 std::vector<uint8_t> Sequence::blob(const char *what) const {
-    std::vector<int64_t> v{published_, 0};
+    std::vector<int64_t> v{published_, 0, frozen_.count, frozen_.first, frozen_.first_bucket, frozen_.hash};
     for (int64_t s = std::max<int64_t>(1, last_.seq - kRing + 1); s <= last_.seq; s++) {
         int64_t rec[kRecordFields];
         put(ring_[s % kRing], rec);
@@ -290,23 +441,27 @@ std::vector<uint8_t> Sequence::blob(const char *what) const {
     return out;
 }
 
-std::vector<std::vector<SeqRecord>> Sequence::read_all(std::vector<std::string> *whats, std::vector<int64_t> *ids) {
+std::vector<std::vector<SeqRecord>> Sequence::read_all(std::vector<std::string> *whats, std::vector<int64_t> *ids,
+                                                       std::vector<FrozenSummary> *frozen) {
+    constexpr size_t H = 6;   // published, records, frozen summary (blob())
     std::vector<std::vector<SeqRecord>> rings(world_);
     whats->assign(world_, "");
     ids->assign(world_, 0);
+    frozen->assign(world_, FrozenSummary());
     for (int64_t r = 0; r < world_; r++) {
         if (!store_->check({key(r)})) return {};
         std::vector<uint8_t> b = store_->get(key(r));
-        if (b.size() < 2 * sizeof(int64_t)) return {};   // not waiting (any more)
-        int64_t head[2];
+        if (b.size() < H * sizeof(int64_t)) return {};   // not waiting (any more)
+        int64_t head[H];
         std::memcpy(head, b.data(), sizeof(head));
-        const size_t recs = 2 * sizeof(int64_t) + head[1] * kRecordFields * sizeof(int64_t);
+        const size_t recs = H * sizeof(int64_t) + head[1] * kRecordFields * sizeof(int64_t);
         if (b.size() < recs) return {};
         std::vector<int64_t> v(head[1] * kRecordFields);
-        std::memcpy(v.data(), b.data() + 2 * sizeof(int64_t), v.size() * sizeof(int64_t));
+        std::memcpy(v.data(), b.data() + H * sizeof(int64_t), v.size() * sizeof(int64_t));
         for (int64_t j = 0; j < head[1]; j++) rings[r].push_back(get(v.data() + j * kRecordFields));
         (*whats)[r] = std::string(b.begin() + recs, b.end());
         (*ids)[r] = head[0];
+        (*frozen)[r] = {head[2], head[3], head[4], head[5]};
     }
     return rings;
 }
@@ -344,8 +499,12 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
             }
             std::vector<std::string> whats;
             std::vector<int64_t> ids;
-            auto rings = read_all(&whats, &ids);
-            if (!rings.empty()) msg = diagnose(rings, whats);
+            std::vector<FrozenSummary> frozen;
+            auto rings = read_all(&whats, &ids, &frozen);
+            if (!rings.empty()) {
+                msg = frozen_message(frozen, "step " + std::to_string(step_ + 1));
+                if (msg.empty()) msg = diagnose(rings, whats);
+            }
             // The same reading twice: a rank that merely moved on would have changed its key.
             if (!msg.empty() && msg == prev && ids == prev_ids) fail(msg);
             prev = msg;
@@ -371,35 +530,29 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
 
 // ---- the engine's side
 
-namespace {
-c10::optional<ProcessGroupPtr> g_next_group;   // set by the binding just before enable
-}  // namespace
-
 // Digests travel on a group of their own (a second gloo group over the same ranks,
 // made by zeroify), so that a rank in a digest never pairs with a data collective
 // another rank issued (gloo aborts the process when a message exceeds the buffer
 // posted for it). Without one, they use the engine's group.
-void set_next_sequence_group(c10::optional<ProcessGroupPtr> pg) {
-    g_next_group = std::move(pg);
+void Engine::enable_sequence_check(c10::optional<StorePtr> store, std::vector<std::string> names, double patience_s,
+                                   c10::optional<ProcessGroupPtr> group, bool every_phase) {
+    if (group.has_value()) {
+        TORCH_CHECK((*group)->getSize() == world_ && (*group)->getRank() == rank_,
+                    "zero_ext: the sequence-check group must hold the engine's ranks in the same order");
+        comm_.seq.attach(*group, rank_, world_);
+    }
+    comm_.seq.enable(store.has_value() ? *store : StorePtr(), std::move(names), patience_s, every_phase);
 }
 
-void Engine::enable_sequence_check(c10::optional<StorePtr> store, std::vector<std::string> names, double patience_s) {
-    if (g_next_group.has_value()) {
-        TORCH_CHECK((*g_next_group)->getSize() == world_ && (*g_next_group)->getRank() == rank_,
-                    "zero_ext: the sequence-check group must hold the engine's ranks in the same order");
-        comm_.seq.attach(*g_next_group, rank_, world_);
-        g_next_group.reset();
-    }
-    comm_.seq.enable(store.has_value() ? *store : StorePtr(), std::move(names), patience_s);
-}
+void Engine::sequence_sync() { comm_.seq.sync(); }
 
 void Engine::sequence_mark(int64_t phase) {
     if (!comm_.seq.enabled()) return;
     if (phase >= kUnitNeedBase) {
-        comm_.seq.subject(-1, phase - kUnitNeedBase);
-        comm_.seq.before(kSeqUnitNeed, 0);
+        comm_.seq.unit_need(phase - kUnitNeedBase);
         return;
     }
+    TORCH_CHECK(phase > kPhaseNone && phase <= kPhaseLast, "zero_ext: unknown sequence phase ", phase);
     FrozenSummary f;
     for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
         if (params_[i].requires_grad()) continue;
@@ -409,7 +562,8 @@ void Engine::sequence_mark(int64_t phase) {
         }
         f.hash = mix(f.hash, i);
     }
-    comm_.seq.mark(phase, f);
+    // Python collectives follow the phases after kPhaseForwardNoGrad: exchange first.
+    comm_.seq.mark(phase, f, phase >= kPhaseModelState);
 }
 
 }  // namespace zx

@@ -34,7 +34,42 @@
 //   The message names, per group of ranks that agree, the step, the backward
 //   pass, and the collective with its bucket (and stage-3 unit); the largest
 //   group (rank 0's on a tie) is taken as the reference and the others as the
-//   divergent ranks. It runs on gloo; off for other backends.
+//   divergent ranks. On by default, on every backend (Note [Exchanges on deviation]).
+//
+// Note [Exchanges on deviation]
+//   A digest all-gather at every phase is a barrier per phase: on a small model on
+//   CPU it cost 25-65% of a step (ranks wait for the slowest at each one, and a
+//   gloo all-gather is not free). Where waits can be watched (gloo, "cuda:gloo":
+//   the host blocks in a wait, so a wait can time out and consult the store), the
+//   exchange runs only where a rank leaves the pattern it has learned:
+//   - A cycle is the marks from one step() to the next, cut into passes (a pass
+//     begins at a forward). Each mark has a key: the phase (a forward without
+//     autograd is a phase of its own), the frozen summary, and what the
+//     collectives issued since the previous mark were (not when: no step count).
+//     Stage 3's unit needs are marks too. A mark counts only once a collective
+//     follows it (a step at once): a phase that communicates nothing, such as a
+//     forward in stages 0-2, may run on one rank alone, as under DDP.
+//   - The first kLearnCycles cycles exchange at every phase, as above, so the
+//     ranks agree on them. From then on (Pattern) the k-th pass of a cycle is
+//     expected when its first key is the one the last cycle's k-th pass had, and
+//     its marks are compared with the same positions of that pass (of the most
+//     recent pass of its kind when it was not expected: after all ranks begin to
+//     evaluate 100 batches, each batch's pass begins with an exchange and its
+//     unit needs match the last batch's). Every rank that runs the same program
+//     holds the same pattern and makes the same decisions, so a mark that matches
+//     needs no exchange; of two ranks that differ at a mark, at most one can match.
+//   - A mark that does not match (rank 0 alone evaluates, one rank runs an extra
+//     micro-step or skips a unit or a step, requires_grad changed) exchanges at
+//     once, before the rank's next collective. If every rank deviated alike
+//     (all evaluate), they meet in that exchange and go on; if one rank did, it
+//     waits there while the others block in their next collective, which that
+//     rank never issued: nothing pairs wrongly, both waits run out of patience and
+//     the store comparison above names the ranks on every rank.
+//   Phases that run Python collectives (state_dict(), checkpoints) always exchange
+//   first (sync()), so that a rank calling one alone is named, not paired with
+//   the others' training collectives. Where waits cannot be watched (NCCL: a wait
+//   only orders streams), every phase exchanges, as in the first cycles; there
+//   the host runs ahead of the device, so the exchange's latency is hidden.
 #pragma once
 
 #include <torch/extension.h>
@@ -42,6 +77,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <array>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -53,7 +89,15 @@ using StorePtr = c10::intrusive_ptr<c10d::Store>;
 
 enum SeqKind : int64_t { kSeqAllReduce = 1, kSeqReduceScatter = 2, kSeqAllGather = 3, kSeqBroadcast = 4 };
 // Marked by the Python glue (zero_ext/model.py, optim.py use the same numbers).
-enum SeqPhase : int64_t { kPhaseNone = 0, kPhaseForward = 1, kPhaseBackward = 2, kPhaseClip = 3, kPhaseStep = 4 };
+enum SeqPhase : int64_t {
+    kPhaseNone = 0, kPhaseForward = 1, kPhaseBackward = 2, kPhaseClip = 3, kPhaseStep = 4,
+    kPhaseForwardNoGrad = 5,   // a forward without autograd: evaluation, generation
+    // Python collectives (Engine::sequence_sync): always exchanged first
+    kPhaseModelState = 6,      // model.state_dict() (stage 3 gathers the units)
+    kPhaseOptimState = 7,      // optimizer.state_dict() / load_state_dict()
+    kPhaseCheckpoint = 8,      // zero_ext.save / load / consolidated_state_dict
+    kPhaseLast = kPhaseCheckpoint,
+};
 
 struct SeqRecord {
     int64_t seq = 0;      // 1-based count of collectives issued
@@ -73,19 +117,53 @@ struct FrozenSummary {
     int64_t count = 0, first = -1, first_bucket = -1, hash = 0;
 };
 
+// Note [Exchanges on deviation]: the keys of the marks of the last cycle, by pass,
+// and of the most recent pass of each kind (its first key). Whether a mark is
+// expected is a function of this state, which every rank running the same program
+// holds alike, and at most one key is expected at each mark: so two ranks that
+// differ at a mark cannot both go on without an exchange.
+class Pattern {
+public:
+    // Records mark `key` (the first of a pass when pass_start); whether it is expected.
+    bool next(int64_t key, bool pass_start);
+    void end_cycle();   // step(): this cycle is the pattern of the next
+
+private:
+    struct Pass {
+        int64_t kind = 0;
+        std::vector<int64_t> keys;
+    };
+    void finish_pass();
+    std::vector<Pass> learned_, cycle_;   // the last cycle's passes, this one's (bounded)
+    std::map<int64_t, std::vector<int64_t>> recent_;
+    Pass cur_;                            // the pass running
+    bool in_pass_ = false;
+    size_t pass_ = 0;                     // its index in the cycle
+    const std::vector<int64_t> *ref_ = nullptr;   // the pass it is compared with
+    static constexpr size_t kMaxPasses = 4096, kMaxKeys = 1 << 16;
+};
+
 class Sequence {
 public:
     void attach(c10::optional<ProcessGroupPtr> pg, int64_t rank, int64_t world);
     // Turns the check on. store: the process group's store (null: checkpoints only);
     // names: the engine's parameters, for messages; patience_s: how long a wait
     // runs before the ranks compare positions.
-    void enable(StorePtr store, std::vector<std::string> names, double patience_s);
+    // every_phase: exchange at every phase (waits cannot be watched, e.g. NCCL).
+    void enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase);
+    int64_t exchanges() const { return exchanges_; }
     bool enabled() const { return enabled_; }
     // A divergence was reported: collectives in flight will never complete.
     bool diverged() const { return diverged_; }
 
     void subject(int64_t bucket, int64_t unit) { bucket_ = bucket; unit_ = unit; }
-    void mark(int64_t phase, const FrozenSummary &frozen);
+    // A phase begins. The exchange runs before the next collective, or at once when
+    // `now` or on a deviation (Note [Exchanges on deviation]).
+    void mark(int64_t phase, const FrozenSummary &frozen, bool now = false);
+    // Stage 3: unit `unit` is needed (recorded, no data; exchanged on a deviation).
+    void unit_need(int64_t unit);
+    // Exchange digests now (every rank that runs the same program calls it here).
+    void sync();
     // Called by the Communicator before each collective: records it and, after a
     // mark, runs the checkpoint exchange first.
     void before(int64_t kind, int64_t numel);
@@ -97,7 +175,10 @@ private:
     void exchange(const SeqRecord &next);
     std::vector<uint8_t> blob(const char *what) const;
     // Every rank's published records, or empty when not all have published.
-    std::vector<std::vector<SeqRecord>> read_all(std::vector<std::string> *whats, std::vector<int64_t> *ids);
+    std::vector<std::vector<SeqRecord>> read_all(std::vector<std::string> *whats, std::vector<int64_t> *ids,
+                                                 std::vector<FrozenSummary> *frozen);
+    // The message when the ranks' frozen summaries differ, else "".
+    std::string frozen_message(const std::vector<FrozenSummary> &fs, const std::string &where) const;
     std::string diagnose(const std::vector<std::vector<SeqRecord>> &rings, const std::vector<std::string> &whats) const;
     std::string describe(const SeqRecord &r, bool full = true) const;
     std::string key(int64_t r) const;
@@ -112,6 +193,17 @@ private:
     int64_t step_ = 0, micro_ = 0, phase_ = kPhaseNone, bucket_ = -1, unit_ = -1;
     FrozenSummary frozen_;
     SeqRecord last_;
+    // Note [Exchanges on deviation]: a mark enters the pattern at the first collective
+    // after it (a phase without collectives, such as a stage 0-2 forward, leaves no
+    // trace, so rank 0 alone may evaluate there), a step at once.
+    void commit();
+    bool pending_ = false, pending_now_ = false, recording_ = false;
+    bool every_phase_ = true;
+    int64_t exchanges_ = 0;
+    int64_t since_mark_ = 0;                 // hash of the collectives since the last mark
+    int64_t cycles_ = 0;                     // cycles completed (step() marks)
+    Pattern pattern_;
+    static constexpr int64_t kLearnCycles = 2;
     std::vector<SeqRecord> ring_;   // the last kRing records, by seq % kRing
     static constexpr int64_t kRing = 128;
 };

@@ -27,10 +27,11 @@
 //       checks locally for free: the optimizer raises before begin_step(), naming
 //       locally_unused(), rather than step a parameter that maybe no rank used.
 //       Under the sequence check (Note [Collective sequence check]) a rank that
-//       misses a gradient agrees instead: if every rank missed it too (a branch no
-//       rank took) the step is torch's, and "auto" agrees from then on; if not, the
-//       ranks' collectives differ and the check names the divergent rank everywhere
-//       (a rank that skipped its backward is the usual cause). A step with no
+//       misses a gradient first exchanges its digest (Engine::sequence_sync): if
+//       every rank missed it too (a branch no rank took) they meet there and all
+//       raise alike; if not, that rank waits there while the others block in the
+//       step's collectives, and the check names the divergent rank everywhere (a
+//       rank that skipped its backward is the usual cause). A step with no
 //       backward since the last one (an optimizer.step() after zero_grad() alone,
 //       as to apply an edit) needs no agreement either: no gradient arrived on any
 //       rank, so the stepped parameters are this rank's used_ flags, as at one rank
@@ -100,10 +101,7 @@ std::vector<StepRun> Engine::mixed_runs(int64_t b) const {
 }
 
 bool Engine::agrees_unused() const {
-    if (world_ == 1) return false;
-    if (opts_.agree_unused != 0 && agree_used_) return true;
-    return comm_.seq.enabled() && (used_.size() < params_.size() ||
-                                   std::find(used_.begin(), used_.end(), (uint8_t)0) != used_.end());
+    return world_ > 1 && opts_.agree_unused != 0 && agree_used_;
 }
 
 void Engine::begin_step(bool advance) {

@@ -1,0 +1,161 @@
+"""The wrapped optimizer's complete state, in torch's format: what DDP's optimizer gives.
+
+Note [Complete optimizer state]
+  A DDP script checkpoints with `optimizer.state_dict()` (often saved by rank 0 alone)
+  and resumes with `optimizer.load_state_dict(torch.load(path))` on every rank. A
+  sharded optimizer's state lives on N ranks, so:
+  - state_dict() assembles it: every rank calls it (collective; streamed bucket by
+    bucket, checkpoint.consolidated_state_dict) and every rank gets the state dict a
+    plain torch optimizer of the wrapped class would hold, in torch's numbering of the
+    parameters across param groups; a plain torch optimizer loads it, and so does
+    ZeroOptimizer at any world size and stage. A rank that calls it alone is named on
+    every rank with the fix (Note [Collective sequence check] in
+    csrc/engine/sequence.h), never left waiting or given a partial state.
+  - load_state_dict() takes such a dict, ours or one saved by a plain torch or DDP
+    run, on every rank; each rank copies only its own fragments: no collective.
+  Stage 0 and world size 1 hold everything on every rank: no collective either.
+  Besides torch's two keys the dict holds "zero_ext_complete" (step counts per group,
+  loss scaler, skipped steps), which torch's load_state_dict ignores. The per-rank
+  form (ZeroOptimizer.sharded_state_dict) remains for a resume at the same world size,
+  stage and rank without assembling anything.
+"""
+from __future__ import annotations
+
+import torch
+
+from .checkpoint import _layout, _prepare_states, _restore_scalars, _Shard, _whole_tensors, consolidated_state_dict
+from .model import PHASE_OPTIM_STATE
+
+EXTRA = "zero_ext_complete"
+
+
+def _model_of(optimizer):
+    model = optimizer._guard._wrapper() if optimizer._guard is not None else None
+    if model is None:
+        raise RuntimeError("zero_ext: the model zeroify() returned with this optimizer no longer exists; "
+                           "keep a reference to it while the optimizer is in use")
+    return model
+
+
+def state_dict(optimizer, part: int | None = None) -> dict:
+    """The complete torch state dict (of wrapped optimizer `part`, when several), on every rank."""
+    model = _model_of(optimizer)
+    full = consolidated_state_dict(model, optimizer, to=None, model_state=False, phase=PHASE_OPTIM_STATE)["optimizer"]
+    if isinstance(full, list):
+        full = full[0 if part is None else part]
+    groups = range(len(optimizer.param_groups)) if part is None else optimizer._parts[part].groups
+    full[EXTRA] = {"steps": [optimizer._steps[gi] for gi in groups], "loss_scaler": optimizer.scaler_state_dict(),
+                   "skipped_steps": optimizer.skipped_steps}
+    return full
+
+
+def _numbering(layout: dict, groups: list) -> dict:
+    """torch's index -> parameter name, over param groups `groups` in order."""
+    index = {}
+    for gi in groups:
+        for n in layout["groups"][gi]:
+            index[len(index)] = n
+    return index
+
+
+def _check(sd: dict, layout: dict, groups: list, optimizer) -> None:
+    """torch's own checks, with the names: group count and sizes, state shapes."""
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError("zero_ext: load_state_dict takes an optimizer state dict ({'state', 'param_groups'}) "
+                         "as optimizer.state_dict() or a plain torch optimizer returns it")
+    saved = sd["param_groups"]
+    if len(saved) != len(groups):
+        raise ValueError(f"zero_ext: the state dict has {len(saved)} param groups, this optimizer "
+                         f"{len(groups)}; build the optimizer with the same param groups as the one saved")
+    for k, (gi, g) in enumerate(zip(groups, saved)):
+        have = len(layout["groups"][gi])
+        if len(g["params"]) != have:
+            raise ValueError(f"zero_ext: param group {k} of the state dict has {len(g['params'])} parameters, "
+                             f"this optimizer's has {have} ({', '.join(layout['groups'][gi][:3])}...); build "
+                             f"the optimizer over the same parameters, in the same order, as the one saved")
+
+
+def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
+    """Load a complete torch-format state dict on this rank (no collective)."""
+    model = _model_of(optimizer)
+    engine = optimizer._engine
+    engine.wait_reductions()
+    layout = _layout(model, optimizer)
+    groups = list(range(len(optimizer.param_groups))) if part is None else list(optimizer._parts[part].groups)
+    _check(sd, layout, groups, optimizer)
+    index = _numbering(layout, groups)
+    by_name: dict = {}
+    shapes = {n: tuple(info["shape"]) for n, info in layout["params"].items()}
+    for k, st in sd["state"].items():
+        k = int(k)
+        if k not in index:
+            raise ValueError(f"zero_ext: the state dict has state for parameter {k}, but the param groups number "
+                             f"only {len(index)}")
+        name = index[k]
+        if name not in shapes:
+            continue                                        # frozen here: no state, as torch skips it
+        for key, t in st.items():
+            if torch.is_tensor(t) and t.dim() > 0 and tuple(t.shape) != shapes[name]:
+                raise ValueError(f"zero_ext: state {key!r} of parameter {name!r} has shape {tuple(t.shape)}, "
+                                 f"the parameter {shapes[name]}; the state dict is of another model")
+        by_name[name] = st
+    names = list(layout["params"])                          # engine order
+    mine = set(groups)
+    in_part = [layout["params"][n]["group"] in mine for n in names]
+    shard = _Shard(optimizer)
+
+    # per-element states: every rank copies its fragments; no state (never stepped) is zero
+    per_elem = sorted({key for n, st in by_name.items() for key, t in st.items()
+                       if torch.is_tensor(t) and t.dim() > 0})
+    whole_kind = {i for i, a in enumerate(shard.atomic) if a}
+    if shard.views is None:
+        for flat in engine.states().values():
+            flat.zero_()
+    states = _prepare_states(optimizer, shard, per_elem) if per_elem else {}
+    rank = engine.rank if engine.partitions > 1 else 0
+    with torch.no_grad():
+        for i, poff, soff, n in engine.fragments(rank):
+            name = names[i]
+            if not in_part[i] or i in whole_kind or name not in by_name:
+                continue
+            for key in per_elem:
+                t = by_name[name].get(key)
+                if t is not None:
+                    shard.local(states[key], soff, n).copy_(t.reshape(-1)[poff:poff + n])
+
+    # step counts: torch keeps one per parameter ("step"); SGD keeps none, so a parameter
+    # with state took its group's count (ours) or at least one step (a plain torch state)
+    saved_steps = (sd.get(EXTRA) or {}).get("steps")
+    steps = optimizer.param_step_counts()
+    for i, name in enumerate(names):
+        if in_part[i]:
+            st = by_name.get(name, {})
+            s = st.get("step")
+            gi = layout["params"][name]["group"]
+            fallback = saved_steps[groups.index(gi)] if saved_steps and st else int(bool(st))
+            steps[i] = int(s.item() if torch.is_tensor(s) else s) if s is not None else fallback
+    group_steps = list(optimizer._steps)
+    for k, gi in enumerate(groups):
+        group_steps[gi] = int(saved_steps[k]) if saved_steps else max(
+            (s for s, n in zip(steps, names) if layout["params"][n]["group"] == gi), default=0)
+        optimizer.param_groups[gi].update({key: v for key, v in sd["param_groups"][k].items() if key != "params"})
+    optimizer._steps = group_steps
+    engine.set_param_steps(steps)
+    if shard.views is not None:                            # generic torch optimizer over shard views
+        scalar = {}
+        for name, st in by_name.items():
+            gi = layout["params"][name]["group"]
+            scalar.setdefault(gi, {k: (t.clone() if torch.is_tensor(t) else t) for k, t in st.items()
+                                   if not (torch.is_tensor(t) and t.dim() > 0)})
+        _restore_scalars(optimizer, shard, {"scalar_state": scalar, "steps": group_steps})
+    for name, opt, view in _whole_tensors(optimizer, layout):   # whole tensors: their owner
+        if layout["params"][name]["group"] not in mine:
+            continue
+        opt.state.pop(view, None)
+        if name in by_name:
+            opt.state[view] = {k: (t.detach().clone().to(view.device) if torch.is_tensor(t) else t)
+                               for k, t in by_name[name].items()}
+    extra = sd.get(EXTRA) or {}
+    if extra:
+        optimizer.load_scaler_state_dict(extra.get("loss_scaler"))
+        optimizer.skipped_steps = int(extra.get("skipped_steps", 0))
