@@ -22,7 +22,12 @@ def cases_for(world: int) -> list:
           3: [WholeCase("mlp-adafactor-s3", model="mlp", recipe="adafactor", stage=3)],
           4: [WholeCase("gpt-muon-clip-steplr-s2", stage=2, clip=0.05, scheduler=True),
               WholeCase("gpt-adafactor-s3", recipe="adafactor", stage=3),
-              WholeCase("mlp-muon-s1", model="mlp", stage=1),
+              # 12 steps: from step 17 on this MLP's output matrix has a singular value at
+              # noise level, which Newton-Schulz lifts to O(1), so any rounding difference
+              # (zero_ext's or the reference's own reverse-order sum, two steps later) turns
+              # into O(1e-3): measured 2.1e-8 at step 16 for both, then 2.6e-4 vs 2.1e-8 at
+              # 17 and 3.7e-3 vs 1.0e-3 at 20; a comparison there measures chaos, not us
+              WholeCase("mlp-muon-s1", model="mlp", stage=1, steps=12),
               WholeCase("gpt-muon-s0", stage=0)]}[world]
     return c
 
