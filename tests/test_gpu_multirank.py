@@ -34,6 +34,9 @@ CPU tests':
 8. NCCL at world size 1, every stage: fp32 as DDP (bit for bit in stages 0-2), bf16 follows
    fp32, save + load round trip.
 9. A few steps of every stage under TORCH_CUDA_SANITIZER=1 (torch's stream-race checker).
+10. DDP scripts' habits (test_ddp_checkpoint.py): rank-0 evaluation in stage 3 and rank-0
+   optimizer.state_dict() named on every rank within 10 s by the default sequence check; the
+   complete optimizer.state_dict() saved by rank 0 and loaded on every rank at another stage.
 
 Without CUDA every test skips, saying why, except a 10-second smoke test of the plumbing
 on 2 CPU ranks. ZX_GPU_SUITE_DEVICE=cpu runs every body on CPU ranks over plain gloo (NCCL
@@ -1061,3 +1064,90 @@ def test_steps_under_torch_cuda_sanitizer():
             os.environ["TORCH_CUDA_SANITIZER"] = old
     for r in results:
         assert r["enabled"] == (DEVICE == "cuda") and len(r["done"]) == 5, r
+
+
+# ----------------------------------------------------------------------------- 10. scripts as they are
+def _rank0_alone(rank, world, device, what):
+    """Stage 3 with the default check: rank 0 alone evaluates, or takes optimizer.state_dict()
+    (stage 2), while the others train on. Every rank must stop with the check's message."""
+    import time
+
+    import zero_ext
+    from cases import batch, build_model, loss_of
+
+    dev = _device(device)
+    model = build_model("gpt").to(dev)
+    stage = 3 if what == "evaluate" else 2
+    zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage,
+                              **(UNITS if stage == 3 else {}))
+    t0 = None
+    try:
+        for step in range(6):
+            loss_of("gpt", zm, *_to(dev, batch("gpt", rank, step, 0))).backward()
+            zo.step()
+            zo.zero_grad()
+            if step == 3:
+                t0 = time.monotonic()
+                if rank == 0 and what == "evaluate":
+                    with torch.no_grad():
+                        loss_of("gpt", zm, *_to(dev, batch("gpt", 0, 100, 0)))
+                elif rank == 0:
+                    zo.state_dict()
+    except RuntimeError as e:
+        return {"error": str(e), "latency": time.monotonic() - t0 if t0 else None}
+    return {"error": None}
+
+
+def _ddp_style_checkpoint(rank, world, device, path):
+    """optimizer.state_dict() and model.state_dict() on every rank, rank 0 saves, every rank
+    loads into a fresh zeroify at another stage: DDP's resume, on the GPU."""
+    import torch.distributed as dist
+
+    import zero_ext
+    from cases import batch, build_model, loss_of
+
+    dev = _device(device)
+    runs = {}
+    for stage, resume_stage in ((2, 3), (3, 1)):
+        model = build_model("gpt").to(dev)
+        zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage,
+                                  **(UNITS if stage == 3 else {}))
+        for step in range(3):
+            loss_of("gpt", zm, *_to(dev, batch("gpt", rank, step, 0))).backward()
+            zo.step()
+            zo.zero_grad()
+        state = {"model": {k: v.cpu() for k, v in zm.state_dict().items()}, "optimizer": zo.state_dict()}
+        if rank == 0:
+            torch.save(state, path)
+        dist.barrier()
+        fresh = build_model("gpt").to(dev)
+        zm2, zo2 = zero_ext.zeroify(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), stage=resume_stage,
+                                    **(UNITS if resume_stage == 3 else {}))
+        loaded = torch.load(path, weights_only=False)
+        zm2.load_state_dict(loaded["model"])
+        zo2.load_state_dict(loaded["optimizer"])
+        again = zo2.state_dict()
+        same = all(torch.equal(torch.as_tensor(t).cpu(), torch.as_tensor(again["state"][i][k]).cpu())
+                   for i, st in state["optimizer"]["state"].items() for k, t in st.items())
+        runs[(stage, resume_stage)] = {"same": same, "complete": len(state["optimizer"]["state"]),
+                                       "params": len(list(build_model("gpt").parameters()))}
+        dist.barrier()
+    return runs
+
+
+@pytest.mark.parametrize("what", ["evaluate", "optim_state"])
+def test_rank0_alone_is_named_on_cuda_gloo(what):
+    """The script habits of DDP that a sharded model cannot follow (rank-0 evaluation in
+    stage 3, rank-0 optimizer.state_dict()) stop every rank within 10 s, named, on a
+    CUDA-only group too (tests/test_ddp_checkpoint.py on CPU)."""
+    for rank, r in enumerate(_world(_rank0_alone, 2, what, timeout_s=180)):
+        assert r["error"] and r["error"].startswith("zero_ext:") and "rank 0" in r["error"], (rank, r)
+        assert "every rank" in r["error"] and r["latency"] < 10.0, (rank, r)
+
+
+def test_ddp_style_checkpoint_on_cuda_gloo(tmp_path):
+    """The complete optimizer.state_dict() of a CUDA run: saved by rank 0, loaded by every
+    rank at another stage, it assembles back to the same tensors."""
+    for r in _world(_ddp_style_checkpoint, 2, str(tmp_path / "ckpt.pt"), timeout_s=300):
+        for pair, v in r.items():
+            assert v["same"] and v["complete"] == v["params"], (pair, v)
