@@ -70,11 +70,13 @@ def main():
             print(f"step {step} loss {loss.item():.4f} grad norm {float(norm):.4f}")
 
     val = evaluate(model, data, rank, world)
-    state = model.module.state_dict()
+    state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
     if rank == 0:
         torch.save(state, args.out.with_suffix(".pt"))
-        args.out.write_text(json.dumps({"losses": losses, "val": val,
-                                        "params": {k: v.sum().item() for k, v in state.items()}}))
+        moments = {f"{i}.{k}": v.norm().item() for i, st in state["optimizer"]["state"].items()
+                   for k, v in st.items() if v.dim() > 0}
+        args.out.write_text(json.dumps({"losses": losses, "val": val, "moments": moments,
+                                        "params": {k: v.sum().item() for k, v in state["model"].items()}}))
     dist.destroy_process_group()
 
 

@@ -89,6 +89,11 @@ def test_ddp_guide_diff_trains_like_ddp(tmp_path, ddp):
     off = {k: (ddp["params"][k], zero["params"][k]) for k in ddp["params"]
            if abs(ddp["params"][k] - zero["params"][k]) > 1e-3 * max(1.0, abs(ddp["params"][k]))}
     assert not off, f"saved weights differ from DDP's (sum per tensor): {off}"
+    # the optimizer's state in the file rank 0 saved: complete, DDP's (Adam moments' norms per tensor)
+    assert ddp["moments"].keys() == zero["moments"].keys() and ddp["moments"]
+    off = {k: (a, zero["moments"][k]) for k, a in ddp["moments"].items()
+           if abs(a - zero["moments"][k]) > 1e-3 * max(abs(a), 1e-6)}
+    assert not off, f"saved optimizer state differs from DDP's (norm per tensor): {off}"
 
 
 FSDP2_SCRIPT = ROOT / "examples" / "port_from_fsdp2.py"
