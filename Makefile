@@ -84,6 +84,7 @@ bench: build $(VENV)/.bench-deps
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_units.py
 	$(PY) benchmarks/bench_memory.py
+	$(PY) benchmarks/bench_memory_peers.py
 	$(PY) benchmarks/bench_comm.py
 	$(PY) benchmarks/bench_comm_hier.py
 	$(PY) benchmarks/bench_whole.py
