@@ -11,7 +11,8 @@ C planner itself (zero_ext._C.plan_layout), so it is what `opt.stats()` reports 
 the first step of a run with the same model, world size, stage and options:
 
     parameters        stages 0-2: every bucket, padded, in param_dtype;
-                      stage 3: this rank's shard (param_dtype; fp32 when it is the master)
+                      stage 3: this rank's fp32 shard with param_dtype fp32 (it is the
+                      master); none with bf16/fp16 (cast from the master at each gather)
     gradients         stages 0-1: every bucket in reduce_dtype; stages 2-3: the shard
     master_weights    fp32 shard when param_dtype is bf16/fp16 or (stages 1/2) param_quant is set
                       (else the parameters are it)
@@ -175,7 +176,8 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     else:            # the torch optimizer over each bucket's slice, by param group
         state_bytes = sum(4 * r[4] * counts[min(r[0], len(counts) - 1)] for r in rows)
 
-    params_b = padded * ps if s < 3 else shard * (ps if lp else 4)
+    # stage 3: the fp32 shard is the parameter; a low param_dtype exists only gathered
+    params_b = padded * ps if s < 3 else (0 if lp else shard * 4)
     grads_b = padded * rs if s <= 1 else shard * rs
     # param_quant: stages 1/2 gather dequantized values, so the fp32 master is a shard of its own
     master_b = shard * 4 if lp or (cfg.param_quant is not None and 1 <= s <= 2 and parts > 1) else 0

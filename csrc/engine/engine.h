@@ -310,14 +310,16 @@ private:
     void finish_group(const std::shared_ptr<GatherGroup> &g);
     void launch_gather(Bucket &bk);    // allocate flat_param; one all-gather
     std::vector<Bucket *> unit_gather_buckets(int64_t u);   // trainable, then frozen
-    at::Tensor gather_source(Bucket &bk);                   // this rank's slice of bk
+    // this rank's slice of bk in param_dtype: its shard, or (stage 3, low param_dtype) its
+    // master cast into dst
+    at::Tensor gather_source(Bucket &bk, at::Tensor dst);
     int64_t subject_of(const Bucket &bk) const;             // its index for the sequence check
     void release_bucket(Bucket &bk);
     void mark_gathered(Bucket &bk);    // stage 3: parameters point at the full bucket again
     float *master(Bucket &bk);         // this rank's fp32 parameter slice
     void *lp_out(Bucket &bk);          // where the step writes the low-precision copy, or null
     at::Tensor master_slice(Bucket &bk);
-    at::Tensor lp_slice(Bucket &bk);   // the gather input (stage 3) / owned slice of flat_param
+    at::Tensor lp_slice(Bucket &bk);   // stages 0-2: the owned slice of flat_param
     void absorb(at::Tensor master, const at::Tensor &lp_new);
     void launch_param_gather(int64_t b);   // bucket b's all-gather (stages 1-2)
     at::Tensor owned_slice(const at::Tensor &flat, const Bucket &bk) const;
@@ -369,7 +371,6 @@ private:
     std::vector<std::pair<int64_t, WorkPtr>> gather_works_;   // stage 1-2: (bucket, its gather in flight)
     at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) reduce_dtype gradient sums
     at::Tensor master_shard_;              // stage 3 or low precision: (shard_numel,) fp32 master
-    at::Tensor lp_shard_;                  // stage 3, low precision: (shard_numel,) gather input
     at::ScalarType pdt_ = at::kFloat, rdt_ = at::kFloat;
     zx_dtype pzx_ = ZX_F32, rzx_ = ZX_F32;
     bool lp_ = false;                      // param_dtype is not fp32

@@ -10,8 +10,12 @@
 namespace zx {
 
 // Note [Stage 3 parameter lifetime]
-//   Only master_shard_ (this rank's slices; and lp_shard_, their low-precision
-//   copy, with a low param_dtype) persists. Each bucket's flat_param
+//   Only master_shard_ (this rank's slices, fp32) persists: with a low
+//   param_dtype a gather casts the slice into its own place in flat_param and
+//   all-gathers in place, so no low-precision copy is kept beside the master
+//   (fp32 master + gradient + Adam's two states = 16 bytes per parameter, as
+//   FSDP2's sharded fp32 parameter; the cast is the step's rounding, so the
+//   gathered values are the same bits as a kept copy's). Each bucket's flat_param
 //   keeps its tensor and storage object, but the storage is resized to 0 bytes
 //   when released and back to full size when gathered, as FSDP2 does: the
 //   parameters stay views of it and autograd's saved tensors stay aliases, so a
@@ -206,7 +210,12 @@ void Engine::mark_gathered(Bucket &bk) {
         for (int64_t i : bk.params) params_[i].set_data(param_views_[i]);
 }
 
-at::Tensor Engine::gather_source(Bucket &bk) { return bk.frozen ? frozen_slice(bk) : lp_slice(bk); }
+at::Tensor Engine::gather_source(Bucket &bk, at::Tensor dst) {
+    if (bk.frozen) return frozen_slice(bk);
+    if (!lp_) return master_slice(bk);   // stage 3 fp32: the master is the slice
+    kern_->cast_from_f32(bk.slice_numel, master(bk), dst.data_ptr(), pzx_);
+    return dst;
+}
 
 int64_t Engine::subject_of(const Bucket &bk) const {
     return bk.frozen ? (int64_t)buckets_.size() + frozen_of_unit_[bk.unit] : (int64_t)(&bk - buckets_.data());
@@ -225,9 +234,10 @@ void Engine::launch_gather(Bucket &bk) {
     kern_->resize_storage(bk.flat_param, bytes);
     gathered_bytes_ += bytes;
     peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-    at::Tensor in = gather_source(bk);
+    at::Tensor own = owned_slice(bk.flat_param, bk);
+    at::Tensor in = gather_source(bk, own);   // with a low param_dtype: cast into place
     if (world_ == 1) {
-        bk.flat_param.copy_(in);
+        if (!in.is_same(own)) own.copy_(in);
         mark_gathered(bk);
         return;
     }
@@ -291,7 +301,9 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
         const int64_t bytes = bk->flat_param.numel() * bk->flat_param.element_size();
         kern_->resize_storage(bk->flat_param, bytes);
         gathered_bytes_ += bytes;
-        g->in.narrow(0, offset, bk->slice_numel).copy_(gather_source(*bk));
+        at::Tensor dst = g->in.narrow(0, offset, bk->slice_numel);
+        at::Tensor src = gather_source(*bk, dst);
+        if (!src.is_same(dst)) dst.copy_(src);
         bk->gather_group = g;
     }
     peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
@@ -322,7 +334,6 @@ void Engine::commit_unit(int64_t u, int64_t src) {
             comm_.seq.subject(b, u);
             broadcast_tensors({bk.staging}, src);
             master_slice(bk).copy_(owned_slice(bk.staging, bk));
-            if (lp_) lp_slice(bk).copy_(owned_slice(bk.staging, bk));
             release_bucket(bk);
             continue;
         }
@@ -332,7 +343,6 @@ void Engine::commit_unit(int64_t u, int64_t src) {
         const at::Tensor owned = owned_slice(bk.flat_param, bk);
         if (lp_ || qgather_) {
             absorb(master_slice(bk), owned);
-            if (lp_) lp_slice(bk).copy_(owned);
         } else {
             master_slice(bk).copy_(owned);
         }

@@ -15,17 +15,19 @@ namespace zx {
 //   With pdt_ = fp32 the owned slice of a stage 0-2 bucket *is* the master; else
 //   master_shard_ holds it and the fused step writes the low-precision copy in
 //   the same pass straight into what is gathered next: the owned slice of the
-//   bucket (stages 0-2; the all-gather runs in place) or lp_shard_ (stage 3).
+//   bucket (stages 0-2; the all-gather runs in place). Stage 3 keeps no
+//   low-precision shard: each gather casts the master into place (Note [Stage 3
+//   parameter lifetime] in gatherer.cpp).
 //   Autograd produces gradients in pdt_. When rdt_ == pdt_ stage 0/1 gradients
 //   are views of flat_grad as in fp32; otherwise the hook adds each gradient
 //   into the reduce_dtype bucket and drops it, so accumulation over micro-steps
 //   happens in reduce_dtype, never silently in bf16. Stage 2/3 cast into the
 //   ring as they stage. Kernels read fp32 gradients: low-precision ones are
 //   converted in small cache-resident chunks (with_f32_grads).
-//   Memory per element: stage 3 = 4 (master) + 2 (lp shard) + |rdt| + 8 over N;
-//   with rdt = pdt = bf16 every stage matches the ZeRO paper's mixed-precision
-//   formulas (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N); fp32 reduce adds 2 bytes per
-//   gradient element (6Ψ+12Ψ/N, 2Ψ+16Ψ/N, 18Ψ/N).
+//   Memory per element: stage 3 = 4 (master) + |rdt| + 8 over N (16Ψ/N with an
+//   fp32 reduce, FSDP2's; 14Ψ/N with a bf16 one); with rdt = pdt = bf16 stages 0-2
+//   match the ZeRO paper's mixed-precision formulas (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N);
+//   fp32 reduce adds 2 bytes per gradient element (6Ψ+12Ψ/N, 2Ψ+16Ψ/N).
 
 static std::pair<at::ScalarType, zx_dtype> parse_dtype(const std::string &name, const char *what) {
     if (name == "fp32") return {at::kFloat, ZX_F32};
@@ -129,7 +131,6 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     // param_quant: the owned slice of flat_param holds dequantized values, so the
     // master is a shard of its own (Note [Quantized parameter gather]).
     if (s3 || lp_ || qgather_) master_shard_ = at::zeros({shard_numel_}, f32);
-    if (s3 && lp_) lp_shard_ = at::zeros({shard_numel_}, pt);
     bucket_of_.assign(n, -1);
     offset_of_.assign(n, 0);
     grad_views_.resize(n);
@@ -214,7 +215,6 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         if (opts_.copy_params && lp_) {
             bk.flat_param.copy_(src32);                            // rounds to param_dtype
             master_slice(bk).copy_(owned_slice(src32, bk));
-            if (s3) lp_slice(bk).copy_(owned_slice(bk.flat_param, bk));
         } else if (opts_.copy_params && (s3 || qgather_)) {
             master_slice(bk).copy_(owned_slice(bk.flat_param, bk));
         }
@@ -284,11 +284,12 @@ at::Tensor Engine::master_slice(Bucket &bk) {
 float *Engine::master(Bucket &bk) { return master_slice(bk).data_ptr<float>(); }
 
 at::Tensor Engine::lp_slice(Bucket &bk) {
-    if (opts_.stage == 3) return (lp_ ? lp_shard_ : master_shard_).narrow(0, bk.shard_offset, bk.slice_numel);
+    TORCH_CHECK(opts_.stage < 3, "zero_ext: internal: stage 3 keeps no low-precision shard");
     return owned_slice(bk.flat_param, bk);
 }
 
-void *Engine::lp_out(Bucket &bk) { return lp_ ? lp_slice(bk).data_ptr() : nullptr; }
+// Stage 3 writes no low-precision copy: the gather casts (Note [Stage 3 parameter lifetime]).
+void *Engine::lp_out(Bucket &bk) { return lp_ && opts_.stage < 3 ? lp_slice(bk).data_ptr() : nullptr; }
 
 double Engine::grad_divisor() const { return opts_.stage == 0 ? 1.0 : (double)world_; }
 
@@ -323,7 +324,9 @@ py::dict Engine::stats() const {
     }
     if (grad_shard_.defined()) grad_bytes += grad_shard_.nbytes();
     int64_t master_bytes = 0;
-    if (opts_.stage == 3) param_bytes += (lp_ ? lp_shard_ : master_shard_).nbytes();
+    // stage 3: the fp32 master is the parameter shard; with a low param_dtype the gather
+    // casts it, so no low-precision copy persists (it is counted as master weights)
+    if (opts_.stage == 3 && !lp_) param_bytes += master_shard_.nbytes();
     if (lp_ || (qgather_ && opts_.stage < 3)) master_bytes = master_shard_.nbytes();
     int64_t state_bytes = 0;
     for (const auto &kv : states_) state_bytes += kv.second.nbytes();

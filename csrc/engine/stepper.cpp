@@ -174,7 +174,7 @@ void Engine::grad_sumsq_into(at::Tensor out2) {
 }
 
 void Engine::cast_masters() {
-    if (!lp_) return;
+    if (!lp_ || opts_.stage == 3) return;   // stage 3 casts at each gather
     wait_params();
     for (auto &bk : buckets_) {
         bool any = active(bk);
