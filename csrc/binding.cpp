@@ -248,6 +248,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("sequence_mark", &zx::Engine::sequence_mark, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("sequence_exchanges", &zx::Engine::sequence_exchanges)
         .def("sequence_sync", &zx::Engine::sequence_sync, py::call_guard<py::gil_scoped_release>())
+        .def("set_grad_wrappers", &zx::Engine::set_grad_wrappers)
+        .def("hide_sharded_grads", &zx::Engine::hide_sharded_grads)
+        .def_property_readonly("grad_generation", &zx::Engine::grad_generation)
         .def("state", &zx::Engine::state)
         .def("state_windows", &zx::Engine::state_windows)
         .def("states", [](zx::Engine &e) {

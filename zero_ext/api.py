@@ -21,6 +21,7 @@ from .model import ZeroModel, cast_buffers
 from .nodes import node_group, resolve_node_size
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, _Part
 from .param_waits import ParamWaits
+from .sharded_grad import install as install_sharded_grads
 from .units import assign_units, frozen_to_shard
 from .whole import WHOLE, ZeroOptimizerPart, fill_state_sizes, update_kind
 
@@ -351,6 +352,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     wrapped._optimizer = weakref.ref(zopt)   # Note [torch's clipping utilities] (torch_utils.py)
     zopt._params = params            # engine parameter i = params[i]
     zopt._param_shapes = shapes      # logical shape of engine parameter i
+    if cfg.stage >= 1:               # Note [Sharded gradients]: p.grad answers as DDP's
+        install_sharded_grads(wrapped, zopt, {id(p): n for n, p in model.named_parameters()})
     if world > 1 and cfg.check_sequence is not False and backend != "fake":   # fake moves no data
         _enable_sequence_check(engine, model, params, pg, cfg, gloo)
     if cfg.log_plan and rank == 0:

@@ -40,6 +40,12 @@ def forward_phase() -> int:
 UNIT_NEED_BASE = 16   # sequence_mark(UNIT_NEED_BASE + k): stage-3 unit k is needed (recorded, no data)
 
 
+def _hide_sharded_grads(ref, grad):
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper._engine.hide_sharded_grads()
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -63,6 +69,7 @@ class ZeroModel(nn.Module):
         self._param_waits = None   # stages 1-2, overlap_param_gather: set by zeroify (param_waits.py)
 
     def forward(self, *args, **kwargs):
+        self._engine.hide_sharded_grads()   # Note [Sharded gradients]: autograd accumulates into plain ones
         self._engine.sequence_mark(forward_phase())
         waits = self._param_waits
         if waits is not None:
@@ -79,6 +86,11 @@ class ZeroModel(nn.Module):
         out = self.module(*args, **kwargs)
         if waits is not None:
             waits.after_forward()
+        if torch.is_grad_enabled():   # a second backward of this forward (retain_graph) starts here
+            ref = weakref.ref(self)   # Note [No cycles through C++]
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(_hide_sharded_grads, ref))
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -266,6 +278,7 @@ class _UnitHooks:
         if self.recording and self.recorded:
             self.learned[self.grad_pass] = self.recorded   # the previous pass is complete
         self.grad_pass = torch.is_grad_enabled()
+        self.engine.hide_sharded_grads()   # entered as model.module(...) too
         self.engine.sequence_mark(forward_phase())
         known = self.learned.get(self.grad_pass)
         self.order = known if known is not None else self._guess()

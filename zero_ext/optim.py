@@ -432,6 +432,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._clip_coef *= coef
         return torch.tensor(total)
 
+    def clip_by_total_norm_(self, max_norm: float, total_norm: float) -> None:
+        """Scale the gradients by max_norm / (total_norm + 1e-6) when below 1, as torch's
+        clip_grads_with_norm_ (folded into the next step)."""
+        coef = float(max_norm) / (float(total_norm) + 1e-6)
+        if self._ctl is not None:
+            self._ctl.clip_by(coef, not math.isfinite(float(total_norm)))
+        elif coef < 1.0:
+            self._clip_coef *= coef
+
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every averaged gradient element to [-clip_value, clip_value], as
         torch.nn.utils.clip_grad_value_ on DDP's gradients: the reduced gradient shards,

@@ -6,8 +6,9 @@ Note [torch's clipping utilities]
   gradient lives reduced and sharded in the engine), so torch sees a norm of 0 and
   clips nothing; in stage 1 p.grad holds this rank's unreduced gradient outside its
   own slice; with loss scaling every p.grad is scaled. So `import zero_ext` wraps
-  torch.nn.utils.clip_grad_norm_ and clip_grad_value_ (both names torch exports them
-  under): a call whose parameters include none of a zeroified model's runs torch's
+  torch.nn.utils.clip_grad_norm_, clip_grad_value_ and clip_grads_with_norm_ (both
+  names torch exports them under): a call whose parameters include none of a
+  zeroified model's runs torch's
   function unchanged; a call over a zeroified model's trainable parameters (frozen
   ones may be included: they have no gradient) runs the optimizer's own
   clip_grad_norm_ (the global norm over the sharded gradients, the clipping folded
@@ -16,8 +17,9 @@ Note [torch's clipping utilities]
   raises ZeroUsageError naming optimizer.clip_grad_norm_: never a silent no-op.
   `foreach` only picks torch's kernels and is accepted and ignored.
   A script that bound the function before importing zero_ext
-  (`from torch.nn.utils import clip_grad_norm_` first) keeps torch's own; so does
-  torch.nn.utils.get_total_norm over p.grad tensors (None in stages 2-3).
+  (`from torch.nn.utils import clip_grad_norm_` first) keeps torch's own.
+  torch.nn.utils.get_total_norm over the p.grad tensors needs no routing: they answer
+  their norms themselves (Note [Sharded gradients] in sharded_grad.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from .gather import OWNER_ATTR
 
 # torch's functions (the module's own, even should this module be imported twice)
 _ORIGINAL = {name: getattr(clip_grad_module, name) for name in ("clip_grad_norm_", "clip_grad_value_")}
+if hasattr(nn_utils, "clip_grads_with_norm_"):      # torch >= 2.6
+    _ORIGINAL["clip_grads_with_norm_"] = nn_utils.clip_grads_with_norm_
 _ORIGINAL = {name: getattr(fn, "_zero_ext_torch", fn) for name, fn in _ORIGINAL.items()}
 
 
@@ -91,8 +95,20 @@ def clip_grad_value_(parameters, clip_value, foreach=None):
     opt.clip_grad_value_(clip_value)
 
 
+def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+    """torch.nn.utils.clip_grads_with_norm_ (torch's second half of clip_grad_norm_), right on
+    zeroified parameters: the factor is folded into the optimizer's next step."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    opt = _optimizer_for(params, "clip_grads_with_norm_")
+    if opt is None:
+        return _ORIGINAL["clip_grads_with_norm_"](params, max_norm, total_norm, foreach=foreach)
+    opt.clip_by_total_norm_(float(max_norm), float(total_norm))
+
+
 clip_grad_norm_._zero_ext_torch = _ORIGINAL["clip_grad_norm_"]
 clip_grad_value_._zero_ext_torch = _ORIGINAL["clip_grad_value_"]
+if "clip_grads_with_norm_" in _ORIGINAL:
+    clip_grads_with_norm_._zero_ext_torch = _ORIGINAL["clip_grads_with_norm_"]
 
 
 def install() -> None:
@@ -100,3 +116,5 @@ def install() -> None:
     for module in (nn_utils, clip_grad_module):
         module.clip_grad_norm_ = clip_grad_norm_
         module.clip_grad_value_ = clip_grad_value_
+    if "clip_grads_with_norm_" in _ORIGINAL:
+        nn_utils.clip_grads_with_norm_ = clip_grads_with_norm_

@@ -143,6 +143,12 @@ public:
     // --- backward ---
     void mark_ready(int64_t i);        // param i's gradient is final for this backward
     void finalize_backward();          // end of backward: unused params, launch the rest
+    // Note [Sharded gradients] (zero_ext/sharded_grad.py): stages 1-3 show each
+    // parameter's gradient as a storage-less tensor that knows it is sharded, from the
+    // end of a reducing backward until the next forward (hide) or zero_grad.
+    void set_grad_wrappers(std::vector<at::Tensor> wrappers) { grad_wrappers_ = std::move(wrappers); }
+    void hide_sharded_grads();
+    int64_t grad_generation() const { return grad_generation_; }   // changes when the gradients do
     void wait_reductions();            // block until every launched reduction is done
     void set_require_sync(bool sync) { require_sync_ = sync; }
     bool require_sync() const { return require_sync_; }
@@ -352,6 +358,9 @@ private:
     std::vector<std::vector<int64_t>> shapes_;   // each parameter's logical shape
     std::vector<char> active_groups_;            // set_active_groups: empty = all
     std::vector<at::Tensor> grad_views_;   // stage 0/1: param i's view into flat_grad
+    std::vector<at::Tensor> grad_wrappers_;   // Note [Sharded gradients]: param i's, or empty
+    bool wrappers_shown_ = false;
+    int64_t grad_generation_ = 0;
     std::vector<at::Tensor> param_views_;  // stage 3: param i's view into flat_param
     std::vector<int64_t> bucket_of_, offset_of_;
     std::vector<char> ready_;

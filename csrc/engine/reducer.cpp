@@ -165,6 +165,22 @@ void Engine::finalize_backward() {
     }
     next_launch_ = 0;
     reductions_++;
+    grad_generation_++;
+    if (!grad_wrappers_.empty()) {   // Note [Sharded gradients]
+        for (size_t i = 0; i < params_.size(); i++) params_[i].mutable_grad() = grad_wrappers_[i];
+        wrappers_shown_ = true;
+    }
+}
+
+void Engine::hide_sharded_grads() {
+    if (!wrappers_shown_) return;
+    wrappers_shown_ = false;
+    for (size_t i = 0; i < params_.size(); i++) {
+        at::Tensor &p = params_[i];
+        if (!p.grad().defined() || !p.grad().is_same(grad_wrappers_[i])) continue;   // replaced meanwhile
+        // stage 1: the bucket view again (its owned part holds the reduced sum, the rest zeros)
+        p.mutable_grad() = opts_.stage <= 1 && grad_views_ok_ && !cut_[i] ? grad_views_[i] : at::Tensor();
+    }
 }
 
 int64_t Engine::acquire_slot(int64_t b) {
@@ -291,6 +307,8 @@ void Engine::wait_reductions() {
 
 void Engine::zero_grad(bool set_to_none) {
     wait_reductions();
+    grad_generation_++;
+    hide_sharded_grads();   // Note [Sharded gradients]: cleared, or zeroed (the plain views again)
     if (!active_groups_.empty()) {
         // One of several wrapped optimizers: only its groups' gradients, as torch's
         // zero_grad touches only its own parameters (the others may still step).

@@ -85,6 +85,10 @@ const char *phase_hint(int64_t phase) {
         case kPhaseCheckpoint:
             return "\nzero_ext.save, zero_ext.load and zero_ext.consolidated_state_dict are collective: call them "
                    "on every rank.";
+        case kPhaseGradStats:
+            return "\nA gradient of a zeroified model (stages 1-3) is sharded across the ranks, so its norm, sum "
+                   "or max is a collective, as with FSDP2's DTensor gradients: compute it on every rank (then log "
+                   "on rank 0), or log the total norm optimizer.clip_grad_norm_() returns.";
         default:
             return nullptr;
     }
@@ -264,6 +268,7 @@ std::string Sequence::describe(const SeqRecord &r, bool full) const {
         case kPhaseModelState: o << "model.state_dict()"; break;
         case kPhaseOptimState: o << "optimizer.state_dict() or load_state_dict()"; break;
         case kPhaseCheckpoint: o << "zero_ext.save, load or consolidated_state_dict"; break;
+        case kPhaseGradStats: o << "a norm of sharded gradients (p.grad.norm() and the like)"; break;
         default: o << "setup"; break;
     }
     if (r.phase != kPhaseBackward && r.phase != kPhaseStep)

@@ -96,7 +96,8 @@ enum SeqPhase : int64_t {
     kPhaseModelState = 6,      // model.state_dict() (stage 3 gathers the units)
     kPhaseOptimState = 7,      // optimizer.state_dict() / load_state_dict()
     kPhaseCheckpoint = 8,      // zero_ext.save / load / consolidated_state_dict
-    kPhaseLast = kPhaseCheckpoint,
+    kPhaseGradStats = 9,       // norms of sharded gradients (Note [Sharded gradients])
+    kPhaseLast = kPhaseGradStats,
 };
 
 struct SeqRecord {

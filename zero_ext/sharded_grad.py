@@ -1,0 +1,209 @@
+"""sharded_grad.py — what p.grad is on a zeroified model in stages 1-3.
+
+Note [Sharded gradients]
+  A DDP script logs p.grad.norm(), runs torch.nn.utils.get_total_norm over the
+  gradients, or lets its framework do so (Lightning's grad_norm). In stages 2-3 the
+  gradient lives reduced and sharded in the engine and p.grad would be None (logging
+  silently shows nothing); in stage 1 p.grad would be the bucket view whose owned
+  part holds the reduced sum and the rest zeros (a silently wrong norm). So, as FSDP2
+  shows a sharded DTensor, from the end of each reducing backward until the next
+  forward (or zero_grad) every trainable parameter's .grad is a ShardedGrad: a tensor
+  of the parameter's logical shape and dtype with no storage, which knows where its
+  elements live. What it answers is what DDP's p.grad (the average over ranks, after
+  clip_grad_norm_'s scaling, without loss scaling) would answer:
+  - reductions over the whole tensor: norm / torch.norm / linalg.vector_norm /
+    linalg.norm (any p, inf included), sum, mean, max / amax, min / amin, optionally
+    after elementwise abs, square or pow(k), and torch._foreach_norm over a list (so
+    torch.nn.utils.get_total_norm works). Each is collective, as DTensor's: the first
+    such call after a backward computes that reduction for every parameter at once
+    (one small all-reduce, preceded by the sequence check's exchange, so a rank calling
+    it alone is named, Note [Collective sequence check]); later calls for other
+    parameters read the result.
+  - metadata (shape, dtype, device, numel), .data, .detach(), .float(), zero_()
+    (the gradients are zeroed by zero_grad; nothing to do), requires_grad_(False).
+  Anything else (indexing, arithmetic, copying the values out) raises ZeroUsageError
+  naming what works: gather the full values with zero_ext.gathered_parameters does not
+  apply to gradients, so the fix is a reduction or optimizer.clip_grad_norm_. Stage 0
+  keeps DDP's own p.grad. The engine swaps the tensors in and out in C++
+  (Engine::hide_sharded_grads), so a step pays no per-parameter Python.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from .changes import ZeroUsageError
+
+PHASE_GRAD_STATS = 9       # SeqPhase kPhaseGradStats (csrc/engine/sequence.h)
+
+_ELEMENTWISE = {"abs", "square", "pow"}
+_REDUCE = {"sum", "mean", "max", "min", "norm"}
+
+
+def _norm_p(args, kwargs, pos: int):
+    p = kwargs.get("p", kwargs.get("ord", args[pos] if len(args) > pos else 2))
+    if p is None or p == "fro":
+        p = 2
+    return float(p)
+
+
+class GradStats:
+    """Per model: computes whole-tensor reductions of every parameter's sharded
+    gradient in one collective and keeps them until the gradients change."""
+
+    def __init__(self, optimizer):
+        self._opt = weakref.ref(optimizer)      # Note [No cycles through C++] (model.py)
+        self._cache: dict = {}
+        self._generation = None
+
+    def result(self, index: int, ops: tuple, reduce: tuple) -> torch.Tensor:
+        opt = self._opt()
+        if opt is None:
+            raise ZeroUsageError("zero_ext: the optimizer of this zeroified model no longer exists, so its sharded "
+                                 "gradients cannot be read")
+        eng = opt._engine
+        key_state = (eng.grad_generation, float(opt._clip_coef), opt._grad_scale())
+        if key_state != self._generation:
+            self._cache, self._generation = {}, key_state
+        key = (ops, reduce)
+        if key not in self._cache:
+            self._cache[key] = self._compute(opt, ops, reduce)
+        return self._cache[key][index]
+
+    @staticmethod
+    def _compute(opt, ops: tuple, reduce: tuple) -> torch.Tensor:
+        """Every trainable parameter's reduction, the same on every rank (collective)."""
+        eng = opt._engine
+        eng.sequence_mark(PHASE_GRAD_STATS)
+        eng.wait_reductions()
+        if opt._ctl is not None:
+            raise ZeroUsageError("zero_ext: reductions of p.grad with the step control on the device (a GPU) would "
+                                 "read back its clip factor and loss scale; log optimizer.clip_grad_norm_()'s "
+                                 "total norm, or zeroify with step_control=False")
+        scale = float(opt._clip_coef) * opt._grad_scale()
+        kind, p = reduce
+        shards = eng.grad_shards()
+        offsets, off = [], 0
+        for t in shards:
+            offsets.append(off)
+            off += t.numel()
+        n_params = len(opt._params)
+        acc = torch.zeros(n_params, dtype=torch.float64)
+        if kind in ("max", "min") or (kind == "norm" and math.isinf(p)):
+            acc.fill_(-math.inf if (kind == "max" or p > 0) else math.inf)
+        rank = eng.rank if eng.partitions > 1 else 0
+        import bisect
+        for i, _poff, soff, n in eng.fragments(rank):
+            b = bisect.bisect_right(offsets, soff) - 1
+            v = shards[b].narrow(0, soff - offsets[b], n).to(torch.float64).cpu() * scale
+            for op in ops:
+                v = v.abs() if op == ("abs",) else v.square() if op == ("square",) else v.pow(op[1])
+            if kind in ("sum", "mean"):
+                acc[i] += v.sum()
+            elif kind == "max":
+                acc[i] = torch.maximum(acc[i], v.max())
+            elif kind == "min":
+                acc[i] = torch.minimum(acc[i], v.min())
+            elif math.isinf(p):
+                m = v.abs().max() if p > 0 else v.abs().min()
+                acc[i] = torch.maximum(acc[i], m) if p > 0 else torch.minimum(acc[i], m)
+            elif p == 0:
+                acc[i] += (v != 0).sum()
+            else:
+                acc[i] += v.abs().pow(p).sum()
+        comm = opt._comm
+        if comm.world > 1 and eng.partitions > 1:
+            op = torch.distributed.ReduceOp
+            red = (op.MAX if kind == "max" or (kind == "norm" and math.isinf(p) and p > 0) else
+                   op.MIN if kind == "min" or (kind == "norm" and math.isinf(p)) else op.SUM)
+            acc = torch.tensor(comm.all_reduce(acc.tolist(), op=red), dtype=torch.float64)
+        if kind == "mean":
+            acc /= torch.tensor([float(math.prod(s)) or 1.0 for s in opt._param_shapes], dtype=torch.float64)
+        elif kind == "norm" and not math.isinf(p) and p not in (0.0, 1.0):
+            acc = acc.pow(1.0 / p)
+        return acc
+
+
+class ShardedGrad(torch.Tensor):
+    """p.grad of a zeroified parameter in stages 1-3 (Note [Sharded gradients])."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype, device, stats: GradStats, index: int, name: str, ops: tuple = ()):
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device, requires_grad=False)
+        t._zx_stats, t._zx_index, t._zx_name, t._zx_ops = stats, index, name, ops
+        return t
+
+    def __repr__(self, *, tensor_contents=None):
+        return (f"ShardedGrad(parameter={self._zx_name!r}, shape={tuple(self.shape)}, dtype={self.dtype}: the "
+                f"gradient lives sharded across the ranks; its norm, sum and max are collective)")
+
+    def _with(self, op) -> "ShardedGrad":
+        return ShardedGrad(self.shape, self.dtype, self.device, self._zx_stats, self._zx_index, self._zx_name,
+                           self._zx_ops + (op,))
+
+    def _reduce(self, kind: str, p: float = 2.0) -> torch.Tensor:
+        value = self._zx_stats.result(self._zx_index, self._zx_ops, (kind, p))
+        return value.to(torch.float32 if self.dtype == torch.float32 else self.dtype).to(self.device)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if func is torch._foreach_norm:
+            tensors, p = args[0], _norm_p(args, kwargs, 1)
+            return [t._reduce("norm", p) if isinstance(t, ShardedGrad) else torch.linalg.vector_norm(t, p)
+                    for t in tensors]
+        self = args[0] if args and isinstance(args[0], ShardedGrad) else None
+        if self is None:
+            return _refuse(name, next((a for a in args if isinstance(a, ShardedGrad)), None))
+        rest = args[1:]
+        whole = all(kwargs.get(k) is None for k in ("dim", "axis")) and not kwargs.get("keepdim")
+        if name == "__get__":                      # a property: .data is the gradient, the rest metadata
+            if getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+                return self
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if name in ("detach", "detach_", "float", "zero_", "requires_grad_") or \
+                (name == "to" and not any(isinstance(a, (torch.device, str)) for a in rest)):
+            return self
+        if name in ("abs", "square"):
+            return self._with((name,))
+        if name in ("pow", "__pow__") and rest and isinstance(rest[0], (int, float)):
+            return self._with(("pow", float(rest[0])))
+        if name in ("norm", "vector_norm", "linalg_vector_norm", "linalg_norm") and whole and len(rest) <= 1:
+            return self._reduce("norm", _norm_p(args, kwargs, 1))
+        if name in ("sum", "mean", "amax", "amin", "max", "min") and not rest and whole:
+            return self._reduce({"amax": "max", "amin": "min"}.get(name, name))
+        if name in ("size", "dim", "numel", "__len__", "nelement", "element_size", "is_floating_point",
+                    "is_contiguous", "__format__") or name.startswith("_"):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        return _refuse(name, self)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _refuse(str(func), next((a for a in args if isinstance(a, ShardedGrad)), None))
+
+
+def _refuse(what: str, g) -> None:
+    name = f" of {g._zx_name!r}" if g is not None else ""
+    raise ZeroUsageError(
+        f"zero_ext: {what} on the gradient{name}: a zeroified model's gradients (stages 1-3) live sharded across "
+        f"the ranks (Note [Sharded gradients] in zero_ext/sharded_grad.py). What works on p.grad, on every rank: "
+        f"p.grad.norm(p), torch.linalg.vector_norm, sum(), mean(), max(), min(), after abs(), square() or pow(k), and "
+        f"torch.nn.utils.get_total_norm / clip_grad_norm_ / clip_grad_value_; for the global norm, "
+        f"optimizer.clip_grad_norm_(max_norm) returns it")
+
+
+def install(model, optimizer, names: dict) -> None:
+    """Give the engine one ShardedGrad per trainable parameter (stages 1-3 at world size > 1,
+    where p.grad would not be DDP's)."""
+    eng = optimizer._engine
+    stats = GradStats(optimizer)
+    shapes = optimizer._param_shapes
+    wrappers = [ShardedGrad(shape, p.dtype, p.device, stats, i, names.get(id(p), f"#{i}"))
+                for i, (p, shape) in enumerate(zip(optimizer._params, shapes))]
+    eng.set_grad_wrappers(wrappers)
+    model._grad_stats = stats
