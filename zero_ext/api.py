@@ -117,7 +117,7 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
                       f"parameter of the model; build the optimizer from model.parameters()")
             if id(p) in seen:
                 _fail(f"parameter {names[id(p)]!r} appears twice in the optimizer's param groups; list each "
-                  f"parameter once, in one param group (tied weights are one parameter: pass it once)")
+                      f"parameter once, in one param group (tied weights are one parameter: pass it once)")
             seen.add(id(p))
             if p.requires_grad:
                 params.append(p)
