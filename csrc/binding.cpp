@@ -87,7 +87,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("reduce_dtype", &zx::EngineOptions::reduce_dtype)
         .def_readwrite("group_update_kind", &zx::EngineOptions::group_update_kind)
         .def_readwrite("param_state", &zx::EngineOptions::param_state)
-        .def_readwrite("agree_unused", &zx::EngineOptions::agree_unused);
+        .def_readwrite("agree_unused", &zx::EngineOptions::agree_unused)
+        .def_readwrite("param_names", &zx::EngineOptions::param_names);
 
     // The loss-scaling state machine of the C core (zx_scaler.c), state and all.
     py::class_<zx_loss_scaler>(m, "LossScaler")
@@ -138,7 +139,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }, "The scaler's state (its configuration comes from the ZeroConfig).")
         .def("load_state_dict", [](zx_loss_scaler &s, const py::dict &d) {
             const double scale = d["scale"].cast<double>();
-            TORCH_CHECK(scale > 0.0, "zero_ext: a loss-scaler state with scale ", scale, " cannot be loaded");
+            TORCH_CHECK(scale > 0.0, "zero_ext: a loss-scaler state with scale ", scale,
+                        " cannot be loaded (a scale must be > 0); load the state dict that optimizer.state_dict() "
+                        "saved, unedited");
             s.scale = scale;
             s.good_steps = d["good_steps"].cast<int64_t>();
             s.hysteresis_left = d["hysteresis_left"].cast<int64_t>();
@@ -179,7 +182,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("unit_requested", &zx::Engine::unit_requested)
         .def("unit_numel", &zx::Engine::unit_numel)
         .def("commit_unit", &zx::Engine::commit_unit, py::call_guard<py::gil_scoped_release>())
-        .def("add_frozen", &zx::Engine::add_frozen, py::arg("params"), py::arg("units"))
+        .def("add_frozen", &zx::Engine::add_frozen, py::arg("params"), py::arg("units"),
+             py::arg("names") = std::vector<std::string>())
         .def("unit_has_frozen", &zx::Engine::unit_has_frozen)
         .def("release_frozen", &zx::Engine::release_frozen, py::call_guard<py::gil_scoped_release>())
         .def("frozen_shard", &zx::Engine::frozen_shard)
@@ -236,15 +240,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("set_param_steps", &zx::Engine::set_param_steps)
         .def("zero_grad", &zx::Engine::zero_grad, py::call_guard<py::gil_scoped_release>())
         .def("broadcast_tensors", &zx::Engine::broadcast_tensors, py::call_guard<py::gil_scoped_release>())
-        .def("enable_sequence_check", [](zx::Engine &e, py::object store, std::vector<std::string> names,
-                                         double patience_s, py::object group, bool every_phase) {
+        .def("enable_sequence_check", [](zx::Engine &e, py::object store, double patience_s, py::object group,
+                                         bool every_phase) {
                  c10::optional<zx::StorePtr> st;
                  if (!store.is_none()) st = store.cast<zx::StorePtr>();
                  c10::optional<zx::ProcessGroupPtr> g;
                  if (!group.is_none()) g = group.cast<zx::ProcessGroupPtr>();
-                 e.enable_sequence_check(st, std::move(names), patience_s, g, every_phase);
+                 e.enable_sequence_check(st, patience_s, g, every_phase);
              },
-             py::arg("store"), py::arg("names"), py::arg("patience_s"), py::arg("group"), py::arg("every_phase"))
+             py::arg("store"), py::arg("patience_s"), py::arg("group"), py::arg("every_phase"))
         .def("sequence_mark", &zx::Engine::sequence_mark, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("sequence_exchanges", &zx::Engine::sequence_exchanges)
         .def("sequence_sync", &zx::Engine::sequence_sync, py::call_guard<py::gil_scoped_release>())

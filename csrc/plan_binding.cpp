@@ -24,12 +24,13 @@ void plan_inputs(PlanInputs &in, const std::vector<int64_t> &numel, const std::v
                  const std::vector<int64_t> &units, int64_t stage, int64_t partitions, int64_t bucket_bytes,
                  int64_t first_bucket_bytes, int64_t align, int64_t param_dtype) {
     const int64_t n = (int64_t)numel.size();
-    TORCH_CHECK(n > 0, "zero_ext: plan_layout needs at least one parameter");
-    TORCH_CHECK((int64_t)groups.size() == n, "zero_ext: plan_layout: one group per parameter expected");
-    TORCH_CHECK(stage >= 0 && stage <= 3, "zero_ext: stage must be 0-3, got ", stage);
-    TORCH_CHECK(param_dtype >= ZX_F32 && param_dtype <= ZX_F16, "zero_ext: bad param dtype ", param_dtype);
+    TORCH_CHECK(n > 0, "zero_ext: internal: plan_layout needs at least one parameter");
+    TORCH_CHECK((int64_t)groups.size() == n, "zero_ext: internal: plan_layout: one group per parameter expected");
+    TORCH_CHECK(stage >= 0 && stage <= 3, "zero_ext: internal: stage must be 0-3, got ", stage);
+    TORCH_CHECK(param_dtype >= ZX_F32 && param_dtype <= ZX_F16, "zero_ext: internal: bad param dtype ", param_dtype);
     const bool s3 = stage == 3;
-    TORCH_CHECK(!s3 || (int64_t)units.size() == n, "zero_ext: plan_layout: stage 3 needs one unit per parameter");
+    TORCH_CHECK(!s3 || (int64_t)units.size() == n,
+                "zero_ext: internal: plan_layout: stage 3 needs one unit per parameter");
     in.order.resize(n);
     in.dtype.assign(n, (int32_t)param_dtype);
     in.group.resize(n);
@@ -83,7 +84,7 @@ py::dict plan_balance(const std::vector<int64_t> &rows, const std::vector<int64_
                       int64_t param_dtype, bool fill) {
     const size_t n = rows.size();
     TORCH_CHECK(cols.size() == n && kinds.size() == n && state.size() == n,
-                "zero_ext: plan_balance: rows, cols, kinds and state need one entry per parameter");
+                "zero_ext: internal: plan_balance: rows, cols, kinds and state need one entry per parameter");
     std::vector<int64_t> numel(n);
     std::vector<double> cost(n, 0.0);
     bool any_atomic = false;
@@ -91,7 +92,7 @@ py::dict plan_balance(const std::vector<int64_t> &rows, const std::vector<int64_
         numel[i] = rows[i] * cols[i];
         if (kinds[i] != 0) {
             cost[i] = zx_update_cost((zx_update_kind)kinds[i], rows[i], cols[i]);
-            TORCH_CHECK(cost[i] > 0, "zero_ext: plan_balance: unknown update kind ", kinds[i]);
+            TORCH_CHECK(cost[i] > 0, "zero_ext: internal: plan_balance: unknown update kind ", kinds[i]);
             any_atomic = true;
         }
     }

@@ -43,17 +43,21 @@ def _resolve_group(pg):
             return None, 0, 1
     if not isinstance(pg, dist.ProcessGroup):
         raise TypeError(f"zero_ext: process_group must be a torch.distributed.ProcessGroup, "
-                        f"got {type(pg).__name__}")
+                        f"got {type(pg).__name__}; pass one that torch.distributed made (dist.new_group(...)), "
+                        f"or leave process_group out for the default group")
     return pg, pg.rank(), pg.size()
 
 
 def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
     """Rank-local checks. Returns (trainable params, their group ids, frozen params,
-    fused?, fingerprint text, the parts: one _Part per torch optimizer)."""
+    fused?, what the fingerprint hashes (a tuple, see _first_difference), the parts:
+    one _Part per torch optimizer)."""
     if not isinstance(model, nn.Module):
-        _fail(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        _fail(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module to train as "
+              f"zeroify's first argument: zeroify(model, optimizer, ...)")
     if isinstance(model, (ZeroModel, nn.parallel.DistributedDataParallel)):
-        _fail(f"model is already wrapped ({type(model).__name__}); pass the plain module")
+        _fail(f"model is already wrapped ({type(model).__name__}); pass the plain module"
+              f"{' (model.module)' if hasattr(model, 'module') else ''} instead")
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if not optimizers:
         _fail("the list of optimizers is empty; pass one torch optimizer or a list of them")
@@ -62,7 +66,8 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
         if isinstance(optimizer, (ZeroOptimizer, ZeroOptimizerPart)):
             _fail("optimizer is already a zero_ext optimizer; pass the plain torch optimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
-            _fail(f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(optimizer).__name__}")
+            _fail(f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(optimizer).__name__}; "
+                  f"build one over the model's parameters, e.g. torch.optim.AdamW(model.parameters())")
         cls = type(optimizer)
         whole = update_kind(cls) != 0
         if not whole and not issubclass(cls, ELEMENTWISE):
@@ -70,7 +75,8 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
                   f"others, e.g. through per-tensor norms or factored statistics), so it cannot run on a "
                   f"flat shard, and it is not one that zero_ext runs on whole tensors either. Supported: "
                   f"{', '.join(c.__name__ for c in ELEMENTWISE)} (elementwise); "
-                  f"{', '.join(c.__name__ for c in WHOLE)} (whole tensors, each owned by one rank)")
+                  f"{', '.join(c.__name__ for c in WHOLE)} (whole tensors, each owned by one rank); "
+                  f"build the optimizer as one of these instead")
         for g in optimizer.param_groups:
             for flag in ("capturable", "differentiable"):
                 if g.get(flag):
@@ -89,8 +95,10 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
     fused = all(p.kind == "fused" for p in parts)
     cls_names = "+".join(type(o).__name__ for o in optimizers)
 
-    if any(getattr(o, "_zero_ext_wrapped", False) for o in optimizers):
-        _fail("this torch optimizer was already wrapped by zeroify(); use the optimizer that zeroify() returned")
+    for o in optimizers:
+        if getattr(o, "_zero_ext_wrapped", False):
+            _fail(f"this torch optimizer ({type(o).__name__}) was already wrapped by zeroify(); use the optimizer "
+                  f"that zeroify() returned")
     names = {id(p): n for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         owner = getattr(p, OWNER_ATTR, None)
@@ -109,13 +117,16 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
                 _fail(f"a parameter of the optimizer (shape {tuple(p.shape)}, param group {gi}) is not a "
                       f"parameter of the model; build the optimizer from model.parameters()")
             if id(p) in seen:
-                _fail(f"parameter {names[id(p)]!r} appears twice in the optimizer")
+                _fail(f"parameter {names[id(p)]!r} appears twice in the optimizer's param groups; list each "
+                      f"parameter once, in one param group (tied weights are one parameter: pass it once)")
             seen.add(id(p))
             if p.requires_grad:
                 params.append(p)
                 groups.append(gi)
     if not params:
-        _fail("the optimizer has no parameter with requires_grad=True")
+        _fail("the optimizer has no parameter with requires_grad=True, so there is nothing to train; build it "
+              "over the trainable parameters ([p for p in model.parameters() if p.requires_grad]) or set "
+              "requires_grad=True on those to train")
     devices = {p.device.type for p in model.parameters()}
     if len(devices) > 1:
         _fail(f"the model's parameters are on different device types {sorted(devices)}; move the "
@@ -129,38 +140,70 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
                   f"kernels (it was built with a CPU-only torch or without nvcc); rebuild it where torch has "
                   f"CUDA and nvcc is on the PATH, or train on the CPU")
         if p.device.type not in ("cpu", "cuda", "meta"):
-            _fail(f"parameter {names[id(p)]!r} is on {p.device}; zero_ext runs on CPU and CUDA tensors")
+            _fail(f"parameter {names[id(p)]!r} is on {p.device}; zero_ext runs on CPU and CUDA tensors: move "
+                  f"the model with model.to('cpu') or model.to('cuda') before zeroify")
         if p.dtype != torch.float32:
             _fail(f"parameter {names[id(p)]!r} is {p.dtype}; give zeroify() the model in float32 "
                   f"(model.float()) and choose the compute precision with param_dtype='bf16' or 'fp16': "
                   f"the fp32 master weights are taken from it")
         if p.is_sparse or not p.is_contiguous() and p.layout != torch.strided:
-            _fail(f"parameter {names[id(p)]!r} is not a dense strided tensor")
+            _fail(f"parameter {names[id(p)]!r} is not a dense strided tensor (layout {p.layout}), which "
+                  f"cannot be flattened into a bucket; make it one before zeroify "
+                  f"(p.data = p.data.to_dense().contiguous())")
     frozen = [p for p in model.parameters() if id(p) not in seen or not p.requires_grad]
-    text = repr((cls_names, cfg.to_dict(),
-                 [(names[id(p)], tuple(p.shape), str(p.dtype), gi) for p, gi in zip(params, groups)],
-                 [(tuple(p.shape), str(p.dtype)) for p in frozen]))
-    return params, groups, frozen, fused, text, parts
+    desc = (cls_names, cfg.to_dict(),
+            [(names[id(p)], tuple(p.shape), str(p.dtype), gi) for p, gi in zip(params, groups)],
+            [(tuple(p.shape), str(p.dtype)) for p in frozen])
+    return params, groups, frozen, fused, desc, parts
 
 
-def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, free: int) -> int:
+def _first_difference(mine: tuple, theirs: tuple, r: int) -> str:
+    """What differs between this rank's zeroify() inputs and rank r's (the tuples
+    _inspect fingerprints), named: the option, the parameter, the optimizer."""
+    if mine[0] != theirs[0]:
+        return f"the optimizer is {mine[0]} here, {theirs[0]} on rank {r}"
+    opts = [k for k in mine[1] if mine[1][k] != theirs[1].get(k)]
+    if opts:
+        k = opts[0]
+        return f"option {k}={mine[1][k]!r} here, {k}={theirs[1].get(k)!r} on rank {r}"
+    here, there = {n: rest for n, *rest in mine[2]}, {n: rest for n, *rest in theirs[2]}
+    for n, (shape, dtype, gi) in here.items():
+        if n not in there:
+            return f"parameter {n!r} is trained here but not on rank {r}"
+        if there[n] != [shape, dtype, gi]:
+            return (f"parameter {n!r} is {shape} {dtype} in param group {gi} here, {tuple(there[n][0])} "
+                    f"{there[n][1]} in param group {there[n][2]} on rank {r}")
+    extra = [n for n in there if n not in here]
+    if extra:
+        return f"parameter {extra[0]!r} is trained on rank {r} but not here"
+    if [n for n, *_ in mine[2]] != [n for n, *_ in theirs[2]]:
+        return f"the optimizer lists the parameters in another order on rank {r}"
+    return f"the frozen parameters differ ({len(mine[3])} here, {len(theirs[3])} on rank {r}, or their shapes)"
+
+
+def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, free: int,
+                         desc: tuple | None) -> int:
     """One small all-gather: every rank learns whether every other rank accepted
     its inputs and wraps the same parameters and config. Raises on all ranks, so
-    no rank is left waiting in a later collective. Returns the least `free` over
-    the ranks (stage="auto"'s memory budget; -1 when not asked)."""
+    no rank is left waiting in a later collective; when the inputs differ, the ranks
+    exchange what they fingerprinted (one object each) to name the difference.
+    Returns the least `free` over the ranks (stage="auto"'s memory budget; -1 when
+    not asked)."""
     everyone = comm.all_gather_int64([0 if error is None else 1, fingerprint, free])
     if error is not None:
         raise error
     world, rank = comm.world, comm.rank
     failed = [r for r in range(world) if everyone[r, 0] != 0]
     if failed:
-        raise ZeroInputError(f"zero_ext: rank(s) {failed} rejected their zeroify() inputs (their error is in "
-                             f"their own log); no training collective was started on any rank")
+        raise ZeroInputError(f"zero_ext: rank(s) {failed} rejected their zeroify() inputs; no training "
+                             f"collective was started on any rank. Fix the error those ranks raised (it is in "
+                             f"their own log) and run again")
     differ = [r for r in range(world) if everyone[r, 1] != fingerprint]
-    if differ:
+    if len(set(everyone[:, 1].tolist())) > 1:      # every rank sees it, so every rank exchanges
+        descs = comm.gather_object(desc, dst=None)
         raise ZeroInputError(f"zero_ext: rank(s) {differ} wrap different parameters, param groups, optimizer "
-                             f"or config than rank {rank}; every rank must build the same model and call "
-                             f"zeroify() with the same options")
+                             f"or config than rank {rank}: {_first_difference(desc, descs[differ[0]], differ[0])}; "
+                             f"every rank must build the same model and call zeroify() with the same options")
     return int(everyone[:, 2].min())
 
 
@@ -189,7 +232,7 @@ def _resolve_auto_stage(model, optimizer, cfg: ZeroConfig, free, rank: int, worl
         print(why, flush=True)
 
 
-def _enable_sequence_check(engine, model, params, pg, cfg: ZeroConfig, gloo: bool) -> None:
+def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> None:
     """Note [Collective sequence check] (csrc/engine/sequence.h): digests exchanged where
     a rank leaves its pattern (Note [Exchanges on deviation]), and waits that compare
     positions through the group's store when they run longer than sequence_timeout.
@@ -201,11 +244,9 @@ def _enable_sequence_check(engine, model, params, pg, cfg: ZeroConfig, gloo: boo
             store = dist.distributed_c10d._world.pg_map[pg][1]
         except (AttributeError, KeyError, IndexError, TypeError):
             store = None                 # digests at every phase only
-    names = {id(p): n for n, p in model.named_parameters()}
     # the digests' own gloo group (CPU tensors) over the same ranks (only they call new_group)
     side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo", use_local_synchronization=True)
-    engine.enable_sequence_check(store, [names.get(id(p), f"#{i}") for i, p in enumerate(params)],
-                                 float(cfg.sequence_timeout), side,
+    engine.enable_sequence_check(store, float(cfg.sequence_timeout), side,
                                  store is None or cfg.check_sequence == "every_phase")
 
 
@@ -247,16 +288,17 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     free = None
     if auto:
         error = _auto_stage_error(optimizer)
-    params = groups = frozen = parts = None
-    fused, text = False, ""
+    params = groups = frozen = parts = desc = None
+    fused = False
     if error is None:
         try:
             meta = isinstance(model, nn.Module) and is_meta(model)
-            params, groups, frozen, fused, text, parts = _inspect(model, optimizer, cfg, meta)
+            params, groups, frozen, fused, desc, parts = _inspect(model, optimizer, cfg, meta)
             if auto and cfg.memory_budget is None:
                 free = free_memory(model)
         except (ValueError, TypeError) as e:
             error = e
+    text = repr(desc) if desc is not None else ""
     fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
     verify = cfg.verify_across_ranks if cfg is not None else True
     node_size = None
@@ -266,7 +308,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         except ValueError as e:
             error = e
     if world > 1 and verify and backend != "fake":   # fake moves no data
-        least = _verify_across_ranks(comm, fingerprint, error, free[0] if free else -1)
+        least = _verify_across_ranks(comm, fingerprint, error, free[0] if free else -1, desc)
         if free is not None:   # every rank budgets with the least free memory, so all choose one stage
             free = (least, f"{free[1]}, the least over {world} ranks")
     elif error is not None:
@@ -313,9 +355,13 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         units, frozen_units = units[:len(params)], units[len(params):]
     shapes = [tuple(p.shape) for p in params]   # stage 3 empties them: checkpoints need them
     frozen_shapes = [tuple(p.shape) for p in sharded_frozen]
+    # Note [Parameter names in messages] (csrc/engine/layout.cpp): the engine's errors name parameters
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    opts.param_names = [param_names.get(id(p), f"#{i}") for i, p in enumerate(params)]
     engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)
     if sharded_frozen:   # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp)
-        engine.add_frozen(sharded_frozen, frozen_units)
+        engine.add_frozen(sharded_frozen, frozen_units,
+                          [param_names.get(id(p), f"#{i}") for i, p in enumerate(sharded_frozen)])
     if node_size is not None:   # Note [Hierarchical partitioning] (csrc/engine/secondary.h)
         engine.enable_hierarchy(node_group(pg, node_size))
     in_engine = {id(p) for p in sharded_frozen}
@@ -355,7 +401,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     if cfg.stage >= 1:               # Note [Sharded gradients]: p.grad answers as DDP's
         install_sharded_grads(wrapped, zopt, {id(p): n for n, p in model.named_parameters()})
     if world > 1 and cfg.check_sequence is not False and backend != "fake":   # fake moves no data
-        _enable_sequence_check(engine, model, params, pg, cfg, gloo)
+        _enable_sequence_check(engine, pg, cfg, gloo)
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)
     if isinstance(optimizer, (list, tuple)):

@@ -346,14 +346,16 @@ def retire_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """The torch optimizer zeroify() wrapped: its step() and add_param_group() now
     raise (it shares its param_groups with the returned optimizer)."""
 
+    cls = type(optimizer).__name__
+
     def step(*args, **kwargs):
         raise ZeroUsageError(
-            "zero_ext: this torch optimizer was wrapped by zeroify(); step the optimizer zeroify() returned "
-            "instead: `model, opt = zero_ext.zeroify(model, opt, ...)` and call opt.step()")
+            f"zero_ext: this torch optimizer ({cls}) was wrapped by zeroify(); step the optimizer zeroify() "
+            f"returned instead: `model, opt = zero_ext.zeroify(model, opt, ...)` and call opt.step()")
 
     def add_param_group(*args, **kwargs):
         raise ZeroUsageError(
-            "zero_ext: this torch optimizer was wrapped by zeroify(), whose bucket layout is fixed; "
+            f"zero_ext: this torch optimizer ({cls}) was wrapped by zeroify(), whose bucket layout is fixed; "
             + ADD_GROUP_FIX)
 
     optimizer.step = step

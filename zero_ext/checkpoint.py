@@ -65,6 +65,8 @@ from .model import PHASE_CHECKPOINT
 
 FORMAT = 1
 MANIFEST = "zero_ext.json"
+# the fix for a checkpoint that cannot be read
+_EARLIER = "load an earlier checkpoint (or a backup copy of this one)"
 OBJECTS = "zero_ext/objects"
 _ADAM_FAMILY = ("Adam", "AdamW")
 
@@ -75,18 +77,25 @@ class CheckpointError(ValueError):
 
 
 # --------------------------------------------------------------------------- layout
+def _require_pair(model, optimizer) -> None:
+    """save/load/consolidation take what zeroify() returned (checked before anything is touched)."""
+    from .model import ZeroModel
+    from .optim import ZeroOptimizer
+
+    if not isinstance(model, ZeroModel) or not isinstance(core_optimizer(optimizer), ZeroOptimizer):
+        raise TypeError(f"zero_ext: save/load take the (model, optimizer) pair returned by zeroify(), got "
+                        f"({type(model).__name__}, {type(optimizer).__name__}); pass those: "
+                        f"model, opt = zero_ext.zeroify(...); zero_ext.save(path, model, opt)")
+
+
 def _layout(model, optimizer) -> dict:
     """The model as a checkpoint sees it (identical on every rank):
     params: trainable name -> {shape, group}, in engine order; plain: frozen
     parameters and buffers name -> {shape, dtype}; keys: state_dict key -> the
     name its tensor is stored under (tied parameters share one); groups: the names in
     each param group, in order (torch optimizer state dicts index them so)."""
-    from .model import ZeroModel
-    from .optim import ZeroOptimizer
-
+    _require_pair(model, optimizer)
     optimizer = core_optimizer(optimizer)
-    if not isinstance(model, ZeroModel) or not isinstance(optimizer, ZeroOptimizer):
-        raise TypeError("zero_ext: save/load take the (model, optimizer) pair returned by zeroify()")
     module = model.module
     names = {}
     for n, p in module.named_parameters():
@@ -340,6 +349,7 @@ def _steps_of(objects: dict, name: str, group: int) -> int:
 def _settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT):
     """(engine, its Comm, layout), once every outstanding collective is done and every
     rank is here (a rank calling alone is named: Note [Collective sequence check])."""
+    _require_pair(model, optimizer)
     optimizer = core_optimizer(optimizer)
     engine = optimizer._engine
     if phase is not None:
@@ -409,7 +419,8 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         except OSError as e:
-            error = f"zero_ext: cannot create {tmp!r} to save a checkpoint: {e}"
+            error = (f"zero_ext: cannot create {tmp!r} to save a checkpoint: {e}; save to a directory you can "
+                     f"write to")
     _decide(comm, error)
 
     names = _engine_names(optimizer, layout)
@@ -447,7 +458,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
     except Exception as e:  # noqa: BLE001 - DCP raises the same failure on every rank
         raise CheckpointError(f"zero_ext: saving checkpoint {path!r} failed on rank {rank} ({type(e).__name__}: "
                               f"{e}); another rank may have died. The previous checkpoint at {path!r}, if any, "
-                              f"is untouched") from e
+                              f"is untouched: fix what the first failing rank's log names, then save again") from e
 
     error = None
     if rank == 0:
@@ -464,7 +475,8 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
             _fsync_dir(tmp)
             _replace(tmp, path)
         except OSError as e:
-            error = f"zero_ext: finishing checkpoint {path!r} failed: {e}"
+            error = (f"zero_ext: finishing checkpoint {path!r} failed: {e}; free disk space or fix the permissions, "
+                     f"then save again (the previous checkpoint, if any, is untouched)")
     _decide(comm, error)
 
 
@@ -493,7 +505,8 @@ def read_manifest(path: str) -> dict:
     """The manifest of checkpoint `path` after checking every file it lists (present,
     size, CRC32). Raises CheckpointError naming what is wrong."""
     if not os.path.isdir(path):
-        raise CheckpointError(f"zero_ext: no checkpoint at {path!r} (no such directory)")
+        raise CheckpointError(f"zero_ext: no checkpoint at {path!r} (no such directory); pass the directory that "
+                              f"zero_ext.save(path, model, optimizer) wrote")
     mpath = os.path.join(path, MANIFEST)
     if not os.path.exists(mpath):
         raise CheckpointError(f"zero_ext: {path!r} is not a complete zero_ext checkpoint: its manifest {MANIFEST} "
@@ -504,24 +517,25 @@ def read_manifest(path: str) -> dict:
             m = json.load(f)
         files = m["files"]
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"zero_ext: the manifest {mpath!r} is corrupt ({e})") from None
+        raise CheckpointError(f"zero_ext: the manifest {mpath!r} is corrupt ({e}); {_EARLIER}") from None
     if m.get("format") != FORMAT:
         raise CheckpointError(f"zero_ext: checkpoint {path!r} has format {m.get('format')!r}; this zero_ext "
-                              f"reads format {FORMAT}")
+                              f"reads format {FORMAT}: load it with the zero_ext version that wrote it")
     for name, info in files.items():
         fp = os.path.join(path, name)
         who = f" (the shard written by rank {name[2:].split('_')[0]})" if name.endswith(".distcp") else ""
         if not os.path.exists(fp):
-            raise CheckpointError(f"zero_ext: checkpoint {path!r} is incomplete: file {name!r}{who} is missing")
+            raise CheckpointError(f"zero_ext: checkpoint {path!r} is incomplete: file {name!r}{who} is missing; "
+                                  f"copy it back if you have it, or {_EARLIER}")
         size = os.path.getsize(fp)
         if size != info["bytes"]:
             what = "truncated" if size < info["bytes"] else "longer than written"
             raise CheckpointError(f"zero_ext: checkpoint {path!r} is damaged: file {name!r}{who} is {what} "
-                                  f"({size} bytes, {info['bytes']} were written)")
+                                  f"({size} bytes, {info['bytes']} were written); {_EARLIER}")
         crc = _crc32(fp)
         if crc != info["crc32"]:
             raise CheckpointError(f"zero_ext: checkpoint {path!r} is corrupt: file {name!r}{who} has CRC32 "
-                                  f"{crc:08x}, {info['crc32']:08x} was written")
+                                  f"{crc:08x}, {info['crc32']:08x} was written; {_EARLIER}")
     return m
 
 
@@ -672,7 +686,8 @@ def _objects(t: torch.Tensor, path: str) -> dict:
     try:
         return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"zero_ext: the saved objects of checkpoint {path!r} cannot be read ({e})") from e
+        raise CheckpointError(f"zero_ext: the saved objects of checkpoint {path!r} cannot be read ({e}); "
+                              f"{_EARLIER}") from e
 
 
 # --------------------------------------------------------------------------- consolidate
@@ -764,7 +779,8 @@ def consolidate(path) -> dict:
         with _quiet():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(real), no_dist=True)
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed ({type(e).__name__}: {e}); "
+                              f"{_EARLIER}") from e
     objects = _objects(sd[OBJECTS], real)
     whole = _whole_entries(real, list(m["params"]))
     if whole:

@@ -170,7 +170,7 @@ def delay_collectives(model_or_optimizer, ms: float, serialize: bool = False) ->
     engine = getattr(core, "_engine", None)
     if engine is None:
         raise TypeError(f"zero_ext: delay_collectives takes the model or optimizer zeroify() returned, "
-                        f"got {type(model_or_optimizer).__name__}")
+                        f"got {type(model_or_optimizer).__name__}; pass one of those")
     if not ms >= 0:
         raise ValueError(f"zero_ext: delay_collectives: ms={ms!r}; pass 0 or more milliseconds")
     engine.set_comm_delay(float(ms), bool(serialize))

@@ -198,7 +198,8 @@ class ZeroConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ZeroConfig":
         if not isinstance(d, dict):
-            raise TypeError(f"zero_ext: a config must be a dict, got {type(d).__name__}")
+            raise TypeError(f"zero_ext: a config must be a dict, got {type(d).__name__}; pass a dict of "
+                            f"ZeroConfig options, e.g. {{'stage': 2}}")
         check_keys(d)
         return cls(**d)
 
@@ -208,9 +209,11 @@ class ZeroConfig:
             with open(path) as f:
                 d = json.load(f)
         except FileNotFoundError:
-            raise FileNotFoundError(f"zero_ext: config file {path!r} does not exist") from None
+            raise FileNotFoundError(f"zero_ext: config file {path!r} does not exist; pass the path of a JSON "
+                                    f"file of ZeroConfig options, or the options as a dict") from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"zero_ext: config file {path!r} is not valid JSON: {e}") from None
+            raise ValueError(f"zero_ext: config file {path!r} is not valid JSON: {e}; fix the file (one JSON "
+                             f"object of ZeroConfig options)") from None
         return cls.from_dict(d)
 
     def resolved_bucket_bytes(self, trainable_bytes: int) -> int:
@@ -245,27 +248,31 @@ class ZeroConfig:
         def integer(name: str, lo: int) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"zero_ext: {name} must be an int, got {type(v).__name__} ({v!r})")
-            need(v >= lo, f"{name} must be >= {lo}, got {v}")
+                raise TypeError(f"zero_ext: {name} must be an int, got {type(v).__name__} ({v!r}); {_fix(name)}")
+            need(v >= lo, f"{name} must be >= {lo}, got {v}; {_fix(name)}")
 
         def boolean(name: str) -> None:
             v = getattr(self, name)
             if not isinstance(v, bool):
-                raise TypeError(f"zero_ext: {name} must be True or False, got {v!r}")
+                raise TypeError(f"zero_ext: {name} must be True or False, got {v!r}; {_fix(name)}")
 
         def choice(name: str, options: tuple) -> None:
             v = getattr(self, name)
-            need(v in options, f"{name} must be one of {', '.join(map(repr, options))}; got {v!r}")
+            need(v in options, f"{name} must be one of {', '.join(map(repr, options))}; got {v!r}; {_fix(name)}")
 
         if self.stage != "auto":
+            stage_fix = "pass stage=0 (DDP), 1, 2 or 3 (the most memory saved), or stage='auto' to choose by memory"
             if isinstance(self.stage, str):
-                raise ValueError(f"zero_ext: stage must be 0, 1, 2 or 3 (or 'auto'), got {self.stage!r}")
-            integer("stage", 0)
-            need(self.stage <= 3, f"stage must be 0, 1, 2 or 3 (or 'auto'), got {self.stage}")
+                raise ValueError(f"zero_ext: stage must be 0, 1, 2 or 3 (or 'auto'), got {self.stage!r}; {stage_fix}")
+            if isinstance(self.stage, bool) or not isinstance(self.stage, int):
+                raise TypeError(f"zero_ext: stage must be an int, got {type(self.stage).__name__} "
+                                f"({self.stage!r}); {stage_fix}")
+            need(0 <= self.stage <= 3, f"stage must be 0, 1, 2 or 3 (or 'auto'), got {self.stage}; {stage_fix}")
         if self.memory_budget is not None:
             number_ok = isinstance(self.memory_budget, (int, float)) and not isinstance(self.memory_budget, bool)
             need(number_ok and self.memory_budget > 0,
-                 f"memory_budget must be a number of bytes > 0 or None, got {self.memory_budget!r}")
+                 f"memory_budget must be a number of bytes > 0 or None, got {self.memory_budget!r}; pass e.g. "
+                 f"memory_budget=8 * 2**30 (8 GiB), or None for what is free")
         integer("accumulation_steps", 1)
         if self.bucket_bytes != "auto":
             integer("bucket_bytes", 1024)
@@ -281,13 +288,14 @@ class ZeroConfig:
         if self.unit_modules is not None:
             ok = isinstance(self.unit_modules, (list, tuple)) and all(
                 isinstance(c, (str, type)) for c in self.unit_modules)
-            need(ok, "unit_modules must be a list of module class names (or classes), e.g. ['Block']")
+            need(ok, f"unit_modules must be a list of module class names (or classes), got {self.unit_modules!r}; "
+                 f"pass e.g. unit_modules=['Block'], or None to choose units by parameter count")
         self.param_dtype = dtype_name(self.param_dtype)
         self.reduce_dtype = dtype_name(self.reduce_dtype)
         need(isinstance(self.step_control, bool) or self.step_control == "auto",
-             f"step_control must be 'auto', True or False, got {self.step_control!r}")
+             f"step_control must be 'auto', True or False, got {self.step_control!r}; {_fix('step_control')}")
         need(isinstance(self.cast_buffers, bool) or self.cast_buffers == "auto",
-             f"cast_buffers must be 'auto', True or False, got {self.cast_buffers!r}")
+             f"cast_buffers must be 'auto', True or False, got {self.cast_buffers!r}; {_fix('cast_buffers')}")
         choice("param_dtype", _DTYPES)
         choice("reduce_dtype", _DTYPES)
         if isinstance(self.loss_scale, str):
@@ -295,11 +303,12 @@ class ZeroConfig:
         elif self.loss_scale is not None:
             need(isinstance(self.loss_scale, (int, float)) and not isinstance(self.loss_scale, bool)
                  and self.loss_scale > 0, f"loss_scale must be 'auto', 'dynamic', None or a positive number, "
-                 f"got {self.loss_scale!r}")
+                 f"got {self.loss_scale!r}; {_fix('loss_scale')}")
 
         def number(name: str, ok, what: str) -> None:
             v = getattr(self, name)
-            need(isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v), f"{name} must be {what}, got {v!r}")
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v),
+                 f"{name} must be {what}, got {v!r}; {_fix(name)}")
 
         number("initial_loss_scale", lambda v: v > 0, "> 0")
         number("loss_scale_growth_factor", lambda v: v > 1, "> 1")
@@ -309,9 +318,11 @@ class ZeroConfig:
         integer("loss_scale_growth_interval", 1)
         integer("loss_scale_hysteresis", 1)
         need(isinstance(self.check_sequence, bool) or self.check_sequence in ("auto", "every_phase"),
-             f"check_sequence must be True, False, 'auto' or 'every_phase', got {self.check_sequence!r}")
+             f"check_sequence must be True, False, 'auto' or 'every_phase', got {self.check_sequence!r}; "
+             f"{_fix('check_sequence')}")
         need(isinstance(self.find_unused_parameters, bool) or self.find_unused_parameters == "auto",
-             f"find_unused_parameters must be 'auto', True or False, got {self.find_unused_parameters!r}")
+             f"find_unused_parameters must be 'auto', True or False, got {self.find_unused_parameters!r}; "
+             f"{_fix('find_unused_parameters')}")
         number("sequence_timeout", lambda v: v > 0, "a number of seconds > 0")
         choice("reduce_scatter", _REDUCE_SCATTER)
         choice("fused", _FUSED)
@@ -325,18 +336,20 @@ class ZeroConfig:
         """The communication-quantization options (ZeroConfig docstring)."""
         integer("quant_block_numel", 2)
         need(self.quant_block_numel % 2 == 0, f"quant_block_numel must be even (int4 codes are packed two "
-             f"per byte), got {self.quant_block_numel}")
+             f"per byte), got {self.quant_block_numel}; {_fix('quant_block_numel')}")
         need(self.grad_quant in _GRAD_QUANT, f"grad_quant must be None, 'int8' or 'int4' (the supported bit "
-             f"widths); got {self.grad_quant!r}")
+             f"widths); got {self.grad_quant!r}; pass grad_quant='int8', 'int4' or None (exact)")
         if self.grad_quant is not None:
             need(self.stage != 0, f"grad_quant={self.grad_quant!r} needs stage 1, 2 or 3 (stage 0 reduces "
                  f"with an all-reduce, which has no quantized form); use stage=1 or grad_quant=None")
             need(self.reduce_scatter != "native", f"grad_quant={self.grad_quant!r} reduces by all-to-all; "
-                 f"reduce_scatter='native' contradicts it (use 'auto' or 'alltoall')")
+                 f"reduce_scatter='native' contradicts it; pass reduce_scatter='auto' or 'alltoall', or "
+                 f"grad_quant=None")
         need(not self.grad_quant_error_feedback or self.grad_quant is not None,
-             "grad_quant_error_feedback=True needs grad_quant='int8' or 'int4'")
+             "grad_quant_error_feedback=True needs grad_quant='int8' or 'int4'; pass one of them, or "
+             "grad_quant_error_feedback=False")
         need(self.param_quant in _PARAM_QUANT, f"param_quant must be None or 'int8' (the supported bit width "
-             f"for parameter gathers); got {self.param_quant!r}")
+             f"for parameter gathers); got {self.param_quant!r}; pass param_quant='int8' or None (exact)")
         if self.node_size is not None:
             if self.node_size != "auto":
                 integer("node_size", 1)
@@ -348,6 +361,12 @@ class ZeroConfig:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+
+
+def _fix(name: str) -> str:
+    """The fix for a bad value of option `name`: its default (ZeroConfig's docstring has the rest)."""
+    return f"pass a valid {name} or leave it out for its default, {name}={_DEFAULTS[name]!r}"
 
 
 def check_keys(d: dict) -> None:
@@ -356,8 +375,8 @@ def check_keys(d: dict) -> None:
         if k not in _FIELDS:
             close = difflib.get_close_matches(str(k), _FIELDS, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"zero_ext: unknown config option {k!r}.{hint} "
-                             f"Known options: {', '.join(_FIELDS)}")
+            raise ValueError(f"zero_ext: unknown config option {k!r}.{hint} Remove it or use one of the known "
+                             f"options: {', '.join(_FIELDS)}")
 
 
 def make_config(config: ZeroConfig | dict | str | None, stage: int | None, overrides: dict) -> ZeroConfig:
@@ -373,7 +392,9 @@ def make_config(config: ZeroConfig | dict | str | None, stage: int | None, overr
     elif isinstance(config, str):
         base = dataclasses.asdict(ZeroConfig.from_json(config))
     else:
-        raise TypeError(f"zero_ext: config must be a ZeroConfig, dict or JSON path, got {type(config).__name__}")
+        raise TypeError(f"zero_ext: config must be a ZeroConfig, dict or JSON path, got {type(config).__name__}; "
+                        f"pass config=ZeroConfig(...), a dict of options or a JSON file's path (or the options as "
+                        f"keyword arguments)")
     check_keys(overrides)
     base.update(overrides)
     if stage is not None:

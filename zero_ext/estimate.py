@@ -63,12 +63,12 @@ def _optimizer_class_and_groups(optimizer):
         names = {n.lower(): n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)}
         if optimizer.lower() not in names:
             raise ValueError(f"zero_ext: unknown optimizer {optimizer!r}; give a torch.optim class, an "
-                             f"instance, or one of {', '.join(sorted(names))}")
+                             f"instance, or one of {', '.join(sorted(names))}; pass e.g. optimizer='AdamW'")
         optimizer = getattr(torch.optim, names[optimizer.lower()])
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return optimizer, [{}]
     raise TypeError(f"zero_ext: optimizer must be a torch.optim.Optimizer, its class or its name, "
-                    f"got {type(optimizer).__name__}")
+                    f"got {type(optimizer).__name__}; pass e.g. optimizer=torch.optim.AdamW or 'AdamW'")
 
 
 def states_per_element(cls, hyper: dict) -> int:
@@ -101,7 +101,8 @@ def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
             params = [p for p in model.parameters() if p.requires_grad]
             groups = [0] * len(params)
         if not params:
-            raise ValueError("zero_ext: the model has no trainable parameter")
+            raise ValueError("zero_ext: the model has no trainable parameter (none with requires_grad=True); "
+                             "set requires_grad=True on those to train, or pass their parameter count instead")
         from .units import assign_units, frozen_to_shard
         ids = {id(p) for p in params}
         frozen = [p for p in model.parameters() if id(p) not in ids]
@@ -115,7 +116,8 @@ def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
         return [p.numel() for p in params], groups, units, replicated, frozen_units
     numel = int(model_or_numel)
     if numel < 1:
-        raise ValueError(f"zero_ext: the parameter count must be >= 1, got {model_or_numel!r}")
+        raise ValueError(f"zero_ext: the parameter count must be >= 1, got {model_or_numel!r}; pass the model "
+                         f"or its number of trainable parameters")
     if cfg.stage == 3:
         per = cfg.unit_numel if cfg.unit_numel is not None else max(numel // 4, 1)
         sizes = [per] * (numel // per) + ([numel % per] if numel % per else [])
@@ -149,12 +151,14 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     accumulation_steps micro-steps) and the inputs.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"zero_ext: world_size must be an int >= 1, got {world_size!r}")
+        raise ValueError(f"zero_ext: world_size must be an int >= 1, got {world_size!r}; pass world_size=<the "
+                         f"number of ranks>")
     options = dict(options, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     options.pop("process_group", None)
     cfg = make_config(config, stage, options)
     if not isinstance(cfg.stage, int):
-        raise ValueError(f"zero_ext: estimate_memory needs a stage 0-3, got {cfg.stage!r}")
+        raise ValueError(f"zero_ext: estimate_memory needs a stage 0-3, got {cfg.stage!r}; pass stage=0, 1, 2 or "
+                         f"3 (stage='auto' is decided from these estimates)")
     cls, hypers = _optimizer_class_and_groups(optimizer)
     numels, groups, units, frozen, frozen_units = _model_layout(model_or_numel, optimizer, cfg, hypers)
     pdt, rdt = cfg.param_dtype, cfg.reduce_dtype

@@ -242,11 +242,14 @@ def config_from_deepspeed(config: dict | str) -> dict:
             with open(config) as f:
                 config = json.load(f)
         except FileNotFoundError:
-            raise FileNotFoundError(f"zero_ext: DeepSpeed config file {config!r} does not exist") from None
+            raise FileNotFoundError(f"zero_ext: DeepSpeed config file {config!r} does not exist; pass the path of "
+                                    f"your ds_config JSON, or its contents as a dict") from None
         except json.JSONDecodeError as e:
-            raise ZeroInputError(f"zero_ext: DeepSpeed config file {config!r} is not valid JSON: {e}") from None
+            raise ZeroInputError(f"zero_ext: DeepSpeed config file {config!r} is not valid JSON: {e}; fix the "
+                                 f"file (one JSON object)") from None
     if not isinstance(config, dict):
-        raise TypeError(f"zero_ext: a DeepSpeed config must be a dict or a JSON path, got {type(config).__name__}")
+        raise TypeError(f"zero_ext: a DeepSpeed config must be a dict or a JSON path, got {type(config).__name__}; "
+                        f"pass the ds_config dict or the path of its JSON file")
 
     flat = _flatten(config)
     kwargs: dict = {}
@@ -267,14 +270,15 @@ def config_from_deepspeed(config: dict | str) -> dict:
             _map(key, value, kwargs, refused)
     if refused:
         raise ZeroInputError("zero_ext: this DeepSpeed config asks for what zero_ext does not do:\n  "
-                             + "\n  ".join(refused))
+                             + "\n  ".join(refused) + "\nRemove these keys (or disable them) and convert again")
     if script:
         warnings.warn("zero_ext: these DeepSpeed keys belong to your training loop, not to zeroify:\n  "
                       + "\n  ".join(script), UserWarning, stacklevel=2)
     try:
         ZeroConfig(**kwargs)
     except (TypeError, ValueError) as e:
-        raise ZeroInputError(f"zero_ext: the DeepSpeed config maps to {kwargs}, which zeroify refuses: {e}") from None
+        raise ZeroInputError(f"zero_ext: the DeepSpeed config maps to {kwargs}, which zeroify refuses: {e} (change "
+                             f"the DeepSpeed key that sets it)") from None
     return kwargs
 
 

@@ -17,6 +17,17 @@ from torch import nn
 OWNER_ATTR = "_zero_ext_owner"
 
 
+def _named(where):
+    """(id, name) of the parameters of `where` when it is a module (for messages)."""
+    if isinstance(where, nn.Module):
+        for n, p in where.named_parameters(remove_duplicate=False):
+            yield id(p), n
+
+
+def _label(p: torch.Tensor, named: dict) -> str:
+    return f"parameter {named[id(p)]!r}" if id(p) in named else f"a tensor of shape {tuple(p.shape)}"
+
+
 @contextlib.contextmanager
 def gathered_parameters(params_or_module, modifier_rank: int | None = None):
     """Inside the block the given parameters (a module's, or an iterable of them)
@@ -35,19 +46,28 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
     # Frozen parameters are replicated whole on every rank: nothing to gather.
     replicated = [p for p in params if not hasattr(p, OWNER_ATTR) and not p.requires_grad]
     if len(owned) + len(replicated) != len(params) or not owned:
-        raise ValueError("zero_ext: gathered_parameters takes parameters of a model returned by zeroify() "
-                         "that its optimizer trains (or frozen ones beside them)")
+        named = dict(_named(params_or_module))
+        strays = [p for p in params if not hasattr(p, OWNER_ATTR) and p.requires_grad]
+        what = (f"{_label(strays[0], named)}, which no zeroified optimizer trains" if strays else
+                "only frozen parameters, which zeroify() does not manage")
+        raise ValueError(f"zero_ext: gathered_parameters got {what}; it takes parameters of a model returned "
+                         f"by zeroify() that its optimizer trains (or frozen ones beside them): pass the model "
+                         f"zeroify() returned, one of its submodules (model.module.head) or their parameters")
     owned = [(p, (o[0](), o[1])) for p, o in owned]
     if any(o[0] is None for _, o in owned):
-        raise ValueError("zero_ext: the zeroified model these parameters belonged to no longer exists")
+        raise ValueError("zero_ext: the zeroified model these parameters belonged to no longer exists; keep a "
+                         "reference to the model zeroify() returned while you use its parameters")
     wrappers = {id(o[0]): o[0] for _, o in owned}
     if len(wrappers) != 1:
-        raise ValueError("zero_ext: gathered_parameters takes parameters of one zeroified model at a time")
+        raise ValueError(f"zero_ext: gathered_parameters got parameters of {len(wrappers)} zeroified models at "
+                         f"once; it takes one model's at a time: nest one `with gathered_parameters(...)` per model")
     wrapper = next(iter(wrappers.values()))
     engine = wrapper._engine
     world = engine.world_size
     if modifier_rank is not None and not 0 <= modifier_rank < world:
-        raise ValueError(f"zero_ext: modifier_rank must be in [0, {world}), got {modifier_rank}")
+        raise ValueError(f"zero_ext: gathered_parameters: modifier_rank must be a rank of the model's process "
+                         f"group, in [0, {world}), got {modifier_rank}; pass modifier_rank=0 (the rank whose "
+                         f"edits to keep), or None to read only")
     stage3 = wrapper._units is not None
     units = sorted({o[1] for _, o in owned}) if stage3 else []
     engine.flush_params()
@@ -80,6 +100,10 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
         if guard is not None:          # committed, or refused below: not an edit outside (changes.py)
             guard.accept([p for p, _ in owned])
         if changed and modifier_rank is None:
-            raise RuntimeError("zero_ext: parameters were modified inside gathered_parameters() without a "
-                               "modifier_rank; they are read-only there (stage 3 discards the change). "
-                               "Pass modifier_rank=<rank whose edits to keep>")
+            named = dict(_named(wrapper.module))
+            edited = [_label(p, named) for p, v in zip(params, versions) if p._version != v]
+            raise RuntimeError(f"zero_ext: {', '.join(edited[:3])}{' and more' if len(edited) > 3 else ''} "
+                               f"{'was' if len(edited) == 1 else 'were'} modified inside gathered_parameters() "
+                               f"without a modifier_rank; parameters are read-only there without one (stage 3 "
+                               f"discards the change). Pass modifier_rank=<rank whose edits to keep>: "
+                               f"`with zero_ext.gathered_parameters(module, modifier_rank=0):`")

@@ -260,14 +260,14 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
     names = _qualified(model)
     missing = [names[k] for k, left in units.unset.items() if left]
     replaced = []
-    for m in model.modules():
+    for path, m in model.named_modules(remove_duplicate=False):
         for kind, d in (("p", m._parameters), ("b", m._buffers)):
             for name, t in d.items():
                 old = slots.get((id(m), kind, name))
                 if t is old:
                     continue
                 if kind == "p" and old is not None and (id(old) in unit_of or id(old) in born):
-                    replaced.append(f"{type(m).__name__}.{name}")
+                    replaced.append(f"{path}.{name}" if path else name)
                 elif old is not None:
                     log.written.add(id(old))       # a buffer replaced by a computed one
     missing += [names[id(t)] for t in plain if id(t) not in log.written and names.get(id(t))]
@@ -286,4 +286,5 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
             f"`with zero_ext.meta_parameters():` instead of `with torch.device('meta'):`")
     if bad:
         raise RuntimeError("zero_ext: another rank found tensors left uninitialized by the meta-device "
-                           "build (its error names them); no rank continues")
+                           "build (its error names them); no rank continues. Initialize what it names (an "
+                           "init_fn, or reset_parameters()) and run again")

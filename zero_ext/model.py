@@ -139,7 +139,8 @@ class ZeroModel(nn.Module):
         dict, each rank reading only its shard of it (zero_ext/changes.py)."""
         if assign:
             raise ValueError("zero_ext: load_state_dict(assign=True) would detach parameters from the "
-                             "sharded buckets; use assign=False")
+                             "sharded buckets; pass assign=False (the default): the values are copied into the "
+                             "fp32 master weights")
         return self.module.load_state_dict(state_dict, strict=strict)
 
     # Autograd hook plumbing.

@@ -108,7 +108,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fused_only = len(self._parts) == 1 and self._parts[0].kind == "fused"
         if want is True and not fused_only:
             raise ValueError("zero_ext: step_control=True needs one fused optimizer (Adam, AdamW or SGD); "
-                             "use step_control='auto' with " + ", ".join(c.__name__ for c in self.wrapped_classes))
+                             "pass step_control='auto' (or False) with "
+                             + ", ".join(c.__name__ for c in self.wrapped_classes))
         if not fused_only or want is False or (want == "auto" and device.type != "cuda"):
             return None
         return StepControl(self._engine, len(self.param_groups), self.loss_scaler, device)
@@ -251,7 +252,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._engine.sequence_sync()
         model = self._guard._model() if self._guard is not None else None
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        listed = [names.get(id(self._params[i]), f"#{i}") for i in missing[:8]]
+        listed = [repr(names.get(id(self._params[i]), f"#{i}")) for i in missing[:8]]
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         why = ("find_unused_parameters=False" if self._config.find_unused_parameters is False else
                "every parameter got a gradient on every rank at the first step, so the ranks stopped "
@@ -423,7 +424,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 total = self._comm.all_reduce([total], op=dist.ReduceOp.MAX)[0]
             nonfinite = 0 if math.isfinite(total) else 1
         else:
-            raise ValueError(f"zero_ext: clip_grad_norm_ supports norm_type 2.0 and inf, got {norm_type}")
+            raise ValueError(f"zero_ext: clip_grad_norm_ supports norm_type 2.0 and inf, got {norm_type}; pass "
+                             f"norm_type=2.0 (the default) or float('inf')")
         self._found_inf = nonfinite > 0
         coef = float(max_norm) / (total + 1e-6)
         if self._ctl is not None:
@@ -509,7 +511,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             from . import optim_state
             return optim_state.load_state_dict(self, state_dict)
         if z.get("format") != STATE_FORMAT:
-            raise ValueError(f"zero_ext: optimizer state format {z.get('format')} is not {STATE_FORMAT}")
+            raise ValueError(f"zero_ext: optimizer state format {z.get('format')} is not {STATE_FORMAT} (this "
+                             f"zero_ext's); load it with the zero_ext version that saved it, or save the complete "
+                             f"state with optimizer.state_dict() there")
         mine = (self._config.stage, self._engine.world_size, self._engine.rank, self.wrapped_class.__name__)
         theirs = (z["stage"], z["world_size"], z["rank"], z["optimizer"])
         if mine != theirs:
@@ -524,7 +528,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("zero_ext: optimizer state was saved for different parameters (shapes, groups or "
                              "config differ); build the same model and config before loading")
         if len(state_dict["param_groups"]) != len(self.param_groups):
-            raise ValueError("zero_ext: the saved state has a different number of param groups")
+            raise ValueError(f"zero_ext: the saved state has {len(state_dict['param_groups'])} param groups, this "
+                             f"optimizer {len(self.param_groups)}; build the optimizer with the same param groups "
+                             f"as the one saved")
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             g.update({k: v for k, v in saved.items() if k != "params"})
         for name, t in z["flat_state"].items():

@@ -61,8 +61,10 @@ def _numbering(layout: dict, groups: list) -> dict:
 def _check(sd: dict, layout: dict, groups: list, optimizer) -> None:
     """torch's own checks, with the names: group count and sizes, state shapes."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
-        raise ValueError("zero_ext: load_state_dict takes an optimizer state dict ({'state', 'param_groups'}) "
-                         "as optimizer.state_dict() or a plain torch optimizer returns it")
+        got = sorted(map(str, sd))[:5] if isinstance(sd, dict) else type(sd).__name__
+        raise ValueError(f"zero_ext: load_state_dict takes an optimizer state dict ({{'state', 'param_groups'}}), "
+                         f"got {got}; pass what optimizer.state_dict() (this one's, or a plain torch optimizer's) "
+                         f"returned, not a model's state dict or a checkpoint holding it")
     saved = sd["param_groups"]
     if len(saved) != len(groups):
         raise ValueError(f"zero_ext: the state dict has {len(saved)} param groups, this optimizer "
@@ -89,15 +91,17 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
     for k, st in sd["state"].items():
         k = int(k)
         if k not in index:
-            raise ValueError(f"zero_ext: the state dict has state for parameter {k}, but the param groups number "
-                             f"only {len(index)}")
+            raise ValueError(f"zero_ext: the state dict has state for parameter {k}, but its param groups number "
+                             f"only {len(index)} parameters; the state dict is damaged or edited: load one that "
+                             f"optimizer.state_dict() returned, unedited")
         name = index[k]
         if name not in shapes:
             continue                                        # frozen here: no state, as torch skips it
         for key, t in st.items():
             if torch.is_tensor(t) and t.dim() > 0 and tuple(t.shape) != shapes[name]:
                 raise ValueError(f"zero_ext: state {key!r} of parameter {name!r} has shape {tuple(t.shape)}, "
-                                 f"the parameter {shapes[name]}; the state dict is of another model")
+                                 f"the parameter {shapes[name]}; the state dict is of another model: load one "
+                                 f"saved from this model (the same shapes), or build the model that was saved")
         by_name[name] = st
     names = list(layout["params"])                          # engine order
     mine = set(groups)

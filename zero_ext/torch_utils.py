@@ -61,10 +61,13 @@ def _optimizer_for(params: list, what: str):
     given = {id(p) for p in params}
     missing = [p for p in opt._params if id(p) not in given]
     if missing:
+        guard = getattr(opt, "_guard", None)
+        left = ", ".join(repr(guard._name(p)) if guard is not None else f"of shape {tuple(p.shape)}"
+                         for p in missing[:3])
         raise ZeroUsageError(
             f"zero_ext: torch.nn.utils.{what} over {len(given)} tensors that leave out {len(missing)} of the "
-            f"zeroified model's {len(opt._params)} trainable parameters: a zeroified model's gradients are "
-            f"sharded and clipped as a whole; {fix}")
+            f"zeroified model's {len(opt._params)} trainable parameters ({left}{', ...' if len(missing) > 3 else ''})"
+            f": a zeroified model's gradients are sharded and clipped as a whole; {fix}")
     return opt
 
 

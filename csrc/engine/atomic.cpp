@@ -15,7 +15,7 @@ void Engine::set_active_groups(const std::vector<int64_t> &groups) {
     if (groups.empty()) return;
     int64_t most = 0;
     for (int64_t g : groups) {
-        TORCH_CHECK(g >= 0, "zero_ext: set_active_groups: negative group ", g);
+        TORCH_CHECK(g >= 0, "zero_ext: internal: set_active_groups: negative group ", g);
         most = std::max(most, g);
     }
     active_groups_.assign((size_t)most + 1, 0);

@@ -67,6 +67,9 @@ struct EngineOptions {
     // 0 never (a missing gradient is the caller's error), 1 every step, 2 at the first
     // step, and on only if some rank missed some parameter there.
     int64_t agree_unused = 2;
+    // Per parameter, its name in the model ('blocks.0.attn.weight'), so that errors
+    // name it (Note [Parameter names in messages], layout.cpp); empty: by index.
+    std::vector<std::string> param_names;
 };
 
 // One bucket of the plan, as tensors.
@@ -255,8 +258,10 @@ public:
 
     // --- stage-3 frozen parameters (frozen.cpp, Note [Stage 3 frozen parameters]) ---
     // Shard these requires_grad=False parameters, one bucket per unit, gathered
-    // and released with the unit; call once, right after construction.
-    void add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units);
+    // and released with the unit; call once, right after construction. names: as
+    // EngineOptions::param_names, for the frozen parameters (empty: by index).
+    void add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units,
+                    std::vector<std::string> names = {});
     bool unit_has_frozen(int64_t u) const;
     void release_frozen(int64_t u);    // after the unit's backward: its frozen weights
     at::Tensor frozen_shard() const { return frozen_shard_; }   // this rank's slices, param_dtype
@@ -288,8 +293,8 @@ public:
     // --- collective sequence check (Note [Collective sequence check], sequence.cpp) ---
     // store: the process group's store, for watched waits (None: checkpoints only).
     // group: the digests' own gloo group (None: the engine's); every_phase: exchange at
-    // every phase (Note [Exchanges on deviation]).
-    void enable_sequence_check(c10::optional<StorePtr> store, std::vector<std::string> names, double patience_s,
+    // every phase (Note [Exchanges on deviation]). Parameters are named by param_names.
+    void enable_sequence_check(c10::optional<StorePtr> store, double patience_s,
                                c10::optional<ProcessGroupPtr> group, bool every_phase);
     // A SeqPhase (forward, backward, clip, step; the phases of Python collectives, which
     // exchange at once), or kUnitNeedBase + unit.
@@ -298,6 +303,11 @@ public:
     // Exchange digests now: a rank about to raise for something every rank should
     // see alike (Note [Unused parameters]) first checks that the others are here too.
     void sequence_sync();
+
+    // "parameter 'blocks.0.attn.weight'" (or "parameter 12" without names), for
+    // messages (Note [Parameter names in messages]); frozen_pname: a frozen one.
+    std::string pname(int64_t i) const;
+    std::string frozen_pname(int64_t i) const;
 
 private:
     // set_active_groups: no groups given = all active.
@@ -404,6 +414,7 @@ private:
     // Note [Stage 3 frozen parameters]: frozen parameters, their full views and
     // offsets in their bucket; one bucket per unit that has any; unit -> bucket or -1.
     std::vector<at::Tensor> frozen_params_, frozen_views_;
+    std::vector<std::string> frozen_names_;   // for messages (add_frozen's names)
     std::vector<int64_t> frozen_offset_, frozen_of_unit_;
     std::vector<Bucket> frozen_buckets_;
     at::Tensor frozen_shard_;              // (sum of the frozen slices,) param_dtype

@@ -22,17 +22,20 @@ namespace zx {
 //   order given, contiguous; frozen_fragments(r) says where rank r's slice holds
 //   which piece, as fragments() does for trainable parameters.
 
-void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units) {
-    TORCH_CHECK(opts_.stage == 3, "zero_ext: frozen parameters are sharded in stage 3 only");
-    TORCH_CHECK(frozen_params_.empty(), "zero_ext: add_frozen was already called on this engine");
-    TORCH_CHECK(params.size() == units.size(), "zero_ext: add_frozen needs one unit id per frozen parameter");
+void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units, std::vector<std::string> names) {
+    TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: frozen parameters are sharded in stage 3 only");
+    TORCH_CHECK(frozen_params_.empty(), "zero_ext: internal: add_frozen was already called on this engine");
+    TORCH_CHECK(params.size() == units.size() && (names.empty() || names.size() == params.size()),
+                "zero_ext: internal: add_frozen needs one unit id (and one name) per frozen parameter");
+    frozen_names_ = std::move(names);
     const int64_t n = (int64_t)params.size();
     if (n == 0) return;
     for (int64_t i = 0; i < n; i++) {
-        TORCH_CHECK(units[i] >= 0, "zero_ext: frozen parameter ", i, " has unit ", units[i]);
-        TORCH_CHECK(params[i].device() == dev_ && params[i].is_floating_point(), "zero_ext: frozen parameter ",
-                    i, " must be a floating-point tensor on ", dev_, " (it is ", params[i].scalar_type(),
-                    " on ", params[i].device(), ")");
+        TORCH_CHECK(units[i] >= 0, "zero_ext: internal: frozen parameter ", i, " has unit ", units[i]);
+        TORCH_CHECK(params[i].device() == dev_ && params[i].is_floating_point(), "zero_ext: ", frozen_pname(i),
+                    " is ", params[i].scalar_type(), " on ", params[i].device(), ", expected a floating-point "
+                    "tensor on ", dev_, " (where the trainable parameters are); call model.to(", dev_,
+                    ") before zeroify");
         if ((int64_t)unit_buckets_.size() <= units[i]) unit_buckets_.resize(units[i] + 1);
     }
     frozen_params_ = std::move(params);
@@ -112,7 +115,7 @@ void Engine::commit_frozen(int64_t u, int64_t src) {
         release_bucket(*bk);
         return;
     }
-    TORCH_CHECK(bk->gathered, "zero_ext: commit_unit needs unit ", u, " gathered");
+    TORCH_CHECK(bk->gathered, "zero_ext: internal: commit_unit needs unit ", u, " gathered");
     broadcast_tensors({bk->flat_param}, src);
     frozen_slice(*bk).copy_(owned_slice(bk->flat_param, *bk));
 }
@@ -140,7 +143,7 @@ void Engine::open_frozen_fp32(int64_t u) {
 }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::frozen_fragments(int64_t r) const {
-    TORCH_CHECK(r >= 0 && r < parts_, "zero_ext: no rank ", r, " among ", parts_, " partitions");
+    TORCH_CHECK(r >= 0 && r < parts_, "zero_ext: internal: no rank ", r, " among ", parts_, " partitions");
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
     for (const auto &bk : frozen_buckets_) {
         const int64_t lo = r * bk.slice_numel, hi = lo + bk.slice_numel;

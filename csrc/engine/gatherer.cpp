@@ -48,7 +48,7 @@ void Engine::publish_params() {
 }
 
 void Engine::absorb_param_edits() {
-    TORCH_CHECK(opts_.stage <= 2, "zero_ext: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
+    TORCH_CHECK(opts_.stage <= 2, "zero_ext: internal: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
     wait_params();
     if (any_cut_) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
     if (!lp_ && !qgather_) return;   // the owned slice is the master
@@ -222,7 +222,7 @@ int64_t Engine::subject_of(const Bucket &bk) const {
 }
 
 std::vector<Bucket *> Engine::unit_gather_buckets(int64_t u) {
-    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
+    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: internal: no unit ", u);
     std::vector<Bucket *> out;
     for (int64_t b : unit_buckets_[u]) out.push_back(&buckets_[b]);
     if (Bucket *f = frozen_bucket(u)) out.push_back(f);
@@ -256,7 +256,7 @@ void Engine::launch_gather(Bucket &bk) {
 static bool requested(const Bucket &bk) { return bk.gathered || bk.gather_work || bk.gather_group; }
 
 bool Engine::gather_unit(int64_t u, bool wait) {
-    TORCH_CHECK(opts_.stage == 3, "zero_ext: gather_unit is a stage-3 operation");
+    TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: gather_unit is a stage-3 operation");
     bool prefetched = true;
     for (Bucket *bk : unit_gather_buckets(u)) {
         if (bk->gathered) continue;
@@ -270,7 +270,7 @@ bool Engine::gather_unit(int64_t u, bool wait) {
 }
 
 void Engine::gather_units(const std::vector<int64_t> &units) {
-    TORCH_CHECK(opts_.stage == 3, "zero_ext: gather_units is a stage-3 operation");
+    TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: gather_units is a stage-3 operation");
     std::vector<Bucket *> todo;
     for (int64_t u : units)
         for (Bucket *bk : unit_gather_buckets(u))
@@ -326,7 +326,7 @@ void Engine::release_unit(int64_t u, bool keep) {
 }
 
 void Engine::commit_unit(int64_t u, int64_t src) {
-    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
+    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: internal: no unit ", u);
     if (sec_) sec_->drop_all();   // the masters change
     for (int64_t b : unit_buckets_[u]) {
         Bucket &bk = buckets_[b];
@@ -337,7 +337,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
             release_bucket(bk);
             continue;
         }
-        TORCH_CHECK(bk.gathered, "zero_ext: commit_unit needs unit ", u, " gathered");
+        TORCH_CHECK(bk.gathered, "zero_ext: internal: commit_unit needs unit ", u, " gathered");
         comm_.seq.subject(b, u);
         broadcast_tensors({bk.flat_param}, src);
         const at::Tensor owned = owned_slice(bk.flat_param, bk);
@@ -351,8 +351,8 @@ void Engine::commit_unit(int64_t u, int64_t src) {
 }
 
 void Engine::open_unit_fp32(int64_t u) {
-    TORCH_CHECK(opts_.stage == 3, "zero_ext: open_unit_fp32 is a stage-3 operation");
-    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: no unit ", u);
+    TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: open_unit_fp32 is a stage-3 operation");
+    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: internal: no unit ", u);
     if (sec_) sec_->drop_all();
     if (!lp_) {
         gather_unit(u, true);

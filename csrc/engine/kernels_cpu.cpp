@@ -190,7 +190,8 @@ std::unique_ptr<Kernels> make_kernels(const at::Device &device, zx_isa isa, zx_d
                     "both, or move the model to the CPU");
         return k;
     }
-    TORCH_CHECK(false, "zero_ext: parameters on ", device, " are not supported; use CPU or CUDA tensors");
+    TORCH_CHECK(false, "zero_ext: parameters on ", device, " are not supported; move the model to the CPU or a "
+                "CUDA device (model.to('cpu'), model.to('cuda')) before zeroify");
     return nullptr;
 }
 

@@ -29,11 +29,28 @@ namespace zx {
 //   match the ZeRO paper's mixed-precision formulas (16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N);
 //   fp32 reduce adds 2 bytes per gradient element (6Ψ+12Ψ/N, 2Ψ+16Ψ/N).
 
+// Note [Parameter names in messages]
+//   An error a user can cause names the parameter as the model does
+//   ('blocks.0.attn.weight'), never by its engine index: zeroify passes the names
+//   once (EngineOptions::param_names; add_frozen's names), and every message that
+//   names a parameter goes through pname(i) / frozen_pname(i). The sequence check
+//   reads the same names.
+std::string Engine::pname(int64_t i) const {
+    if (i >= 0 && i < (int64_t)opts_.param_names.size()) return "parameter '" + opts_.param_names[i] + "'";
+    return "parameter " + std::to_string(i);
+}
+
+std::string Engine::frozen_pname(int64_t i) const {
+    if (i >= 0 && i < (int64_t)frozen_names_.size()) return "frozen parameter '" + frozen_names_[i] + "'";
+    return "frozen parameter " + std::to_string(i);
+}
+
 static std::pair<at::ScalarType, zx_dtype> parse_dtype(const std::string &name, const char *what) {
     if (name == "fp32") return {at::kFloat, ZX_F32};
     if (name == "bf16") return {at::kBFloat16, ZX_BF16};
     if (name == "fp16") return {at::kHalf, ZX_F16};
-    TORCH_CHECK(false, "zero_ext: ", what, " must be 'fp32', 'bf16' or 'fp16', got '", name, "'");
+    TORCH_CHECK(false, "zero_ext: ", what, " must be 'fp32', 'bf16' or 'fp16', got '", name, "'; pass ", what,
+                "='fp32', 'bf16' or 'fp16'");
     return {at::kFloat, ZX_F32};
 }
 
@@ -41,11 +58,15 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                c10::optional<ProcessGroupPtr> pg, EngineOptions opts)
     : params_(std::move(params)), comm_(std::move(pg)), opts_(std::move(opts)) {
     const int64_t n = (int64_t)params_.size();
-    TORCH_CHECK(n > 0, "zero_ext: the optimizer has no trainable parameters");
-    TORCH_CHECK((int64_t)groups.size() == n, "zero_ext: one group index per parameter expected");
-    TORCH_CHECK(opts_.stage >= 0 && opts_.stage <= 3, "zero_ext: the engine runs stages 0-3, got ", opts_.stage);
+    TORCH_CHECK(n > 0, "zero_ext: the optimizer has no trainable parameters; build it over parameters with "
+                "requires_grad=True (torch.optim.AdamW(model.parameters()))");
+    TORCH_CHECK((int64_t)groups.size() == n, "zero_ext: internal: one group index per parameter expected");
+    TORCH_CHECK(opts_.param_names.empty() || (int64_t)opts_.param_names.size() == n,
+                "zero_ext: internal: one name per parameter expected, got ", opts_.param_names.size());
+    TORCH_CHECK(opts_.stage >= 0 && opts_.stage <= 3, "zero_ext: stage must be 0, 1, 2 or 3, got ", opts_.stage,
+                "; pass stage=0, 1, 2 or 3");
     const bool s3 = opts_.stage == 3;
-    TORCH_CHECK(!s3 || (int64_t)units.size() == n, "zero_ext: stage 3 needs one unit id per parameter");
+    TORCH_CHECK(!s3 || (int64_t)units.size() == n, "zero_ext: internal: stage 3 needs one unit id per parameter");
     rank_ = comm_.rank();
     world_ = comm_.world();
     parts_ = opts_.stage == 0 ? 1 : world_;
@@ -55,7 +76,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     lp_ = pdt_ != at::kFloat;
     grad_views_ok_ = rdt_ == pdt_;
     TORCH_CHECK(zx_cpu_supports(isa_), "zero_ext: this CPU cannot run isa='", opts_.isa,
-                "'; use isa='auto'");
+                "'; pass isa='auto' (the best ISA this CPU has)");
     dev_ = params_[0].device();
 
     // Plan: reverse registration order, which is roughly gradient-ready order;
@@ -72,14 +93,15 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             // Note [Tensor-atomic buckets]: rows = first dimension, cols = the rest.
             const int64_t rows = p.dim() > 0 ? p.size(0) : 1;
             cost[i] = zx_update_cost((zx_update_kind)kind, rows, p.numel() / std::max<int64_t>(rows, 1));
-            TORCH_CHECK(cost[i] > 0, "zero_ext: unknown update kind ", kind, " for param group ", groups[i]);
+            TORCH_CHECK(cost[i] > 0, "zero_ext: internal: unknown update kind ", kind, " for param group ", groups[i]);
             any_atomic = true;
         }
-        TORCH_CHECK(p.scalar_type() == at::kFloat, "zero_ext: parameter ", i, " is ", p.scalar_type(),
-                    "; stages 0-2 keep float32 parameters (cast the model with model.float())");
-        TORCH_CHECK(p.device() == dev_, "zero_ext: parameter ", i, " is on ", p.device(), " but parameter 0 "
-                    "is on ", dev_, "; every trainable parameter must be on one device (call model.to(device) "
-                    "before zeroify)");
+        TORCH_CHECK(p.scalar_type() == at::kFloat, "zero_ext: ", pname(i), " is ", p.scalar_type(),
+                    ", expected float32 (the fp32 master weights are taken from it); call model.float() before "
+                    "zeroify and choose the compute precision with param_dtype='bf16' or 'fp16'");
+        TORCH_CHECK(p.device() == dev_, "zero_ext: ", pname(i), " is on ", p.device(), " but ", pname(0),
+                    " is on ", dev_, "; every trainable parameter must be on one device: call model.to(device) "
+                    "before zeroify");
         numel[i] = p.numel();
         group[i] = (int32_t)groups[i];
         order[i] = n - 1 - i;
@@ -92,7 +114,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     // Note [Cut parameters]: state per element, so element-granular pieces fill the padding.
     const bool fill = any_atomic && !opts_.param_state.empty() && (opts_.stage == 1 || opts_.stage == 2);
     TORCH_CHECK(opts_.param_state.empty() || (int64_t)opts_.param_state.size() == n,
-                "zero_ext: one state size per parameter expected, got ", opts_.param_state.size());
+                "zero_ext: internal: one state size per parameter expected, got ", opts_.param_state.size());
     zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), s3 ? unit.data() : nullptr,
                       order.data(), (int32_t)parts_, cap, first_cap, opts_.align,
                       any_atomic ? cost.data() : nullptr, fill ? opts_.param_state.data() : nullptr};
@@ -114,12 +136,14 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     kern_ = make_kernels(dev_, isa_, rzx_);
     if (opts_.grad_quant_bits != 0) {
         TORCH_CHECK(opts_.stage >= 1 && opts_.alltoall_reduce_scatter,
-                    "zero_ext: grad_quant needs stage 1-3 and the all-to-all reduce-scatter");
+                    "zero_ext: grad_quant needs stage 1, 2 or 3 and the all-to-all reduce-scatter; pass stage=1, 2 "
+                    "or 3 and reduce_scatter='auto' or 'alltoall', or grad_quant=None");
         qreduce_ = std::make_unique<QuantReduce>((int32_t)opts_.grad_quant_bits, opts_.quant_block_numel,
                                                  opts_.grad_quant_error_feedback, kern_.get(), dev_, parts_);
     }
     if (opts_.param_quant_bits != 0) {
-        TORCH_CHECK(opts_.stage >= 1, "zero_ext: param_quant needs stage 1-3");
+        TORCH_CHECK(opts_.stage >= 1, "zero_ext: param_quant needs stage 1, 2 or 3; pass stage=1, 2 or 3, or "
+                    "param_quant=None");
         // One rank gathers nothing: its parameters stay exact.
         if (parts_ > 1)
             qgather_ = std::make_unique<QuantGather>((int32_t)opts_.param_quant_bits, opts_.quant_block_numel,
@@ -294,7 +318,8 @@ void *Engine::lp_out(Bucket &bk) { return lp_ && opts_.stage < 3 ? lp_slice(bk).
 double Engine::grad_divisor() const { return opts_.stage == 0 ? 1.0 : (double)world_; }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(int64_t r) const {
-    TORCH_CHECK(r >= 0 && r < std::max<int64_t>(parts_, 1), "zero_ext: no rank ", r, " among ", parts_, " partitions");
+    TORCH_CHECK(r >= 0 && r < std::max<int64_t>(parts_, 1), "zero_ext: internal: no rank ", r, " among ", parts_,
+                " partitions");
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
     std::vector<zx_fragment> fr;
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {

@@ -11,7 +11,8 @@ namespace {
 zx_dtype zx_dtype_of(at::ScalarType t) {
     if (t == at::kFloat) return ZX_F32;
     if (t == at::kBFloat16) return ZX_BF16;
-    TORCH_CHECK(t == at::kHalf, "zero_ext: param_quant dequantizes into float32, bfloat16 or float16, not ", t);
+    TORCH_CHECK(t == at::kHalf, "zero_ext: internal: param_quant dequantizes into float32, bfloat16 or float16, "
+                "not ", t);
     return ZX_F16;
 }
 
@@ -19,9 +20,10 @@ zx_dtype zx_dtype_of(at::ScalarType t) {
 
 QuantGather::QuantGather(int32_t bits, int64_t block_numel, Kernels *kern, at::Device device, int64_t parts)
     : bits_(bits), block_numel_(block_numel), kern_(kern), device_(device), parts_(parts) {
-    TORCH_CHECK(bits == 8, "zero_ext: param_quant must be int8 (the supported bit width)");
+    TORCH_CHECK(bits == 8, "zero_ext: param_quant must be int8 (the supported bit width); pass param_quant='int8' "
+                "or None");
     TORCH_CHECK(block_numel >= 2 && block_numel % 2 == 0, "zero_ext: quant_block_numel must be even and >= 2, got ",
-                block_numel);
+                block_numel, "; pass an even quant_block_numel (the default is 256)");
 }
 
 int64_t QuantGather::slice_blocks(int64_t slice_numel) const {
@@ -38,7 +40,7 @@ int64_t QuantGather::record_bytes(int64_t slice_numel) const {
 // record: [scales][codes][pad], a uint8 tensor on the table's device.
 void QuantGather::quantize_into(const at::Tensor &master, at::Tensor record) const {
     TORCH_CHECK(master.scalar_type() == at::kFloat && master.is_contiguous() && master.device() == device_,
-                "zero_ext: param_quant quantizes a contiguous float32 master slice on ", device_);
+                "zero_ext: internal: param_quant quantizes a contiguous float32 master slice on ", device_);
     const int64_t n = master.numel(), nb = slice_blocks(n);
     uint8_t *r = record.data_ptr<uint8_t>();
     kern_->quantize(bits_, block_numel_, n, master.data_ptr<float>(), ZX_F32, nullptr, r + 4 * nb,
@@ -54,9 +56,9 @@ void QuantGather::dequantize_from(const at::Tensor &record, int64_t slice_numel,
 
 WorkPtr QuantGather::launch(Communicator &comm, int64_t b, const at::Tensor &master, at::Tensor dst) {
     const int64_t n = master.numel(), rb = record_bytes(n);
-    TORCH_CHECK(dst.numel() == parts_ * n && dst.is_contiguous(), "zero_ext: param_quant gathers ", parts_,
+    TORCH_CHECK(dst.numel() == parts_ * n && dst.is_contiguous(), "zero_ext: internal: param_quant gathers ", parts_,
                 " slices of ", n, " elements into a contiguous bucket");
-    TORCH_CHECK(!pending_.count(b), "zero_ext: bucket ", b, " already has a quantized gather in flight");
+    TORCH_CHECK(!pending_.count(b), "zero_ext: internal: bucket ", b, " already has a quantized gather in flight");
     Pending p;
     const auto u8 = at::TensorOptions().dtype(at::kByte).device(device_);
     p.send = at::zeros({rb}, u8);   // the 4-byte padding is sent too: keep it defined

@@ -10,9 +10,11 @@ QuantReduce::QuantReduce(int32_t bits, int64_t block_numel, bool error_feedback,
                          int64_t parts)
     : bits_(bits), block_numel_(block_numel), error_feedback_(error_feedback), kern_(kern), device_(device),
       parts_(parts) {
-    TORCH_CHECK(bits == 0 || bits == 8 || bits == 4, "zero_ext: grad_quant must be int8 or int4");
+    TORCH_CHECK(bits == 0 || bits == 8 || bits == 4, "zero_ext: grad_quant must be int8 or int4; pass "
+                "grad_quant='int8', 'int4' or None");
     TORCH_CHECK(bits == 0 || (block_numel >= 2 && block_numel % 2 == 0),
-                "zero_ext: quant_block_numel must be even and >= 2, got ", block_numel);
+                "zero_ext: quant_block_numel must be even and >= 2, got ", block_numel,
+                "; pass an even quant_block_numel (the default is 256)");
 }
 
 QuantReduce::Buffers &QuantReduce::buffers(int64_t slot, int64_t codes_bytes, int64_t nscales) {

@@ -16,12 +16,18 @@ namespace zx {
 //   after a stage-1 reduce-scatter the non-owned parts of the bucket are
 //   zeroed, so the next reduce-scatter adds exactly the new gradients.
 
+// A sparse gradient (nn.Embedding(sparse=True) after zeroify, F.embedding(sparse=True))
+// has no flat layout to shard; the message names the parameter.
+static void require_dense(const Engine &e, int64_t i, const at::Tensor &g) {
+    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: ", e.pname(i), " got a sparse gradient, which cannot "
+                "be sharded; produce a dense one: nn.Embedding(..., sparse=False), F.embedding(..., sparse=False)");
+}
+
 void Engine::ensure_grad_view(int64_t i) {
     at::Tensor &p = params_[i];
     const at::Tensor &g = p.grad();
     const at::Tensor &view = grad_views_[i];
-    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: parameter ", i,
-                " got a sparse gradient; use dense embeddings (sparse=False)");
+    require_dense(*this, i, g);
     if (cut_[i]) {
         // Note [Cut parameters]: added piece by piece into each bucket's flat_grad.
         if (g.defined()) {
@@ -50,8 +56,7 @@ void Engine::ensure_grad_view(int64_t i) {
 void Engine::stage_grad(int64_t i) {
     at::Tensor &p = params_[i];
     const at::Tensor g = p.grad();
-    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: parameter ", i,
-                " got a sparse gradient; use dense embeddings (sparse=False)");
+    require_dense(*this, i, g);
     const at::Tensor flat = g.defined() ? g.reshape(-1) : at::Tensor();
     for (const zx_piece &pc : pieces_[i]) {   // one piece unless cut (Note [Cut parameters])
         Bucket &bk = buckets_[pc.bucket];
@@ -78,8 +83,7 @@ void Engine::stage_grad(int64_t i) {
 void Engine::accumulate_local(int64_t i) {
     at::Tensor &p = params_[i];
     const at::Tensor g = p.grad();
-    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: parameter ", i,
-                " got a sparse gradient; use dense embeddings (sparse=False)");
+    require_dense(*this, i, g);
     if (!g.defined()) return;
     const at::Tensor flat = g.reshape(-1);
     for (const zx_piece &pc : pieces_[i]) {
@@ -92,7 +96,7 @@ void Engine::accumulate_local(int64_t i) {
 }
 
 void Engine::mark_ready(int64_t i) {
-    TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: bad parameter index ", i);
+    TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: internal: bad parameter index ", i);
     note_grad(i);
     if (opts_.stage <= 1) ensure_grad_view(i);
     const bool reduce_now = opts_.stage >= 2 || require_sync_;
@@ -108,9 +112,9 @@ void Engine::mark_ready(int64_t i) {
     }
     if (!reduce_now) return;
     if (opts_.stage >= 2) stage_grad(i);
-    TORCH_CHECK(!ready_[i], "zero_ext: parameter ", i,
-                " was marked ready twice in one backward pass; if you call backward() "
-                "twice, call it under model.no_sync() for all but the last, or step in between");
+    TORCH_CHECK(!ready_[i], "zero_ext: ", pname(i),
+                " got its gradient twice in one backward pass (its gradient was reduced already); if you "
+                "call backward() twice, call it under model.no_sync() for all but the last, or step in between");
     ready_[i] = 1;
     bool done = false;
     for (const zx_piece &pc : pieces_[i]) {

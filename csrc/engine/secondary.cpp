@@ -9,7 +9,8 @@ namespace zx {
 
 Secondary::Secondary(ProcessGroupPtr node_pg, int64_t world) : comm_(node_pg), world_(world) {
     TORCH_CHECK(world_ % comm_.world() == 0, "zero_ext: node_size ", comm_.world(),
-                " does not divide the world size ", world_, "; choose a node_size that divides it");
+                " does not divide the world size ", world_, "; pass a node_size that divides it (the ranks per "
+                "node), or node_size=None");
 }
 
 void Secondary::keep(int64_t s, const at::Tensor &flat) {

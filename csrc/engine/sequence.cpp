@@ -539,14 +539,15 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
 // made by zeroify), so that a rank in a digest never pairs with a data collective
 // another rank issued (gloo aborts the process when a message exceeds the buffer
 // posted for it). Without one, they use the engine's group.
-void Engine::enable_sequence_check(c10::optional<StorePtr> store, std::vector<std::string> names, double patience_s,
+void Engine::enable_sequence_check(c10::optional<StorePtr> store, double patience_s,
                                    c10::optional<ProcessGroupPtr> group, bool every_phase) {
     if (group.has_value()) {
         TORCH_CHECK((*group)->getSize() == world_ && (*group)->getRank() == rank_,
-                    "zero_ext: the sequence-check group must hold the engine's ranks in the same order");
+                    "zero_ext: internal: the sequence-check group must hold the engine's ranks in the same order");
         comm_.seq.attach(*group, rank_, world_);
     }
-    comm_.seq.enable(store.has_value() ? *store : StorePtr(), std::move(names), patience_s, every_phase);
+    // Note [Parameter names in messages]: the names zeroify gave the engine
+    comm_.seq.enable(store.has_value() ? *store : StorePtr(), opts_.param_names, patience_s, every_phase);
 }
 
 void Engine::sequence_sync() { comm_.seq.sync(); }
@@ -557,7 +558,7 @@ void Engine::sequence_mark(int64_t phase) {
         comm_.seq.unit_need(phase - kUnitNeedBase);
         return;
     }
-    TORCH_CHECK(phase > kPhaseNone && phase <= kPhaseLast, "zero_ext: unknown sequence phase ", phase);
+    TORCH_CHECK(phase > kPhaseNone && phase <= kPhaseLast, "zero_ext: internal: unknown sequence phase ", phase);
     FrozenSummary f;
     for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
         if (params_[i].requires_grad()) continue;

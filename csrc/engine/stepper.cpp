@@ -14,14 +14,16 @@ namespace {
 const double *ctl_ptr(const at::Tensor &ctl) {
     if (!ctl.defined()) return nullptr;
     TORCH_CHECK(ctl.scalar_type() == at::kDouble && ctl.numel() == ZX_CTL_SIZE && ctl.is_contiguous(),
-                "zero_ext: the step control must be a contiguous float64 tensor of ", ZX_CTL_SIZE, " elements");
+                "zero_ext: internal: the step control must be a contiguous float64 tensor of ", ZX_CTL_SIZE,
+                " elements");
     return ctl.data_ptr<double>();
 }
 
 const int64_t *step_ptr(const at::Tensor &steps, int64_t group) {
     if (!steps.defined()) return nullptr;
     TORCH_CHECK(steps.scalar_type() == at::kLong && steps.is_contiguous() && group < steps.numel(),
-                "zero_ext: the step counts must be a contiguous int64 tensor with one element per param group");
+                "zero_ext: internal: the step counts must be a contiguous int64 tensor with one element per "
+                "param group");
     return steps.data_ptr<int64_t>() + group;
 }
 
@@ -39,7 +41,7 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
         // Whole tensors / another part's groups; a mixed bucket's pieces (Note [Cut parameters]).
         if (bk.atomic ? !bk.mixed : !active(bk)) continue;
         const int64_t b = &bk - buckets_.data();
-        TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
+        TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", bk.group);
         float *p = master(bk);
         char *lp = (char *)lp_out(bk);
         const at::Tensor gs = grad_shard_slice(bk);
@@ -58,7 +60,7 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
         for (const StepRun &r : bk.mixed ? mixed_runs(b) : step_runs(b)) {
             const int64_t g = bk.mixed ? group_of_[r.param] : bk.group;
             if (bk.mixed && !active_param(r.param)) continue;
-            TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", g);
+            TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
             zx_adam_hparams h = hps[g];
             h.step = r.step;
             const int64_t o = r.offset;
@@ -78,7 +80,7 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
     for (auto &bk : buckets_) {
         if (bk.atomic ? !bk.mixed : !active(bk)) continue;   // as step_adam
         const int64_t b = &bk - buckets_.data();
-        TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", bk.group);
+        TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", bk.group);
         float *p = master(bk);
         char *lp = (char *)lp_out(bk);
         const at::Tensor gs = grad_shard_slice(bk);
@@ -93,7 +95,7 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
         for (const StepRun &r : bk.mixed ? mixed_runs(b) : step_runs(b)) {   // Note [Unused parameters]
             const int64_t g = bk.mixed ? group_of_[r.param] : bk.group;
             if (bk.mixed && !active_param(r.param)) continue;
-            TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: missing hyperparameters for group ", g);
+            TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
             zx_sgd_hparams h = hps[g];
             h.first_step = r.step == 1;
             const int64_t o = r.offset;
@@ -167,7 +169,7 @@ void Engine::grad_sumsq_into(at::Tensor out2) {
     wait_reductions();
     TORCH_CHECK(out2.scalar_type() == at::kFloat && out2.numel() == 2 && out2.is_contiguous() &&
                     out2.device() == dev_,
-                "zero_ext: grad_sumsq_into needs a contiguous float32 tensor of 2 elements on ", dev_);
+                "zero_ext: internal: grad_sumsq_into needs a contiguous float32 tensor of 2 elements on ", dev_);
     out2.zero_();
     for (auto &bk : buckets_) kern_->grad_sumsq_into(grad_shard_slice(bk), out2.data_ptr<float>());
     if (parts_ > 1) comm_.all_reduce_sum_blocking(out2, "gradient-norm all-reduce");

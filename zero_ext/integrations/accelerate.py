@@ -63,8 +63,9 @@ def prepare(accelerator, model: nn.Module, optimizer, *others, stage: int | str 
                          "shards; use mixed_precision='no' or 'bf16', and compute in fp16 with "
                          "prepare(..., param_dtype='fp16') (zero_ext scales the loss itself)")
     if not isinstance(model, nn.Module) or isinstance(model, zero_ext.ZeroModel):
-        raise TypeError("zero_ext: prepare(accelerator, model, optimizer, ...) takes the plain module first and "
-                        "the plain torch optimizer second")
+        raise TypeError(f"zero_ext: prepare(accelerator, model, optimizer, ...) takes the plain module first and "
+                        f"the plain torch optimizer second, got a {type(model).__name__} as the model; pass the "
+                        f"nn.Module itself (not one that prepare() or zeroify() returned)")
     model = model.to(accelerator.device)
     zmodel, zopt = zero_ext.zeroify(model, optimizer, stage=stage, config=config, **zero_options)
     wrapped = AcceleratedOptimizer(zopt, device_placement=False)

@@ -71,7 +71,9 @@ class ZeroTrainer(Trainer):
         if not training:
             return super()._wrap_model(model, training, dataloader)
         if self.optimizer is None:
-            raise RuntimeError("zero_ext: ZeroTrainer found no optimizer to wrap (create_optimizer runs first)")
+            raise RuntimeError("zero_ext: ZeroTrainer found no optimizer to wrap (create_optimizer runs first); "
+                               "pass optimizers=(optimizer, scheduler) to ZeroTrainer, or leave them out to have "
+                               "the Trainer create them")
         if isinstance(self.optimizer, (zero_ext.ZeroOptimizer, list)):
             raise RuntimeError("zero_ext: the Trainer's optimizer is already a zero_ext optimizer; pass the plain "
                                "torch optimizer (or none) to ZeroTrainer")

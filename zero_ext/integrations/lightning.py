@@ -123,7 +123,9 @@ class ZeroStrategy(DDPStrategy):
     def _zeroify(self) -> None:
         optimizers = list(self.optimizers)
         if not optimizers:
-            raise ValueError("zero_ext: ZeroStrategy needs an optimizer from configure_optimizers() to shard")
+            raise ValueError(f"zero_ext: ZeroStrategy needs an optimizer to shard, and "
+                             f"{type(self.lightning_module).__name__}.configure_optimizers() returned none; return "
+                             f"a torch optimizer from it (torch.optim.AdamW(self.parameters()))")
         model, opt = zero_ext.zeroify(self.model, optimizers if len(optimizers) > 1 else optimizers[0],
                                       stage=self.stage, config=self.zero_config, **self.zero_options)
         self.zero_model = model
