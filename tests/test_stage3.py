@@ -197,3 +197,50 @@ def test_plain_module_state_dict_refuses_released_parameters():
         assert "model.state_dict()" in r["error"] and "zero_ext.save" in r["error"], r["error"]
         assert r["full"] == r["shapes"], f"rank {rank}: model.state_dict() shapes {r['full']}"
         assert r["same"], f"rank {rank}: gathered module.state_dict() differs from model.state_dict()"
+
+
+def _no_sync_worker(rank, world, attr):
+    """Stage 3 under no_sync() / require_backward_grad_sync=False: the micro-steps send no
+    gradient bytes (Note [Local accumulation]) and the step is DDP's."""
+    import copy
+
+    import torch
+
+    import zero_ext
+    from cases import batch, build_model, loss_of
+
+    base = build_model("gpt")
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    zm, zo = zero_ext.zeroify(mine, torch.optim.AdamW(mine.parameters(), lr=3e-3), stage=3, unit_modules=["Block"])
+    sent = []
+    for step in range(4):
+        for micro in range(3):
+            x, y = batch("gpt", rank, step, micro)
+            last = micro == 2
+            before = zo.stats()["comm"]["reduce_scatter"]["bytes"]
+            if attr:
+                ddp.require_backward_grad_sync = zm.require_backward_grad_sync = last
+                (loss_of("gpt", ddp, x, y) / 3).backward()
+                (loss_of("gpt", zm, x, y) / 3).backward()
+            else:
+                with ddp.no_sync() if not last else torch.enable_grad():
+                    (loss_of("gpt", ddp, x, y) / 3).backward()
+                with zm.no_sync() if not last else torch.enable_grad():
+                    (loss_of("gpt", zm, x, y) / 3).backward()
+            sent.append((last, zo.stats()["comm"]["reduce_scatter"]["bytes"] - before))
+        opt_ref.step()
+        opt_ref.zero_grad()
+        zo.step()
+        zo.zero_grad()
+    sd = zm.state_dict()
+    rel = max(((sd[n] - p.detach()).norm() / p.detach().norm()).item() for n, p in ref.named_parameters())
+    return {"sent": sent, "rel": rel}
+
+
+@pytest.mark.parametrize("attr", [False, True], ids=["no_sync", "require_backward_grad_sync"])
+def test_stage3_accumulation_sends_nothing_until_the_last_micro_step(attr):
+    for rank, r in enumerate(run_world(_no_sync_worker, 2, attr)):
+        assert all((b > 0) == last for last, b in r["sent"]), (rank, r["sent"])
+        assert r["rel"] <= 1e-5, f"rank {rank}: differs from DDP by {r['rel']:.3g} (relative)"
