@@ -234,7 +234,11 @@ def _fake_memory_worker(rank, world, stage):
 def test_fake_backend_7_5b_memory(stage, paper_gb):
     out = run_world(_fake_memory_worker, 1, stage, init_pg=False)[0]
     psi = out["psi"]
-    want = {1: 4 * psi + 12 * psi / 64, 2: 2 * psi + 14 * psi / 64, 3: 16 * psi / 64}[stage]
+    # The paper's formulas, except stage 3, which keeps no bf16 parameter shard: the gather
+    # casts the fp32 master (Note [Stage 3 parameter lifetime] in csrc/engine/gatherer.cpp),
+    # 14 B/param with bf16 reduce where the paper has 16.
+    paper = {1: 4 * psi + 12 * psi / 64, 2: 2 * psi + 14 * psi / 64, 3: 16 * psi / 64}[stage]
+    want = 14 * psi / 64 if stage == 3 else paper
     got = out["stats"]["model_state_bytes"]["total"]
     print(f"stage {stage}: stats {got / 1e9:.3f} GB, torch.cuda.memory_allocated {out['allocated'] / 1e9:.3f} GB, "
           f"peak {out['peak'] / 1e9:.3f} GB, paper {want / 1e9:.3f} GB (psi {psi / 1e9:.3f}B)")
@@ -247,7 +251,7 @@ def test_fake_backend_7_5b_memory(stage, paper_gb):
     assert abs(alloc - (want + buffers["total"])) <= 0.01 * want, \
         (f"stage {stage}: torch.cuda.memory_allocated {alloc / 1e9:.3f} GB vs model states {want / 1e9:.3f} GB "
          f"+ buffers {buffers['total'] / 1e9:.3f} GB")
-    assert abs(want / 1e9 * 7.5e9 / psi - paper_gb) <= 0.01 * paper_gb + 0.05
+    assert abs(paper / 1e9 * 7.5e9 / psi - paper_gb) <= 0.01 * paper_gb + 0.05
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

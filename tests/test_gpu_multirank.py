@@ -332,14 +332,16 @@ def test_cpu_smoke_of_the_suite():
 
 
 # ----------------------------------------------------------------------------- 2. mixed precision
-# Two recipes, each that of the CPU tests whose bounds are used: "mixed" as
-# test_mixed_precision.py (the GPT with biases, AdamW lr=3e-3 betas (0.9, 0.95), clipping
-# at 1.0, 4 sequences per rank, 200 steps), "quant" as cases.gpt_loss_curves (no biases,
-# AdamW lr=1e-2, 8 sequences, 60 steps).
+# One recipe, test_mixed_precision.py's (the GPT with biases, AdamW lr=3e-3 betas (0.9, 0.95),
+# clipping at 1.0, 4 sequences per rank, 200 steps), for the low-precision and the quantized
+# curves. The quantized runs once used cases.gpt_loss_curves' recipe (lr=1e-2, no clipping,
+# 60 steps): there the 10-step tail of a run moves by 1-2 % with the initial weights or the
+# summation order alone (exact stage 3 vs DDP 1.3 % apart on CPU, 1.1 % on an H100; int8
+# gradients 2.1 % from exact with seed 1234 against < 2 % with seed 1), so its 2-4 % bounds
+# measured chaos. Here exact stage 3 and DDP end 0.02 % apart and the bounds measure the
+# quantization (CPU dry run: int8 gathers 2.3 %, int8 gradients 1.0 %).
 RECIPES = {"mixed": dict(bias=True, adamw=dict(lr=3e-3, betas=(0.9, 0.95)), clip=1.0, rows=4, steps=200,
-                         seed=lambda rank, step: 7919 * step + rank),
-           "quant": dict(bias=False, adamw=dict(lr=1e-2), clip=None, rows=8, steps=60,
-                         seed=lambda rank, step: 1000 * rank + step)}
+                         seed=lambda rank, step: 7919 * step + rank)}
 
 
 def _curves(rank, world, device, modes, recipe):
@@ -353,6 +355,12 @@ def _curves(rank, world, device, modes, recipe):
     from gpt import GPT, CharDataset, GPTConfig
 
     dev = _device(device)
+    if dev.type == "cuda":
+        # The memory-efficient and flash attention backwards are not deterministic (seen on an
+        # H100: two runs of one configuration differ); the math backend is, so each curve is
+        # a function of its options alone and the comparisons below measure the options.
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
     r = RECIPES[recipe]
     data = CharDataset(DATA)
     cfg = GPTConfig(**{**TINY_GPT, "vocab_size": data.vocab_size, "bias": r["bias"]})
@@ -415,7 +423,7 @@ def _curve_runs(kind, world):
     if kind == "mixed":
         return _once((kind, world), lambda: _world(_curves, world, MIXED_MODES[world], "mixed")[0])
     modes = {k: v[0] for k, v in QUANT_MODES[world].items()}
-    return _once((kind, world), lambda: _world(_curves, world, modes, "quant")[0])
+    return _once((kind, world), lambda: _world(_curves, world, modes, "mixed")[0])   # the same recipe
 
 
 def _windows(losses, w=20):
@@ -449,7 +457,7 @@ def test_low_precision_follows_fp32_ddp(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_quantized_curves_follow_exact_and_ddp(world):
     c = _curve_runs("quant", world)
-    tail = {k: statistics.fmean(v["losses"][-10:]) for k, v in c.items()}
+    tail = {k: statistics.fmean(v["losses"][-20:]) for k, v in c.items()}
     assert tail["exact"] < c["exact"]["losses"][0] - 0.5, f"the exact run did not learn: {tail}"
     assert abs(tail["exact"] - tail["ddp"]) <= 0.01 * tail["ddp"], tail
     for mode, (_, bound) in QUANT_MODES[world].items():

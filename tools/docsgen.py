@@ -369,6 +369,9 @@ def gen_status(arg: str = "") -> str:
             "(`benchmarks/reference/<gpu>/gpu-check.json`)")
     if checks:
         head += ": " + ", ".join(f"`{rel}`" for rel, _ in checks)
+        notes = [rel.split("/")[0] + "/runs.md" for rel, _ in checks if (REFERENCE / rel).with_name("runs.md").exists()]
+        if notes:
+            head += " (how each ran, what was re-run and what is open: " + ", ".join(f"`{n}`" for n in notes) + ")"
     else:
         head += "; no such file is in the repository yet, so no GPU test result is claimed"
     head += ". Benchmarked on: the result files under `benchmarks/reference/`, shown on the Performance page.\n\n"

@@ -293,12 +293,17 @@ def _sharded(numel: int, chunks: list, local: list, rank: int):
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
+    # Placements name the device the pieces live on (the engine's): a Shard whose tensor
+    # is on cuda:0 must say so. Other ranks' device indices are not known here and are
+    # not read (DCP plans from the local shards and the sizes).
+    dev = local[0][1].device if local else torch.device("cpu")
     md = ShardedTensorMetadata(
-        shards_metadata=[ShardMetadata([o], [n], f"rank:{r}/cpu") for r, o, n in chunks],
+        shards_metadata=[ShardMetadata([o], [n], f"rank:{r}/{dev if r == rank else dev.type}")
+                         for r, o, n in chunks],
         size=torch.Size([numel]),
         tensor_properties=TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False,
                                            memory_format=torch.contiguous_format, pin_memory=False))
-    shards = [Shard(t, ShardMetadata([o], [t.numel()], f"rank:{rank}/cpu")) for o, t in local]
+    shards = [Shard(t, ShardMetadata([o], [t.numel()], f"rank:{rank}/{t.device}")) for o, t in local]
     st = ShardedTensorBase._init_from_local_shards_and_global_metadata(shards, md)
     st._process_group = None     # what ShardedTensor's own constructor sets; its size() reads it
     return st
