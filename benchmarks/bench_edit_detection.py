@@ -1,4 +1,4 @@
-"""What detecting in-place parameter edits costs per training step (issue 18).
+"""What detecting in-place parameter edits costs per training step.
 
     python benchmarks/bench_edit_detection.py            # 1-2 min on 2 busy cores
     python benchmarks/bench_edit_detection.py --reps 9 --steps 40

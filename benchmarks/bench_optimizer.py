@@ -300,7 +300,7 @@ def main():
 
     ours = results[0]
     by_name = {r["name"]: r for r in results}
-    # Issue 4's comparison: one pass with the bf16 copy-out against torch's fused step
+    # The mixed-precision comparison: one pass with the bf16 copy-out against torch's fused step
     # followed by a separate copy_ into a bf16 tensor (what a mixed-precision loop does).
     bf16_vs = (by_name["torch fused + bf16 copy"]["median_s"] / by_name["ours + bf16 out"]["median_s"]
                if "torch fused + bf16 copy" in by_name else None)

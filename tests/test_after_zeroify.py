@@ -1,9 +1,9 @@
-"""Issue 18: nothing a user does after zeroify() is silently lost. For every stage
+"""Nothing a user does after zeroify() is silently lost. For every stage
 and fp32/bf16: state-dict loads (on the wrapper, on .module, on a submodule, a
 full state dict into stage 3) and in-place edits either hold bit for bit through
 an lr=0 step, or raise a zero_ext error naming the fix; the wrapped torch
 optimizer, zeroify twice, add_param_group and dtype/device moves raise. One
-multi-rank load (3 ranks), and must-show 2: a 144 MiB full state dict loads into
+multi-rank load (3 ranks), and a large load: a 144 MiB full state dict loads into
 stage 3 at N=4 within one unit + the shard of extra memory per rank, and
 training then matches DDP started from the same weights."""
 import os
@@ -236,7 +236,7 @@ def test_load_on_three_ranks():
             _assert_same(r[stage, dtype]["params"], {k: v.to(low) for k, v in new.items()})
 
 
-# ---------------------------------------------------------------------------------- must-show 2
+# --------------------------------------------------------- a large full state dict into stage 3
 def _deep(layers, width, device=None):
     mods = []
     for _ in range(layers):
@@ -296,7 +296,7 @@ def _big_worker(rank, world, path, layers, width, steps):
 
 
 def test_full_state_dict_into_stage3_at_n4_memory_and_ddp_parity(tmp_path):
-    """Must-show 2: 16 x Linear(1536, 1536) = 144.1 MiB of fp32 parameters."""
+    """A large full state dict: 16 x Linear(1536, 1536) = 144.1 MiB of fp32 parameters."""
     world, layers, width, steps = 4, 16, 1536, 2
     path = os.path.join(tmp_path, "full.pt")
     torch.manual_seed(11)

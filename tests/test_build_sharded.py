@@ -1,9 +1,9 @@
-"""Issue 3 must-show 4: a model built on the meta device is materialized unit by
+"""A model built on the meta device is materialized unit by
 unit — it equals the unsharded model initialized with the same seed, and the peak
 resident-memory growth of each rank during zeroify stays within one unit + the
 shards + a bounded margin (measured from /proc, not assumed), also when the init_fn
-writes each unit's weight from its parent module (issue 14: the write opens the unit
-it touches, and only that one)."""
+writes each unit's weight from its parent module (the write opens the unit it
+touches, and only that one)."""
 import pytest
 import torch
 from torch import nn

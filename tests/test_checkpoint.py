@@ -115,7 +115,7 @@ def saved(tmp_path_factory):
     return tmp, out, time.monotonic() - t0
 
 
-# ----------------------------------------------------------------------------- must-show 1
+# -------------------------------------------------- resume at another world size and stage
 def _resume_world(rank, world, tmp, pairs):
     import zero_ext
     out = {}
@@ -150,7 +150,7 @@ def test_resume_at_other_world_size_and_stage(saved, world):
             assert r["lr"] == pytest.approx(ref[s]["lr"]), f"{name}: scheduler state not restored"
 
 
-# ----------------------------------------------------------------------------- must-show 2
+# ------------------------------------------------------------------- offline consolidation
 def test_offline_consolidation_to_plain_torch(saved, tmp_path):
     """python -m zero_ext.consolidate, no process group: the file loads into the plain
     model and a plain torch AdamW, equals the in-memory streamed consolidation, and 10
@@ -188,7 +188,7 @@ def test_offline_consolidation_to_plain_torch(saved, tmp_path):
         assert rel <= ADAMW_REL, f"stage {s}: plain continuation differs by {rel:.3g}"
 
 
-# ----------------------------------------------------------------------------- must-show 3
+# ------------------------------------------------- streamed consolidation, measured memory
 def _vm(field):
     with open("/proc/self/status") as f:
         for line in f:
@@ -265,7 +265,7 @@ def test_streamed_consolidation_memory():
     assert r0["naive_peak"] >= 1.5 * model_bytes, "the measurement does not see a model-sized gather"
 
 
-# ----------------------------------------------------------------------------- must-show 4
+# ------------------------------------------------------------------------------ dead ranks
 def _dying_world(rank, world, tmp, how):
     import signal
 
@@ -344,7 +344,7 @@ def test_dead_rank_fails_the_others_and_checkpoint_survives(tmp_path):
             assert torch.equal(v, zm.state_dict()[k]), (how, k)
 
 
-# ----------------------------------------------------------------------------- must-show 5
+# --------------------------------------------------------------------- damaged checkpoints
 def _bad_world(rank, world, cases):
     import zero_ext
     from cases import MLP

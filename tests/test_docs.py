@@ -1,4 +1,4 @@
-"""The front door and the docs site state only what the repository holds (issue 29).
+"""The front door and the docs site state only what the repository holds.
 
 - README.md is short, keeps its two set-up commands and `pip install`, and its generated
   regions (the headline figures, the status table) are what tools/docsgen.py makes now

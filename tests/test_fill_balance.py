@@ -1,11 +1,11 @@
-"""Note [Filling atomic buckets] (csrc/core/zx_core.h), issue 16 must-show 2: the
-planned optimizer-state bytes per rank for the Muon recipe (Muon over the hidden
-matrices, AdamW over embeddings, norms and biases) when AdamW's tensors fill the
-padding of Muon's whole-tensor buckets, against today's layout (whole tensors
-alone), from the C planner itself (zero_ext._C.plan_balance, the inputs the engine
-gives it at stage 2), with the state sizes torch's own optimizers allocate. This is
-the plan; tests/test_fill_engine.py shows the engine laying it out (each rank holds
-the state planned for it)."""
+"""Note [Filling atomic buckets] (csrc/core/zx_core.h): the planned optimizer-state
+bytes per rank for the Muon recipe (Muon over the hidden matrices, AdamW over
+embeddings, norms and biases) when AdamW's tensors fill the padding of Muon's
+whole-tensor buckets, against the layout of whole tensors alone, from the C planner
+itself (zero_ext._C.plan_balance, the inputs the engine gives it at stage 2), with
+the state sizes torch's own optimizers allocate. This is the plan;
+tests/test_fill_engine.py shows the engine laying it out (each rank holds the state
+planned for it)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Issue 16 must-show 2 in the engine: with Muon + AdamW in stages 1-2, AdamW's
+"""The filled layout in the engine: with Muon + AdamW in stages 1-2, AdamW's
 tensors are cut into pieces that fill the padding of Muon's whole-tensor buckets
 (Note [Cut parameters] in csrc/engine/fill.cpp), and the fused step keeps
 per-element state only where it steps (Note [State windows]). Shown here:
@@ -99,7 +99,7 @@ def _fake_worker(rank, world, n, model_kind, ranks):
 @pytest.mark.parametrize("model_kind", ["gpt24m", "example-gpt"])
 @pytest.mark.parametrize("n", [8, 64])
 def test_state_balance_fake_backend(n, model_kind):
-    """Must-show 2 at N = 8 and 64 on the fake backend (one process plays ranks of
+    """The filled layout at N = 8 and 64 on the fake backend (one process plays ranks of
     N, no data moves): a real zeroify + step at a few ranks, whose held state equals
     the plan's for that rank; the plan's max/mean over all N ranks <= 1.1 for the
     24-layer model of GPT-2 medium's proportions. The example GPT (4 layers, 16

@@ -1,4 +1,4 @@
-"""Issue 14 F: stage 3 shards frozen parameters (requires_grad=False) like trainable
+"""Stage 3 shards frozen parameters (requires_grad=False) like trainable
 ones, gathered with their unit, with no gradient, master or optimizer state
 (Note [Stage 3 frozen parameters] in csrc/engine/frozen.cpp).
 

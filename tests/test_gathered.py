@@ -1,4 +1,4 @@
-"""Issue 3 must-show 6: zero_ext.gathered_parameters — an edit made on the modifier
+"""zero_ext.gathered_parameters — an edit made on the modifier
 rank is visible on every rank afterwards (and training goes on from it, identically
 on all ranks); without a modifier rank the parameters are read-only."""
 import pytest

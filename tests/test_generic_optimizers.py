@@ -1,4 +1,4 @@
-"""Must-show 2: every elementwise torch.optim optimizer zero_ext accepts runs
+"""Every elementwise torch.optim optimizer zero_ext accepts runs
 through the generic path (the user's optimizer class over 1-D views of the local
 shard) and matches DDP + the same plain torch optimizer; plus the fused kernels'
 less common options (dampening, maximize, Adam's L2 weight decay)."""

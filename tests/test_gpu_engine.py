@@ -1,4 +1,4 @@
-"""The engine on CUDA parameters (GPU issue, must-shows 2b-2e), on one GPU.
+"""The engine on CUDA parameters, on one GPU.
 
   - stages 0-3 at world size 1, fp32 and bf16 (fp32 masters): parameters after 20
     steps against plain torch AdamW(fused=True) on the same GPU, same model and data;
@@ -257,9 +257,9 @@ def test_fake_backend_7_5b_memory(stage, paper_gb):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_steady_state_steps_do_not_synchronize(stage, dtype):
-    """Must-show 2d: clip_grad_norm_ (a device tensor back), fp16 dynamic loss scaling
-    (verdict and scale update on the device), the fused step and the gathers raise
-    nothing under torch.cuda.set_sync_debug_mode("error")."""
+    """clip_grad_norm_ (a device tensor back), fp16 dynamic loss scaling (verdict and
+    scale update on the device), the fused step and the gathers raise nothing under
+    torch.cuda.set_sync_debug_mode("error")."""
     model = build_model("gpt").to(DEV)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype=dtype)

@@ -1,4 +1,4 @@
-"""Several ranks on one GPU, each run against DDP on the same GPU (issue 26, part 2).
+"""Several ranks on one GPU, each run against DDP on the same GPU.
 
 NCCL refuses two ranks on one device, so 2 and 4 ranks share cuda:0 over a CUDA-only
 gloo group, init_process_group("cuda:gloo") (DESIGN.md §11): the shape of an NCCL group,

@@ -1,4 +1,4 @@
-"""Issue 14: Hugging Face transformers models, built from small configs (never
+"""Hugging Face transformers models, built from small configs (never
 from_pretrained, no network), trained as their authors train them, against DDP + the
 same torch optimizer: GPT-2, Llama, BERT pretraining heads on the MLM loss alone, T5,
 a Mixtral-style mixture of experts and a PEFT LoRA (r=4 on q and v) on Llama; stages

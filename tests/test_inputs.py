@@ -1,4 +1,4 @@
-"""Must-show 7: bad inputs raise clear exceptions before any collective, and no
+"""Bad inputs raise clear exceptions before any collective, and no
 rank is left hanging — every case runs on 2 real gloo ranks under a timeout."""
 import pytest
 

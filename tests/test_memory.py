@@ -1,4 +1,4 @@
-"""Must-show 4: model-state bytes per rank follow the fp32 formulas of the README's table
+"""Model-state bytes per rank follow the fp32 formulas of the README's table
 (stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N, with Adam) within 1%, with
 the fixed buffers reported separately — on real gloo ranks and, for large N, on
 torch's fake backend (one process allocating what rank 0 of N would)."""

@@ -1,4 +1,4 @@
-"""Issue 14: meta-device builds lose nothing (zero_ext/materialize.py, Note [Meta builds
+"""Meta-device builds lose nothing (zero_ext/materialize.py, Note [Meta builds
 lose nothing]).
 
 * An init_fn that, called on a parent, writes a child's parameter (value 7) lands, in

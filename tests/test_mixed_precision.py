@@ -1,4 +1,5 @@
-"""Issue 4, mixed precision, on real gloo ranks (and the fake backend for memory).
+"""Mixed precision (bf16/fp16 compute, fp32 masters) on real gloo ranks, and the
+fake backend for memory.
 
 1. bf16 compute with fp32 master weights, every stage, 200 steps of the small GPT
    on tinyshakespeare: (a) equals, step by step, a reference that emulates the same

@@ -1,4 +1,4 @@
-"""Must-show 1-3: zero_ext stages 0-2 train exactly like DDP + the same torch
+"""Stages 0-2 of zero_ext train exactly like DDP + the same torch
 optimizer, for world sizes 1-4 (parameter counts that divide none of them), on an
 MLP and on the small GPT; with two param groups + StepLR, gradient accumulation
 under no_sync(), a frozen parameter, and gradient clipping; and they communicate

@@ -1,4 +1,4 @@
-"""The README's multi-GPU launch, executed as written (issue 26, part 5).
+"""The README's multi-GPU launch, executed as written.
 
 README.md's "GPUs" section holds the launch line (the first line starting with
 "torchrun --standalone"); the script it runs is shown in full on the docs page

@@ -51,7 +51,7 @@ def check_parity(name, r, world):
 
 
 def check_work(name, r, results, world, stage):
-    """Must-show 4: Newton-Schulz once per matrix per step across all ranks."""
+    """Newton-Schulz once per matrix per step across all ranks."""
     steps = len(r["ns_per_step"])
     if r["matrices"]:
         for k in range(steps):
@@ -63,7 +63,7 @@ def check_work(name, r, results, world, stage):
 
 
 def check_comm(name, r, stage, world):
-    """Must-show 3: per step reduce-scatter Ψ + all-gather Ψ (padding included),
+    """Per step reduce-scatter Ψ + all-gather Ψ (padding included),
     nothing else, in stages 1-2."""
     if stage not in (1, 2) or world == 1:
         return
@@ -143,7 +143,7 @@ def _balance_worker(rank, world, n, model_kind):
 @pytest.mark.parametrize("model_kind", ["gpt", "gpt24"])
 @pytest.mark.parametrize("n", [8, 64])
 def test_whole_tensor_balance(n, model_kind):
-    """Must-show 2: Muon state and Newton-Schulz cost per rank, max/mean, from the
+    """Muon state and Newton-Schulz cost per rank, max/mean, from the
     plan at N = 8 and 64 (fake backend). Whole tensors cannot balance better than
     the classic bound max(mean, p_N + p_(N+1)) (two of the N+1 largest share a rank)."""
     from balance_models import lower_bound

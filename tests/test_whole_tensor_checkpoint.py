@@ -1,4 +1,4 @@
-"""Must-show 5: a checkpoint of Muon + AdamW saved at N=4 stage 2 loads at N=3
+"""A checkpoint of Muon + AdamW saved at N=4 stage 2 loads at N=3
 stage 3 and at N=1, holding exactly the saved state, and training continues as
 it does at N=4 (within the parity tolerance); offline consolidation gives state
 dicts that plain torch Muon and AdamW load, and continuing with them matches."""

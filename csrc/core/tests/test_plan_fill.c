@@ -336,7 +336,7 @@ static figures plan_figures(problem *pr, int32_t N, int fill) {
     return f;
 }
 
-/* The balance report (issue 16, must-show 2): state bytes max/mean per rank with
+/* The balance report: state bytes max/mean per rank with
  * whole tensors alone and with filling, padding as a fraction of the elements,
  * Newton-Schulz cost max/mean (filling leaves it alone). */
 static void gpt_report(void) {
