@@ -2,93 +2,17 @@
  *
  * Compiled with the core's plain flags: each function enables the ISA itself with
  * a target attribute, and zx_kernels.c only calls here after zx_cpu_supports().
- * The optimizer bodies come from zx_kernels_simd.inc (Note [One SIMD body, two
- * vocabularies]); what is specific to AVX-512 lives here: the vocabulary, the
- * gradient scan and the fp32 -> bf16/fp16 conversions. bf16 uses vcvtneps2bf16
+ * The optimizer bodies come from zx_kernels_simd.inc, written in the AVX-512
+ * vocabulary of zx_simd_avx512.h (Note [One SIMD body, two vocabularies] in
+ * zx_simd.h); what is specific to the kernels on AVX-512 lives here: the gradient
+ * scan and the fp32 -> bf16/fp16 conversions. bf16 uses vcvtneps2bf16
  * when the CPU has AVX512-BF16, else the same integer rounding as the reference.
  */
 #include "zx_kernels_internal.h"
 
 #if ZX_HAVE_X86_SIMD
-#include <immintrin.h>
-
-#define ZX_SIMD_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
-#define ZX_SIMD_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#define ZX_SIMD_SUFFIX avx512
-
-/* ---- vocabulary ---- */
-typedef __m512 vec;
-#define VEC_WIDTH 16
-
-static inline ZX_SIMD_TARGET vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline ZX_SIMD_TARGET void vec_store(float *p, vec a) { _mm512_storeu_ps(p, a); }
-static inline ZX_SIMD_TARGET vec vec_set1(float a) { return _mm512_set1_ps(a); }
-static inline ZX_SIMD_TARGET vec vec_add(vec a, vec b) { return _mm512_add_ps(a, b); }
-static inline ZX_SIMD_TARGET vec vec_sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-static inline ZX_SIMD_TARGET vec vec_mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-static inline ZX_SIMD_TARGET vec vec_div(vec a, vec b) { return _mm512_div_ps(a, b); }
-static inline ZX_SIMD_TARGET vec vec_sqrt(vec a) { return _mm512_sqrt_ps(a); }
-static inline ZX_SIMD_TARGET vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-/* torch.maximum: vmaxps gives (a > b ? a : b); lanes with a NaN get a + b (NaN). */
-static inline ZX_SIMD_TARGET vec vec_max_nan(vec a, vec b) {
-    __mmask16 nan = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
-    return _mm512_mask_add_ps(_mm512_max_ps(a, b), nan, a, b);
-}
-static inline ZX_SIMD_TARGET vec vec_load_bf16(const uint16_t *p) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-static inline ZX_SIMD_TARGET vec vec_load_f16(const uint16_t *p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-}
-
-/* Round 16 fp32 to bf16 exactly like zx_f32_to_bf16_ref, with integer arithmetic. */
-static inline ZX_SIMD_TARGET __m256i bf16_round_int(__m512 x) {
-    __m512i u = _mm512_castps_si512(x);
-    __m512i hi = _mm512_srli_epi32(u, 16);
-    __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    r = _mm512_srli_epi32(r, 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x0040));  /* quiet NaN */
-    return _mm512_cvtepi32_epi16(r);
-}
-
-/* Note [Streaming copy-out]
- * The optimizer's copy-out writes a low-precision array nothing reads before the
- * all-gather, usually far larger than the caches. A plain store first reads each
- * destination line (write-allocate): +2 bytes of traffic per parameter on top of
- * the 2 written. With stream = 1 the aligned middle uses non-temporal stores
- * (vmovntdq), which write whole lines without reading them; an sfence at the end
- * orders them before whatever the caller does next. */
-static ZX_SIMD_TARGET inline void store16(uint16_t *dst, __m256i r, int stream) {
-    if (stream)
-        _mm256_stream_si256((__m256i *)dst, r);
-    else
-        _mm256_storeu_si256((__m256i *)dst, r);
-}
-
-/* Elements to convert with the reference before dst is 32-byte aligned (stream only). */
-static size_t stream_head(size_t n, const uint16_t *dst, int stream) {
-    if (!stream) return 0;
-    size_t head = ((32 - ((uintptr_t)dst & 31)) & 31) / sizeof *dst;
-    if ((uintptr_t)dst & 1) head = n;   /* odd address: never aligned, no streaming */
-    return head < n ? head : n;
-}
-
-/* One vector of the low-precision copy (lp_dtype ZX_BF16 or ZX_F16), streamed past the
- * caches when `stream` (Note [Streaming copy-out]; dst then 32-byte aligned). */
-static inline ZX_SIMD_TARGET void vec_store_lp(uint16_t *dst, vec a, int lp_dtype, int stream) {
-    __m256i r = lp_dtype == ZX_BF16 ? bf16_round_int(a) : _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT);
-    if (stream)
-        _mm256_stream_si256((__m256i *)dst, r);
-    else
-        _mm256_storeu_si256((__m256i *)dst, r);
-}
-#define VEC_LP_ALIGN 32
-static inline ZX_SIMD_TARGET void vec_store_fence(void) { _mm_sfence(); }
-
-#include "zx_kernels_simd.inc"
+#include "zx_simd_avx512.h"     /* defines: vec, vec_*, ZX_SIMD_TARGET(_BF16), ZX_SIMD_NAME */
+#include "zx_kernels_simd.inc"  /* defines: zx_adam_avx512, zx_adam_lp_avx512, zx_sgd_avx512, ... */
 
 /* ---- gradient scan ---- */
 ZX_SIMD_TARGET
@@ -121,10 +45,27 @@ void zx_grad_sumsq_avx512(size_t n, const float *grad, float scale, double *sums
 
 /* ---- fp32 -> bf16 / fp16 ---- */
 
+/* Note [Streaming copy-out]
+ * The optimizer's copy-out writes a low-precision array nothing reads before the
+ * all-gather, usually far larger than the caches. A plain store first reads each
+ * destination line (write-allocate): +2 bytes of traffic per parameter on top of
+ * the 2 written. With stream = 1 the aligned middle uses non-temporal stores
+ * (vmovntdq), which write whole lines without reading them; an sfence at the end
+ * orders them before whatever the caller does next. */
+
+/* Elements to convert with the reference before dst is 32-byte aligned (stream only). */
+static size_t stream_head(size_t n, const uint16_t *dst, int stream) {
+    if (!stream) return 0;
+    size_t head = ((32 - ((uintptr_t)dst & 31)) & 31) / sizeof *dst;
+    if ((uintptr_t)dst & 1) head = n;   /* odd address: never aligned, no streaming */
+    return head < n ? head : n;
+}
+
 static ZX_SIMD_TARGET void cast_bf16_int(size_t n, const float *src, uint16_t *dst, int stream) {
     size_t i = stream_head(n, dst, stream);
     zx_cast_from_f32_ref(i, src, dst, ZX_BF16);
-    for (; i + 16 <= n; i += 16) store16(dst + i, bf16_round_int(_mm512_loadu_ps(src + i)), stream);
+    for (; i + VEC_WIDTH <= n; i += VEC_WIDTH)
+        vec_u16_store(dst + i, vec_to_bf16(vec_load(src + i)), stream);
     zx_cast_from_f32_ref(n - i, src + i, dst + i, ZX_BF16);
 }
 
@@ -141,8 +82,8 @@ static ZX_SIMD_TARGET_BF16 void cast_bf16_native(size_t n, const float *src, uin
         __m512i a = _mm512_and_si512(_mm512_castps_si512(x), abs_mask);
         __mmask16 sub = _mm512_cmplt_epi32_mask(a, min_normal) &
                         _mm512_test_epi32_mask(a, a);
-        if (sub) r = bf16_round_int(x);
-        store16(dst + i, r, stream);
+        if (sub) r = vec_to_bf16(x);
+        vec_u16_store(dst + i, r, stream);
     }
     zx_cast_from_f32_ref(n - i, src + i, dst + i, ZX_BF16);
 }
@@ -158,11 +99,11 @@ void zx_cast_from_f32_avx512(size_t n, const float *src, void *dst, zx_dtype dty
     } else {
         size_t i = stream_head(n, out, stream);
         zx_cast_from_f32_ref(i, src, out, ZX_F16);
-        for (; i + 16 <= n; i += 16)
-            store16(out + i, _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT), stream);
+        for (; i + VEC_WIDTH <= n; i += VEC_WIDTH)
+            vec_u16_store(out + i, vec_to_f16(vec_load(src + i)), stream);
         zx_cast_from_f32_ref(n - i, src + i, out + i, ZX_F16);
     }
-    if (stream) _mm_sfence();
+    if (stream) vec_store_fence();
 }
 
 #else

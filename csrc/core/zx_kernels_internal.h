@@ -5,6 +5,8 @@
  *   zx_kernels_avx2.c    AVX2+FMA+F16C kernels                          defines: zx_*_avx2
  *   zx_kernels_avx512.c  AVX-512 (F/BW/VL, optional BF16) kernels       defines: zx_*_avx512
  *   zx_kernels_simd.inc  the one algorithm body both SIMD files instantiate
+ *   zx_simd_avx2.h, zx_simd_avx512.h   each ISA's vector vocabulary, shared with the
+ *                        quantization kernels (contract: zx_simd.h)
  *
  * Note [Bit-exact SIMD]
  * ~~~~~~~~~~~~~~~~~~~~~

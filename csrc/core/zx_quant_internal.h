@@ -5,7 +5,8 @@
  *   zx_quant_ref.c       scalar reference chunk kernels (the oracle)  defines: zx_q_*_ref
  *   zx_quant_avx2.c      AVX2 chunk kernels                           defines: zx_q_*_avx2
  *   zx_quant_avx512.c    AVX-512 chunk kernels                        defines: zx_q_*_avx512
- *   zx_quant_simd.inc    the one SIMD body both files instantiate
+ *   zx_quant_simd.inc    the one SIMD body both files instantiate, in the vocabulary
+ *                        of zx_simd_avx2.h / zx_simd_avx512.h (the kernels' own)
  *
  * The chunk kernels see fp32 only and never a whole block's logic: the entry points
  * compute the block's amax (zx_q_absmax_*), its scale (zx_quant_block_scale, written
