@@ -1,6 +1,6 @@
 """Model-state bytes per parameter by category, per rank: zero_ext beside FSDP2 and DeepSpeed
 stage 3, on the same GPT (examples/gpt.py), real gloo ranks on the CPU; and, with a GPU, the
-GPU peak of zero_ext stage 3 bf16 beside FSDP2 bf16 (issue 28).
+GPU peak of zero_ext stage 3 bf16 beside FSDP2 bf16.
 
     python benchmarks/bench_memory_peers.py                    # N = 2 and 4, every system below
     python benchmarks/bench_memory_peers.py --worlds 2 --systems zero_ext,fsdp2

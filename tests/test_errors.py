@@ -1,4 +1,4 @@
-"""Issue 29 part 4: every error a user can trigger names the object (a parameter by its
+"""Every error a user can trigger names the object (a parameter by its
 name, also from C++), what was expected, and the fix.
 
 A table of (trigger, exception, expected substrings) walks the documented bad inputs
