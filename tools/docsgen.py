@@ -87,6 +87,7 @@ def spread(d: dict, fmt: str = ".2f", unit: str = "x") -> str:
 
 H200 = "h200"
 EPYC = "epyc-avx2-2026-11-23"
+XEON = "xeon-avx512-2026-11-25"
 
 
 def gen_perf_headline(arg: str = "") -> str:
@@ -216,6 +217,33 @@ def gen_perf_whole(arg: str = "") -> str:
             f"width {d['n_embd']}, {d['steps']} steps.\n\n")
     text += table(["system", "step time vs DDP", "optimizer state of the most loaded rank vs DDP", "max / mean",
                    "final loss vs DDP"], rows)
+    return text + "\n" + source_line(rel)
+
+
+def gen_perf_memory(arg: str = "") -> str:
+    """Model-state bytes per parameter by category: zero_ext beside FSDP2 and DeepSpeed stage 3."""
+    rel = f"{XEON}/bench_memory_peers.json"
+    d = ref(rel)
+    names = {"zero_ext": "zero_ext", "fsdp2": "FSDP2 `fully_shard`", "deepspeed": "DeepSpeed"}
+    cats = ("parameters", "gradients", "master_weights", "optimizer_states", "total")
+    rows = []
+    for p in d["points"]:
+        if "bytes" not in p:
+            continue
+        n = p["world_size"]
+        per = [f"{p['bytes'][c] * n / p['num_params']:.2f}" for c in cats]
+        check = "yes" if p.get("agree") else ("-" if "agree" not in p else "NO")
+        rows.append([str(n), f"{names.get(p['family'], p['family'])} {p['config']}", *per, check])
+    m = d["model"]
+    text = (f"Model state held by one rank after one AdamW step, times N, per parameter (bytes): the "
+            f"{m['num_params'] / 1e6:.2f}M-parameter GPT of `examples/gpt.py` ({m['layers']} layers, width "
+            f"{m['width']}) on N gloo ranks. Sharded state reads as bytes per parameter of the whole job; what "
+            f"each rank holds whole (stages 1-2 parameters, stage 1 gradients) counts N times. Stage 3 keeps "
+            f"no bf16 parameter shard (each gather casts the fp32 master). zero_ext's figures are "
+            f"`opt.stats()`, checked against `estimate_memory` on every rank; the peers' are their sharded "
+            f"tensors as allocated.\n\n")
+    text += table(["N", "system", "parameters", "gradients", "fp32 master", "Adam states", "total",
+                   "stats() = estimate"], rows)
     return text + "\n" + source_line(rel)
 
 
@@ -597,12 +625,13 @@ def gen_errors(arg: str = "") -> str:
 GENERATORS = {
     "perf-headline": gen_perf_headline, "perf-optimizer-gpu": gen_perf_optimizer_gpu,
     "perf-optimizer-cpu": gen_perf_optimizer_cpu, "perf-units": gen_perf_units, "perf-comm": gen_perf_comm,
-    "perf-comm-hier": gen_perf_comm_hier, "perf-whole": gen_perf_whole, "status": gen_status,
+    "perf-comm-hier": gen_perf_comm_hier, "perf-whole": gen_perf_whole, "perf-memory": gen_perf_memory,
+    "status": gen_status,
     "notes": gen_notes, "options": gen_options, "deepspeed-keys": gen_deepspeed_keys, "errors": gen_errors,
 }
 # Generators whose text states figures read from benchmarks/reference/ (exempt from the stray-figure scan).
 FROM_REFERENCE = {"perf-headline", "perf-optimizer-gpu", "perf-optimizer-cpu", "perf-units", "perf-comm",
-                  "perf-comm-hier", "perf-whole", "status"}
+                  "perf-comm-hier", "perf-whole", "perf-memory", "status"}
 
 
 def generate(name: str, arg: str | None = None) -> str:
