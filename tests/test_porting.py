@@ -52,12 +52,22 @@ def apply(text: str, hunks, name: str = SCRIPT.name) -> str:
     return text
 
 
-def run(script: pathlib.Path, out: pathlib.Path, **extra_env) -> dict:
+def run(script: pathlib.Path, out: pathlib.Path, peer: bool = False, **extra_env) -> dict:
+    """Run `script` on 2 ranks with torchrun; its results (JSON) from `out`. `peer`: the
+    script is the framework's own (DDP, FSDP2, DeepSpeed), no zero_ext in it: when one of
+    its ranks is killed by a signal inside torch, it is run once more, saying so. Seen once
+    in CI: the unmodified FSDP2 script's rank 1 aborted after its last step ("terminate
+    called without an active exception", exit -6) and passed on every other run."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples")]), OMP_NUM_THREADS="1",
                **extra_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    root = re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", proc.stderr, re.S)   # torchrun's report
+    if peer and proc.returncode != 0 and root and int(root.group(1)) < 0:
+        print(f"{script.name}: a rank of the reference run died by a signal inside torch; running it again:\n"
+              f"{proc.stderr[-1500:]}")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(out.read_text())
 
@@ -69,7 +79,7 @@ def close(a: float, b: float) -> bool:
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory) -> dict:
     """examples/port_from_ddp.py under DDP on 2 ranks: the oracle of the DDP and DeepSpeed ports."""
-    return run(SCRIPT, tmp_path_factory.mktemp("ddp") / "ddp.json")
+    return run(SCRIPT, tmp_path_factory.mktemp("ddp") / "ddp.json", peer=True)
 
 
 def test_ddp_guide_diff_trains_like_ddp(tmp_path, ddp):
@@ -117,7 +127,7 @@ def test_fsdp2_guide_diff_trains_like_fsdp2(tmp_path):
     body = ported.read_text().split('"""', 2)[2]
     assert "fully_shard" not in body and "dcp." not in body, "the ported script still uses FSDP2 / DCP"
     (tmp_path / "data").symlink_to(ROOT / "examples" / "data")
-    fsdp2 = run(FSDP2_SCRIPT, tmp_path / "fsdp2.json")
+    fsdp2 = run(FSDP2_SCRIPT, tmp_path / "fsdp2.json", peer=True)
     zero = run(ported, tmp_path / "zero.json")
     print(f"\nlosses FSDP2 {[round(x, 4) for x in fsdp2['losses']]}\n       zero {[round(x, 4) for x in zero['losses']]}")
     rel = [abs(a - b) / max(abs(a), 1.0) for a, b in zip(fsdp2["losses"], zero["losses"])]
@@ -164,7 +174,7 @@ def test_deepspeed_script_trains_like_ddp(tmp_path, ddp):
     """The "before" of the DeepSpeed guide, where DeepSpeed is installed (make bench installs
     it; make test does not): with examples/ds_config.json its engine computes what DDP does,
     so the ported zero_ext script's equality with DDP is equality with DeepSpeed."""
-    ds = run(DS_SCRIPT, tmp_path / "ds.json", **({} if torch_has_cuda() else {"DS_ACCELERATOR": "cpu"}))
+    ds = run(DS_SCRIPT, tmp_path / "ds.json", peer=True, **({} if torch_has_cuda() else {"DS_ACCELERATOR": "cpu"}))
     print(f"\nlosses DDP {[round(x, 4) for x in ddp['losses']]}\n  DeepSpeed {[round(x, 4) for x in ds['losses']]}")
     bad = [(k, a, b) for k, (a, b) in enumerate(zip(ddp["losses"], ds["losses"])) if not close(a, b)]
     assert len(ddp["losses"]) == len(ds["losses"]) and not bad, f"DeepSpeed's losses differ from DDP's: {bad}"
