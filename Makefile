@@ -1,5 +1,7 @@
 # zero_ext — set-up, build, test, demo. Every target does its own set-up and is idempotent.
 #   make test    build everything (venv, torch, the extension) and pass the tests
+#   make check   the quick tier: the C core's tests and every test that starts no process
+#                (pytest -m "not dist and not slow", tests/conftest.py); under 2 minutes after the build
 #   make demo    the main job: GPT training on 2 CPU ranks, ZeRO vs DDP, side by side
 #   make docs    the documentation site (mkdocs --strict) into build/site; make test builds it too
 #   make bench   the benchmarks (tables + JSON under benchmarks/results/); installs DeepSpeed, a peer
@@ -20,7 +22,7 @@ ZX_SYSTEM_TORCH ?= 0
 PYTEST_ARGS ?=
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/engine/*.cpp csrc/engine/*.h csrc/core/*.c csrc/core/*.h csrc/core/*.inc csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh) setup.py
 
-.PHONY: all venv build test core-test docs pytest demo bench gpu-check clean
+.PHONY: all venv build test check core-test docs pytest demo bench gpu-check clean
 
 all: build
 
@@ -50,7 +52,7 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 build: $(VENV)/.built
 
 core-test:
-	$(MAKE) -C csrc/core test
+	$(MAKE) -C csrc/core -j2 test
 
 pytest: build
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
@@ -61,6 +63,9 @@ docs: $(VENV)/.deps
 	$(PY) -m mkdocs build --strict -q
 
 test: core-test docs pytest
+
+check: core-test build
+	$(PY) -m pytest -q -m "not dist and not slow" --durations=10 $(PYTEST_ARGS) tests
 
 demo: build
 	$(PY) examples/demo.py

@@ -1,7 +1,35 @@
+"""Test tiers (pyproject.toml registers the markers):
+
+  dist   the test starts processes: a world of ranks (dist_harness.run_world), torchrun,
+         or another Python interpreter (examples, the notebook, a CLI)
+  slow   the test takes long without starting a world (compilers, the docs site)
+
+`make check` runs `pytest -m "not dist and not slow"` (kernels, planner, config,
+estimator, the engine at world size 1 in this process); `make test` runs everything.
+A test that calls run_world without the `dist` mark fails (dist_harness.SPAWN_ALLOWED).
+"""
 import os
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")):
     if p not in sys.path:
         sys.path.insert(0, p)
+
+import dist_harness  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # before the test's fixtures: a module fixture that starts a world runs in the setup
+    # of the first test that asks for it
+    dist_harness.SPAWN_ALLOWED = item.get_closest_marker("dist") is not None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _standing_worlds():
+    """Standing worlds live for one test module (Note [Standing worlds] in dist_harness.py)."""
+    yield
+    dist_harness.end_standing_worlds()

@@ -224,6 +224,7 @@ def _load_worker(rank, world, new):
     return out
 
 
+@pytest.mark.dist
 def test_load_on_three_ranks():
     """Each rank writes only its fragments, with no collective; every rank ends with
     the loaded values, and the assembled fp32 masters equal them bit for bit."""
@@ -295,6 +296,7 @@ def _big_worker(rank, world, path, layers, width, steps):
             "keys": (res.missing_keys, res.unexpected_keys)}
 
 
+@pytest.mark.dist
 def test_full_state_dict_into_stage3_at_n4_memory_and_ddp_parity(tmp_path):
     """A large full state dict: 16 x Linear(1536, 1536) = 144.1 MiB of fp32 parameters."""
     world, layers, width, steps = 4, 16, 1536, 2

@@ -51,6 +51,7 @@ def _measure_and_choose(rank, world, n, pdt, rdt, accum):
     return measured, chosen, error
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("pdt,rdt,accum", [("fp32", "fp32", 1), ("bf16", "fp32", 1), ("bf16", "fp32", 2),
                                           ("bf16", "bf16", 3)])
 def test_auto_picks_cheapest_fitting_stage(pdt, rdt, accum):

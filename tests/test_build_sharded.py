@@ -10,6 +10,8 @@ from torch import nn
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 
 def gpt_init(m):
     """The same init for both sides (children before parents, as model.apply)."""

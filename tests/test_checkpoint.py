@@ -130,6 +130,7 @@ def _resume_world(rank, world, tmp, pairs):
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_resume_at_other_world_size_and_stage(saved, world):
     """Saved at N=4 in stages 1, 2, 3 after 10 steps; resumed at N=world, each in
@@ -151,6 +152,7 @@ def test_resume_at_other_world_size_and_stage(saved, world):
 
 
 # ------------------------------------------------------------------- offline consolidation
+@pytest.mark.dist
 def test_offline_consolidation_to_plain_torch(saved, tmp_path):
     """python -m zero_ext.consolidate, no process group: the file loads into the plain
     model and a plain torch AdamW, equals the in-memory streamed consolidation, and 10
@@ -247,6 +249,7 @@ def _memory_world(rank, world, bucket_bytes):
             "max_bucket_bytes": 4 * world * max(t.numel() for t in zo._engine.param_shards())}
 
 
+@pytest.mark.dist
 def test_streamed_consolidation_memory():
     """Consolidating a 4.5 MB (fp32) model with AdamW on rank 0 of 2: the peak RSS
     growth beyond the result itself stays within one bucket (~256 KiB) + 1 MiB of
@@ -308,6 +311,7 @@ def _dying_world(rank, world, tmp, how):
     return "finished"
 
 
+@pytest.mark.dist
 def test_dead_rank_fails_the_others_and_checkpoint_survives(tmp_path):
     """A rank SIGKILLed mid-step (stage 3), or mid-save while writing its shard (stage
     2): the others exit with an error naming it within seconds, and the last complete
@@ -366,6 +370,7 @@ def _bad_world(rank, world, cases):
     return out
 
 
+@pytest.mark.dist
 def test_damaged_and_mismatched_checkpoints(saved, tmp_path):
     """Each problem gets its own message, the same on every rank, before anything is
     read (and the ranks go on to the next case: nobody hangs); the offline tool
@@ -439,6 +444,7 @@ def _others_resume_world(rank, world, tmp):
     return out
 
 
+@pytest.mark.dist
 def test_other_optimizers_and_paths(saved):
     """Fused SGD (momentum; saved in stage 0, where only rank 0 writes), RMSprop and
     AdamW on the generic path (torch's optimizer over the shard, fused='never'): saved
@@ -500,6 +506,7 @@ def _mp_save_world(rank, world, path):
     return {"full": full, "scaler": zo.loss_scaler.state_dict()} if rank == 0 else None
 
 
+@pytest.mark.dist
 def test_mixed_precision_checkpoint(tmp_path):
     """fp16 with dynamic loss scaling, saved at N=2 in stage 2, loaded by one process in
     stage 3: the fp32 masters and Adam states come back bit for bit (not the fp16 copy),

@@ -27,6 +27,8 @@ from torch import nn
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
                "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list",
                "gather", "gather_object", "irecv", "isend", "recv", "reduce", "reduce_scatter",

@@ -11,6 +11,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.slow   # nvcc and the host compiler, per file
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 CUDA_SOURCES = sorted(CUDA_DIR.glob("*.cu"))

@@ -15,6 +15,8 @@ import torch
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 STEPS = 5
 LR = 3e-3
 

@@ -12,6 +12,8 @@ import pytest
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 WORLD, ODD = 3, 2                   # rank 2 diverges in loop iteration `at`, i.e. step at + 1
 TIMEOUT_S = 2.0                     # sequence_timeout: waits longer than this compare positions
 

@@ -142,6 +142,7 @@ def test_pyproject_tells_the_truth():
     assert "stages 0-2" not in (ROOT / "pyproject.toml").read_text()
 
 
+@pytest.mark.dist
 def test_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")

@@ -30,7 +30,8 @@ MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "1
          "--log-every", "100000", "--lr", "1e-3"]
 TIMEOUT_S = 420
 
-pytestmark = pytest.mark.skipif(not hasattr(socket, "AF_INET"), reason="needs TCP on 127.0.0.1")
+pytestmark = [pytest.mark.dist,
+              pytest.mark.skipif(not hasattr(socket, "AF_INET"), reason="needs TCP on 127.0.0.1")]
 
 
 def _env():

@@ -10,6 +10,8 @@ import pytest
 
 from dist_harness import ROOT, run_world
 
+pytestmark = pytest.mark.dist
+
 # (model, stage, param_dtype, reduce_dtype, optimizer, options): >= 20 per the issue.
 CONFIGS = {
     1: [("gpt", 0, "fp32", "fp32", "adamw", {}), ("gpt", 2, "bf16", "fp32", "sgd_momentum", {}),

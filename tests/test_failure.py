@@ -6,6 +6,8 @@ import pytest
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 
 def _dying_worker(rank, world, stage, die_at):
     import os

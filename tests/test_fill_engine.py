@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 
 def _state_of_this_rank(zopt) -> int:
     """Bytes of per-element optimizer state this rank holds: stats() adds torch's

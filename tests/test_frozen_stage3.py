@@ -26,6 +26,8 @@ from torch import nn
 from dist_harness import run_world
 from test_hf_models import OPT, build, loss_of, train, trainable
 
+pytestmark = pytest.mark.dist
+
 pytest.importorskip("transformers", reason="transformers is a test dependency (make test installs it)")
 pytest.importorskip("peft", reason="peft is a test dependency (make test installs it)")
 

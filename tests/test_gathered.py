@@ -5,6 +5,8 @@ import pytest
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 
 def _worker(rank, world, stage, dtype="fp32"):
     import torch

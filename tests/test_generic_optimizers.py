@@ -47,6 +47,7 @@ def test_every_elementwise_optimizer_is_claimed():
     assert {c.__name__ for c in ELEMENTWISE} - {"Adam"} == set(GENERIC)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [1, 3])
 def test_generic_path_matches_torch(world):
     cs = cases()

@@ -163,6 +163,7 @@ def _gloo_cuda_worker(rank, world, device, config=None):
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_sharing_the_gpu_over_gloo_match_cpu(world):
     gpu = run_world(_gloo_cuda_worker, world, "cuda")
@@ -175,6 +176,7 @@ def test_ranks_sharing_the_gpu_over_gloo_match_cpu(world):
 QUANT = {"param_quant": "int8", "grad_quant": "int8", "quant_block_numel": 64}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_quantized_communication_on_the_gpu(world):
     """param_quant + grad_quant through the CUDA kernel table: every rank ends with the
@@ -230,6 +232,7 @@ def _fake_memory_worker(rank, world, stage):
             "peak": torch.cuda.max_memory_allocated() - before}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("stage,paper_gb", [(1, 31.4), (2, 16.6), (3, 1.9)])
 def test_fake_backend_7_5b_memory(stage, paper_gb):
     out = run_world(_fake_memory_worker, 1, stage, init_pg=False)[0]

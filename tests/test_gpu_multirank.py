@@ -57,6 +57,8 @@ import torch
 
 from dist_harness import ROOT, run_world
 
+pytestmark = pytest.mark.dist
+
 DEVICE = os.environ.get("ZX_GPU_SUITE_DEVICE", "cuda")    # "cpu": the dry run
 BACKEND = "cuda:gloo" if DEVICE == "cuda" else "gloo"      # several ranks on one device
 WORLD1_BACKEND = "nccl" if DEVICE == "cuda" else "gloo"

@@ -169,6 +169,7 @@ def parity(request):
     return request.param, run_world(_parity_worker, request.param, timeout_s=600)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_training_matches_ddp(parity, name):
     world, outs = parity
@@ -207,6 +208,7 @@ def _buffers_worker(rank, world):
     return out
 
 
+@pytest.mark.dist
 def test_bf16_llama_keeps_inv_freq_fp32():
     pytest.importorskip("transformers", reason="transformers is a test dependency (make test installs it)")
     for out in run_world(_buffers_worker, 2, timeout_s=600):

@@ -27,6 +27,8 @@ import pytest
 from cases import batch, build_model, loss_of
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 STEPS = 20          # the GPT: 20 steps, as tests/test_parity.py
 MLP_STEPS = 8       # the MLP cases (time)
 UNITS = dict(unit_modules=["Linear", "Block"], min_unit_numel=0)   # as tests/test_stage3.py

@@ -212,6 +212,7 @@ def _check_reference(ref: list, algorithm: str) -> None:
     _assert_same(ref[0]["resumed_final"]["state_dict"], ref[0]["final"]["state_dict"], "DDP resumed")
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", [c[0] for c in LIGHTNING_CASES if c[1] != "ddp"])
 def test_lightning_strategy_matches_ddp(lightning_runs, case):
     algorithm = case.split("-")[1]
@@ -245,6 +246,7 @@ def test_lightning_strategy_names():
         ZeroStrategy(stage=2, bucket_byts=1 << 20)
 
 
+@pytest.mark.dist
 def test_import_zero_ext_imports_no_framework():
     """`import zero_ext` stays framework-free: the integrations are imported explicitly."""
     import subprocess
@@ -333,6 +335,7 @@ def hf_runs(tmp_path_factory):
     return run_world(_hf_cases, WORLD, HF_CASES, str(tmp_path_factory.mktemp("hf")), timeout_s=900)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("stage", [s for s in HF_CASES if s is not None])
 def test_hf_trainer_matches_ddp(hf_runs, stage):
     ref, got = hf_runs[0][None], hf_runs[0][stage]
@@ -429,6 +432,7 @@ def accelerate_runs(tmp_path_factory):
                      timeout_s=900)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("stage", [s for s in ACCELERATE_CASES if s is not None])
 def test_accelerate_prepare_matches_ddp(accelerate_runs, stage):
     for r in range(WORLD):

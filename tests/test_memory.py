@@ -6,6 +6,8 @@ import pytest
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 FORMULA = {0: lambda psi, n: 16 * psi, 1: lambda psi, n: 8 * psi + 8 * psi / n,
            2: lambda psi, n: 4 * psi + 12 * psi / n}
 

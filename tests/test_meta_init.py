@@ -26,6 +26,8 @@ from torch import nn
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 D = 24
 
 

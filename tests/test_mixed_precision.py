@@ -26,6 +26,8 @@ import pytest
 
 from dist_harness import ROOT, run_world
 
+pytestmark = pytest.mark.dist
+
 DATA = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")
 STEPS = 200
 CLIP = 1.0

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.dist
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "benchmarks" / "zero_vs_ddp.ipynb"
 TIMEOUT_S = 110           # per cell; the whole notebook takes well under this

@@ -34,6 +34,8 @@ from torch import nn
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 BLOCKS = 8
 WIDTH = 64
 FWD_MS, BWD_MS = 20.0, 40.0

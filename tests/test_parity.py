@@ -8,6 +8,8 @@ import pytest
 from cases import Case, run_cases
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 ADAMW_REL = 1e-5
 SGD_ABS = 1e-6
 

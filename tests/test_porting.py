@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.dist
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "porting.md"
 SCRIPT = ROOT / "examples" / "port_from_ddp.py"

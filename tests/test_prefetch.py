@@ -15,6 +15,8 @@ from cases import Case, run_cases
 from dist_harness import run_world
 from test_parity import check
 
+pytestmark = pytest.mark.dist
+
 WARMUP_STEPS = 2     # the first step runs on the registration-order guess, the second on step 1's record
 
 

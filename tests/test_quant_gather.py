@@ -149,6 +149,7 @@ def _sgd_worker(rank, world, stage, steps):
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("stage,world", [(1, 2), (2, 3), (3, 4)])
 def test_quantized_gather_same_on_every_rank_master_exact(stage, world):
     results = run_world(_sgd_worker, world, stage, 4, timeout_s=300)
@@ -173,6 +174,7 @@ def test_quantized_gather_same_on_every_rank_master_exact(stage, world):
         assert s["buffer_bytes"]["quant_gather_buffers"] == 0, "records held after the gathers finished"
 
 
+@pytest.mark.dist
 def test_quantized_gathers_follow_exact_loss():
     modes = {"exact": {}, "int8_gather": {"param_quant": "int8"},
              "int8_gather_grads": {"param_quant": "int8", "grad_quant": "int8"}}

@@ -87,6 +87,7 @@ def _sgd_worker(rank, world, stage, quant, steps):
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("stage,world,quant", [(1, 2, "int8"), (2, 3, "int4"), (3, 4, "int8")])
 def test_reduced_gradient_within_half_a_step(stage, world, quant):
     results = run_world(_sgd_worker, world, stage, quant, 4, timeout_s=300)
@@ -137,6 +138,7 @@ def _overflow_worker(rank, world, quant):
     return skipped
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_inf_gradient_still_skips_fp16_step(quant):
     for rank, skipped in enumerate(run_world(_overflow_worker, 2, quant, timeout_s=300)):
@@ -144,6 +146,7 @@ def test_inf_gradient_still_skips_fp16_step(quant):
         assert skipped[2][1], f"rank {rank}: the skipped step changed the master weights"
 
 
+@pytest.mark.dist
 def test_error_feedback_follows_exact_loss():
     modes = {"exact": {}, "int8": {"grad_quant": "int8"},
              "int4_ef": {"grad_quant": "int4", "grad_quant_error_feedback": True}}

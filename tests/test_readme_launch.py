@@ -122,10 +122,12 @@ def _launch_and_resume(tmp_path, backend, device):
     assert resumed[-1][1] < first - 0.8, resumed
 
 
+@pytest.mark.dist
 def test_readme_launch_on_cpu(tmp_path):
     _launch_and_resume(tmp_path, "gloo", "cpu")
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False")
 def test_readme_launch_on_one_gpu(tmp_path):
     from zero_ext import _C

@@ -10,6 +10,8 @@ from cases import Case, run_cases
 from dist_harness import run_world
 from test_parity import check
 
+pytestmark = pytest.mark.dist
+
 UNITS = dict(unit_modules=["Linear", "Block"], min_unit_numel=0)
 
 

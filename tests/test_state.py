@@ -75,6 +75,7 @@ def _round_trips(rank, world):
     return {c: _round_trip_worker(rank, world, *c) for c in COMBOS}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_state_dict_round_trip(world):
     for rank, res in enumerate(run_world(_round_trips, world)):
@@ -174,6 +175,7 @@ def _rank0_file_worker(rank, world, path):
         return str(e)
 
 
+@pytest.mark.dist
 def test_rank0_optimizer_file_is_refused_elsewhere(tmp_path):
     """sharded_state_dict() is this rank's shard: a file rank 0 alone wrote loads on rank 0
     and is refused on every other rank, naming optimizer.state_dict() and zero_ext.save.

@@ -17,6 +17,8 @@ import pytest
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 
 def _worker(rank, world, stage, opt_name, step_control, clip):
     import torch

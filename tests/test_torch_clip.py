@@ -19,6 +19,8 @@ from cases import Case, run_cases
 from dist_harness import run_world
 from test_parity import check
 
+pytestmark = pytest.mark.dist
+
 
 def clip_cases():
     cases = []

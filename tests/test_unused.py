@@ -25,6 +25,8 @@ from torch import nn
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 REL = 1e-5                 # as test_parity.py (ADAMW_REL)
 STEPS = 7
 ROWS = 12                  # global batch: divisible by 1, 2, 3

@@ -82,6 +82,7 @@ def check_comm(name, r, stage, world):
     assert bcast == 0, f"{name}: {bcast} broadcasts after the first step (the models have no buffers)"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_whole_tensor_parity(world):
     cases = cases_for(world)
@@ -108,6 +109,7 @@ def _mixed_worker(rank, world):
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_whole_tensor_bf16(world):
     """Mixed precision: bf16 parameters, fp32 masters; Muon + AdamW trains as the
@@ -140,6 +142,7 @@ def _balance_worker(rank, world, n, model_kind):
     return s["atomic"], s["padded_numel"], s["num_params"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("model_kind", ["gpt", "gpt24"])
 @pytest.mark.parametrize("n", [8, 64])
 def test_whole_tensor_balance(n, model_kind):
@@ -207,6 +210,7 @@ def _unused_worker(rank, world, recipe, stage):
             for n, p in ref.named_parameters()}, torch.equal(sd["spare.weight"], spare0)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("recipe,stage", [("muon", 2), ("adafactor", 1)])
 def test_whole_tensor_unused_parameter(recipe, stage):
     """A parameter no rank gives a gradient is skipped by Muon/Adafactor as by

@@ -4,9 +4,12 @@ it does at N=4 (within the parity tolerance); offline consolidation gives state
 dicts that plain torch Muon and AdamW load, and continuing with them matches."""
 import os
 
+import pytest
 import torch
 
 from dist_harness import run_world
+
+pytestmark = pytest.mark.dist
 
 STEPS, MORE, GLOBAL_BATCH = 4, 4, 12
 
