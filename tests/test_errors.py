@@ -575,6 +575,7 @@ TWO_RANK_CASES = {
 }
 
 
+@pytest.mark.dist
 def test_errors_that_need_two_ranks():
     outs = run_world(_two_rank_worker, 2, timeout_s=180)
     for rank, got in enumerate(outs):

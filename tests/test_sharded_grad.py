@@ -12,6 +12,8 @@ import torch
 
 from dist_harness import run_world
 
+pytestmark = pytest.mark.dist
+
 REL = {"fp32": 1e-5, "bf16": 2e-2}
 
 
