@@ -247,6 +247,24 @@ def gen_perf_memory(arg: str = "") -> str:
     return text + "\n" + source_line(rel)
 
 
+def gen_perf_sequence(arg: str = "") -> str:
+    """The divergence check's cost: step time with the default check and the every-phase mode vs off."""
+    rel = f"{XEON}/bench_sequence.json"
+    d = ref(rel)
+    rows = []
+    for key, s in d["stages"].items():
+        rows.append([key.replace("stage", ""), f"{1e3 * s['off_s']['median']:.1f}", spread(s["now"]["ratio"], ".3f"),
+                     f"{s['now']['exchanges_per_step']:.2f}", spread(s["before"]["ratio"], ".3f"),
+                     f"{s['before']['exchanges_per_step']:.2f}"])
+    text = (f"Step time of a {d['layers']}-layer GPT (width {d['embd']}) on {d['world']} gloo ranks with the divergence "
+            f"check as it is by default, and in its every-phase mode (`check_sequence=\"every_phase\"`, an exchange "
+            f"at every phase), each against the check switched off in the same repetition: median [min, max] "
+            f"over {d['reps']} repetitions of {d['steps']} steps.\n\n")
+    text += table(["stage", "off, ms / step", "default vs off", "exchanges / step", "every phase vs off",
+                   "exchanges / step"], rows)
+    return text + "\n" + source_line(rel)
+
+
 # ------------------------------------------------------------------ plots (site only)
 
 def plots() -> dict[str, bytes]:
@@ -626,12 +644,13 @@ GENERATORS = {
     "perf-headline": gen_perf_headline, "perf-optimizer-gpu": gen_perf_optimizer_gpu,
     "perf-optimizer-cpu": gen_perf_optimizer_cpu, "perf-units": gen_perf_units, "perf-comm": gen_perf_comm,
     "perf-comm-hier": gen_perf_comm_hier, "perf-whole": gen_perf_whole, "perf-memory": gen_perf_memory,
+    "perf-sequence": gen_perf_sequence,
     "status": gen_status,
     "notes": gen_notes, "options": gen_options, "deepspeed-keys": gen_deepspeed_keys, "errors": gen_errors,
 }
 # Generators whose text states figures read from benchmarks/reference/ (exempt from the stray-figure scan).
 FROM_REFERENCE = {"perf-headline", "perf-optimizer-gpu", "perf-optimizer-cpu", "perf-units", "perf-comm",
-                  "perf-comm-hier", "perf-whole", "perf-memory", "status"}
+                  "perf-comm-hier", "perf-whole", "perf-memory", "perf-sequence", "status"}
 
 
 def generate(name: str, arg: str | None = None) -> str:
