@@ -2,7 +2,7 @@
 name, also from C++), what was expected, and the fix.
 
 A table of (trigger, exception, expected substrings) walks the documented bad inputs
-(DESIGN.md section 8, docs/troubleshooting.md): config keys and values, optimizers
+(docs/troubleshooting.md): config keys and values, optimizers
 zero_ext cannot run, sparse gradients, mixed devices, a checkpoint of another model,
 bad load_state_dict input, gathered_parameters misuse, stage-3 misuse, changes after
 zeroify, estimate_memory and config_from_deepspeed input. Each row expects the object

@@ -1,7 +1,7 @@
 """Several ranks on one GPU, each run against DDP on the same GPU.
 
 NCCL refuses two ranks on one device, so 2 and 4 ranks share cuda:0 over a CUDA-only
-gloo group, init_process_group("cuda:gloo") (DESIGN.md §11): the shape of an NCCL group,
+gloo group, init_process_group("cuda:gloo") (docs/guide/gpus.md): the shape of an NCCL group,
 on which a collective over a CPU tensor fails. DDP + torch's optimizer, trained over the
 same group on the same GPU and the same batches, is the reference; the bounds are the
 CPU tests':

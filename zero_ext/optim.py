@@ -427,11 +427,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"zero_ext: clip_grad_norm_ supports norm_type 2.0 and inf, got {norm_type}; pass "
                              f"norm_type=2.0 (the default) or float('inf')")
         self._found_inf = nonfinite > 0
-        coef = float(max_norm) / (total + 1e-6)
-        if self._ctl is not None:
-            self._ctl.clip_by(coef, nonfinite > 0)
-        elif coef < 1.0:
-            self._clip_coef *= coef
+        self.clip_by_total_norm_(max_norm, total)
         return torch.tensor(total)
 
     def clip_by_total_norm_(self, max_norm: float, total_norm: float) -> None:
