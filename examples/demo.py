@@ -174,7 +174,7 @@ def main():
     print(f"\nGPT {first['num_params']:,} parameters | {args.nproc} gloo ranks x {first['threads_per_rank']} thread | "
           f"{first['tokens_per_step']:,} tokens/step | {args.steps} steps | torch {first['torch_version']}")
     print(format_table(["metric"] + list(summaries), rows))
-    print("model-state bytes: parameters + gradients + master weights + optimizer states (formulas in README.md's first table);\n"
+    print("model-state bytes: parameters + gradients + master weights + optimizer states (formulas: docs/guide/stages.md);\n"
           "comm bytes: zero_ext's counters per rank, all-reduce counted twice (ring-cost equivalent);\n"
           "  DDP: theory; FSDP2, ZeroRedundancyOptimizer, DeepSpeed: bytes written by all ranks / (ranks - 1),\n"
           "  the same convention;\n"
