@@ -77,7 +77,7 @@ def test_switched_off_and_auto_sections_keep_defaults():
 
 
 def test_unsupported_keys_raise_naming_each():
-    config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "pin_memory": True},
                                     "offload_param": {"device": "nvme"}, "stage3_typo_key": 1},
               "pipeline": {"stages": 2}, "sparse_gradients": True}
     with pytest.raises(zero_ext.ZeroInputError) as e:
@@ -86,7 +86,18 @@ def test_unsupported_keys_raise_naming_each():
     for key in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param",
                 "zero_optimization.stage3_typo_key", "pipeline", "sparse_gradients"):
         assert key in text, (key, text)
-    assert "optimizer offload is not implemented" in text
+    assert "parameter offload is not implemented" in text and "host memory only" in text
+
+
+def test_optimizer_offload_maps_to_offload_cpu():
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    assert zero_ext.config_from_deepspeed(ds) == {"stage": 2, "offload": "cpu"}
+    assert zero_ext.config_from_deepspeed({"zero_optimization": {"stage": 1, "cpu_offload": True}}) == \
+        {"stage": 1, "offload": "cpu"}
+    off = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}
+    assert zero_ext.config_from_deepspeed(off) == {"stage": 2}
+    with pytest.raises(zero_ext.ZeroInputError, match="zeroify refuses"):   # stage 3 offload: not yet
+        zero_ext.config_from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
 
 
 def test_values_zeroify_refuses_raise():
@@ -110,7 +121,8 @@ def test_every_maps_entry_has_a_rule_and_table_is_complete():
     samples = {"zero_optimization.stage": 2, "zero_optimization.ignore_unused_parameters": False,
                "communication_data_type": "fp32", "data_types.grad_accum_dtype": "fp32",
                "zero_optimization.zero_quantized_weights": True, "zero_optimization.zero_quantized_gradients": True,
-               "zero_optimization.zero_hpz_partition_size": 2, "gradient_accumulation_steps": 4}
+               "zero_optimization.zero_hpz_partition_size": 2, "gradient_accumulation_steps": 4,
+               "zero_optimization.offload_optimizer": {"device": "cpu"}, "zero_optimization.cpu_offload": True}
     for key, (verdict, arg, why) in KEYS.items():
         assert verdict in ("maps", "not needed", "script", "if disabled"), (key, verdict)
         assert why, key
@@ -125,7 +137,8 @@ def test_every_maps_entry_has_a_rule_and_table_is_complete():
         if key in ("zero_optimization.zero_hpz_partition_size", "zero_optimization.stage3_param_persistence_threshold",
                    "zero_optimization.param_persistence_threshold"):
             config["zero_optimization"]["stage"] = 3
-        elif key in ("zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients"):
+        elif key in ("zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients",
+                     "zero_optimization.offload_optimizer", "zero_optimization.cpu_offload"):
             config["zero_optimization"]["stage"] = 2
         kwargs = convert(config)
         assert arg in kwargs, (key, kwargs)

@@ -41,7 +41,7 @@ KEYS = {
         "gradient's hook; overlap_param_gather=True also overlaps stages 1-2's parameter gather with forward"),
     "zero_optimization.contiguous_gradients": (
         "not needed", "", "gradients always live in flat buckets (stage 2: a ring of two buffers)"),
-    "zero_optimization.round_robin_gradients": ("not needed", "", "no CPU offload, so nothing to interleave"),
+    "zero_optimization.round_robin_gradients": ("not needed", "", "offload lands each bucket's gradient on the host in bucket order as it is reduced"),
     "zero_optimization.use_multi_rank_bucket_allreduce": (
         "not needed", "", "buckets are reduce-scattered, never all-reduced, in stages 1-3"),
     "zero_optimization.load_from_fp32_weights": (
@@ -52,9 +52,11 @@ KEYS = {
         "maps", "find_unused_parameters", "true: agree on unused parameters every step (as "
         "DDP(find_unused_parameters=True)); false: a missing gradient raises. Absent: zero_ext's 'auto'"),
     "zero_optimization.sub_group_size": ("not needed", "", "the fused step runs bucket by bucket"),
-    "zero_optimization.cpu_offload": ("if disabled", "", "optimizer offload is not implemented"),
+    "zero_optimization.cpu_offload": (
+        "maps", "offload", "true: optimizer state in host memory (offload='cpu', stages 1-2)"),
     "zero_optimization.offload_optimizer": (
-        "if disabled", "", "optimizer offload is not implemented ({'device': 'none'} is accepted)"),
+        "maps", "offload", "{'device': 'cpu'}: optimizer state in host memory (offload='cpu', stages 1-2); "
+        "'none' is off; 'nvme' is not supported; pin_memory and the buffer counts are not needed"),
     "zero_optimization.offload_param": (
         "if disabled", "", "parameter offload is not implemented ({'device': 'none'} is accepted)"),
     "zero_optimization.stage3_prefetch_bucket_size": (
@@ -331,5 +333,16 @@ def _map(key: str, value: Any, kwargs: dict, refused: list) -> None:
             kwargs["reduce_dtype"] = dtype
     elif key == "gradient_accumulation_steps":
         kwargs["accumulation_steps"] = int(value)
+    elif key == "zero_optimization.cpu_offload":
+        if value:
+            kwargs["offload"] = "cpu"
+    elif key == "zero_optimization.offload_optimizer":
+        device = value.get("device", "none") if isinstance(value, dict) else value
+        if device in (None, "none"):
+            return
+        if device != "cpu":
+            bad("zero_ext offloads the optimizer to host memory only; use {'device': 'cpu'} or 'none'")
+        else:
+            kwargs["offload"] = "cpu"
     else:                                  # a "maps" entry in KEYS without a rule here
         raise AssertionError(f"zero_ext: internal: no mapping rule for {key}")
