@@ -89,7 +89,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("param_state", &zx::EngineOptions::param_state)
         .def_readwrite("agree_unused", &zx::EngineOptions::agree_unused)
         .def_readwrite("param_names", &zx::EngineOptions::param_names)
-        .def_readwrite("offload", &zx::EngineOptions::offload);
+        .def_readwrite("offload", &zx::EngineOptions::offload)
+        .def_readwrite("step_in_backward", &zx::EngineOptions::step_in_backward);
 
     // The loss-scaling state machine of the C core (zx_scaler.c), state and all.
     py::class_<zx_loss_scaler>(m, "LossScaler")
@@ -208,6 +209,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             py::gil_scoped_release nogil;
             e.step_sgd(h, ctl.value_or(at::Tensor()), steps.value_or(at::Tensor()));
         }, py::arg("hparams"), py::arg("ctl") = py::none(), py::arg("steps") = py::none())
+        .def("set_backward_step_adam", [](zx::Engine &e, const py::list &g) { e.set_backward_step_adam(adam_hparams(g)); },
+             py::arg("hparams"))
+        .def("set_backward_step_sgd", [](zx::Engine &e, const py::list &g) { e.set_backward_step_sgd(sgd_hparams(g)); },
+             py::arg("hparams"))
+        .def_property_readonly("backward_steps", &zx::Engine::backward_steps)
         .def("grad_sumsq_into", &zx::Engine::grad_sumsq_into, py::call_guard<py::gil_scoped_release>())
         .def("param_shards", &zx::Engine::param_shards)
         .def("grad_shards", &zx::Engine::grad_shards)

@@ -388,6 +388,8 @@ STATUS = [
      ["tests/test_porting.py", "tests/test_from_deepspeed.py"], [], []),
     ("Optimizer offload to host memory (`offload=\"cpu\"`, stages 1-2), bit-identical to the run without it",
      ["tests/test_offload.py"], [], [f"{XEON}/bench_offload.json"]),
+    ("Optimizer step in backward, no gradient shard (`step_in_backward=True`; stage 3: 12 B/param)",
+     ["tests/test_step_in_backward.py"], [], []),
     ("Parameter offload; optimizer offload in stage 3", "not implemented", [], []),
     ("`torch.compile` of a zeroified model", "not tested", [], []),
 ]

@@ -314,6 +314,11 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
                 free = free_memory(model)
             if cfg.offload is not None:   # Note [Optimizer offload] (csrc/engine/offload.h)
                 check_host_memory(model, optimizer, cfg, world, backend)
+            if cfg.step_in_backward and not (len(parts) == 1 and parts[0].kind == "fused"):
+                raise ValueError("zero_ext: step_in_backward=True needs one optimizer with a fused kernel (Adam, "
+                                 "AdamW or SGD, fused='auto') and no tensor-atomic ones; got "
+                                 + ", ".join(f"{p.cls.__name__} ({p.kind})" for p in parts)
+                                 + "; use torch.optim.AdamW/Adam/SGD, or step_in_backward=False")
         except (ValueError, TypeError, ZeroUsageError) as e:
             error = e
     text = repr(desc) if desc is not None else ""
@@ -377,6 +382,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     param_names = {id(p): n for n, p in model.named_parameters()}
     opts.param_names = [param_names.get(id(p), f"#{i}") for i, p in enumerate(params)]
     opts.offload = cfg.offload == "cpu"
+    opts.step_in_backward = cfg.step_in_backward
     if opts.offload:
         warn_unfused(parts)
     engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)
@@ -419,7 +425,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     wrapped._optimizer = weakref.ref(zopt)   # Note [torch's clipping utilities] (torch_utils.py)
     zopt._params = params            # engine parameter i = params[i]
     zopt._param_shapes = shapes      # logical shape of engine parameter i
-    if cfg.stage >= 1:               # Note [Sharded gradients]: p.grad answers as DDP's
+    if cfg.stage >= 1 and not cfg.step_in_backward:   # Note [Sharded gradients]: p.grad answers as DDP's
         install_sharded_grads(wrapped, zopt, {id(p): n for n, p in model.named_parameters()})
     if world > 1 and cfg.check_sequence is not False and backend != "fake":   # fake moves no data
         _enable_sequence_check(engine, pg, cfg, gloo)

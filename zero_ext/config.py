@@ -135,6 +135,14 @@ class ZeroConfig:
         the same bits as without offload. Adam/AdamW/SGD step with the fused kernels;
         other optimizers run as torch optimizers on the host shards (a warning says so).
         Not with stage 0/3, grad_quant, param_quant or step_control=True.
+    step_in_backward: False (the default) or True: stages 1-3 with one fused optimizer
+        (Adam, AdamW or SGD): each bucket takes its optimizer step as soon as its reduced
+        gradient lands during backward, with the param groups' values as the backward
+        starts, and no gradient shard is kept (stage 3: 12 bytes per parameter of model
+        state with Adam; docs/guide/memory.md). opt.step() then only publishes the
+        parameters. Every parameter steps every reducing backward (one with no gradient on
+        any rank steps with a zero one). Nothing may read the whole gradient first: clipping
+        raises, and it is refused with loss scaling (fp16), offload or step_control=True.
     check_sequence: True (default; "auto" is the same) or False: ranks whose collectives
         diverge (evaluation or model.state_dict() on rank 0 alone in stage 3, a skipped
         backward, an extra micro-step, a stage-3 unit skipped, step() on some ranks only,
@@ -200,6 +208,7 @@ class ZeroConfig:
     sequence_timeout: float = 3.0
     find_unused_parameters: bool | str = "auto"
     offload: str | None = None
+    step_in_backward: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -368,6 +377,17 @@ class ZeroConfig:
         if self.param_quant is not None:
             need(self.stage != 0, f"param_quant={self.param_quant!r} needs stage 1, 2 or 3 (stage 0 keeps full "
                  f"replicas and gathers no parameters); use stage=1 or param_quant=None")
+        need(isinstance(self.step_in_backward, bool), f"step_in_backward must be True or False, got "
+             f"{self.step_in_backward!r}; {_fix('step_in_backward')}")
+        if self.step_in_backward:
+            need(self.stage in (1, 2, 3), f"step_in_backward=True needs stage 1, 2 or 3 (got stage={self.stage!r}); "
+                 f"use stage=1, 2 or 3, or step_in_backward=False")
+            need(self.offload is None, "step_in_backward=True with offload='cpu' is not supported; pass one of them")
+            need(self.resolved_loss_scale() is None, "step_in_backward=True steps before any rank could see an "
+                 "inf/nan gradient, so it cannot work with loss scaling (fp16); use param_dtype='bf16' (no loss "
+                 "scaling) or step_in_backward=False")
+            need(self.step_control is not True, "step_in_backward=True steps inside backward; pass "
+                 "step_control='auto' (or False) with it, or step_in_backward=False")
         need(self.offload in (None, "cpu"), f"offload must be None or 'cpu', got {self.offload!r}; pass "
              f"offload='cpu' (optimizer state in host memory) or offload=None")
         if self.offload is not None:

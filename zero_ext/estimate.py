@@ -145,7 +145,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         reduce_scatter="auto", which sizes the receive buffers; "nccl"/"fake": native).
     config, **options: any other zeroify option that changes memory (bucket_bytes,
         first_bucket_bytes, align, grad_ring_buckets, unit_modules, unit_numel,
-        min_unit_numel, prefetch_depth, reduce_scatter, offload).
+        min_unit_numel, prefetch_depth, reduce_scatter, offload, step_in_backward).
 
     Returns a dict with the keys of opt.stats() it predicts ("model_state_bytes",
     "buffer_bytes", "frozen_parameter_bytes", "num_params", "padded_numel",
@@ -202,6 +202,12 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         offload["total"] = sum(offload.values())
         grads_b = padded * rs if s <= 1 else 0
         master_b = state_bytes = 0
+    landing = 0
+    if cfg.step_in_backward and s >= 2:
+        # Note [Step in backward] (csrc/engine/backward_step.cpp): no gradient shard; with the
+        # all-to-all reduce-scatter one slice-sized buffer where the slices are summed.
+        grads_b = 0
+        landing = (max_padded // parts) * rs if (alltoall or cfg.grad_quant is not None) and world_size > 1 else 0
     msb = {"parameters": params_b, "gradients": grads_b, "master_weights": master_b,
            "optimizer_states": state_bytes}
     msb["total"] = sum(msb.values())
@@ -218,7 +224,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     send = max_padded * rs if s >= 2 else 0
     recv = ((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0
     ring = slots * (send + recv)
-    buf = {"grad_ring": ring, "ring_slots": slots}
+    buf = {"grad_ring": ring, "ring_slots": slots, "grad_landing": landing}
     # Stage 3, frozen parameters: one bucket per unit, padded to parts * align (frozen.cpp).
     quantum = parts * cfg.resolved_align(world_size)
     frozen_padded: dict = {}
@@ -241,7 +247,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
             peak = max(peak, (root + largest) * (4 // ps if lp else 1))
         buf.update(gathered_root=root, gathered_unit=largest, prefetch=best - largest,
                    peak_gathered_params=peak)
-    buf["total"] = ring + buf.get("peak_gathered_params", 0)
+    buf["total"] = ring + landing + buf.get("peak_gathered_params", 0)
     frozen_b = frozen * ps + sum(frozen_padded.values()) // parts * ps
 
     accum = getattr(cfg, "accumulation_steps", 1)

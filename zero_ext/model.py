@@ -166,6 +166,11 @@ class ZeroModel(nn.Module):
         if not self._callback_queued:
             self._callback_queued = True
             self._engine.sequence_mark(PHASE_BACKWARD)
+            if self._config.step_in_backward:   # Note [Step in backward] (csrc/engine/backward_step.cpp)
+                ref = getattr(self, "_optimizer", None)
+                opt = ref() if ref is not None else None
+                if opt is not None:
+                    opt._arm_backward_step()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:

@@ -102,6 +102,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _make_step_control(self, config):
         """Note [Step control] (csrc/core/zx_step_control.h; zero_ext/step_control.py): the fused step's scalars in
         the parameters' memory; "auto" turns it on for CUDA parameters."""
+        if config.step_in_backward:   # Note [Step in backward]: the steps run inside backward
+            return None
         shards = self._engine.param_shards()
         device = shards[0].device if shards else torch.device("cpu")
         want = config.step_control
@@ -191,9 +193,37 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._config.step_in_backward:
+            return self._step_published(closure)
         if self._ctl is not None:
             return self._step_controlled(closure)
         return self._step_parts(range(len(self._parts)), closure)
+
+    def _arm_backward_step(self) -> None:
+        """Note [Step in backward] (csrc/engine/backward_step.cpp): the step each bucket of
+        this backward takes as its gradient lands, with the param groups as they are now."""
+        part = self._parts[0]
+        hps = self._fused_hps(1.0 / self._engine.grad_divisor(), part, [self._engine.backward_steps + 1] *
+                              len(self.param_groups))
+        if issubclass(part.cls, (torch.optim.Adam, torch.optim.AdamW)):
+            self._engine.set_backward_step_adam(hps)
+        else:
+            self._engine.set_backward_step_sgd(hps)
+
+    def _step_published(self, closure):
+        """step_in_backward: the buckets stepped in backward; publish the parameters."""
+        loss = self._begin_step_call(closure)
+        self._host_steps = [self._engine.backward_steps] * len(self.param_groups)
+        self._engine.all_gather_params()
+        if not self._config.overlap_param_gather:
+            self._engine.wait_params()
+        return loss
+
+    def _no_whole_gradient(self, what: str) -> None:
+        if self._config.step_in_backward:
+            raise ZeroUsageError(f"zero_ext: {what} needs the whole gradient before the step, but with "
+                                 f"step_in_backward=True each bucket steps as its gradient lands in backward; "
+                                 f"remove the call, or pass step_in_backward=False to zeroify()")
 
     def _begin_step_call(self, closure):
         """What every step() call does first: the closure, the phase mark of the
@@ -359,6 +389,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         step control's device memory (scale and the host step counts are not used)."""
         steps = [1] * len(self.param_groups) if control else self._host_steps
         ctl = dict(ctl=self._ctl.ctl, steps=self._ctl.steps) if control else {}
+        hps = self._fused_hps(scale, part, steps)
+        if issubclass(part.cls, (torch.optim.Adam, torch.optim.AdamW)):
+            self._engine.step_adam(hps, **ctl)
+        else:
+            self._engine.step_sgd(hps, **ctl)
+
+    def _fused_hps(self, scale: float, part: _Part, steps: list) -> list:
+        """The fused kernel's hyperparameters, one dict per param group (another part's
+        groups get inert ones: the engine skips their buckets)."""
         hps = []
         mine = set(part.groups)
         if issubclass(part.cls, (torch.optim.Adam, torch.optim.AdamW)):
@@ -374,7 +413,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     decoupled=bool(g.get("decoupled_weight_decay", issubclass(part.cls, torch.optim.AdamW))),
                     amsgrad=bool(g.get("amsgrad", False)), maximize=bool(g.get("maximize", False)),
                     grad_scale=scale))
-            self._engine.step_adam(hps, **ctl)
         else:
             for gi, g in enumerate(self.param_groups):
                 if gi not in mine:
@@ -386,7 +424,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     weight_decay=float(g["weight_decay"]), nesterov=bool(g["nesterov"]),
                     maximize=bool(g.get("maximize", False)), first_step=steps[gi] == 1,
                     grad_scale=scale))
-            self._engine.step_sgd(hps, **ctl)
+        return hps
 
     def synchronize(self) -> None:
         """Wait for every outstanding collective (reductions, the parameter gather);
@@ -409,6 +447,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Clip the global gradient norm, as torch.nn.utils.clip_grad_norm_ would on the
         full averaged gradients; returns the total norm (before clipping). The clipping
         factor is folded into the next step() rather than applied in a separate pass."""
+        self._no_whole_gradient("clip_grad_norm_")
         norm_type = float(norm_type)
         self._engine.sequence_mark(PHASE_CLIP)
         if norm_type == 2.0 and self._ctl is not None:
@@ -433,6 +472,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def clip_by_total_norm_(self, max_norm: float, total_norm: float) -> None:
         """Scale the gradients by max_norm / (total_norm + 1e-6) when below 1, as torch's
         clip_grads_with_norm_ (folded into the next step)."""
+        self._no_whole_gradient("clip_by_total_norm_")
         coef = float(max_norm) / (float(total_norm) + 1e-6)
         if self._ctl is not None:
             self._ctl.clip_by(coef, not math.isfinite(float(total_norm)))
@@ -443,6 +483,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Clamp every averaged gradient element to [-clip_value, clip_value], as
         torch.nn.utils.clip_grad_value_ on DDP's gradients: the reduced gradient shards,
         in place (their values times the averaging and loss-scale factor are the gradients)."""
+        self._no_whole_gradient("clip_grad_value_")
         if self._ctl is not None:
             raise ZeroUsageError("zero_ext: clip_grad_value_ with the step control on the device (a GPU): the "
                                  "loss scale is not read back there; use clip_grad_norm_, or zeroify with "

@@ -19,6 +19,7 @@
 //   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
 //                    the per-device kernel table (Note [Kernel table])
 //   offload.h/.cpp   offload="cpu": host rings, copy stream, landing worker (Note [Optimizer offload])
+//   backward_step.cpp step_in_backward: each bucket steps as its gradient lands (Note [Step in backward])
 #pragma once
 
 #include <torch/extension.h>
@@ -75,6 +76,9 @@ struct EngineOptions {
     // Note [Optimizer offload] (offload.h): the fp32 master, optimizer states and gradient
     // shard in host memory, stepped by the CPU kernels (stages 1-2).
     bool offload = false;
+    // Note [Step in backward] (backward_step.cpp): each bucket takes its fused optimizer step
+    // as soon as its reduced gradient lands, and keeps no gradient shard.
+    bool step_in_backward = false;
 };
 
 // One bucket of the plan, as tensors.
@@ -285,6 +289,14 @@ public:
     std::map<std::string, at::Tensor> &states() { return states_; }
     py::dict stats() const;
     py::dict offload_stats() const;    // offload="cpu": host bytes and copies (empty dict without)
+
+    // --- step in backward (backward_step.cpp, Note [Step in backward]) ---
+    // The fused step every bucket of the coming reducing backward takes as its gradient
+    // lands: one set of hyperparameters per param group (their step counts are ignored:
+    // backward_steps() + 1).
+    void set_backward_step_adam(std::vector<zx_adam_hparams> hps);
+    void set_backward_step_sgd(std::vector<zx_sgd_hparams> hps);
+    int64_t backward_steps() const { return bw_steps_; }   // optimizer steps taken in backward
     // Note [Communication delay] (comm.cpp): every collective of this engine (node group
     // included) takes at least ms longer; serialize: each is waited for at its launch.
     void set_comm_delay(double ms, bool serialize);
@@ -372,6 +384,9 @@ private:
     void finish_reduction(int64_t padded, int64_t slice, const at::Tensor &recv, at::Tensor dst, bool accumulate,
                           Kernels &k);
     void upload(Bucket &bk);           // offload: the master slice, in param_dtype, into the owned slice
+    // step_in_backward: bucket bk's fused step on its reduced gradient slice grad (sums)
+    void step_landed(Bucket &bk, const at::Tensor &grad);
+    at::Tensor landing(int64_t numel);   // step_in_backward, all-to-all: where the slices are summed
 
     std::vector<at::Tensor> params_;
     std::vector<int64_t> group_of_;              // each parameter's param group
@@ -402,6 +417,12 @@ private:
     std::unique_ptr<Kernels> kern_;         // Note [Kernel table]
     std::unique_ptr<Kernels> host_kern_;    // offload from a device: the CPU kernels, else null
     std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
+    // Note [Step in backward]: the armed step (one kind), the steps taken, the summing buffer
+    std::vector<zx_adam_hparams> bw_adam_;
+    std::vector<zx_sgd_hparams> bw_sgd_;
+    int64_t bw_steps_ = 0;
+    bool bw_stepped_ = false;              // some bucket stepped in this backward
+    at::Tensor land_;
     bool require_sync_ = true;
     int64_t next_launch_ = 0;
     std::deque<std::pair<int64_t, WorkPtr>> inflight_;

@@ -149,6 +149,9 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             qgather_ = std::make_unique<QuantGather>((int32_t)opts_.param_quant_bits, opts_.quant_block_numel,
                                                      kern_.get(), dev_, parts_);
     }
+    TORCH_CHECK(!opts_.step_in_backward || (opts_.stage >= 1 && !opts_.offload), "zero_ext: step_in_backward "
+                "needs stage 1, 2 or 3 and no offload; pass stage=1, 2 or 3 and offload=None, or "
+                "step_in_backward=False");
     if (opts_.offload) {   // Note [Optimizer offload]
         TORCH_CHECK(opts_.stage == 1 || opts_.stage == 2, "zero_ext: offload='cpu' needs stage 1 or 2 (stage ",
                     opts_.stage, " was given); pass stage=1 or 2, or offload=None");
@@ -393,6 +396,7 @@ py::dict Engine::stats() const {
     msb["total"] = param_bytes + grad_bytes + master_bytes + state_bytes;
     py::dict buf;
     buf["grad_ring"] = ring_bytes;
+    buf["grad_landing"] = land_.defined() ? land_.nbytes() : 0;   // Note [Step in backward]: all-to-all sums
     buf["ring_slots"] = (int64_t)slots_.size();
     buf["gathered_params"] = gathered_bytes_;            // stage 3: full units held now
     buf["peak_gathered_params"] = peak_gathered_bytes_;  // stage 3: most held at once
@@ -407,7 +411,7 @@ py::dict Engine::stats() const {
     const int64_t secondary = sec_ ? sec_->bytes() : 0;
     buf["secondary"] = secondary;   // node_size: this rank's parts kept for backward gathers (Note [Hierarchical partitioning])
     buf["peak_secondary"] = sec_ ? sec_->peak_bytes() : 0;
-    buf["total"] = ring_bytes + gathered_bytes_ + quant_buffers + quant_residual + gather_records +
+    buf["total"] = ring_bytes + (land_.defined() ? land_.nbytes() : 0) + gathered_bytes_ + quant_buffers + quant_residual + gather_records +
                    kern_->scratch_bytes() + secondary;
     py::dict comm;
     comm["all_reduce"] = counter_dict(comm_.c_all_reduce);

@@ -169,6 +169,12 @@ void Engine::finalize_backward() {
     }
     next_launch_ = 0;
     reductions_++;
+    if (bw_stepped_) {   // Note [Step in backward]: this backward was one optimizer step
+        bw_stepped_ = false;
+        bw_steps_++;
+        ensure_step_tables();
+        std::fill(param_steps_.begin(), param_steps_.end(), bw_steps_);
+    }
     grad_generation_++;
     if (!grad_wrappers_.empty()) {   // Note [Sharded gradients]
         for (size_t i = 0; i < params_.size(); i++) params_[i].mutable_grad() = grad_wrappers_[i];
@@ -234,13 +240,18 @@ void Engine::launch(int64_t b) {
     if (world_ == 1) {
         if (opts_.stage >= 2) {
             at::Tensor src = slots_[bk.slot].send.narrow(0, 0, bk.padded_numel);
-            if (off_) {   // Note [Optimizer offload]: added on the host as it lands
+            if (opts_.step_in_backward) {   // Note [Step in backward]
+                step_landed(bk, src);
+            } else if (off_) {   // Note [Optimizer offload]: added on the host as it lands
                 at::Tensor dst = host_grad_slice(bk);
                 off_->down(b, src, bk.slot, [dst](const at::Tensor &v) { dst.add_(v); });
             } else {
                 grad_shard_slice(bk).add_(src);
             }
             release_slot(b);
+        } else if (opts_.step_in_backward) {   // stage 1: the bucket is its own shard, consumed
+            step_landed(bk, bk.flat_grad);
+            bk.flat_grad.zero_();
         } else if (off_) {   // stage 1: the bucket is its own shard; the host gets a copy
             at::Tensor dst = host_grad_slice(bk);
             off_->down(b, bk.flat_grad, -1, [dst](const at::Tensor &v) { dst.copy_(v); });
@@ -286,7 +297,20 @@ void Engine::complete(int64_t b) {
             Slot &sl = slots_[bk.slot];
             const bool accumulate = opts_.stage >= 2;
             const int64_t padded = bk.padded_numel, slice = bk.slice_numel;
-            if (off_ && accumulate) {
+            if (opts_.step_in_backward && accumulate) {
+                // Note [Step in backward]: the step reads the reduced slice where it landed.
+                at::Tensor grad;
+                if (qreduce_) {
+                    grad = landing(slice);
+                    qreduce_->finish(bk.slot, slice, grad, false);
+                } else if (opts_.alltoall_reduce_scatter) {
+                    grad = landing(slice);
+                    finish_reduction(padded, slice, sl.recv, grad, false, *kern_);
+                } else {
+                    grad = sl.recv.narrow(0, 0, slice);
+                }
+                step_landed(bk, grad);
+            } else if (off_ && accumulate) {
                 // Note [Optimizer offload]: what the collective left, finished on the host as it lands.
                 at::Tensor dst = host_grad_slice(bk);
                 const at::Tensor recv = sl.recv.narrow(0, 0, opts_.alltoall_reduce_scatter ? padded : slice);
@@ -305,7 +329,10 @@ void Engine::complete(int64_t b) {
                     off_->down(cur, dst, -1, [host](const at::Tensor &v) { host.copy_(v); });
                 }
             }
-            if (opts_.stage == 1) {
+            if (opts_.stage == 1 && opts_.step_in_backward) {
+                step_landed(bk, owned_slice(bk.flat_grad, bk));   // Note [Step in backward]: consumed
+                bk.flat_grad.zero_();
+            } else if (opts_.stage == 1) {
                 // Note [Gradient sums in stages 1-2]: zero what this rank does not own.
                 const int64_t lo = rank_ * slice, hi = lo + slice;
                 if (lo > 0) bk.flat_grad.narrow(0, 0, lo).zero_();

@@ -1,0 +1,66 @@
+// backward_step.cpp — step_in_backward: each bucket takes its fused optimizer step as
+// soon as its reduced gradient lands, during backward, and no gradient shard is kept.
+#include "engine/engine.h"
+
+namespace zx {
+
+// Note [Step in backward]
+//   With step_in_backward=True (stages 1-3, one fused Adam/AdamW/SGD optimizer) nothing
+//   needs the whole gradient before the step (no clipping, no loss scaling), so Engine::
+//   complete() steps each bucket right after its reduction: the fused kernel reads the
+//   reduce-scatter's output slice (stage 2-3: the ring slot's receive buffer, or with the
+//   all-to-all reduce-scatter the slices summed into one landing buffer; stage 1: the owned
+//   slice of the bucket) and the slot is free again. Stages 2-3 then allocate no gradient
+//   shard: model state is 4 (master) + 8 (Adam) bytes per sharded element (stage 3: 12
+//   B/param; FSDP2 16), the gradient exists only one ring slot at a time. Stage 1 zeroes the
+//   bucket after its step (its gradient is consumed, as in stages 2-3).
+//   The hyperparameters are the optimizer's param groups as they are when the backward
+//   starts (ZeroModel's first gradient hook arms them: a scheduler's step() after the last
+//   opt.step() is seen), one step count for every parameter (backward_steps() + 1): a
+//   parameter that no rank gave a gradient takes a step with a zero gradient, as under
+//   torch's optimizer-in-backward (not DDP's skip). Each reducing backward is one optimizer
+//   step; opt.step() then only publishes the parameters (the stage 1-2 all-gather).
+//   no_sync micro-steps reduce nothing and step nothing; the backward that reduces steps.
+
+void Engine::set_backward_step_adam(std::vector<zx_adam_hparams> hps) {
+    TORCH_CHECK(opts_.step_in_backward, "zero_ext: internal: set_backward_step_adam without step_in_backward");
+    bw_adam_ = std::move(hps);
+    bw_sgd_.clear();
+}
+
+void Engine::set_backward_step_sgd(std::vector<zx_sgd_hparams> hps) {
+    TORCH_CHECK(opts_.step_in_backward, "zero_ext: internal: set_backward_step_sgd without step_in_backward");
+    bw_sgd_ = std::move(hps);
+    bw_adam_.clear();
+}
+
+at::Tensor Engine::landing(int64_t numel) {
+    if (!land_.defined() || land_.numel() < numel) land_ = at::empty({max_padded_ / parts_}, on_device(rdt_));
+    return land_.narrow(0, 0, numel);
+}
+
+void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
+    TORCH_CHECK(!bw_adam_.empty() || !bw_sgd_.empty(), "zero_ext: internal: a bucket landed in a step_in_backward "
+                "backward that was not armed");
+    const int64_t g = bk.group, step = bw_steps_ + 1;
+    float *p = master(bk);
+    char *lp = (char *)lp_out(bk);
+    const int64_t so = bk.state_offset - bk.state_lo;   // Note [State windows]
+    if (!bw_adam_.empty()) {
+        TORCH_CHECK(g < (int64_t)bw_adam_.size(), "zero_ext: internal: missing hyperparameters for group ", g);
+        zx_adam_hparams h = bw_adam_[g];
+        h.step = step;
+        float *m = state("exp_avg").data_ptr<float>() + so, *v = state("exp_avg_sq").data_ptr<float>() + so;
+        float *vmax = h.amsgrad ? state("max_exp_avg_sq").data_ptr<float>() + so : nullptr;
+        kern_->adam(bk.slice_numel, p, grad, m, v, vmax, lp, pzx_, h, nullptr, nullptr);
+    } else {
+        TORCH_CHECK(g < (int64_t)bw_sgd_.size(), "zero_ext: internal: missing hyperparameters for group ", g);
+        zx_sgd_hparams h = bw_sgd_[g];
+        h.first_step = step == 1;
+        float *buf = h.momentum != 0.0 ? state("momentum_buffer").data_ptr<float>() + so : nullptr;
+        kern_->sgd(bk.slice_numel, p, grad, buf, lp, pzx_, h, nullptr, nullptr);
+    }
+    bw_stepped_ = true;
+}
+
+}  // namespace zx
