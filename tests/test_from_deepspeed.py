@@ -96,8 +96,10 @@ def test_optimizer_offload_maps_to_offload_cpu():
         {"stage": 1, "offload": "cpu"}
     off = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}
     assert zero_ext.config_from_deepspeed(off) == {"stage": 2}
-    with pytest.raises(zero_ext.ZeroInputError, match="zeroify refuses"):   # stage 3 offload: not yet
-        zero_ext.config_from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    assert zero_ext.config_from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "cpu"}}}) == {"stage": 3, "offload": "cpu"}
+    with pytest.raises(zero_ext.ZeroInputError, match="zeroify refuses"):   # stage 0 shards nothing
+        zero_ext.config_from_deepspeed({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
 
 
 def test_values_zeroify_refuses_raise():

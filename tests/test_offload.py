@@ -7,17 +7,17 @@ copied into the owned slices before the parameter gather. It must change no bit:
 
 1. Each case trains twice from the same start, with and without offload, and every
    loss, every parameter and every optimizer state tensor (opt.state_dict()) must be
-   bit-identical, on 1-3 gloo ranks (3 divides no parameter count here), stages 1 and 2:
+   bit-identical, on 1-3 gloo ranks (3 divides no parameter count here), stages 1-3:
    the GPT on tinyshakespeare with AdamW and clipping (fp32, and bf16 parameters with a
    bf16 reduce), SGD with Nesterov momentum under no_sync accumulation, a torch optimizer
    without fused kernel (RMSprop: stepped on the host shards), the native reduce-scatter
    and the all-to-all one, and a parameter no rank uses.
 2. A state_dict round trip with offload resumes bit for bit like the run without it.
 3. opt.stats() equals estimate_memory byte for byte: the host part (master, states,
-   gradient shard, pinned rings) and the device part (no master/states, no stage-2
-   gradients); and the copy counters say one down copy per bucket and backward, one up
+   gradient shard, pinned rings) and the device part (no master/states, no stage-2/3
+   gradients, stage 3's parameter shard in param_dtype); and the copy counters say one down copy per bucket and backward, one up
    copy per bucket and step.
-4. Bad input is refused before any collective, naming the fix: stage 0/3, grad_quant,
+4. Bad input is refused before any collective, naming the fix: stage 0, grad_quant,
    param_quant, step_control=True, too little host memory (on every rank).
 """
 import os
@@ -161,7 +161,7 @@ def _compare_worker(rank, world, stage, cases):
     return diffs
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_offload_bit_identical_one_rank(stage, case):
     """World 1, in process (no process group): every case, both stages."""
@@ -171,7 +171,7 @@ def test_offload_bit_identical_one_rank(stage, case):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_bit_identical_ranks(world, stage):
     """Every case on 2 and 3 gloo ranks; every difference on every rank is reported."""
     results = run_world(_compare_worker, world, stage, sorted(CASES), reuse=True, timeout_s=600)
@@ -235,7 +235,7 @@ def _stats_worker(rank, world, stage, opts):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("opts", [{}, dict(param_dtype="bf16", reduce_dtype="bf16")], ids=["fp32", "bf16"])
 def test_offload_stats_equal_estimate(stage, opts):
     """Host and device bytes of opt.stats() == estimate_memory's, byte for byte, on 3
@@ -246,16 +246,16 @@ def test_offload_stats_equal_estimate(stage, opts):
         assert s["model_state_bytes"] == est["model_state_bytes"], (rank, s["model_state_bytes"],
                                                                       est["model_state_bytes"])
         assert s["model_state_bytes"]["master_weights"] == 0 and s["model_state_bytes"]["optimizer_states"] == 0
-        assert (s["model_state_bytes"]["gradients"] == 0) == (stage == 2)
+        assert (s["model_state_bytes"]["gradients"] == 0) == (stage >= 2)
         assert s["offload"]["down_copies"] == buckets * steps, s["offload"]
-        assert s["offload"]["up_copies"] == buckets * steps, s["offload"]
+        uploads = steps + (stage == 3)   # stage 3 fills its device parameter shard once at zeroify
+        assert s["offload"]["up_copies"] == buckets * uploads, s["offload"]
         item = 2 if opts else 4
-        assert s["offload"]["up_bytes"] == s["shard_numel"] * item * steps, s["offload"]
+        assert s["offload"]["up_bytes"] == s["shard_numel"] * item * uploads, s["offload"]
 
 
 @pytest.mark.parametrize("opts, needle", [
-    (dict(stage=3), "needs stage 1 or 2"),
-    (dict(stage=0), "needs stage 1 or 2"),
+    (dict(stage=0), "needs stage 1, 2 or 3"),
     (dict(stage=2, grad_quant="int8"), "grad_quant=None"),
     (dict(stage=2, param_quant="int8"), "param_quant=None"),
     (dict(stage=2, step_control=True), "step_control='auto'"),
@@ -302,3 +302,38 @@ def test_offload_too_little_host_memory_raises_on_every_rank():
     out = run_world(_too_little_memory_worker, 2)
     assert "host memory" in out[0] and "are available" in out[0] and "offload=None" in out[0], out[0]
     assert "rejected their zeroify() inputs" in out[1] or "host memory" in out[1], out[1]
+
+
+@pytest.mark.parametrize("pdt", ["fp32", "bf16"])
+def test_offload_stage3_meta_init_bit_identical(pdt):
+    """Stage 3 built on the meta device (units initialized one by one, committed into the
+    host master and uploaded into the device's parameter shard): the same losses as the
+    same build without offload."""
+    import zero_ext
+    from cases import TINY_GPT
+    from gpt import GPT, GPTConfig
+
+    def run(offload):
+        torch.manual_seed(3)
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**TINY_GPT))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+        def init(mod):
+            if isinstance(mod, torch.nn.Linear):
+                torch.nn.init.normal_(mod.weight, std=0.02)
+        zm, zo = zero_ext.zeroify(model, opt, stage=3, offload=offload, param_dtype=pdt, init_fn=init)
+        losses = []
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            idx = torch.randint(0, TINY_GPT["vocab_size"], (4, TINY_GPT["block_size"] + 1), generator=g)
+            loss = zm(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())[1]
+            loss.backward()
+            zo.step()
+            zo.zero_grad()
+            losses.append(float(loss.detach()))
+        return losses
+
+    ref, off = run(None), run("cpu")
+    assert ref == off, (ref, off)
+    assert len(set(ref)) > 1, ref   # it trained

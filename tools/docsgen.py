@@ -386,11 +386,11 @@ STATUS = [
     ("The README's multi-GPU launch, run as written", ["tests/test_readme_launch.py"], ["tests_readme"], []),
     ("Porting guides: DDP and FSDP2 scripts, DeepSpeed configs",
      ["tests/test_porting.py", "tests/test_from_deepspeed.py"], [], []),
-    ("Optimizer offload to host memory (`offload=\"cpu\"`, stages 1-2), bit-identical to the run without it",
+    ("Optimizer offload to host memory (`offload=\"cpu\"`, stages 1-3), bit-identical to the run without it",
      ["tests/test_offload.py"], [], [f"{XEON}/bench_offload.json"]),
     ("Optimizer step in backward, no gradient shard (`step_in_backward=True`; stage 3: 12 B/param)",
      ["tests/test_step_in_backward.py"], [], []),
-    ("Parameter offload; optimizer offload in stage 3", "not implemented", [], []),
+    ("Parameter offload (to host memory or NVMe)", "not implemented", [], []),
     ("`torch.compile` of a zeroified model", "not tested", [], []),
 ]
 

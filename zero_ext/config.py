@@ -126,15 +126,16 @@ class ZeroConfig:
         (stats()["buffer_bytes"]["secondary"], "peak_secondary"); stats()["comm_groups"]
         splits the bytes into "intra" and "inter" node parts. L must divide the world
         size; L equal to the world size is plain stage 3. Stage 3 only.
-    offload: None (the default) or "cpu": stages 1-2 keep the fp32 master weights, the
+    offload: None (the default) or "cpu": stages 1-3 keep the fp32 master weights, the
         optimizer states and the reduced gradient shard in host memory and step them
         there with the C kernels (ZeRO-Offload), pipelined per bucket: each gradient
         slice is copied down as its reduction lands, and each stepped slice is copied up
         in param_dtype while the next bucket steps (docs/guide/memory.md). The device
-        keeps the parameters in param_dtype and the gradient buckets/ring. Results are
+        keeps the parameters in param_dtype (stage 3: its shard of them, which the unit
+        gathers read) and the gradient buckets/ring. Results are
         the same bits as without offload. Adam/AdamW/SGD step with the fused kernels;
         other optimizers run as torch optimizers on the host shards (a warning says so).
-        Not with stage 0/3, grad_quant, param_quant or step_control=True.
+        Not with stage 0, grad_quant, param_quant or step_control=True.
     step_in_backward: False (the default) or True: stages 1-3 with one fused optimizer
         (Adam, AdamW or SGD): each bucket takes its optimizer step as soon as its reduced
         gradient lands during backward, with the param groups' values as the backward
@@ -391,9 +392,8 @@ class ZeroConfig:
         need(self.offload in (None, "cpu"), f"offload must be None or 'cpu', got {self.offload!r}; pass "
              f"offload='cpu' (optimizer state in host memory) or offload=None")
         if self.offload is not None:
-            need(self.stage in (1, 2, "auto"), f"offload={self.offload!r} needs stage 1 or 2 (got stage="
-                 f"{self.stage!r}; stage 0 shards nothing, stage 3 offload is not supported yet); use stage=2 "
-                 f"or offload=None")
+            need(self.stage in (1, 2, 3, "auto"), f"offload={self.offload!r} needs stage 1, 2 or 3 (got stage="
+                 f"{self.stage!r}; stage 0 shards nothing); use stage=2 or 3, or offload=None")
             need(self.grad_quant is None and self.param_quant is None, f"offload={self.offload!r} keeps exact "
                  f"gradients and parameters; pass grad_quant=None and param_quant=None, or offload=None")
             need(self.step_control is not True, f"offload={self.offload!r} steps on the host, so the step "

@@ -193,7 +193,8 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     if cfg.offload is not None:
         # Note [Optimizer offload] (csrc/engine/offload.h): master, states and the gradient shard
         # in host memory, plus two pinned rings of two slots (a gradient slice down, reduce_dtype;
-        # a parameter slice up, param_dtype); stage 1 keeps its gradient buckets on the device.
+        # a parameter slice up, param_dtype); stage 1 keeps its gradient buckets on the device,
+        # stage 3 its parameter shard in param_dtype.
         slice_ = max_padded // parts
         down = max_padded if alltoall and world_size > 1 else slice_
         ring = 2 * (max(down, 1) * rs + max(slice_, 1) * ps)
@@ -202,6 +203,8 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         offload["total"] = sum(offload.values())
         grads_b = padded * rs if s <= 1 else 0
         master_b = state_bytes = 0
+        if s == 3:   # the device keeps its shard in param_dtype for the unit gathers
+            params_b = shard * ps
     landing = 0
     if cfg.step_in_backward and s >= 2:
         # Note [Step in backward] (csrc/engine/backward_step.cpp): no gradient shard; with the

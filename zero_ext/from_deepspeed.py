@@ -53,9 +53,9 @@ KEYS = {
         "DDP(find_unused_parameters=True)); false: a missing gradient raises. Absent: zero_ext's 'auto'"),
     "zero_optimization.sub_group_size": ("not needed", "", "the fused step runs bucket by bucket"),
     "zero_optimization.cpu_offload": (
-        "maps", "offload", "true: optimizer state in host memory (offload='cpu', stages 1-2)"),
+        "maps", "offload", "true: optimizer state in host memory (offload='cpu', stages 1-3)"),
     "zero_optimization.offload_optimizer": (
-        "maps", "offload", "{'device': 'cpu'}: optimizer state in host memory (offload='cpu', stages 1-2); "
+        "maps", "offload", "{'device': 'cpu'}: optimizer state in host memory (offload='cpu', stages 1-3); "
         "'none' is off; 'nvme' is not supported; pin_memory and the buffer counts are not needed"),
     "zero_optimization.offload_param": (
         "if disabled", "", "parameter offload is not implemented ({'device': 'none'} is accepted)"),

@@ -74,7 +74,7 @@ struct EngineOptions {
     // name it (Note [Parameter names in messages], layout.cpp); empty: by index.
     std::vector<std::string> param_names;
     // Note [Optimizer offload] (offload.h): the fp32 master, optimizer states and gradient
-    // shard in host memory, stepped by the CPU kernels (stages 1-2).
+    // shard in host memory, stepped by the CPU kernels (stages 1-3).
     bool offload = false;
     // Note [Step in backward] (backward_step.cpp): each bucket takes its fused optimizer step
     // as soon as its reduced gradient lands, and keeps no gradient shard.
@@ -417,6 +417,7 @@ private:
     std::unique_ptr<Kernels> kern_;         // Note [Kernel table]
     std::unique_ptr<Kernels> host_kern_;    // offload from a device: the CPU kernels, else null
     std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
+    at::Tensor param_shard_;               // offload in stage 3: this rank's slices in param_dtype, on the device
     // Note [Step in backward]: the armed step (one kind), the steps taken, the summing buffer
     std::vector<zx_adam_hparams> bw_adam_;
     std::vector<zx_sgd_hparams> bw_sgd_;

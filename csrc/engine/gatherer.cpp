@@ -214,6 +214,7 @@ void Engine::mark_gathered(Bucket &bk) {
 
 at::Tensor Engine::gather_source(Bucket &bk, at::Tensor dst) {
     if (bk.frozen) return frozen_slice(bk);
+    if (off_) return param_shard_.narrow(0, bk.shard_offset, bk.slice_numel);   // Note [Optimizer offload]
     if (!lp_) return master_slice(bk);   // stage 3 fp32: the master is the slice
     kern_->cast_from_f32(bk.slice_numel, master(bk), dst.data_ptr(), pzx_);
     return dst;
@@ -336,6 +337,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
             comm_.seq.subject(b, u);
             broadcast_tensors({bk.staging}, src);
             master_slice(bk).copy_(owned_slice(bk.staging, bk));
+            if (off_) upload(bk);
             release_bucket(bk);
             continue;
         }
@@ -348,6 +350,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
         } else {
             master_slice(bk).copy_(owned);
         }
+        if (off_) upload(bk);   // Note [Optimizer offload]: what the next gathers read
     }
     commit_frozen(u, src);
 }
@@ -368,6 +371,7 @@ void Engine::open_unit_fp32(int64_t u) {
         // again after a commit keeps what was written to it.
         bk.staging = at::empty({bk.padded_numel}, on_device(at::kFloat));
         at::Tensor in = master_slice(bk);
+        if (in.device() != dev_) in = in.to(dev_);   // offload: the collective runs on the device
         if (world_ == 1) {
             bk.staging.copy_(in);
         } else {

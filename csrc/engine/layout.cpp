@@ -153,8 +153,8 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                 "needs stage 1, 2 or 3 and no offload; pass stage=1, 2 or 3 and offload=None, or "
                 "step_in_backward=False");
     if (opts_.offload) {   // Note [Optimizer offload]
-        TORCH_CHECK(opts_.stage == 1 || opts_.stage == 2, "zero_ext: offload='cpu' needs stage 1 or 2 (stage ",
-                    opts_.stage, " was given); pass stage=1 or 2, or offload=None");
+        TORCH_CHECK(opts_.stage >= 1, "zero_ext: offload='cpu' needs stage 1, 2 or 3 (stage 0 shards nothing); "
+                    "pass stage=1, 2 or 3, or offload=None");
         TORCH_CHECK(!qreduce_ && !qgather_, "zero_ext: offload='cpu' keeps exact gradients and parameters; pass "
                     "grad_quant=None and param_quant=None with it, or offload=None");
         if (!dev_.is_cpu()) host_kern_ = make_cpu_kernels(isa_, rzx_);
@@ -284,6 +284,10 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         const int64_t slice = max_padded_ / std::max<int64_t>(parts_, 1);
         const int64_t down = opts_.alltoall_reduce_scatter && world_ > 1 ? max_padded_ : slice;
         off_ = std::make_unique<Offload>(dev_, rdt_, down, pdt_, slice, nb);
+        if (s3) {   // what the unit gathers read: the master in param_dtype, kept current by upload()
+            param_shard_ = at::empty({shard_numel_}, pt);
+            for (auto &bk : buckets_) upload(bk);
+        }
     }
     // The gradient shard and the ring are allocated at the first backward
     // (grad_shard_slice, acquire_slot), so building the model costs no more.
@@ -378,7 +382,8 @@ py::dict Engine::stats() const {
     int64_t master_bytes = 0;
     // stage 3: the fp32 master is the parameter shard; with a low param_dtype the gather
     // casts it, so no low-precision copy persists (it is counted as master weights)
-    if (opts_.stage == 3 && !lp_) param_bytes += master_shard_.nbytes();
+    if (opts_.stage == 3 && !lp_ && !off_) param_bytes += master_shard_.nbytes();
+    if (param_shard_.defined()) param_bytes += param_shard_.nbytes();   // offload, stage 3
     if ((lp_ || (qgather_ && opts_.stage < 3)) && !off_) master_bytes = master_shard_.nbytes();
     int64_t state_bytes = 0;
     if (!off_)

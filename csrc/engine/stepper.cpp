@@ -202,14 +202,16 @@ void Engine::cast_masters() {
 
 // Note [Optimizer offload]: the master slice as the device computes with it (the
 // step's rounding: the bits the fused step writes without offload), through the up
-// ring into the owned slice of the bucket.
+// ring into the owned slice of the bucket (stage 3: into the device's parameter shard,
+// which the unit gathers read).
 void Engine::upload(Bucket &bk) {
     at::Tensor slot = off_->up_slot(bk.slice_numel);
     if (lp_)
         kstep().cast_from_f32(bk.slice_numel, master(bk), slot.data_ptr(), pzx_);
     else
         slot.copy_(master_slice(bk));
-    off_->up(slot, owned_slice(bk.flat_param, bk));
+    off_->up(slot, opts_.stage == 3 ? param_shard_.narrow(0, bk.shard_offset, bk.slice_numel)
+                                    : owned_slice(bk.flat_param, bk));
 }
 
 }  // namespace zx
