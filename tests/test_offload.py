@@ -115,7 +115,9 @@ def _train(rank, case, stage, offload, steps=STEPS, state=None, start=0):
             torch.nn.utils.clip_grad_norm_(zm.parameters(), clip)
         zo.step()
         zo.zero_grad()
-    params = [p.detach().float().clone() for p in model.parameters()]
+    with zero_ext.gathered_parameters(model):   # stage 3: whole only inside
+        params = [p.detach().float().clone() for p in model.parameters()]
+    assert all(p.numel() > 0 for p in params)
     flat = {}
     for key, st in _tensors(zo.state_dict()):
         flat[key] = st

@@ -69,7 +69,10 @@ def _run(rank, stage, sib, kind="mlp", opt="adamw", steps=6, micro=1, state=None
         zo.step()
         zo.zero_grad()
         sched.step()
-    return losses, [p.detach().float().clone() for p in model.parameters()], zo.stats(), (zm, zo, sched)
+    with zero_ext.gathered_parameters(model):   # stage 3: whole only inside
+        params = [p.detach().float().clone() for p in model.parameters()]
+    assert all(p.numel() > 0 for p in params)
+    return losses, params, zo.stats(), (zm, zo, sched)
 
 
 CASES = {

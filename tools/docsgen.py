@@ -387,7 +387,7 @@ STATUS = [
     ("Porting guides: DDP and FSDP2 scripts, DeepSpeed configs",
      ["tests/test_porting.py", "tests/test_from_deepspeed.py"], [], []),
     ("Optimizer offload to host memory (`offload=\"cpu\"`, stages 1-3), bit-identical to the run without it",
-     ["tests/test_offload.py"], [], [f"{XEON}/bench_offload.json"]),
+     ["tests/test_offload.py"], ["tests_offload", "bench_offload"], [f"{XEON}/bench_offload.json"]),
     ("Optimizer step in backward, no gradient shard (`step_in_backward=True`; stage 3: 12 B/param)",
      ["tests/test_step_in_backward.py"], [], []),
     ("Parameter offload (to host memory or NVMe)", "not implemented", [], []),
