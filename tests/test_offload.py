@@ -238,10 +238,14 @@ def _stats_worker(rank, world, stage, opts):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("opts", [{}, dict(param_dtype="bf16", reduce_dtype="bf16")], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("opts", [{}, dict(param_dtype="bf16", reduce_dtype="bf16"),
+                                  dict(param_dtype="bf16", reduce_dtype="bf16", reduce_scatter="native")],
+                         ids=["fp32", "bf16", "bf16-native"])
 def test_offload_stats_equal_estimate(stage, opts):
     """Host and device bytes of opt.stats() == estimate_memory's, byte for byte, on 3
-    ranks; one down copy per bucket and backward, one up copy per bucket and step."""
+    ranks; one down copy per bucket and backward, one up copy per bucket and step; with
+    bf16 and the native reduce-scatter (NCCL's) the link carries 2 + 2 bytes per element
+    of the shard per step (gloo's all-to-all lands all N slices: N x 2 down)."""
     for rank, (est, s, buckets, steps) in enumerate(run_world(_stats_worker, 3, stage, opts, reuse=True)):
         host = {k: s["offload"][k] for k in est["offload"]}
         assert host == est["offload"], (rank, host, est["offload"])
@@ -254,6 +258,8 @@ def test_offload_stats_equal_estimate(stage, opts):
         assert s["offload"]["up_copies"] == buckets * uploads, s["offload"]
         item = 2 if opts else 4
         assert s["offload"]["up_bytes"] == s["shard_numel"] * item * uploads, s["offload"]
+        if opts.get("reduce_scatter") == "native" and stage >= 2:
+            assert s["offload"]["down_bytes"] == s["shard_numel"] * 2 * steps, s["offload"]
 
 
 @pytest.mark.parametrize("opts, needle", [
