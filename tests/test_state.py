@@ -184,3 +184,51 @@ def test_rank0_optimizer_file_is_refused_elsewhere(tmp_path):
     assert errors[0] is None, errors[0]
     assert errors[1] is not None and "rank 0 alone" in errors[1], errors[1]
     assert "zero_ext.save" in errors[1] and "optimizer.state_dict() on every rank" in errors[1], errors[1]
+
+
+def _bf16_round_trip_worker(rank, world, stage):
+    """bf16 parameters: model.state_dict() holds the bf16 copy, so the fp32 masters travel in
+    the complete optimizer state ("master_weights"): model then optimizer (the usual order)
+    resumes bit for bit; optimizer then model takes the model's bf16 values as the masters
+    (model.load_state_dict writes what it is given), so it differs (the control)."""
+    import zero_ext
+    from cases import build_model
+
+    def fresh():
+        model = build_model("gpt")
+        zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=stage,
+                                  param_dtype="bf16", reduce_dtype="bf16")
+        return model, zm, zo
+
+    def params(model):
+        with zero_ext.gathered_parameters(model):
+            return [p.detach().float().clone() for p in model.parameters()]
+
+    model, zm, zo = fresh()
+    _train(zm, zo, "gpt", rank, 6, 0)
+    straight = params(model)
+    model, zm, zo = fresh()
+    _train(zm, zo, "gpt", rank, 3, 0)
+    saved = ({k: v.clone() for k, v in zm.state_dict().items()}, zo.state_dict())
+    has_masters = "master_weights" in saved[1]["zero_ext_complete"]
+    diffs = []
+    for model_first in (True, False):
+        model, zm, zo = fresh()
+        if model_first:
+            zm.load_state_dict(saved[0])
+            zo.load_state_dict(saved[1])
+        else:
+            zo.load_state_dict(saved[1])
+            zm.load_state_dict(saved[0])
+        _train(zm, zo, "gpt", rank, 3, 3)
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(straight, params(model))))
+    return has_masters, diffs
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_state_dict_pair_keeps_fp32_masters(stage):
+    for rank, (has_masters, diffs) in enumerate(run_world(_bf16_round_trip_worker, 2, stage, reuse=True)):
+        assert has_masters, "the complete optimizer state has no master_weights with bf16 parameters"
+        assert diffs[0] == 0.0, f"rank {rank}: resumed parameters differ by {diffs[0]} (model, then optimizer)"
+        assert diffs[1] > 0.0, f"rank {rank}: the control (optimizer, then model) did not differ"

@@ -15,7 +15,13 @@ Note [Complete optimizer state]
     run, on every rank; each rank copies only its own fragments: no collective.
   Stage 0 and world size 1 hold everything on every rank: no collective either.
   Besides torch's two keys the dict holds "zero_ext_complete" (step counts per group,
-  loss scaler, skipped steps), which torch's load_state_dict ignores. The per-rank
+  loss scaler, skipped steps; with a bf16/fp16 param_dtype also "master_weights", each
+  trainable parameter's fp32 master by model state_dict key, since model.state_dict()
+  holds only its low-precision copy: the pair then resumes bit for bit, as FSDP2's fp32
+  sharded parameters and DeepSpeed's fp32 partitions do, when the model's state is loaded
+  first, as scripts do: model.load_state_dict writes the values it is given, so loaded after
+  the optimizer it replaces the masters by its bf16 copy), which torch's load_state_dict
+  ignores. The per-rank
   form (ZeroOptimizer.sharded_state_dict) remains for a resume at the same world size,
   stage and rank without assembling anything.
 """
@@ -40,12 +46,18 @@ def _model_of(optimizer):
 def state_dict(optimizer, part: int | None = None) -> dict:
     """The complete torch state dict (of wrapped optimizer `part`, when several), on every rank."""
     model = _model_of(optimizer)
-    full = consolidated_state_dict(model, optimizer, to=None, model_state=False, phase=PHASE_OPTIM_STATE)["optimizer"]
+    low = optimizer._config.param_dtype != "fp32"   # the masters are not in model.state_dict()
+    both = consolidated_state_dict(model, optimizer, to=None, model_state=low, phase=PHASE_OPTIM_STATE)
+    full = both["optimizer"]
     if isinstance(full, list):
         full = full[0 if part is None else part]
     groups = range(len(optimizer.param_groups)) if part is None else optimizer._parts[part].groups
     full[EXTRA] = {"steps": [optimizer._steps[gi] for gi in groups], "loss_scaler": optimizer.scaler_state_dict(),
                    "skipped_steps": optimizer.skipped_steps}
+    if low:
+        layout = _layout(model, optimizer)
+        mine = {n for n, info in layout["params"].items() if info["group"] in set(groups)}
+        full[EXTRA]["master_weights"] = {k: t for k, t in both["model"].items() if layout["keys"].get(k) in mine}
     return full
 
 
@@ -160,6 +172,16 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
             opt.state[view] = {k: (t.detach().clone().to(view.device) if torch.is_tensor(t) else t)
                                for k, t in by_name[name].items()}
     extra = sd.get(EXTRA) or {}
+    masters = extra.get("master_weights")
+    if masters and optimizer._config.param_dtype != "fp32":
+        # the fp32 masters of this rank's fragments, then the parameters computed from them
+        by_key = {layout["keys"][k]: t for k, t in masters.items() if k in layout["keys"]}
+        with torch.no_grad():
+            for i, poff, soff, n in engine.fragments(rank):
+                t = by_key.get(names[i])
+                if in_part[i] and t is not None:
+                    shard.local(shard.masters, soff, n).copy_(t.reshape(-1)[poff:poff + n])
+        engine.publish_params()
     if extra:
         optimizer.load_scaler_state_dict(extra.get("loss_scaler"))
         optimizer.skipped_steps = int(extra.get("skipped_steps", 0))
