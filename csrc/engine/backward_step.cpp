@@ -24,43 +24,43 @@ namespace zx {
 
 void Engine::set_backward_step_adam(std::vector<zx_adam_hparams> hps) {
     TORCH_CHECK(opts_.step_in_backward, "zero_ext: internal: set_backward_step_adam without step_in_backward");
-    bw_adam_ = std::move(hps);
-    bw_sgd_.clear();
+    bw_.adam = std::move(hps);
+    bw_.sgd.clear();
 }
 
 void Engine::set_backward_step_sgd(std::vector<zx_sgd_hparams> hps) {
     TORCH_CHECK(opts_.step_in_backward, "zero_ext: internal: set_backward_step_sgd without step_in_backward");
-    bw_sgd_ = std::move(hps);
-    bw_adam_.clear();
+    bw_.sgd = std::move(hps);
+    bw_.adam.clear();
 }
 
 at::Tensor Engine::landing(int64_t numel) {
-    if (!land_.defined() || land_.numel() < numel) land_ = at::empty({max_padded_ / parts_}, on_device(rdt_));
-    return land_.narrow(0, 0, numel);
+    if (!bw_.land.defined() || bw_.land.numel() < numel) bw_.land = at::empty({max_padded_ / parts_}, on_device(rdt_));
+    return bw_.land.narrow(0, 0, numel);
 }
 
 void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
-    TORCH_CHECK(!bw_adam_.empty() || !bw_sgd_.empty(), "zero_ext: internal: a bucket landed in a step_in_backward "
+    TORCH_CHECK(!bw_.adam.empty() || !bw_.sgd.empty(), "zero_ext: internal: a bucket landed in a step_in_backward "
                 "backward that was not armed");
-    const int64_t g = bk.group, step = bw_steps_ + 1;
+    const int64_t g = bk.group, step = bw_.steps + 1;
     float *p = master(bk);
     char *lp = (char *)lp_out(bk);
     const int64_t so = bk.state_offset - bk.state_lo;   // Note [State windows]
-    if (!bw_adam_.empty()) {
-        TORCH_CHECK(g < (int64_t)bw_adam_.size(), "zero_ext: internal: missing hyperparameters for group ", g);
-        zx_adam_hparams h = bw_adam_[g];
+    if (!bw_.adam.empty()) {
+        TORCH_CHECK(g < (int64_t)bw_.adam.size(), "zero_ext: internal: missing hyperparameters for group ", g);
+        zx_adam_hparams h = bw_.adam[g];
         h.step = step;
         float *m = state("exp_avg").data_ptr<float>() + so, *v = state("exp_avg_sq").data_ptr<float>() + so;
         float *vmax = h.amsgrad ? state("max_exp_avg_sq").data_ptr<float>() + so : nullptr;
         kern_->adam(bk.slice_numel, p, grad, m, v, vmax, lp, pzx_, h, nullptr, nullptr);
     } else {
-        TORCH_CHECK(g < (int64_t)bw_sgd_.size(), "zero_ext: internal: missing hyperparameters for group ", g);
-        zx_sgd_hparams h = bw_sgd_[g];
+        TORCH_CHECK(g < (int64_t)bw_.sgd.size(), "zero_ext: internal: missing hyperparameters for group ", g);
+        zx_sgd_hparams h = bw_.sgd[g];
         h.first_step = step == 1;
         float *buf = h.momentum != 0.0 ? state("momentum_buffer").data_ptr<float>() + so : nullptr;
         kern_->sgd(bk.slice_numel, p, grad, buf, lp, pzx_, h, nullptr, nullptr);
     }
-    bw_stepped_ = true;
+    bw_.stepped = true;
 }
 
 }  // namespace zx

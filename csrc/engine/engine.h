@@ -93,6 +93,15 @@ struct EngineOptions {
 //   stage 0/1 gradients are added into flat_grad by the hook (not views).
 struct GatherGroup;
 
+// Note [Step in backward] (backward_step.cpp): the armed step and what it keeps.
+struct BackwardStep {
+    std::vector<zx_adam_hparams> adam;   // one per param group, or empty
+    std::vector<zx_sgd_hparams> sgd;     // one per param group, or empty
+    int64_t steps = 0;                   // optimizer steps taken in backward
+    bool stepped = false;                // some bucket stepped in this backward
+    at::Tensor land;                     // all-to-all: where a bucket's slices are summed
+};
+
 struct Bucket {
     int64_t group = 0;                 // param group index
     std::vector<int64_t> params;       // engine parameter index of each piece, layout order
@@ -296,7 +305,7 @@ public:
     // backward_steps() + 1).
     void set_backward_step_adam(std::vector<zx_adam_hparams> hps);
     void set_backward_step_sgd(std::vector<zx_sgd_hparams> hps);
-    int64_t backward_steps() const { return bw_steps_; }   // optimizer steps taken in backward
+    int64_t backward_steps() const { return bw_.steps; }   // optimizer steps taken in backward
     // Note [Communication delay] (comm.cpp): every collective of this engine (node group
     // included) takes at least ms longer; serialize: each is waited for at its launch.
     void set_comm_delay(double ms, bool serialize);
@@ -418,12 +427,7 @@ private:
     std::unique_ptr<Kernels> host_kern_;    // offload from a device: the CPU kernels, else null
     std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
     at::Tensor param_shard_;               // offload in stage 3: this rank's slices in param_dtype, on the device
-    // Note [Step in backward]: the armed step (one kind), the steps taken, the summing buffer
-    std::vector<zx_adam_hparams> bw_adam_;
-    std::vector<zx_sgd_hparams> bw_sgd_;
-    int64_t bw_steps_ = 0;
-    bool bw_stepped_ = false;              // some bucket stepped in this backward
-    at::Tensor land_;
+    BackwardStep bw_;                      // Note [Step in backward]
     bool require_sync_ = true;
     int64_t next_launch_ = 0;
     std::deque<std::pair<int64_t, WorkPtr>> inflight_;

@@ -401,7 +401,7 @@ py::dict Engine::stats() const {
     msb["total"] = param_bytes + grad_bytes + master_bytes + state_bytes;
     py::dict buf;
     buf["grad_ring"] = ring_bytes;
-    buf["grad_landing"] = land_.defined() ? land_.nbytes() : 0;   // Note [Step in backward]: all-to-all sums
+    buf["grad_landing"] = bw_.land.defined() ? bw_.land.nbytes() : 0;   // Note [Step in backward]: all-to-all sums
     buf["ring_slots"] = (int64_t)slots_.size();
     buf["gathered_params"] = gathered_bytes_;            // stage 3: full units held now
     buf["peak_gathered_params"] = peak_gathered_bytes_;  // stage 3: most held at once
@@ -416,7 +416,7 @@ py::dict Engine::stats() const {
     const int64_t secondary = sec_ ? sec_->bytes() : 0;
     buf["secondary"] = secondary;   // node_size: this rank's parts kept for backward gathers (Note [Hierarchical partitioning])
     buf["peak_secondary"] = sec_ ? sec_->peak_bytes() : 0;
-    buf["total"] = ring_bytes + (land_.defined() ? land_.nbytes() : 0) + gathered_bytes_ + quant_buffers + quant_residual + gather_records +
+    buf["total"] = ring_bytes + (bw_.land.defined() ? bw_.land.nbytes() : 0) + gathered_bytes_ + quant_buffers + quant_residual + gather_records +
                    kern_->scratch_bytes() + secondary;
     py::dict comm;
     comm["all_reduce"] = counter_dict(comm_.c_all_reduce);

@@ -169,11 +169,11 @@ void Engine::finalize_backward() {
     }
     next_launch_ = 0;
     reductions_++;
-    if (bw_stepped_) {   // Note [Step in backward]: this backward was one optimizer step
-        bw_stepped_ = false;
-        bw_steps_++;
+    if (bw_.stepped) {   // Note [Step in backward]: this backward was one optimizer step
+        bw_.stepped = false;
+        bw_.steps++;
         ensure_step_tables();
-        std::fill(param_steps_.begin(), param_steps_.end(), bw_steps_);
+        std::fill(param_steps_.begin(), param_steps_.end(), bw_.steps);
     }
     grad_generation_++;
     if (!grad_wrappers_.empty()) {   // Note [Sharded gradients]

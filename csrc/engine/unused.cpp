@@ -171,7 +171,7 @@ void Engine::set_param_steps(const std::vector<int64_t> &steps) {
     TORCH_CHECK(steps.size() == param_steps_.size(), "zero_ext: ", steps.size(), " step counts for ",
                 param_steps_.size(), " parameters; pass one step count per trainable parameter");
     param_steps_ = steps;
-    bw_steps_ = steps.empty() ? 0 : *std::max_element(steps.begin(), steps.end());   // Note [Step in backward]
+    bw_.steps = steps.empty() ? 0 : *std::max_element(steps.begin(), steps.end());   // Note [Step in backward]
 }
 
 std::vector<int64_t> Engine::locally_unused() const {
