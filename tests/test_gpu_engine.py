@@ -287,3 +287,27 @@ def test_steady_state_steps_do_not_synchronize(stage, dtype):
     assert all(n.is_cuda for n in norms[3:]), "clip_grad_norm_ should return a device tensor"
     assert all(torch.isfinite(n).item() or dtype == "fp16" for n in norms)
     assert zo.stats()["steps"] + zo.stats()["skipped_steps"] == 8
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_step_in_backward_on_cuda_equals_the_step_after_backward(stage):
+    """Note [Step in backward]: each bucket's fused CUDA step inside backward, on the
+    stream, gives the same bits as the step after backward (the same kernel on the same
+    gradient); stages 2-3 keep no gradient shard."""
+    def run(sib):
+        model = build_model("gpt").to(DEV)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="bf16", step_in_backward=sib)
+        for step in range(STEPS):
+            x, y = batch("gpt", 0, step, 0)
+            loss_of("gpt", zm, x.to(DEV), y.to(DEV)).backward()
+            zo.step()
+            zo.zero_grad()
+        with zero_ext.gathered_parameters(model):
+            params = [p.detach().float().cpu() for p in model.parameters()]
+        return params, zo.stats()
+    ref, _ = run(False)
+    sib, stats = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, sib))
+    if stage >= 2:
+        assert stats["model_state_bytes"]["gradients"] == 0, stats["model_state_bytes"]
