@@ -265,7 +265,8 @@ zx_status zx_adam_step(zx_isa isa, size_t n, float *param, const float *grad,
  * element i are a hash of (seed, offset + i) alone. Pass offset = the global index
  * of this range's first element (and a seed that changes every step, e.g. mixed
  * from the step count): results are then the same whatever the isa, the threads
- * or the split of [0, n) into calls, and bit-identical to zx_cuda_adam_step_bf16_states.
+ * or the split of [0, n) into calls; zx_cuda_adam_step_bf16_states runs the same operations
+ * and hash (tests/test_cuda_bf16_states.py checks the two bit for bit on a GPU).
  * Counters wrap modulo 2^64. NaN stays NaN, +-Inf stays +-Inf, a finite value
  * never rounds to Inf (above the largest finite bf16 it saturates to it).
  *
