@@ -88,7 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("group_update_kind", &zx::EngineOptions::group_update_kind)
         .def_readwrite("param_state", &zx::EngineOptions::param_state)
         .def_readwrite("agree_unused", &zx::EngineOptions::agree_unused)
-        .def_readwrite("param_names", &zx::EngineOptions::param_names);
+        .def_readwrite("param_names", &zx::EngineOptions::param_names)
+        .def_readwrite("offload", &zx::EngineOptions::offload);
 
     // The loss-scaling state machine of the C core (zx_scaler.c), state and all.
     py::class_<zx_loss_scaler>(m, "LossScaler")

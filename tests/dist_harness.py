@@ -20,8 +20,7 @@ Note [Standing worlds]
   instead: processes started once per test module (conftest.py ends them when the
   module is done) that keep their gloo group and run one function after another.
   Between two functions every rank collects garbage, meets the others at a
-  barrier, destroys the process groups the function made (zeroify's side groups,
-  node groups), and puts back what a fresh process would have: the environment,
+  barrier, and puts back what a fresh process would have: the environment,
   the working directory, torch's default RNG seed, one intra-op thread, fp32 as
   the default dtype. What it cannot put back is the reason a call stays fresh
   (the default): a function that expects errors, kills or hangs a rank, leaves
@@ -29,6 +28,11 @@ Note [Standing worlds]
   memory (freed pages stay in the process), changes other process-wide state
   (integrations' singletons), or uses another backend. A failure or timeout in a
   standing world ends it; the next call starts a new one.
+  The process groups a function made (zeroify's side group, node groups) are left
+  alive, not destroyed: torch names a group made with use_local_synchronization=True
+  after its ranks and the number of groups that exist, so a group made after one
+  was destroyed takes that one's name and finds its stale addresses in the store
+  (gloo then connects to a closed port, or hangs, depending on which rank is first).
 """
 from __future__ import annotations
 
@@ -199,15 +203,11 @@ def _standing_entry(rank, world, store_path, conn):
 def _reset(default_pg, env, cwd):
     """Put back what the last function may have changed (Note [Standing worlds])."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
     gc.collect()
     if not dist.is_initialized() or dist.group.WORLD is not default_pg:
         raise RuntimeError("the function destroyed or replaced the default process group: run it with reuse=False")
-    dist.barrier()   # every rank is done with every group before any is destroyed
-    for pg in list(c10d._world.pg_map):
-        if pg is not default_pg:
-            dist.destroy_process_group(pg)
+    dist.barrier()   # every rank is done with the last function's collectives
     gc.collect()
     os.environ.clear()
     os.environ.update(env)

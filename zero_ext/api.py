@@ -12,13 +12,14 @@ from torch import nn
 
 from . import _C
 from .auto import choose_stage, free_memory
-from .changes import ModelGuard, retire_optimizer
+from .changes import ModelGuard, ZeroUsageError, retire_optimizer
 from .comm import Comm, check_device, device_backend
 from .config import ZeroConfig, make_config
 from .gather import OWNER_ATTR
 from .materialize import initialize_by_unit, is_meta, replace_meta
 from .model import ZeroModel, cast_buffers
 from .nodes import node_group, resolve_node_size
+from .offload import check_host_memory, warn_unfused
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, _Part
 from .param_waits import ParamWaits
 from .sharded_grad import install as install_sharded_grads
@@ -232,6 +233,22 @@ def _resolve_auto_stage(model, optimizer, cfg: ZeroConfig, free, rank: int, worl
         print(why, flush=True)
 
 
+_SIDE_GROUPS: dict = {}   # id(process group) -> (it, its side group)
+
+
+def _side_group(pg):
+    """The digests' own gloo group (CPU tensors) over pg's ranks (only they call new_group),
+    made once per process group: zeroify() called again on the same group (a sweep, a
+    re-wrapped model) reuses it instead of opening one more gloo group each time."""
+    c10d = dist.distributed_c10d
+    known = _SIDE_GROUPS.get(id(pg))
+    if known is not None and known[0] is pg and pg in c10d._world.pg_map and known[1] in c10d._world.pg_map:
+        return known[1]
+    side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo", use_local_synchronization=True)
+    _SIDE_GROUPS[id(pg)] = (pg, side)
+    return side
+
+
 def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> None:
     """Note [Collective sequence check] (csrc/engine/sequence.h): digests exchanged where
     a rank leaves its pattern (Note [Exchanges on deviation]), and waits that compare
@@ -244,8 +261,7 @@ def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> None:
             store = dist.distributed_c10d._world.pg_map[pg][1]
         except (AttributeError, KeyError, IndexError, TypeError):
             store = None                 # digests at every phase only
-    # the digests' own gloo group (CPU tensors) over the same ranks (only they call new_group)
-    side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo", use_local_synchronization=True)
+    side = _side_group(pg)
     engine.enable_sequence_check(store, float(cfg.sequence_timeout), side,
                                  store is None or cfg.check_sequence == "every_phase")
 
@@ -296,7 +312,9 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
             params, groups, frozen, fused, desc, parts = _inspect(model, optimizer, cfg, meta)
             if auto and cfg.memory_budget is None:
                 free = free_memory(model)
-        except (ValueError, TypeError) as e:
+            if cfg.offload is not None:   # Note [Optimizer offload] (csrc/engine/offload.h)
+                check_host_memory(model, optimizer, cfg, world, backend)
+        except (ValueError, TypeError, ZeroUsageError) as e:
             error = e
     text = repr(desc) if desc is not None else ""
     fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
@@ -358,6 +376,9 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     # Note [Parameter names in messages] (csrc/engine/layout.cpp): the engine's errors name parameters
     param_names = {id(p): n for n, p in model.named_parameters()}
     opts.param_names = [param_names.get(id(p), f"#{i}") for i, p in enumerate(params)]
+    opts.offload = cfg.offload == "cpu"
+    if opts.offload:
+        warn_unfused(parts)
     engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)
     if sharded_frozen:   # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp)
         engine.add_frozen(sharded_frozen, frozen_units,

@@ -126,6 +126,15 @@ class ZeroConfig:
         (stats()["buffer_bytes"]["secondary"], "peak_secondary"); stats()["comm_groups"]
         splits the bytes into "intra" and "inter" node parts. L must divide the world
         size; L equal to the world size is plain stage 3. Stage 3 only.
+    offload: None (the default) or "cpu": stages 1-2 keep the fp32 master weights, the
+        optimizer states and the reduced gradient shard in host memory and step them
+        there with the C kernels (ZeRO-Offload), pipelined per bucket: each gradient
+        slice is copied down as its reduction lands, and each stepped slice is copied up
+        in param_dtype while the next bucket steps (docs/guide/memory.md). The device
+        keeps the parameters in param_dtype and the gradient buckets/ring. Results are
+        the same bits as without offload. Adam/AdamW/SGD step with the fused kernels;
+        other optimizers run as torch optimizers on the host shards (a warning says so).
+        Not with stage 0/3, grad_quant, param_quant or step_control=True.
     check_sequence: True (default; "auto" is the same) or False: ranks whose collectives
         diverge (evaluation or model.state_dict() on rank 0 alone in stage 3, a skipped
         backward, an extra micro-step, a stage-3 unit skipped, step() on some ranks only,
@@ -190,6 +199,7 @@ class ZeroConfig:
     check_sequence: bool | str = True
     sequence_timeout: float = 3.0
     find_unused_parameters: bool | str = "auto"
+    offload: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -358,6 +368,16 @@ class ZeroConfig:
         if self.param_quant is not None:
             need(self.stage != 0, f"param_quant={self.param_quant!r} needs stage 1, 2 or 3 (stage 0 keeps full "
                  f"replicas and gathers no parameters); use stage=1 or param_quant=None")
+        need(self.offload in (None, "cpu"), f"offload must be None or 'cpu', got {self.offload!r}; pass "
+             f"offload='cpu' (optimizer state in host memory) or offload=None")
+        if self.offload is not None:
+            need(self.stage in (1, 2, "auto"), f"offload={self.offload!r} needs stage 1 or 2 (got stage="
+                 f"{self.stage!r}; stage 0 shards nothing, stage 3 offload is not supported yet); use stage=2 "
+                 f"or offload=None")
+            need(self.grad_quant is None and self.param_quant is None, f"offload={self.offload!r} keeps exact "
+                 f"gradients and parameters; pass grad_quant=None and param_quant=None, or offload=None")
+            need(self.step_control is not True, f"offload={self.offload!r} steps on the host, so the step "
+                 f"control cannot live in device memory; pass step_control='auto' (or False), or offload=None")
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))

@@ -26,6 +26,9 @@ the first step of a run with the same model, world size, stage and options:
                       collective's staging: zero_ext/prefetch.py replays one step)
                       (a model built on the meta device: at least the root and one unit
                       in fp32 while they are initialized)
+    offload           offload="cpu" (host memory, not in "total"): the fp32 master, the
+                      optimizer states and the gradient shard (reduce_dtype), and the pinned
+                      rings; the device then keeps no master, states or (stage 2) gradients
     frozen            parameters that are not trained, in param_dtype: replicated in
                       stages 0-2; stage 3 shards them per unit (frozen_shard_bytes: each
                       unit's padded to N * align, over N) and gathers them with the unit
@@ -142,7 +145,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         reduce_scatter="auto", which sizes the receive buffers; "nccl"/"fake": native).
     config, **options: any other zeroify option that changes memory (bucket_bytes,
         first_bucket_bytes, align, grad_ring_buckets, unit_modules, unit_numel,
-        min_unit_numel, prefetch_depth, reduce_scatter).
+        min_unit_numel, prefetch_depth, reduce_scatter, offload).
 
     Returns a dict with the keys of opt.stats() it predicts ("model_state_bytes",
     "buffer_bytes", "frozen_parameter_bytes", "num_params", "padded_numel",
@@ -185,6 +188,20 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     grads_b = padded * rs if s <= 1 else shard * rs
     # param_quant: stages 1/2 gather dequantized values, so the fp32 master is a shard of its own
     master_b = shard * 4 if lp or (cfg.param_quant is not None and 1 <= s <= 2 and parts > 1) else 0
+    alltoall = cfg.reduce_scatter == "alltoall" or (cfg.reduce_scatter == "auto" and device_backend(backend) == "gloo")
+    offload = {}
+    if cfg.offload is not None:
+        # Note [Optimizer offload] (csrc/engine/offload.h): master, states and the gradient shard
+        # in host memory, plus two pinned rings of two slots (a gradient slice down, reduce_dtype;
+        # a parameter slice up, param_dtype); stage 1 keeps its gradient buckets on the device.
+        slice_ = max_padded // parts
+        down = max_padded if alltoall and world_size > 1 else slice_
+        ring = 2 * (max(down, 1) * rs + max(slice_, 1) * ps)
+        offload = {"master_weights": shard * 4, "optimizer_states": state_bytes, "gradients": shard * rs,
+                   "pinned_ring": ring}
+        offload["total"] = sum(offload.values())
+        grads_b = padded * rs if s <= 1 else 0
+        master_b = state_bytes = 0
     msb = {"parameters": params_b, "gradients": grads_b, "master_weights": master_b,
            "optimizer_states": state_bytes}
     msb["total"] = sum(msb.values())
@@ -192,7 +209,6 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     # The ring (Engine::acquire_slot): stage 1 needs it for the reduce-scatter output
     # only with N > 1; stage 2-3 stage every gradient in it, one slot at N = 1 (reduced
     # at once), else grad_ring_buckets slots (at most one per bucket).
-    alltoall = cfg.reduce_scatter == "alltoall" or (cfg.reduce_scatter == "auto" and device_backend(backend) == "gloo")
     if s == 0 or (s == 1 and world_size == 1):
         slots = 0
     elif world_size == 1:
@@ -247,6 +263,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         "model_state_bytes": msb, "buffer_bytes": buf, "frozen_parameter_bytes": frozen_b,
         "total": msb["total"] + buf["total"] + frozen_b,
         "comm_bytes_per_step": comm, "accumulation_steps": accum,
+        "offload": offload,
     }
 
 

@@ -590,8 +590,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if part.opt is not None:
                 extra = sum(t.nbytes for st in part.opt.state.values() for t in st.values()
                             if torch.is_tensor(t) and t.dim() > 0)
-                msb["optimizer_states"] += extra
-                msb["total"] += extra
+                where = s["offload"] if s["offload"] else msb   # offload: they live on the host shards
+                where["optimizer_states"] += extra
+                where["total"] += extra
         if len(self._parts) > 1:
             s["optimizer"] = "+".join(c.__name__ for c in self.wrapped_classes)
         s["atomic"]["tensors_owned"] = sum(len(p.owned) for p in self._parts)

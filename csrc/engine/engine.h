@@ -18,6 +18,7 @@
 //   secondary.h/.cpp stage 3: node-local secondary parts for backward gathers (node_size)
 //   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
 //                    the per-device kernel table (Note [Kernel table])
+//   offload.h/.cpp   offload="cpu": host rings, copy stream, landing worker (Note [Optimizer offload])
 #pragma once
 
 #include <torch/extension.h>
@@ -32,6 +33,7 @@
 #include "core/zx_core.h"
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
+#include "engine/offload.h"   // defines: Offload (offload="cpu")
 #include "engine/quant_gather.h"   // defines: QuantGather (param_quant)
 #include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
 #include "engine/secondary.h"      // defines: Secondary (node_size)
@@ -70,6 +72,9 @@ struct EngineOptions {
     // Per parameter, its name in the model ('blocks.0.attn.weight'), so that errors
     // name it (Note [Parameter names in messages], layout.cpp); empty: by index.
     std::vector<std::string> param_names;
+    // Note [Optimizer offload] (offload.h): the fp32 master, optimizer states and gradient
+    // shard in host memory, stepped by the CPU kernels (stages 1-2).
+    bool offload = false;
 };
 
 // One bucket of the plan, as tensors.
@@ -279,6 +284,7 @@ public:
     std::vector<std::tuple<int64_t, int64_t, int64_t>> state_windows() const;
     std::map<std::string, at::Tensor> &states() { return states_; }
     py::dict stats() const;
+    py::dict offload_stats() const;    // offload="cpu": host bytes and copies (empty dict without)
     // Note [Communication delay] (comm.cpp): every collective of this engine (node group
     // included) takes at least ms longer; serialize: each is waited for at its launch.
     void set_comm_delay(double ms, bool serialize);
@@ -356,6 +362,16 @@ private:
     Bucket *frozen_bucket(int64_t u);            // unit u's frozen bucket, or null
     at::Tensor frozen_slice(const Bucket &bk) const;
     at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(dev_); }
+    // Where the master, the states and the gradient shard live (Note [Optimizer offload]).
+    at::TensorOptions on_shard(at::ScalarType dt) const { return opts_.offload ? Offload::host(dt) : on_device(dt); }
+    // The kernels that step those: the host's with offload, else the device's.
+    Kernels &kstep() { return host_kern_ ? *host_kern_ : *kern_; }
+    at::Tensor host_grad_slice(const Bucket &bk);   // offload: bucket bk's slice of the host gradient shard
+    // A reduction's result recv (as the collective left it) into dst: sum the all-to-all's
+    // slices, or add / copy the reduce-scatter's slice.
+    void finish_reduction(int64_t padded, int64_t slice, const at::Tensor &recv, at::Tensor dst, bool accumulate,
+                          Kernels &k);
+    void upload(Bucket &bk);           // offload: the master slice, in param_dtype, into the owned slice
 
     std::vector<at::Tensor> params_;
     std::vector<int64_t> group_of_;              // each parameter's param group
@@ -384,6 +400,8 @@ private:
     zx_isa isa_ = ZX_ISA_SCALAR;            // CPU kernels' ISA (reported by stats())
     at::Device dev_ = at::kCPU;             // the parameters' device: every buffer lives there
     std::unique_ptr<Kernels> kern_;         // Note [Kernel table]
+    std::unique_ptr<Kernels> host_kern_;    // offload from a device: the CPU kernels, else null
+    std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
     bool require_sync_ = true;
     int64_t next_launch_ = 0;
     std::deque<std::pair<int64_t, WorkPtr>> inflight_;

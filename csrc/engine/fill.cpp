@@ -54,7 +54,7 @@ std::vector<std::tuple<int64_t, int64_t, int64_t>> Engine::state_windows() const
 at::Tensor Engine::state(const std::string &name) {
     auto it = states_.find(name);
     if (it != states_.end()) return it->second;
-    at::Tensor t = at::zeros({state_numel_}, on_device(at::kFloat));
+    at::Tensor t = at::zeros({state_numel_}, on_shard(at::kFloat));   // Note [Optimizer offload]
     states_[name] = t;
     return t;
 }

@@ -27,7 +27,9 @@ namespace zx {
 //   point at a 0-element tensor (set_data), so reading one outside forward gives
 //   an empty tensor rather than reading freed memory; gathering points them back.
 
-void Engine::absorb(at::Tensor master, const at::Tensor &lp_new) {
+void Engine::absorb(at::Tensor master, const at::Tensor &lp_in) {
+    // offload: the master is in host memory (Note [Optimizer offload])
+    const at::Tensor lp_new = lp_in.device() == master.device() ? lp_in : lp_in.to(master.device());
     // Only elements whose low-precision (param_quant: dequantized) value changed take the new value.
     at::Tensor changed = lp_new.ne(qgather_ ? qgather_->roundtrip(master, pdt_) : master.to(pdt_));
     master.copy_(at::where(changed, lp_new.to(at::kFloat), master));
@@ -51,7 +53,7 @@ void Engine::absorb_param_edits() {
     TORCH_CHECK(opts_.stage <= 2, "zero_ext: internal: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
     wait_params();
     if (any_cut_) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
-    if (!lp_ && !qgather_) return;   // the owned slice is the master
+    if (!lp_ && !qgather_ && !off_) return;   // the owned slice is the master
     for (auto &bk : buckets_) absorb(master_slice(bk), owned_slice(bk.flat_param, bk));
 }
 

@@ -149,12 +149,19 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             qgather_ = std::make_unique<QuantGather>((int32_t)opts_.param_quant_bits, opts_.quant_block_numel,
                                                      kern_.get(), dev_, parts_);
     }
+    if (opts_.offload) {   // Note [Optimizer offload]
+        TORCH_CHECK(opts_.stage == 1 || opts_.stage == 2, "zero_ext: offload='cpu' needs stage 1 or 2 (stage ",
+                    opts_.stage, " was given); pass stage=1 or 2, or offload=None");
+        TORCH_CHECK(!qreduce_ && !qgather_, "zero_ext: offload='cpu' keeps exact gradients and parameters; pass "
+                    "grad_quant=None and param_quant=None with it, or offload=None");
+        if (!dev_.is_cpu()) host_kern_ = make_cpu_kernels(isa_, rzx_);
+    }
     const auto f32 = on_device(at::kFloat), pt = on_device(pdt_), rt = on_device(rdt_);
     const int64_t nb = zx_plan_num_buckets(plan_);
     buckets_.resize(nb);
     // param_quant: the owned slice of flat_param holds dequantized values, so the
-    // master is a shard of its own (Note [Quantized parameter gather]).
-    if (s3 || lp_ || qgather_) master_shard_ = at::zeros({shard_numel_}, f32);
+    // master is a shard of its own (Note [Quantized parameter gather]); so does offload.
+    if (s3 || lp_ || qgather_ || opts_.offload) master_shard_ = at::zeros({shard_numel_}, on_shard(at::kFloat));
     bucket_of_.assign(n, -1);
     offset_of_.assign(n, 0);
     grad_views_.resize(n);
@@ -239,7 +246,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         if (opts_.copy_params && lp_) {
             bk.flat_param.copy_(src32);                            // rounds to param_dtype
             master_slice(bk).copy_(owned_slice(src32, bk));
-        } else if (opts_.copy_params && (s3 || qgather_)) {
+        } else if (opts_.copy_params && (s3 || qgather_ || opts_.offload)) {
             master_slice(bk).copy_(owned_slice(bk.flat_param, bk));
         }
         if (s3) {
@@ -268,6 +275,13 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     }
     if (any_cut_) copy_cut_params(true);
     plan_state_windows();
+    if (opts_.offload) {
+        // Down: a reduce-scatter's slice, an all-to-all's whole receive buffer, or (one
+        // rank) the whole bucket; up: a slice in param_dtype.
+        const int64_t slice = max_padded_ / std::max<int64_t>(parts_, 1);
+        const int64_t down = opts_.alltoall_reduce_scatter && world_ > 1 ? max_padded_ : slice;
+        off_ = std::make_unique<Offload>(dev_, rdt_, down, pdt_, slice, nb);
+    }
     // The gradient shard and the ring are allocated at the first backward
     // (grad_shard_slice, acquire_slot), so building the model costs no more.
 }
@@ -275,6 +289,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
 Engine::~Engine() {
     // Outstanding collectives must finish before their buffers go away (after a
     // divergence they never will; their works hold the buffers).
+    off_.reset();   // its worker's queued finishes use the engine's kernels
     try {
         if (comm_.seq.diverged()) inflight_.clear(), gather_works_.clear();
         for (auto &w : inflight_) w.second->wait();
@@ -293,11 +308,20 @@ at::Tensor Engine::owned_slice(const at::Tensor &flat, const Bucket &bk) const {
 }
 
 at::Tensor Engine::grad_shard_slice(const Bucket &bk) {
+    if (off_) {   // every landing done: readers see the whole host shard
+        off_->drain();
+        return host_grad_slice(bk);
+    }
     if (opts_.stage >= 2) {
         if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, on_device(rdt_));
         return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
     }
     return owned_slice(bk.flat_grad, bk);
+}
+
+at::Tensor Engine::host_grad_slice(const Bucket &bk) {
+    if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, on_shard(rdt_));
+    return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
 }
 
 at::Tensor Engine::master_slice(Bucket &bk) {
@@ -347,14 +371,15 @@ py::dict Engine::stats() const {
         numel += bk.numel;
         padded += bk.padded_numel;
     }
-    if (grad_shard_.defined()) grad_bytes += grad_shard_.nbytes();
+    if (grad_shard_.defined() && !off_) grad_bytes += grad_shard_.nbytes();   // offload: in offload_stats()
     int64_t master_bytes = 0;
     // stage 3: the fp32 master is the parameter shard; with a low param_dtype the gather
     // casts it, so no low-precision copy persists (it is counted as master weights)
     if (opts_.stage == 3 && !lp_) param_bytes += master_shard_.nbytes();
-    if (lp_ || (qgather_ && opts_.stage < 3)) master_bytes = master_shard_.nbytes();
+    if ((lp_ || (qgather_ && opts_.stage < 3)) && !off_) master_bytes = master_shard_.nbytes();
     int64_t state_bytes = 0;
-    for (const auto &kv : states_) state_bytes += kv.second.nbytes();
+    if (!off_)
+        for (const auto &kv : states_) state_bytes += kv.second.nbytes();
     int64_t ring_bytes = 0;
     for (const auto &s : slots_) {
         if (s.send.defined()) ring_bytes += s.send.nbytes();
@@ -418,6 +443,26 @@ py::dict Engine::stats() const {
     d["num_units"] = (int64_t)unit_buckets_.size();
     d["frozen_shard_bytes"] = frozen_shard_bytes();   // stage 3: this rank's slices of frozen parameters
     d["atomic"] = atomic_stats();
+    d["offload"] = offload_stats();
+    return d;
+}
+
+py::dict Engine::offload_stats() const {
+    py::dict d;
+    if (!off_) return d;
+    int64_t states = 0;
+    for (const auto &kv : states_) states += kv.second.nbytes();
+    const int64_t master = master_shard_.nbytes(), grads = grad_shard_.defined() ? grad_shard_.nbytes() : 0;
+    d["device"] = std::string("cpu");
+    d["master_weights"] = master;
+    d["optimizer_states"] = states;
+    d["gradients"] = grads;
+    d["pinned_ring"] = off_->pinned_bytes();   // pinned only on a device with streams
+    d["total"] = master + states + grads + off_->pinned_bytes();
+    d["down_copies"] = off_->down_copies();
+    d["down_bytes"] = off_->down_bytes();
+    d["up_copies"] = off_->up_copies();
+    d["up_bytes"] = off_->up_bytes();
     return d;
 }
 

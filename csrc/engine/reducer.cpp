@@ -190,6 +190,7 @@ void Engine::hide_sharded_grads() {
 int64_t Engine::acquire_slot(int64_t b) {
     for (int64_t s = 0; s < (int64_t)slots_.size(); s++) {
         if (slots_[s].owner < 0) {
+            if (off_) off_->before_reuse(s);   // Note [Optimizer offload]: its last down copy is done
             slots_[s].owner = b;
             buckets_[b].slot = s;
             return s;
@@ -233,8 +234,16 @@ void Engine::launch(int64_t b) {
     if (world_ == 1) {
         if (opts_.stage >= 2) {
             at::Tensor src = slots_[bk.slot].send.narrow(0, 0, bk.padded_numel);
-            grad_shard_slice(bk).add_(src);
+            if (off_) {   // Note [Optimizer offload]: added on the host as it lands
+                at::Tensor dst = host_grad_slice(bk);
+                off_->down(b, src, bk.slot, [dst](const at::Tensor &v) { dst.add_(v); });
+            } else {
+                grad_shard_slice(bk).add_(src);
+            }
             release_slot(b);
+        } else if (off_) {   // stage 1: the bucket is its own shard; the host gets a copy
+            at::Tensor dst = host_grad_slice(bk);
+            off_->down(b, bk.flat_grad, -1, [dst](const at::Tensor &v) { dst.copy_(v); });
         }
         return;
     }
@@ -275,33 +284,52 @@ void Engine::complete(int64_t b) {
         Bucket &bk = buckets_[cur];
         if (opts_.stage >= 1) {
             Slot &sl = slots_[bk.slot];
-            at::Tensor dst = grad_shard_slice(bk);
-            const int accumulate = opts_.stage >= 2 ? 1 : 0;
-            if (qreduce_) {
-                qreduce_->finish(bk.slot, bk.slice_numel, dst, accumulate != 0);
-            } else if (opts_.alltoall_reduce_scatter && rdt_ != at::kFloat) {
-                // Low-precision reduce: add the N slices in fp32 and round once.
-                at::Tensor sum = sl.recv.narrow(0, 0, bk.padded_numel).view({parts_, bk.slice_numel})
-                                     .to(at::kFloat).sum(0);
-                if (accumulate) sum.add_(dst);
-                dst.copy_(sum);
-            } else if (opts_.alltoall_reduce_scatter) {
-                kern_->sum_slices(bk.slice_numel, (int32_t)parts_, sl.recv.data_ptr<float>(), dst.data_ptr<float>(),
-                                  accumulate);
-            } else if (accumulate) {
-                dst.add_(sl.recv.narrow(0, 0, bk.slice_numel));
+            const bool accumulate = opts_.stage >= 2;
+            const int64_t padded = bk.padded_numel, slice = bk.slice_numel;
+            if (off_ && accumulate) {
+                // Note [Optimizer offload]: what the collective left, finished on the host as it lands.
+                at::Tensor dst = host_grad_slice(bk);
+                const at::Tensor recv = sl.recv.narrow(0, 0, opts_.alltoall_reduce_scatter ? padded : slice);
+                off_->down(cur, recv, bk.slot, [this, padded, slice, dst](const at::Tensor &v) {
+                    finish_reduction(padded, slice, v, dst, true, kstep());
+                });
             } else {
-                dst.copy_(sl.recv.narrow(0, 0, bk.slice_numel));
+                // stage 1 keeps the sum in its bucket (Note [Gradient sums in stages 1-2]); offload copies it down
+                at::Tensor dst = off_ ? owned_slice(bk.flat_grad, bk) : grad_shard_slice(bk);
+                if (qreduce_)
+                    qreduce_->finish(bk.slot, slice, dst, accumulate);
+                else
+                    finish_reduction(padded, slice, sl.recv, dst, accumulate, *kern_);
+                if (off_) {
+                    at::Tensor host = host_grad_slice(bk);
+                    off_->down(cur, dst, -1, [host](const at::Tensor &v) { host.copy_(v); });
+                }
             }
             if (opts_.stage == 1) {
                 // Note [Gradient sums in stages 1-2]: zero what this rank does not own.
-                const int64_t lo = rank_ * bk.slice_numel, hi = lo + bk.slice_numel;
+                const int64_t lo = rank_ * slice, hi = lo + slice;
                 if (lo > 0) bk.flat_grad.narrow(0, 0, lo).zero_();
-                if (hi < bk.padded_numel) bk.flat_grad.narrow(0, hi, bk.padded_numel - hi).zero_();
+                if (hi < padded) bk.flat_grad.narrow(0, hi, padded - hi).zero_();
             }
             release_slot(cur);
         }
         if (cur == b) break;
+    }
+}
+
+void Engine::finish_reduction(int64_t padded, int64_t slice, const at::Tensor &recv, at::Tensor dst,
+                              bool accumulate, Kernels &k) {
+    if (opts_.alltoall_reduce_scatter && rdt_ != at::kFloat) {
+        // Low-precision reduce: add the N slices in fp32 and round once.
+        at::Tensor sum = recv.narrow(0, 0, padded).view({parts_, slice}).to(at::kFloat).sum(0);
+        if (accumulate) sum.add_(dst);
+        dst.copy_(sum);
+    } else if (opts_.alltoall_reduce_scatter) {
+        k.sum_slices(slice, (int32_t)parts_, recv.data_ptr<float>(), dst.data_ptr<float>(), accumulate);
+    } else if (accumulate) {
+        dst.add_(recv.narrow(0, 0, slice));
+    } else {
+        dst.copy_(recv.narrow(0, 0, slice));
     }
 }
 
@@ -311,6 +339,7 @@ void Engine::wait_reductions() {
 
 void Engine::zero_grad(bool set_to_none) {
     wait_reductions();
+    if (off_) off_->drain();   // no landing writes the host shard any more
     grad_generation_++;
     hide_sharded_grads();   // Note [Sharded gradients]: cleared, or zeroed (the plain views again)
     if (!active_groups_.empty()) {

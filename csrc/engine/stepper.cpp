@@ -43,8 +43,9 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
         const int64_t b = &bk - buckets_.data();
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", bk.group);
         float *p = master(bk);
-        char *lp = (char *)lp_out(bk);
-        const at::Tensor gs = grad_shard_slice(bk);
+        char *lp = off_ ? nullptr : (char *)lp_out(bk);   // offload: upload() casts after the step
+        if (off_) off_->wait_bucket(b);                   // Note [Optimizer offload]: this bucket alone
+        const at::Tensor gs = off_ ? host_grad_slice(bk) : grad_shard_slice(bk);
         // Note [State windows]: the states hold this bucket's window only.
         const int64_t so = bk.state_offset - bk.state_lo;
         float *mp = m.data_ptr<float>() + so, *vp = v.data_ptr<float>() + so;
@@ -52,6 +53,7 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
         if (ctl.defined()) {   // Note [Step control]: device step counts, one call per bucket
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
             const zx_adam_hparams &hp = hps[bk.group];
+            TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
             kern_->adam(bk.slice_numel, p, gs, mp, vp, hp.amsgrad ? xp : nullptr, lp, pzx_, hp, ctl_ptr(ctl),
                         step_ptr(steps, bk.group));
             continue;
@@ -64,9 +66,10 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
             zx_adam_hparams h = hps[g];
             h.step = r.step;
             const int64_t o = r.offset;
-            kern_->adam(r.numel, p + o, gs.narrow(0, o, r.numel), mp + o, vp + o, h.amsgrad ? xp + o : nullptr,
-                        lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
+            kstep().adam(r.numel, p + o, gs.narrow(0, o, r.numel), mp + o, vp + o, h.amsgrad ? xp + o : nullptr,
+                         lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
         }
+        if (off_) upload(bk);   // overlaps the next bucket's step
     }
 }
 
@@ -82,12 +85,14 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
         const int64_t b = &bk - buckets_.data();
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", bk.group);
         float *p = master(bk);
-        char *lp = (char *)lp_out(bk);
-        const at::Tensor gs = grad_shard_slice(bk);
+        char *lp = off_ ? nullptr : (char *)lp_out(bk);   // as step_adam
+        if (off_) off_->wait_bucket(b);
+        const at::Tensor gs = off_ ? host_grad_slice(bk) : grad_shard_slice(bk);
         float *bp = momentum ? buf.data_ptr<float>() + bk.state_offset - bk.state_lo : nullptr;   // Note [State windows]
         if (ctl.defined()) {   // Note [Step control]
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
             const zx_sgd_hparams &hp = hps[bk.group];
+            TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
             kern_->sgd(bk.slice_numel, p, gs, hp.momentum != 0.0 ? bp : nullptr, lp, pzx_, hp, ctl_ptr(ctl),
                        step_ptr(steps, bk.group));
             continue;
@@ -99,9 +104,10 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
             zx_sgd_hparams h = hps[g];
             h.first_step = r.step == 1;
             const int64_t o = r.offset;
-            kern_->sgd(r.numel, p + o, gs.narrow(0, o, r.numel), h.momentum != 0.0 ? bp + o : nullptr,
-                       lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
+            kstep().sgd(r.numel, p + o, gs.narrow(0, o, r.numel), h.momentum != 0.0 ? bp + o : nullptr,
+                        lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
         }
+        if (off_) upload(bk);
     }
 }
 
@@ -144,7 +150,7 @@ void Engine::scale_grads(double factor) {
             gs.mul_(factor);
             continue;
         }
-        kern_->scale(bk.slice_numel, gs.data_ptr<float>(), (float)factor);
+        kstep().scale(bk.slice_numel, gs.data_ptr<float>(), (float)factor);
     }
 }
 
@@ -152,7 +158,7 @@ std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
     wait_reductions();
     double sumsq = 0.0;
     int64_t nonfinite = 0;
-    for (auto &bk : buckets_) kern_->grad_sumsq(grad_shard_slice(bk), scale, &sumsq, &nonfinite);
+    for (auto &bk : buckets_) kstep().grad_sumsq(grad_shard_slice(bk), scale, &sumsq, &nonfinite);
     if (parts_ > 1) {
         // One small all-reduce carries both the norm and the inf/nan count.
         at::Tensor t = at::empty({2}, at::TensorOptions().dtype(at::kDouble).device(dev_));
@@ -170,23 +176,40 @@ void Engine::grad_sumsq_into(at::Tensor out2) {
     TORCH_CHECK(out2.scalar_type() == at::kFloat && out2.numel() == 2 && out2.is_contiguous() &&
                     out2.device() == dev_,
                 "zero_ext: internal: grad_sumsq_into needs a contiguous float32 tensor of 2 elements on ", dev_);
+    TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
     out2.zero_();
     for (auto &bk : buckets_) kern_->grad_sumsq_into(grad_shard_slice(bk), out2.data_ptr<float>());
     if (parts_ > 1) comm_.all_reduce_sum_blocking(out2, "gradient-norm all-reduce");
 }
 
 void Engine::cast_masters() {
-    if (!lp_ || opts_.stage == 3) return;   // stage 3 casts at each gather
+    if (!off_ && (!lp_ || opts_.stage == 3)) return;   // stage 3 casts at each gather
     wait_params();
     for (auto &bk : buckets_) {
         bool any = active(bk);
         for (int64_t g : bk.groups)   // a mixed bucket: any of its groups (Note [Cut parameters])
             any = any || active_group(g);
         if (!any) continue;
+        if (off_) {   // Note [Optimizer offload]: the device's copy, in fp32 too
+            upload(bk);
+            continue;
+        }
         const float *p = master(bk);
         char *lp = (char *)lp_slice(bk).data_ptr();
         kern_->cast_from_f32(bk.slice_numel, p, lp, pzx_);
     }
+}
+
+// Note [Optimizer offload]: the master slice as the device computes with it (the
+// step's rounding: the bits the fused step writes without offload), through the up
+// ring into the owned slice of the bucket.
+void Engine::upload(Bucket &bk) {
+    at::Tensor slot = off_->up_slot(bk.slice_numel);
+    if (lp_)
+        kstep().cast_from_f32(bk.slice_numel, master(bk), slot.data_ptr(), pzx_);
+    else
+        slot.copy_(master_slice(bk));
+    off_->up(slot, owned_slice(bk.flat_param, bk));
 }
 
 }  // namespace zx

@@ -1,0 +1,56 @@
+"""offload="cpu" before the engine is built: enough host memory, and what steps where.
+
+Note [Optimizer offload] (csrc/engine/offload.h) is the design; this module only checks
+what a user can get wrong before any buffer is allocated or any collective runs.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from .changes import ZeroUsageError
+from .estimate import estimate_memory
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(model, optimizer, cfg, world: int, backend: str) -> None:
+    """Raise before anything is allocated when this node's ranks would need more host
+    memory for the offloaded state (estimate_memory's "offload" total, times the ranks
+    on this node: LOCAL_WORLD_SIZE, as torchrun sets it) than the host has available."""
+    if not isinstance(optimizer, torch.optim.Optimizer) or not isinstance(cfg.stage, int):
+        return   # several optimizers / stage="auto": the engine's own allocations decide
+    need = estimate_memory(model, world, cfg.stage, config=cfg, optimizer=optimizer, backend=backend)["offload"]
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    have = available_host_bytes()
+    if have is None or not need:
+        return
+    total = need["total"] * local
+    if total > have:
+        raise ZeroUsageError(
+            f"zero_ext: offload='cpu' needs {total / 2**30:.2f} GiB of host memory on this node "
+            f"({local} rank(s) x {need['total'] / 2**30:.2f} GiB: master {need['master_weights'] / 2**30:.2f}, "
+            f"optimizer states {need['optimizer_states'] / 2**30:.2f}, gradients {need['gradients'] / 2**30:.2f}, "
+            f"pinned rings {need['pinned_ring'] / 2**20:.1f} MiB) but {have / 2**30:.2f} GiB are available; "
+            f"use more ranks (the state is sharded over them), a bf16 reduce_dtype, or offload=None")
+
+
+def warn_unfused(parts) -> None:
+    """Once: optimizers without C kernels step as torch optimizers on the host shards."""
+    slow = sorted({p.cls.__name__ for p in parts if p.kind != "fused"})
+    if slow:
+        warnings.warn(f"zero_ext: offload='cpu' with {', '.join(slow)}: no fused C kernel covers it, so it runs as "
+                      f"the torch optimizer on the host shards (correct, slower than Adam/AdamW/SGD's kernels)",
+                      stacklevel=3)
