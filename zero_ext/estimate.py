@@ -18,7 +18,8 @@ the first step of a run with the same model, world size, stage and options:
                       (else the parameters are it)
     optimizer_states  per-element states (Adam 2, +1 with amsgrad; SGD with momentum 1,
                       without 0; other optimizers: counted by running one step of the
-                      optimizer class on a tiny tensor) x the shard, fp32
+                      optimizer class on a tiny tensor) x the shard, fp32 (Adam/AdamW with
+                      state_dtype="bf16": 2 bytes each)
     buffer_bytes      the gradient ring (staging + receive buffers, bounded by
                       grad_ring_buckets) and, stage 3, the most full units held at once:
                       the root unit + the computing unit + the units prefetched ahead
@@ -145,7 +146,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         reduce_scatter="auto", which sizes the receive buffers; "nccl"/"fake": native).
     config, **options: any other zeroify option that changes memory (bucket_bytes,
         first_bucket_bytes, align, grad_ring_buckets, unit_modules, unit_numel,
-        min_unit_numel, prefetch_depth, reduce_scatter, offload).
+        min_unit_numel, prefetch_depth, reduce_scatter, offload, state_dtype).
 
     Returns a dict with the keys of opt.stats() it predicts ("model_state_bytes",
     "buffer_bytes", "frozen_parameter_bytes", "num_params", "padded_numel",
@@ -178,8 +179,17 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     fused = cls.__name__ in _FUSED_NAMES and issubclass(cls, tuple(getattr(torch.optim, n) for n in _FUSED_NAMES)) \
         and cfg.fused != "never"
     counts = [states_per_element(cls, h) for h in hypers]
+    state_size = 4
+    if cfg.state_dtype == "bf16":   # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
+        if not (fused and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
+            raise ValueError(f"zero_ext: state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, not of "
+                             f"{cls.__name__}; estimate with optimizer='adamw' (or 'adam'), or state_dtype='fp32'")
+        if any(h.get("amsgrad") for h in hypers):
+            raise ValueError("zero_ext: state_dtype='bf16' has no bf16 form of amsgrad's state; estimate with "
+                             "amsgrad=False, or state_dtype='fp32'")
+        state_size = 2               # exp_avg and exp_avg_sq in bfloat16
     if fused:        # the engine keeps each state over the whole shard (every group)
-        state_bytes = 4 * shard * max(counts)
+        state_bytes = state_size * shard * max(counts)
     else:            # the torch optimizer over each bucket's slice, by param group
         state_bytes = sum(4 * r[4] * counts[min(r[0], len(counts) - 1)] for r in rows)
 
