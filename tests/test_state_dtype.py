@@ -13,9 +13,11 @@ rounding (Note [bf16 optimizer states] in csrc/engine/stepper.cpp).
    about 15 s for the six runs): fp32 2.6192, bf16 2.6151 (-0.15%), nearest 2.6158
    (-0.13%), truncate 2.6264 (+0.27%), stale 2.6075 (-0.44%), lost 3.2395 (+23.7%).
    Reproduce (prints every figure): `python -m pytest -s -k accuracy tests/test_state_dtype.py`.
-2. The step's rounding is the kernel's: one step at world 1 redone with
+2. The step's rounding is the kernel's: two steps at world 1 redone with
    zero_ext._C.adam_step_bf16_states on the same inputs, seed BF16_STATE_SEED + step and
-   each element's counter its position in the flat layout, gives the same state bits.
+   each element's counter its position in the flat layout, give the same state bits, with
+   the host step count and with step_control=True; on a GPU the same for the CUDA kernel
+   table (skipped without one: not yet run on a GPU).
 3. World-size independence: with the same batch on every rank (so the averaged gradient
    is bit-identical at any N), N steps at world 1 and 2 give the same parameters and the
    same bf16 states, bit for bit (the counters are positions in the unpadded layout).
@@ -27,6 +29,8 @@ rounding (Note [bf16 optimizer states] in csrc/engine/stepper.cpp).
    (exact widening) and back; a sharded state of the other state_dtype is refused.
 7. Bad input (amsgrad, SGD, RMSprop, fused='never', an unknown dtype) raises ValueError
    before any collective, naming the fix.
+8. Beside Muon (AdamW's pieces filling Muon's tensor-atomic buckets at world 2): bf16
+   states, training goes on, a state_dict round-trips bit for bit.
 """
 import os
 import time
@@ -180,17 +184,16 @@ def test_bf16_states_accuracy_on_text():
 
 # ----------------------------------------------------------------------------- 2. the kernel's rounding
 
-def test_bf16_states_are_the_kernels_rounding():
+def _kernel_check(device, step_control):
     """Two steps at world 1 (one bucket, so an element's counter is its shard offset),
-    redone with the kernel binding on the engine's own inputs: the same bits. A seed that
-    did not change per step or counters off by one would not match."""
+    redone with the CPU kernel binding on the engine's own inputs: the same bits."""
     import zero_ext
     from zero_ext import _C
     from cases import batch
-    model = _mlp()
+    model = _mlp().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     zm, zo = zero_ext.zeroify(model, opt, stage=2, state_dtype="bf16", bucket_bytes=16 << 20,
-                              first_bucket_bytes=16 << 20)
+                              first_bucket_bytes=16 << 20, step_control=step_control)
     e = zo._engine
     assert zo.stats()["num_buckets"] == 1
     n = e.param_shards()[0].numel()
@@ -198,18 +201,28 @@ def test_bf16_states_are_the_kernels_rounding():
     v = torch.zeros(n, dtype=torch.bfloat16)
     for step in (1, 2):
         x, y = batch("mlp_big", 0, step, 0)
-        zm(x, y).backward()
+        zm(x.to(device), y.to(device)).backward()
         e.wait_reductions()
-        p = e.param_shards()[0].clone()
-        g = e.grad_shards()[0].clone()
+        p = e.param_shards()[0].cpu().clone()
+        g = e.grad_shards()[0].cpu().clone()
         zo.step()
         zo.zero_grad()
         _C.adam_step_bf16_states("auto", p, g, m, v, None, 1e-3, 0.9, 0.999, 1e-8, 0.1, step, True, False, 1.0,
                                  _C.BF16_STATE_SEED + step, 0)
-        got = e.states()
+        got = {k: t.cpu() for k, t in e.states().items()}
         assert torch.equal(got["exp_avg"].view(torch.int16), m.view(torch.int16)), step
         assert torch.equal(got["exp_avg_sq"].view(torch.int16), v.view(torch.int16)), step
-        assert torch.equal(e.param_shards()[0], p), step
+        assert torch.equal(e.param_shards()[0].cpu(), p), step
+    return p, g, m, v
+
+
+@pytest.mark.parametrize("step_control", [False, True])
+def test_bf16_states_are_the_kernels_rounding(step_control):
+    """On the CPU, with the host step count and with the step control's (the count read by
+    the kernel table). A seed that did not change per step or counters off by one would
+    not match."""
+    from zero_ext import _C
+    p, g, m, v = _kernel_check("cpu", step_control)
     # the check has power: the same step with the seed of another step rounds differently
     m2, v2 = m.clone(), v.clone()
     _C.adam_step_bf16_states("auto", p.clone(), g, m2, v2, None, 1e-3, 0.9, 0.999, 1e-8, 0.1, 3, True, False, 1.0,
@@ -218,6 +231,17 @@ def test_bf16_states_are_the_kernels_rounding():
     _C.adam_step_bf16_states("auto", p.clone(), g, m3, v3, None, 1e-3, 0.9, 0.999, 1e-8, 0.1, 3, True, False, 1.0,
                              _C.BF16_STATE_SEED + 2, 0)
     assert not torch.equal(v2.view(torch.int16), v3.view(torch.int16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("step_control", [False, True])
+def test_bf16_states_cuda_engine_is_the_kernels_rounding(step_control):
+    """The CUDA kernel table (step_control=True: the device step count, seed + step on the
+    device) gives the CPU kernel's bits on the engine's own inputs."""
+    from zero_ext import _C
+    if not hasattr(_C, "cuda_adam_step_bf16_states"):
+        pytest.skip("zero_ext._C was built without CUDA")
+    _kernel_check("cuda", step_control)
 
 
 # ----------------------------------------------------------------------------- 3. world-size independence
@@ -461,3 +485,56 @@ def test_bf16_states_step_control_is_the_host_path():
     b = _snapshot(*_train_mlp(0, 2, dict(state_dtype="bf16", step_control=True)))
     diffs = _differences(a, b, "step_control True vs False")
     assert not diffs, "\n".join(diffs)
+
+
+# ----------------------------------------------------------------------------- the Muon recipe
+
+def _muon_worker(rank, world):
+    """Muon over the blocks' matrices beside AdamW (bf16 states) over the rest: AdamW's
+    pieces fill Muon's tensor-atomic buckets at world > 1 (Note [Cut parameters]). The
+    states are bf16, training goes on, and a complete state_dict round-trips bit for bit."""
+    import zero_ext
+
+    def build():
+        model, data = _gpt()
+        mats = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks")]
+        rest = [p for p in model.parameters() if all(p is not w for w in mats)]
+        zm, opts = zero_ext.zeroify(model, [torch.optim.Muon(mats, lr=1e-2), torch.optim.AdamW(rest, lr=3e-3)],
+                                    stage=2, state_dtype="bf16")
+        return zm, opts, data
+
+    zm, opts, data = build()
+    losses = []
+    for step in range(4):
+        x, y = data.get_batch("train", 4, 16, torch.Generator().manual_seed(1000 * rank + step))
+        loss = zm(x, y)[1]
+        loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        losses.append(float(loss.detach()))
+    bad = []
+    st = opts[1]._core._engine.states()
+    if {str(t.dtype) for k, t in st.items()} != {"torch.bfloat16"}:
+        bad.append(f"states {[(k, t.dtype) for k, t in st.items()]}")
+    if not all(l == l for l in losses) or losses[-1] >= losses[0]:
+        bad.append(f"losses {losses}")
+    sd = opts[1].state_dict()
+    zm2, opts2, _ = build()
+    opts2[1].load_state_dict(sd)
+    st2 = opts2[1]._core._engine.states()
+    for k, t in st.items():
+        if not _same_bits(st2[k], t):
+            bad.append(f"{k} differs after the round trip")
+    return bad
+
+
+def test_bf16_states_beside_muon_one_rank():
+    bad = _muon_worker(0, 1)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.dist
+def test_bf16_states_beside_muon_two_ranks():
+    bad = [b for r in run_world(_muon_worker, 2, reuse=True) for b in r]
+    assert not bad, "\n".join(bad)

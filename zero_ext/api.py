@@ -362,8 +362,12 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     opts.reduce_dtype = cfg.reduce_dtype
     opts.group_update_kind = [update_kind(part.cls) for part in parts for _ in part.groups]
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    opts.param_state = fill_state_sizes(parts, [g for o in optimizers for g in o.param_groups], params, groups,
-                                        cfg.stage, world)
+    state_sizes = fill_state_sizes(parts, [g for o in optimizers for g in o.param_groups], params, groups,
+                                   cfg.stage, world)
+    if cfg.state_dtype == "bf16":   # the fused Adam/AdamW's states take 2 bytes per element, not 4
+        fused_groups = {gi for part in parts if part.kind == "fused" for gi in part.groups}
+        state_sizes = [b / 2 if g in fused_groups else b for b, g in zip(state_sizes, groups)]
+    opts.param_state = state_sizes
     meta = is_meta(model)
     born: set = set()
     if meta:

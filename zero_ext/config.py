@@ -140,10 +140,10 @@ class ZeroConfig:
         of the step, then each state rounded up or down with a probability that keeps its
         expected value exact): 4 bytes per trainable parameter less (optimizer states 8 -> 4
         bytes per element of the shard, host memory with offload="cpu"), and not the same
-        bits as fp32 states: the tiny GPT's loss after 300 steps stays within 1% of fp32
-        states' (docs/guide/memory.md has the figures). The fp32 master weights are
-        unchanged. Adam/AdamW with the fused kernels only: not with amsgrad, SGD or other
-        optimizers, or fused="never".
+        bits as fp32 states (the trade-off and how it was measured: docs/guide/memory.md).
+        The fp32 master weights are unchanged. Adam/AdamW with the fused kernels only: not
+        with amsgrad, SGD or other optimizers, or fused="never" (beside Muon/Adafactor,
+        which keep their own states, it applies to the AdamW part).
     check_sequence: True (default; "auto" is the same) or False: ranks whose collectives
         diverge (evaluation or model.state_dict() on rank 0 alone in stage 3, a skipped
         backward, an extra micro-step, a stage-3 unit skipped, step() on some ranks only,
