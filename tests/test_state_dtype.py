@@ -326,7 +326,7 @@ def _check_stats(results, offload):
         assert where(f)["optimizer_states"] - where(b)["optimizer_states"] == 4 * f["shard_numel"], (f, b)
 
 
-@pytest.mark.parametrize("stage, offload", [(1, None), (2, None), (3, None), (1, "cpu"), (2, "cpu")])
+@pytest.mark.parametrize("stage, offload", [(0, None), (1, None), (2, None), (3, None), (1, "cpu"), (2, "cpu")])
 def test_bf16_states_stats_equal_estimate_one_rank(stage, offload):
     _check_stats([_stats_worker(0, 1, stage, offload)], offload)
 
@@ -348,10 +348,10 @@ def _same_bits(a, b):
                                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
 
 
-def _checkpoint_worker(rank, world, path):
+def _checkpoint_worker(rank, world, path, stage):
     import zero_ext
     bad = []
-    zm, zo = _train_mlp(rank, 2, dict(state_dtype="bf16"), steps=3)
+    zm, zo = _train_mlp(rank, stage, dict(state_dtype="bf16"), steps=3)
     src = _states(zo)
     sd = zo.state_dict()
     if sd["state"][0]["exp_avg"].dtype != torch.float32:
@@ -359,7 +359,7 @@ def _checkpoint_worker(rank, world, path):
     zero_ext.save(path, zm, zo)
     # complete state dict and zero_ext.load, into bf16 states: bit for bit, and the runs go on alike
     for how in ("state_dict", "save"):
-        zm2, zo2 = _train_mlp(rank, 2, dict(state_dtype="bf16"), steps=0)
+        zm2, zo2 = _train_mlp(rank, stage, dict(state_dtype="bf16"), steps=0)
         if how == "state_dict":
             zm2.load_state_dict(zm.state_dict())
             zo2.load_state_dict(sd)
@@ -370,14 +370,14 @@ def _checkpoint_worker(rank, world, path):
                 bad.append(f"{how}: {k} differs after the round trip")
         del zm2, zo2
     # into fp32 states: exact widening; and back into bf16 from the fp32 run's state (nearest)
-    zm4, zo4 = _train_mlp(rank, 2, {}, steps=0)
+    zm4, zo4 = _train_mlp(rank, stage, {}, steps=0)
     zero_ext.load(path, zm4, zo4)
     for k, t in src.items():
         if not torch.equal(zo4._engine.states()[k], t.float()):
             bad.append(f"bf16 checkpoint into fp32 states: {k} is not the exact widening")
-    zm5, zo5 = _train_mlp(rank, 2, {}, steps=3)
+    zm5, zo5 = _train_mlp(rank, stage, {}, steps=3)
     wide = _states(zo5)
-    zm6, zo6 = _train_mlp(rank, 2, dict(state_dtype="bf16"), steps=0)
+    zm6, zo6 = _train_mlp(rank, stage, dict(state_dtype="bf16"), steps=0)
     zo6.load_state_dict(zo5.state_dict())
     for k, t in wide.items():
         if not _same_bits(zo6._engine.states()[k], t.bfloat16()):
@@ -392,14 +392,16 @@ def _checkpoint_worker(rank, world, path):
     return bad
 
 
-def test_bf16_states_checkpoint_round_trip_one_rank(tmp_path):
-    bad = _checkpoint_worker(0, 1, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_states_checkpoint_round_trip_one_rank(tmp_path, stage):
+    bad = _checkpoint_worker(0, 1, str(tmp_path / "ckpt"), stage)
     assert not bad, "\n".join(bad)
 
 
 @pytest.mark.dist
-def test_bf16_states_checkpoint_round_trip_two_ranks(tmp_path):
-    bad = [b for r in run_world(_checkpoint_worker, 2, str(tmp_path / "ckpt"), reuse=True) for b in r]
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_states_checkpoint_round_trip_two_ranks(tmp_path, stage):
+    bad = [b for r in run_world(_checkpoint_worker, 2, str(tmp_path / "ckpt"), stage, reuse=True) for b in r]
     assert not bad, "\n".join(bad)
 
 

@@ -291,18 +291,19 @@ def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int, parts: int):
 # ----------------------------------------------------------------------------- command line
 
 def _table(numel, world, param_dtype, reduce_dtype, optimizer, accumulation_steps=1, unit=1e9,
-           unit_numel=None) -> str:
+           unit_numel=None, state_dtype="fp32") -> str:
     lines = []
     name = "GB" if unit == 1e9 else "GiB"
     head = (f"{'stage':>5} {'parameters':>11} {'gradients':>10} {'masters':>9} {'opt states':>11} "
             f"{'model state':>12} {'buffers':>9} {'comm/step':>10}")
     lines.append(f"Ψ = {numel:,.0f} trainable parameters, N = {world}, params {param_dtype}, reduce "
-                 f"{reduce_dtype}, {optimizer}; per rank, in {name} ({'10^9' if unit == 1e9 else '2^30'} bytes)")
+                 f"{reduce_dtype}, {optimizer}{', bf16 states' if state_dtype == 'bf16' else ''}; per rank, in {name} ({'10^9' if unit == 1e9 else '2^30'} bytes)")
     lines.append(head)
     lines.append("-" * len(head))
     for stage in range(4):
         e = estimate_memory(numel, world, stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                            optimizer=optimizer, accumulation_steps=accumulation_steps, unit_numel=unit_numel)
+                            optimizer=optimizer, accumulation_steps=accumulation_steps, unit_numel=unit_numel,
+                            state_dtype=state_dtype)
         m, b = e["model_state_bytes"], e["buffer_bytes"]
         lines.append(f"{stage:>5} {m['parameters'] / unit:>11.2f} {m['gradients'] / unit:>10.2f} "
                      f"{m['master_weights'] / unit:>9.2f} {m['optimizer_states'] / unit:>11.2f} "
@@ -324,10 +325,13 @@ def main(argv=None) -> None:
     ap.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step (communication)")
     ap.add_argument("--unit-numel", type=float, default=None,
                     help="stage 3: parameters per unit (default a quarter of the model)")
+    ap.add_argument("--state-dtype", default="fp32",
+                    help="Adam/AdamW states: fp32 (default) or bf16 (stochastically rounded, 2 bytes each)")
     ap.add_argument("--gib", action="store_true", help="GiB (2^30 bytes) instead of GB (10^9, the paper's)")
     args = ap.parse_args(argv)
     print(_table(int(args.params), args.world, args.param_dtype, args.reduce_dtype, args.optimizer,
-                 args.accum, 2 ** 30 if args.gib else 1e9, None if args.unit_numel is None else int(args.unit_numel)))
+                 args.accum, 2 ** 30 if args.gib else 1e9, None if args.unit_numel is None else int(args.unit_numel),
+                 args.state_dtype))
 
 
 if __name__ == "__main__":
