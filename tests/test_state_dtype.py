@@ -353,16 +353,20 @@ def _checkpoint_worker(rank, world, path, stage):
     bad = []
     zm, zo = _train_mlp(rank, stage, dict(state_dtype="bf16"), steps=3)
     src = _states(zo)
+    if sorted(src) != ["exp_avg", "exp_avg_sq"] or {t.dtype for t in src.values()} != {torch.bfloat16}:
+        bad.append(f"the run's states are {[(k, t.dtype) for k, t in src.items()]}, not Adam's two in bf16")
     sd = zo.state_dict()
     if sd["state"][0]["exp_avg"].dtype != torch.float32:
         bad.append(f"state_dict() exp_avg is {sd['state'][0]['exp_avg'].dtype}, not torch's float32")
     zero_ext.save(path, zm, zo)
-    # complete state dict and zero_ext.load, into bf16 states: bit for bit, and the runs go on alike
-    for how in ("state_dict", "save"):
+    # complete state dict, sharded state dict and zero_ext.load, into bf16 states: bit for bit
+    for how in ("state_dict", "sharded", "save"):
         zm2, zo2 = _train_mlp(rank, stage, dict(state_dtype="bf16"), steps=0)
         if how == "state_dict":
             zm2.load_state_dict(zm.state_dict())
             zo2.load_state_dict(sd)
+        elif how == "sharded":
+            zo2.load_state_dict(zo.sharded_state_dict())
         else:
             zero_ext.load(path, zm2, zo2)
         for k, t in src.items():
