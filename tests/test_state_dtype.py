@@ -4,15 +4,20 @@ rounding (Note [bf16 optimizer states] in csrc/engine/stepper.cpp).
 1. Accuracy on real text: the tiny GPT (tests/cases.py TINY_GPT) on tinyshakespeare,
    ACC_STEPS steps of AdamW (lr 3e-3, weight decay 0.1, clip 1.0) on 2 gloo ranks, fp32
    states vs bf16 states from the same start on the same batches: the mean training loss
-   of the last ACC_WINDOW steps is within 1% of the fp32 states' run. Controls, emulated
-   on fp32 states after each step: "lost" (exp_avg never stored) must miss the bound, so
-   it can fail; "nearest" (bf16 round-to-nearest), "truncate" (toward zero) and "stale"
-   (exp_avg_sq frozen after step 50) are printed only: on this small model they stay
-   within 1% too, so the bound catches gross errors, not the rounding mode (tests 2-3
-   pin the rounding down bit for bit). Measured (2 ranks, stage 2, 300 steps, last 50,
-   about 15 s for the six runs): fp32 2.6192, bf16 2.6151 (-0.15%), nearest 2.6158
-   (-0.13%), truncate 2.6264 (+0.27%), stale 2.6075 (-0.44%), lost 3.2395 (+23.7%).
-   Reproduce (prints every figure): `python -m pytest -s -k accuracy tests/test_state_dtype.py`.
+   of the last ACC_WINDOW steps, averaged over ACC_SEEDS initializations/batch orders, is
+   within 1% of the fp32 states'. One seed alone is too noisy for a 1% bound: fp32-state
+   runs whose states were perturbed by 1e-6 (relative) once per step ended from -1.45% to
+   +0.06% away from the unperturbed run (5 perturbations, seed 0), as the training
+   diverges chaotically. Controls, emulated on fp32 states after each step (seed 0):
+   "lost" (exp_avg never stored) must miss the bound, so it can fail; "nearest" (bf16
+   round-to-nearest) is printed only. On this small model rounding the states to nearest
+   (-0.13%), toward zero (+0.27%) or freezing exp_avg_sq after step 50 (-0.44%) stays
+   within 1% too (measured once, seed 0): the bound catches gross errors, not the rounding
+   mode; tests 2-3 pin the rounding down bit for bit. Measured (2 ranks, stage 2, 300
+   steps, last 50, 4 seeds, about 25 s): fp32 2.6039, bf16 2.6039 (-0.00%); per seed
+   fp32 2.6192 / 2.6282 / 2.5847 / 2.5837, bf16 2.6151 / 2.6360 / 2.5815 / 2.5828;
+   lost +23.69%. Reproduce (prints every figure):
+   `python -m pytest -s -k accuracy tests/test_state_dtype.py`.
 2. The step's rounding is the kernel's: two steps at world 1 redone with
    zero_ext._C.adam_step_bf16_states on the same inputs, seed BF16_STATE_SEED + step and
    each element's counter its position in the flat layout, give the same state bits, with
@@ -22,7 +27,7 @@ rounding (Note [bf16 optimizer states] in csrc/engine/stepper.cpp).
    is bit-identical at any N), N steps at world 1 and 2 give the same parameters and the
    same bf16 states, bit for bit (the counters are positions in the unpadded layout).
 4. Bit-identical with offload="cpu" and without, world 1 and 2, stages 1-2.
-5. opt.stats() == estimate_memory byte for byte (stages 1-3, offload's host part too),
+5. opt.stats() == estimate_memory byte for byte (stages 0-3, offload's host part too),
    and bf16 states are 4 bytes per element of the shard less than fp32 ones.
 6. Checkpoints: state_dict()/load_state_dict and zero_ext.save/load round-trip bf16
    states bit for bit (they are written widened to fp32), also into an fp32-state run
@@ -42,16 +47,17 @@ from dist_harness import ROOT, run_world
 
 DATA = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")
 ACC_STEPS, ACC_WINDOW = 300, 50
-CONTROLS = ("nearest", "truncate", "stale", "lost")
+CONTROLS = ("nearest", "lost")
+ACC_SEEDS = 4
 
 
 # ----------------------------------------------------------------------------- helpers
 
-def _gpt():
+def _gpt(seed=0):
     from cases import TINY_GPT
     from gpt import GPT, CharDataset, GPTConfig
     data = CharDataset(DATA)
-    torch.manual_seed(1)
+    torch.manual_seed(1 + seed)
     return GPT(GPTConfig(**{**TINY_GPT, "vocab_size": data.vocab_size})), data
 
 
@@ -76,15 +82,16 @@ def _round_states(zo, how):
                 st["exp_avg_sq"].copy_(zo._stale_v)
 
 
-def _gpt_curve(rank, world, opts, steps, emulate=None):
-    """Per-step training losses of the tiny GPT (AdamW lr 3e-3, clip 1.0), stage 2."""
+def _gpt_curve(rank, world, opts, steps, emulate=None, seed=0):
+    """Per-step training losses of the tiny GPT (AdamW lr 3e-3, clip 1.0), stage 2; `seed`
+    picks the initialization and the batches."""
     import zero_ext
-    model, data = _gpt()
+    model, data = _gpt(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     zm, zo = zero_ext.zeroify(model, opt, stage=2, **opts)
     losses = []
     for step in range(steps):
-        x, y = data.get_batch("train", 8, model.config.block_size, torch.Generator().manual_seed(1000 * rank + step))
+        x, y = data.get_batch("train", 8, model.config.block_size, torch.Generator().manual_seed(100_000 * seed + 1000 * rank + step))
         loss = zm(x, y)[1]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(zm.parameters(), 1.0)
@@ -98,10 +105,12 @@ def _gpt_curve(rank, world, opts, steps, emulate=None):
 
 def _accuracy_worker(rank, world, steps):
     t0 = time.perf_counter()
-    out = {"fp32": _gpt_curve(rank, world, {}, steps),
-           "bf16": _gpt_curve(rank, world, dict(state_dtype="bf16"), steps)}
+    out = {}
+    for seed in range(ACC_SEEDS):
+        out[f"fp32/{seed}"] = _gpt_curve(rank, world, {}, steps, seed=seed)
+        out[f"bf16/{seed}"] = _gpt_curve(rank, world, dict(state_dtype="bf16"), steps, seed=seed)
     for control in CONTROLS:
-        out[control] = _gpt_curve(rank, world, {}, steps, emulate=control)
+        out[f"{control}/0"] = _gpt_curve(rank, world, {}, steps, emulate=control)
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -165,21 +174,28 @@ def _differences(a, b, what):
 
 @pytest.mark.dist
 def test_bf16_states_accuracy_on_text():
-    """Last-window mean loss with bf16 states within 1% of fp32 states'; the control
-    "lost" is not, so the bound can fail (the other controls are printed only: see the
-    module docstring)."""
+    """Last-window mean loss with bf16 states, averaged over ACC_SEEDS initializations and
+    batch orders, within 1% of fp32 states'; the control "lost" is not, so the bound can
+    fail ("nearest" is printed only: see the module docstring)."""
     res = run_world(_accuracy_worker, 2, ACC_STEPS, timeout_s=600)
-    kinds = ("fp32", "bf16") + CONTROLS
-    means = {k: sum(sum(r[k][-ACC_WINDOW:]) for r in res) / (ACC_WINDOW * len(res)) for k in kinds}
-    rel = {k: means[k] / means["fp32"] - 1 for k in means}
-    print(f"\nstate_dtype accuracy, tiny GPT, {ACC_STEPS} steps on 2 ranks, mean loss of the last {ACC_WINDOW}: "
-          + ", ".join(f"{k} {means[k]:.4f} ({100 * rel[k]:+.2f}%)" for k in kinds)
+
+    def last(key):   # mean loss of the last ACC_WINDOW steps over both ranks
+        return sum(sum(r[key][-ACC_WINDOW:]) for r in res) / (ACC_WINDOW * len(res))
+
+    per_seed = {k: [last(f"{k}/{s}") for s in range(ACC_SEEDS)] for k in ("fp32", "bf16")}
+    means = {k: sum(v) / ACC_SEEDS for k, v in per_seed.items()}
+    rel = means["bf16"] / means["fp32"] - 1
+    control = {c: last(f"{c}/0") / per_seed["fp32"][0] - 1 for c in CONTROLS}
+    print(f"\nstate_dtype accuracy, tiny GPT, {ACC_STEPS} steps on 2 ranks, mean loss of the last {ACC_WINDOW} "
+          f"over {ACC_SEEDS} seeds: fp32 {means['fp32']:.4f}, bf16 {means['bf16']:.4f} ({100 * rel:+.2f}%); "
+          f"per seed fp32 {[round(x, 4) for x in per_seed['fp32']]}, bf16 {[round(x, 4) for x in per_seed['bf16']]}; "
+          f"controls against seed 0's fp32: " + ", ".join(f"{c} {100 * d:+.2f}%" for c, d in control.items())
           + f"; {max(r['seconds'] for r in res):.1f} s")
     assert means["fp32"] < 3.0, means          # the runs learned (the first loss is about ln 65 = 4.17)
-    assert res[0]["fp32"] != res[0]["bf16"], "bf16 states changed no loss: the option did nothing"
-    assert abs(rel["bf16"]) < 0.01, (means, rel)
-    assert abs(rel["lost"]) >= 0.01, ("the control 'lost' is within the bound too, so the bound tests nothing",
-                                      means, rel)
+    assert res[0]["fp32/0"] != res[0]["bf16/0"], "bf16 states changed no loss: the option did nothing"
+    assert abs(rel) < 0.01, (means, per_seed)
+    assert abs(control["lost"]) >= 0.01, ("the control 'lost' is within the bound too, so the bound tests nothing",
+                                          control)
 
 
 # ----------------------------------------------------------------------------- 2. the kernel's rounding
