@@ -68,6 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     zx_bind_cuda(m);
     zx_bind_plan(m);
     zx_bind_control(m);
+    m.attr("BF16_STATE_SEED") = py::int_(zx::kStateSeed);   // Note [bf16 optimizer states]
 
     py::class_<zx::EngineOptions>(m, "EngineOptions")
         .def(py::init<>())
@@ -90,7 +91,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("agree_unused", &zx::EngineOptions::agree_unused)
         .def_readwrite("param_names", &zx::EngineOptions::param_names)
         .def_readwrite("offload", &zx::EngineOptions::offload)
-        .def_readwrite("step_in_backward", &zx::EngineOptions::step_in_backward);
+        .def_readwrite("step_in_backward", &zx::EngineOptions::step_in_backward)
+        .def_readwrite("state_dtype", &zx::EngineOptions::state_dtype);
 
     // The loss-scaling state machine of the C core (zx_scaler.c), state and all.
     py::class_<zx_loss_scaler>(m, "LossScaler")

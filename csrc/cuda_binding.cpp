@@ -1,6 +1,6 @@
 // cuda_binding.cpp — torch-facing wrappers of the CUDA kernels (csrc/cuda/zx_cuda.h).
 //
-// zx_bind_cuda(m) adds cuda_adam_step, cuda_sgd_step, cuda_grad_sumsq,
+// zx_bind_cuda(m) adds cuda_adam_step, cuda_adam_step_bf16_states, cuda_sgd_step, cuda_grad_sumsq,
 // cuda_grad_sumsq_into, cuda_scale, cuda_sum_slices, cuda_cast_from_f32,
 // cuda_cast_to_f32, cuda_increment_step and cuda_quantize, cuda_dequantize,
 // cuda_dequantize_sum to the extension module. They take
@@ -114,6 +114,54 @@ void zx_py_cuda_adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg,
                                       exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), max_ptr,
                                       lp_ptr, lp_dtype, &hp, step_ptr, nullptr, zx_current_stream()),
                     "cuda_adam_step");
+}
+
+// exp_avg / exp_avg_sq are bfloat16; element i draws its random bits from counter
+// offset + i (Note [Counter-based stochastic rounding], core/zx_sr.h). With step_tensor
+// the kernel reads the step on the device and hashes with seed + step.
+void zx_py_cuda_adam_step_bf16_states(at::Tensor param, at::Tensor grad, at::Tensor exp_avg,
+                                      at::Tensor exp_avg_sq, std::optional<at::Tensor> param_lp, double lr,
+                                      double beta1, double beta2, double eps, double weight_decay,
+                                      int64_t step, bool decoupled, bool maximize, double grad_scale,
+                                      uint64_t seed, uint64_t offset, std::optional<at::Tensor> step_tensor) {
+    TORCH_CHECK(param.is_cuda(), "param must be a CUDA tensor (use adam_step_bf16_states for CPU tensors)");
+    const at::Device device = param.device();
+    const int64_t n = param.numel();
+    zx_check_tensor(param, "param", at::kFloat, device, n);
+    zx_check_tensor(grad, "grad", at::kFloat, device, n);
+    zx_check_tensor(exp_avg, "exp_avg", at::kBFloat16, device, n);
+    zx_check_tensor(exp_avg_sq, "exp_avg_sq", at::kBFloat16, device, n);
+    void *lp_ptr = nullptr;
+    zx_dtype lp_dtype = ZX_BF16;
+    if (param_lp.has_value()) {
+        lp_dtype = zx_lp_dtype(*param_lp, "param_lp");
+        zx_check_tensor(*param_lp, "param_lp", param_lp->scalar_type(), device, n);
+        lp_ptr = param_lp->data_ptr();
+    }
+    const int64_t *step_ptr = nullptr;
+    if (step_tensor.has_value()) {
+        zx_check_tensor(*step_tensor, "step_tensor", at::kLong, device, 1);
+        step_ptr = step_tensor->data_ptr<int64_t>();
+    } else {
+        TORCH_CHECK(step >= 1, "step must be >= 1 (the count after this step's increment), got ", step);
+    }
+    zx_adam_hparams hp;
+    hp.lr = lr;
+    hp.beta1 = beta1;
+    hp.beta2 = beta2;
+    hp.eps = eps;
+    hp.weight_decay = weight_decay;
+    hp.step = step;
+    hp.decoupled = decoupled ? 1 : 0;
+    hp.amsgrad = 0;
+    hp.maximize = maximize ? 1 : 0;
+    hp.grad_scale = (float)grad_scale;
+    c10::cuda::CUDAGuard guard(device);
+    zx_check_status(zx_cuda_adam_step_bf16_states(
+                        (size_t)n, param.data_ptr<float>(), grad.data_ptr<float>(),
+                        static_cast<uint16_t *>(exp_avg.data_ptr()), static_cast<uint16_t *>(exp_avg_sq.data_ptr()),
+                        lp_ptr, lp_dtype, &hp, seed, offset, step_ptr, nullptr, zx_current_stream()),
+                    "cuda_adam_step_bf16_states");
 }
 
 void zx_py_cuda_increment_step(at::Tensor step_tensor) {
@@ -344,6 +392,14 @@ void zx_bind_cuda(pybind11::module_ &m) {
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
           py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"), py::arg("grad_scale"),
           py::kw_only(), py::arg("step_tensor") = py::none());
+    m.def("cuda_adam_step_bf16_states", &zx_py_cuda_adam_step_bf16_states,
+          "adam_step_bf16_states on CUDA tensors (bf16 exp_avg/exp_avg_sq, stochastic rounding from "
+          "(seed, offset + i), bit-identical to the CPU kernel). step_tensor: optional CUDA int64 (1,) "
+          "read on the device instead of `step`; the hash then uses seed + step.",
+          py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_lp"),
+          py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+          py::arg("step"), py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"), py::arg("seed"),
+          py::arg("offset") = 0, py::kw_only(), py::arg("step_tensor") = py::none());
     m.def("cuda_increment_step", &zx_py_cuda_increment_step,
           "step_tensor += 1 on the current stream (pairs with cuda_adam_step(step_tensor=...)).",
           py::arg("step_tensor"));

@@ -3,6 +3,7 @@
 // zx_bind_kernels(m) adds to the extension module (zero_ext._C):
 //   isa_supported(name) -> bool          best_isa() -> str
 //   adam_step, sgd_step                  one optimizer step on flat fp32 tensors
+//   adam_step_bf16_states                Adam with bf16 exp_avg/exp_avg_sq, stochastic rounding
 //   grad_sumsq(isa, grad, scale) -> (sumsq, nonfinite)
 //   sum_slices, scale, cast_from_f32, cast_to_f32
 //   quant_sizes, quantize, dequantize, dequantize_sum   blockwise int8/int4 (zx_quant*.c)
@@ -140,6 +141,47 @@ void py_adam_step(const std::string &isa_name, at::Tensor param, at::Tensor grad
     parallel_status(n, "adam_step", [&](int64_t lo, int64_t hi) {
         return zx_adam_step(isa, (size_t)(hi - lo), p + lo, g + lo, m + lo, v + lo,
                             v_max ? v_max + lo : nullptr, lp ? lp + lo : nullptr, lp_dtype, &hp);
+    });
+}
+
+// exp_avg / exp_avg_sq are torch.bfloat16; element i of the tensors draws its random
+// bits from counter offset + i (Note [Counter-based stochastic rounding], core/zx_sr.h),
+// so the threads' split of [0, n) does not change the result.
+void py_adam_step_bf16_states(const std::string &isa_name, at::Tensor param, at::Tensor grad,
+                              at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                              std::optional<at::Tensor> param_lp, double lr, double beta1, double beta2,
+                              double eps, double weight_decay, int64_t step, bool decoupled, bool maximize,
+                              double grad_scale, uint64_t seed, uint64_t offset) {
+    const zx_isa isa = isa_arg(isa_name);
+    const int64_t n = param.numel();
+    check_cpu(param, "param", at::kFloat, n);
+    check_cpu(grad, "grad", at::kFloat, n);
+    check_cpu(exp_avg, "exp_avg", at::kBFloat16, n);
+    check_cpu(exp_avg_sq, "exp_avg_sq", at::kBFloat16, n);
+    zx_dtype lp_dtype = param_lp ? check_lp(*param_lp, "param_lp", n) : ZX_F32;
+    zx_adam_hparams hp{};
+    hp.lr = lr;
+    hp.beta1 = beta1;
+    hp.beta2 = beta2;
+    hp.eps = eps;
+    hp.weight_decay = weight_decay;
+    hp.step = step;
+    hp.decoupled = decoupled;
+    hp.amsgrad = 0;
+    hp.maximize = maximize;
+    hp.grad_scale = (float)grad_scale;
+    float *p = param.data_ptr<float>();
+    const float *g = grad.data_ptr<float>();
+    uint16_t *m = static_cast<uint16_t *>(exp_avg.data_ptr());
+    uint16_t *v = static_cast<uint16_t *>(exp_avg_sq.data_ptr());
+    uint16_t *lp = lp_ptr(param_lp);
+    zx_check(zx_adam_step_bf16_states(isa, 0, p, g, m, v, lp, lp_dtype, &hp, seed, offset),
+             "adam_step_bf16_states (check lr >= 0, 0 <= betas < 1, eps >= 0, weight_decay >= 0, "
+             "step >= 1)");
+    parallel_status(n, "adam_step_bf16_states", [&](int64_t lo, int64_t hi) {
+        return zx_adam_step_bf16_states(isa, (size_t)(hi - lo), p + lo, g + lo, m + lo, v + lo,
+                                        lp ? lp + lo : nullptr, lp_dtype, &hp, seed,
+                                        offset + (uint64_t)lo);
     });
 }
 
@@ -372,6 +414,15 @@ void zx_bind_kernels(pybind11::module_ &m) {
           py::arg("max_exp_avg_sq"), py::arg("param_lp"), py::arg("lr"), py::arg("beta1"),
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
           py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"), py::arg("grad_scale"));
+    m.def("adam_step_bf16_states", &py_adam_step_bf16_states,
+          "One Adam (decoupled=False) / AdamW (decoupled=True) step on flat CPU tensors with the "
+          "states exp_avg, exp_avg_sq in torch.bfloat16, updated in float32 and stored with "
+          "stochastic rounding whose random bits for element i hash (seed, offset + i); param "
+          "float32, optional bf16/fp16 copy-out to param_lp. No amsgrad.",
+          py::arg("isa"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+          py::arg("param_lp"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+          py::arg("weight_decay"), py::arg("step"), py::arg("decoupled"), py::arg("maximize"),
+          py::arg("grad_scale"), py::arg("seed"), py::arg("offset") = 0);
     m.def("sgd_step", &py_sgd_step,
           "One SGD step on flat CPU float32 tensors (momentum, dampening, Nesterov, weight decay, "
           "maximize); first_step initializes momentum_buf to the gradient like torch.",

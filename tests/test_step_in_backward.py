@@ -11,7 +11,8 @@ run without it, so the test is bit-identity:
    and the tiny GPT on tinyshakespeare for 200 steps at stage 3 bf16 (the real-text check:
    the same loss curve, bit for bit, so within any tolerance of exact).
 2. Memory: stats() == estimate_memory byte for byte; no gradient bytes in stages 2-3; stage
-   3 with Adam holds 12 bytes per sharded element (master 4 + Adam 8).
+   3 with Adam holds 12 bytes per sharded element (master 4 + Adam 8), 8 with
+   state_dtype="bf16" (half of FSDP2's 16).
 3. A state_dict() round trip in the middle resumes bit for bit.
 4. Refused, naming the fix: clipping after zeroify, fp16 loss scaling, an optimizer
    without fused kernel, offload, stage 0.
@@ -80,6 +81,7 @@ CASES = {
     "adamw-bf16": dict(param_dtype="bf16", reduce_dtype="bf16"),
     "sgd-fp32-accumulate": dict(opt="sgd", micro=2),
     "adamw-native-reduce-scatter": dict(reduce_scatter="native"),
+    "adamw-bf16-states": dict(param_dtype="bf16", state_dtype="bf16"),
 }
 
 
@@ -153,8 +155,9 @@ def _memory(rank, world, stage, opts):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("opts", [{}, dict(param_dtype="bf16", reduce_dtype="bf16"), dict(reduce_scatter="native")],
-                         ids=["fp32-alltoall", "bf16-alltoall", "fp32-native"])
+@pytest.mark.parametrize("opts", [{}, dict(param_dtype="bf16", reduce_dtype="bf16"), dict(reduce_scatter="native"),
+                                  dict(param_dtype="bf16", state_dtype="bf16")],
+                         ids=["fp32-alltoall", "bf16-alltoall", "fp32-native", "bf16-states"])
 def test_step_in_backward_memory_equals_estimate(stage, opts):
     for rank, (est, s) in enumerate(run_world(_memory, 3, stage, opts, reuse=True)):
         assert s["model_state_bytes"] == est["model_state_bytes"], (rank, s["model_state_bytes"],
@@ -162,8 +165,9 @@ def test_step_in_backward_memory_equals_estimate(stage, opts):
         assert s["buffer_bytes"]["grad_landing"] == est["buffer_bytes"]["grad_landing"], (rank, s["buffer_bytes"])
         assert s["buffer_bytes"]["grad_ring"] == est["buffer_bytes"]["grad_ring"], (rank, s["buffer_bytes"])
         assert s["model_state_bytes"]["gradients"] == 0
-        if stage == 3:   # master 4 + Adam 8 per element of the shard, nothing else
-            assert s["model_state_bytes"]["total"] == 12 * s["shard_numel"], s["model_state_bytes"]
+        if stage == 3:   # master 4 + Adam 8 (bf16 states: 4) per element of the shard, nothing else
+            per = 8 if opts.get("state_dtype") == "bf16" else 12
+            assert s["model_state_bytes"]["total"] == per * s["shard_numel"], s["model_state_bytes"]
 
 
 def _resume(rank, world, stage):

@@ -390,6 +390,9 @@ STATUS = [
      ["tests/test_offload.py"], ["tests_offload", "bench_offload"], [f"{XEON}/bench_offload.json"]),
     ("Optimizer step in backward, no gradient shard (`step_in_backward=True`; stage 3: 12 B/param)",
      ["tests/test_step_in_backward.py"], [], []),
+    ("bf16 optimizer states with stochastic rounding (`state_dtype=\"bf16\"`)",
+     ["tests/test_state_dtype.py", "tests/test_kernels_bf16_states.py"],
+     ["tests_bf16_states_cuda", "tests_state_dtype_cuda"], []),
     ("Parameter offload (to host memory or NVMe)", "not implemented", [], []),
     ("`torch.compile` of a zeroified model", "not tested", [], []),
 ]

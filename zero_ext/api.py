@@ -86,6 +86,16 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
         if not fused and cfg.reduce_dtype != "fp32":
             _fail(f"reduce_dtype={cfg.reduce_dtype!r} needs a fused optimizer (Adam, AdamW, SGD): {cls.__name__} "
                   f"runs as a torch optimizer over fp32 shards and needs fp32 gradients; use reduce_dtype='fp32'")
+        if cfg.state_dtype == "bf16" and not whole:   # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
+            if not (fused and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
+                _fail(f"state_dtype='bf16' is a mode of the fused Adam/AdamW kernels; {cls.__name__} keeps its state "
+                      f"{'in the SGD kernel (fp32 momentum)' if issubclass(cls, torch.optim.SGD) else 'as a torch optimizer'}"
+                      f"; use torch.optim.AdamW or Adam, or state_dtype='fp32'")
+            for gi, g in enumerate(optimizer.param_groups):
+                if g.get("amsgrad"):
+                    _fail(f"state_dtype='bf16' has no bf16 form of amsgrad's max_exp_avg_sq ({cls.__name__}("
+                          f"amsgrad=True), param group {gi}); build the optimizer with amsgrad=False, or pass "
+                          f"state_dtype='fp32'")
         if cfg.fused == "always" and not fused and not whole:
             _fail(f"fused='always' but {cls.__name__} has no fused kernel (fused ones: "
                   f"{', '.join(c.__name__ for c in FUSED)}); use fused='auto'")
@@ -357,8 +367,12 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     opts.reduce_dtype = cfg.reduce_dtype
     opts.group_update_kind = [update_kind(part.cls) for part in parts for _ in part.groups]
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    opts.param_state = fill_state_sizes(parts, [g for o in optimizers for g in o.param_groups], params, groups,
-                                        cfg.stage, world)
+    state_sizes = fill_state_sizes(parts, [g for o in optimizers for g in o.param_groups], params, groups,
+                                   cfg.stage, world)
+    if cfg.state_dtype == "bf16":   # the fused Adam/AdamW's states take 2 bytes per element, not 4
+        fused_groups = {gi for part in parts if part.kind == "fused" for gi in part.groups}
+        state_sizes = [b / 2 if g in fused_groups else b for b, g in zip(state_sizes, groups)]
+    opts.param_state = state_sizes
     meta = is_meta(model)
     born: set = set()
     if meta:
@@ -383,6 +397,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     opts.param_names = [param_names.get(id(p), f"#{i}") for i, p in enumerate(params)]
     opts.offload = cfg.offload == "cpu"
     opts.step_in_backward = cfg.step_in_backward
+    opts.state_dtype = cfg.state_dtype   # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
     if opts.offload:
         warn_unfused(parts)
     engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)

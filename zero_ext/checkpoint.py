@@ -261,11 +261,12 @@ class _Shard:
         return pieces[b].narrow(0, at, n)
 
     def full(self, pieces: list, b: int) -> torch.Tensor:
-        """Bucket b's slice of `pieces`, slice-sized (zeros outside a state window)."""
+        """Bucket b's slice of `pieces`, slice-sized (zeros outside a state window), in fp32
+        (bf16 states widened: Note [bf16 optimizer states] in csrc/engine/stepper.cpp)."""
         n = self.masters[b].numel()
         if not isinstance(pieces, _Windows) or (pieces.lo[b] == 0 and pieces[b].numel() == n):
-            return pieces[b]
-        out = torch.zeros(n, dtype=pieces[b].dtype)
+            return pieces[b].float()
+        out = torch.zeros(n, dtype=torch.float32)
         out.narrow(0, pieces.lo[b], pieces[b].numel()).copy_(pieces[b])
         return out
 
@@ -276,6 +277,23 @@ class _Windows(list):
     def __init__(self, tensors: list, lo: list):
         super().__init__(tensors)
         self.lo = lo
+
+
+def _as_fp32(states: dict) -> tuple:
+    """Checkpoints hold every per-element state in fp32, whatever state_dtype (Note [bf16
+    optimizer states] in csrc/engine/stepper.cpp): a bf16 state widens exactly, so it
+    loads back into bf16 states bit for bit, and into fp32 states of another run too.
+    Returns (name -> per-bucket fp32 tensors: the states themselves where they are fp32,
+    else copies), [(bf16 state, its fp32 copy)] for a load to write back."""
+    out, back = {}, []
+    for name, pieces in states.items():
+        if all(t.dtype == torch.float32 for t in pieces):
+            out[name] = pieces
+            continue
+        wide = [t.float() for t in pieces]
+        back += [(t, w) for t, w in zip(pieces, wide) if t.dtype != torch.float32]
+        out[name] = _Windows(wide, pieces.lo) if isinstance(pieces, _Windows) else wide
+    return out, back
 
 
 def _per_element(t, view) -> bool:
@@ -416,7 +434,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
     engine, comm, layout = _settle(model, optimizer)
     rank = engine.rank
     shard = _Shard(optimizer)
-    states = shard.states()
+    states = _as_fp32(shard.states())[0]   # bf16 states are written widened to fp32
     tmp = path + ".tmp"
     error = None
     if rank == 0:
@@ -599,7 +617,7 @@ def load(path, model, optimizer, *, scheduler=None):
 
     shard = _Shard(optimizer)
     saved_states = manifest["states"]
-    states = _prepare_states(optimizer, shard, saved_states)
+    states, narrow_back = _as_fp32(_prepare_states(optimizer, shard, saved_states))
     names = _engine_names(optimizer, layout)
     kinds = {"model": shard.masters, **{f"optim/{s}": states[s] for s in saved_states}}
     with _quiet():
@@ -618,6 +636,10 @@ def load(path, model, optimizer, *, scheduler=None):
     except Exception as e:  # noqa: BLE001 - DCP raises the same failure on every rank
         raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed on rank {rank} ({type(e).__name__}: "
                               f"{e}); the model and optimizer may be partly loaded: load again or rebuild them") from e
+    with torch.no_grad():
+        for state, wide in narrow_back:   # bf16 states: the checkpoint's fp32 values, rounded to nearest
+            state.copy_(wide)
+    del narrow_back
     objects = _objects(sd[OBJECTS], real)
     _write_frozen(model, frozen)
     del frozen

@@ -144,6 +144,15 @@ class ZeroConfig:
         parameters. Every parameter steps every reducing backward (one with no gradient on
         any rank steps with a zero one). Nothing may read the whole gradient first: clipping
         raises, and it is refused with loss scaling (fp16), offload or step_control=True.
+    state_dtype: "fp32" (default) or "bf16": the dtype of the fused Adam/AdamW's exp_avg and
+        exp_avg_sq. "bf16" keeps both in bfloat16 with stochastic rounding (the fp32 maths
+        of the step, then each state rounded up or down with a probability that keeps its
+        expected value exact): 4 bytes per trainable parameter less (optimizer states 8 -> 4
+        bytes per element of the shard, host memory with offload="cpu"), and not the same
+        bits as fp32 states (the trade-off and how it was measured: docs/guide/memory.md).
+        The fp32 master weights are unchanged. Adam/AdamW with the fused kernels only: not
+        with amsgrad, SGD or other optimizers, or fused="never" (beside Muon/Adafactor,
+        which keep their own states, it applies to the AdamW part).
     check_sequence: True (default; "auto" is the same) or False: ranks whose collectives
         diverge (evaluation or model.state_dict() on rank 0 alone in stage 3, a skipped
         backward, an extra micro-step, a stage-3 unit skipped, step() on some ranks only,
@@ -210,6 +219,7 @@ class ZeroConfig:
     find_unused_parameters: bool | str = "auto"
     offload: str | None = None
     step_in_backward: bool = False
+    state_dtype: Any = "fp32"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -312,6 +322,14 @@ class ZeroConfig:
                  f"pass e.g. unit_modules=['Block'], or None to choose units by parameter count")
         self.param_dtype = dtype_name(self.param_dtype)
         self.reduce_dtype = dtype_name(self.reduce_dtype)
+        self.state_dtype = dtype_name(self.state_dtype)
+        need(self.state_dtype in ("fp32", "bf16"), f"state_dtype must be 'fp32' or 'bf16' (the optimizer states' "
+             f"dtype), got {self.state_dtype!r}; pass state_dtype='fp32' (exact, the default) or 'bf16' "
+             f"(stochastically rounded, 4 bytes per parameter less)")
+        if self.state_dtype == "bf16":
+            need(self.fused != "never", "state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, and "
+                 "fused='never' runs the torch optimizer (fp32 states); pass fused='auto' (or 'always'), or "
+                 "state_dtype='fp32'")
         need(isinstance(self.step_control, bool) or self.step_control == "auto",
              f"step_control must be 'auto', True or False, got {self.step_control!r}; {_fix('step_control')}")
         need(isinstance(self.cast_buffers, bool) or self.cast_buffers == "auto",

@@ -18,7 +18,8 @@ the first step of a run with the same model, world size, stage and options:
                       (else the parameters are it)
     optimizer_states  per-element states (Adam 2, +1 with amsgrad; SGD with momentum 1,
                       without 0; other optimizers: counted by running one step of the
-                      optimizer class on a tiny tensor) x the shard, fp32
+                      optimizer class on a tiny tensor) x the shard, fp32 (Adam/AdamW with
+                      state_dtype="bf16": 2 bytes each)
     buffer_bytes      the gradient ring (staging + receive buffers, bounded by
                       grad_ring_buckets) and, stage 3, the most full units held at once:
                       the root unit + the computing unit + the units prefetched ahead
@@ -145,7 +146,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         reduce_scatter="auto", which sizes the receive buffers; "nccl"/"fake": native).
     config, **options: any other zeroify option that changes memory (bucket_bytes,
         first_bucket_bytes, align, grad_ring_buckets, unit_modules, unit_numel,
-        min_unit_numel, prefetch_depth, reduce_scatter, offload, step_in_backward).
+        min_unit_numel, prefetch_depth, reduce_scatter, offload, step_in_backward, state_dtype).
 
     Returns a dict with the keys of opt.stats() it predicts ("model_state_bytes",
     "buffer_bytes", "frozen_parameter_bytes", "num_params", "padded_numel",
@@ -178,8 +179,17 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     fused = cls.__name__ in _FUSED_NAMES and issubclass(cls, tuple(getattr(torch.optim, n) for n in _FUSED_NAMES)) \
         and cfg.fused != "never"
     counts = [states_per_element(cls, h) for h in hypers]
+    state_size = 4
+    if cfg.state_dtype == "bf16":   # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
+        if not (fused and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
+            raise ValueError(f"zero_ext: state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, not of "
+                             f"{cls.__name__}; estimate with optimizer='adamw' (or 'adam'), or state_dtype='fp32'")
+        if any(h.get("amsgrad") for h in hypers):
+            raise ValueError("zero_ext: state_dtype='bf16' has no bf16 form of amsgrad's state; estimate with "
+                             "amsgrad=False, or state_dtype='fp32'")
+        state_size = 2               # exp_avg and exp_avg_sq in bfloat16
     if fused:        # the engine keeps each state over the whole shard (every group)
-        state_bytes = 4 * shard * max(counts)
+        state_bytes = state_size * shard * max(counts)
     else:            # the torch optimizer over each bucket's slice, by param group
         state_bytes = sum(4 * r[4] * counts[min(r[0], len(counts) - 1)] for r in rows)
 
@@ -290,18 +300,19 @@ def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int, parts: int):
 # ----------------------------------------------------------------------------- command line
 
 def _table(numel, world, param_dtype, reduce_dtype, optimizer, accumulation_steps=1, unit=1e9,
-           unit_numel=None) -> str:
+           unit_numel=None, state_dtype="fp32") -> str:
     lines = []
     name = "GB" if unit == 1e9 else "GiB"
     head = (f"{'stage':>5} {'parameters':>11} {'gradients':>10} {'masters':>9} {'opt states':>11} "
             f"{'model state':>12} {'buffers':>9} {'comm/step':>10}")
     lines.append(f"Ψ = {numel:,.0f} trainable parameters, N = {world}, params {param_dtype}, reduce "
-                 f"{reduce_dtype}, {optimizer}; per rank, in {name} ({'10^9' if unit == 1e9 else '2^30'} bytes)")
+                 f"{reduce_dtype}, {optimizer}{', bf16 states' if state_dtype == 'bf16' else ''}; per rank, in {name} ({'10^9' if unit == 1e9 else '2^30'} bytes)")
     lines.append(head)
     lines.append("-" * len(head))
     for stage in range(4):
         e = estimate_memory(numel, world, stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                            optimizer=optimizer, accumulation_steps=accumulation_steps, unit_numel=unit_numel)
+                            optimizer=optimizer, accumulation_steps=accumulation_steps, unit_numel=unit_numel,
+                            state_dtype=state_dtype)
         m, b = e["model_state_bytes"], e["buffer_bytes"]
         lines.append(f"{stage:>5} {m['parameters'] / unit:>11.2f} {m['gradients'] / unit:>10.2f} "
                      f"{m['master_weights'] / unit:>9.2f} {m['optimizer_states'] / unit:>11.2f} "
@@ -323,10 +334,13 @@ def main(argv=None) -> None:
     ap.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step (communication)")
     ap.add_argument("--unit-numel", type=float, default=None,
                     help="stage 3: parameters per unit (default a quarter of the model)")
+    ap.add_argument("--state-dtype", default="fp32",
+                    help="Adam/AdamW states: fp32 (default) or bf16 (stochastically rounded, 2 bytes each)")
     ap.add_argument("--gib", action="store_true", help="GiB (2^30 bytes) instead of GB (10^9, the paper's)")
     args = ap.parse_args(argv)
     print(_table(int(args.params), args.world, args.param_dtype, args.reduce_dtype, args.optimizer,
-                 args.accum, 2 ** 30 if args.gib else 1e9, None if args.unit_numel is None else int(args.unit_numel)))
+                 args.accum, 2 ** 30 if args.gib else 1e9, None if args.unit_numel is None else int(args.unit_numel),
+                 args.state_dtype))
 
 
 if __name__ == "__main__":

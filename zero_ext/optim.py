@@ -561,6 +561,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              f"the same stage, world size and rank. To checkpoint for any rank, world size or "
                              f"stage: optimizer.state_dict() on every rank (the complete state, as DDP's), or "
                              f"zero_ext.save(path, model, optimizer) / zero_ext.load(...) on every rank")
+        saved_dtype = {str(t.dtype) for k, t in z["flat_state"].items() if k in ("exp_avg", "exp_avg_sq")}
+        want = "torch.bfloat16" if self._config.state_dtype == "bf16" else "torch.float32"
+        if saved_dtype and saved_dtype != {want}:
+            raise ValueError(f"zero_ext: this sharded optimizer state holds {'/'.join(sorted(saved_dtype))} Adam "
+                             f"states but this run has state_dtype={self._config.state_dtype!r}; build the run with "
+                             f"the state_dtype it was saved with, or convert through optimizer.state_dict() / "
+                             f"zero_ext.save (complete states in fp32, which load into either state_dtype)")
         if z["fingerprint"] != self._fingerprint:
             raise ValueError("zero_ext: optimizer state was saved for different parameters (shapes, groups or "
                              "config differ); build the same model and config before loading")

@@ -254,6 +254,30 @@ zx_status zx_adam_step(zx_isa isa, size_t n, float *param, const float *grad,
                        void *param_lp, zx_dtype lp_dtype,
                        const zx_adam_hparams *hp);
 
+/* One Adam/AdamW step over n elements with both states kept in bfloat16 (2 bytes
+ * each instead of 4): exp_avg[i] and exp_avg_sq[i] are bf16 bit patterns, widened
+ * exactly to fp32 on load, updated with the fp32 maths of zx_adam_step, and stored
+ * back with stochastic rounding; the parameter update uses the fp32 states of this
+ * step (before they are rounded), so param and param_lp are exactly what
+ * zx_adam_step gives from the same (widened) states.
+ *
+ * Rounding (Note [Counter-based stochastic rounding], zx_sr.h): the random bits of
+ * element i are a hash of (seed, offset + i) alone. Pass offset = the global index
+ * of this range's first element (and a seed that changes every step, e.g. mixed
+ * from the step count): results are then the same whatever the isa, the threads
+ * or the split of [0, n) into calls; zx_cuda_adam_step_bf16_states runs the same operations
+ * and hash (tests/test_cuda_bf16_states.py checks the two bit for bit on a GPU).
+ * Counters wrap modulo 2^64. NaN stays NaN, +-Inf stays +-Inf, a finite value
+ * never rounds to Inf (above the largest finite bf16 it saturates to it).
+ *
+ * Returns ZX_ERR_UNSUPPORTED when hp->amsgrad (no bf16 max state: use zx_adam_step),
+ * ZX_ERR_INVALID_ARG for the checks of zx_adam_step (NULL arrays when n > 0, bad
+ * hyperparameters, an lp_dtype other than ZX_BF16/ZX_F16 with param_lp). */
+zx_status zx_adam_step_bf16_states(zx_isa isa, size_t n, float *param, const float *grad,
+                                   uint16_t *exp_avg, uint16_t *exp_avg_sq,
+                                   void *param_lp, zx_dtype lp_dtype,
+                                   const zx_adam_hparams *hp, uint64_t seed, uint64_t offset);
+
 typedef struct zx_sgd_hparams {
     double lr;
     double momentum;             /* 0 disables the momentum buffer */

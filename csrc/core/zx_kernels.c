@@ -129,6 +129,41 @@ zx_status zx_adam_step(zx_isa isa, size_t n, float *param, const float *grad,
     return ZX_OK;
 }
 
+/* Note [Counter-based stochastic rounding] (zx_sr.h); the maths is zx_adam_step's. */
+zx_status zx_adam_step_bf16_states(zx_isa isa, size_t n, float *param, const float *grad,
+                                   uint16_t *exp_avg, uint16_t *exp_avg_sq,
+                                   void *param_lp, zx_dtype lp_dtype,
+                                   const zx_adam_hparams *hp, uint64_t seed, uint64_t offset) {
+    if (!hp) return ZX_ERR_INVALID_ARG;
+    if (hp->step < 1 || !nonneg(hp->lr) || !nonneg(hp->eps) || !nonneg(hp->weight_decay) ||
+        !(hp->beta1 >= 0.0 && hp->beta1 < 1.0) || !(hp->beta2 >= 0.0 && hp->beta2 < 1.0))
+        return ZX_ERR_INVALID_ARG;
+    if (hp->amsgrad) return ZX_ERR_UNSUPPORTED;   /* no bf16 max_exp_avg_sq */
+    if (param_lp && !is_lp_dtype(lp_dtype)) return ZX_ERR_INVALID_ARG;
+    zx_status s = check_isa(isa);
+    if (s != ZX_OK) return s;
+    if (n == 0) return ZX_OK;
+    if (!param || !grad || !exp_avg || !exp_avg_sq) return ZX_ERR_INVALID_ARG;
+
+    zx_adam_consts c = adam_consts(hp);
+    zx_sr_key key = zx_sr_key_of(seed);
+    uint16_t *lp = (uint16_t *)param_lp;
+    switch (isa) {
+#if ZX_HAVE_X86_SIMD
+    case ZX_ISA_AVX512:
+        zx_adam_bf16s_avx512(n, param, grad, exp_avg, exp_avg_sq, &c, key, offset, lp, lp_dtype);
+        break;
+    case ZX_ISA_AVX2:
+        zx_adam_bf16s_avx2(n, param, grad, exp_avg, exp_avg_sq, &c, key, offset, lp, lp_dtype);
+        break;
+#endif
+    default:
+        zx_adam_bf16s_ref(n, param, grad, exp_avg, exp_avg_sq, &c, key, offset, lp, lp_dtype);
+        break;
+    }
+    return ZX_OK;
+}
+
 /* ------------------------------------------------------------------ SGD */
 
 static zx_sgd_consts sgd_consts(const zx_sgd_hparams *hp) {

@@ -12,6 +12,7 @@
 #if ZX_HAVE_X86_SIMD
 #include "zx_simd_avx2.h"       /* defines: vec, vec_*, ZX_SIMD_TARGET, ZX_SIMD_NAME */
 #include "zx_kernels_simd.inc"  /* defines: zx_adam_avx2, zx_adam_lp_avx2, zx_sgd_avx2, ... */
+#include "zx_kernels_sr_simd.inc"  /* defines: zx_adam_bf16s_avx2 */
 
 /* ---- gradient scan ---- */
 ZX_SIMD_TARGET

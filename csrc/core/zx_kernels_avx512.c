@@ -13,6 +13,7 @@
 #if ZX_HAVE_X86_SIMD
 #include "zx_simd_avx512.h"     /* defines: vec, vec_*, ZX_SIMD_TARGET(_BF16), ZX_SIMD_NAME */
 #include "zx_kernels_simd.inc"  /* defines: zx_adam_avx512, zx_adam_lp_avx512, zx_sgd_avx512, ... */
+#include "zx_kernels_sr_simd.inc"  /* defines: zx_adam_bf16s_avx512 */
 
 /* ---- gradient scan ---- */
 ZX_SIMD_TARGET

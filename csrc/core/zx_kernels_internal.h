@@ -5,6 +5,9 @@
  *   zx_kernels_avx2.c    AVX2+FMA+F16C kernels                          defines: zx_*_avx2
  *   zx_kernels_avx512.c  AVX-512 (F/BW/VL, optional BF16) kernels       defines: zx_*_avx512
  *   zx_kernels_simd.inc  the one algorithm body both SIMD files instantiate
+ *   zx_kernels_sr_simd.inc  the same for Adam with bf16 states (stochastic rounding)
+ *   zx_sr.h              the counter-based hash and bf16 stochastic rounding of one
+ *                        value, shared with the CUDA kernel
  *   zx_simd_avx2.h, zx_simd_avx512.h   each ISA's vector vocabulary, shared with the
  *                        quantization kernels (contract: zx_simd.h)
  *
@@ -32,6 +35,7 @@
 #define ZX_KERNELS_INTERNAL_H
 
 #include "zx_core.h"
+#include "zx_sr.h"     /* defines: zx_sr_key, zx_sr_*, zx_bf16_sr */
 
 /* 1 when this compiler can build the x86 SIMD files (function target attributes). */
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -83,6 +87,11 @@ typedef struct zx_sgd_consts {
 /* ---- scalar reference (zx_kernels_ref.c) ---- */
 void zx_adam_ref(size_t n, float *param, const float *grad, float *exp_avg,
                  float *exp_avg_sq, float *max_exp_avg_sq, const zx_adam_consts *c);
+/* Adam with bf16 states (c->amsgrad is 0): element i draws its random bits from
+ * counter offset + i; lp: NULL or the copy-out (lp_dtype ZX_BF16/ZX_F16). */
+void zx_adam_bf16s_ref(size_t n, float *param, const float *grad, uint16_t *exp_avg,
+                       uint16_t *exp_avg_sq, const zx_adam_consts *c, zx_sr_key key,
+                       uint64_t offset, uint16_t *lp, zx_dtype lp_dtype);
 void zx_sgd_ref(size_t n, float *param, const float *grad, float *momentum_buf,
                 const zx_sgd_consts *c);
 void zx_grad_sumsq_ref(size_t n, const float *grad, float scale, double *sumsq,
@@ -109,6 +118,10 @@ float zx_f16_to_f32_ref(uint16_t h);
     void zx_adam_lp_##sfx(size_t n, float *param, const float *grad, float *exp_avg,   \
                           float *exp_avg_sq, float *max_exp_avg_sq,                    \
                           const zx_adam_consts *c, uint16_t *lp, zx_dtype lp_dtype);   \
+    void zx_adam_bf16s_##sfx(size_t n, float *param, const float *grad,                \
+                             uint16_t *exp_avg, uint16_t *exp_avg_sq,                  \
+                             const zx_adam_consts *c, zx_sr_key key, uint64_t offset,  \
+                             uint16_t *lp, zx_dtype lp_dtype);                         \
     void zx_sgd_##sfx(size_t n, float *param, const float *grad, float *momentum_buf,  \
                       const zx_sgd_consts *c);                                         \
     void zx_grad_sumsq_##sfx(size_t n, const float *grad, float scale, double *sumsq,  \

@@ -22,6 +22,12 @@
 
 #include "zx_kernels_internal.h"
 
+static uint32_t f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
 /* torch.maximum: NaN in either input gives NaN; otherwise the larger value. */
 static float max_nan(float a, float b) {
     if (isnan(a) || isnan(b)) return a + b;  /* a quiet NaN, as vector code produces */
@@ -60,6 +66,46 @@ void zx_adam_ref(size_t n, float *param, const float *grad, float *exp_avg,
         param[i] = p;
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
+    }
+}
+
+/* Adam with bf16 states (Note [Counter-based stochastic rounding] in zx_sr.h): the
+ * maths of zx_adam_ref without amsgrad, on states widened from bf16; the parameter
+ * is updated from the fp32 states, which are then stored with stochastic rounding. */
+void zx_adam_bf16s_ref(size_t n, float *param, const float *grad, uint16_t *exp_avg,
+                       uint16_t *exp_avg_sq, const zx_adam_consts *c, zx_sr_key key,
+                       uint64_t offset, uint16_t *lp, zx_dtype lp_dtype) {
+    uint32_t block_hi = (uint32_t)(offset >> 32);
+    uint32_t block_key = zx_sr_block_key(key, block_hi);
+    for (size_t i = 0; i < n; i++) {
+        uint64_t counter = offset + i;              /* wraps modulo 2^64 */
+        if ((uint32_t)(counter >> 32) != block_hi) {
+            block_hi = (uint32_t)(counter >> 32);
+            block_key = zx_sr_block_key(key, block_hi);
+        }
+        uint32_t bits = zx_sr_bits_in_block(key, block_key, (uint32_t)counter);
+        /* grad = grads[i] if not maximize else -grads[i]   (scale folded in, sign too) */
+        float g = grad[i] * c->grad_scale;
+        float p = param[i];
+        if (c->decoupled) {
+            p = p * c->decay_factor;                /* param.mul_(1 - lr * weight_decay) */
+        } else if (c->l2) {
+            g = fmaf(c->weight_decay, p, g);        /* grad = grad.add(param, alpha=wd) */
+        }
+        /* exp_avg.lerp_(grad, 1 - beta1) */
+        float m = zx_bf16_to_f32_ref(exp_avg[i]);
+        m = fmaf(c->lerp_coeff, g - m, c->lerp_from_grad ? g : m);
+        /* exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2) */
+        float v = zx_bf16_to_f32_ref(exp_avg_sq[i]) * c->beta2;
+        v = fmaf(c->one_minus_beta2 * g, g, v);
+        /* denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps) */
+        float denom = sqrtf(v) / c->bc2_sqrt + c->eps;
+        /* param.addcdiv_(exp_avg, denom, value=-step_size) */
+        p = p + (c->neg_step_size * m) / denom;
+        param[i] = p;
+        exp_avg[i] = zx_bf16_sr(f32_bits(m), bits & 0xffffu);
+        exp_avg_sq[i] = zx_bf16_sr(f32_bits(v), bits >> 16);
+        if (lp) lp[i] = lp_dtype == ZX_BF16 ? zx_f32_to_bf16_ref(p) : zx_f32_to_f16_ref(p);
     }
 }
 
@@ -122,12 +168,6 @@ void zx_sum_slices_ref(size_t n, size_t stride, int32_t nslices, const float *sr
 
 void zx_scale_ref(size_t n, float *x, float s) {
     for (size_t i = 0; i < n; i++) x[i] = x[i] * s;
-}
-
-static uint32_t f32_bits(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return u;
 }
 
 static float bits_f32(uint32_t u) {

@@ -6,12 +6,13 @@
  * Note [One SIMD body, two vocabularies]
  * ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
  * The SIMD algorithms are written once, in zx_kernels_simd.inc (the optimizers, slice
- * sums, casts) and zx_quant_simd.inc (blockwise quantization), in a small vocabulary of
- * vector operations. Each ISA defines that vocabulary once, in its header; a file such
- * as zx_kernels_avx2.c includes zx_simd_avx2.h and then the body, which becomes
- * zx_adam_avx2, zx_sgd_avx2, ... The bodies read like the reference (zx_kernels_ref.c,
- * zx_quant_ref.c), line for line and in the same operation order (Note [Bit-exact
- * SIMD]); a vector body walks whole vectors and the reference finishes the tail.
+ * sums, casts), zx_kernels_sr_simd.inc (Adam with bf16 states) and zx_quant_simd.inc
+ * (blockwise quantization), in a small vocabulary of vector operations. Each ISA
+ * defines that vocabulary once, in its header; a file such as zx_kernels_avx2.c
+ * includes zx_simd_avx2.h and then the body, which becomes zx_adam_avx2, zx_sgd_avx2,
+ * ... The bodies read like the reference (zx_kernels_ref.c, zx_quant_ref.c), line for
+ * line and in the same operation order (Note [Bit-exact SIMD]); a vector body walks
+ * whole vectors and the reference finishes the tail.
  * What only one ISA can do (the gradient scan, the amax scan, AVX-512 BF16) stays in
  * that ISA's .c file, in its own intrinsics.
  *
@@ -31,6 +32,11 @@
  *                    stream) (stream: a non-temporal store, dst VEC_LP_ALIGN-aligned;
  *                    Note [Streaming copy-out] in zx_kernels_avx512.c), vec_store_fence;
  *                    vec_store_lp(dst, a, lp_dtype, stream) = convert + store
+ *   32-bit integers  vec_u32 (VEC_WIDTH uint32 lanes), vec_u32_set1, vec_u32_iota (lane
+ *                    k holds k), vec_u32_add / _xor / _and / _mul (low 32 bits, as C's
+ *                    uint32_t arithmetic), vec_u32_shr(a, k) (logical, k a constant);
+ *                    vec_to_bf16_sr(x, r) (fp32 -> bf16 bits, stochastically rounded
+ *                    with r < 2^16 per lane exactly like zx_bf16_sr in zx_sr.h)
  *   int8             vec_store_i8 (VEC_WIDTH integral values in [-127, 127] -> int8),
  *                    vec_load_i8 (VEC_WIDTH int8 -> fp32)
  */

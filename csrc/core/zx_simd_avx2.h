@@ -74,6 +74,33 @@ static inline ZX_SIMD_TARGET void vec_store_lp(uint16_t *dst, vec a, int lp_dtyp
     vec_u16_store(dst, lp_dtype == ZX_BF16 ? vec_to_bf16(a) : vec_to_f16(a), stream);
 }
 
+/* ---- 32-bit integer lanes (the stochastic-rounding hash, zx_sr.h) ---- */
+typedef __m256i vec_u32; /* 8 x uint32 */
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_set1(uint32_t a) { return _mm256_set1_epi32((int)a); }
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_iota(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_add(vec_u32 a, vec_u32 b) { return _mm256_add_epi32(a, b); }
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_xor(vec_u32 a, vec_u32 b) { return _mm256_xor_si256(a, b); }
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_and(vec_u32 a, vec_u32 b) { return _mm256_and_si256(a, b); }
+/* the low 32 bits of the product, as C's uint32_t * */
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_mul(vec_u32 a, vec_u32 b) { return _mm256_mullo_epi32(a, b); }
+#define vec_u32_shr(a, k) _mm256_srli_epi32((a), (k))
+/* Round 8 fp32 to bf16 stochastically exactly like zx_bf16_sr (r: 8 values < 2^16). */
+static inline ZX_SIMD_TARGET vec_u16 vec_to_bf16_sr(vec x, vec_u32 r) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    __m256i inf = _mm256_set1_epi32(0x7f800000);
+    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, r), 16);
+    /* a finite value that reached the Inf pattern saturates: h - 1 (mask is all ones) */
+    __m256i reached = _mm256_cmpeq_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x7fff)),
+                                         _mm256_set1_epi32(0x7f80));
+    __m256i sat = _mm256_andnot_si256(_mm256_cmpeq_epi32(a, inf), reached);
+    h = _mm256_add_epi32(h, sat);
+    __m256i nan = _mm256_cmpgt_epi32(a, inf);   /* a <= 0x7fffffff: signed compare works */
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+    h = _mm256_blendv_epi8(h, quiet, nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
 /* ---- int8 ---- */
 /* 8 integral floats -> 8 int32 -> 8 int16 -> 8 int8 (saturating packs never saturate:
  * the values are within [-127, 127]) */

@@ -76,6 +76,34 @@ static inline ZX_SIMD_TARGET void vec_store_lp(uint16_t *dst, vec a, int lp_dtyp
     vec_u16_store(dst, lp_dtype == ZX_BF16 ? vec_to_bf16(a) : vec_to_f16(a), stream);
 }
 
+/* ---- 32-bit integer lanes (the stochastic-rounding hash, zx_sr.h) ---- */
+typedef __m512i vec_u32; /* 16 x uint32 */
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_set1(uint32_t a) { return _mm512_set1_epi32((int)a); }
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_iota(void) {
+    return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_add(vec_u32 a, vec_u32 b) { return _mm512_add_epi32(a, b); }
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_xor(vec_u32 a, vec_u32 b) { return _mm512_xor_si512(a, b); }
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_and(vec_u32 a, vec_u32 b) { return _mm512_and_si512(a, b); }
+/* the low 32 bits of the product, as C's uint32_t * */
+static inline ZX_SIMD_TARGET vec_u32 vec_u32_mul(vec_u32 a, vec_u32 b) { return _mm512_mullo_epi32(a, b); }
+#define vec_u32_shr(a, k) _mm512_srli_epi32((a), (k))
+/* Round 16 fp32 to bf16 stochastically exactly like zx_bf16_sr (r: 16 values < 2^16). */
+static inline ZX_SIMD_TARGET vec_u16 vec_to_bf16_sr(vec x, vec_u32 r) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    __m512i inf = _mm512_set1_epi32(0x7f800000);
+    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
+    /* a finite value that reached the Inf pattern saturates to the largest finite bf16 */
+    __mmask16 sat = _mm512_cmpeq_epi32_mask(_mm512_and_si512(h, _mm512_set1_epi32(0x7fff)),
+                                            _mm512_set1_epi32(0x7f80)) &
+                    _mm512_cmpneq_epi32_mask(a, inf);
+    h = _mm512_mask_sub_epi32(h, sat, h, _mm512_set1_epi32(1));
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(a, inf);
+    h = _mm512_mask_or_epi32(h, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
+    return _mm512_cvtepi32_epi16(h);
+}
+
 /* ---- int8 ---- */
 /* 16 integral floats -> 16 int32 -> 16 int8 (vpmovdb truncates; the values fit) */
 static inline ZX_SIMD_TARGET void vec_store_i8(int8_t *p, vec a) {

@@ -15,6 +15,7 @@
 #define ZX_CUDA_H
 
 #include "zx_cuda_adam.h"   /* defines: zx_cuda_adam_step, zx_cuda_increment_step */
+#include "zx_cuda_adam_sr.h" /* defines: zx_cuda_adam_step_bf16_states */
 #include "zx_cuda_sgd.h"    /* defines: zx_cuda_sgd_step */
 #include "zx_cuda_norm.h"   /* defines: zx_cuda_grad_sumsq, zx_cuda_scale */
 #include "zx_cuda_pack.h"   /* defines: zx_cuda_sum_slices, zx_cuda_cast_from_f32, zx_cuda_cast_to_f32 */

@@ -50,9 +50,17 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
         TORCH_CHECK(g < (int64_t)bw_.adam.size(), "zero_ext: internal: missing hyperparameters for group ", g);
         zx_adam_hparams h = bw_.adam[g];
         h.step = step;
-        float *m = state("exp_avg").data_ptr<float>() + so, *v = state("exp_avg_sq").data_ptr<float>() + so;
-        float *vmax = h.amsgrad ? state("max_exp_avg_sq").data_ptr<float>() + so : nullptr;
-        kern_->adam(bk.slice_numel, p, grad, m, v, vmax, lp, pzx_, h, nullptr, nullptr);
+        at::Tensor ms = state("exp_avg"), vs = state("exp_avg_sq");
+        if (ms.scalar_type() == at::kBFloat16) {   // Note [bf16 optimizer states] (stepper.cpp)
+            const int64_t b = &bk - buckets_.data();
+            const uint64_t c0 = counter_base(b) + (uint64_t)(rank_ * bk.slice_numel);
+            kern_->adam_bf16_states(bk.slice_numel, p, grad, (uint16_t *)ms.data_ptr() + so,
+                                    (uint16_t *)vs.data_ptr() + so, lp, pzx_, h, kStateSeed, c0, nullptr, nullptr);
+        } else {
+            float *m = ms.data_ptr<float>() + so, *v = vs.data_ptr<float>() + so;
+            float *vmax = h.amsgrad ? state("max_exp_avg_sq").data_ptr<float>() + so : nullptr;
+            kern_->adam(bk.slice_numel, p, grad, m, v, vmax, lp, pzx_, h, nullptr, nullptr);
+        }
     } else {
         TORCH_CHECK(g < (int64_t)bw_.sgd.size(), "zero_ext: internal: missing hyperparameters for group ", g);
         zx_sgd_hparams h = bw_.sgd[g];

@@ -79,7 +79,15 @@ struct EngineOptions {
     // Note [Step in backward] (backward_step.cpp): each bucket takes its fused optimizer step
     // as soon as its reduced gradient lands, and keeps no gradient shard.
     bool step_in_backward = false;
+    // Note [bf16 optimizer states] (stepper.cpp): "bf16" keeps the fused Adam/AdamW's
+    // exp_avg and exp_avg_sq in bfloat16 with stochastic rounding (2 bytes per element
+    // each instead of 4); "fp32" (default) keeps them exact.
+    std::string state_dtype = "fp32";
 };
+
+// Note [bf16 optimizer states] (stepper.cpp): the stochastic rounding's seed before the
+// step count is added (zero_ext._C.BF16_STATE_SEED, for tests that redo a step).
+constexpr uint64_t kStateSeed = 0x5eed0b16c0ffee01ULL;
 
 // One bucket of the plan, as tensors.
 //
@@ -291,6 +299,7 @@ public:
     // Flat per-element optimizer state (exp_avg, ...), created zero-filled on demand,
     // over the state windows only (Note [State windows]): elements of tensor-atomic
     // parameters, whose optimizer keeps its own per-tensor state, have none.
+    // exp_avg / exp_avg_sq are bfloat16 with state_dtype="bf16" (Note [bf16 optimizer states]).
     at::Tensor state(const std::string &name);
     // Per bucket: (first element of this rank's window inside its slice, elements,
     // offset of the window in the flat states).
@@ -377,6 +386,8 @@ private:
     // pieces := the cut parameters (their edits).
     void copy_cut_params(bool into_params);
     void plan_state_windows();
+    // Note [bf16 optimizer states]: the rounding counter of bucket b's element 0.
+    uint64_t counter_base(int64_t b) const;
     void commit_frozen(int64_t u, int64_t src);
     void open_frozen_fp32(int64_t u);
     void release_all_frozen();

@@ -38,6 +38,15 @@ public:
     virtual void adam(int64_t n, float *param, const at::Tensor &grad, float *m, float *v, float *vmax,
                       void *lp, zx_dtype lp_dtype, const zx_adam_hparams &hp, const double *ctl,
                       const int64_t *step) = 0;
+    // The same step with both states in bf16 (state_dtype="bf16"): m, v are n bf16
+    // bit patterns, updated with counter-based stochastic rounding (zx_adam_step_bf16_states,
+    // Note [Counter-based stochastic rounding] in core/zx_sr.h). The random bits of
+    // element i are a hash of (seed + s, offset + i), s the step count (hp.step, or *step
+    // when step is given, read on the device by the CUDA kernel): the result does not
+    // depend on how the table splits [0, n) over threads or blocks. No amsgrad.
+    virtual void adam_bf16_states(int64_t n, float *param, const at::Tensor &grad, uint16_t *m, uint16_t *v,
+                                  void *lp, zx_dtype lp_dtype, const zx_adam_hparams &hp, uint64_t seed,
+                                  uint64_t offset, const double *ctl, const int64_t *step) = 0;
     virtual void sgd(int64_t n, float *param, const at::Tensor &grad, float *buf, void *lp, zx_dtype lp_dtype,
                      const zx_sgd_hparams &hp, const double *ctl, const int64_t *step) = 0;
     // out2[0] += sum of squares of the finite elements of grad, out2[1] += count of

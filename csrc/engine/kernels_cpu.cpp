@@ -38,6 +38,26 @@ public:
         });
     }
 
+    void adam_bf16_states(int64_t n, float *p, const at::Tensor &grad, uint16_t *m, uint16_t *v, void *lp,
+                          zx_dtype lp_dtype, const zx_adam_hparams &hp_in, uint64_t seed, uint64_t offset,
+                          const double *ctl, const int64_t *step) override {
+        if (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0) return;
+        zx_adam_hparams hp = hp_in;
+        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
+        if (step != nullptr) hp.step = *step;
+        const uint64_t s = seed + (uint64_t)hp.step;   // as the CUDA kernel with a device step
+        char *lpc = (char *)lp;
+        parallel(n, [&](int64_t lo, int64_t hi) {
+            with_f32_grads(grad, lo, hi, [&](const float *g, int64_t a, int64_t b) {
+                // each range passes its elements' own counters: the bits do not depend on the split
+                zx_check(zx_adam_step_bf16_states(isa_, (size_t)(b - a), p + a, g, m + a, v + a,
+                                                  lpc ? lpc + a * 2 : nullptr, lp_dtype, &hp, s,
+                                                  offset + (uint64_t)a),
+                         "Adam step (bf16 states)");
+            });
+        });
+    }
+
     void sgd(int64_t n, float *p, const at::Tensor &grad, float *buf, void *lp, zx_dtype lp_dtype,
              const zx_sgd_hparams &hp_in, const double *ctl, const int64_t *step) override {
         if (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0) return;

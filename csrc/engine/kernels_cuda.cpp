@@ -42,6 +42,18 @@ public:
                  "CUDA Adam step");
     }
 
+    void adam_bf16_states(int64_t n, float *p, const at::Tensor &grad, uint16_t *m, uint16_t *v, void *lp,
+                          zx_dtype lp_dtype, const zx_adam_hparams &hp, uint64_t seed, uint64_t offset,
+                          const double *ctl, const int64_t *step) override {
+        if (n <= 0) return;
+        c10::cuda::CUDAGuard guard(dev_);
+        // With a device step the kernel hashes with seed + *step itself; without, the host adds hp.step.
+        const uint64_t s = step != nullptr ? seed : seed + (uint64_t)hp.step;
+        zx_check(zx_cuda_adam_step_bf16_states((size_t)n, p, f32(grad), m, v, lp, lp_dtype, &hp, s, offset, step,
+                                               ctl, stream()),
+                 "CUDA Adam step (bf16 states)");
+    }
+
     void sgd(int64_t n, float *p, const at::Tensor &grad, float *buf, void *lp, zx_dtype lp_dtype,
              const zx_sgd_hparams &hp, const double *ctl, const int64_t *step) override {
         if (n <= 0) return;

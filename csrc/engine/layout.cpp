@@ -65,6 +65,8 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                 "zero_ext: internal: one name per parameter expected, got ", opts_.param_names.size());
     TORCH_CHECK(opts_.stage >= 0 && opts_.stage <= 3, "zero_ext: stage must be 0, 1, 2 or 3, got ", opts_.stage,
                 "; pass stage=0, 1, 2 or 3");
+    TORCH_CHECK(opts_.state_dtype == "fp32" || opts_.state_dtype == "bf16", "zero_ext: state_dtype must be "
+                "'fp32' or 'bf16', got '", opts_.state_dtype, "'; pass state_dtype='fp32' (exact) or 'bf16'");
     const bool s3 = opts_.stage == 3;
     TORCH_CHECK(!s3 || (int64_t)units.size() == n, "zero_ext: internal: stage 3 needs one unit id per parameter");
     rank_ = comm_.rank();

@@ -29,12 +29,42 @@ const int64_t *step_ptr(const at::Tensor &steps, int64_t group) {
 
 }  // namespace
 
+// Note [bf16 optimizer states]
+//   state_dtype="bf16" keeps exp_avg and exp_avg_sq in bfloat16 (2 + 2 bytes per
+//   element instead of 4 + 4), updated by zx_adam_step_bf16_states: the states are
+//   widened exactly, stepped in fp32 and stored with stochastic rounding, so updates
+//   below half a bf16 ulp (most of exp_avg_sq's at beta2 = 0.999) survive on average
+//   instead of being rounded away. The parameter update uses the fp32 states of the
+//   step, and the master stays fp32. amsgrad has no bf16 form (refused by zeroify).
+//   The random bits of an element are a hash of (seed, counter) alone:
+//     seed     kStateSeed (engine.h) + the element's step count (hp.step / the device step):
+//              new bits every step, the same on every rank and thread count;
+//     counter  the element's position in its bucket + counter_base(bucket), the
+//              unpadded elements of the buckets before it. Element-granular buckets
+//              hold their parameters packed in an order that does not depend on the
+//              world size (only the padding after them does), so an element draws the
+//              same bits at any world size and stage 1/2: with the same gradients the
+//              states are the same bits on 1 or N ranks (tests/test_state_dtype.py).
+//              Tensor-atomic buckets (Muon/Adafactor beside AdamW) place pieces per rank,
+//              so there the counters are unique but depend on the world size; stage 3's
+//              buckets follow its units. Padding elements share counters with the next
+//              bucket's first ones, which is harmless: they stay exactly zero.
+//   With offload the host kernels step the host's bf16 states (kstep()).
+uint64_t Engine::counter_base(int64_t b) const {
+    uint64_t at = 0;
+    for (int64_t k = 0; k < b; k++) at += (uint64_t)buckets_[k].numel;
+    return at;
+}
+
 void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor &ctl, const at::Tensor &steps) {
     wait_reductions();
     wait_params();
     at::Tensor m = state("exp_avg"), v = state("exp_avg_sq");
     bool ams = false;
     for (const auto &h : hps) ams = ams || h.amsgrad;
+    const bool bf = m.scalar_type() == at::kBFloat16;   // Note [bf16 optimizer states]
+    TORCH_CHECK(!(bf && ams), "zero_ext: amsgrad=True has no bf16 optimizer state; pass state_dtype='fp32' or "
+                "build the optimizer with amsgrad=False");
     at::Tensor vmax = ams ? state("max_exp_avg_sq") : at::Tensor();
     const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
     for (auto &bk : buckets_) {
@@ -48,14 +78,21 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
         const at::Tensor gs = off_ ? host_grad_slice(bk) : grad_shard_slice(bk);
         // Note [State windows]: the states hold this bucket's window only.
         const int64_t so = bk.state_offset - bk.state_lo;
-        float *mp = m.data_ptr<float>() + so, *vp = v.data_ptr<float>() + so;
+        float *mp = bf ? nullptr : m.data_ptr<float>() + so, *vp = bf ? nullptr : v.data_ptr<float>() + so;
+        uint16_t *mb = bf ? (uint16_t *)m.data_ptr() + so : nullptr, *vb = bf ? (uint16_t *)v.data_ptr() + so : nullptr;
         float *xp = ams ? vmax.data_ptr<float>() + so : nullptr;
+        // Note [bf16 optimizer states]: the counter of the owned slice's element 0
+        const uint64_t c0 = counter_base(b) + (uint64_t)((opts_.stage == 0 ? 0 : rank_) * bk.slice_numel);
         if (ctl.defined()) {   // Note [Step control]: device step counts, one call per bucket
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
             const zx_adam_hparams &hp = hps[bk.group];
             TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
-            kern_->adam(bk.slice_numel, p, gs, mp, vp, hp.amsgrad ? xp : nullptr, lp, pzx_, hp, ctl_ptr(ctl),
-                        step_ptr(steps, bk.group));
+            if (bf)
+                kern_->adam_bf16_states(bk.slice_numel, p, gs, mb, vb, lp, pzx_, hp, kStateSeed, c0, ctl_ptr(ctl),
+                                        step_ptr(steps, bk.group));
+            else
+                kern_->adam(bk.slice_numel, p, gs, mp, vp, hp.amsgrad ? xp : nullptr, lp, pzx_, hp, ctl_ptr(ctl),
+                            step_ptr(steps, bk.group));
             continue;
         }
         // Note [Unused parameters]: only the stretches of stepped parameters.
@@ -66,8 +103,13 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
             zx_adam_hparams h = hps[g];
             h.step = r.step;
             const int64_t o = r.offset;
-            kstep().adam(r.numel, p + o, gs.narrow(0, o, r.numel), mp + o, vp + o, h.amsgrad ? xp + o : nullptr,
-                         lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
+            if (bf)
+                kstep().adam_bf16_states(r.numel, p + o, gs.narrow(0, o, r.numel), mb + o, vb + o,
+                                         lp ? lp + o * lp_elem : nullptr, pzx_, h, kStateSeed, c0 + (uint64_t)o,
+                                         nullptr, nullptr);
+            else
+                kstep().adam(r.numel, p + o, gs.narrow(0, o, r.numel), mp + o, vp + o, h.amsgrad ? xp + o : nullptr,
+                             lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
         }
         if (off_) upload(bk);   // overlaps the next bucket's step
     }
