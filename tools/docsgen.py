@@ -264,10 +264,12 @@ def gen_perf_offload(arg: str = "") -> str:
     text = (f"`offload=\"cpu\"` on the CPU engine (the only device here: its \"device\" buffers are host "
             f"memory too, so offload can only cost): the GPT '{a['size']}' of `benchmarks/bench_offload.py`, "
             f"{a['steps'] - a['warmup']} timed steps x {a['reps']} interleaved repetitions, {a['threads']} "
-            f"thread(s) per rank, the slowest rank. The floor of the offloaded `opt.step()` is the fused AdamW "
-            f"kernel alone over the rank's shard plus the bytes the rings copied at the measured memcpy "
-            f"bandwidth. Step = forward + backward + `opt.step()` (ms, medians; ratio: median [min, max] of the "
-            f"per-repetition ratios). No GPU figure yet.\n\n")
+            f"thread(s) per rank, the slowest rank. The floor of the offloaded `opt.step()` is the "
+            f"`opt.step()` without offload (the same kernel, the parameter all-gather) plus the bytes the rings "
+            f"copied, once, at the measured memcpy bandwidth; on this CPU engine each up copy is made twice "
+            f"(master to pinned slot, slot to the parameters), as the GPU path stages it. Step = forward + "
+            f"backward + `opt.step()` (ms, medians; ratio: median [min, max] of the per-repetition ratios). No "
+            f"GPU figure yet.\n\n")
     text += table(["N", "stage", "step, none", "step, offload", "offload / none", "opt.step, none",
                    "opt.step, offload", "floor", "offload opt.step / floor"], rows)
     return text + "\n" + source_line(rel)
