@@ -20,145 +20,34 @@ copied into the owned slices before the parameter gather. It must change no bit:
 4. Bad input is refused before any collective, naming the fix: stage 0, grad_quant,
    param_quant, step_control=True, too little host memory (on every rank).
 """
-import os
 import warnings
 
 import pytest
 import torch
 
-from dist_harness import ROOT, run_world
+from dist_harness import run_world
+from mode_cases import differences, saved, train
 
-DATA = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")
 STEPS = 6
 
-
-def _gpt(pdt):
-    from gpt import GPT, CharDataset, GPTConfig
-    from cases import TINY_GPT
-    data = CharDataset(DATA)
-    torch.manual_seed(1)
-    model = GPT(GPTConfig(**{**TINY_GPT, "vocab_size": data.vocab_size}))
-    return model, data
-
-
-class _MLPUnused(torch.nn.Module):
-    """The test MLP plus a layer no rank uses (find_unused_parameters=True)."""
-
-    def __init__(self):
-        super().__init__()
-        from cases import MLP
-        torch.manual_seed(1234)
-        self.mlp = MLP()
-        self.unused = torch.nn.Linear(7, 3)
-
-    def forward(self, x, y):
-        return self.mlp(x, y)
-
-
 CASES = {
-    # name: (model, optimizer, zeroify options, micro-steps, clip)
-    "gpt-adamw-fp32-clip": ("gpt", "adamw", {}, 1, 1.0),
-    "gpt-adamw-bf16": ("gpt", "adamw", dict(param_dtype="bf16", reduce_dtype="bf16"), 1, 1.0),
-    "mlp-sgd-nesterov-accumulate": ("mlp", "sgd", {}, 2, None),
-    "mlp-rmsprop-host-torch": ("mlp", "rmsprop", {}, 1, 0.5),
-    "mlp-adam-native-reduce-scatter": ("mlp", "adam", dict(reduce_scatter="native"), 1, None),
-    "mlp-adamw-unused": ("unused", "adamw", dict(find_unused_parameters=True), 1, None),
+    # name: train() arguments
+    "gpt-adamw-fp32-clip": dict(kind="gpt", clip=1.0),
+    "gpt-adamw-bf16": dict(kind="gpt", clip=1.0, param_dtype="bf16", reduce_dtype="bf16"),
+    "mlp-sgd-nesterov-accumulate": dict(opt="sgd", micro=2),
+    "mlp-rmsprop-host-torch": dict(opt="rmsprop", clip=0.5),
+    "mlp-adam-native-reduce-scatter": dict(opt="adam", reduce_scatter="native"),
+    "mlp-adamw-unused": dict(kind="unused", find_unused_parameters=True),
 }
-
-
-def _optimizer(name, params):
-    return {"adamw": lambda: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1),
-            "adam": lambda: torch.optim.Adam(params, lr=3e-3),
-            "sgd": lambda: torch.optim.SGD(params, lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
-            "rmsprop": lambda: torch.optim.RMSprop(params, lr=1e-3, momentum=0.5)}[name]()
-
-
-def _train(rank, case, stage, offload, steps=STEPS, state=None, start=0):
-    """Losses, final parameters and optimizer state tensors of one run (and the run's
-    objects); `state`: (model state, optimizer state) to load before training, which
-    then goes on with step `start`'s batches."""
-    import zero_ext
-    from cases import MLP, batch
-    kind, opt_name, opts, micro, clip = CASES[case]
-    data = None
-    if kind == "gpt":
-        model, data = _gpt(opts.get("param_dtype"))
-    elif kind == "unused":
-        model = _MLPUnused()
-    else:
-        torch.manual_seed(1234)
-        model = MLP()
-    opt = _optimizer(opt_name, model.parameters())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # the host-torch-optimizer warning (tested below)
-        zm, zo = zero_ext.zeroify(model, opt, stage=stage, offload=offload, bucket_bytes=8192,
-                                  first_bucket_bytes=2048, **opts)
-    if state is not None:
-        zm.load_state_dict(state[0])
-        zo.load_state_dict(state[1])
-    losses = []
-    for step in range(start, start + steps):
-        for m in range(micro):
-            if data is not None:
-                x, y = data.get_batch("train", 4, model.config.block_size, torch.Generator().manual_seed(1000 * rank + 10 * step + m))
-                loss = zm(x, y)[1]
-            else:
-                x, y = batch("mlp", rank, step, m)
-                loss = zm(x, y)
-            if m < micro - 1:
-                with zm.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
-            losses.append(float(loss.detach()))
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(zm.parameters(), clip)
-        zo.step()
-        zo.zero_grad()
-    with zero_ext.gathered_parameters(model):   # stage 3: whole only inside
-        params = [p.detach().float().clone() for p in model.parameters()]
-    assert all(p.numel() > 0 for p in params)
-    flat = {}
-    for key, st in _tensors(zo.state_dict()):
-        flat[key] = st
-    return losses, params, flat, (zm, zo)
-
-
-def _tensors(obj, prefix=""):
-    """(path, tensor clone) for every tensor inside a state dict."""
-    if torch.is_tensor(obj):
-        yield prefix, obj.detach().clone()
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}/{k}")
-    elif isinstance(obj, (list, tuple)):
-        for k, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}/{k}")
-
-
-def _differences(a, b, what):
-    """Every difference between two runs' (losses, params, states), as messages."""
-    out = []
-    if a[0] != b[0]:
-        out.append(f"{what}: losses differ: {a[0]} vs {b[0]}")
-    for i, (x, y) in enumerate(zip(a[1], b[1])):
-        if not torch.equal(x, y):
-            out.append(f"{what}: parameter {i} differs by up to {(x - y).abs().max().item():.3g}")
-    if sorted(a[2]) != sorted(b[2]):
-        out.append(f"{what}: optimizer state keys differ: {sorted(set(a[2]) ^ set(b[2]))}")
-    for k in sorted(set(a[2]) & set(b[2])):
-        if a[2][k].shape != b[2][k].shape or not torch.equal(a[2][k].float(), b[2][k].float()):
-            out.append(f"{what}: optimizer state {k} differs")
-    return out
 
 
 def _compare_worker(rank, world, stage, cases):
     diffs = []
     for case in cases:
-        ref = _train(rank, case, stage, None)
-        off = _train(rank, case, stage, "cpu")
-        diffs += _differences(ref, off, f"rank {rank}, stage {stage}, {case}")
-        if off[3][1].stats()["offload"]["down_copies"] == 0:
+        ref = train(rank, stage, steps=STEPS, offload=None, **CASES[case])
+        off = train(rank, stage, steps=STEPS, offload="cpu", **CASES[case])
+        diffs += differences(ref, off, f"rank {rank}, stage {stage}, {case}")
+        if off.stats["offload"]["down_copies"] == 0:
             diffs.append(f"rank {rank}, {case}: the offload run made no down copy")
     return diffs
 
@@ -183,30 +72,25 @@ def test_offload_bit_identical_ranks(world, stage):
 
 def _resumed(rank, case, stage, offload):
     """3 steps, model and optimizer state_dict(), fresh objects, load, 5 more steps."""
-    first = _train(rank, case, stage, offload, steps=STEPS // 2)
-    zm, zo = first[3]
-    saved = ({k: v.clone() for k, v in zm.state_dict().items()}, zo.state_dict())
-    del first, zm, zo
-    return _train(rank, case, stage, offload, steps=STEPS // 2 + 2, state=saved, start=STEPS // 2)
+    first = saved(train(rank, stage, steps=STEPS // 2, offload=offload, **CASES[case]))
+    return train(rank, stage, steps=STEPS // 2 + 2, state=first, start=STEPS // 2, offload=offload, **CASES[case])
 
 
 def _resume_worker(rank, world, stage):
     diffs = []
     for case in ("gpt-adamw-fp32-clip", "gpt-adamw-bf16"):
         ref, off = _resumed(rank, case, stage, None), _resumed(rank, case, stage, "cpu")
-        diffs += _differences(ref, off, f"rank {rank}, {case} resumed")
-    # the resumed run is the uninterrupted one (bf16: the fp32 masters travel in the
-    # optimizer's complete state, Note [Complete optimizer state])
-    for case in ("gpt-adamw-fp32-clip", "gpt-adamw-bf16"):
-        straight = _train(rank, case, stage, None, steps=STEPS // 2 + STEPS // 2 + 2)
-        off = _resumed(rank, case, stage, "cpu")
-        diffs += _differences((straight[0][-len(off[0]):], straight[1], {}), (off[0], off[1], {}),
-                              f"rank {rank}, {case} resumed vs uninterrupted")
+        diffs += differences(ref, off, f"rank {rank}, {case} resumed")
+        # the resumed run is the uninterrupted one (bf16: the fp32 masters travel in the
+        # optimizer's complete state, Note [Complete optimizer state])
+        straight = train(rank, stage, steps=STEPS + 2, offload=None, **CASES[case])
+        straight.losses = straight.losses[-len(off.losses):]
+        diffs += differences(straight, off, f"rank {rank}, {case} resumed vs uninterrupted", states=False)
     return diffs
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_state_dict_round_trip(stage):
     """Save after 3 offloaded steps, load into a fresh offloaded run: the next 5 steps
     equal the same round trip without offload, bit for bit, and steps 4-8 of an

@@ -17,66 +17,15 @@ run without it, so the test is bit-identity:
 4. Refused, naming the fix: clipping after zeroify, fp16 loss scaling, an optimizer
    without fused kernel, offload, stage 0.
 """
-import os
-
 import pytest
 import torch
 
-from dist_harness import ROOT, run_world
-
-DATA = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")
-
-
-def _run(rank, stage, sib, kind="mlp", opt="adamw", steps=6, micro=1, state=None, start=0, sched_every=2, **opts):
-    """(losses, parameters, stats, objects) of one run."""
-    import zero_ext
-    from cases import MLP, TINY_GPT, batch
-    from gpt import GPT, CharDataset, GPTConfig
-    data = None
-    if kind == "gpt":
-        data = CharDataset(DATA)
-        torch.manual_seed(1)
-        model = GPT(GPTConfig(**{**TINY_GPT, "vocab_size": data.vocab_size}))
-    else:
-        torch.manual_seed(1234)
-        model = MLP()
-    if opt == "adamw":
-        o = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    else:
-        o = torch.optim.SGD(model.parameters(), lr=5e-2, momentum=0.9, nesterov=True)
-    zm, zo = zero_ext.zeroify(model, o, stage=stage, step_in_backward=sib, bucket_bytes=8192,
-                              first_bucket_bytes=2048, **opts)
-    sched = torch.optim.lr_scheduler.StepLR(zo, step_size=sched_every, gamma=0.7)
-    if state is not None:
-        zm.load_state_dict(state[0])
-        zo.load_state_dict(state[1])
-        sched.load_state_dict(state[2])
-    losses = []
-    for step in range(start, start + steps):
-        for m in range(micro):
-            if data is not None:
-                x, y = data.get_batch("train", 4, model.config.block_size,
-                                      torch.Generator().manual_seed(1000 * rank + 10 * step + m))
-                loss = zm(x, y)[1]
-            else:
-                x, y = batch("mlp", rank, step, m)
-                loss = zm(x, y)
-            if m < micro - 1:
-                with zm.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
-            losses.append(float(loss.detach()))
-        zo.step()
-        zo.zero_grad()
-        sched.step()
-    with zero_ext.gathered_parameters(model):   # stage 3: whole only inside
-        params = [p.detach().float().clone() for p in model.parameters()]
-    assert all(p.numel() > 0 for p in params)
-    return losses, params, zo.stats(), (zm, zo, sched)
-
+from dist_harness import run_world
+from mode_cases import differences, saved, train
 
 CASES = {
+    # name: train() arguments; every case steps an LR scheduler after each opt.step(), whose
+    # new lr must reach the next backward's steps
     "adamw-fp32": dict(),
     "adamw-bf16": dict(param_dtype="bf16", reduce_dtype="bf16"),
     "sgd-fp32-accumulate": dict(opt="sgd", micro=2),
@@ -88,16 +37,12 @@ CASES = {
 def _compare(rank, world, stage, cases):
     diffs = []
     for case in cases:
-        ref = _run(rank, stage, False, **CASES[case])
-        sib = _run(rank, stage, True, **CASES[case])
+        ref = train(rank, stage, sched_every=2, step_in_backward=False, **CASES[case])
+        sib = train(rank, stage, sched_every=2, step_in_backward=True, **CASES[case])
         what = f"rank {rank}, stage {stage}, {case}"
-        if ref[0] != sib[0]:
-            diffs.append(f"{what}: losses differ: {ref[0]} vs {sib[0]}")
-        for i, (a, b) in enumerate(zip(ref[1], sib[1])):
-            if not torch.equal(a, b):
-                diffs.append(f"{what}: parameter {i} differs by {(a - b).abs().max().item():.3g}")
-        if stage >= 2 and sib[2]["model_state_bytes"]["gradients"] != 0:
-            diffs.append(f"{what}: {sib[2]['model_state_bytes']['gradients']} gradient bytes kept")
+        diffs += differences(ref, sib, what)
+        if stage >= 2 and sib.stats["model_state_bytes"]["gradients"] != 0:
+            diffs.append(f"{what}: {sib.stats['model_state_bytes']['gradients']} gradient bytes kept")
     return diffs
 
 
@@ -119,8 +64,8 @@ def test_step_in_backward_bit_identical_ranks(world, stage):
 
 def _gpt_curves(rank, world, steps):
     opts = dict(kind="gpt", steps=steps, sched_every=50, param_dtype="bf16", reduce_dtype="bf16")
-    ref, sib = _run(rank, 3, False, **opts), _run(rank, 3, True, **opts)
-    return ref[0], sib[0]
+    ref, sib = train(rank, 3, step_in_backward=False, **opts), train(rank, 3, step_in_backward=True, **opts)
+    return ref.losses, sib.losses
 
 
 @pytest.mark.dist
@@ -171,12 +116,10 @@ def test_step_in_backward_memory_equals_estimate(stage, opts):
 
 
 def _resume(rank, world, stage):
-    straight = _run(rank, stage, True, steps=6)
-    first = _run(rank, stage, True, steps=3)
-    zm, zo, sched = first[3]
-    saved = ({k: v.clone() for k, v in zm.state_dict().items()}, zo.state_dict(), sched.state_dict())
-    resumed = _run(rank, stage, True, steps=3, state=saved, start=3)
-    return [i for i, (a, b) in enumerate(zip(straight[1], resumed[1])) if not torch.equal(a, b)]
+    straight = train(rank, stage, steps=6, sched_every=2, step_in_backward=True)
+    first = saved(train(rank, stage, steps=3, sched_every=2, step_in_backward=True))
+    resumed = train(rank, stage, steps=3, sched_every=2, step_in_backward=True, state=first, start=3)
+    return [i for i, (a, b) in enumerate(zip(straight.params, resumed.params)) if not torch.equal(a, b)]
 
 
 @pytest.mark.dist

@@ -278,8 +278,10 @@ class ModelGuard:
             return
         self._loading = None
         engine = self._engine()
-        if engine is not None and self.low:
-            engine.cast_masters()              # the low-precision copy: what is gathered next
+        if engine is not None:
+            # what is gathered next: the low-precision copy, or with offload the device's copy
+            # (Note [Optimizer offload]); a no-op where the master itself is gathered
+            engine.cast_masters()
         self.accept()
 
     # ------------------------------------------------------------------ moves
