@@ -103,3 +103,20 @@ def test_cli_reproduces_table_1():
     rows = {int(line.split()[0]): float(line.split()[5]) for line in out.splitlines()
             if line.strip() and line.split()[0] in ("0", "1", "2", "3")}
     assert rows == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.6}, out
+
+
+def test_cli_offload_and_step_in_backward():
+    """--offload moves master, states and (stages 2-3) gradients to a host column: 7B, one
+    rank, bf16 + Adam, stage 2: 14 GB on the device (the parameters), 4 + 8 + 2 = 14 bytes
+    per parameter on the host; --step-in-backward keeps no gradient shard (stage 3 at N = 64:
+    4 + 8 bytes per parameter over 64 = 1.4 GB)."""
+    def rows(*args):
+        r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "zero_ext.estimate", *args],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120, check=True)
+        return {int(line.split()[0]): [float(v) for v in line.split()[1:]] for line in r.stdout.splitlines()
+                if line.strip() and line.split()[0] in ("0", "1", "2", "3")}
+    off = rows("--params", "7e9", "--world", "1", "--offload")
+    assert sorted(off) == [1, 2, 3], off                          # stage 0 shards nothing
+    assert off[2][4] == 14.0 and abs(off[2][7] - 98.0) < 0.2, off[2]   # device model state, host
+    sib = rows("--params", "7.5e9", "--world", "64", "--step-in-backward")
+    assert sib[3][1] == 0.0 and sib[3][4] == 1.4, sib[3]             # no gradients; 12 B/param / 64

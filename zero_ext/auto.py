@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from .estimate import estimate_memory
+from .offload import available_host_bytes
 
 _MAX_WORLD = 1 << 24
 
@@ -25,14 +25,7 @@ def free_memory(model) -> tuple[int, str]:
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free), f"free memory of {dev}"
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    avail = available_host_bytes()
     if avail is None:
         avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -40,6 +33,8 @@ def free_memory(model) -> tuple[int, str]:
 
 
 def _estimates(model, optimizer, cfg, world: int, backend: str, stages) -> dict:
+    # imported here, as zero_ext/__init__.py does, so that `python -m zero_ext.estimate` runs clean
+    from .estimate import estimate_memory
     out = {}
     for s in stages:
         c = dataclasses.replace(cfg, stage=s, process_group=None)

@@ -300,26 +300,31 @@ def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int, parts: int):
 # ----------------------------------------------------------------------------- command line
 
 def _table(numel, world, param_dtype, reduce_dtype, optimizer, accumulation_steps=1, unit=1e9,
-           unit_numel=None, state_dtype="fp32") -> str:
+           unit_numel=None, state_dtype="fp32", offload=None, step_in_backward=False) -> str:
     lines = []
     name = "GB" if unit == 1e9 else "GiB"
     head = (f"{'stage':>5} {'parameters':>11} {'gradients':>10} {'masters':>9} {'opt states':>11} "
-            f"{'model state':>12} {'buffers':>9} {'comm/step':>10}")
+            f"{'model state':>12} {'buffers':>9} {'comm/step':>10}" + (f" {'host':>9}" if offload else ""))
     lines.append(f"Ψ = {numel:,.0f} trainable parameters, N = {world}, params {param_dtype}, reduce "
-                 f"{reduce_dtype}, {optimizer}{', bf16 states' if state_dtype == 'bf16' else ''}; per rank, in {name} ({'10^9' if unit == 1e9 else '2^30'} bytes)")
+                 f"{reduce_dtype}, {optimizer}{', bf16 states' if state_dtype == 'bf16' else ''}"
+                 f"{', offload=cpu' if offload else ''}{', step in backward' if step_in_backward else ''}; per rank, in "
+                 f"{name} ({'10^9' if unit == 1e9 else '2^30'} bytes)")
     lines.append(head)
     lines.append("-" * len(head))
-    for stage in range(4):
+    for stage in range(1 if offload or step_in_backward else 0, 4):   # neither shards anything in stage 0
         e = estimate_memory(numel, world, stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                             optimizer=optimizer, accumulation_steps=accumulation_steps, unit_numel=unit_numel,
-                            state_dtype=state_dtype)
+                            state_dtype=state_dtype, offload=offload, step_in_backward=step_in_backward)
         m, b = e["model_state_bytes"], e["buffer_bytes"]
         lines.append(f"{stage:>5} {m['parameters'] / unit:>11.2f} {m['gradients'] / unit:>10.2f} "
                      f"{m['master_weights'] / unit:>9.2f} {m['optimizer_states'] / unit:>11.2f} "
-                     f"{m['total'] / unit:>12.1f} {b['total'] / unit:>9.2f} {e['comm_bytes_per_step'] / unit:>10.1f}")
+                     f"{m['total'] / unit:>12.1f} {b['total'] / unit:>9.2f} {e['comm_bytes_per_step'] / unit:>10.1f}"
+                     + (f" {e['offload']['total'] / unit:>9.1f}" if offload else ""))
     lines.append("model state = parameters + gradients + fp32 masters + optimizer states (the ZeRO paper's "
                  "Table I); buffers = gradient ring and, stage 3, the gathered units (from a bare count: "
-                 f"units of {'a quarter of the model' if unit_numel is None else f'{unit_numel:,} parameters'}); comm/step = collective bytes per optimizer step")
+                 f"units of {'a quarter of the model' if unit_numel is None else f'{unit_numel:,} parameters'}); comm/step = collective bytes per optimizer step"
+                 + ("; host = what offload keeps in host memory (masters, states, gradient shard, pinned rings)"
+                    if offload else ""))
     return "\n".join(lines)
 
 
@@ -336,11 +341,13 @@ def main(argv=None) -> None:
                     help="stage 3: parameters per unit (default a quarter of the model)")
     ap.add_argument("--state-dtype", default="fp32",
                     help="Adam/AdamW states: fp32 (default) or bf16 (stochastically rounded, 2 bytes each)")
+    ap.add_argument("--offload", action="store_true", help="offload='cpu': optimizer state in host memory")
+    ap.add_argument("--step-in-backward", action="store_true", help="step_in_backward=True: no gradient shard")
     ap.add_argument("--gib", action="store_true", help="GiB (2^30 bytes) instead of GB (10^9, the paper's)")
     args = ap.parse_args(argv)
     print(_table(int(args.params), args.world, args.param_dtype, args.reduce_dtype, args.optimizer,
                  args.accum, 2 ** 30 if args.gib else 1e9, None if args.unit_numel is None else int(args.unit_numel),
-                 args.state_dtype))
+                 args.state_dtype, "cpu" if args.offload else None, args.step_in_backward))
 
 
 if __name__ == "__main__":

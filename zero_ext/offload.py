@@ -11,7 +11,6 @@ import warnings
 import torch
 
 from .changes import ZeroUsageError
-from .estimate import estimate_memory
 
 
 def available_host_bytes() -> int | None:
@@ -32,6 +31,8 @@ def check_host_memory(model, optimizer, cfg, world: int, backend: str) -> None:
     on this node: LOCAL_WORLD_SIZE, as torchrun sets it) than the host has available."""
     if not isinstance(optimizer, torch.optim.Optimizer) or not isinstance(cfg.stage, int):
         return   # several optimizers / stage="auto": the engine's own allocations decide
+    # imported here, as zero_ext/__init__.py does, so that `python -m zero_ext.estimate` runs clean
+    from .estimate import estimate_memory
     need = estimate_memory(model, world, cfg.stage, config=cfg, optimizer=optimizer, backend=backend)["offload"]
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     have = available_host_bytes()
