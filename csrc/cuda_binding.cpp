@@ -29,6 +29,7 @@ void zx_bind_cuda(pybind11::module_ &m);
 #include <tuple>
 
 #include "cuda/zx_cuda.h"
+#include "kernels_binding.h"   // defines: adam_hparams_of
 
 namespace {
 
@@ -98,17 +99,8 @@ void zx_py_cuda_adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg,
     } else {
         TORCH_CHECK(step >= 1, "step must be >= 1 (the count after this step's increment), got ", step);
     }
-    zx_adam_hparams hp;
-    hp.lr = lr;
-    hp.beta1 = beta1;
-    hp.beta2 = beta2;
-    hp.eps = eps;
-    hp.weight_decay = weight_decay;
-    hp.step = step;
-    hp.decoupled = decoupled ? 1 : 0;
-    hp.amsgrad = amsgrad ? 1 : 0;
-    hp.maximize = maximize ? 1 : 0;
-    hp.grad_scale = (float)grad_scale;
+    const zx_adam_hparams hp = adam_hparams_of(lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
+                                               maximize, grad_scale);
     c10::cuda::CUDAGuard guard(device);
     zx_check_status(zx_cuda_adam_step((size_t)n, param.data_ptr<float>(), grad.data_ptr<float>(),
                                       exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), max_ptr,
@@ -145,17 +137,8 @@ void zx_py_cuda_adam_step_bf16_states(at::Tensor param, at::Tensor grad, at::Ten
     } else {
         TORCH_CHECK(step >= 1, "step must be >= 1 (the count after this step's increment), got ", step);
     }
-    zx_adam_hparams hp;
-    hp.lr = lr;
-    hp.beta1 = beta1;
-    hp.beta2 = beta2;
-    hp.eps = eps;
-    hp.weight_decay = weight_decay;
-    hp.step = step;
-    hp.decoupled = decoupled ? 1 : 0;
-    hp.amsgrad = 0;
-    hp.maximize = maximize ? 1 : 0;
-    hp.grad_scale = (float)grad_scale;
+    const zx_adam_hparams hp = adam_hparams_of(lr, beta1, beta2, eps, weight_decay, step, decoupled, false,
+                                               maximize, grad_scale);
     c10::cuda::CUDAGuard guard(device);
     zx_check_status(zx_cuda_adam_step_bf16_states(
                         (size_t)n, param.data_ptr<float>(), grad.data_ptr<float>(),

@@ -121,17 +121,8 @@ void py_adam_step(const std::string &isa_name, at::Tensor param, at::Tensor grad
         v_max = max_exp_avg_sq->data_ptr<float>();
     }
     zx_dtype lp_dtype = param_lp ? check_lp(*param_lp, "param_lp", n) : ZX_F32;
-    zx_adam_hparams hp{};
-    hp.lr = lr;
-    hp.beta1 = beta1;
-    hp.beta2 = beta2;
-    hp.eps = eps;
-    hp.weight_decay = weight_decay;
-    hp.step = step;
-    hp.decoupled = decoupled;
-    hp.amsgrad = amsgrad;
-    hp.maximize = maximize;
-    hp.grad_scale = (float)grad_scale;
+    const zx_adam_hparams hp = adam_hparams_of(lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
+                                               maximize, grad_scale);
     float *p = param.data_ptr<float>(), *m = exp_avg.data_ptr<float>(), *v = exp_avg_sq.data_ptr<float>();
     const float *g = grad.data_ptr<float>();
     uint16_t *lp = lp_ptr(param_lp);
@@ -159,17 +150,8 @@ void py_adam_step_bf16_states(const std::string &isa_name, at::Tensor param, at:
     check_cpu(exp_avg, "exp_avg", at::kBFloat16, n);
     check_cpu(exp_avg_sq, "exp_avg_sq", at::kBFloat16, n);
     zx_dtype lp_dtype = param_lp ? check_lp(*param_lp, "param_lp", n) : ZX_F32;
-    zx_adam_hparams hp{};
-    hp.lr = lr;
-    hp.beta1 = beta1;
-    hp.beta2 = beta2;
-    hp.eps = eps;
-    hp.weight_decay = weight_decay;
-    hp.step = step;
-    hp.decoupled = decoupled;
-    hp.amsgrad = 0;
-    hp.maximize = maximize;
-    hp.grad_scale = (float)grad_scale;
+    const zx_adam_hparams hp = adam_hparams_of(lr, beta1, beta2, eps, weight_decay, step, decoupled, false,
+                                               maximize, grad_scale);
     float *p = param.data_ptr<float>();
     const float *g = grad.data_ptr<float>();
     uint16_t *m = static_cast<uint16_t *>(exp_avg.data_ptr());

@@ -19,6 +19,24 @@ inline void zx_check(zx_status s, const char *what) {
     TORCH_CHECK(s == ZX_OK, "zero_ext: ", what, " failed: ", zx_status_string(s));
 }
 
+// The Adam/AdamW hyperparameters of the kernel bindings (CPU and CUDA, fp32 and bf16 states).
+inline zx_adam_hparams adam_hparams_of(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                       int64_t step, bool decoupled, bool amsgrad, bool maximize,
+                                       double grad_scale) {
+    zx_adam_hparams hp{};
+    hp.lr = lr;
+    hp.beta1 = beta1;
+    hp.beta2 = beta2;
+    hp.eps = eps;
+    hp.weight_decay = weight_decay;
+    hp.step = step;
+    hp.decoupled = decoupled ? 1 : 0;
+    hp.amsgrad = amsgrad ? 1 : 0;
+    hp.maximize = maximize ? 1 : 0;
+    hp.grad_scale = (float)grad_scale;
+    return hp;
+}
+
 // An ISA name as zx_isa_name() spells it. ("auto" is the caller's to resolve,
 // with zx_cpu_best_isa().)
 inline zx_isa parse_isa(const std::string &name) {

@@ -101,7 +101,7 @@ def train(rank: int, stage: int, *, kind: str = "mlp", opt: str = "adamw", steps
     with zero_ext.gathered_parameters(model):   # stage 3: whole only inside
         params = [p.detach().float().clone() for p in model.parameters()]
     assert all(p.numel() > 0 for p in params)
-    states = dict(_tensors(zo.state_dict()))
+    states = dict(tensors(zo.state_dict()))
     return Run(losses, params, states, zo.stats(), (zm, zo, sched))
 
 
@@ -112,16 +112,16 @@ def saved(run: Run) -> tuple:
             sched.state_dict() if sched is not None else None)
 
 
-def _tensors(obj, prefix=""):
+def tensors(obj, prefix=""):
     """(path, tensor clone) for every tensor inside a state dict."""
     if torch.is_tensor(obj):
         yield prefix, obj.detach().clone()
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}/{k}")
+            yield from tensors(v, f"{prefix}/{k}")
     elif isinstance(obj, (list, tuple)):
         for k, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}/{k}")
+            yield from tensors(v, f"{prefix}/{k}")
 
 
 def differences(a: Run, b: Run, what: str, states: bool = True) -> list:

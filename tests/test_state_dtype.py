@@ -44,6 +44,7 @@ import pytest
 import torch
 
 from dist_harness import ROOT, run_world
+from mode_cases import tensors
 
 DATA = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")
 ACC_STEPS, ACC_WINDOW = 300, 50
@@ -139,22 +140,11 @@ def _train_mlp(rank, stage, opts, steps=4, same_batch=False, optimizer="adamw", 
     return zm, zo
 
 
-def _tensors(obj, prefix=""):
-    if torch.is_tensor(obj):
-        yield prefix, obj.detach().clone()
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}/{k}")
-    elif isinstance(obj, (list, tuple)):
-        for k, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}/{k}")
-
-
 def _snapshot(zm, zo):
     """Every parameter (fp32) and every optimizer state tensor (complete state dict)."""
     params = [p.detach().float().clone() for p in zm.module.parameters()] if hasattr(zm, "module") else \
         [p.detach().float().clone() for p in zm.parameters()]
-    return params, dict(_tensors(zo.state_dict()))
+    return params, dict(tensors(zo.state_dict()))
 
 
 def _differences(a, b, what):
