@@ -35,7 +35,8 @@ def _measure_and_choose(rank, world, n, pdt, rdt, accum):
         zo.step()
         s = zo.stats()
         need = s["model_state_bytes"]["total"] + s["buffer_bytes"]["grad_ring"] + \
-            s["buffer_bytes"].get("peak_gathered_params", 0) + s["frozen_parameter_bytes"]
+            s["buffer_bytes"].get("peak_gathered_params", 0) + s["buffer_bytes"]["split_master_scratch"] + \
+            s["frozen_parameter_bytes"]
         return s["stage"], need, s["comm_bytes"]
 
     measured = {stage: run(stage=stage)[1:] for stage in range(4)}

@@ -96,13 +96,22 @@ def test_estimate_matches_fake_backend(n):
 
 def test_cli_reproduces_table_1():
     """ZeRO paper, Table I: 7.5B parameters, N = 64, mixed precision Adam (K = 12):
-    120 / 31.4 / 16.6 / 1.9 GB per device for stages 0-3; zero_ext's stage 3 keeps no
-    bf16 parameter shard beside the fp32 master (the gather casts it): 14Ψ/N = 1.6 GB."""
-    out = subprocess.run([sys.executable, "-m", "zero_ext.estimate", "--params", "7.5e9", "--world", "64"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120, check=True).stdout
-    rows = {int(line.split()[0]): float(line.split()[5]) for line in out.splitlines()
-            if line.strip() and line.split()[0] in ("0", "1", "2", "3")}
-    assert rows == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.6}, out
+    120 / 31.4 / 16.6 / 1.9 GB per device for stages 0-3 with a 4-byte fp32 master
+    (--fp32-master); zero_ext's stage 3 keeps no bf16 parameter shard beside the fp32 master
+    (the gather casts it): 14Ψ/N = 1.6 GB. By default stages 0-2 keep the master as a 2-byte
+    remainder and a tie bit under the bf16 parameter (Note [Split master in the engine]):
+    K = 10.125 there."""
+    def rows(*extra):
+        out = subprocess.run([sys.executable, "-m", "zero_ext.estimate", "--params", "7.5e9", "--world", "64",
+                              *extra], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True).stdout
+        return {int(line.split()[0]): float(line.split()[5]) for line in out.splitlines()
+                if line.strip() and line.split()[0] in ("0", "1", "2", "3")}, out
+    paper, out = rows("--fp32-master")
+    assert paper == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.6}, out
+    psi, n, k = 7.5e9, 64, 2 + 1 / 8 + 8
+    split, out = rows()
+    want = {0: (4 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n, 3: 14 * psi / n}
+    assert split == {s: round(v / 1e9, 1) for s, v in want.items()}, out
 
 
 def test_cli_offload_and_step_in_backward():

@@ -119,6 +119,43 @@ def test_world1_bf16_matches_torch_emulation(stage):
         f"stage {stage} bf16: {worst:.2e} relative from the torch emulation (noise floor {floor:.2e})"
 
 
+def _train_bf16_states(stage, remainder, chunk=None):
+    import os
+    if chunk is not None:
+        os.environ["ZX_SPLIT_MASTER_CHUNK"] = str(chunk)
+    try:
+        model = build_model("gpt").to(DEV)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="bf16", master_remainder=remainder)
+    finally:
+        os.environ.pop("ZX_SPLIT_MASTER_CHUNK", None)
+    for s in range(STEPS):
+        x, y = (t.to(DEV) for t in batch("gpt", 0, s, 0))
+        loss_of("gpt", zm, x, y).backward()
+        zo.clip_grad_norm_(1.0)
+        zo.step()
+        zo.zero_grad()
+    assert zo._engine.split_master == remainder
+    params = [p.detach().clone() for p in zm.module.parameters()]
+    sd = zo.state_dict()
+    masters = sd["zero_ext_complete"]["master_weights"]
+    states = [t for st in sd["state"].values() for t in st.values() if torch.is_tensor(t)]
+    return params, [masters[k] for k in sorted(masters)], states
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("chunk", [None, 24])
+def test_world1_split_master_bit_identical_on_device(stage, chunk):
+    """Note [Split master in the engine]: the CUDA join/split kernels (one chunk, or many of
+    24 elements) give the fp32-master run's parameters, masters and states bit for bit."""
+    ref = _train_bf16_states(stage, False)
+    split = _train_bf16_states(stage, True, chunk)
+    for what, a, b in zip(("parameter", "master", "state"), ref, split):
+        assert len(a) == len(b) > 0
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"stage {stage}, chunk {chunk}: {what} {i} differs"
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp16_overflow_skips_on_device(stage):
     model = build_model("mlp").to(DEV)

@@ -300,10 +300,12 @@ def test_fp16_overflow_skips_everywhere(stage, step_control):
 # ---------------------------------------------------------------------- memory and bytes
 
 # stage 3 keeps no low-precision shard (each gather casts the fp32 master): master 4 +
-# Adam 8 + gradient g bytes per parameter over N, 2 below the ZeRO paper's 16/N with bf16
-PAPER = {1: lambda psi, n, g: 2 * psi + g * psi + 12 * psi / n,
-         2: lambda psi, n, g: 2 * psi + (12 + g) * psi / n,
-         3: lambda psi, n, g: (12 + g) * psi / n}
+# Adam 8 + gradient g bytes per parameter over N, 2 below the ZeRO paper's 16/N with bf16.
+# Stages 1-2 keep a master of m bytes per shard element: 4 (master_remainder=False), or 2
+# and a tie bit under the bf16 parameter (Note [Split master in the engine]).
+PAPER = {1: lambda psi, n, g, m: 2 * psi + g * psi + (m + 8) * psi / n,
+         2: lambda psi, n, g, m: 2 * psi + (m + 8 + g) * psi / n,
+         3: lambda psi, n, g, m: (12 + g) * psi / n}
 
 
 def _memory_worker(rank, world, fake_world, reduce_dtype):
@@ -316,16 +318,17 @@ def _memory_worker(rank, world, fake_world, reduce_dtype):
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=fake_world)
     out = {}
-    for stage in (1, 2, 3):
-        model = build_model("mlp_big")
-        psi = sum(p.numel() for p in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="bf16", reduce_dtype=reduce_dtype,
-                                  unit_modules=["Linear"])
-        x, y = batch("mlp_big", 0, 0, 0)
-        loss_of("mlp_big", zm, x, y).backward()
-        zo.step()
-        out[stage] = {"stats": zo.stats(), "psi": psi}
+    for remainder in (False, True):
+        for stage in (1, 2, 3):
+            model = build_model("mlp_big")
+            psi = sum(p.numel() for p in model.parameters())
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="bf16", reduce_dtype=reduce_dtype,
+                                      unit_modules=["Linear"], master_remainder=remainder)
+            x, y = batch("mlp_big", 0, 0, 0)
+            loss_of("mlp_big", zm, x, y).backward()
+            zo.step()
+            out[remainder, stage] = {"stats": zo.stats(), "psi": psi}
     dist.destroy_process_group()
     return out
 
@@ -335,13 +338,14 @@ def _memory_worker(rank, world, fake_world, reduce_dtype):
 def test_bf16_memory_formulas(n, reduce_dtype):
     out = run_world(_memory_worker, 1, n, reduce_dtype, init_pg=False, timeout_s=300)[0]
     g = 2 if reduce_dtype == "bf16" else 4
-    for stage, r in out.items():
+    for (remainder, stage), r in out.items():
         msb, psi = r["stats"]["model_state_bytes"], r["psi"]
-        want = PAPER[stage](psi, n, g)
+        m = 2 + 1 / 8 if remainder and stage < 3 else 4
+        want = PAPER[stage](psi, n, g, m)
         assert abs(msb["total"] - want) <= 0.01 * want, \
-            f"stage {stage} N={n} reduce {reduce_dtype}: {msb['total']} vs {want:.0f}"
-        assert abs(msb["master_weights"] - 4 * psi / n) <= 0.01 * 4 * psi / n + 4 * 64 * n
-        if reduce_dtype == "bf16":   # the ZeRO paper's K=12 formulas (stage 3: 2 bytes below)
+            f"stage {stage} N={n} reduce {reduce_dtype} remainder {remainder}: {msb['total']} vs {want:.0f}"
+        assert abs(msb["master_weights"] - m * psi / n) <= 0.01 * m * psi / n + 4 * 64 * n
+        if reduce_dtype == "bf16" and not remainder:   # the ZeRO paper's K=12 formulas (stage 3: 2 bytes below)
             paper = {1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 14 * psi / n}[stage]
             assert abs(msb["total"] - paper) <= 0.01 * paper
 

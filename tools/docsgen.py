@@ -239,10 +239,12 @@ def gen_perf_memory(arg: str = "") -> str:
             f"{m['num_params'] / 1e6:.2f}M-parameter GPT of `examples/gpt.py` ({m['layers']} layers, width "
             f"{m['width']}) on N gloo ranks. Sharded state reads as bytes per parameter of the whole job; what "
             f"each rank holds whole (stages 1-2 parameters, stage 1 gradients) counts N times. Stage 3 keeps "
-            f"no bf16 parameter shard (each gather casts the fp32 master). zero_ext's figures are "
+            f"no bf16 parameter shard (each gather casts the fp32 master); stages 1-2 with bf16 keep the master "
+            f"as a 16-bit remainder and a tie bit under the bf16 parameter (`master_remainder`). "
+            f"zero_ext's figures are "
             f"`opt.stats()`, checked against `estimate_memory` on every rank; the peers' are their sharded "
             f"tensors as allocated.\n\n")
-    text += table(["N", "system", "parameters", "gradients", "fp32 master", "Adam states", "total",
+    text += table(["N", "system", "parameters", "gradients", "master", "Adam states", "total",
                    "stats() = estimate"], rows)
     return text + "\n" + source_line(rel)
 

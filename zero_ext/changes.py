@@ -53,7 +53,10 @@ class ZeroUsageError(RuntimeError):
 #   folded into the master with engine.absorb_param_edits(), exactly as
 #   gathered_parameters(modifier_rank=...) does (only elements whose
 #   low-precision value changed; each rank folds its own shard, so, as with DDP,
-#   every rank makes the same edit). Reading 1,202 version counters costs
+#   every rank makes the same edit). With bf16 kept as a split master (Note [Split master
+#   in the engine], csrc/engine/master_split.h) the edited parameter already is the
+#   master's top half and each element keeps its remainder: the fold is not exact there
+#   (below half a bf16 ulp). Reading 1,202 version counters costs
 #   0.3% of a stage-2 step (benchmarks/bench_edit_detection.py), so it stays in
 #   Python. Stage 3: outside forward a parameter is a
 #   0-element tensor, so an edit there changes nothing and is refused at the
@@ -228,6 +231,8 @@ class ModelGuard:
             engine.flush_params()
             self.check_edits()                 # earlier edits reach the master before any load
             self._loading = module
+            if engine.split_master:            # a master joined for this load (Note [Split master in the engine])
+                self._pieces = None
         for name, p in module._parameters.items():
             i = self.index.get(id(p)) if p is not None else None
             key = prefix + name

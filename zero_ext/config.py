@@ -153,6 +153,13 @@ class ZeroConfig:
         The fp32 master weights are unchanged. Adam/AdamW with the fused kernels only: not
         with amsgrad, SGD or other optimizers, or fused="never" (beside Muon/Adafactor,
         which keep their own states, it applies to the AdamW part).
+    master_remainder: True (default) or False. With param_dtype="bf16" in stages 0-2 and one
+        fused optimizer (Adam, AdamW or SGD; no param_quant, no offload) the fp32 master shard
+        is kept as what the bf16 parameter lacks of it: a 16-bit remainder and one tie bit
+        per element, 2 bytes and a bit instead of 4, and the same fp32 trajectory bit for bit
+        (docs/guide/memory.md). An in-place edit of a parameter outside zero_ext's own
+        paths then keeps the element's old remainder under the edited bf16 value (a
+        difference below half a bf16 ulp). False keeps the fp32 master shard.
     check_sequence: True (default; "auto" is the same) or False: ranks whose collectives
         diverge (evaluation or model.state_dict() on rank 0 alone in stage 3, a skipped
         backward, an extra micro-step, a stage-3 unit skipped, step() on some ranks only,
@@ -220,6 +227,7 @@ class ZeroConfig:
     offload: str | None = None
     step_in_backward: bool = False
     state_dtype: Any = "fp32"
+    master_remainder: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -255,6 +263,13 @@ class ZeroConfig:
         if self.align == "auto":
             return 16 if world_size <= 64 else 1
         return self.align
+
+    def master_remainder_applies(self, fused: bool) -> bool:
+        """Note [Split master in the engine] (csrc/engine/master_split.h): whether the fp32
+        master shard is kept as the bf16 parameters' remainder; fused: one optimizer, stepped
+        by the C kernels."""
+        return (self.master_remainder and fused and self.param_dtype == "bf16" and self.stage in (0, 1, 2)
+                and self.param_quant is None and self.offload is None)
 
     def resolved_loss_scale(self):
         """None (no scaling), "dynamic", or a static number."""
@@ -330,6 +345,8 @@ class ZeroConfig:
             need(self.fused != "never", "state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, and "
                  "fused='never' runs the torch optimizer (fp32 states); pass fused='auto' (or 'always'), or "
                  "state_dtype='fp32'")
+        need(isinstance(self.master_remainder, bool), f"master_remainder must be True or False, got "
+             f"{self.master_remainder!r}; {_fix('master_remainder')}")
         need(isinstance(self.step_control, bool) or self.step_control == "auto",
              f"step_control must be 'auto', True or False, got {self.step_control!r}; {_fix('step_control')}")
         need(isinstance(self.cast_buffers, bool) or self.cast_buffers == "auto",

@@ -15,7 +15,9 @@ the first step of a run with the same model, world size, stage and options:
                       master); none with bf16/fp16 (cast from the master at each gather)
     gradients         stages 0-1: every bucket in reduce_dtype; stages 2-3: the shard
     master_weights    fp32 shard when param_dtype is bf16/fp16 or (stages 1/2) param_quant is set
-                      (else the parameters are it)
+                      (else the parameters are it); bf16 in stages 0-2 with one fused optimizer
+                      (master_remainder): 2 bytes + 1 bit per shard element, the rest of the
+                      master being the bf16 parameter (Note [Split master in the engine])
     optimizer_states  per-element states (Adam 2, +1 with amsgrad; SGD with momentum 1,
                       without 0; other optimizers: counted by running one step of the
                       optimizer class on a tiny tensor) x the shard, fp32 (Adam/AdamW with
@@ -215,6 +217,14 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         master_b = state_bytes = 0
         if s == 3:   # the device keeps its shard in param_dtype for the unit gathers
             params_b = shard * ps
+    split_scratch = 0
+    if cfg.master_remainder_applies(fused):
+        # Note [Split master in the engine] (csrc/engine/master_split.h): a 16-bit remainder per
+        # shard element and a tie bit, each bucket's bits from a whole byte; one fp32 chunk
+        master_b = shard * 2 + sum((r[4] + 7) // 8 for r in rows)
+        largest = max(r[4] for r in rows)
+        on_gpu = _device_type(model_or_numel) == "cuda"
+        split_scratch = 4 * max(8, min(1 << (24 if on_gpu else 16), (largest + 7) // 8 * 8))
     landing = 0
     if cfg.step_in_backward and s >= 2:
         # Note [Step in backward] (csrc/engine/backward_step.cpp): no gradient shard; with the
@@ -237,7 +247,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     send = max_padded * rs if s >= 2 else 0
     recv = ((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0
     ring = slots * (send + recv)
-    buf = {"grad_ring": ring, "ring_slots": slots, "grad_landing": landing}
+    buf = {"grad_ring": ring, "ring_slots": slots, "grad_landing": landing, "split_master_scratch": split_scratch}
     # Stage 3, frozen parameters: one bucket per unit, padded to parts * align (frozen.cpp).
     quantum = parts * cfg.resolved_align(world_size)
     frozen_padded: dict = {}
@@ -260,7 +270,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
             peak = max(peak, (root + largest) * (4 // ps if lp else 1))
         buf.update(gathered_root=root, gathered_unit=largest, prefetch=best - largest,
                    peak_gathered_params=peak)
-    buf["total"] = ring + landing + buf.get("peak_gathered_params", 0)
+    buf["total"] = ring + landing + split_scratch + buf.get("peak_gathered_params", 0)
     frozen_b = frozen * ps + sum(frozen_padded.values()) // parts * ps
 
     accum = getattr(cfg, "accumulation_steps", 1)
@@ -286,6 +296,15 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     }
 
 
+def _device_type(model) -> str:
+    """Where a model's parameters are ("cuda" for a bare count or a meta model: where it will train)."""
+    if isinstance(model, nn.Module):
+        for p in model.parameters():
+            if not p.is_meta:
+                return p.device.type
+    return "cuda"
+
+
 def _on_meta(model) -> bool:
     return isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters())
 
@@ -300,27 +319,29 @@ def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int, parts: int):
 # ----------------------------------------------------------------------------- command line
 
 def _table(numel, world, param_dtype, reduce_dtype, optimizer, accumulation_steps=1, unit=1e9,
-           unit_numel=None, state_dtype="fp32", offload=None, step_in_backward=False) -> str:
+           unit_numel=None, state_dtype="fp32", offload=None, step_in_backward=False, master_remainder=True) -> str:
     lines = []
     name = "GB" if unit == 1e9 else "GiB"
     head = (f"{'stage':>5} {'parameters':>11} {'gradients':>10} {'masters':>9} {'opt states':>11} "
             f"{'model state':>12} {'buffers':>9} {'comm/step':>10}" + (f" {'host':>9}" if offload else ""))
     lines.append(f"Ψ = {numel:,.0f} trainable parameters, N = {world}, params {param_dtype}, reduce "
                  f"{reduce_dtype}, {optimizer}{', bf16 states' if state_dtype == 'bf16' else ''}"
-                 f"{', offload=cpu' if offload else ''}{', step in backward' if step_in_backward else ''}; per rank, in "
+                 f"{', offload=cpu' if offload else ''}{', step in backward' if step_in_backward else ''}"
+                 f"{', fp32 masters' if not master_remainder else ''}; per rank, in "
                  f"{name} ({'10^9' if unit == 1e9 else '2^30'} bytes)")
     lines.append(head)
     lines.append("-" * len(head))
     for stage in range(1 if offload or step_in_backward else 0, 4):   # neither shards anything in stage 0
         e = estimate_memory(numel, world, stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                             optimizer=optimizer, accumulation_steps=accumulation_steps, unit_numel=unit_numel,
-                            state_dtype=state_dtype, offload=offload, step_in_backward=step_in_backward)
+                            state_dtype=state_dtype, offload=offload, step_in_backward=step_in_backward,
+                            master_remainder=master_remainder)
         m, b = e["model_state_bytes"], e["buffer_bytes"]
         lines.append(f"{stage:>5} {m['parameters'] / unit:>11.2f} {m['gradients'] / unit:>10.2f} "
                      f"{m['master_weights'] / unit:>9.2f} {m['optimizer_states'] / unit:>11.2f} "
                      f"{m['total'] / unit:>12.1f} {b['total'] / unit:>9.2f} {e['comm_bytes_per_step'] / unit:>10.1f}"
                      + (f" {e['offload']['total'] / unit:>9.1f}" if offload else ""))
-    lines.append("model state = parameters + gradients + fp32 masters + optimizer states (the ZeRO paper's "
+    lines.append("model state = parameters + gradients + masters + optimizer states (the ZeRO paper's "
                  "Table I); buffers = gradient ring and, stage 3, the gathered units (from a bare count: "
                  f"units of {'a quarter of the model' if unit_numel is None else f'{unit_numel:,} parameters'}); comm/step = collective bytes per optimizer step"
                  + ("; host = what offload keeps in host memory (masters, states, gradient shard, pinned rings)"
@@ -343,11 +364,14 @@ def main(argv=None) -> None:
                     help="Adam/AdamW states: fp32 (default) or bf16 (stochastically rounded, 2 bytes each)")
     ap.add_argument("--offload", action="store_true", help="offload='cpu': optimizer state in host memory")
     ap.add_argument("--step-in-backward", action="store_true", help="step_in_backward=True: no gradient shard")
+    ap.add_argument("--fp32-master", action="store_true",
+                    help="master_remainder=False: stages 0-2 with bf16 keep a 4-byte fp32 master shard (the ZeRO "
+                         "paper's accounting) instead of a 16-bit remainder and a tie bit")
     ap.add_argument("--gib", action="store_true", help="GiB (2^30 bytes) instead of GB (10^9, the paper's)")
     args = ap.parse_args(argv)
     print(_table(int(args.params), args.world, args.param_dtype, args.reduce_dtype, args.optimizer,
                  args.accum, 2 ** 30 if args.gib else 1e9, None if args.unit_numel is None else int(args.unit_numel),
-                 args.state_dtype, "cpu" if args.offload else None, args.step_in_backward))
+                 args.state_dtype, "cpu" if args.offload else None, args.step_in_backward, not args.fp32_master))
 
 
 if __name__ == "__main__":

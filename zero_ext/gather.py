@@ -77,6 +77,8 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
     pinned = wrapper._pinned if stage3 else None
     if stage3:                 # the unit hooks leave them whole (a forward inside needs no collective)
         pinned.update(units)
+    if modifier_rank is not None and not stage3:
+        engine.join_masters()   # Note [Split master in the engine]: absorb then folds exactly the changed elements
     versions = [p._version for p in params]
     try:
         yield params

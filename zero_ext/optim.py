@@ -82,6 +82,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._build_shard_optimizer(part)
             elif part.kind == "whole":
                 build_whole_optimizer(self, part)
+        if config.master_remainder_applies(len(self._parts) == 1 and self._parts[0].kind == "fused"):
+            engine.enable_split_master()   # Note [Split master in the engine] (csrc/engine/master_split.h)
         self._ctl = self._make_step_control(config)
 
     # ------------------------------------------------------------------ loss scaling
@@ -104,8 +106,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         the parameters' memory; "auto" turns it on for CUDA parameters."""
         if config.step_in_backward:   # Note [Step in backward]: the steps run inside backward
             return None
-        shards = self._engine.param_shards()
-        device = shards[0].device if shards else torch.device("cpu")
+        device = self._engine.shard_device   # where the master and states are stepped
         want = config.step_control
         fused_only = len(self._parts) == 1 and self._parts[0].kind == "fused"
         if want is True and not fused_only:

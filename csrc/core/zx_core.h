@@ -317,6 +317,15 @@ zx_status zx_cast_from_f32(zx_isa isa, size_t n, const float *src, void *dst, zx
 /* dst[i] = (float) src[i] for a BF16/F16/F32 source. */
 zx_status zx_cast_to_f32(zx_isa isa, size_t n, const void *src, zx_dtype src_dtype, float *dst);
 
+/* Split master (Note [Split master], zx_master_split.c): an fp32 master m kept as
+ * hi = its bf16 rounding to nearest even (the parameter itself), rem = the low
+ * 16 bits of bits(m) - (hi << 16), and one tie bit per element (bit i & 7 of
+ * ties[i >> 3]; a partial last byte's other bits are written 0).
+ * join:  out[i] = the master, bit for bit.
+ * split: rem and ties from m and the hi that rounding m gave (read, not written). */
+zx_status zx_master_join(size_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties, float *out);
+zx_status zx_master_split(size_t n, const float *m, const uint16_t *hi, int16_t *rem, uint8_t *ties);
+
 /* ------------------------------------------------------------------ blockwise quantization
  * (zx_quant.c; Note [Blockwise quantization] there.) Symmetric integer codes with
  * one fp32 scale per block of `block_numel` consecutive elements, for the

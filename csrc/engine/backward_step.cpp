@@ -43,8 +43,9 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
     TORCH_CHECK(!bw_.adam.empty() || !bw_.sgd.empty(), "zero_ext: internal: a bucket landed in a step_in_backward "
                 "backward that was not armed");
     const int64_t g = bk.group, step = bw_.steps + 1;
-    float *p = master(bk);
+    settle_masters();   // Note [Split master in the engine]
     char *lp = (char *)lp_out(bk);
+    const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
     const int64_t so = bk.state_offset - bk.state_lo;   // Note [State windows]
     if (!bw_.adam.empty()) {
         TORCH_CHECK(g < (int64_t)bw_.adam.size(), "zero_ext: internal: missing hyperparameters for group ", g);
@@ -54,19 +55,28 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
         if (ms.scalar_type() == at::kBFloat16) {   // Note [bf16 optimizer states] (stepper.cpp)
             const int64_t b = &bk - buckets_.data();
             const uint64_t c0 = counter_base(b) + (uint64_t)(rank_ * bk.slice_numel);
-            kern_->adam_bf16_states(bk.slice_numel, p, grad, (uint16_t *)ms.data_ptr() + so,
-                                    (uint16_t *)vs.data_ptr() + so, lp, pzx_, h, kStateSeed, c0, nullptr, nullptr);
+            uint16_t *m = (uint16_t *)ms.data_ptr() + so, *v = (uint16_t *)vs.data_ptr() + so;
+            step_master(bk, 0, bk.slice_numel, [&](float *p, int64_t o, int64_t n) {
+                kern_->adam_bf16_states(n, p, grad.narrow(0, o, n), m + o, v + o, lp ? lp + o * lp_elem : nullptr, pzx_,
+                                        h, kStateSeed, c0 + (uint64_t)o, nullptr, nullptr);
+            });
         } else {
             float *m = ms.data_ptr<float>() + so, *v = vs.data_ptr<float>() + so;
             float *vmax = h.amsgrad ? state("max_exp_avg_sq").data_ptr<float>() + so : nullptr;
-            kern_->adam(bk.slice_numel, p, grad, m, v, vmax, lp, pzx_, h, nullptr, nullptr);
+            step_master(bk, 0, bk.slice_numel, [&](float *p, int64_t o, int64_t n) {
+                kern_->adam(n, p, grad.narrow(0, o, n), m + o, v + o, vmax ? vmax + o : nullptr,
+                            lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
+            });
         }
     } else {
         TORCH_CHECK(g < (int64_t)bw_.sgd.size(), "zero_ext: internal: missing hyperparameters for group ", g);
         zx_sgd_hparams h = bw_.sgd[g];
         h.first_step = step == 1;
         float *buf = h.momentum != 0.0 ? state("momentum_buffer").data_ptr<float>() + so : nullptr;
-        kern_->sgd(bk.slice_numel, p, grad, buf, lp, pzx_, h, nullptr, nullptr);
+        step_master(bk, 0, bk.slice_numel, [&](float *p, int64_t o, int64_t n) {
+            kern_->sgd(n, p, grad.narrow(0, o, n), buf ? buf + o : nullptr, lp ? lp + o * lp_elem : nullptr, pzx_, h,
+                       nullptr, nullptr);
+        });
     }
     bw_.stepped = true;
 }

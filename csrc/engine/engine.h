@@ -20,6 +20,7 @@
 //                    the per-device kernel table (Note [Kernel table])
 //   offload.h/.cpp   offload="cpu": host rings, copy stream, landing worker (Note [Optimizer offload])
 //   backward_step.cpp step_in_backward: each bucket steps as its gradient lands (Note [Step in backward])
+//   master_split.h/.cpp the bf16 stage 0-2 master as a remainder (Note [Split master in the engine])
 #pragma once
 
 #include <torch/extension.h>
@@ -34,6 +35,7 @@
 #include "core/zx_core.h"
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
+#include "engine/master_split.h"   // defines: MasterSplit (master_remainder)
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
 #include "engine/quant_gather.h"   // defines: QuantGather (param_quant)
 #include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
@@ -210,6 +212,15 @@ public:
     // Write the low-precision copy of the fp32 master shard where the next
     // gather reads it (the fused steps do this themselves, in the same pass).
     void cast_masters();
+    // Note [Split master in the engine] (master_split.h): keep the master shard as the
+    // bf16 parameters' remainder from now on (zeroify, when master_remainder applies).
+    void enable_split_master();
+    bool split_master() const { return split_ != nullptr; }
+    // With a split master: make the fp32 master shard exist (authoritative) until the next step
+    // or cast (e.g. before parameters are edited, so that absorb folds only the changed elements).
+    void join_masters();
+    // Where the master, the states and the gradient shard live: the parameters' device, or the host with offload.
+    at::Device shard_device() const { return opts_.offload ? at::Device(at::kCPU) : dev_; }
     void all_gather_params();          // launch: every rank's slices -> full buckets
     void wait_params();                // block until the parameter gather is done
     // Parameters are needed now (forward, reads): launch the gathers of mixed buckets
@@ -404,6 +415,17 @@ private:
     void finish_reduction(int64_t padded, int64_t slice, const at::Tensor &recv, at::Tensor dst, bool accumulate,
                           Kernels &k);
     void upload(Bucket &bk);           // offload: the master slice, in param_dtype, into the owned slice
+    // Note [Split master in the engine]: an fp32 master shard joined on demand (authoritative
+    // while it exists), and settled back (rounded into the parameters, split, freed).
+    void settle_masters();
+    const uint16_t *hi_bits(Bucket &bk);   // the owned slice of flat_param, bf16 bits
+    // fn(p, o, n): a fused step over elements [lo, lo + n) of bk's slice, p their fp32
+    // master (through the split master's scratch, chunk by chunk, when there is one).
+    template <class F>
+    void step_master(Bucket &bk, int64_t lo, int64_t n, F &&fn) {
+        if (!split_) return fn(master(bk) + lo, lo, n);
+        split_->over(*kern_, &bk - buckets_.data(), hi_bits(bk), bk.slice_numel, lo, n, fn);
+    }
     // step_in_backward: bucket bk's fused step on its reduced gradient slice grad (sums)
     void step_landed(Bucket &bk, const at::Tensor &grad);
     at::Tensor landing(int64_t numel);   // step_in_backward, all-to-all: where the slices are summed
@@ -445,6 +467,7 @@ private:
     std::vector<std::pair<int64_t, WorkPtr>> gather_works_;   // stage 1-2: (bucket, its gather in flight)
     at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) reduce_dtype gradient sums
     at::Tensor master_shard_;              // stage 3 or low precision: (shard_numel,) fp32 master
+    std::unique_ptr<MasterSplit> split_;   // master_remainder: the master as remainders, else null
     at::ScalarType pdt_ = at::kFloat, rdt_ = at::kFloat;
     zx_dtype pzx_ = ZX_F32, rzx_ = ZX_F32;
     bool lp_ = false;                      // param_dtype is not fp32

@@ -54,6 +54,8 @@ void Engine::absorb_param_edits() {
     wait_params();
     if (any_cut_) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
     if (!lp_ && !qgather_ && !off_) return;   // the owned slice is the master
+    // Note [Split master in the engine]: without a joined master the edits already are its top halves
+    if (split_ && !master_shard_.defined()) return;
     for (auto &bk : buckets_) absorb(master_slice(bk), owned_slice(bk.flat_param, bk));
 }
 

@@ -57,6 +57,11 @@ public:
     virtual void grad_sumsq(const at::Tensor &grad, double scale, double *sumsq, int64_t *nonfinite) = 0;
     virtual void scale(int64_t n, float *x, float s) = 0;
     virtual void cast_from_f32(int64_t n, const float *src, void *dst, zx_dtype dst_dtype) = 0;
+    // Note [Split master] (core/zx_master_split.c): out (n fp32) = the master kept as hi
+    // (n bf16 bit patterns), rem (n int16) and ties (a bit per element, (n + 7) / 8 bytes);
+    // split writes rem and ties from m and the hi that rounding m gave.
+    virtual void master_join(int64_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties, float *out) = 0;
+    virtual void master_split(int64_t n, const float *m, const uint16_t *hi, int16_t *rem, uint8_t *ties) = 0;
     // dst = (accumulate ? dst : 0) + sum_j src[j*slice_n + i], j ascending.
     virtual void sum_slices(int64_t slice_n, int32_t nslices, const float *src, float *dst, bool accumulate) = 0;
     // Blockwise quantization (Note [Blockwise quantization], csrc/core/zx_quant.c): the

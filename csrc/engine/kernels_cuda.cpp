@@ -93,6 +93,18 @@ public:
         zx_check(zx_cuda_cast_from_f32((size_t)n, src, dst, dt, stream()), "CUDA cast");
     }
 
+    void master_join(int64_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties, float *out) override {
+        if (n <= 0) return;
+        c10::cuda::CUDAGuard guard(dev_);
+        zx_check(zx_cuda_master_join((size_t)n, hi, rem, ties, out, stream()), "CUDA master join");
+    }
+
+    void master_split(int64_t n, const float *m, const uint16_t *hi, int16_t *rem, uint8_t *ties) override {
+        if (n <= 0) return;
+        c10::cuda::CUDAGuard guard(dev_);
+        zx_check(zx_cuda_master_split((size_t)n, m, hi, rem, ties, stream()), "CUDA master split");
+    }
+
     void sum_slices(int64_t sn, int32_t np, const float *src, float *dst, bool accumulate) override {
         if (sn <= 0) return;
         c10::cuda::CUDAGuard guard(dev_);

@@ -334,6 +334,7 @@ at::Tensor Engine::host_grad_slice(const Bucket &bk) {
 }
 
 at::Tensor Engine::master_slice(Bucket &bk) {
+    join_masters();   // Note [Split master in the engine]: only with a split master
     if (master_shard_.defined()) return master_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
     return owned_slice(bk.flat_param, bk);
 }
@@ -386,7 +387,8 @@ py::dict Engine::stats() const {
     // casts it, so no low-precision copy persists (it is counted as master weights)
     if (opts_.stage == 3 && !lp_ && !off_) param_bytes += master_shard_.nbytes();
     if (param_shard_.defined()) param_bytes += param_shard_.nbytes();   // offload, stage 3
-    if ((lp_ || (qgather_ && opts_.stage < 3)) && !off_) master_bytes = master_shard_.nbytes();
+    if ((lp_ || (qgather_ && opts_.stage < 3)) && !off_)
+        master_bytes = (master_shard_.defined() ? master_shard_.nbytes() : 0) + (split_ ? split_->bytes() : 0);
     int64_t state_bytes = 0;
     if (!off_)
         for (const auto &kv : states_) state_bytes += kv.second.nbytes();
@@ -415,11 +417,13 @@ py::dict Engine::stats() const {
     buf["quant_gather_buffers"] = gather_records;   // param_quant: records of the gathers in flight
     buf["peak_quant_gather_buffers"] = qgather_ ? qgather_->peak_buffer_bytes() : 0;
     buf["kernel_scratch"] = kern_->scratch_bytes();  // e.g. CUDA: fp32 copy of a low-precision gradient slice
+    const int64_t split_scratch = split_ ? split_->scratch_bytes() : 0;
+    buf["split_master_scratch"] = split_scratch;   // Note [Split master in the engine]: one fp32 chunk
     const int64_t secondary = sec_ ? sec_->bytes() : 0;
     buf["secondary"] = secondary;   // node_size: this rank's parts kept for backward gathers (Note [Hierarchical partitioning])
     buf["peak_secondary"] = sec_ ? sec_->peak_bytes() : 0;
     buf["total"] = ring_bytes + (bw_.land.defined() ? bw_.land.nbytes() : 0) + gathered_bytes_ + quant_buffers + quant_residual + gather_records +
-                   kern_->scratch_bytes() + secondary;
+                   kern_->scratch_bytes() + secondary + split_scratch;
     py::dict comm;
     comm["all_reduce"] = counter_dict(comm_.c_all_reduce);
     comm["reduce_scatter"] = counter_dict(comm_.c_reduce_scatter);

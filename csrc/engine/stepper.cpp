@@ -67,12 +67,12 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
                 "build the optimizer with amsgrad=False");
     at::Tensor vmax = ams ? state("max_exp_avg_sq") : at::Tensor();
     const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
+    settle_masters();   // Note [Split master in the engine]: step the split form
     for (auto &bk : buckets_) {
         // Whole tensors / another part's groups; a mixed bucket's pieces (Note [Cut parameters]).
         if (bk.atomic ? !bk.mixed : !active(bk)) continue;
         const int64_t b = &bk - buckets_.data();
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", bk.group);
-        float *p = master(bk);
         char *lp = off_ ? nullptr : (char *)lp_out(bk);   // offload: upload() casts after the step
         if (off_) off_->wait_bucket(b);                   // Note [Optimizer offload]: this bucket alone
         const at::Tensor gs = off_ ? host_grad_slice(bk) : grad_shard_slice(bk);
@@ -87,12 +87,16 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
             const zx_adam_hparams &hp = hps[bk.group];
             TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
-            if (bf)
-                kern_->adam_bf16_states(bk.slice_numel, p, gs, mb, vb, lp, pzx_, hp, kStateSeed, c0, ctl_ptr(ctl),
-                                        step_ptr(steps, bk.group));
-            else
-                kern_->adam(bk.slice_numel, p, gs, mp, vp, hp.amsgrad ? xp : nullptr, lp, pzx_, hp, ctl_ptr(ctl),
-                            step_ptr(steps, bk.group));
+            step_master(bk, 0, bk.slice_numel, [&](float *p, int64_t o, int64_t n) {
+                char *l = lp ? lp + o * lp_elem : nullptr;
+                const at::Tensor g = gs.narrow(0, o, n);
+                if (bf)
+                    kern_->adam_bf16_states(n, p, g, mb + o, vb + o, l, pzx_, hp, kStateSeed, c0 + (uint64_t)o,
+                                            ctl_ptr(ctl), step_ptr(steps, bk.group));
+                else
+                    kern_->adam(n, p, g, mp + o, vp + o, hp.amsgrad ? xp + o : nullptr, l, pzx_, hp, ctl_ptr(ctl),
+                                step_ptr(steps, bk.group));
+            });
             continue;
         }
         // Note [Unused parameters]: only the stretches of stepped parameters.
@@ -102,14 +106,16 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
             TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
             zx_adam_hparams h = hps[g];
             h.step = r.step;
-            const int64_t o = r.offset;
-            if (bf)
-                kstep().adam_bf16_states(r.numel, p + o, gs.narrow(0, o, r.numel), mb + o, vb + o,
-                                         lp ? lp + o * lp_elem : nullptr, pzx_, h, kStateSeed, c0 + (uint64_t)o,
-                                         nullptr, nullptr);
-            else
-                kstep().adam(r.numel, p + o, gs.narrow(0, o, r.numel), mp + o, vp + o, h.amsgrad ? xp + o : nullptr,
-                             lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
+            step_master(bk, r.offset, r.numel, [&](float *p, int64_t o, int64_t n) {
+                char *l = lp ? lp + o * lp_elem : nullptr;
+                const at::Tensor g = gs.narrow(0, o, n);
+                if (bf)
+                    kstep().adam_bf16_states(n, p, g, mb + o, vb + o, l, pzx_, h, kStateSeed, c0 + (uint64_t)o,
+                                             nullptr, nullptr);
+                else
+                    kstep().adam(n, p, g, mp + o, vp + o, h.amsgrad ? xp + o : nullptr, l, pzx_, h, nullptr,
+                                 nullptr);
+            });
         }
         if (off_) upload(bk);   // overlaps the next bucket's step
     }
@@ -122,11 +128,11 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
     for (const auto &h : hps) momentum = momentum || h.momentum != 0.0;
     at::Tensor buf = momentum ? state("momentum_buffer") : at::Tensor();
     const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
+    settle_masters();   // Note [Split master in the engine]
     for (auto &bk : buckets_) {
         if (bk.atomic ? !bk.mixed : !active(bk)) continue;   // as step_adam
         const int64_t b = &bk - buckets_.data();
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", bk.group);
-        float *p = master(bk);
         char *lp = off_ ? nullptr : (char *)lp_out(bk);   // as step_adam
         if (off_) off_->wait_bucket(b);
         const at::Tensor gs = off_ ? host_grad_slice(bk) : grad_shard_slice(bk);
@@ -135,8 +141,10 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
             const zx_sgd_hparams &hp = hps[bk.group];
             TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
-            kern_->sgd(bk.slice_numel, p, gs, hp.momentum != 0.0 ? bp : nullptr, lp, pzx_, hp, ctl_ptr(ctl),
-                       step_ptr(steps, bk.group));
+            step_master(bk, 0, bk.slice_numel, [&](float *p, int64_t o, int64_t n) {
+                kern_->sgd(n, p, gs.narrow(0, o, n), hp.momentum != 0.0 ? bp + o : nullptr, lp ? lp + o * lp_elem : nullptr, pzx_,
+                           hp, ctl_ptr(ctl), step_ptr(steps, bk.group));
+            });
             continue;
         }
         for (const StepRun &r : bk.mixed ? mixed_runs(b) : step_runs(b)) {   // Note [Unused parameters]
@@ -145,9 +153,10 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
             TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
             zx_sgd_hparams h = hps[g];
             h.first_step = r.step == 1;
-            const int64_t o = r.offset;
-            kstep().sgd(r.numel, p + o, gs.narrow(0, o, r.numel), h.momentum != 0.0 ? bp + o : nullptr,
-                        lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
+            step_master(bk, r.offset, r.numel, [&](float *p, int64_t o, int64_t n) {
+                kstep().sgd(n, p, gs.narrow(0, o, n), h.momentum != 0.0 ? bp + o : nullptr,
+                            lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
+            });
         }
         if (off_) upload(bk);
     }
@@ -226,6 +235,7 @@ void Engine::grad_sumsq_into(at::Tensor out2) {
 
 void Engine::cast_masters() {
     if (!off_ && (!lp_ || opts_.stage == 3)) return;   // stage 3 casts at each gather
+    if (split_) return settle_masters();   // the parameters hold the rounding unless a master was joined
     wait_params();
     for (auto &bk : buckets_) {
         bool any = active(bk);

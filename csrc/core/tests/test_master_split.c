@@ -1,0 +1,132 @@
+/* test_master_split.c — Note [Split master]: an fp32 master kept as its bf16
+ * rounding + a 16-bit remainder + a tie bit comes back bit for bit.
+ *
+ * For every one of the 65,536 low halves under 640 high halves (every sign and
+ * exponent class: zeros, subnormals, normals near 1, the largest finite numbers,
+ * infinities, NaNs, and their bf16 neighbours), hi = zx_f32_to_bf16_ref(m) (the
+ * rounding the fused steps write), split, join: the bits must be m's (NaN: a NaN).
+ * Ties (low half 0x8000) occur under both odd and even high halves. Also: lengths
+ * that are not whole bytes, the bytes of a chunk inside a longer array, an edited
+ * zero with a negative remainder, and bad arguments.
+ *
+ * Run: make -C csrc/core test
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "zx_core.h"
+#include "zx_kernels_internal.h"
+
+#include "check.h"
+
+static uint32_t f32_bits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+static float bits_f32(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+
+enum { LOW = 65536 };
+
+/* Round trip of every low half under high half h; returns the mismatches. */
+static long round_trip_high(uint16_t h, float *m, uint16_t *hi, int16_t *rem, uint8_t *ties, float *back,
+                            long *nties) {
+    for (uint32_t lo = 0; lo < LOW; lo++) {
+        m[lo] = bits_f32(((uint32_t)h << 16) | lo);
+        hi[lo] = zx_f32_to_bf16_ref(m[lo]);
+    }
+    CHECK(zx_master_split(LOW, m, hi, rem, ties) == ZX_OK, "split of high half 0x%04x", h);
+    CHECK(zx_master_join(LOW, hi, rem, ties, back) == ZX_OK, "join of high half 0x%04x", h);
+    long bad = 0;
+    for (uint32_t lo = 0; lo < LOW; lo++) {
+        const int ok = isnan(m[lo]) ? isnan(back[lo]) : f32_bits(back[lo]) == f32_bits(m[lo]);
+        if (!ok && bad++ < 3)
+            fprintf(stderr, "  0x%08x came back as 0x%08x\n", f32_bits(m[lo]), f32_bits(back[lo]));
+        *nties += (ties[lo >> 3] >> (lo & 7)) & 1;
+    }
+    return bad;
+}
+
+static void test_round_trip(void) {
+    float *m = malloc(LOW * sizeof(float)), *back = malloc(LOW * sizeof(float));
+    uint16_t *hi = malloc(LOW * sizeof(uint16_t));
+    int16_t *rem = malloc(LOW * sizeof(int16_t));
+    uint8_t *ties = malloc(LOW / 8);
+    /* every sign and exponent class, and both parities of the bf16 mantissa */
+    const uint16_t bases[] = {0x0000, 0x0001, 0x0002, 0x007f, 0x0080, 0x0081, 0x3f7f, 0x3f80, 0x3f81,
+                              0x4049, 0x7f7e, 0x7f7f, 0x7f80, 0x7f81, 0x7fc0, 0x7fff};
+    long bad = 0, nties = 0, highs = 0;
+    for (int s = 0; s < 2; s++)
+        for (size_t k = 0; k < sizeof bases / sizeof bases[0]; k++)
+            for (int j = 0; j < 20; j++) {
+                const uint16_t h = (uint16_t)((s ? 0x8000 : 0) | ((bases[k] + j * 0x0101) & 0x7fff));
+                bad += round_trip_high(h, m, hi, rem, ties, back, &nties);
+                highs++;
+            }
+    CHECK(bad == 0, "%ld of %ld masters did not come back bit for bit", bad, highs * LOW);
+    /* a finite high half has exactly one upward tie (low half 0x8000 under an even
+       rounded value); the check that ties happen at all guards the tie path */
+    CHECK(nties > highs / 4, "only %ld tie bits set over %ld high halves", nties, highs);
+    free(m), free(back), free(hi), free(rem), free(ties);
+}
+
+/* Whole bytes: a chunk [8k, 8k + n) of a longer split joins alone to the same bits, and a
+   partial last byte leaves its unused bits 0. */
+static void test_chunks(void) {
+    enum { N = 1003 };
+    float m[N], back[N];
+    uint16_t hi[N];
+    int16_t rem[N];
+    uint8_t ties[(N + 7) / 8], part[(N + 7) / 8];
+    for (int i = 0; i < N; i++) {
+        /* every third element a tie: low half 0x8000 */
+        const uint32_t u = 0x3f800000u + (uint32_t)i * 0x10000u + (i % 3 == 0 ? 0x8000u : (uint32_t)i * 37u);
+        m[i] = bits_f32(u);
+        hi[i] = zx_f32_to_bf16_ref(m[i]);
+    }
+    CHECK(zx_master_split(N, m, hi, rem, ties) == ZX_OK, "split");
+    CHECK((ties[N / 8] >> (N % 8)) == 0, "unused bits of the last byte: 0x%02x", ties[N / 8]);
+    for (int start = 0; start < N; start += 8 * 17) {
+        const int n = N - start < 8 * 40 + 5 ? N - start : 8 * 40 + 5;
+        memset(part, 0xff, sizeof part);
+        CHECK(zx_master_split((size_t)n, m + start, hi + start, rem + start, part) == ZX_OK, "chunk split");
+        CHECK(zx_master_join((size_t)n, hi + start, rem + start, part, back) == ZX_OK, "chunk join");
+        int same = 1;
+        for (int i = 0; i < n; i++) same = same && f32_bits(back[i]) == f32_bits(m[start + i]);
+        CHECK(same, "chunk at %d did not come back", start);
+        CHECK(memcmp(part, ties + start / 8, (size_t)n / 8) == 0, "chunk at %d: tie bytes differ", start);
+    }
+}
+
+static void test_edited(void) {
+    /* p.data edited to zero under a negative remainder: a zero, not a NaN */
+    const uint16_t zeros[2] = {0x0000, 0x8000};
+    const int16_t neg[2] = {-5, -0x7fff};
+    uint8_t t = 0;
+    float out[2];
+    CHECK(zx_master_join(2, zeros, neg, &t, out) == ZX_OK, "join");
+    CHECK(out[0] == 0.0f && out[1] == 0.0f, "edited zeros came back as %g, %g", out[0], out[1]);
+    /* an edited nonzero keeps the edit with the old remainder, near the new value */
+    const uint16_t h = 0x4000;   /* 2.0 */
+    const int16_t r = 0x1234;
+    CHECK(zx_master_join(1, &h, &r, &t, out) == ZX_OK, "join");
+    CHECK(fabsf(out[0] - 2.0f) < 0.01f, "edited 2.0 came back as %g", out[0]);
+}
+
+static void test_errors(void) {
+    float f = 1.0f;
+    uint16_t h = 0x3f80;
+    int16_t r = 0;
+    uint8_t t = 0;
+    CHECK(zx_master_join(0, NULL, NULL, NULL, NULL) == ZX_OK, "n = 0 touches nothing");
+    CHECK(zx_master_split(0, NULL, NULL, NULL, NULL) == ZX_OK, "n = 0 touches nothing");
+    CHECK(zx_master_join(1, &h, &r, NULL, &f) == ZX_ERR_INVALID_ARG, "null ties");
+    CHECK(zx_master_split(1, &f, NULL, &r, &t) == ZX_ERR_INVALID_ARG, "null hi");
+}
+
+int main(void) {
+    test_round_trip();
+    test_chunks();
+    test_edited();
+    test_errors();
+    printf("test_master_split: %ld passed, %ld failed\n", g_passed, g_failed);
+    return g_failed ? 1 : 0;
+}
