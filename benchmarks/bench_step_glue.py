@@ -12,6 +12,7 @@ gradient exists; then, per thread count, interleaved within each repetition:
                same shard, plus everything the Python and C++ glue do around it)
   public bf16  the same with param_dtype="bf16" (the kernel also writes the bf16 copy;
                the master kept as a remainder, Note [Split master in the engine])
+  bf16 fp32 master  the same with master_remainder=False (a separate fp32 master shard)
   torch fused  torch.optim.AdamW(fused=True) over the same parameters (a peer on the same path)
 Each timing covers enough steps for >= 20 ms; the median (min/max) over --reps repetitions
 is reported, and the ratios public / kernel and 2-thread / 1-thread are taken within a
@@ -67,10 +68,11 @@ def contenders(numel: int, count: int):
     isa = _C.best_isa()
     out["kernel"] = lambda: _C.adam_step(isa, flat[0], flat[1], flat[2], flat[3], None, None, 1e-3, 0.9, 0.999,
                                          1e-8, 0.01, next(steps), True, False, False, 1.0)
-    for name, pdt in (("public", "fp32"), ("public bf16", "bf16")):
+    for name, pdt, remainder in (("public", "fp32", True), ("public bf16", "bf16", True),
+                                 ("bf16 fp32 master", "bf16", False)):
         model = Params(numel, count)
         zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01),
-                                  stage=1, param_dtype=pdt)
+                                  stage=1, param_dtype=pdt, master_remainder=remainder)
         zm().backward()
         out[name] = zo.step
     model = Params(numel, count)
@@ -107,13 +109,13 @@ def main(argv=None):
         result["threads"][t] = {"us": r, "over_kernel": ratio}
         for n in names:
             extra = f"{ratio[n]['median']:.2f}x" if n in ratio else "1.00x"
-            rows.append(f"{t:>7} {n:<12} {r[n]['median']:>9.1f} ({r[n]['min']:.1f}/{r[n]['max']:.1f}) {extra:>9}")
+            rows.append(f"{t:>7} {n:<16} {r[n]['median']:>9.1f} ({r[n]['min']:.1f}/{r[n]['max']:.1f}) {extra:>9}")
     if len(threads) > 1:
         a, b = threads[0], threads[-1]
         result["scaling"] = {n: spread([y / x for x, y in zip(times[a][n], times[b][n])]) for n in names}
     print(f"{args.numel} parameters in {args.params} tensors, AdamW, stage 1, world 1, {cpu_model()}, "
           f"ISA {_C.best_isa()}, {args.reps} repetitions")
-    print(f"{'threads':>7} {'side':<12} {'us/step':>9} {'(min/max)':<14} {'/kernel':>6}")
+    print(f"{'threads':>7} {'side':<16} {'us/step':>9} {'(min/max)':<14} {'/kernel':>6}")
     print("\n".join(rows))
     if "scaling" in result:
         print(f"{threads[-1]}-thread / {threads[0]}-thread time: " +

@@ -184,7 +184,8 @@ def test_split_master_stats_equal_estimate(stage, opt):
     for rank, (est, full, s) in enumerate(run_world(_stats_worker, 3, stage, opt, reuse=True)):
         assert s["model_state_bytes"] == est["model_state_bytes"], (rank, s["model_state_bytes"],
                                                                       est["model_state_bytes"])
-        assert s["buffer_bytes"]["split_master_scratch"] == est["buffer_bytes"]["split_master_scratch"] > 0
+        # on the CPU the pieces go through each thread's stack: no scratch tensor
+        assert s["buffer_bytes"]["split_master_scratch"] == est["buffer_bytes"]["split_master_scratch"] == 0
         shard = s["shard_numel"]
         assert full["model_state_bytes"]["master_weights"] == 4 * shard
         assert 2 * shard < s["model_state_bytes"]["master_weights"] <= 2 * shard + shard // 8 + s["num_buckets"]

@@ -322,9 +322,12 @@ zx_status zx_cast_to_f32(zx_isa isa, size_t n, const void *src, zx_dtype src_dty
  * 16 bits of bits(m) - (hi << 16), and one tie bit per element (bit i & 7 of
  * ties[i >> 3]; a partial last byte's other bits are written 0).
  * join:  out[i] = the master, bit for bit.
- * split: rem and ties from m and the hi that rounding m gave (read, not written). */
-zx_status zx_master_join(size_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties, float *out);
-zx_status zx_master_split(size_t n, const float *m, const uint16_t *hi, int16_t *rem, uint8_t *ties);
+ * split: rem and ties from m and the hi that rounding m gave (read, not written).
+ * isa: ZX_ISA_SCALAR, or a wider one (AVX2 and AVX-512 both run the AVX2 loop: a tie
+ * byte is 8 lanes); ZX_ERR_UNSUPPORTED where the CPU lacks it. */
+zx_status zx_master_join(zx_isa isa, size_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties,
+                         float *out);
+zx_status zx_master_split(zx_isa isa, size_t n, const float *m, const uint16_t *hi, int16_t *rem, uint8_t *ties);
 
 /* ------------------------------------------------------------------ blockwise quantization
  * (zx_quant.c; Note [Blockwise quantization] there.) Symmetric integer codes with

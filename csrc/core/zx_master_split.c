@@ -34,6 +34,11 @@
 #include <string.h>
 
 #include "zx_core.h"
+#include "zx_kernels_internal.h"   /* defines: ZX_HAVE_X86_SIMD */
+
+#if ZX_HAVE_X86_SIMD
+#include <immintrin.h>
+#endif
 
 static inline uint32_t f32_bits(float x) {
     uint32_t u;
@@ -47,31 +52,94 @@ static inline float bits_f32(uint32_t u) {
     return x;
 }
 
-static inline float join1(uint16_t hi, int16_t rem, int tie) {
+static inline float join1(uint16_t hi, int16_t rem, unsigned tie) {
     int32_t d = tie ? 0x8000 : (int32_t)rem;
-    if ((hi & 0x7fffu) == 0 && d < 0) d = 0;   /* an edited zero: no wrap into NaN */
+    d = (hi & 0x7fffu) == 0 && d < 0 ? 0 : d;   /* an edited zero: no wrap into NaN */
     return bits_f32(((uint32_t)hi << 16) + (uint32_t)d);
 }
 
-zx_status zx_master_join(size_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties, float *out) {
+static inline uint8_t split1(float m, uint16_t hi, int16_t *rem, unsigned j) {
+    const uint32_t d = f32_bits(m) - ((uint32_t)hi << 16);
+    *rem = (int16_t)(uint16_t)d;
+    return (uint8_t)((d == 0x8000u) << j);
+}
+
+#if ZX_HAVE_X86_SIMD
+/* AVX2: one tie byte = one vector of 8 elements. Returns the whole bytes done. */
+#define ZX_MS_TARGET __attribute__((target("avx2")))
+
+static ZX_MS_TARGET __m256i tie_lanes(unsigned t) {   /* all ones where bit j of t is set */
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)t), bit), bit);
+}
+
+static ZX_MS_TARGET size_t join_avx2(size_t whole, const uint16_t *hi, const int16_t *rem, const uint8_t *ties,
+                                     float *out) {
+    const __m256i half = _mm256_set1_epi32(0x8000), mag = _mm256_set1_epi32(0x7fff), zero = _mm256_setzero_si256();
+    for (size_t b = 0; b < whole; b++) {
+        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(hi + b * 8)));
+        __m256i d = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(rem + b * 8)));
+        d = _mm256_blendv_epi8(d, half, tie_lanes(ties[b]));
+        const __m256i edited = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_and_si256(h, mag), zero),
+                                                _mm256_cmpgt_epi32(zero, d));
+        d = _mm256_andnot_si256(edited, d);
+        _mm256_storeu_si256((__m256i *)(out + b * 8), _mm256_add_epi32(_mm256_slli_epi32(h, 16), d));
+    }
+    return whole;
+}
+
+static ZX_MS_TARGET size_t split_avx2(size_t whole, const float *m, const uint16_t *hi, int16_t *rem,
+                                      uint8_t *ties) {
+    const __m256i half = _mm256_set1_epi32(0x8000), low = _mm256_set1_epi32(0xffff);
+    for (size_t b = 0; b < whole; b++) {
+        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(hi + b * 8)));
+        const __m256i d = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(m + b * 8)), _mm256_slli_epi32(h, 16));
+        /* the low halves, in order: pack (no saturation below 0x10000), then the two 64-bit middles swap */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(d, low), _mm256_setzero_si256()), 0xd8);
+        _mm_storeu_si128((__m128i *)(rem + b * 8), _mm256_castsi256_si128(packed));
+        ties[b] = (uint8_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d, half)));
+    }
+    return whole;
+}
+#endif
+
+/* Whole bytes first (AVX2 where the CPU has it and isa allows), then the partial last byte. */
+zx_status zx_master_join(zx_isa isa, size_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties,
+                         float *out) {
     if (n == 0) return ZX_OK;
     if (!hi || !rem || !ties || !out) return ZX_ERR_INVALID_ARG;
-    for (size_t i = 0; i < n; i++) out[i] = join1(hi[i], rem[i], (ties[i >> 3] >> (i & 7)) & 1);
+    if (!zx_cpu_supports(isa)) return ZX_ERR_UNSUPPORTED;
+    const size_t whole = n / 8;
+    size_t done = 0;
+#if ZX_HAVE_X86_SIMD
+    if (isa != ZX_ISA_SCALAR) done = join_avx2(whole, hi, rem, ties, out);
+#endif
+    for (size_t b = done; b < whole; b++) {
+        const unsigned t = ties[b];
+        for (unsigned j = 0; j < 8; j++) out[b * 8 + j] = join1(hi[b * 8 + j], rem[b * 8 + j], (t >> j) & 1u);
+    }
+    for (size_t i = whole * 8; i < n; i++) out[i] = join1(hi[i], rem[i], (ties[whole] >> (i & 7)) & 1u);
     return ZX_OK;
 }
 
-zx_status zx_master_split(size_t n, const float *m, const uint16_t *hi, int16_t *rem, uint8_t *ties) {
+zx_status zx_master_split(zx_isa isa, size_t n, const float *m, const uint16_t *hi, int16_t *rem, uint8_t *ties) {
     if (n == 0) return ZX_OK;
     if (!m || !hi || !rem || !ties) return ZX_ERR_INVALID_ARG;
-    for (size_t b = 0; b < (n + 7) / 8; b++) {
+    if (!zx_cpu_supports(isa)) return ZX_ERR_UNSUPPORTED;
+    const size_t whole = n / 8;
+    size_t done = 0;
+#if ZX_HAVE_X86_SIMD
+    if (isa != ZX_ISA_SCALAR) done = split_avx2(whole, m, hi, rem, ties);
+#endif
+    for (size_t b = done; b < whole; b++) {
         uint8_t t = 0;
-        const size_t end = b * 8 + 8 < n ? b * 8 + 8 : n;
-        for (size_t i = b * 8; i < end; i++) {
-            const uint32_t d = f32_bits(m[i]) - ((uint32_t)hi[i] << 16);
-            rem[i] = (int16_t)(uint16_t)d;
-            t |= (uint8_t)((d == 0x8000u) << (i & 7));
-        }
+        for (unsigned j = 0; j < 8; j++) t |= split1(m[b * 8 + j], hi[b * 8 + j], &rem[b * 8 + j], j);
         ties[b] = t;
+    }
+    if (whole * 8 < n) {
+        uint8_t t = 0;
+        for (size_t i = whole * 8; i < n; i++) t |= split1(m[i], hi[i], &rem[i], (unsigned)(i & 7));
+        ties[whole] = t;
     }
     return ZX_OK;
 }

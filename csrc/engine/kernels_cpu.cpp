@@ -115,18 +115,16 @@ public:
         });
     }
 
-    // Tasks over whole tie bytes (8 elements), so no two write the same byte.
+    // Tasks over whole tie bytes (blocks of 8 elements), so no two write the same byte.
     void master_join(int64_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties, float *out) override {
-        parallel((n + 7) / 8, [&](int64_t lo, int64_t h) {
-            const int64_t a = lo * 8, b = std::min(h * 8, n);
-            zx_check(zx_master_join((size_t)(b - a), hi + a, rem + a, ties + lo, out + a), "joining the master");
+        zx_parallel_blocks(n, 8, [&](int64_t b0, int64_t a, int64_t b) {
+            zx_check(zx_master_join(isa_, (size_t)(b - a), hi + a, rem + a, ties + b0, out + a), "joining the master");
         });
     }
 
     void master_split(int64_t n, const float *m, const uint16_t *hi, int16_t *rem, uint8_t *ties) override {
-        parallel((n + 7) / 8, [&](int64_t lo, int64_t h) {
-            const int64_t a = lo * 8, b = std::min(h * 8, n);
-            zx_check(zx_master_split((size_t)(b - a), m + a, hi + a, rem + a, ties + lo), "splitting the master");
+        zx_parallel_blocks(n, 8, [&](int64_t b0, int64_t a, int64_t b) {
+            zx_check(zx_master_split(isa_, (size_t)(b - a), m + a, hi + a, rem + a, ties + b0), "splitting the master");
         });
     }
 

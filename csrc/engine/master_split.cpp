@@ -10,10 +10,11 @@
 namespace zx {
 
 int64_t MasterSplit::chunk_numel(int64_t max_slice_numel, bool cuda) {
-    int64_t c = cuda ? (int64_t(1) << 24) : (int64_t(1) << 16);
-    // Tests only: small chunks, so that small models cross chunk boundaries (tests/test_split_master.py).
+    int64_t c = cuda ? (int64_t(1) << 24) : 0;
+    // Tests only: chunks of this size on any device (the CPU too), so that small models
+    // cross chunk boundaries (tests/test_split_master.py).
     if (const char *env = std::getenv("ZX_SPLIT_MASTER_CHUNK")) c = std::max<int64_t>(8, std::atoll(env) & ~int64_t(7));
-    return std::max<int64_t>(8, std::min(c, (max_slice_numel + 7) & ~int64_t(7)));
+    return c == 0 ? 0 : std::max<int64_t>(8, std::min(c, (max_slice_numel + 7) & ~int64_t(7)));
 }
 
 MasterSplit::MasterSplit(const std::vector<int64_t> &slice_numel, const std::vector<int64_t> &shard_offset,
@@ -28,7 +29,8 @@ MasterSplit::MasterSplit(const std::vector<int64_t> &slice_numel, const std::vec
     const auto on = at::TensorOptions().device(dev);
     rem_ = at::zeros({shard_numel}, on.dtype(at::kShort));
     ties_ = at::zeros({bytes}, on.dtype(at::kByte));
-    scratch_ = at::empty({chunk_numel(largest, dev.is_cuda())}, on.dtype(at::kFloat));
+    const int64_t chunk = chunk_numel(largest, dev.is_cuda());
+    if (chunk > 0) scratch_ = at::empty({chunk}, on.dtype(at::kFloat));
 }
 
 void MasterSplit::join(Kernels &k, int64_t b, const uint16_t *hi, int64_t at, int64_t n, float *out) {

@@ -31,9 +31,11 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "engine/kernels.h"   // defines: Kernels
+#include "parallel.h"         // defines: zx_parallel_blocks
 
 namespace zx {
 
@@ -44,11 +46,15 @@ public:
     MasterSplit(const std::vector<int64_t> &slice_numel, const std::vector<int64_t> &shard_offset,
                 int64_t shard_numel, const at::Device &dev);
 
-    // Elements a chunk holds: 2^24 on a GPU (few launches), 2^16 on the CPU (in cache),
-    // and never more than the largest slice (rounded up to a tie byte).
+    // GPU: elements a chunk holds, 2^24 (few launches), never more than the largest slice
+    // (rounded up to a tie byte). The CPU keeps no scratch tensor: each intra-op task steps
+    // kCpuPiece elements at a time through a buffer of its own (128 KiB, in L2), so the join
+    // and split cost a pass over data in cache, not over memory, and the per-call cost of
+    // the kernels is spread over enough elements.
     static int64_t chunk_numel(int64_t max_slice_numel, bool cuda);
+    static constexpr int64_t kCpuPiece = 32768;
     int64_t bytes() const { return rem_.nbytes() + ties_.nbytes(); }   // what replaces the fp32 master
-    int64_t scratch_bytes() const { return scratch_.nbytes(); }
+    int64_t scratch_bytes() const { return scratch_.defined() ? scratch_.nbytes() : 0; }
 
     // Bucket b's master elements [at, at + n) (at a multiple of 8) into out, from hi
     // (the bucket's owned slice of flat_param, bf16 bits), and back.
@@ -59,10 +65,27 @@ public:
     // them, parameters at hi), with p their fp32 master, chunk by chunk.
     template <class F>
     void over(Kernels &k, int64_t b, const uint16_t *hi, int64_t slice_numel, int64_t lo, int64_t n, F &&fn) {
-        const int64_t end = lo + n, c = scratch_.numel();
-        float *s = scratch_.data_ptr<float>();
-        for (int64_t at = lo & ~int64_t(7); at < end; at += c) {
-            const int64_t e = std::min(at + c, end), whole = std::min((e + 7) & ~int64_t(7), slice_numel);
+        const int64_t a0 = lo & ~int64_t(7), end = lo + n;
+        if (!scratch_.defined()) {   // CPU: tasks over whole tie bytes; the kernels run inline in them
+            zx_parallel_blocks(end - a0, 8, [&](int64_t, int64_t ta, int64_t tb) {
+                // a piece joins whole tie bytes: up to the task's length rounded up to 8
+                std::unique_ptr<float[]> piece(new float[(size_t)std::min(kCpuPiece, (tb - ta + 7) & ~int64_t(7))]);
+                pieces(k, b, hi, slice_numel, lo, a0 + ta, a0 + tb, kCpuPiece, piece.get(), fn);
+            });
+            return;
+        }
+        pieces(k, b, hi, slice_numel, lo, a0, end, scratch_.numel(), scratch_.data_ptr<float>(), fn);
+    }
+
+private:
+    // [from, to) (from on a tie byte) in pieces of c elements (a multiple of 8) through s,
+    // which holds min(c, to - from rounded up to 8): join, fn on the elements at or after
+    // lo, split.
+    template <class F>
+    void pieces(Kernels &k, int64_t b, const uint16_t *hi, int64_t slice_numel, int64_t lo, int64_t from,
+                int64_t to, int64_t c, float *s, F &fn) {
+        for (int64_t at = from; at < to; at += c) {
+            const int64_t e = std::min(at + c, to), whole = std::min((e + 7) & ~int64_t(7), slice_numel);
             const int64_t first = std::max(at, lo);
             join(k, b, hi, at, whole - at, s);
             fn(s + (first - at), first, e - first);
@@ -70,11 +93,10 @@ public:
         }
     }
 
-private:
     std::vector<int64_t> shard_offset_, tie_offset_;   // per bucket: its rem / tie byte offset
     at::Tensor rem_;       // (shard_numel,) int16
     at::Tensor ties_;      // per bucket ceil(slice / 8) bytes, uint8
-    at::Tensor scratch_;   // (chunk,) fp32
+    at::Tensor scratch_;   // GPU: (chunk,) fp32; CPU: undefined
 };
 
 }  // namespace zx

@@ -7,7 +7,8 @@
  * rounding the fused steps write), split, join: the bits must be m's (NaN: a NaN).
  * Ties (low half 0x8000) occur under both odd and even high halves. Also: lengths
  * that are not whole bytes, the bytes of a chunk inside a longer array, an edited
- * zero with a negative remainder, and bad arguments.
+ * zero with a negative remainder, and bad arguments; for the scalar loop and the CPU's best
+ * ISA (the AVX2 loop).
  *
  * Run: make -C csrc/core test
  */
@@ -26,6 +27,8 @@ static float bits_f32(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
 enum { LOW = 65536 };
 
+static zx_isa g_isa = ZX_ISA_SCALAR;   /* each test runs for the scalar loop and the CPU's best */
+
 /* Round trip of every low half under high half h; returns the mismatches. */
 static long round_trip_high(uint16_t h, float *m, uint16_t *hi, int16_t *rem, uint8_t *ties, float *back,
                             long *nties) {
@@ -33,8 +36,8 @@ static long round_trip_high(uint16_t h, float *m, uint16_t *hi, int16_t *rem, ui
         m[lo] = bits_f32(((uint32_t)h << 16) | lo);
         hi[lo] = zx_f32_to_bf16_ref(m[lo]);
     }
-    CHECK(zx_master_split(LOW, m, hi, rem, ties) == ZX_OK, "split of high half 0x%04x", h);
-    CHECK(zx_master_join(LOW, hi, rem, ties, back) == ZX_OK, "join of high half 0x%04x", h);
+    CHECK(zx_master_split(g_isa, LOW, m, hi, rem, ties) == ZX_OK, "split of high half 0x%04x", h);
+    CHECK(zx_master_join(g_isa, LOW, hi, rem, ties, back) == ZX_OK, "join of high half 0x%04x", h);
     long bad = 0;
     for (uint32_t lo = 0; lo < LOW; lo++) {
         const int ok = isnan(m[lo]) ? isnan(back[lo]) : f32_bits(back[lo]) == f32_bits(m[lo]);
@@ -82,13 +85,13 @@ static void test_chunks(void) {
         m[i] = bits_f32(u);
         hi[i] = zx_f32_to_bf16_ref(m[i]);
     }
-    CHECK(zx_master_split(N, m, hi, rem, ties) == ZX_OK, "split");
+    CHECK(zx_master_split(g_isa, N, m, hi, rem, ties) == ZX_OK, "split");
     CHECK((ties[N / 8] >> (N % 8)) == 0, "unused bits of the last byte: 0x%02x", ties[N / 8]);
     for (int start = 0; start < N; start += 8 * 17) {
         const int n = N - start < 8 * 40 + 5 ? N - start : 8 * 40 + 5;
         memset(part, 0xff, sizeof part);
-        CHECK(zx_master_split((size_t)n, m + start, hi + start, rem + start, part) == ZX_OK, "chunk split");
-        CHECK(zx_master_join((size_t)n, hi + start, rem + start, part, back) == ZX_OK, "chunk join");
+        CHECK(zx_master_split(g_isa, (size_t)n, m + start, hi + start, rem + start, part) == ZX_OK, "chunk split");
+        CHECK(zx_master_join(g_isa, (size_t)n, hi + start, rem + start, part, back) == ZX_OK, "chunk join");
         int same = 1;
         for (int i = 0; i < n; i++) same = same && f32_bits(back[i]) == f32_bits(m[start + i]);
         CHECK(same, "chunk at %d did not come back", start);
@@ -102,12 +105,12 @@ static void test_edited(void) {
     const int16_t neg[2] = {-5, -0x7fff};
     uint8_t t = 0;
     float out[2];
-    CHECK(zx_master_join(2, zeros, neg, &t, out) == ZX_OK, "join");
+    CHECK(zx_master_join(g_isa, 2, zeros, neg, &t, out) == ZX_OK, "join");
     CHECK(out[0] == 0.0f && out[1] == 0.0f, "edited zeros came back as %g, %g", out[0], out[1]);
     /* an edited nonzero keeps the edit with the old remainder, near the new value */
     const uint16_t h = 0x4000;   /* 2.0 */
     const int16_t r = 0x1234;
-    CHECK(zx_master_join(1, &h, &r, &t, out) == ZX_OK, "join");
+    CHECK(zx_master_join(g_isa, 1, &h, &r, &t, out) == ZX_OK, "join");
     CHECK(fabsf(out[0] - 2.0f) < 0.01f, "edited 2.0 came back as %g", out[0]);
 }
 
@@ -116,17 +119,36 @@ static void test_errors(void) {
     uint16_t h = 0x3f80;
     int16_t r = 0;
     uint8_t t = 0;
-    CHECK(zx_master_join(0, NULL, NULL, NULL, NULL) == ZX_OK, "n = 0 touches nothing");
-    CHECK(zx_master_split(0, NULL, NULL, NULL, NULL) == ZX_OK, "n = 0 touches nothing");
-    CHECK(zx_master_join(1, &h, &r, NULL, &f) == ZX_ERR_INVALID_ARG, "null ties");
-    CHECK(zx_master_split(1, &f, NULL, &r, &t) == ZX_ERR_INVALID_ARG, "null hi");
+    CHECK(zx_master_join(g_isa, 0, NULL, NULL, NULL, NULL) == ZX_OK, "n = 0 touches nothing");
+    CHECK(zx_master_split(g_isa, 0, NULL, NULL, NULL, NULL) == ZX_OK, "n = 0 touches nothing");
+    CHECK(zx_master_join(g_isa, 1, &h, &r, NULL, &f) == ZX_ERR_INVALID_ARG, "null ties");
+    CHECK(zx_master_split(g_isa, 1, &f, NULL, &r, &t) == ZX_ERR_INVALID_ARG, "null hi");
+}
+
+/* The edited-zero rule inside whole bytes (the vector loop): 8 elements. */
+static void test_edited_vector(void) {
+    const uint16_t h[8] = {0x0000, 0x8000, 0x4000, 0x0000, 0xc000, 0x8000, 0x3f80, 0x0000};
+    const int16_t r[8] = {-5, -0x7fff, -3, 7, -0x100, 9, -0x8000, -0x8000};
+    const uint8_t t = 0x80;   /* the last element is a tie: +0x8000 */
+    float out[8];
+    CHECK(zx_master_join(g_isa, 8, h, r, &t, out) == ZX_OK, "join");
+    const uint32_t want[8] = {0x00000000u, 0x80000000u, 0x3ffffffdu, 0x00000007u, 0xbfffff00u, 0x80000009u,
+                              0x3f7f8000u, 0x00008000u};
+    for (int i = 0; i < 8; i++)
+        CHECK(f32_bits(out[i]) == want[i], "element %d: 0x%08x, want 0x%08x", i, f32_bits(out[i]), want[i]);
 }
 
 int main(void) {
-    test_round_trip();
-    test_chunks();
-    test_edited();
-    test_errors();
+    const zx_isa isas[2] = {ZX_ISA_SCALAR, zx_cpu_best_isa()};
+    for (int k = 0; k < (isas[1] == ZX_ISA_SCALAR ? 1 : 2); k++) {
+        g_isa = isas[k];
+        printf("test_master_split: %s\n", zx_isa_name(g_isa));
+        test_round_trip();
+        test_chunks();
+        test_edited();
+        test_edited_vector();
+        test_errors();
+    }
     printf("test_master_split: %ld passed, %ld failed\n", g_passed, g_failed);
     return g_failed ? 1 : 0;
 }
