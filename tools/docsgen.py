@@ -397,6 +397,9 @@ STATUS = [
     ("bf16 optimizer states with stochastic rounding (`state_dtype=\"bf16\"`)",
      ["tests/test_state_dtype.py", "tests/test_kernels_bf16_states.py"],
      ["tests_bf16_states_cuda", "tests_state_dtype_cuda"], []),
+    ("bf16 masters kept as a remainder under the bf16 parameter in stages 0-2 (`master_remainder`, on by "
+     "default): 2 bytes and a tie bit per shard element instead of 4, bit-identical",
+     ["tests/test_split_master.py"], ["tests_engine"], [f"{XEON}/bench_memory_peers.json"]),
     ("Parameter offload (to host memory or NVMe)", "not implemented", [], []),
     ("`torch.compile` of a zeroified model", "not tested", [], []),
 ]

@@ -323,8 +323,8 @@ zx_status zx_cast_to_f32(zx_isa isa, size_t n, const void *src, zx_dtype src_dty
  * ties[i >> 3]; a partial last byte's other bits are written 0).
  * join:  out[i] = the master, bit for bit.
  * split: rem and ties from m and the hi that rounding m gave (read, not written).
- * isa: ZX_ISA_SCALAR, or a wider one (AVX2 and AVX-512 both run the AVX2 loop: a tie
- * byte is 8 lanes); ZX_ERR_UNSUPPORTED where the CPU lacks it. */
+ * isa: ZX_ISA_SCALAR, AVX2 (a tie byte is 8 lanes) or AVX-512 (two tie bytes are one
+ * 16-lane mask); ZX_ERR_UNSUPPORTED where the CPU lacks it. */
 zx_status zx_master_join(zx_isa isa, size_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties,
                          float *out);
 zx_status zx_master_split(zx_isa isa, size_t n, const float *m, const uint16_t *hi, int16_t *rem, uint8_t *ties);

@@ -101,9 +101,44 @@ static ZX_MS_TARGET size_t split_avx2(size_t whole, const float *m, const uint16
     }
     return whole;
 }
+
+/* AVX-512: two tie bytes = one 16-bit lane mask = 16 elements. Returns the whole bytes done. */
+#define ZX_MS_TARGET512 __attribute__((target("avx512f,avx512bw")))
+
+static ZX_MS_TARGET512 size_t join_avx512(size_t whole, const uint16_t *hi, const int16_t *rem,
+                                          const uint8_t *ties, float *out) {
+    const __m512i half = _mm512_set1_epi32(0x8000), mag = _mm512_set1_epi32(0x7fff), zero = _mm512_setzero_si512();
+    size_t b = 0;
+    for (; b + 2 <= whole; b += 2) {
+        const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(hi + b * 8)));
+        __m512i d = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(rem + b * 8)));
+        d = _mm512_mask_mov_epi32(d, (__mmask16)(ties[b] | ties[b + 1] << 8), half);
+        const __mmask16 edited = _mm512_cmpeq_epi32_mask(_mm512_and_si512(h, mag), zero) &
+                                 _mm512_cmplt_epi32_mask(d, zero);
+        d = _mm512_maskz_mov_epi32((__mmask16)~edited, d);
+        _mm512_storeu_si512(out + b * 8, _mm512_add_epi32(_mm512_slli_epi32(h, 16), d));
+    }
+    return b;
+}
+
+static ZX_MS_TARGET512 size_t split_avx512(size_t whole, const float *m, const uint16_t *hi, int16_t *rem,
+                                           uint8_t *ties) {
+    const __m512i half = _mm512_set1_epi32(0x8000);
+    size_t b = 0;
+    for (; b + 2 <= whole; b += 2) {
+        const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(hi + b * 8)));
+        const __m512i d = _mm512_sub_epi32(_mm512_loadu_si512(m + b * 8), _mm512_slli_epi32(h, 16));
+        _mm256_storeu_si256((__m256i *)(rem + b * 8), _mm512_cvtepi32_epi16(d));   /* the low halves */
+        const __mmask16 t = _mm512_cmpeq_epi32_mask(d, half);
+        ties[b] = (uint8_t)t;
+        ties[b + 1] = (uint8_t)(t >> 8);
+    }
+    return b;
+}
 #endif
 
-/* Whole bytes first (AVX2 where the CPU has it and isa allows), then the partial last byte. */
+/* Whole bytes first (AVX-512 / AVX2 where the CPU has them and isa allows; an odd last
+ * whole byte and the partial last byte in the narrower loops). */
 zx_status zx_master_join(zx_isa isa, size_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties,
                          float *out) {
     if (n == 0) return ZX_OK;
@@ -112,7 +147,9 @@ zx_status zx_master_join(zx_isa isa, size_t n, const uint16_t *hi, const int16_t
     const size_t whole = n / 8;
     size_t done = 0;
 #if ZX_HAVE_X86_SIMD
-    if (isa != ZX_ISA_SCALAR) done = join_avx2(whole, hi, rem, ties, out);
+    if (isa == ZX_ISA_AVX512) done = join_avx512(whole, hi, rem, ties, out);
+    if (isa != ZX_ISA_SCALAR) done += join_avx2(whole - done, hi + done * 8, rem + done * 8, ties + done,
+                                                out + done * 8);
 #endif
     for (size_t b = done; b < whole; b++) {
         const unsigned t = ties[b];
@@ -129,7 +166,9 @@ zx_status zx_master_split(zx_isa isa, size_t n, const float *m, const uint16_t *
     const size_t whole = n / 8;
     size_t done = 0;
 #if ZX_HAVE_X86_SIMD
-    if (isa != ZX_ISA_SCALAR) done = split_avx2(whole, m, hi, rem, ties);
+    if (isa == ZX_ISA_AVX512) done = split_avx512(whole, m, hi, rem, ties);
+    if (isa != ZX_ISA_SCALAR) done += split_avx2(whole - done, m + done * 8, hi + done * 8, rem + done * 8,
+                                                 ties + done);
 #endif
     for (size_t b = done; b < whole; b++) {
         uint8_t t = 0;
