@@ -325,3 +325,59 @@ def test_full_state_dict_into_stage3_at_n4_memory_and_ddp_parity(tmp_path):
         for ddp_loss, mine in r["losses"]:
             assert abs(ddp_loss - mine) <= 1e-5 * abs(ddp_loss), r["losses"]
         assert r["rel"] <= 1e-5, f"rank {rank}: relative weight difference to DDP {r['rel']:.3g}"
+
+
+def test_step_hooks_profiler_and_scheduler_as_torch():
+    """Note [Step hooks] (zero_ext/optim.py): step() skips torch's profile_hook_step wrapper
+    when nothing needs it, and otherwise runs it: per-optimizer and global pre/post hooks
+    fire once per step in torch's order, a pre-hook may replace the arguments, the profiler
+    sees "Optimizer.step#ZeroOptimizer.step", and an LR scheduler sees the step (no
+    "lr_scheduler.step() before optimizer.step()" warning)."""
+    import warnings
+
+    import torch.optim.optimizer as optim_module
+    m = _model()
+    zm, zo = zero_ext.zeroify(m, torch.optim.AdamW(m.parameters(), lr=1e-2), stage=1)
+    x = torch.randn(4, 7)
+
+    def closure():
+        loss = zm(x).square().mean()
+        loss.backward()
+        return loss
+
+    calls = []
+    handles = [zo.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o is zo))),
+               zo.register_step_post_hook(lambda o, a, k: calls.append(("post", o is zo))),
+               optim_module.register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global pre", o is zo))),
+               optim_module.register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global post", o is zo)))]
+    try:
+        before = [p.detach().clone() for p in m.parameters()]
+        loss = zo.step(closure)
+        assert torch.is_tensor(loss)
+        assert calls == [("global pre", True), ("pre", True), ("post", True), ("global post", True)], calls
+        assert any(not torch.equal(a, b) for a, b in zip(before, m.parameters())), "the hooked step stepped"
+    finally:
+        for h in handles:
+            h.remove()
+    # a pre-hook that replaces the arguments: the step gets its closure
+    seen = []
+    h = zo.register_step_pre_hook(lambda o, a, k: ((a[0],), {"closure": lambda: seen.append(1) or closure()}))
+    try:
+        zo.step()
+    finally:
+        h.remove()
+    assert seen == [1]
+    calls.clear()
+    zo.step(closure)                     # no hooks left: the direct path, nothing recorded
+    assert calls == []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        zo.step(closure)
+    names = {e.name for e in prof.events()}
+    assert "Optimizer.step#ZeroOptimizer.step" in names, sorted(n for n in names if "step" in n.lower())
+    sched = torch.optim.lr_scheduler.StepLR(zo, step_size=1, gamma=0.5)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        zo.step(closure)
+        sched.step()
+    assert not [x for x in w if "lr_scheduler.step()" in str(x.message)], [str(x.message) for x in w]
+    assert zo.param_groups[0]["lr"] == 5e-3
