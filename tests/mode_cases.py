@@ -140,3 +140,23 @@ def differences(a: Run, b: Run, what: str, states: bool = True) -> list:
             if x.shape != y.shape or not torch.equal(x.float(), y.float()):
                 out.append(f"{what}: optimizer state {k} differs")
     return out
+
+
+def estimate_and_stats(rank: int, world: int, stage: int, *, opt: str = "adamw", steps: int = 3, **opts) -> tuple:
+    """(estimate_memory(...), opt.stats() after `steps` steps) of the same zeroify options on
+    the larger MLP (d_in 101, hidden 331, depth 4; AdamW at lr 1e-3 unless opt names another),
+    with 64 KiB buckets (8 KiB first): the memory tests of the modes compare them."""
+    import zero_ext
+    from cases import MLP, batch
+    torch.manual_seed(1234)
+    model = MLP(d_in=101, hidden=331, d_out=7, depth=4)
+    o = torch.optim.AdamW(model.parameters(), lr=1e-3) if opt == "adamw" else optimizer(opt, model.parameters())
+    kw = dict(dict(bucket_bytes=65536, first_bucket_bytes=8192), **opts)
+    est = zero_ext.estimate_memory(model, world, stage, optimizer=o, **kw)
+    zm, zo = zero_ext.zeroify(model, o, stage=stage, **kw)
+    for step in range(steps):
+        x, y = batch("mlp_big", rank, step, 0)
+        zm(x, y).backward()
+        zo.step()
+        zo.zero_grad()
+    return est, zo.stats()

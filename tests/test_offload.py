@@ -101,22 +101,9 @@ def test_offload_state_dict_round_trip(stage):
 
 
 def _stats_worker(rank, world, stage, opts):
-    import zero_ext
-    from cases import MLP, batch
-    torch.manual_seed(1234)
-    model = MLP(d_in=101, hidden=331, d_out=7, depth=4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    est = zero_ext.estimate_memory(model, world, stage, optimizer=opt, offload="cpu", bucket_bytes=65536,
-                                   first_bucket_bytes=8192, **opts)
-    zm, zo = zero_ext.zeroify(model, opt, stage=stage, offload="cpu", bucket_bytes=65536, first_bucket_bytes=8192,
-                              **opts)
+    from mode_cases import estimate_and_stats
     steps = 3
-    for step in range(steps):
-        x, y = batch("mlp_big", rank, step, 0)
-        zm(x, y).backward()
-        zo.step()
-        zo.zero_grad()
-    s = zo.stats()
+    est, s = estimate_and_stats(rank, world, stage, steps=steps, offload="cpu", **opts)
     return est, s, s["num_buckets"], steps
 
 

@@ -81,21 +81,8 @@ def test_step_in_backward_gpt_on_real_text_same_curve():
 
 
 def _memory(rank, world, stage, opts):
-    import zero_ext
-    from cases import MLP
-    torch.manual_seed(1234)
-    model = MLP(d_in=101, hidden=331, d_out=7, depth=4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    kw = dict(step_in_backward=True, bucket_bytes=65536, first_bucket_bytes=8192, **opts)
-    est = zero_ext.estimate_memory(model, world, stage, optimizer=opt, **kw)
-    zm, zo = zero_ext.zeroify(model, opt, stage=stage, **kw)
-    from cases import batch
-    for step in range(2):
-        x, y = batch("mlp_big", rank, step, 0)
-        zm(x, y).backward()
-        zo.step()
-        zo.zero_grad()
-    return est, zo.stats()
+    from mode_cases import estimate_and_stats
+    return estimate_and_stats(rank, world, stage, steps=2, step_in_backward=True, **opts)
 
 
 @pytest.mark.dist

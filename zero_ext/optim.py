@@ -208,8 +208,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
                 or torch._C._autograd._profiler_enabled()):
             return self._hooked_step(closure)
-        with torch.no_grad():
-            out = self._step(closure)
+        out = self._step(closure)   # (no_grad itself)
         self._optimizer_step_code()
         return out
 
