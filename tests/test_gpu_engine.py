@@ -57,10 +57,10 @@ def _train_plain(kind, steps, dtype):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _train_zero(kind, steps, stage, param_dtype, clip=None):
+def _train_zero(kind, steps, stage, param_dtype, clip=None, **opts):
     model = build_model(kind).to(DEV)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype=param_dtype)
+    zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype=param_dtype, **opts)
     for s in range(steps):
         x, y = (t.to(DEV) for t in batch(kind, 0, s, 0))
         loss_of(kind, zm, x, y).backward()
@@ -124,17 +124,9 @@ def _train_bf16_states(stage, remainder, chunk=None):
     if chunk is not None:
         os.environ["ZX_SPLIT_MASTER_CHUNK"] = str(chunk)
     try:
-        model = build_model("gpt").to(DEV)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-        zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="bf16", master_remainder=remainder)
+        zm, zo = _train_zero("gpt", STEPS, stage, "bf16", clip=1.0, master_remainder=remainder)
     finally:
         os.environ.pop("ZX_SPLIT_MASTER_CHUNK", None)
-    for s in range(STEPS):
-        x, y = (t.to(DEV) for t in batch("gpt", 0, s, 0))
-        loss_of("gpt", zm, x, y).backward()
-        zo.clip_grad_norm_(1.0)
-        zo.step()
-        zo.zero_grad()
     assert zo._engine.split_master == remainder
     params = [p.detach().clone() for p in zm.module.parameters()]
     sd = zo.state_dict()
