@@ -14,53 +14,6 @@ void zx_bind_control(pybind11::module_ &m);   // control_binding.cpp (the step c
 namespace zx {
 }  // namespace zx
 
-namespace {
-
-template <class T>
-T get(const py::dict &d, const char *key) {
-    TORCH_CHECK(d.contains(key), "zero_ext: internal error: hyperparameter '", key, "' missing");
-    return d[key].cast<T>();
-}
-
-std::vector<zx_adam_hparams> adam_hparams(const py::list &groups) {
-    std::vector<zx_adam_hparams> out;
-    for (auto item : groups) {
-        py::dict g = item.cast<py::dict>();
-        zx_adam_hparams h{};
-        h.lr = get<double>(g, "lr");
-        h.beta1 = get<double>(g, "beta1");
-        h.beta2 = get<double>(g, "beta2");
-        h.eps = get<double>(g, "eps");
-        h.weight_decay = get<double>(g, "weight_decay");
-        h.step = get<int64_t>(g, "step");
-        h.decoupled = get<bool>(g, "decoupled");
-        h.amsgrad = get<bool>(g, "amsgrad");
-        h.maximize = get<bool>(g, "maximize");
-        h.grad_scale = (float)get<double>(g, "grad_scale");
-        out.push_back(h);
-    }
-    return out;
-}
-
-std::vector<zx_sgd_hparams> sgd_hparams(const py::list &groups) {
-    std::vector<zx_sgd_hparams> out;
-    for (auto item : groups) {
-        py::dict g = item.cast<py::dict>();
-        zx_sgd_hparams h{};
-        h.lr = get<double>(g, "lr");
-        h.momentum = get<double>(g, "momentum");
-        h.dampening = get<double>(g, "dampening");
-        h.weight_decay = get<double>(g, "weight_decay");
-        h.nesterov = get<bool>(g, "nesterov");
-        h.maximize = get<bool>(g, "maximize");
-        h.first_step = get<bool>(g, "first_step");
-        h.grad_scale = (float)get<double>(g, "grad_scale");
-        out.push_back(h);
-    }
-    return out;
-}
-
-}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "zero_ext C/C++ core: ZeRO engine, planner and optimizer kernels";
@@ -199,22 +152,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("wait_reductions", &zx::Engine::wait_reductions, py::call_guard<py::gil_scoped_release>())
         .def("set_require_sync", &zx::Engine::set_require_sync)
         .def("require_sync", &zx::Engine::require_sync)
-        .def("step_adam", [](zx::Engine &e, const py::list &g, std::optional<at::Tensor> ctl,
-                             std::optional<at::Tensor> steps) {
-            auto h = adam_hparams(g);
+        // Note [Hyperparameters] (kernels_binding.h): the optimizer's param groups as they are;
+        // groups: the ones this fused optimizer steps; steps: every group's step count
+        .def("step_adam", [](zx::Engine &e, const py::list &param_groups, const std::vector<int64_t> &groups,
+                             const std::vector<int64_t> &steps, double scale, bool adamw,
+                             std::optional<at::Tensor> ctl, std::optional<at::Tensor> ctl_steps) {
+            auto h = adam_from_groups(param_groups, groups, steps, scale, adamw);
             py::gil_scoped_release nogil;
-            e.step_adam(h, ctl.value_or(at::Tensor()), steps.value_or(at::Tensor()));
-        }, py::arg("hparams"), py::arg("ctl") = py::none(), py::arg("steps") = py::none())
-        .def("step_sgd", [](zx::Engine &e, const py::list &g, std::optional<at::Tensor> ctl,
-                            std::optional<at::Tensor> steps) {
-            auto h = sgd_hparams(g);
+            e.step_adam(h, ctl.value_or(at::Tensor()), ctl_steps.value_or(at::Tensor()));
+        }, py::arg("param_groups"), py::arg("groups"), py::arg("steps"), py::arg("scale"), py::arg("adamw"),
+           py::arg("ctl") = py::none(), py::arg("ctl_steps") = py::none())
+        .def("step_sgd", [](zx::Engine &e, const py::list &param_groups, const std::vector<int64_t> &groups,
+                            const std::vector<int64_t> &steps, double scale, std::optional<at::Tensor> ctl,
+                            std::optional<at::Tensor> ctl_steps) {
+            auto h = sgd_from_groups(param_groups, groups, steps, scale);
             py::gil_scoped_release nogil;
-            e.step_sgd(h, ctl.value_or(at::Tensor()), steps.value_or(at::Tensor()));
-        }, py::arg("hparams"), py::arg("ctl") = py::none(), py::arg("steps") = py::none())
-        .def("set_backward_step_adam", [](zx::Engine &e, const py::list &g) { e.set_backward_step_adam(adam_hparams(g)); },
-             py::arg("hparams"))
-        .def("set_backward_step_sgd", [](zx::Engine &e, const py::list &g) { e.set_backward_step_sgd(sgd_hparams(g)); },
-             py::arg("hparams"))
+            e.step_sgd(h, ctl.value_or(at::Tensor()), ctl_steps.value_or(at::Tensor()));
+        }, py::arg("param_groups"), py::arg("groups"), py::arg("steps"), py::arg("scale"),
+           py::arg("ctl") = py::none(), py::arg("ctl_steps") = py::none())
+        .def("set_backward_step_adam", [](zx::Engine &e, const py::list &param_groups,
+                                          const std::vector<int64_t> &groups, double scale, bool adamw) {
+            std::vector<int64_t> steps(param_groups.size(), 1);   // ignored (Note [Step in backward])
+            e.set_backward_step_adam(adam_from_groups(param_groups, groups, steps, scale, adamw));
+        }, py::arg("param_groups"), py::arg("groups"), py::arg("scale"), py::arg("adamw"))
+        .def("set_backward_step_sgd", [](zx::Engine &e, const py::list &param_groups,
+                                         const std::vector<int64_t> &groups, double scale) {
+            std::vector<int64_t> steps(param_groups.size(), 1);
+            e.set_backward_step_sgd(sgd_from_groups(param_groups, groups, steps, scale));
+        }, py::arg("param_groups"), py::arg("groups"), py::arg("scale"))
         .def_property_readonly("backward_steps", &zx::Engine::backward_steps)
         .def("grad_sumsq_into", &zx::Engine::grad_sumsq_into, py::call_guard<py::gil_scoped_release>())
         .def("param_shards", &zx::Engine::param_shards)

@@ -29,7 +29,7 @@ void zx_bind_cuda(pybind11::module_ &m);
 #include <tuple>
 
 #include "cuda/zx_cuda.h"
-#include "kernels_binding.h"   // defines: adam_hparams_of
+#include "kernels_binding.h"   // defines: adam_hparams_of, sgd_hparams_of
 
 namespace {
 
@@ -177,15 +177,8 @@ void zx_py_cuda_sgd_step(at::Tensor param, at::Tensor grad, std::optional<at::Te
         zx_check_tensor(*param_lp, "param_lp", param_lp->scalar_type(), device, n);
         lp_ptr = param_lp->data_ptr();
     }
-    zx_sgd_hparams hp;
-    hp.lr = lr;
-    hp.momentum = momentum;
-    hp.dampening = dampening;
-    hp.weight_decay = weight_decay;
-    hp.nesterov = nesterov ? 1 : 0;
-    hp.maximize = maximize ? 1 : 0;
-    hp.first_step = first_step ? 1 : 0;
-    hp.grad_scale = (float)grad_scale;
+    const zx_sgd_hparams hp = sgd_hparams_of(lr, momentum, dampening, weight_decay, nesterov, maximize,
+                                             first_step, grad_scale);
     c10::cuda::CUDAGuard guard(device);
     zx_check_status(zx_cuda_sgd_step((size_t)n, param.data_ptr<float>(), grad.data_ptr<float>(), buf_ptr,
                                      lp_ptr, lp_dtype, &hp, nullptr, nullptr, zx_current_stream()),

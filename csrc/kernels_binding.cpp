@@ -183,15 +183,8 @@ void py_sgd_step(const std::string &isa_name, at::Tensor param, at::Tensor grad,
         buf = momentum_buf->data_ptr<float>();
     }
     zx_dtype lp_dtype = param_lp ? check_lp(*param_lp, "param_lp", n) : ZX_F32;
-    zx_sgd_hparams hp{};
-    hp.lr = lr;
-    hp.momentum = momentum;
-    hp.dampening = dampening;
-    hp.weight_decay = weight_decay;
-    hp.nesterov = nesterov;
-    hp.maximize = maximize;
-    hp.first_step = first_step;
-    hp.grad_scale = (float)grad_scale;
+    const zx_sgd_hparams hp = sgd_hparams_of(lr, momentum, dampening, weight_decay, nesterov, maximize,
+                                             first_step, grad_scale);
     float *p = param.data_ptr<float>();
     const float *g = grad.data_ptr<float>();
     uint16_t *lp = lp_ptr(param_lp);

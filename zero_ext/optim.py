@@ -43,6 +43,8 @@ class _Part:
         self.opt = None               # the inner torch optimizer ('shard', 'whole'), if this rank has any
         self.inner_ids: list = []     # inner param group k = param_groups[inner_ids[k]]
         self.owned: list = []         # 'whole': (engine param index, master view) in inner order
+        self.adam = issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))   # 'fused': Adam(W), else SGD
+        self.adamw = issubclass(cls, torch.optim.AdamW)   # decoupled_weight_decay's default
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -228,12 +230,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Note [Step in backward] (csrc/engine/backward_step.cpp): the step each bucket of
         this backward takes as its gradient lands, with the param groups as they are now."""
         part = self._parts[0]
-        hps = self._fused_hps(1.0 / self._engine.grad_divisor(), part, [self._engine.backward_steps + 1] *
-                              len(self.param_groups))
-        if issubclass(part.cls, (torch.optim.Adam, torch.optim.AdamW)):
-            self._engine.set_backward_step_adam(hps)
+        scale = 1.0 / self._engine.grad_divisor()
+        if part.adam:   # Note [Hyperparameters] (csrc/kernels_binding.h)
+            self._engine.set_backward_step_adam(self.param_groups, part.groups, scale, part.adamw)
         else:
-            self._engine.set_backward_step_sgd(hps)
+            self._engine.set_backward_step_sgd(self.param_groups, part.groups, scale)
 
     def _step_published(self, closure):
         """step_in_backward: the buckets stepped in backward; publish the parameters."""
@@ -411,45 +412,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _fused_step(self, scale: float, part: _Part, control: bool = False) -> None:
         """control: the multiplier, the skip verdict and the step counts come from the
-        step control's device memory (scale and the host step counts are not used)."""
+        step control's device memory (scale and the host step counts are not used).
+        The engine reads the param groups themselves (Note [Hyperparameters] in
+        csrc/kernels_binding.h)."""
         steps = [1] * len(self.param_groups) if control else self._host_steps
-        ctl = dict(ctl=self._ctl.ctl, steps=self._ctl.steps) if control else {}
-        hps = self._fused_hps(scale, part, steps)
-        if issubclass(part.cls, (torch.optim.Adam, torch.optim.AdamW)):
-            self._engine.step_adam(hps, **ctl)
+        ctl = dict(ctl=self._ctl.ctl, ctl_steps=self._ctl.steps) if control else {}
+        if part.adam:
+            self._engine.step_adam(self.param_groups, part.groups, steps, scale, part.adamw, **ctl)
         else:
-            self._engine.step_sgd(hps, **ctl)
-
-    def _fused_hps(self, scale: float, part: _Part, steps: list) -> list:
-        """The fused kernel's hyperparameters, one dict per param group (another part's
-        groups get inert ones: the engine skips their buckets)."""
-        hps = []
-        mine = set(part.groups)
-        if issubclass(part.cls, (torch.optim.Adam, torch.optim.AdamW)):
-            for gi, g in enumerate(self.param_groups):
-                if gi not in mine:   # another part's group: the engine skips its buckets
-                    hps.append(dict(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
-                                    decoupled=False, amsgrad=False, maximize=False, grad_scale=1.0))
-                    continue
-                beta1, beta2 = g["betas"]
-                hps.append(dict(
-                    lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(g["eps"]),
-                    weight_decay=float(g["weight_decay"]), step=steps[gi],
-                    decoupled=bool(g.get("decoupled_weight_decay", issubclass(part.cls, torch.optim.AdamW))),
-                    amsgrad=bool(g.get("amsgrad", False)), maximize=bool(g.get("maximize", False)),
-                    grad_scale=scale))
-        else:
-            for gi, g in enumerate(self.param_groups):
-                if gi not in mine:
-                    hps.append(dict(lr=0.0, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-                                    maximize=False, first_step=False, grad_scale=1.0))
-                    continue
-                hps.append(dict(
-                    lr=float(g["lr"]), momentum=float(g["momentum"]), dampening=float(g["dampening"]),
-                    weight_decay=float(g["weight_decay"]), nesterov=bool(g["nesterov"]),
-                    maximize=bool(g.get("maximize", False)), first_step=steps[gi] == 1,
-                    grad_scale=scale))
-        return hps
+            self._engine.step_sgd(self.param_groups, part.groups, steps, scale, **ctl)
 
     def synchronize(self) -> None:
         """Wait for every outstanding collective (reductions, the parameter gather);
