@@ -116,6 +116,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("hysteresis_left", &zx_loss_scaler::hysteresis_left)
         .def_readwrite("skipped", &zx_loss_scaler::skipped);
 
+    // Note [Fragment views] (engine/layout.cpp)
+    py::class_<zx::FragmentView>(m, "FragmentView")
+        .def_readonly("param", &zx::FragmentView::param)
+        .def_readonly("param_offset", &zx::FragmentView::param_offset)
+        .def_readonly("bucket", &zx::FragmentView::bucket)
+        .def_readonly("slice_offset", &zx::FragmentView::slice_offset)
+        .def_readonly("numel", &zx::FragmentView::numel)
+        .def_readonly("master", &zx::FragmentView::master)
+        .def("__repr__", [](const zx::FragmentView &f) {
+            return "FragmentView(param=" + std::to_string(f.param) + ", param_offset=" +
+                   std::to_string(f.param_offset) + ", bucket=" + std::to_string(f.bucket) + ", slice_offset=" +
+                   std::to_string(f.slice_offset) + ", numel=" + std::to_string(f.numel) + ")";
+        });
     py::class_<zx::Engine>(m, "Engine")
         .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> groups,
                          std::vector<int64_t> units, py::object pg, const zx::EngineOptions &opts) {
@@ -186,6 +199,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("grad_shards", &zx::Engine::grad_shards)
         .def("bucket_groups", &zx::Engine::bucket_groups)
         .def("fragments", &zx::Engine::fragments, py::arg("rank"))
+        .def("fragment_views", &zx::Engine::fragment_views)
+        .def("frozen_fragment_views", &zx::Engine::frozen_fragment_views)
         .def("set_active_groups", &zx::Engine::set_active_groups, py::arg("groups"))
         .def("owned_tensors", &zx::Engine::owned_tensors)
         .def("cut_params", &zx::Engine::cut_params)

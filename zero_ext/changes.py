@@ -12,7 +12,6 @@ weights or raises a zero_ext error naming the fix; none is silently lost.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import weakref
 
@@ -203,22 +202,14 @@ class ModelGuard:
     # ------------------------------------------------------------------ loads
     def _master_pieces(self, engine) -> list:
         """Per engine parameter: [(offset in the flattened parameter, view of this
-        rank's fp32 master shard)] for the fragments this rank owns."""
+        rank's fp32 master shard)] for the fragments this rank owns (Note [Fragment
+        views] in csrc/engine/layout.cpp); stage-3 frozen ones: their param_dtype slices."""
         if self._pieces is None:
-            masters = engine.param_shards()
-            starts, off = [], 0
-            for t in masters:
-                starts.append(off)
-                off += t.numel()
             pieces: list = [[] for _ in self.params]
-            rank = engine.rank if engine.partitions > 1 else 0
-            for i, poff, soff, n in engine.fragments(rank):
-                b = bisect.bisect_right(starts, soff) - 1
-                pieces[i].append((poff, masters[b].narrow(0, soff - starts[b], n)))
-            if len(self.params) > self.n_trainable:   # stage-3 frozen: their param_dtype slices
-                frozen = engine.frozen_shard()
-                for j, poff, soff, n in engine.frozen_fragments(rank):
-                    pieces[self.n_trainable + j].append((poff, frozen.narrow(0, soff, n)))
+            for f in engine.fragment_views():
+                pieces[f.param].append((f.param_offset, f.master))
+            for f in engine.frozen_fragment_views():
+                pieces[self.n_trainable + f.param].append((f.param_offset, f.master))
             self._pieces = pieces
         return self._pieces
 

@@ -220,10 +220,7 @@ class _Shard:
         self.windows = e.state_windows()                    # per bucket: (lo, numel, flat offset)
         self.views = None                                   # generic path: bucket -> shard view
         if optimizer._shard_opt is not None:
-            groups = e.bucket_groups()
-            inner = {gi: list(g["params"]) for gi, g in
-                     zip(optimizer._shard_group_ids, optimizer._shard_opt.param_groups)}
-            self.views = [inner[groups[b]].pop(0) for b in range(len(groups))]
+            self.views = optimizer._bucket_views()
 
     def bucket_of(self, shard_offset: int) -> int:
         return bisect.bisect_right(self.offsets, shard_offset) - 1

@@ -375,6 +375,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 m.grad = g
         self._tensor_updates += len(part.owned) - len(hidden)
 
+    def _bucket_views(self) -> list:
+        """Generic path: the shard optimizer's tensor of each bucket, in param_shards()
+        order (Note [Fragment views]: a fragment's `bucket` indexes this list)."""
+        inner = {gi: list(g["params"]) for gi, g in zip(self._shard_group_ids, self._shard_opt.param_groups)}
+        return [inner[gi].pop(0) for gi in self._engine.bucket_groups()]
+
     @contextlib.contextmanager
     def _keep_unstepped(self):
         """Generic path: the shard optimizer steps whole bucket views, so the
@@ -386,15 +392,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if all(stepped):
             yield
             return
-        from .checkpoint import _Shard   # bucket -> shard view, bucket offsets
-        shard = _Shard(self)
-        r = self._engine.rank if self._engine.partitions > 1 else 0
+        views = self._bucket_views()
         saved = []
-        for i, _, shard_off, n in self._engine.fragments(r):
-            if stepped[i] or n == 0:
+        for f in self._engine.fragment_views():
+            if stepped[f.param] or f.numel == 0:
                 continue
-            b = shard.bucket_of(shard_off)
-            v, lo = shard.views[b], shard_off - shard.offsets[b]
+            v, lo, n = views[f.bucket], f.slice_offset, f.numel
             st = self._shard_opt.state.get(v, {})
             per_elem = {k: t[lo:lo + n].clone() for k, t in st.items() if torch.is_tensor(t) and t.shape == v.shape}
             saved.append((v, lo, n, v[lo:lo + n].clone(), per_elem))

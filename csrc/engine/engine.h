@@ -157,6 +157,17 @@ struct StepRun {
     int64_t step;                      // step count after this step's increment
 };
 
+// Note [Fragment views] (layout.cpp): one piece of a parameter in this rank's shard, as
+// Python asks for it (checkpoints, loads, edits, the generic step).
+struct FragmentView {
+    int64_t param;                     // engine parameter index (frozen: frozen index)
+    int64_t param_offset;              // first element inside the flattened parameter
+    int64_t bucket;                    // its bucket: index into param_shards() (frozen: -1)
+    int64_t slice_offset;              // first element inside that bucket's shard slice (frozen: the frozen shard)
+    int64_t numel;
+    at::Tensor master;                 // (numel,) view: the fp32 master (frozen: the param_dtype shard)
+};
+
 // A staging/receive pair of the ring (Note [Gradient layout]).
 struct Slot {
     at::Tensor send;                   // (max padded_numel,) stage 2 gradient staging
@@ -199,6 +210,10 @@ public:
     // Where rank r's shard holds pieces of parameters (any r, from the plan):
     // (param index, offset in the flattened parameter, offset in the flat shard, numel).
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
+    // Note [Fragment views]: this rank's fragments of the active groups' buckets, with views
+    // of the master (joined first with a split master); frozen: of the stage-3 frozen shard.
+    std::vector<FragmentView> fragment_views();
+    std::vector<FragmentView> frozen_fragment_views() const;
     // After the fp32 master shards (param_shards()) were overwritten, e.g. by a
     // checkpoint load: make the parameters every rank computes with equal them again.
     void publish_params();

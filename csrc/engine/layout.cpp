@@ -367,6 +367,45 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(in
     return out;
 }
 
+// Note [Fragment views]
+//   Python code that reads or writes this rank's share of a parameter (checkpoint
+//   save and load, model.load_state_dict, edits folded into the master, the generic
+//   step's unstepped elements) asks the engine where it lies, instead of rebuilding
+//   the shard layout from param_shards() offsets and fragments() itself: each view
+//   names the parameter, where the piece starts in it, its bucket (an index into
+//   param_shards(), so a caller can find the generic optimizer's tensor) and where it
+//   starts in that bucket's slice, and carries a view of the master over exactly the
+//   piece. Only the active groups' buckets are listed (set_active_groups), as
+//   param_shards() lists them.
+std::vector<FragmentView> Engine::fragment_views() {
+    const int64_t r = parts_ > 1 ? rank_ : 0;
+    std::vector<FragmentView> out;
+    std::vector<zx_fragment> fr;
+    int64_t index = 0;   // among the active buckets
+    for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
+        Bucket &bk = buckets_[b];
+        if (!active(bk)) continue;
+        int64_t count = 0;
+        zx_plan_fragments(plan_, b, (int32_t)r, nullptr, 0, &count);
+        fr.resize((size_t)count);
+        zx_check(zx_plan_fragments(plan_, b, (int32_t)r, fr.data(), count, &count), "reading the plan");
+        at::Tensor m = count ? master_slice(bk) : at::Tensor();
+        for (const auto &f : fr)
+            out.push_back({f.param, f.param_offset, index, f.slice_offset, f.numel,
+                           m.narrow(0, f.slice_offset, f.numel)});
+        index++;
+    }
+    return out;
+}
+
+std::vector<FragmentView> Engine::frozen_fragment_views() const {
+    std::vector<FragmentView> out;
+    if (frozen_buckets_.empty()) return out;
+    for (const auto &[i, poff, soff, n] : frozen_fragments(parts_ > 1 ? rank_ : 0))
+        out.push_back({i, poff, -1, soff, n, frozen_shard_.narrow(0, soff, n)});
+    return out;
+}
+
 void Engine::set_comm_delay(double ms, bool serialize) {
     Kernels *device = dev_.is_cuda() ? kern_.get() : nullptr;
     comm_.set_delay(ms, serialize, device);
