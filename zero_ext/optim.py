@@ -184,7 +184,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         part.inner_ids = sorted(by_group)
         groups = [dict(self._hyper(gi), params=by_group[gi]) for gi in part.inner_ids]
         part.opt = part.cls(groups) if groups else None
-        self._shard_opt, self._shard_group_ids = part.opt, part.inner_ids   # (checkpoint.py reads these)
+        self._shard_opt, self._shard_group_ids = part.opt, part.inner_ids   # (zero_ext/checkpoint/ reads these)
 
     def add_param_group(self, param_group: dict) -> None:
         if self._engine is None:                         # Optimizer.__init__ adds the groups

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import _layout, _prepare_states, _restore_scalars, _Shard, _whole_tensors, consolidated_state_dict
+from .checkpoint import consolidated_state_dict
+from .checkpoint.entries import LocalShard, _prepare_states, _restore_scalars
+from .checkpoint.layout import _layout, _whole_tensors
 from .model import PHASE_OPTIM_STATE
 
 EXTRA = "zero_ext_complete"
@@ -118,7 +120,7 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
     names = list(layout["params"])                          # engine order
     mine = set(groups)
     in_part = [layout["params"][n]["group"] in mine for n in names]
-    shard = _Shard(optimizer)
+    shard = LocalShard(optimizer)
 
     # per-element states: every rank copies its fragments; no state (never stepped) is zero
     per_elem = sorted({key for n, st in by_name.items() for key, t in st.items()
@@ -128,16 +130,15 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
         for flat in engine.states().values():
             flat.zero_()
     states = _prepare_states(optimizer, shard, per_elem) if per_elem else {}
-    rank = engine.rank if engine.partitions > 1 else 0
     with torch.no_grad():
-        for i, poff, soff, n in engine.fragments(rank):
-            name = names[i]
-            if not in_part[i] or i in whole_kind or name not in by_name:
+        for f in shard.fragments:
+            name = names[f.param]
+            if not in_part[f.param] or f.param in whole_kind or name not in by_name:
                 continue
             for key in per_elem:
                 t = by_name[name].get(key)
                 if t is not None:
-                    shard.local(states[key], soff, n).copy_(t.reshape(-1)[poff:poff + n])
+                    shard.piece(states[key], f).copy_(t.reshape(-1)[f.param_offset:f.param_offset + f.numel])
 
     # step counts: torch keeps one per parameter ("step"); SGD keeps none, so a parameter
     # with state took its group's count (ours) or at least one step (a plain torch state)
@@ -177,10 +178,10 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
         # the fp32 masters of this rank's fragments, then the parameters computed from them
         by_key = {layout["keys"][k]: t for k, t in masters.items() if k in layout["keys"]}
         with torch.no_grad():
-            for i, poff, soff, n in engine.fragments(rank):
-                t = by_key.get(names[i])
-                if in_part[i] and t is not None:
-                    shard.local(shard.masters, soff, n).copy_(t.reshape(-1)[poff:poff + n])
+            for f in shard.fragments:
+                t = by_key.get(names[f.param])
+                if in_part[f.param] and t is not None:
+                    f.master.copy_(t.reshape(-1)[f.param_offset:f.param_offset + f.numel])
         engine.publish_params()
     if extra:
         optimizer.load_scaler_state_dict(extra.get("loss_scaler"))

@@ -1,0 +1,28 @@
+"""Checkpoints that survive a change of world size and stage.
+
+    zero_ext.save("ckpt", model, opt, extra={"step": step}, scheduler=sched)   # every rank
+    extra = zero_ext.load("ckpt", model, opt, scheduler=sched)                # any N, any stage
+    full = zero_ext.consolidated_state_dict(model, opt, to=0)   # {"model", "optimizer"} on rank 0
+    python -m zero_ext.consolidate ckpt full.pt                 # offline, no process group
+
+One concern per module; each imports only those above it, and nothing here imports
+zero_ext/optim.py or zero_ext/optim_state.py (they import this package):
+
+    format.py         what is on disk (Note [Checkpoint format]): the manifest, CRC32,
+                      resolve/read_manifest, the check against the model, CheckpointError
+    layout.py         the model and optimizer as a checkpoint sees them: names, shapes,
+                      param groups, frozen parameters and buffers, whole tensors, steps
+    entries.py        this rank's sharded state (LocalShard, from the engine's fragment
+                      views) and the DCP entries that write or read it
+    saving.py         save() (Note [Atomic save])
+    loading.py        load()
+    consolidation.py  consolidate(path) offline, consolidated_state_dict() collective
+"""
+from .consolidation import consolidate, consolidated_state_dict, optimizer_state_dict
+from .format import FORMAT, MANIFEST, OBJECTS, CheckpointError, read_manifest, resolve
+from .layout import core_optimizer
+from .loading import load
+from .saving import save
+
+__all__ = ["CheckpointError", "FORMAT", "MANIFEST", "OBJECTS", "consolidate", "consolidated_state_dict",
+           "core_optimizer", "load", "optimizer_state_dict", "read_manifest", "resolve", "save"]

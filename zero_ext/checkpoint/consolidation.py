@@ -1,0 +1,216 @@
+"""Full, unsharded state in torch's own format: consolidate(path) reads a checkpoint
+offline (no process group; `python -m zero_ext.consolidate`), consolidated_state_dict()
+assembles it from the live ranks (collective); both give torch.optim state dicts of
+the wrapped class."""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+
+import torch
+
+from ..model import PHASE_CHECKPOINT
+from .entries import LocalShard
+from .format import (_EARLIER, OBJECTS, CheckpointError, _objects, _quiet, _steps_of, _whole_entries, read_manifest,
+                     resolve)
+from .layout import (_engine_names, _gather_frozen, _param_steps, _plain_tensors, _settle, _whole_tensors,
+                     core_optimizer)
+
+_ADAM_FAMILY = ("Adam", "AdamW")
+
+
+def optimizer_state_dict(layout: dict, tensors: dict, objects: dict, whole: dict | None = None):
+    """A torch.optim state dict for the wrapped class from per-parameter full tensors:
+    tensors[state][name] = the state of trainable parameter `name`, shaped like it.
+    Parameters are numbered across param groups in order, as torch numbers them.
+    With several wrapped optimizers or one that needs whole tensors: one state dict
+    per wrapped optimizer (a list when there are several), whole[name] = {state:
+    tensor} giving the whole-tensor optimizers' states."""
+    parts = layout.get("parts") or []
+    if len(parts) > 1 or (parts and parts[0]["kind"] == "whole"):
+        out = [_part_state_dict(layout, part, tensors, whole or {}, objects) for part in parts]
+        return out if len(out) > 1 else out[0]
+    index, groups = {}, []
+    for gi, names in enumerate(layout["groups"]):
+        ids = []
+        for n in names:
+            index[n] = len(index)
+            ids.append(index[n])
+        groups.append(dict(objects["param_groups"][gi], params=ids))
+    state = {}
+    for name, info in layout["params"].items():
+        gi = info["group"]
+        steps = _steps_of(objects, name, gi)
+        s = {}
+        scal = objects["scalar_state"].get(gi)
+        if scal is not None:
+            s.update({k: (t.clone() if torch.is_tensor(t) else t) for k, t in scal.items()})
+        elif layout["optimizer"] in _ADAM_FAMILY and steps > 0:
+            s["step"] = torch.tensor(float(steps))
+        for st, per_param in tensors.items():
+            s[st] = per_param[name]
+        if s and (steps > 0 or scal):
+            state[index[name]] = s
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def _part_state_dict(layout: dict, part: dict, tensors: dict, whole: dict, objects: dict) -> dict:
+    """The state dict of one wrapped optimizer (its param groups, numbered from 0)."""
+    index, groups, state = {}, [], {}
+    for gi in part["groups"]:
+        ids = []
+        for n in layout["groups"][gi]:
+            index[n] = len(index)
+            ids.append(index[n])
+        groups.append(dict(objects["param_groups"][gi], params=ids))
+    for gi in part["groups"]:
+        steps = objects["steps"][gi]
+        scal = objects["scalar_state"].get(gi)
+        for n in layout["groups"][gi]:
+            if n not in layout["params"]:
+                continue                                   # frozen: no state
+            if part["kind"] == "whole":
+                s = {k: t.clone() for k, t in whole.get(n, {}).items()}
+            else:
+                s = {k: (t.clone() if torch.is_tensor(t) else t) for k, t in (scal or {}).items()}
+                if not scal and part["optimizer"] in _ADAM_FAMILY and steps > 0:
+                    s["step"] = torch.tensor(float(steps))
+                if steps > 0 or scal:
+                    s.update({st: per[n] for st, per in tensors.items()})
+            if s:
+                state[index[n]] = s
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def consolidate(path) -> dict:
+    """Read checkpoint `path` into plain full tensors, without a process group:
+    {"model": the module's state_dict, "optimizer": a state dict that a plain torch
+    optimizer of the wrapped class loads, "extra", "scheduler", "loss_scaler"}."""
+    real = resolve(path)
+    m = read_manifest(real)
+    sd = {OBJECTS: torch.empty(m["objects_bytes"], dtype=torch.uint8)}
+    flat = {}
+    # a whole tensor's state is under whole/ (Note [State windows] in csrc/engine/fill.cpp)
+    whole_groups = {g for part in m.get("parts", []) if part["kind"] == "whole" for g in part["groups"]}
+    for name, info in m["params"].items():
+        numel = 1
+        for d in info["shape"]:
+            numel *= d
+        for kind in ["model"] + [f"optim/{s}" for s in m["states"]]:
+            flat[(kind, name)] = torch.zeros(numel)
+            if numel and (kind == "model" or info["group"] not in whole_groups):
+                sd[f"{kind}/{name}"] = flat[(kind, name)]
+    for name, info in m["plain"].items():
+        sd[f"model/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
+    from torch.distributed import checkpoint as dcp
+    try:
+        with _quiet():
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(real), no_dist=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed ({type(e).__name__}: {e}); "
+                              f"{_EARLIER}") from e
+    objects = _objects(sd[OBJECTS], real)
+    whole = _whole_entries(real, list(m["params"]))
+    if whole:
+        with _quiet():
+            dcp.load({k: t for per in whole.values() for k, t in per.items()},
+                     storage_reader=dcp.FileSystemReader(real), no_dist=True)
+    whole = {n: {k.split("/")[1]: t for k, t in per.items()} for n, per in whole.items()}
+    values = {name: flat[("model", name)].view(info["shape"]) for name, info in m["params"].items()}
+    values.update({name: sd[f"model/{name}"] for name in m["plain"]})
+    model_sd = {key: values[name] for key, name in m["keys"].items()}
+    tensors = {s: {name: flat[(f"optim/{s}", name)].view(info["shape"]) for name, info in m["params"].items()}
+               for s in m["states"]}
+    return {"model": model_sd, "optimizer": optimizer_state_dict(m, tensors, objects, whole),
+            "extra": objects["extra"], "scheduler": objects["scheduler"], "loss_scaler": objects["loss_scaler"]}
+
+
+@torch.no_grad()
+def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state: bool = True,
+                            phase: int = PHASE_CHECKPOINT):
+    """The full model state_dict and a plain torch.optim state dict of the wrapped
+    class, assembled on rank `to` (of the model's process group; None: on every rank):
+    {"model", "optimizer"} there, None on the other ranks; every rank calls it.
+    Streamed bucket by bucket and rank by rank with point-to-point sends, so besides the
+    result the receiving rank holds one bucket slice at a time (its extra memory is
+    bounded by a bucket, not the model) and the senders send views of their shards.
+    model_state=False: the optimizer's state only ({"optimizer"})."""
+    optimizer = core_optimizer(optimizer)
+    engine = optimizer._engine
+    rank, parts = engine.rank, engine.partitions
+    # stage 0 and one rank hold everything: no collective, so any rank may call it alone
+    engine, comm, layout = _settle(model, optimizer, phase if parts > 1 else None)
+    shard = LocalShard(optimizer)
+    states = shard.states()
+    kinds = {**({"model": shard.masters} if model_state else {}), **{f"optim/{s}": p for s, p in states.items()}}
+    names = _engine_names(optimizer, layout)
+    receiving = to is None or rank == to
+    out = None
+    if receiving:
+        numel = [math.prod(layout["params"][name]["shape"]) for name in names]
+        out = {k: [torch.zeros(n) for n in numel] for k in kinds}
+
+    def place(kind, pieces, src):
+        for i, poff, off, n in pieces:
+            out[kind][i].narrow(0, poff, n).copy_(src.narrow(0, off, n))
+
+    if parts == 1:                                   # everything is here (stage 0 / one rank)
+        if receiving:
+            for kind, pieces in kinds.items():
+                for f in shard.fragments:
+                    out[kind][f.param].narrow(0, f.param_offset, f.numel).copy_(shard.piece(pieces, f))
+    else:
+        # rank -> bucket -> the pieces of its slice, for the receiving rank to place
+        slices = _slices_of_every_rank(engine, [m.numel() for m in shard.masters]) if receiving else None
+        # each rank's slice of bucket b, from its owner (a broadcast: Note [One communication layer])
+        buf = torch.empty(max(m.numel() for m in shard.masters), device=comm.device)
+        for b, m in enumerate(shard.masters):
+            n_b = m.numel()
+            for kind, pieces in kinds.items():
+                for r in range(parts):
+                    if r == to:
+                        if receiving:
+                            place(kind, slices[r][b], shard.full(pieces, b))
+                        continue
+                    got = comm.broadcast_from(shard.full(pieces, b) if rank == r else None, buf[:n_b], r)
+                    if receiving:
+                        place(kind, slices[r][b], got)
+        del buf
+    # whole-tensor states: each owner's, to rank `to` (they are per tensor, not per element)
+    mine = {name: {k: t.detach().cpu().clone() if torch.is_tensor(t) else t for k, t in opt.state.get(view, {}).items()}
+            for name, opt, view in _whole_tensors(optimizer, layout)}
+    whole = mine
+    if parts > 1:
+        got = comm.gather_object(mine, dst=to)
+        whole = {n: st for d in (got or []) for n, st in d.items()}
+    frozen = _gather_frozen(model, keep=receiving) if model_state else {}
+    if not receiving:
+        return None
+    scalar = shard.scalar_state()
+    objects = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+               "steps": list(optimizer._steps), "param_steps": _param_steps(optimizer, names), "scalar_state": scalar}
+    tensors = {s: {name: out[f"optim/{s}"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
+               for s in states}
+    result = {"optimizer": optimizer_state_dict(layout, tensors, objects, whole)}
+    if model_state:
+        values = {name: out["model"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
+        values.update({n: t.clone() for n, t in _plain_tensors(model, layout).items()})
+        values.update({n: t for n, t in _plain_tensors(model, layout, frozen).items() if n not in values})  # frozen
+        result["model"] = {key: values[name] for key, name in layout["keys"].items()}
+    return result
+
+
+def _slices_of_every_rank(engine, slice_numel: list) -> list:
+    """rank -> bucket -> [(parameter, offset in it, offset in the bucket's slice, numel)]:
+    the pieces each rank's slice of each bucket holds, for the receiving rank to place
+    what every rank sends. The engine's fragment views describe this rank's slices only;
+    engine.fragments(r) gives rank r's pieces at offsets in its flat shard, where the
+    buckets' slices lie back to back, as long on every rank as on this one."""
+    starts = list(itertools.accumulate(slice_numel, initial=0))[:-1]   # bucket b's slice in a flat shard
+    out = [[[] for _ in slice_numel] for _ in range(engine.partitions)]
+    for r in range(engine.partitions):
+        for i, poff, soff, n in engine.fragments(r):
+            b = bisect.bisect_right(starts, soff) - 1
+            out[r][b].append((i, poff, soff - starts[b], n))
+    return out

@@ -1,0 +1,196 @@
+"""The sharded entries: which pieces of which parameter and optimizer state this rank
+holds, and the DCP entries (ShardedTensors) that hand them to a save or a load
+(Note [Checkpoint format] in zero_ext/checkpoint/format.py).
+
+Where a piece lies is the engine's answer, not recomputed here:
+- engine.fragment_views(): this rank's fragments, each with its bucket, its offset in
+  that bucket's slice and a view of the master over it (Note [Fragment views] in
+  csrc/engine/layout.cpp);
+- engine.state_windows(): where in each bucket's slice the per-element state lies
+  (Note [State windows] in csrc/engine/fill.cpp);
+- engine.fragments(r): any rank's fragments, for the pieces the other ranks write.
+"""
+from __future__ import annotations
+
+import torch
+
+from .layout import core_optimizer
+
+
+class LocalShard:
+    """This rank's share of the sharded state, per bucket: the fp32 masters, each
+    per-element optimizer state, and the fragments saying which piece of which
+    parameter lies where in them (the engine's fragment views)."""
+
+    def __init__(self, optimizer):
+        self.opt = optimizer = core_optimizer(optimizer)
+        self.engine = e = optimizer._engine
+        self.masters = e.param_shards()                     # per bucket, 1-D views of this rank's slice
+        self.fragments = e.fragment_views()                 # this rank's pieces, bucket by bucket
+        self.atomic = [o >= 0 for o in e.owners()]          # whole tensors: per-tensor state only
+        self.windows = e.state_windows()                    # per bucket: (lo, numel, flat offset)
+        self.views = None                                   # generic path: bucket -> shard view
+        if optimizer._shard_opt is not None:
+            self.views = optimizer._bucket_views()
+
+    def states(self) -> dict:
+        """name -> per-bucket 1-D tensors of each per-element optimizer state."""
+        if self.views is None:
+            # Note [State windows] (csrc/engine/fill.cpp): each bucket's state covers a window of its slice
+            out = {}
+            for name, flat in self.engine.states().items():
+                out[name] = _Windows([flat.narrow(0, off, n) for _, n, off in self.windows],
+                                     [lo for lo, _, _ in self.windows])
+            return out
+        state = self.opt._shard_opt.state
+        names = sorted({k for v in self.views for k, t in state.get(v, {}).items() if _per_element(t, v)})
+        return {n: [state[v][n] for v in self.views] for n in names}
+
+    def scalar_state(self) -> dict:
+        """Generic path: group -> the optimizer's non-per-element state ("step", ...)."""
+        if self.views is None:
+            return {}
+        out = {}
+        for v, gi in zip(self.views, self.engine.bucket_groups()):
+            s = self.opt._shard_opt.state.get(v, {})
+            if gi not in out and s:
+                out[gi] = {k: (t.clone() if torch.is_tensor(t) else t) for k, t in s.items()
+                           if not _per_element(t, v)}
+        return out
+
+    def piece(self, pieces: list, f) -> torch.Tensor:
+        """Fragment view `f`'s elements of the per-bucket tensors `pieces` (the masters or
+        a state): a view, or zeros where the state's window does not reach (no state there)."""
+        b, n = f.bucket, f.numel
+        at = f.slice_offset - (pieces.lo[b] if isinstance(pieces, _Windows) else 0)
+        if at < 0 or at + n > pieces[b].numel():
+            return torch.zeros(n, dtype=pieces[b].dtype)
+        return pieces[b].narrow(0, at, n)
+
+    def full(self, pieces: list, b: int) -> torch.Tensor:
+        """Bucket b's slice of `pieces`, slice-sized (zeros outside a state window), in fp32
+        (bf16 states widened: Note [bf16 optimizer states] in csrc/engine/stepper.cpp)."""
+        n = self.masters[b].numel()
+        if not isinstance(pieces, _Windows) or (pieces.lo[b] == 0 and pieces[b].numel() == n):
+            return pieces[b].float()
+        out = torch.zeros(n, dtype=torch.float32)
+        out.narrow(0, pieces.lo[b], pieces[b].numel()).copy_(pieces[b])
+        return out
+
+
+class _Windows(list):
+    """Per bucket, a per-element state over the window of its slice starting at lo[b]."""
+
+    def __init__(self, tensors: list, lo: list):
+        super().__init__(tensors)
+        self.lo = lo
+
+
+def _as_fp32(states: dict) -> tuple:
+    """Checkpoints hold every per-element state in fp32, whatever state_dtype (Note [bf16
+    optimizer states] in csrc/engine/stepper.cpp): a bf16 state widens exactly, so it
+    loads back into bf16 states bit for bit, and into fp32 states of another run too.
+    Returns (name -> per-bucket fp32 tensors: the states themselves where they are fp32,
+    else copies), [(bf16 state, its fp32 copy)] for a load to write back."""
+    out, back = {}, []
+    for name, pieces in states.items():
+        if all(t.dtype == torch.float32 for t in pieces):
+            out[name] = pieces
+            continue
+        wide = [t.float() for t in pieces]
+        back += [(t, w) for t, w in zip(pieces, wide) if t.dtype != torch.float32]
+        out[name] = _Windows(wide, pieces.lo) if isinstance(pieces, _Windows) else wide
+    return out, back
+
+
+def _per_element(t, view) -> bool:
+    return torch.is_tensor(t) and t.dim() == 1 and t.shape == view.shape
+
+
+def _prepare_states(optimizer, shard: LocalShard, saved: list) -> dict:
+    """Per-bucket tensors that the saved per-element states load into; states the
+    checkpoint does not have (it was saved before the first step) are cleared."""
+    if shard.views is None:
+        e = shard.engine
+        for name, flat in e.states().items():
+            if name not in saved:
+                flat.zero_()
+        for name in saved:
+            e.state(name)
+        return shard.states()
+    st = optimizer._shard_opt.state
+    for v in shard.views:
+        st[v] = {name: torch.zeros_like(v) for name in saved}
+    return {name: [st[v][name] for v in shard.views] for name in saved}
+
+
+def _restore_scalars(optimizer, shard: LocalShard, objects: dict) -> None:
+    """Generic path: put back the scalar state ("step", ...) of every bucket view;
+    a checkpoint from the fused path has step counts only."""
+    groups = shard.engine.bucket_groups()
+    st = optimizer._shard_opt.state
+    for b, v in enumerate(shard.views):
+        gi = groups[b]
+        scal = objects["scalar_state"].get(gi)
+        if scal is None and objects["steps"][gi] > 0 and st[v]:
+            scal = {"step": torch.tensor(float(objects["steps"][gi]))}
+        for k, t in (scal or {}).items():
+            st[v][k] = t.clone() if torch.is_tensor(t) else t
+        if not st[v]:
+            del st[v]
+
+
+# --------------------------------------------------------------------------- DCP entries
+def _sharded(numel: int, chunks: list, local: list, rank: int):
+    """A 1-D ShardedTensor of `numel` fp32 elements: `chunks` = every rank's pieces
+    (rank, offset, numel), `local` = this rank's (offset, tensor). Built from the
+    plan without communication: ShardedTensorBase's constructor checks that the
+    pieces tile the tensor but, unlike ShardedTensor's, needs no process group. It is
+    torch's one private API used here (present since torch 2.0; tested on 2.13).
+    DTensor, DCP's other sharded type, cannot express uneven element-granular pieces."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    # Placements name the device the pieces live on (the engine's): a Shard whose tensor
+    # is on cuda:0 must say so. Other ranks' device indices are not known here and are
+    # not read (DCP plans from the local shards and the sizes).
+    dev = local[0][1].device if local else torch.device("cpu")
+    md = ShardedTensorMetadata(
+        shards_metadata=[ShardMetadata([o], [n], f"rank:{r}/{dev if r == rank else dev.type}")
+                         for r, o, n in chunks],
+        size=torch.Size([numel]),
+        tensor_properties=TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False,
+                                           memory_format=torch.contiguous_format, pin_memory=False))
+    shards = [Shard(t, ShardMetadata([o], [t.numel()], f"rank:{rank}/{t.device}")) for o, t in local]
+    st = ShardedTensorBase._init_from_local_shards_and_global_metadata(shards, md)
+    st._process_group = None     # what ShardedTensor's own constructor sets; its size() reads it
+    return st
+
+
+def _sharded_entries(shard: LocalShard, names: list, pieces_by_kind: dict, writing: bool) -> dict:
+    """DCP entries for every sharded tensor kind ("model", "optim/<state>"): this
+    rank's fragments in the current layout, placed among every rank's pieces. Stage 0
+    (one partition): rank 0's plan holds everything and every rank holds all of it;
+    only rank 0 writes it."""
+    e = shard.engine
+    parts, rank = e.partitions, e.rank
+    chunks: list = [[] for _ in names]                    # every rank's pieces: (rank, offset, numel)
+    for r in range(parts):
+        for i, poff, _, n in e.fragments(r):
+            chunks[i].append((r, poff, n))
+    numel = [sum(n for _, _, n in c) for c in chunks]     # the pieces tile each parameter
+    mine = shard.fragments
+    if writing and parts == 1 and rank != 0:
+        mine = []
+    out = {}
+    for kind, pieces in pieces_by_kind.items():
+        local: list = [[] for _ in names]
+        for f in mine:
+            local[f.param].append((f.param_offset, shard.piece(pieces, f)))
+        for i, name in enumerate(names):
+            if kind.startswith("optim/") and shard.atomic[i]:
+                continue                                  # a whole tensor's state is under whole/
+            if local[i] and numel[i] > 0:
+                out[f"{kind}/{name}"] = _sharded(numel[i], chunks[i], local[i], rank)
+    return out

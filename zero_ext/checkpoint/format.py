@@ -1,0 +1,184 @@
+"""What a checkpoint is on disk, and reading it back: the manifest and its checks.
+
+Note [Checkpoint format]
+A checkpoint is a directory written by
+torch.distributed.checkpoint (DCP: `.metadata` + one `__<rank>_0.distcp` file per
+writing rank) plus our manifest `zero_ext.json`. Every tensor is a *logical* one,
+independent of the layout that wrote it:
+
+    model/<name>          trainable parameter, flattened to (numel,) fp32: the master
+                          weights. Each rank writes only its fragments (engine.fragments:
+                          contiguous pieces of the flattened parameter), as the local
+                          shards of a ShardedTensor; DCP records every piece's offset.
+    optim/<state>/<name>  a per-element optimizer state (exp_avg, momentum_buffer, ...),
+                          the same pieces; only for parameters of elementwise
+                          optimizers (a whole tensor's state is under whole/).
+    model/<name>          frozen parameter or buffer: a plain tensor of its own shape,
+                          written once (by rank 0; they are replicated). Stage 3 shards
+                          frozen parameters (Note [Stage 3 frozen parameters]): save
+                          gathers them unit by unit onto rank 0 (which then holds them
+                          whole until written), load writes each rank's slices from
+                          the tensor read; the format is the same in every stage.
+    whole/<state>/<name>  a per-tensor state of an optimizer that needs whole tensors
+                          (Muon's momentum_buffer, Adafactor's step, row_var, col_var,
+                          variance): a plain tensor of the state's own shape, written
+                          by the rank owning the parameter whole and read by the rank
+                          owning it in the new layout (zero_ext/whole.py).
+    zero_ext/objects      uint8 bytes of torch.save({param_groups hyperparameters, step
+                          counts per group, scalar optimizer state, loss-scaler and
+                          LR-scheduler state dicts, extra}); read back with
+                          weights_only=True, so only plain data and tensors are inside.
+
+Loading hands DCP this rank's fragments in the *new* layout; DCP reads the overlap of
+each with the saved pieces (its resharding), straight into the master and state
+shards, then engine.publish_params() makes the parameters equal the masters again.
+The manifest describes the model (names, shapes, param groups, optimizer class) and
+every file (bytes, CRC32), so a checkpoint of another model, a truncated, corrupt or
+missing file is refused with its own message on every rank before anything is read.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import warnings
+import zlib
+
+import torch
+
+FORMAT = 1
+MANIFEST = "zero_ext.json"
+# the fix for a checkpoint that cannot be read
+_EARLIER = "load an earlier checkpoint (or a backup copy of this one)"
+OBJECTS = "zero_ext/objects"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded (missing, incomplete, corrupt, another model)
+    or a save that failed. Raised on every rank."""
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns that ShardedTensor is deprecated in favour of DTensor (which cannot
+    express our uneven element-granular pieces) and, without a process group, that
+    it runs in one process; neither is news to the user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+# --------------------------------------------------------------------------- verify
+def resolve(path) -> str:
+    """The checkpoint directory to read for `path`: `path` itself, or `path`.old when a
+    save was interrupted between its two renames (Note [Atomic save] in
+    zero_ext/checkpoint/saving.py)."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(os.path.join(path, MANIFEST)) and os.path.exists(os.path.join(path + ".old", MANIFEST)):
+        return path + ".old"
+    return path
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of checkpoint `path` after checking every file it lists (present,
+    size, CRC32). Raises CheckpointError naming what is wrong."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"zero_ext: no checkpoint at {path!r} (no such directory); pass the directory that "
+                              f"zero_ext.save(path, model, optimizer) wrote")
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.exists(mpath):
+        raise CheckpointError(f"zero_ext: {path!r} is not a complete zero_ext checkpoint: its manifest {MANIFEST} "
+                              f"is missing (an interrupted save leaves its files in <path>.tmp and the previous "
+                              f"checkpoint in place; was this written by zero_ext.save?)")
+    try:
+        with open(mpath) as f:
+            m = json.load(f)
+        files = m["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"zero_ext: the manifest {mpath!r} is corrupt ({e}); {_EARLIER}") from None
+    if m.get("format") != FORMAT:
+        raise CheckpointError(f"zero_ext: checkpoint {path!r} has format {m.get('format')!r}; this zero_ext "
+                              f"reads format {FORMAT}: load it with the zero_ext version that wrote it")
+    for name, info in files.items():
+        fp = os.path.join(path, name)
+        who = f" (the shard written by rank {name[2:].split('_')[0]})" if name.endswith(".distcp") else ""
+        if not os.path.exists(fp):
+            raise CheckpointError(f"zero_ext: checkpoint {path!r} is incomplete: file {name!r}{who} is missing; "
+                                  f"copy it back if you have it, or {_EARLIER}")
+        size = os.path.getsize(fp)
+        if size != info["bytes"]:
+            what = "truncated" if size < info["bytes"] else "longer than written"
+            raise CheckpointError(f"zero_ext: checkpoint {path!r} is damaged: file {name!r}{who} is {what} "
+                                  f"({size} bytes, {info['bytes']} were written); {_EARLIER}")
+        crc = _crc32(fp)
+        if crc != info["crc32"]:
+            raise CheckpointError(f"zero_ext: checkpoint {path!r} is corrupt: file {name!r}{who} has CRC32 "
+                                  f"{crc:08x}, {info['crc32']:08x} was written; {_EARLIER}")
+    return m
+
+
+def _mismatch(m: dict, layout: dict, path: str) -> str | None:
+    """Why checkpoint manifest `m` does not fit the model/optimizer `layout`, or None."""
+    problems = []
+    for kind, label in (("params", "trainable parameters"), ("plain", "frozen parameters/buffers")):
+        saved, here = m[kind], layout[kind]
+        missing = [n for n in here if n not in saved]
+        unexpected = [n for n in saved if n not in here]
+        shapes = [f"{n} {tuple(saved[n]['shape'])} saved, {tuple(here[n]['shape'])} here"
+                  for n in here if n in saved and saved[n]["shape"] != here[n]["shape"]]
+        if missing:
+            problems.append(f"{label} not in the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            problems.append(f"{label} of the checkpoint not in this model: {unexpected[:5]}"
+                            f"{' ...' if len(unexpected) > 5 else ''}")
+        if shapes:
+            problems.append("shapes differ: " + "; ".join(shapes[:5]))
+    if problems:
+        return (f"zero_ext: checkpoint {path!r} is of another model: " + " | ".join(problems)
+                + ". Build the same model as the one saved")
+    if m["optimizer"] != layout["optimizer"]:
+        return (f"zero_ext: checkpoint {path!r} holds {m['optimizer']} state; this optimizer is "
+                f"{layout['optimizer']}. Wrap the same optimizer class")
+    if m["groups"] != layout["groups"]:
+        return (f"zero_ext: checkpoint {path!r} has param groups {[len(g) for g in m['groups']]} (parameters per "
+                f"group) that differ from this optimizer's {[len(g) for g in layout['groups']]}; build the optimizer "
+                f"with the same param groups")
+    return None
+
+
+# --------------------------------------------------------------------------- read
+def _objects(t: torch.Tensor, path: str) -> dict:
+    try:
+        return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"zero_ext: the saved objects of checkpoint {path!r} cannot be read ({e}); "
+                              f"{_EARLIER}") from e
+
+
+def _steps_of(objects: dict, name: str, group: int) -> int:
+    """A parameter's step count; a checkpoint without per-parameter counts has its group's."""
+    return int(objects.get("param_steps", {}).get(name, objects["steps"][group]))
+
+
+def _whole_entries(real: str, names: list) -> dict:
+    """name -> {"whole/<state>/<name>": empty tensor to load into}, for the whole
+    tensors `names`, from the checkpoint's DCP metadata (shape and dtype of each)."""
+    from torch.distributed import checkpoint as dcp
+    md = dcp.FileSystemReader(real).read_metadata().state_dict_metadata
+    wanted, out = set(names), {}
+    for key, meta in md.items():
+        if key.startswith("whole/"):
+            name = key.split("/", 2)[2]
+            if name in wanted:
+                out.setdefault(name, {})[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    return out

@@ -1,0 +1,147 @@
+"""The model and optimizer as a checkpoint sees them: the pair zeroify() returned,
+parameter names, shapes and param groups (the manifest's description of the model),
+the frozen parameters and buffers, the whole tensors, the step counts; and settling
+the engine before a checkpoint touches anything.
+
+This package reads the ZeroOptimizer by what it has (its engine, parts and param
+groups) and never imports zero_ext/optim.py: optim.py reaches the checkpoint code
+through zero_ext/optim_state.py, so every import points one way, into this package.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..gather import OWNER_ATTR
+from ..model import PHASE_CHECKPOINT, ZeroModel
+
+
+def core_optimizer(optimizer):
+    """The ZeroOptimizer behind what zeroify returned: itself, or the one shared by
+    the list of optimizers (or one of them) that zeroify returned for several."""
+    if isinstance(optimizer, (list, tuple)) and optimizer:
+        optimizer = optimizer[0]
+    return getattr(optimizer, "zero_optimizer", optimizer)
+
+
+def _is_zero_optimizer(optimizer) -> bool:
+    """A ZeroOptimizer, known by the engine and parts it holds (duck typing: importing
+    the class would make this package import zero_ext/optim.py, which imports it)."""
+    return (isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_engine")
+            and hasattr(optimizer, "_parts"))
+
+
+def _require_pair(model, optimizer) -> None:
+    """save/load/consolidation take what zeroify() returned (checked before anything is touched)."""
+    if not isinstance(model, ZeroModel) or not _is_zero_optimizer(core_optimizer(optimizer)):
+        raise TypeError(f"zero_ext: save/load take the (model, optimizer) pair returned by zeroify(), got "
+                        f"({type(model).__name__}, {type(optimizer).__name__}); pass those: "
+                        f"model, opt = zero_ext.zeroify(...); zero_ext.save(path, model, opt)")
+
+
+def _layout(model, optimizer) -> dict:
+    """The model as a checkpoint sees it (identical on every rank):
+    params: trainable name -> {shape, group}, in engine order; plain: frozen
+    parameters and buffers name -> {shape, dtype}; keys: state_dict key -> the
+    name its tensor is stored under (tied parameters share one); groups: the names in
+    each param group, in order (torch optimizer state dicts index them so)."""
+    _require_pair(model, optimizer)
+    optimizer = core_optimizer(optimizer)
+    module = model.module
+    names = {}
+    for n, p in module.named_parameters():
+        names.setdefault(id(p), n)
+    shapes = getattr(optimizer, "_param_shapes", None) or [tuple(p.shape) for p in optimizer._params]
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    params = {names[id(p)]: {"shape": list(s), "group": group_of[id(p)]}
+              for p, s in zip(optimizer._params, shapes)}
+    keys, plain = {}, {}
+    guard = model._guard
+    logical = {id(p): s for p, s in zip(guard.params, guard.shapes)}   # stage-3 frozen ones are empty here
+    for key, t in module.state_dict(keep_vars=True).items():
+        name = names.get(id(t), key)
+        keys[key] = name
+        if name not in params and name not in plain:
+            plain[name] = {"shape": list(logical.get(id(t), t.shape)), "dtype": str(t.dtype).replace("torch.", "")}
+    groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    parts = [{"optimizer": p.cls.__name__, "groups": list(p.groups), "kind": p.kind} for p in optimizer._parts]
+    return {"params": params, "plain": plain, "keys": keys, "groups": groups,
+            "optimizer": "+".join(p["optimizer"] for p in parts), "parts": parts}
+
+
+def _engine_names(optimizer, layout) -> list:
+    return list(layout["params"])                         # engine order (dicts keep it)
+
+
+def _settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT):
+    """(engine, its Comm, layout), once every outstanding collective is done and every
+    rank is here (a rank calling alone is named: Note [Collective sequence check])."""
+    _require_pair(model, optimizer)
+    optimizer = core_optimizer(optimizer)
+    engine = optimizer._engine
+    if phase is not None:
+        engine.sequence_mark(phase)
+    engine.wait_reductions()
+    engine.flush_params()
+    return engine, optimizer._comm, _layout(model, optimizer)
+
+
+def _param_steps(optimizer, names) -> dict:
+    """name -> optimizer steps that parameter took (Note [Unused parameters] in
+    csrc/engine/unused.cpp: a parameter no rank gave a gradient is not stepped);
+    the same on every rank, so world-size independent."""
+    return dict(zip(names, optimizer.param_step_counts()))
+
+
+def _whole_tensors(optimizer, layout) -> list:
+    """(name, the inner torch optimizer, master view) of every whole tensor this rank owns."""
+    names = list(layout["params"])
+    return [(names[i], part.opt, view) for part in optimizer._parts if part.kind == "whole"
+            for i, view in part.owned]
+
+
+# --------------------------------------------------------------------------- frozen parameters, buffers
+def _plain_tensors(model, layout, full: dict | None = None) -> dict:
+    """name -> frozen parameter or buffer; full: id -> whole value of the frozen
+    parameters stage 3 shards (_gather_frozen), or None to leave them out."""
+    sd = model.module.state_dict(keep_vars=True)
+    sharded = {id(p) for p in _frozen_in_engine(model)}
+    out = {}
+    for key, name in layout["keys"].items():
+        t = sd[key]
+        if name not in layout["plain"] or name in out:
+            continue
+        if id(t) not in sharded:
+            out[name] = t.detach()
+        elif full is not None:
+            out[name] = full[id(t)]
+    return out
+
+
+def _frozen_in_engine(model) -> list:
+    """The frozen parameters stage 3 shards, in the engine's frozen order."""
+    guard = model._guard
+    return guard.params[guard.n_trainable:]
+
+
+@torch.no_grad()
+def _gather_frozen(model, keep: bool) -> dict:
+    """id -> whole clone of every frozen parameter stage 3 shards (held only where
+    keep); every rank calls it: one unit gathered at a time."""
+    engine, out = model._engine, {}
+    unit_of = {id(p): getattr(p, OWNER_ATTR)[1] for p in _frozen_in_engine(model)}
+    for u in sorted(set(unit_of.values())):
+        was = engine.unit_gathered(u)
+        engine.gather_unit(u, True)
+        if keep:
+            out.update({id(p): p.detach().clone() for p in _frozen_in_engine(model) if unit_of[id(p)] == u})
+        if not was:
+            engine.release_unit(u)
+    return out
+
+
+@torch.no_grad()
+def _write_frozen(model, loaded: dict) -> None:
+    """Stage 3: each rank writes its slices of the frozen parameters read whole."""
+    guard, engine = model._guard, model._engine
+    for j, p in enumerate(_frozen_in_engine(model)):
+        guard.write(engine, guard.n_trainable + j, p, loaded[id(p)])
