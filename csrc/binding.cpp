@@ -199,7 +199,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("grad_shards", &zx::Engine::grad_shards)
         .def("bucket_groups", &zx::Engine::bucket_groups)
         .def("fragments", &zx::Engine::fragments, py::arg("rank"))
-        .def("fragment_views", &zx::Engine::fragment_views)
+        .def("fragment_views", &zx::Engine::fragment_views, py::arg("masters") = true)
         .def("frozen_fragment_views", &zx::Engine::frozen_fragment_views)
         .def("set_active_groups", &zx::Engine::set_active_groups, py::arg("groups"))
         .def("owned_tensors", &zx::Engine::owned_tensors)

@@ -85,19 +85,13 @@ class GradStats:
         scale = float(opt._clip_coef) * opt._grad_scale()
         kind, p = reduce
         shards = eng.grad_shards()
-        offsets, off = [], 0
-        for t in shards:
-            offsets.append(off)
-            off += t.numel()
         n_params = len(opt._params)
         acc = torch.zeros(n_params, dtype=torch.float64)
         if kind in ("max", "min") or (kind == "norm" and math.isinf(p)):
             acc.fill_(-math.inf if (kind == "max" or p > 0) else math.inf)
-        rank = eng.rank if eng.partitions > 1 else 0
-        import bisect
-        for i, _poff, soff, n in eng.fragments(rank):
-            b = bisect.bisect_right(offsets, soff) - 1
-            v = shards[b].narrow(0, soff - offsets[b], n).to(torch.float64).cpu() * scale
+        for f in eng.fragment_views(masters=False):   # Note [Fragment views] (csrc/engine/layout.cpp)
+            i = f.param
+            v = shards[f.bucket].narrow(0, f.slice_offset, f.numel).to(torch.float64).cpu() * scale
             for op in ops:
                 v = v.abs() if op == ("abs",) else v.square() if op == ("square",) else v.pow(op[1])
             if kind in ("sum", "mean"):

@@ -212,7 +212,8 @@ public:
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
     // Note [Fragment views]: this rank's fragments of the active groups' buckets, with views
     // of the master (joined first with a split master); frozen: of the stage-3 frozen shard.
-    std::vector<FragmentView> fragment_views();
+    // masters=false: no master views (and no join): only where the pieces lie.
+    std::vector<FragmentView> fragment_views(bool masters = true);
     std::vector<FragmentView> frozen_fragment_views() const;
     // After the fp32 master shards (param_shards()) were overwritten, e.g. by a
     // checkpoint load: make the parameters every rank computes with equal them again.

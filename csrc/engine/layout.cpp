@@ -377,7 +377,7 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(in
 //   starts in that bucket's slice, and carries a view of the master over exactly the
 //   piece. Only the active groups' buckets are listed (set_active_groups), as
 //   param_shards() lists them.
-std::vector<FragmentView> Engine::fragment_views() {
+std::vector<FragmentView> Engine::fragment_views(bool masters) {
     const int64_t r = parts_ > 1 ? rank_ : 0;
     std::vector<FragmentView> out;
     std::vector<zx_fragment> fr;
@@ -389,10 +389,10 @@ std::vector<FragmentView> Engine::fragment_views() {
         zx_plan_fragments(plan_, b, (int32_t)r, nullptr, 0, &count);
         fr.resize((size_t)count);
         zx_check(zx_plan_fragments(plan_, b, (int32_t)r, fr.data(), count, &count), "reading the plan");
-        at::Tensor m = count ? master_slice(bk) : at::Tensor();
+        at::Tensor m = count && masters ? master_slice(bk) : at::Tensor();
         for (const auto &f : fr)
             out.push_back({f.param, f.param_offset, index, f.slice_offset, f.numel,
-                           m.narrow(0, f.slice_offset, f.numel)});
+                           m.defined() ? m.narrow(0, f.slice_offset, f.numel) : at::Tensor()});
         index++;
     }
     return out;
