@@ -43,17 +43,18 @@ def unity_sources(sources, alone):
     the files in `alone`, compiled by themselves.
 
     Note [Unity build]
-      Every .cpp of the binding and the engine includes torch/extension.h, whose
-      parsing is most of a file's compile time (about 25 of 40 CPU seconds per file
-      on the 2-core CI machine; ~20 files made the build ~9 minutes there). Compiled
-      as two translation units, the headers are parsed twice instead of ~20 times, and
-      the two compile in parallel. Every .cpp still compiles on its own
-      (ZX_UNITY_BUILD=0 builds one object per file, the quicker choice while editing
-      one of them), so a file keeps its own includes; names at file scope (static
-      functions, anonymous namespaces) must differ between the files of a directory,
-      or the unity file fails to compile. Ninja's depfiles list the included .cpp
-      files, so editing one rebuilds its unity file only. The generated files are
-      rewritten only when their list of files changes.
+      Every .cpp of the binding includes torch/extension.h, and every .cpp of the
+      engine ATen and c10d (no pybind11 or Python: tests/test_engine_headers.py);
+      parsing them is most of a file's compile time (with torch/extension.h about 25
+      of 40 CPU seconds per file on the 2-core CI machine; ~20 files made the build
+      ~9 minutes there). Compiled as two translation units, the headers are parsed
+      twice instead of ~20 times, and the two compile in parallel. Every .cpp still
+      compiles on its own (ZX_UNITY_BUILD=0 builds one object per file, the quicker
+      choice while editing one of them), so a file keeps its own includes; names at
+      file scope (static functions, anonymous namespaces) must differ between the
+      files of a directory, or the unity file fails to compile. Ninja's depfiles list
+      the included .cpp files, so editing one rebuilds its unity file only. The
+      generated files are rewritten only when their list of files changes.
     """
     if os.environ.get("ZX_UNITY_BUILD", "1") == "0":
         return sources

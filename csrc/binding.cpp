@@ -11,6 +11,9 @@
 void zx_bind_cuda(pybind11::module_ &m);   // cuda_binding.cpp (a no-op without CUDA)
 void zx_bind_plan(pybind11::module_ &m);   // plan_binding.cpp (the planner, for estimate_memory)
 void zx_bind_control(pybind11::module_ &m);   // control_binding.cpp (the step control on CPU tensors)
+// stats_binding.cpp: the engine's reports as dicts (Note [Engine stats], engine/stats.h)
+pybind11::dict zx_stats_dict(const zx::EngineStats &s);
+pybind11::dict zx_atomic_stats_dict(const zx::AtomicStats &a);
 namespace zx {
 }  // namespace zx
 
@@ -205,7 +208,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("owned_tensors", &zx::Engine::owned_tensors)
         .def("cut_params", &zx::Engine::cut_params)
         .def("owners", &zx::Engine::owners)
-        .def("atomic_stats", &zx::Engine::atomic_stats)
+        .def("atomic_stats", [](const zx::Engine &e) { return zx_atomic_stats_dict(e.atomic_stats()); })
         .def("publish_params", &zx::Engine::publish_params, py::call_guard<py::gil_scoped_release>())
         .def("cast_masters", &zx::Engine::cast_masters, py::call_guard<py::gil_scoped_release>())
         .def("enable_split_master", &zx::Engine::enable_split_master, py::call_guard<py::gil_scoped_release>())
@@ -255,7 +258,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             for (auto &kv : e.states()) d[py::str(kv.first)] = kv.second;
             return d;
         })
-        .def("stats", &zx::Engine::stats)
+        .def("stats", [](const zx::Engine &e) { return zx_stats_dict(e.stats()); })
         .def("set_comm_delay", &zx::Engine::set_comm_delay, py::arg("ms"), py::arg("serialize") = false)
         .def("describe_plan", &zx::Engine::describe_plan)
         .def("grad_divisor", &zx::Engine::grad_divisor)

@@ -2,8 +2,9 @@
 //
 //   zx_bind_kernels(m)   adds the CPU kernel functions to the extension module
 //                        (kernels_binding.cpp; called from binding.cpp)
-//   zx_check(s, what)    throws a c10::Error (Python RuntimeError) for a non-OK zx_status
-//   parse_isa(name)      "scalar" / "avx2" / "avx512" -> zx_isa (throws otherwise)
+//   adam_hparams_of, sgd_hparams_of, adam_from_groups, sgd_from_groups
+//                        the fused steps' hyperparameters (Note [Hyperparameters] below)
+//   zx_check, parse_isa  from engine/check.h (the engine's, without Python)
 #pragma once
 
 #include <torch/extension.h>
@@ -11,13 +12,9 @@
 #include <string>
 
 #include "core/zx_core.h"
+#include "engine/check.h"   // defines: zx_check, parse_isa
 
 void zx_bind_kernels(pybind11::module_ &m);
-
-// Turn a non-OK status from the C core into an exception naming the call.
-inline void zx_check(zx_status s, const char *what) {
-    TORCH_CHECK(s == ZX_OK, "zero_ext: ", what, " failed: ", zx_status_string(s));
-}
 
 // Note [Hyperparameters]
 //   The fused kernels take zx_adam_hparams / zx_sgd_hparams (core/zx_core.h). They are
@@ -121,15 +118,4 @@ inline std::vector<zx_sgd_hparams> sgd_from_groups(const pybind11::list &param_g
             zx_groups::at<bool>(g, "nesterov"), zx_groups::get<bool>(g, "maximize", false), steps[gi] == 1, scale);
     }
     return out;
-}
-
-// An ISA name as zx_isa_name() spells it. ("auto" is the caller's to resolve,
-// with zx_cpu_best_isa().)
-inline zx_isa parse_isa(const std::string &name) {
-    if (name == "scalar") return ZX_ISA_SCALAR;
-    if (name == "avx2") return ZX_ISA_AVX2;
-    if (name == "avx512") return ZX_ISA_AVX512;
-    TORCH_CHECK(false, "zero_ext: unknown isa '", name,
-                "'; use 'scalar', 'avx2', 'avx512' (or 'auto' where accepted)");
-    return ZX_ISA_SCALAR;  // not reached
 }

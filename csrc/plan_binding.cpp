@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "core/zx_core.h"
-#include "kernels_binding.h"   // defines: zx_check
+#include "engine/check.h"   // defines: zx_check
 
 namespace {
 

@@ -6,6 +6,7 @@ Run: pytest tests/test_cuda_compile.py -v
 """
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 
@@ -79,3 +80,11 @@ def test_cuda_host_code_compiles(source, tmp_path):
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-Wall", "-Wno-unused-parameter"] + [f"-I{p}" for p in includes] + [str(source)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, f"{source.name} does not compile with -DZX_WITH_CUDA:\n{proc.stderr[-4000:]}"
+    if source.parent.name == "engine":
+        # the engine includes no pybind11/Python header (tests/test_engine_headers.py), its CUDA branch neither
+        pre = subprocess.run([a if a != "-fsyntax-only" else "-E" for a in cmd], capture_output=True, text=True,
+                             cwd=ROOT)
+        assert pre.returncode == 0, pre.stderr[-4000:]
+        reached = sorted({f for f in re.findall(r'^# \d+ "([^"]+)"', pre.stdout, re.M)
+                          if "/pybind11/" in f or f.endswith("/Python.h")})
+        assert not reached, f"{source.name} with -DZX_WITH_CUDA includes pybind11/Python headers: {reached[:12]}"

@@ -6,7 +6,7 @@
 // wrapped optimizers step their own groups, and the balance figures for stats().
 #include "engine/engine.h"
 
-#include "kernels_binding.h"   // defines: zx_check
+#include "engine/check.h"      // defines: zx_check
 
 namespace zx {
 
@@ -45,18 +45,18 @@ std::vector<int64_t> Engine::owners() const {
     return out;
 }
 
-py::dict Engine::atomic_stats() const {
+AtomicStats Engine::atomic_stats() const {
     // Per rank: update cost and elements of its whole tensors; max/mean of each
     // (1.0 = perfect balance); the padding of the atomic buckets in elements.
-    py::list cost, numel;
+    AtomicStats st;
     double cmax = 0.0, csum = 0.0;
-    int64_t nmax = 0, nsum = 0, tensors = 0, padding = 0, atomic_numel = 0, buckets = 0;
+    int64_t nmax = 0, nsum = 0;
     for (int64_t r = 0; r < parts_; r++) {
         double c = 0.0;
         int64_t m = 0;
         zx_check(zx_plan_rank_load(plan_, (int32_t)r, &c, &m), "reading the plan");
-        cost.append(c);
-        numel.append(m);
+        st.cost_per_rank.push_back(c);
+        st.numel_per_rank.push_back(m);
         cmax = std::max(cmax, c);
         csum += c;
         nmax = std::max(nmax, m);
@@ -65,43 +65,34 @@ py::dict Engine::atomic_stats() const {
     int64_t filled = 0;   // elements of element-granular pieces inside atomic buckets
     for (const auto &bk : buckets_) {
         if (!bk.atomic) continue;
-        buckets++;
+        st.buckets++;
         for (int64_t i : bk.params) {
             if (zx_plan_owner(plan_, i) >= 0) {
-                tensors++;
+                st.tensors++;
                 int64_t m = 1;   // (stage 3 parameters may be empty now: the logical shape)
                 for (int64_t d : shapes_[i]) m *= d;
-                atomic_numel += m;
+                st.numel += m;
             }
         }
-        padding += bk.padded_numel - bk.numel;
+        st.padding += bk.padded_numel - bk.numel;
         filled += bk.numel;
     }
     // Planned optimizer state per rank (zx_plan_rank_state; 0 unless the
     // optimizers' state sizes were given: Note [Filling atomic buckets]).
-    py::list state;
     double smax = 0.0, ssum = 0.0;
     for (int64_t r = 0; r < parts_; r++) {
         double bytes = 0.0, whole = 0.0;
         zx_check(zx_plan_rank_state(plan_, (int32_t)r, &bytes, &whole), "reading the plan");
-        state.append(bytes);
+        st.state_bytes_per_rank.push_back(bytes);
         smax = std::max(smax, bytes);
         ssum += bytes;
     }
-    py::dict d;
-    d["tensors"] = tensors;
-    d["buckets"] = buckets;
-    d["numel"] = atomic_numel;
-    d["padding"] = padding;
-    d["cost_per_rank"] = cost;
-    d["numel_per_rank"] = numel;
-    d["cost_balance"] = csum > 0 ? cmax / (csum / (double)parts_) : 1.0;
-    d["numel_balance"] = nsum > 0 ? (double)nmax / ((double)nsum / (double)parts_) : 1.0;
-    d["filled_numel"] = filled - atomic_numel;   // pieces of element-granular parameters in the padding
-    d["cut_params"] = (int64_t)cut_params().size();
-    d["state_bytes_per_rank"] = state;   // planned: whole tensors' + element-granular state
-    d["state_balance"] = ssum > 0 ? smax / (ssum / (double)parts_) : 1.0;
-    return d;
+    st.cost_balance = csum > 0 ? cmax / (csum / (double)parts_) : 1.0;
+    st.numel_balance = nsum > 0 ? (double)nmax / ((double)nsum / (double)parts_) : 1.0;
+    st.filled_numel = filled - st.numel;   // pieces of element-granular parameters in the padding
+    st.cut_params = (int64_t)cut_params().size();
+    st.state_balance = ssum > 0 ? smax / (ssum / (double)parts_) : 1.0;
+    return st;
 }
 
 }  // namespace zx

@@ -71,15 +71,6 @@ Communicator::Communicator(c10::optional<ProcessGroupPtr> pg) : pg_(std::move(pg
     seq.attach(pg_, rank_, world_);
 }
 
-py::dict counter_dict(const CommCounter &c) {
-    py::dict d;
-    d["calls"] = c.calls;
-    d["numel"] = c.numel;
-    d["bytes"] = c.bytes;
-    d["wire_bytes"] = c.wire_bytes;
-    return d;
-}
-
 void Communicator::wait(const WorkPtr &work, const char *what) {
     try {
         work->wait();

@@ -4,7 +4,7 @@
 // wait into one message.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/sequence.h"   // defines: Sequence (Note [Collective sequence check])
+#include "engine/stats.h"      // defines: CommCounter, CommStats
 
 namespace zx {
 
@@ -20,26 +21,6 @@ class Kernels;
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
-
-// Cumulative counters of one collective kind. numel/bytes are the size of the
-// collective's full (unsharded) buffer: a reduce-scatter of a bucket counts the
-// bucket, an all-gather counts the gathered bucket, an all-reduce its tensor.
-struct CommCounter {
-    int64_t calls = 0;
-    int64_t numel = 0;
-    int64_t bytes = 0;
-    int64_t wire_bytes = 0;   // what the collectives carried: `bytes`, or codes + scales (grad_quant, param_quant)
-    // wire < 0: the collective carried its logical bytes
-    void add(int64_t n, int64_t elem_bytes, int64_t wire = -1) {
-        calls++;
-        numel += n;
-        bytes += n * elem_bytes;
-        wire_bytes += wire < 0 ? n * elem_bytes : wire;
-    }
-};
-
-// {"calls", "numel", "bytes", "wire_bytes"} for stats().
-py::dict counter_dict(const CommCounter &c);
 
 class Communicator {
 public:
@@ -91,6 +72,8 @@ public:
 
     CommCounter c_all_reduce, c_reduce_scatter, c_all_gather, c_broadcast;
     CommCounter c_used_flags;   // Note [Unused parameters]: one byte per parameter per step
+    // The counters as stats()["comm"] reports them (Note [Engine stats], engine/stats.h).
+    CommStats counters() const { return {c_all_reduce, c_reduce_scatter, c_all_gather, c_broadcast, c_used_flags}; }
     Sequence seq;   // records every collective issued here; the engine sets seq.subject()
 
 private:

@@ -8,6 +8,7 @@
 //
 // One class, one file per concern (csrc/engine/):
 //   layout.cpp       the buckets, shards and views built from the plan; stats
+//   stats.h          what stats() reports, as plain data (the binding makes the dicts)
 //   fill.cpp         atomic buckets filled with cut parameters; per-element state windows
 //   reducer.cpp      gradient readiness, the ring, reduce-scatter / all-reduce
 //   gatherer.cpp     parameter all-gather (stages 0-2) and stage-3 units
@@ -23,12 +24,13 @@
 //   master_split.h/.cpp the bf16 stage 0-2 master as a remainder (Note [Split master in the engine])
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +42,7 @@
 #include "engine/quant_gather.h"   // defines: QuantGather (param_quant)
 #include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
 #include "engine/secondary.h"      // defines: Secondary (node_size)
+#include "engine/stats.h"          // defines: EngineStats, AtomicStats, OffloadStats (Note [Engine stats])
 
 namespace zx {
 
@@ -275,7 +278,7 @@ public:
     std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> owned_tensors();
     // Owner rank of each parameter (-1: element-granular).
     std::vector<int64_t> owners() const;
-    py::dict atomic_stats() const;
+    AtomicStats atomic_stats() const;   // stats()["atomic"]
     // Parameters cut into pieces to fill atomic buckets (Note [Cut parameters]).
     std::vector<int64_t> cut_params() const;
 
@@ -332,8 +335,9 @@ public:
     // offset of the window in the flat states).
     std::vector<std::tuple<int64_t, int64_t, int64_t>> state_windows() const;
     std::map<std::string, at::Tensor> &states() { return states_; }
-    py::dict stats() const;
-    py::dict offload_stats() const;    // offload="cpu": host bytes and copies (empty dict without)
+    // Note [Engine stats] (engine/stats.h): bytes, buffers, collectives; the binding makes it a dict.
+    EngineStats stats() const;
+    std::optional<OffloadStats> offload_stats() const;   // offload="cpu": host bytes and copies (none without)
 
     // --- step in backward (backward_step.cpp, Note [Step in backward]) ---
     // The fused step every bucket of the coming reducing backward takes as its gradient

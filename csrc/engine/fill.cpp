@@ -4,7 +4,7 @@
 // state (Note [Filling atomic buckets] in core/zx_core.h decides the layout).
 #include "engine/engine.h"
 
-#include "kernels_binding.h"   // defines: zx_check
+#include "engine/check.h"      // defines: zx_check
 
 namespace zx {
 

@@ -5,8 +5,6 @@
 
 #include <algorithm>
 
-#include "kernels_binding.h"   // defines: zx_check, parse_isa
-
 namespace zx {
 
 // Note [Stage 3 parameter lifetime]

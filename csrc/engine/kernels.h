@@ -14,7 +14,7 @@
 //   reduce_dtype; the table converts low-precision ones to fp32 on the way in.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <memory>
 #include <utility>

@@ -8,7 +8,7 @@
 #include "engine/kernels.h"
 
 #include "core/zx_step_control.h"   // defines: ZX_CTL_*
-#include "kernels_binding.h"   // defines: zx_check
+#include "engine/check.h"      // defines: zx_check
 #include "parallel.h"          // defines: zx_parallel_for, zx_parallel_blocks, kParallelGrainNumel
 
 namespace zx {

@@ -20,7 +20,7 @@
 #include <c10/cuda/CUDAStream.h>   // c10::cuda::getCurrentCUDAStream
 
 #include "cuda/zx_cuda.h"
-#include "kernels_binding.h"       // defines: zx_check
+#include "engine/check.h"          // defines: zx_check
 
 namespace zx {
 

@@ -4,7 +4,7 @@
 // each piece lives (slices, fragments); stats() and the printable plan.
 #include "engine/engine.h"
 
-#include "kernels_binding.h"   // defines: zx_check, parse_isa
+#include "engine/check.h"      // defines: zx_check, parse_isa
 
 namespace zx {
 
@@ -412,7 +412,8 @@ void Engine::set_comm_delay(double ms, bool serialize) {
     if (sec_) sec_->comm().set_delay(ms, serialize, device);
 }
 
-py::dict Engine::stats() const {
+EngineStats Engine::stats() const {
+    EngineStats st;
     int64_t param_bytes = 0, grad_bytes = 0, numel = 0, padded = 0;
     for (const auto &bk : buckets_) {
         if (opts_.stage < 3) param_bytes += bk.flat_param.nbytes();
@@ -436,88 +437,70 @@ py::dict Engine::stats() const {
         if (s.send.defined()) ring_bytes += s.send.nbytes();
         if (s.recv.defined()) ring_bytes += s.recv.nbytes();
     }
-    py::dict msb;
-    msb["parameters"] = param_bytes;
-    msb["gradients"] = grad_bytes;
-    msb["master_weights"] = master_bytes;   // 0 with fp32 parameters (the owned slice is the master) unless param_quant
-    msb["optimizer_states"] = state_bytes;
-    msb["total"] = param_bytes + grad_bytes + master_bytes + state_bytes;
-    py::dict buf;
-    buf["grad_ring"] = ring_bytes;
-    buf["grad_landing"] = bw_.land.defined() ? bw_.land.nbytes() : 0;   // Note [Step in backward]: all-to-all sums
-    buf["ring_slots"] = (int64_t)slots_.size();
-    buf["gathered_params"] = gathered_bytes_;            // stage 3: full units held now
-    buf["peak_gathered_params"] = peak_gathered_bytes_;  // stage 3: most held at once
-    const int64_t quant_buffers = qreduce_ ? qreduce_->buffer_bytes() : 0;
-    const int64_t quant_residual = qreduce_ ? qreduce_->residual_bytes() : 0;
-    buf["quant_buffers"] = quant_buffers;    // grad_quant: codes/scales send + receive
-    buf["quant_residual"] = quant_residual;  // grad_quant_error_feedback: fp32 residuals
-    const int64_t gather_records = qgather_ ? qgather_->buffer_bytes() : 0;
-    buf["quant_gather_buffers"] = gather_records;   // param_quant: records of the gathers in flight
-    buf["peak_quant_gather_buffers"] = qgather_ ? qgather_->peak_buffer_bytes() : 0;
-    buf["kernel_scratch"] = kern_->scratch_bytes();  // e.g. CUDA: fp32 copy of a low-precision gradient slice
-    const int64_t split_scratch = split_ ? split_->scratch_bytes() : 0;
-    buf["split_master_scratch"] = split_scratch;   // Note [Split master in the engine]: one fp32 chunk
-    const int64_t secondary = sec_ ? sec_->bytes() : 0;
-    buf["secondary"] = secondary;   // node_size: this rank's parts kept for backward gathers (Note [Hierarchical partitioning])
-    buf["peak_secondary"] = sec_ ? sec_->peak_bytes() : 0;
-    buf["total"] = ring_bytes + (bw_.land.defined() ? bw_.land.nbytes() : 0) + gathered_bytes_ + quant_buffers + quant_residual + gather_records +
-                   kern_->scratch_bytes() + secondary + split_scratch;
-    py::dict comm;
-    comm["all_reduce"] = counter_dict(comm_.c_all_reduce);
-    comm["reduce_scatter"] = counter_dict(comm_.c_reduce_scatter);
-    comm["all_gather"] = counter_dict(comm_.c_all_gather);
-    comm["broadcast"] = counter_dict(comm_.c_broadcast);
-    comm["used_flags"] = counter_dict(comm_.c_used_flags);
-    py::dict d;
-    d["stage"] = opts_.stage;
-    d["world_size"] = world_;
-    d["rank"] = rank_;
-    d["isa"] = std::string(zx_isa_name(isa_));
-    d["device"] = dev_.str();
-    d["kernels"] = std::string(kern_->name());
-    d["num_params"] = numel;
-    d["padded_numel"] = padded;
-    d["shard_numel"] = shard_numel_;
-    d["num_buckets"] = (int64_t)buckets_.size();
-    d["param_dtype"] = opts_.param_dtype;
-    d["reduce_dtype"] = opts_.reduce_dtype;
-    d["reduce_scatter_impl"] = std::string(qreduce_ ? (opts_.grad_quant_bits == 8 ? "alltoall-int8" : "alltoall-int4")
-                                           : opts_.alltoall_reduce_scatter ? "alltoall" : "native");
-    d["param_gather_impl"] = std::string(qgather_ ? "allgather-int8" : "allgather");
-    d["model_state_bytes"] = msb;
-    d["buffer_bytes"] = buf;
-    d["comm"] = comm;
-    // Seconds the host was blocked waiting for collectives (exposed communication on the
-    // CPU; on CUDA the waits are stream waits and this stays near 0).
-    d["comm_wait_s"] = comm_.waited_s() + (sec_ ? sec_->comm().waited_s() : 0.0);
-    d["comm_delay_ms"] = comm_.delay_ms();
-    if (sec_) d["comm_groups"] = sec_->group_stats(comm_);   // Note [Per-group byte counters]
-    d["reductions"] = reductions_;
-    d["num_units"] = (int64_t)unit_buckets_.size();
-    d["frozen_shard_bytes"] = frozen_shard_bytes();   // stage 3: this rank's slices of frozen parameters
-    d["atomic"] = atomic_stats();
-    d["offload"] = offload_stats();
-    return d;
+    ModelStateBytes &msb = st.model_state_bytes;
+    msb.parameters = param_bytes;
+    msb.gradients = grad_bytes;
+    msb.master_weights = master_bytes;
+    msb.optimizer_states = state_bytes;
+    msb.total = param_bytes + grad_bytes + master_bytes + state_bytes;
+    BufferBytes &buf = st.buffer_bytes;
+    buf.grad_ring = ring_bytes;
+    buf.grad_landing = bw_.land.defined() ? bw_.land.nbytes() : 0;
+    buf.ring_slots = (int64_t)slots_.size();
+    buf.gathered_params = gathered_bytes_;
+    buf.peak_gathered_params = peak_gathered_bytes_;
+    buf.quant_buffers = qreduce_ ? qreduce_->buffer_bytes() : 0;
+    buf.quant_residual = qreduce_ ? qreduce_->residual_bytes() : 0;
+    buf.quant_gather_buffers = qgather_ ? qgather_->buffer_bytes() : 0;
+    buf.peak_quant_gather_buffers = qgather_ ? qgather_->peak_buffer_bytes() : 0;
+    buf.kernel_scratch = kern_->scratch_bytes();
+    buf.split_master_scratch = split_ ? split_->scratch_bytes() : 0;
+    buf.secondary = sec_ ? sec_->bytes() : 0;
+    buf.peak_secondary = sec_ ? sec_->peak_bytes() : 0;
+    buf.total = buf.grad_ring + buf.grad_landing + buf.gathered_params + buf.quant_buffers + buf.quant_residual +
+                buf.quant_gather_buffers + buf.kernel_scratch + buf.secondary + buf.split_master_scratch;
+    st.stage = opts_.stage;
+    st.world_size = world_;
+    st.rank = rank_;
+    st.isa = zx_isa_name(isa_);
+    st.device = dev_.str();
+    st.kernels = kern_->name();
+    st.num_params = numel;
+    st.padded_numel = padded;
+    st.shard_numel = shard_numel_;
+    st.num_buckets = (int64_t)buckets_.size();
+    st.param_dtype = opts_.param_dtype;
+    st.reduce_dtype = opts_.reduce_dtype;
+    st.reduce_scatter_impl = qreduce_ ? (opts_.grad_quant_bits == 8 ? "alltoall-int8" : "alltoall-int4")
+                             : opts_.alltoall_reduce_scatter ? "alltoall" : "native";
+    st.param_gather_impl = qgather_ ? "allgather-int8" : "allgather";
+    st.comm = comm_.counters();
+    st.comm_wait_s = comm_.waited_s() + (sec_ ? sec_->comm().waited_s() : 0.0);
+    st.comm_delay_ms = comm_.delay_ms();
+    if (sec_) st.comm_groups = sec_->group_stats(comm_);   // Note [Per-group byte counters]
+    st.reductions = reductions_;
+    st.num_units = (int64_t)unit_buckets_.size();
+    st.frozen_shard_bytes = frozen_shard_bytes();
+    st.atomic = atomic_stats();
+    st.offload = offload_stats();
+    return st;
 }
 
-py::dict Engine::offload_stats() const {
-    py::dict d;
-    if (!off_) return d;
+std::optional<OffloadStats> Engine::offload_stats() const {
+    if (!off_) return std::nullopt;
+    OffloadStats o;
     int64_t states = 0;
     for (const auto &kv : states_) states += kv.second.nbytes();
-    const int64_t master = master_shard_.nbytes(), grads = grad_shard_.defined() ? grad_shard_.nbytes() : 0;
-    d["device"] = std::string("cpu");
-    d["master_weights"] = master;
-    d["optimizer_states"] = states;
-    d["gradients"] = grads;
-    d["pinned_ring"] = off_->pinned_bytes();   // pinned only on a device with streams
-    d["total"] = master + states + grads + off_->pinned_bytes();
-    d["down_copies"] = off_->down_copies();
-    d["down_bytes"] = off_->down_bytes();
-    d["up_copies"] = off_->up_copies();
-    d["up_bytes"] = off_->up_bytes();
-    return d;
+    o.master_weights = master_shard_.nbytes();
+    o.optimizer_states = states;
+    o.gradients = grad_shard_.defined() ? grad_shard_.nbytes() : 0;
+    o.pinned_ring = off_->pinned_bytes();
+    o.total = o.master_weights + o.optimizer_states + o.gradients + o.pinned_ring;
+    o.down_copies = off_->down_copies();
+    o.down_bytes = off_->down_bytes();
+    o.up_copies = off_->up_copies();
+    o.up_bytes = off_->up_bytes();
+    return o;
 }
 
 std::string Engine::describe_plan() const {

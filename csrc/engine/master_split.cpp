@@ -5,8 +5,6 @@
 
 #include <cstdlib>
 
-#include "kernels_binding.h"   // defines: zx_check
-
 namespace zx {
 
 int64_t MasterSplit::chunk_numel(int64_t max_slice_numel, bool cuda) {

@@ -28,7 +28,7 @@
 //   fp32 master shard instead.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <memory>

@@ -31,7 +31,7 @@
 //   device's stream wait for it (before_reuse).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>

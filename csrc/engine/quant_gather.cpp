@@ -2,7 +2,7 @@
 // Note [Quantized parameter gather] in quant_gather.h.
 #include "engine/quant_gather.h"
 
-#include "kernels_binding.h"   // defines: zx_check
+#include "engine/check.h"      // defines: zx_check
 
 namespace zx {
 

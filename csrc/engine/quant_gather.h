@@ -24,7 +24,7 @@
 //   (buffer_bytes.quant_gather_buffers reports the most held at once).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <map>
 

@@ -2,7 +2,7 @@
 // Note [Quantized gradient reduction] in quant_reduce.h.
 #include "engine/quant_reduce.h"
 
-#include "kernels_binding.h"   // defines: zx_check
+#include "engine/check.h"      // defines: zx_check
 
 namespace zx {
 

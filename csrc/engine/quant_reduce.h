@@ -22,7 +22,7 @@
 //   the two all-to-alls carry: parts * (codes + 4 * scales) per bucket.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <memory>
 #include <vector>

@@ -3,8 +3,6 @@
 // reduce-scatter or all-to-all + local sum in stages 1-3), zero_grad.
 #include "engine/engine.h"
 
-#include "kernels_binding.h"   // defines: zx_check, parse_isa
-
 namespace zx {
 
 // Note [Gradient sums in stages 1-2]

@@ -72,23 +72,17 @@ static CommCounter minus(const CommCounter &a, const CommCounter &b) {
     return out;
 }
 
-py::dict Secondary::group_stats(const Communicator &w) const {
+CommGroupStats Secondary::group_stats(const Communicator &w) const {
     const int64_t L = comm_.world(), N = world_;
-    const std::pair<const char *, const CommCounter *> kinds[] = {
-        {"all_reduce", &w.c_all_reduce}, {"reduce_scatter", &w.c_reduce_scatter},
-        {"all_gather", &w.c_all_gather}, {"broadcast", &w.c_broadcast}, {"used_flags", &w.c_used_flags}};
-    py::dict intra, inter;
-    for (auto [name, c] : kinds) {
-        const CommCounter out = share(*c, N - L, N);
-        inter[name] = counter_dict(out);
-        intra[name] = counter_dict(minus(*c, out));
+    const CommStats all = w.counters();
+    CommGroupStats g;
+    for (CommCounter CommStats::*kind : kCommKinds) {
+        g.inter.*kind = share(all.*kind, N - L, N);
+        g.intra.*kind = minus(all.*kind, g.inter.*kind);
     }
-    intra["node_all_gather"] = counter_dict(comm_.c_all_gather);   // the backward gathers, all intra
-    py::dict d;
-    d["intra"] = intra;
-    d["inter"] = inter;
-    d["node_size"] = L;
-    return d;
+    g.node_all_gather = comm_.c_all_gather;   // the backward gathers, all intra
+    g.node_size = L;
+    return g;
 }
 
 void Engine::enable_hierarchy(ProcessGroupPtr node_pg) {

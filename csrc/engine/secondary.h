@@ -42,11 +42,12 @@
 //   quantized and hierarchical) is what the counters are for.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <map>
 
-#include "engine/comm.h"   // defines: Communicator, CommCounter, WorkPtr
+#include "engine/comm.h"    // defines: Communicator, CommCounter, WorkPtr
+#include "engine/stats.h"   // defines: CommGroupStats
 
 namespace zx {
 
@@ -69,8 +70,9 @@ public:
 
     int64_t bytes() const { return bytes_; }
     int64_t peak_bytes() const { return peak_bytes_; }
-    // {"intra": {kind: counters}, "inter": {...}} (Note [Per-group byte counters]).
-    py::dict group_stats(const Communicator &world_comm) const;
+    // stats()["comm_groups"]: world_comm's counters split into intra and inter, and the
+    // node group's (Note [Per-group byte counters]).
+    CommGroupStats group_stats(const Communicator &world_comm) const;
     const Communicator &comm() const { return comm_; }
     Communicator &comm() { return comm_; }
 

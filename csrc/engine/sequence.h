@@ -72,7 +72,7 @@
 //   the host runs ahead of the device, so the exchange's latency is hidden.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 

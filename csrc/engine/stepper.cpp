@@ -5,7 +5,6 @@
 #include "engine/engine.h"
 
 #include "core/zx_step_control.h"   // defines: ZX_CTL_SIZE
-#include "kernels_binding.h"   // defines: zx_check, parse_isa
 
 namespace zx {
 

@@ -46,7 +46,7 @@
 //   parameters contribute zeros), so nothing hangs.
 #include "engine/engine.h"
 
-#include "kernels_binding.h"   // defines: zx_check
+#include "engine/check.h"      // defines: zx_check
 
 #include <algorithm>
 #include <cstring>

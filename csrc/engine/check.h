@@ -1,0 +1,27 @@
+// check.h — the C core's statuses and ISA names on the C++ side (engine and bindings).
+//
+//   zx_check(s, what)    throws a c10::Error (Python RuntimeError) for a non-OK zx_status
+//   parse_isa(name)      "scalar" / "avx2" / "avx512" -> zx_isa (throws otherwise)
+#pragma once
+
+#include <c10/util/Exception.h>   // TORCH_CHECK
+
+#include <string>
+
+#include "core/zx_core.h"
+
+// Turn a non-OK status from the C core into an exception naming the call.
+inline void zx_check(zx_status s, const char *what) {
+    TORCH_CHECK(s == ZX_OK, "zero_ext: ", what, " failed: ", zx_status_string(s));
+}
+
+// An ISA name as zx_isa_name() spells it. ("auto" is the caller's to resolve,
+// with zx_cpu_best_isa().)
+inline zx_isa parse_isa(const std::string &name) {
+    if (name == "scalar") return ZX_ISA_SCALAR;
+    if (name == "avx2") return ZX_ISA_AVX2;
+    if (name == "avx512") return ZX_ISA_AVX512;
+    TORCH_CHECK(false, "zero_ext: unknown isa '", name,
+                "'; use 'scalar', 'avx2', 'avx512' (or 'auto' where accepted)");
+    return ZX_ISA_SCALAR;  // not reached
+}
