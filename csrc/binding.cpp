@@ -14,9 +14,6 @@ void zx_bind_control(pybind11::module_ &m);   // control_binding.cpp (the step c
 // stats_binding.cpp: the engine's reports as dicts (Note [Engine stats], engine/stats.h)
 pybind11::dict zx_stats_dict(const zx::EngineStats &s);
 pybind11::dict zx_atomic_stats_dict(const zx::AtomicStats &a);
-namespace zx {
-}  // namespace zx
-
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "zero_ext C/C++ core: ZeRO engine, planner and optimizer kernels";
