@@ -381,3 +381,31 @@ def test_step_hooks_profiler_and_scheduler_as_torch():
         sched.step()
     assert not [x for x in w if "lr_scheduler.step()" in str(x.message)], [str(x.message) for x in w]
     assert zo.param_groups[0]["lr"] == 5e-3
+
+
+def test_step_runs_without_grad_and_restores_the_mode():
+    """Note [Step hooks]: step() turns gradients off itself (no torch.no_grad() decorator):
+    the update records no autograd history, a closure still computes gradients, and the
+    caller's grad mode is back afterwards, also when the step raises."""
+    m = _model()
+    zm, zo = zero_ext.zeroify(m, torch.optim.AdamW(m.parameters(), lr=1e-2), stage=1)
+    x = torch.randn(4, 7)
+
+    def closure():
+        assert torch.is_grad_enabled(), "the closure runs with gradients on, as in torch"
+        loss = zm(x).square().mean()
+        loss.backward()
+        return loss
+
+    for mode in (True, False):
+        with torch.set_grad_enabled(mode):
+            before = [p.detach().clone() for p in m.parameters()]
+            zo.step(closure)
+            assert torch.is_grad_enabled() is mode
+            assert any(not torch.equal(a, b) for a, b in zip(before, m.parameters())), "the step stepped"
+            assert all(p.grad_fn is None and p.is_leaf for p in m.parameters()), "the update recorded history"
+    del zo.param_groups[0]["lr"]      # the step raises (Note [Hyperparameters]) ...
+    zm(x).square().mean().backward()
+    with pytest.raises(RuntimeError, match="'lr'"):
+        zo.step()
+    assert torch.is_grad_enabled()    # ... and the grad mode is restored
