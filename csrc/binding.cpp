@@ -45,7 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("param_names", &zx::EngineOptions::param_names)
         .def_readwrite("offload", &zx::EngineOptions::offload)
         .def_readwrite("step_in_backward", &zx::EngineOptions::step_in_backward)
-        .def_readwrite("state_dtype", &zx::EngineOptions::state_dtype);
+        .def_readwrite("state_dtype", &zx::EngineOptions::state_dtype)
+        .def_readwrite("coalesce_numel", &zx::EngineOptions::coalesce_numel);
 
     // The loss-scaling state machine of the C core (zx_scaler.c), state and all.
     py::class_<zx_loss_scaler>(m, "LossScaler")

@@ -398,6 +398,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     opts.offload = cfg.offload == "cpu"
     opts.step_in_backward = cfg.step_in_backward
     opts.state_dtype = cfg.state_dtype   # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
+    opts.coalesce_numel = cfg.coalesce_numel   # Note [Coalesced gradient reductions] (csrc/engine/reducer.cpp)
     if opts.offload:
         warn_unfused(parts)
     engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)

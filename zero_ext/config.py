@@ -72,9 +72,10 @@ class ZeroConfig:
         gathered from the start of forward to the end of backward.
     prefetch_depth: stage 3: how many units ahead to all-gather while one computes.
     coalesce_numel: stage 3: small units ahead are all-gathered together, in one
-        collective, while their total stays within this many elements (padded), so a
-        model of many small units pays few collective latencies. 0 turns it off; units
-        larger than this are gathered one by one as before.
+        collective, while their total stays within this many elements (padded), and
+        in backward the gradients of consecutive small units are reduced together the
+        same way, so a model of many small units pays few collective latencies. 0 turns
+        it off; units larger than this are gathered and reduced one by one.
     param_dtype: what parameters compute in and are all-gathered as: "fp32", "bf16" or
         "fp16" (or the torch dtype). The model is given in fp32; the fp32 master weights
         and optimizer states live only in this rank's shard.

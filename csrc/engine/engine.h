@@ -22,6 +22,7 @@
 //   offload.h/.cpp   offload="cpu": host rings, copy stream, landing worker (Note [Optimizer offload])
 //   backward_step.cpp step_in_backward: each bucket steps as its gradient lands (Note [Step in backward])
 //   master_split.h/.cpp the bf16 stage 0-2 master as a remainder (Note [Split master in the engine])
+//   reduce_groups.h  stage 3: small buckets' gradients reduced together (Note [Coalesced gradient reductions])
 #pragma once
 
 #include <ATen/ATen.h>
@@ -41,6 +42,7 @@
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
 #include "engine/quant_gather.h"   // defines: QuantGather (param_quant)
 #include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
+#include "engine/reduce_groups.h"  // defines: ReduceGroups (stage 3: coalesced reductions)
 #include "engine/secondary.h"      // defines: Secondary (node_size)
 #include "engine/stats.h"          // defines: EngineStats, AtomicStats, OffloadStats (Note [Engine stats])
 
@@ -88,6 +90,10 @@ struct EngineOptions {
     // exp_avg and exp_avg_sq in bfloat16 with stochastic rounding (2 bytes per element
     // each instead of 4); "fp32" (default) keeps them exact.
     std::string state_dtype = "fp32";
+    // Stage 3: buckets this small (elements, all ranks' slices together) have their
+    // gradients reduced together, one collective for several (Note [Coalesced gradient
+    // reductions], reducer.cpp); 0: each alone.
+    int64_t coalesce_numel = 0;
 };
 
 // Note [bf16 optimizer states] (stepper.cpp): the stochastic rounding's seed before the
@@ -383,6 +389,9 @@ private:
     }
     bool active(const Bucket &bk) const { return active_group(bk.group); }
     void launch(int64_t b);
+    // Note [Coalesced gradient reductions]: one collective for the group being filled
+    void launch_reduce_group();
+    void finish_reduce_group(ReduceGroup &g);
     void complete(int64_t b);          // wait for b's reduction and post-process it
     int64_t acquire_slot(int64_t b);
     void release_slot(int64_t b);
@@ -484,6 +493,7 @@ private:
     bool require_sync_ = true;
     int64_t next_launch_ = 0;
     std::deque<std::pair<int64_t, WorkPtr>> inflight_;
+    ReduceGroups rgroups_;                 // Note [Coalesced gradient reductions]
     std::vector<std::pair<int64_t, WorkPtr>> gather_works_;   // stage 1-2: (bucket, its gather in flight)
     at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) reduce_dtype gradient sums
     at::Tensor master_shard_;              // stage 3 or low precision: (shard_numel,) fp32 master

@@ -149,6 +149,7 @@ void Engine::finalize_backward() {
         for (const zx_piece &pc : pieces_[i]) buckets_[pc.bucket].pending--;
     }
     while (next_launch_ < (int64_t)buckets_.size()) launch(next_launch_++);
+    launch_reduce_group();   // Note [Coalesced gradient reductions]: what is left
     // Note [Reductions end with backward]
     // As DDP's reducer does, wait here.
     // The reductions overlapped the rest of backward; the step needs them next
@@ -256,6 +257,15 @@ void Engine::launch(int64_t b) {
         }
         return;
     }
+    if (rgroups_.enabled()) {   // Note [Coalesced gradient reductions]
+        if (rgroups_.coalesces(bk.slice_numel)) {
+            if (!rgroups_.fits(bk.slice_numel)) launch_reduce_group();
+            rgroups_.add(b, slots_[bk.slot].send.narrow(0, 0, bk.padded_numel), bk.slice_numel);
+            release_slot(b);
+            return;
+        }
+        launch_reduce_group();   // the small buckets before this one go first: bucket order
+    }
     WorkPtr work;
     comm_.seq.subject(b, opts_.stage == 3 ? bk.unit : -1);
     if (opts_.stage == 0) {
@@ -284,12 +294,65 @@ void Engine::launch(int64_t b) {
     inflight_.emplace_back(b, std::move(work));
 }
 
+// Note [Coalesced gradient reductions]
+//   A collective costs a fixed latency however small it is (on gloo over loopback,
+//   ~0.3 ms), and stage 3 makes one bucket per unit, so a model of many small units
+//   would pay one reduction per unit and step (benchmarks/bench_units.py: 300).
+//   As the gathers of small units are coalesced (Note [Coalesced unit gathers]), a
+//   bucket whose slice is below coalesce_numel / N elements does not launch its own
+//   reduction: launch() copies its gradient into the group being filled (row r
+//   holds every member's slice r) and frees its ring slot. The group is reduced by
+//   one reduce-scatter (or all-to-all) of the rows when the next member would not
+//   fit, when a larger bucket launches (so collectives stay in bucket order), and
+//   at the end of backward. Consecutive buckets' shard slices are consecutive, so
+//   the group's result lands in the gradient shard as one piece: the same sums,
+//   added in the same order, as one reduction per bucket. The composition of a
+//   group depends only on the bucket sizes, so every rank forms the same groups.
+//   Stage 3 only (stages 1-2 have few, large buckets), not with grad_quant, offload
+//   or step_in_backward, which finish each bucket on its own.
+void Engine::launch_reduce_group() {
+    if (!rgroups_.filling()) return;
+    ReduceGroup g = rgroups_.close();
+    const int64_t first = g.members.front(), n = g.numel;
+    comm_.seq.subject(first, buckets_[first].unit);
+    WorkPtr work;
+    if (opts_.alltoall_reduce_scatter) {
+        g.recv = at::empty({parts_ * n}, on_device(rdt_));
+        work = comm_.all_to_all(g.recv, g.send, parts_ * n);
+    } else {
+        g.recv = at::empty({n}, on_device(rdt_));
+        work = comm_.reduce_scatter_sum(g.recv, g.send);
+    }
+    const int64_t last = g.members.back();
+    rgroups_.fly(std::move(g));
+    inflight_.emplace_back(last, std::move(work));
+}
+
+void Engine::finish_reduce_group(ReduceGroup &g) {
+    const Bucket &first = buckets_[g.members.front()];
+    grad_shard_slice(first);   // allocates the gradient shard at the first backward
+    int64_t at = first.shard_offset;
+    for (int64_t m : g.members) {
+        TORCH_CHECK(buckets_[m].shard_offset == at, "zero_ext: internal: a reduction group's shard slices "
+                    "are not consecutive");
+        at += buckets_[m].slice_numel;
+    }
+    finish_reduction(parts_ * g.numel, g.numel, g.recv, grad_shard_.narrow(0, first.shard_offset, g.numel), true,
+                     *kern_);
+}
+
 void Engine::complete(int64_t b) {
     // Works finish in launch order; complete everything up to b.
     while (!inflight_.empty()) {
         auto [cur, work] = inflight_.front();
         inflight_.pop_front();
         comm_.watch(work, opts_.stage == 0 ? "gradient all-reduce" : "gradient reduce-scatter");
+        if (rgroups_.flying(cur)) {   // Note [Coalesced gradient reductions]
+            ReduceGroup g = rgroups_.land(cur);
+            finish_reduce_group(g);
+            if (cur == b) break;
+            continue;
+        }
         Bucket &bk = buckets_[cur];
         if (opts_.stage >= 1) {
             Slot &sl = slots_[bk.slot];
@@ -364,6 +427,7 @@ void Engine::wait_reductions() {
 
 void Engine::zero_grad(bool set_to_none) {
     wait_reductions();
+    rgroups_.drop_filling();   // Note [Coalesced gradient reductions]: a backward that did not end
     if (off_) off_->drain();   // no landing writes the host shard any more
     grad_generation_++;
     hide_sharded_grads();   // Note [Sharded gradients]: cleared, or zeroed (the plain views again)
