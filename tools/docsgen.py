@@ -155,7 +155,7 @@ def gen_perf_optimizer_cpu(arg: str = "") -> str:
 
 
 def gen_perf_units(arg: str = "") -> str:
-    rel = f"{EPYC}/bench_units.json"
+    rel = f"{XEON}/bench_units.json"
     d = ref(rel)
     names = {"1": "zero_ext stage 1", "2": "zero_ext stage 2", "3": "zero_ext stage 3",
              "3-single": "zero_ext stage 3, `coalesce_numel=0`", "fsdp2": "FSDP2 (`fully_shard` per block)",
@@ -361,9 +361,10 @@ STATUS = [
      [], ["tests_engine", "cuda_sanitizer"], [f"{H200}/bench_step_gpu.json"]),
     ("Several ranks on one GPU (`cuda:gloo`) against DDP", [], ["tests_multirank"], []),
     ("Several GPUs over NCCL", [], [], []),
-    ("Stage 3: units, prefetch, coalesced gathers, meta-device builds, frozen parameters",
-     ["tests/test_stage3.py", "tests/test_prefetch.py", "tests/test_meta_init.py", "tests/test_frozen_stage3.py"],
-     [], [f"{EPYC}/bench_units.json"]),
+    ("Stage 3: units, prefetch, coalesced gathers and reductions, meta-device builds, frozen parameters",
+     ["tests/test_stage3.py", "tests/test_prefetch.py", "tests/test_coalesced_reduce.py", "tests/test_meta_init.py",
+      "tests/test_frozen_stage3.py"],
+     [], [f"{XEON}/bench_units.json"]),
     ("Communication overlapped with compute (delayed collectives)", ["tests/test_overlap.py"], ["tests_overlap"], []),
     ("Checkpoints across world sizes and stages; consolidation", ["tests/test_checkpoint.py", "tests/test_state.py"],
      [], []),
