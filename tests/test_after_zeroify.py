@@ -229,7 +229,7 @@ def test_load_on_three_ranks():
     """Each rank writes only its fragments, with no collective; every rank ends with
     the loaded values, and the assembled fp32 masters equal them bit for bit."""
     new = _model(seed=5).state_dict()
-    outs = run_world(_load_worker, 3, new)
+    outs = run_world(_load_worker, 3, new, reuse=True)
     for stage, dtype in CASES_3_RANKS:
         _assert_same(outs[0][stage, dtype]["masters"], new)
         low = torch.bfloat16 if dtype == "bf16" else torch.float32

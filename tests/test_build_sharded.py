@@ -58,7 +58,7 @@ def _post_order(m):
 
 @pytest.mark.parametrize("use_init_fn", [True, False])
 def test_meta_model_equals_unsharded(use_init_fn):
-    for r in run_world(_equal_worker, 2, use_init_fn):
+    for r in run_world(_equal_worker, 2, use_init_fn, reuse=True):
         assert r["diff"] == 0.0, r
         assert r["tied"], "the tied embedding/head stay one parameter"
         assert r["loss"] < r["loss0"], r

@@ -108,7 +108,7 @@ def _save_world(rank, world, tmp):
 def saved(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ckpt"))
     t0 = time.monotonic()
-    res = run_world(_save_world, 4, tmp, timeout_s=240)
+    res = run_world(_save_world, 4, tmp, timeout_s=240, reuse=True)
     out = res[0]
     for stage in (1, 2, 3):
         out[stage]["full"] = next(r[f"full{stage}"] for r in res if f"full{stage}" in r)
@@ -138,7 +138,7 @@ def test_resume_at_other_world_size_and_stage(saved, world):
     N=4 run within the AdamW parity tolerance."""
     tmp, ref, _ = saved
     pairs = [(s, (s + world) % 4) for s in (1, 2, 3)]        # always a different stage, 0 included
-    results = run_world(_resume_world, world, tmp, pairs, timeout_s=180)
+    results = run_world(_resume_world, world, tmp, pairs, timeout_s=180, reuse=True)
     for rank, res in enumerate(results):
         for (s, stage), r in res.items():
             name = f"saved N=4 stage {s} -> N={world} stage {stage}, rank {rank}"
@@ -453,7 +453,7 @@ def test_other_optimizers_and_paths(saved):
     uninterrupted run; a fused AdamW checkpoint also loads into the generic path."""
     from zero_ext.checkpoint import consolidate
     tmp, ref, _ = saved
-    res = run_world(_others_resume_world, 3, tmp, timeout_s=120)
+    res = run_world(_others_resume_world, 3, tmp, timeout_s=120, reuse=True)
     for rank, r in enumerate(res):
         for name, _, _ in OTHERS:
             rel = _rel(ref[name], r[name])
@@ -514,7 +514,7 @@ def test_mixed_precision_checkpoint(tmp_path):
     grown twice, its counters) is restored."""
     import zero_ext
     path = str(tmp_path / "mp")
-    saved = run_world(_mp_save_world, 2, path, timeout_s=240)[0]
+    saved = run_world(_mp_save_world, 2, path, timeout_s=240, reuse=True)[0]
     assert saved["scaler"]["scale"] == 2.0 ** 10, saved["scaler"]          # grew at steps 2 and 4
     zm, zo, sched = _fresh(3, {**LOAD_CFG, **MP_CFG})
     assert zero_ext.load(path, zm, zo) == {"step": 5}

@@ -99,7 +99,7 @@ def _file_diff(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("save_world,load_world", [(2, 2), (2, 3)])
 def test_ddp_style_checkpoint_resumes_as_ddp(tmp_path, save_world, load_world):
     stages = [None, 0, 1, 2, 3]
-    run_world(_first_half, save_world, str(tmp_path), stages)
+    run_world(_first_half, save_world, str(tmp_path), stages, reuse=True)
     ddp = torch.load(tmp_path / "None.pt", weights_only=False)
     for stage in stages[1:]:
         mine = torch.load(tmp_path / f"{stage}.pt", weights_only=False)
@@ -113,7 +113,7 @@ def test_ddp_style_checkpoint_resumes_as_ddp(tmp_path, save_world, load_world):
     # DDP resumes from its file; zero_ext at each stage from DDP's file and from its own
     # (at another stage), and DDP from a zero_ext file
     pairs = [(None, None), (None, 1), (None, 3), (1, 2), (2, 3), (3, 0), (2, None)]
-    res = run_world(_second_half, load_world, str(tmp_path), pairs)
+    res = run_world(_second_half, load_world, str(tmp_path), pairs, reuse=True)
     for rank, out in enumerate(res):
         ref = out[(None, None)]
         moved = max((ref[k] - ddp["model"][k]).abs().max().item() for k in ref)

@@ -74,7 +74,7 @@ def test_state_per_rank_is_the_plans(world, stage):
     state the plan gives it (no AdamW moments over Muon's elements), the fill
     really cut parameters, and the measured balance is no worse than the plan's.
     (At 2 and 3 ranks this GPT's 8 matrices split into equal bins: no padding to fill.)"""
-    out = run_world(_real_worker, world, stage, timeout_s=300)
+    out = run_world(_real_worker, world, stage, timeout_s=300, reuse=True)
     a = out[0]["atomic"]
     measured = _check_measured(out, world)
     print(f"\nGPT stage {stage} N={world}: {a['cut_params']} parameters cut, {a['filled_numel']} elements in "
@@ -156,7 +156,7 @@ def test_cut_parameter_edits_and_loads_reach_the_masters():
     """Nothing silently lost: a cut parameter owns its storage, so its in-place edit
     and a load_state_dict must still reach the fp32 masters (optimizer steps with lr
     0 then gather what the masters hold)."""
-    out = run_world(_edit_worker, 4, timeout_s=300)
+    out = run_world(_edit_worker, 4, timeout_s=300, reuse=True)
     for r, (edit, load, cons) in enumerate(out):
         assert edit, f"rank {r}: an in-place edit of a cut parameter was lost at the next step"
         assert load, f"rank {r}: load_state_dict into a cut parameter was lost at the next step"
@@ -189,5 +189,5 @@ def test_one_optimizer_stepped_alone():
     """A bucket holding Muon's whole tensors and AdamW's pieces is gathered once both
     stepped; when an iteration steps only one of them, what it stepped is gathered
     before the next forward (flush_params), so training matches torch's."""
-    for r, diff in enumerate(run_world(_skip_worker, 4, timeout_s=300)):
+    for r, diff in enumerate(run_world(_skip_worker, 4, timeout_s=300, reuse=True)):
         assert diff <= 1e-6, f"rank {r}: parameters differ from torch's by {diff}"

@@ -138,7 +138,7 @@ def _fake_worker(rank, world, fake_world):
 def test_lora_stage3_shards_frozen_and_matches_ddp():
     with tempfile.TemporaryDirectory() as tmp:
         a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
-        outs = run_world(_lora_worker, 2, a, timeout_s=300)
+        outs = run_world(_lora_worker, 2, a, timeout_s=300, reuse=True)
         for rank, r in enumerate(outs):
             where = f"rank {rank}"
             assert r["moved"] > 0, f"{where}: nothing trained"
@@ -151,14 +151,14 @@ def test_lora_stage3_shards_frozen_and_matches_ddp():
         saved, total = outs[0]["sd"], outs[0]["total"]
 
         # 2 ranks stage 3 -> 3 ranks stage 1 (frozen replicated there), and back
-        outs = run_world(_reload_worker, 3, a, b, 1, timeout_s=300)
+        outs = run_world(_reload_worker, 3, a, b, 1, timeout_s=300, reuse=True)
         for rank, r in enumerate(outs):
             bad = [n for n, t in saved.items() if not torch.equal(r["loaded"][n], t)]
             assert not bad, f"3 ranks stage 1, rank {rank}: loaded tensors differ from the saved: {bad}"
             assert r["held"] == total                          # stage 1 keeps them whole
         after = outs[0]["end"]
         # back at 2 ranks stage 3; then (after a step there) load_state_dict(after)
-        for rank, r in enumerate(run_world(_reload_worker, 2, b, None, 3, after, timeout_s=300)):
+        for rank, r in enumerate(run_world(_reload_worker, 2, b, None, 3, after, timeout_s=300, reuse=True)):
             bad = [n for n, t in after.items() if not torch.equal(r["loaded"][n], t)]
             assert not bad, f"2 ranks stage 3, rank {rank}: loaded tensors differ from the saved: {bad}"
             bad = [n for n, t in after.items() if not torch.equal(r["end"][n], t)]

@@ -60,7 +60,7 @@ def _worker(rank, world, stage, dtype="fp32"):
 
 @pytest.mark.parametrize("stage, dtype", [(1, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16")])
 def test_gathered_parameters(stage, dtype):
-    outs = run_world(_worker, 2, stage, dtype)
+    outs = run_world(_worker, 2, stage, dtype, reuse=True)
     for rank, r in enumerate(outs):
         assert r["edited"], f"rank {rank}: rank 1's edit is not visible"
         assert r["masters_ok"], f"rank {rank}: the fp32 master does not hold exactly the edit"

@@ -51,7 +51,7 @@ def test_every_elementwise_optimizer_is_claimed():
 @pytest.mark.parametrize("world", [1, 3])
 def test_generic_path_matches_torch(world):
     cs = cases()
-    results = run_world(run_cases, world, cs, timeout_s=900)
+    results = run_world(run_cases, world, cs, timeout_s=900, reuse=True)
     for rank, res in enumerate(results):
         for case in cs:
             r = res[case.name]

@@ -166,7 +166,7 @@ def _parity_worker(rank, world):
 def parity(request):
     pytest.importorskip("transformers", reason="transformers is a test dependency (make test installs it)")
     pytest.importorskip("peft", reason="peft is a test dependency (make test installs it)")
-    return request.param, run_world(_parity_worker, request.param, timeout_s=600)
+    return request.param, run_world(_parity_worker, request.param, timeout_s=600, reuse=True)
 
 
 @pytest.mark.dist
@@ -211,7 +211,7 @@ def _buffers_worker(rank, world):
 @pytest.mark.dist
 def test_bf16_llama_keeps_inv_freq_fp32():
     pytest.importorskip("transformers", reason="transformers is a test dependency (make test installs it)")
-    for out in run_world(_buffers_worker, 2, timeout_s=600):
+    for out in run_world(_buffers_worker, 2, timeout_s=600, reuse=True):
         for stage in STAGES:
             assert out[(stage, "auto")] == ("torch.float32", True), (stage, out[(stage, "auto")])
             assert out[(stage, True)][0] == "torch.bfloat16", (stage, out[(stage, True)])

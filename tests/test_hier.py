@@ -117,7 +117,7 @@ def _worker3(rank, world):
 
 @pytest.fixture(scope="module")
 def four():
-    return run_world(_worker4, 4, timeout_s=600)
+    return run_world(_worker4, 4, timeout_s=600, reuse=True)
 
 
 def _same(a, b):
@@ -201,7 +201,7 @@ def test_invalid_node_size_raises(four):
 
 
 def test_three_ranks_node_sizes_1_and_3():
-    res = run_world(_worker3, 3, timeout_s=300)
+    res = run_world(_worker3, 3, timeout_s=300, reuse=True)
     for r, out in enumerate(res):
         for mode in ("hier1", "hier3"):
             assert _same(out["plain"]["masters"], out[mode]["masters"]), f"{mode} rank {r}: masters differ"

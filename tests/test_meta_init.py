@@ -104,7 +104,7 @@ def _lands_worker(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_parent_init_lands_in_every_layout(world):
-    res = run_world(_lands_worker, world)[0]
+    res = run_world(_lands_worker, world, reuse=True)[0]
     for key, r in res.items():
         assert r["sevens"], f"{key}: a parent's write of 7 into its child's parameter was lost"
         assert r["differ"] == [], f"{key}: differs from the CPU build with the same seed: {r['differ']}"
@@ -256,7 +256,7 @@ def _hf_worker(rank, world):
 @pytest.fixture(scope="module")
 def hf_meta():
     pytest.importorskip("transformers", reason="transformers is a test dependency (make test installs it)")
-    return run_world(_hf_worker, 2, timeout_s=600)
+    return run_world(_hf_worker, 2, timeout_s=600, reuse=True)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "t5"])

@@ -203,7 +203,7 @@ def _check_bf16(results, world, stages):
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_follows_fp32_and_matches_emulation(world):
     stages = (0, 1, 2, 3)
-    results = run_world(_bf16_worker, world, stages, STEPS, "fp32", timeout_s=900)
+    results = run_world(_bf16_worker, world, stages, STEPS, "fp32", timeout_s=900, reuse=True)
     _check_bf16(results, world, stages)
 
 
@@ -211,7 +211,7 @@ def test_bf16_reduce_world3():
     """reduce_dtype=bf16 (opt-in) at a world size that divides nothing: the emulation
     reduces in fp32, so only the loss (within 0.15 of fp32 DDP at every step) and the
     norm (2% of the fp32-reduced one) are checked, and that bf16 was reduced."""
-    results = run_world(_bf16_worker, 3, (2, 3), 60, "bf16", timeout_s=600)
+    results = run_world(_bf16_worker, 3, (2, 3), 60, "bf16", timeout_s=600, reuse=True)
     for out in results:
         for stage in (2, 3):
             r = out[stage]
@@ -276,7 +276,7 @@ def _fp16_worker(rank, world, stage, step_control=False):
 def test_fp16_overflow_skips_everywhere(stage, step_control):
     """step_control=True: the verdict, the scale and the step counts advance in the
     parameters' memory (the GPU path's rules, run here on CPU tensors)."""
-    results = run_world(_fp16_worker, 2, stage, step_control, timeout_s=300)
+    results = run_world(_fp16_worker, 2, stage, step_control, timeout_s=300, reuse=True)
     for rank, r in enumerate(results):
         b, k = r["bad_step"], r["interval"]
         want_skip = [s == b for s in range(len(r["skipped"]))]
@@ -369,7 +369,7 @@ def _bytes_worker(rank, world):
 
 
 def test_bf16_reduce_halves_reduce_scatter_bytes():
-    for c in run_world(_bytes_worker, 2):
+    for c in run_world(_bytes_worker, 2, reuse=True):
         fp32, bf16 = c["fp32"]["reduce_scatter"], c["bf16"]["reduce_scatter"]
         assert fp32["numel"] == bf16["numel"] > 0
         assert bf16["bytes"] * 2 == fp32["bytes"]
@@ -457,6 +457,6 @@ def test_bf16_accumulation_is_fp32(stage):
     """Three micro-steps (two under no_sync) with bf16 parameters: the reduced gradient
     equals the fp32 sum of every micro-step's bf16 gradient over micro-steps and ranks,
     exactly — not the bf16 running sum autograd would keep (which the test shows differs)."""
-    for r in run_world(_accum_worker, 2, stage):
+    for r in run_world(_accum_worker, 2, stage, reuse=True):
         assert r["fp32"] == 0.0, f"stage {stage}: gradient differs from the fp32 accumulation by {r['fp32']}"
         assert r["bf16acc"] > 0.0, "bf16 accumulation should differ from fp32 here (else the test shows nothing)"

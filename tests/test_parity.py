@@ -84,7 +84,7 @@ def check_comm(name, r, stage, world, steps):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_parity_with_ddp(world):
     cases = core_cases() + (extra_cases() if world in (1, 3, 4) else extra_cases()[::2])
-    results = run_world(run_cases, world, cases, timeout_s=900)
+    results = run_world(run_cases, world, cases, timeout_s=900, reuse=True)
     for rank, res in enumerate(results):
         for case in cases:
             r = res[case.name]

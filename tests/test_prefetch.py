@@ -41,7 +41,7 @@ def steps_of(cumulative):
 @pytest.mark.parametrize("world", [2, 3])
 def test_steady_state_prefetches_every_unit(world):
     cases = prefetch_cases()
-    results = run_world(run_cases, world, cases, timeout_s=600)
+    results = run_world(run_cases, world, cases, timeout_s=600, reuse=True)
     for rank, res in enumerate(results):
         for case in cases:
             r, name = res[case.name], f"world {world} rank {rank} {case.name}"
@@ -66,7 +66,7 @@ def test_small_units_share_collectives(world):
     units = dict(unit_modules=["TinyBlock"], min_unit_numel=0)
     cases = [Case("tiny-coalesced", model="tiny_blocks", stage=3, steps=6, config=dict(units)),
              Case("tiny-one-by-one", model="tiny_blocks", stage=3, steps=6, config=dict(units, coalesce_numel=0))]
-    results = run_world(run_cases, world, cases, timeout_s=300)
+    results = run_world(run_cases, world, cases, timeout_s=300, reuse=True)
     for rank, res in enumerate(results):
         for case in cases:
             r, name = res[case.name], f"world {world} rank {rank} {case.name}"
@@ -138,7 +138,7 @@ def test_skipped_unit_is_released():
     (a data-dependent branch) is freed and uncounted at the end of the step: after
     every step no unit stays gathered (stats' gathered_params is 0), and training
     matches one plain torch replica."""
-    for rank, (held, ours, ref) in enumerate(run_world(_skipped_unit_worker, 2)):
+    for rank, (held, ours, ref) in enumerate(run_world(_skipped_unit_worker, 2, reuse=True)):
         assert held == [0] * len(held), f"rank {rank}: bytes still gathered after each step: {held}"
         for a, b in zip(ours, ref):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"rank {rank}: {(a - b).abs().max():.2e}"

@@ -152,7 +152,7 @@ def _sgd_worker(rank, world, stage, steps):
 @pytest.mark.dist
 @pytest.mark.parametrize("stage,world", [(1, 2), (2, 3), (3, 4)])
 def test_quantized_gather_same_on_every_rank_master_exact(stage, world):
-    results = run_world(_sgd_worker, world, stage, 4, timeout_s=300)
+    results = run_world(_sgd_worker, world, stage, 4, timeout_s=300, reuse=True)
     for rank, r in enumerate(results):
         assert r["same_across_ranks"], f"rank {rank}: ranks compute with different parameters"
         assert r["worst_bound_ratio"] <= 1.0, (f"rank {rank}: a parameter is {r['worst_bound_ratio']:.3f} x half a "
@@ -179,7 +179,7 @@ def test_quantized_gathers_follow_exact_loss():
     modes = {"exact": {}, "int8_gather": {"param_quant": "int8"},
              "int8_gather_grads": {"param_quant": "int8", "grad_quant": "int8"}}
     steps = 50
-    losses = run_world(gpt_loss_curves, 2, modes, steps, 3, timeout_s=300)[0]
+    losses = run_world(gpt_loss_curves, 2, modes, steps, 3, timeout_s=300, reuse=True)[0]
     tail = {k: sum(v[-10:]) / 10 for k, v in losses.items()}
     assert tail["exact"] < losses["exact"][0] - 0.5, f"the exact run did not learn: {tail}"
     assert losses["int8_gather"] != losses["exact"], "param_quant changed nothing"

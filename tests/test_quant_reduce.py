@@ -90,7 +90,7 @@ def _sgd_worker(rank, world, stage, quant, steps):
 @pytest.mark.dist
 @pytest.mark.parametrize("stage,world,quant", [(1, 2, "int8"), (2, 3, "int4"), (3, 4, "int8")])
 def test_reduced_gradient_within_half_a_step(stage, world, quant):
-    results = run_world(_sgd_worker, world, stage, quant, 4, timeout_s=300)
+    results = run_world(_sgd_worker, world, stage, quant, 4, timeout_s=300, reuse=True)
     for rank, r in enumerate(results):
         assert r["same_across_ranks"], f"rank {rank}: ranks compute with different parameters"
         assert r["worst_ratio"] <= 1.0, (f"rank {rank}: reduced gradient off by {r['worst_ratio']:.3f} x "
@@ -141,7 +141,7 @@ def _overflow_worker(rank, world, quant):
 @pytest.mark.dist
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_inf_gradient_still_skips_fp16_step(quant):
-    for rank, skipped in enumerate(run_world(_overflow_worker, 2, quant, timeout_s=300)):
+    for rank, skipped in enumerate(run_world(_overflow_worker, 2, quant, timeout_s=300, reuse=True)):
         assert [s for s, _ in skipped] == [False, False, True, False], f"rank {rank}: {skipped}"
         assert skipped[2][1], f"rank {rank}: the skipped step changed the master weights"
 
@@ -151,7 +151,7 @@ def test_error_feedback_follows_exact_loss():
     modes = {"exact": {}, "int8": {"grad_quant": "int8"},
              "int4_ef": {"grad_quant": "int4", "grad_quant_error_feedback": True}}
     steps = 60
-    losses = run_world(gpt_loss_curves, 2, modes, steps, timeout_s=300)[0]
+    losses = run_world(gpt_loss_curves, 2, modes, steps, timeout_s=300, reuse=True)[0]
     tail = {k: sum(v[-10:]) / 10 for k, v in losses.items()}
     assert tail["exact"] < losses["exact"][0] - 0.5, f"the exact run did not learn: {tail}"
     assert abs(tail["int8"] - tail["exact"]) <= 0.02 * tail["exact"], tail

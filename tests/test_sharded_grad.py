@@ -101,7 +101,7 @@ def test_grads_answer_as_ddp(world):
     cases = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16")] if world == 2 else \
         [(1, "fp32"), (3, "fp32")]
     for stage, dtype in cases:
-        outs = run_world(_worker, world, stage, dtype, timeout_s=300)
+        outs = run_world(_worker, world, stage, dtype, timeout_s=300, reuse=True)
         for rank, out in enumerate(outs):
             where = f"stage {stage} {dtype} rank {rank}/{world}"
             for step, pair in enumerate(out["rows"]):

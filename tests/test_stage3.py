@@ -37,7 +37,7 @@ def stage3_cases():
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_stage3_parity_with_ddp(world):
     cases = stage3_cases()
-    results = run_world(run_cases, world, cases, timeout_s=900)
+    results = run_world(run_cases, world, cases, timeout_s=900, reuse=True)
     for rank, res in enumerate(results):
         for case in cases:
             r = res[case.name]
@@ -194,7 +194,7 @@ def test_plain_module_state_dict_refuses_released_parameters():
     parameters as empty tensors (a file with no weights): it raises, naming model.state_dict()
     and zero_ext.save; model.state_dict() and the plain call inside gathered_parameters give
     every full tensor."""
-    for rank, r in enumerate(run_world(_plain_state_dict_worker, 2)):
+    for rank, r in enumerate(run_world(_plain_state_dict_worker, 2, reuse=True)):
         assert r["error"] is not None, f"rank {rank}: module.state_dict() returned released (empty) parameters"
         assert "model.state_dict()" in r["error"] and "zero_ext.save" in r["error"], r["error"]
         assert r["full"] == r["shapes"], f"rank {rank}: model.state_dict() shapes {r['full']}"
@@ -243,6 +243,6 @@ def _no_sync_worker(rank, world, attr):
 
 @pytest.mark.parametrize("attr", [False, True], ids=["no_sync", "require_backward_grad_sync"])
 def test_stage3_accumulation_sends_nothing_until_the_last_micro_step(attr):
-    for rank, r in enumerate(run_world(_no_sync_worker, 2, attr)):
+    for rank, r in enumerate(run_world(_no_sync_worker, 2, attr, reuse=True)):
         assert all((b > 0) == last for last, b in r["sent"]), (rank, r["sent"])
         assert r["rel"] <= 1e-5, f"rank {rank}: differs from DDP by {r['rel']:.3g} (relative)"

@@ -78,7 +78,7 @@ def _round_trips(rank, world):
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_state_dict_round_trip(world):
-    for rank, res in enumerate(run_world(_round_trips, world)):
+    for rank, res in enumerate(run_world(_round_trips, world, reuse=True)):
         for (stage, opt_name, fused), r in res.items():
                 name = f"world {world} stage {stage} {opt_name} rank {rank}"
                 assert r["moved"] > 1e-4, name

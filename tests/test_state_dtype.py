@@ -167,7 +167,7 @@ def test_bf16_states_accuracy_on_text():
     """Last-window mean loss with bf16 states, averaged over ACC_SEEDS initializations and
     batch orders, within 1% of fp32 states'; the control "lost" is not, so the bound can
     fail ("nearest" is printed only: see the module docstring)."""
-    res = run_world(_accuracy_worker, 2, ACC_STEPS, timeout_s=600)
+    res = run_world(_accuracy_worker, 2, ACC_STEPS, timeout_s=600, reuse=True)
 
     def last(key):   # mean loss of the last ACC_WINDOW steps over both ranks
         return sum(sum(r[key][-ACC_WINDOW:]) for r in res) / (ACC_WINDOW * len(res))

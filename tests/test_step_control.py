@@ -83,7 +83,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("stage,world", [(0, 2), (1, 3), (2, 2), (3, 3)])
 def test_step_control_equals_host_path(stage, world):
-    runs = run_world(_both_paths, world, stage, ("adamw", "sgd"), False, timeout_s=300)
+    runs = run_world(_both_paths, world, stage, ("adamw", "sgd"), False, timeout_s=300, reuse=True)
     for opt_name in ("adamw", "sgd"):
         for r, run in enumerate(runs):
             h, d = run[(opt_name, False)], run[(opt_name, True)]
@@ -106,7 +106,7 @@ def _check_equal(h, d, tag):
 
 @pytest.mark.parametrize("stage,world", [(1, 2), (3, 3)])
 def test_step_control_clipping_matches_host_path(stage, world):
-    runs = run_world(_both_paths, world, stage, ("adamw",), True, timeout_s=300)
+    runs = run_world(_both_paths, world, stage, ("adamw",), True, timeout_s=300, reuse=True)
     for r, run in enumerate(runs):
         h, d = run[("adamw", False)], run[("adamw", True)]
         tag = f"stage {stage}, rank {r}/{world}"

@@ -39,7 +39,7 @@ def clip_cases():
 @pytest.mark.parametrize("world", [2, 3])
 def test_torch_clipping_matches_ddp(world):
     cases = clip_cases()
-    results = run_world(run_cases, world, cases, timeout_s=900)
+    results = run_world(run_cases, world, cases, timeout_s=900, reuse=True)
     for rank, res in enumerate(results):
         for case in cases:
             r = res[case.name]

@@ -100,7 +100,7 @@ def _parity_worker(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_unused_parameters_match_ddp(world):
-    outs = run_world(_parity_worker, world, timeout_s=300)
+    outs = run_world(_parity_worker, world, timeout_s=300, reuse=True)
     for rank, out in enumerate(outs):
         for (opt_name, stage), r in out.items():
             where = f"rank {rank}/{world}, {opt_name}, stage {stage}"
@@ -156,8 +156,8 @@ def _load_worker(rank, world, path):
 
 def test_checkpoint_keeps_per_parameter_steps(tmp_path):
     path = str(tmp_path / "ckpt")
-    run_world(_save_worker, 2, path, timeout_s=300)
-    full = run_world(_load_worker, 3, path, timeout_s=300)[0]
+    run_world(_save_worker, 2, path, timeout_s=300, reuse=True)
+    full = run_world(_load_worker, 3, path, timeout_s=300, reuse=True)[0]
     ref, ropt = _reference(range(STEPS))
     for n, p in ref.named_parameters():
         d = ((full["model"][n] - p.detach()).norm() / p.detach().norm()).item()
@@ -263,7 +263,7 @@ def _agreement_worker(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_used_flags_agreement_only_when_needed(world):
-    outs = run_world(_agreement_worker, world, timeout_s=300)
+    outs = run_world(_agreement_worker, world, timeout_s=300, reuse=True)
     for rank, out in enumerate(outs):
         for mode, stage in ((m, s) for m in (True, False, "auto") for s in (0, 2, 3)):
             r = out[(mode, stage)]

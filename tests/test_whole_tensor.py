@@ -86,7 +86,7 @@ def check_comm(name, r, stage, world):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_whole_tensor_parity(world):
     cases = cases_for(world)
-    results = run_world(run_whole_cases, world, cases, timeout_s=600)
+    results = run_world(run_whole_cases, world, cases, timeout_s=600, reuse=True)
     rows = []
     for case in cases:
         r = results[0][case.name]
@@ -115,7 +115,7 @@ def test_whole_tensor_bf16(world):
     """Mixed precision: bf16 parameters, fp32 masters; Muon + AdamW trains as the
     fp32 run does (torch's bf16 matmuls set the bound, as in test_mixed_precision).
     At 4 ranks an AdamW tensor is cut to fill Muon's padding (tests/test_fill_engine.py)."""
-    out = run_world(_mixed_worker, world, timeout_s=300)[0]
+    out = run_world(_mixed_worker, world, timeout_s=300, reuse=True)[0]
     fp32, bf16 = out["fp32"], out["bf16"]
     assert bf16[1] > 0 and fp32[1] == 0, "bf16 keeps fp32 master weights, fp32 needs none"
     assert bf16[2] > 1e-3
@@ -218,7 +218,7 @@ def test_whole_tensor_unused_parameter(recipe, stage):
     optimizer's zero_grad() clears only its own gradients (before: muon.zero_grad()
     cleared AdamW's too, so `for o in opts: o.step(); o.zero_grad()` stepped AdamW
     with zeros). Every rank sees the same batch: the reference is plain torch."""
-    for r, (cmp, spare_kept) in enumerate(run_world(_unused_worker, 2, recipe, stage, timeout_s=300)):
+    for r, (cmp, spare_kept) in enumerate(run_world(_unused_worker, 2, recipe, stage, timeout_s=300, reuse=True)):
         assert spare_kept, f"rank {r}: the unused matrix changed"
         for n, (equal, diff) in cmp.items():
             assert diff <= 1e-6, f"rank {r}: {n} differs from torch by {diff}"

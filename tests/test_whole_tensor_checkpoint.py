@@ -89,12 +89,12 @@ def _rel(a: dict, b: dict) -> float:
 
 def test_whole_tensor_checkpoint_reshard(tmp_path):
     path = os.path.join(tmp_path, "ckpt")
-    res4 = run_world(_saver, 4, path, timeout_s=300)
+    res4 = run_world(_saver, 4, path, timeout_s=300, reuse=True)
     saved, after4, _ = res4[0]
     assert sum(r[2] for r in res4) == 8, "the 8 hidden matrices are owned once across 4 ranks"
     moved = []
     for world, stage in ((3, 3), (1, 2)):
-        loaded, after, lrs = run_world(_loader, world, path, stage, timeout_s=300)[0]
+        loaded, after, lrs = run_world(_loader, world, path, stage, timeout_s=300, reuse=True)[0]
         # exactly the saved state, in the new layout
         for k, v in saved["model"].items():
             assert torch.equal(v, loaded["model"][k]), f"N={world} stage {stage}: {k} differs after load"
@@ -118,7 +118,7 @@ def test_whole_tensor_offline_consolidation(tmp_path):
     from whole_cases import make_optimizers
     from zero_ext.checkpoint import consolidate
     path = os.path.join(tmp_path, "ckpt")
-    res = run_world(_saver, 2, path, timeout_s=300)
+    res = run_world(_saver, 2, path, timeout_s=300, reuse=True)
     full = consolidate(path)   # offline: no process group
     model = build_model("gpt")
     model.load_state_dict(full["model"])
