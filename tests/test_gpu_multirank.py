@@ -55,6 +55,7 @@ import statistics
 import pytest
 import torch
 
+from cuda_guard import CudaBuildError, cuda_build_problem
 from dist_harness import ROOT, run_world
 
 pytestmark = pytest.mark.dist
@@ -77,12 +78,9 @@ def _skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return ("no CUDA device: torch.cuda.is_available() is False (ZX_GPU_SUITE_DEVICE=cpu dry-runs "
                 "these tests on CPU ranks over gloo)")
-    try:
-        from zero_ext import _C
-    except ImportError as e:
-        return f"no CUDA build: zero_ext._C does not import ({e})"
-    if not hasattr(_C, "cuda_adam_step"):
-        return "no CUDA build: zero_ext._C was built without CUDA (no cuda_adam_step); rebuild with nvcc"
+    problem = cuda_build_problem("cuda_adam_step")   # a GPU machine without a CUDA build fails, not skips
+    if problem is not None:
+        raise CudaBuildError(problem)
     return None
 
 

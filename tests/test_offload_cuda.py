@@ -17,13 +17,9 @@ Run: pytest tests/test_offload_cuda.py -v (make gpu-check runs it as tests_offlo
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
-from zero_ext import _C  # noqa: E402
+from cuda_guard import cuda_extension
 
-if not hasattr(_C, "cuda_adam_step"):
-    pytest.skip("zero_ext._C was built without CUDA (no cuda_adam_step); rebuild with nvcc and a CUDA torch",
-                allow_module_level=True)
+_C = cuda_extension("cuda_adam_step")   # skips without a GPU; fails on one without a CUDA build
 
 import zero_ext  # noqa: E402
 from cases import TINY_GPT  # noqa: E402

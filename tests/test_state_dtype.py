@@ -244,9 +244,10 @@ def test_bf16_states_are_the_kernels_rounding(step_control):
 def test_bf16_states_cuda_engine_is_the_kernels_rounding(step_control):
     """The CUDA kernel table (step_control=True: the device step count, seed + step on the
     device) gives the CPU kernel's bits on the engine's own inputs."""
-    from zero_ext import _C
-    if not hasattr(_C, "cuda_adam_step_bf16_states"):
-        pytest.skip("zero_ext._C was built without CUDA")
+    from cuda_guard import CudaBuildError, cuda_build_problem
+    problem = cuda_build_problem("cuda_adam_step_bf16_states")   # on a GPU machine: fail, not skip
+    if problem is not None:
+        raise CudaBuildError(problem)
     _kernel_check("cuda", step_control)
 
 
