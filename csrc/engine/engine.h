@@ -44,6 +44,7 @@
 #include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
 #include "engine/reduce_groups.h"  // defines: ReduceGroups (stage 3: coalesced reductions)
 #include "engine/secondary.h"      // defines: Secondary (node_size)
+#include "engine/step_book.h"      // defines: StepBook, StepRun (Note [Unused parameters])
 #include "engine/stats.h"          // defines: EngineStats, AtomicStats, OffloadStats (Note [Engine stats])
 
 namespace zx {
@@ -157,14 +158,6 @@ struct GatherGroup {
     std::vector<std::pair<Bucket *, int64_t>> members;
 };
 
-// A stretch of this rank's shard slice of one bucket that a fused step updates
-// with one step count (Note [Unused parameters] in unused.cpp); also a fragment.
-struct StepRun {
-    int64_t param;                     // the (first) parameter, or -1 for a whole slice
-    int64_t offset;                    // first element inside the bucket's owned slice
-    int64_t numel;
-    int64_t step;                      // step count after this step's increment
-};
 
 // Note [Fragment views] (layout.cpp): one piece of a parameter in this rank's shard, as
 // Python asks for it (checkpoints, loads, edits, the generic step).
@@ -264,13 +257,13 @@ public:
     // counts with advance_steps() under set_active_groups, when it steps.
     void begin_step(bool advance = true);
     void advance_steps();              // step counts of the stepped parameters of the active groups
-    std::vector<bool> stepped_params() const;   // per parameter: stepped by this step
+    std::vector<bool> stepped_params() const { return book_.stepped_params(); }   // per parameter: stepped by this step
     // Note [Unused parameters]: whether the next begin_step() agrees across ranks on
     // which parameters got a gradient; if not, every parameter must have one here:
     // locally_unused() lists those that have none (the caller raises, naming them).
-    bool agrees_unused() const;
-    std::vector<int64_t> locally_unused() const;
-    bool grads_since_step() const { return grads_since_step_; }
+    bool agrees_unused() const { return book_.agrees(); }
+    std::vector<int64_t> locally_unused() const { return book_.locally_unused(); }
+    bool grads_since_step() const { return book_.grads_since_step(); }
     std::vector<int64_t> param_steps();         // per parameter: optimizer steps taken
     void set_param_steps(const std::vector<int64_t> &steps);
     void broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src);
@@ -416,11 +409,7 @@ private:
     void launch_param_gather(int64_t b);   // bucket b's all-gather (stages 1-2)
     at::Tensor owned_slice(const at::Tensor &flat, const Bucket &bk) const;
     at::Tensor grad_shard_slice(const Bucket &bk);
-    void note_grad(int64_t i);         // param i got a gradient on this rank
-    void forget_grads();               // zero_grad(set_to_none=True)
-    void ensure_step_tables();
-    std::vector<StepRun> step_runs(int64_t b) const;
-    std::vector<StepRun> mixed_runs(int64_t b) const;   // a mixed bucket's element-granular runs
+    void ensure_step_tables();         // book_ has read this rank's fragments from the plan
     bool active_param(int64_t i) const { return active_group(group_of_[i]); }
     // into_params: cut parameters := their pieces of the gathered buckets; else the
     // pieces := the cut parameters (their edits).
@@ -506,16 +495,7 @@ private:
     int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
     std::map<std::string, at::Tensor> states_;
     int64_t reductions_ = 0;               // backward passes whose gradients were reduced
-    // Note [Unused parameters]: per parameter, got a gradient here / stepped by
-    // this step (agreed on every rank) / optimizer steps taken; per bucket, this
-    // rank's fragments in slice order.
-    std::vector<uint8_t> used_, stepped_;
-    std::vector<int64_t> param_steps_;
-    bool step_begun_ = false;          // begin_step() has run (the step tables exist)
-    bool agree_used_ = true;           // begin_step() all-reduces the used flags (agree_unused)
-    bool agree_decided_ = false;       // agree_unused == 2: the first step has decided agree_used_
-    bool grads_since_step_ = false;    // some gradient arrived on this rank since the last begin_step()
-    std::vector<std::vector<StepRun>> my_frags_;
+    StepBook book_;                        // Note [Unused parameters]: gradients seen, steps, runs
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
     std::unique_ptr<QuantGather> qgather_; // param_quant (world > 1): quantized all-gather, else null
     std::unique_ptr<Secondary> sec_;       // node_size (stage 3, 1 <= L < world): secondary parts, else null

@@ -291,6 +291,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             for (auto &bk : buckets_) upload(bk);
         }
     }
+    book_ = StepBook(params_.size(), opts_.agree_unused, world_);   // Note [Unused parameters]
     // Note [Coalesced gradient reductions] (reducer.cpp): stage 3's plain reduction path only.
     if (s3 && world_ > 1 && !qreduce_ && !off_ && !opts_.step_in_backward && opts_.coalesce_numel > 0)
         rgroups_.configure(std::max<int64_t>(opts_.coalesce_numel / parts_, 1), parts_, on_device(rdt_));

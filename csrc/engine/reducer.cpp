@@ -95,7 +95,7 @@ void Engine::accumulate_local(int64_t i) {
 
 void Engine::mark_ready(int64_t i) {
     TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: internal: bad parameter index ", i);
-    note_grad(i);
+    book_.note_grad(i);
     if (opts_.stage <= 1) ensure_grad_view(i);
     const bool reduce_now = opts_.stage >= 2 || require_sync_;
     if (opts_.stage >= 2 && !require_sync_) {
@@ -171,8 +171,7 @@ void Engine::finalize_backward() {
     if (bw_.stepped) {   // Note [Step in backward]: this backward was one optimizer step
         bw_.stepped = false;
         bw_.steps++;
-        ensure_step_tables();
-        std::fill(param_steps_.begin(), param_steps_.end(), bw_.steps);
+        book_.set_all_steps(bw_.steps);
     }
     grad_generation_++;
     if (!grad_wrappers_.empty()) {   // Note [Sharded gradients]
@@ -441,12 +440,12 @@ void Engine::zero_grad(bool set_to_none) {
                 for (const zx_piece &pc : pieces_[i]) buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
             if (set_to_none) {
                 params_[i].mutable_grad() = at::Tensor();
-                used_[i] = 0;   // Note [Unused parameters]
+                book_.forget_grad((int64_t)i);   // Note [Unused parameters]
             }
         }
         if (grad_shard_.defined())
             for (size_t b = 0; b < buckets_.size(); b++)
-                for (const StepRun &f : my_frags_[b])
+                for (const StepRun &f : book_.fragments((int64_t)b))
                     if (active_param(f.param)) grad_shard_.narrow(0, buckets_[b].shard_offset + f.offset, f.numel).zero_();
         return;
     }
@@ -458,7 +457,7 @@ void Engine::zero_grad(bool set_to_none) {
     for (auto &p : params_) {
         if (set_to_none) p.mutable_grad() = at::Tensor();
     }
-    if (set_to_none) forget_grads();   // Note [Unused parameters]
+    if (set_to_none) book_.forget_grads();   // Note [Unused parameters]
 }
 
 }  // namespace zx

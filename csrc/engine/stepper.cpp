@@ -99,7 +99,7 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
             continue;
         }
         // Note [Unused parameters]: only the stretches of stepped parameters.
-        for (const StepRun &r : bk.mixed ? mixed_runs(b) : step_runs(b)) {
+        for (const StepRun &r : bk.mixed ? book_.mixed_runs(b, plan_, group_of_) : book_.runs(b, bk.slice_numel)) {
             const int64_t g = bk.mixed ? group_of_[r.param] : bk.group;
             if (bk.mixed && !active_param(r.param)) continue;
             TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
@@ -146,7 +146,7 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
             });
             continue;
         }
-        for (const StepRun &r : bk.mixed ? mixed_runs(b) : step_runs(b)) {   // Note [Unused parameters]
+        for (const StepRun &r : bk.mixed ? book_.mixed_runs(b, plan_, group_of_) : book_.runs(b, bk.slice_numel)) {   // Note [Unused parameters]
             const int64_t g = bk.mixed ? group_of_[r.param] : bk.group;
             if (bk.mixed && !active_param(r.param)) continue;
             TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
@@ -190,7 +190,7 @@ void Engine::scale_grads(double factor) {
         if (bk.mixed) {
             // Note [Cut parameters]: only the pieces of the active groups.
             const at::Tensor gs = grad_shard_slice(bk);
-            for (const StepRun &f : my_frags_[&bk - buckets_.data()])
+            for (const StepRun &f : book_.fragments(&bk - buckets_.data()))
                 if (active_param(f.param)) gs.narrow(0, f.offset, f.numel).mul_(factor);
             continue;
         }

@@ -9,7 +9,7 @@
 //   when no rank produced a gradient for it since the last zero_grad(set_to_none=
 //   True); a gradient on any rank makes it a (zero-padded) average on all ranks.
 //   The engine reproduces this:
-//     - used_[i]: parameter i got a gradient on this rank (its accumulation hook
+//     - used_[i] (StepBook, step_book.h): parameter i got a gradient on this rank (its accumulation hook
 //       fired) since the last zero_grad(set_to_none=True); zero_grad with
 //       set_to_none=False keeps it, as torch keeps the zeroed .grad tensors;
 //     - begin_step(): one all-reduce (MAX, one byte per parameter and one byte
@@ -53,138 +53,145 @@
 
 namespace zx {
 
-void Engine::note_grad(int64_t i) {
-    if (used_.empty()) used_.assign(params_.size(), 0);
-    used_[(size_t)i] = 1;
-    grads_since_step_ = true;
+// --- StepBook (step_book.h) ---
+
+void StepBook::forget_grads() { std::fill(used_.begin(), used_.end(), (uint8_t)0); }
+
+std::vector<int64_t> StepBook::locally_unused() const {
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < used_.size(); i++)
+        if (!used_[i]) out.push_back((int64_t)i);
+    return out;
 }
 
-void Engine::forget_grads() { std::fill(used_.begin(), used_.end(), (uint8_t)0); }
+std::vector<uint8_t> StepBook::agreement_flags() const {
+    std::vector<uint8_t> f(used_);
+    f.push_back(std::find(used_.begin(), used_.end(), (uint8_t)0) != used_.end());
+    return f;
+}
 
-void Engine::ensure_step_tables() {
-    const size_t n = params_.size();
-    if (used_.empty()) used_.assign(n, 0);
-    if (param_steps_.empty()) param_steps_.assign(n, 0);
-    if (stepped_.empty()) stepped_.assign(n, 0);
-    if (!my_frags_.empty() || buckets_.empty()) return;
-    // This rank's fragments per bucket, in slice order.
-    my_frags_.resize(buckets_.size());
+void StepBook::begin(const uint8_t *agreed) {
+    const size_t n = used_.size();
+    if (agreed) {
+        std::memcpy(stepped_.data(), agreed, n);
+        const bool missed = agreed[n] != 0;   // some rank missed some parameter
+        if (agree_ == 2) {   // "auto": the first step decides; a missed one later turns it back on
+            if (!agree_decided_ || missed) agree_used_ = missed;
+            agree_decided_ = true;
+        }
+    } else if (ranks_ > 1 && grads_since_step_) {
+        std::fill(stepped_.begin(), stepped_.end(), (uint8_t)1);   // checked by the caller: locally_unused() is empty
+    } else {   // one rank, or no backward since the last step (every rank alike)
+        stepped_ = used_;
+    }
+    begun_ = true;
+    grads_since_step_ = false;
+}
+
+std::vector<bool> StepBook::stepped_params() const {
+    std::vector<bool> out(stepped_.size(), false);
+    for (size_t i = 0; i < stepped_.size(); i++) out[i] = stepped_[i] != 0;
+    return out;
+}
+
+void StepBook::set_steps(const std::vector<int64_t> &steps) {
+    TORCH_CHECK(steps.size() == steps_.size(), "zero_ext: ", steps.size(), " step counts for ", steps_.size(),
+                " parameters; pass one step count per trainable parameter");
+    steps_ = steps;
+}
+
+void StepBook::set_all_steps(int64_t step) { std::fill(steps_.begin(), steps_.end(), step); }
+
+void StepBook::read_fragments(const zx_plan *plan, int64_t num_buckets, int32_t rank) {
+    frags_.assign((size_t)num_buckets, {});
     std::vector<zx_fragment> fr;
-    const int32_t r = (int32_t)(parts_ > 1 ? rank_ : 0);
-    for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
+    for (int64_t b = 0; b < num_buckets; b++) {
         int64_t count = 0;
-        zx_plan_fragments(plan_, b, r, nullptr, 0, &count);
+        zx_plan_fragments(plan, b, rank, nullptr, 0, &count);
         fr.resize((size_t)count);
-        zx_check(zx_plan_fragments(plan_, b, r, fr.data(), count, &count), "reading the plan");
-        for (const auto &f : fr) my_frags_[(size_t)b].push_back({f.param, f.slice_offset, f.numel, 0});
-        std::sort(my_frags_[(size_t)b].begin(), my_frags_[(size_t)b].end(),
-                  [](const StepRun &a, const StepRun &c) { return a.offset < c.offset; });
+        zx_check(zx_plan_fragments(plan, b, rank, fr.data(), count, &count), "reading the plan");
+        for (const auto &f : fr) frags_[(size_t)b].push_back({f.param, f.slice_offset, f.numel, 0});
+        std::sort(frags_[(size_t)b].begin(), frags_[(size_t)b].end(),
+                  [](const StepRun &x, const StepRun &y) { return x.offset < y.offset; });
     }
 }
 
-std::vector<StepRun> Engine::mixed_runs(int64_t b) const {
+std::vector<StepRun> StepBook::runs(int64_t b, int64_t slice_numel) const {
+    TORCH_CHECK(begun_, "zero_ext: internal: a fused step ran without begin_step()");
+    std::vector<StepRun> out;
+    const auto &frags = frags_[(size_t)b];
+    if (frags.empty()) return out;
+    bool uniform = true;
+    const int64_t first = frags[0].param;
+    for (const auto &f : frags)
+        uniform = uniform && stepped_[(size_t)f.param] && steps_[(size_t)f.param] == steps_[(size_t)first];
+    if (uniform) {
+        out.push_back({-1, 0, slice_numel, steps_[(size_t)first]});
+        return out;
+    }
+    for (const auto &f : frags) {
+        if (!stepped_[(size_t)f.param]) continue;
+        const int64_t s = steps_[(size_t)f.param];
+        if (!out.empty() && out.back().step == s && out.back().offset + out.back().numel == f.offset)
+            out.back().numel += f.numel;
+        else
+            out.push_back({f.param, f.offset, f.numel, s});
+    }
+    return out;
+}
+
+std::vector<StepRun> StepBook::mixed_runs(int64_t b, const zx_plan *plan, const std::vector<int64_t> &group_of) const {
     // Note [Cut parameters]: the element-granular pieces of a mixed bucket, as runs
     // of adjacent fragments with one param group and one step count.
-    TORCH_CHECK(step_begun_, "zero_ext: internal: a fused step ran without begin_step()");
-    std::vector<StepRun> runs;
-    for (const auto &f : my_frags_[(size_t)b]) {
-        if (zx_plan_owner(plan_, f.param) >= 0 || !stepped_[(size_t)f.param]) continue;
-        const int64_t s = param_steps_[(size_t)f.param];
-        const StepRun *last = runs.empty() ? nullptr : &runs.back();
+    TORCH_CHECK(begun_, "zero_ext: internal: a fused step ran without begin_step()");
+    std::vector<StepRun> out;
+    for (const auto &f : frags_[(size_t)b]) {
+        if (zx_plan_owner(plan, f.param) >= 0 || !stepped_[(size_t)f.param]) continue;
+        const int64_t s = steps_[(size_t)f.param];
+        const StepRun *last = out.empty() ? nullptr : &out.back();
         if (last && last->step == s && last->offset + last->numel == f.offset &&
-            group_of_[(size_t)last->param] == group_of_[(size_t)f.param])
-            runs.back().numel += f.numel;
+            group_of[(size_t)last->param] == group_of[(size_t)f.param])
+            out.back().numel += f.numel;
         else
-            runs.push_back({f.param, f.offset, f.numel, s});
+            out.push_back({f.param, f.offset, f.numel, s});
     }
-    return runs;
+    return out;
 }
 
-bool Engine::agrees_unused() const {
-    return world_ > 1 && opts_.agree_unused != 0 && agree_used_;
+// --- the engine's side: the collective, the active groups ---
+
+void Engine::ensure_step_tables() {
+    if (!book_.has_fragments() && !buckets_.empty())
+        book_.read_fragments(plan_, (int64_t)buckets_.size(), (int32_t)(parts_ > 1 ? rank_ : 0));
 }
 
 void Engine::begin_step(bool advance) {
     ensure_step_tables();
     if (sec_) sec_->drop_all();   // the masters change (Note [Hierarchical partitioning])
-    const int64_t n = (int64_t)used_.size();
-    if (agrees_unused()) {
-        at::Tensor t = at::empty({n + 1}, at::kByte);
-        std::memcpy(t.data_ptr<uint8_t>(), used_.data(), (size_t)n);
-        t.data_ptr<uint8_t>()[n] = std::find(used_.begin(), used_.end(), (uint8_t)0) != used_.end();
+    if (book_.agrees()) {
+        const std::vector<uint8_t> flags = book_.agreement_flags();
+        at::Tensor t = at::empty({(int64_t)flags.size()}, at::kByte);
+        std::memcpy(t.data_ptr<uint8_t>(), flags.data(), flags.size());
         t = t.to(dev_);
         comm_.all_reduce_max_blocking(t, comm_.c_used_flags, "unused-parameter flags all-reduce");
         t = t.cpu();
-        std::memcpy(stepped_.data(), t.data_ptr<uint8_t>(), (size_t)n);
-        const bool missed = t.data_ptr<uint8_t>()[n] != 0;   // some rank missed some parameter
-        if (opts_.agree_unused == 2) {   // "auto": the first step decides; a missed one later turns it back on
-            if (!agree_decided_ || missed) agree_used_ = missed;
-            agree_decided_ = true;
-        }
-    } else if (world_ > 1 && grads_since_step_) {
-        std::fill(stepped_.begin(), stepped_.end(), (uint8_t)1);   // checked by the caller: locally_unused() is empty
-    } else {   // one rank, or no backward since the last step (every rank alike)
-        stepped_ = used_;
+        book_.begin(t.data_ptr<uint8_t>());
+    } else {
+        book_.begin(nullptr);
     }
-    step_begun_ = true;
-    grads_since_step_ = false;
     if (advance) advance_steps();
 }
 
 void Engine::advance_steps() {
-    TORCH_CHECK(step_begun_, "zero_ext: internal: advance_steps() without begin_step()");
-    for (size_t i = 0; i < stepped_.size(); i++)
-        if (stepped_[i] && active_param((int64_t)i)) param_steps_[i]++;
+    TORCH_CHECK(book_.begun(), "zero_ext: internal: advance_steps() without begin_step()");
+    book_.advance([this](int64_t i) { return active_param(i); });
 }
 
-std::vector<StepRun> Engine::step_runs(int64_t b) const {
-    TORCH_CHECK(step_begun_, "zero_ext: internal: a fused step ran without begin_step()");
-    std::vector<StepRun> runs;
-    const auto &frags = my_frags_[(size_t)b];
-    if (frags.empty()) return runs;
-    bool uniform = true;
-    const int64_t first = frags[0].param;
-    for (const auto &f : frags)
-        uniform = uniform && stepped_[(size_t)f.param] && param_steps_[(size_t)f.param] == param_steps_[(size_t)first];
-    if (uniform) {
-        runs.push_back({-1, 0, buckets_[(size_t)b].slice_numel, param_steps_[(size_t)first]});
-        return runs;
-    }
-    for (const auto &f : frags) {
-        if (!stepped_[(size_t)f.param]) continue;
-        const int64_t s = param_steps_[(size_t)f.param];
-        if (!runs.empty() && runs.back().step == s && runs.back().offset + runs.back().numel == f.offset)
-            runs.back().numel += f.numel;
-        else
-            runs.push_back({f.param, f.offset, f.numel, s});
-    }
-    return runs;
-}
-
-std::vector<int64_t> Engine::param_steps() {
-    ensure_step_tables();
-    return param_steps_;
-}
+std::vector<int64_t> Engine::param_steps() { return book_.steps(); }
 
 void Engine::set_param_steps(const std::vector<int64_t> &steps) {
-    ensure_step_tables();
-    TORCH_CHECK(steps.size() == param_steps_.size(), "zero_ext: ", steps.size(), " step counts for ",
-                param_steps_.size(), " parameters; pass one step count per trainable parameter");
-    param_steps_ = steps;
+    book_.set_steps(steps);
     bw_.steps = steps.empty() ? 0 : *std::max_element(steps.begin(), steps.end());   // Note [Step in backward]
-}
-
-std::vector<int64_t> Engine::locally_unused() const {
-    std::vector<int64_t> out;
-    for (size_t i = 0; i < params_.size(); i++)
-        if (i >= used_.size() || !used_[i]) out.push_back((int64_t)i);
-    return out;
-}
-
-std::vector<bool> Engine::stepped_params() const {
-    std::vector<bool> out(params_.size(), false);
-    for (size_t i = 0; i < stepped_.size(); i++) out[i] = stepped_[i] != 0;
-    return out;
 }
 
 }  // namespace zx
