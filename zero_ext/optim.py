@@ -402,7 +402,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         views = self._bucket_views()
         saved = []
-        for f in self._engine.fragment_views():
+        for f in self._engine.fragment_views(masters=False):   # positions only (no master joined)
             if stepped[f.param] or f.numel == 0:
                 continue
             v, lo, n = views[f.bucket], f.slice_offset, f.numel

@@ -2,11 +2,13 @@
 //
 //   zx_check(s, what)    throws a c10::Error (Python RuntimeError) for a non-OK zx_status
 //   parse_isa(name)      "scalar" / "avx2" / "avx512" -> zx_isa (throws otherwise)
+//   plan_fragments(plan, b, r)  rank r's fragments of bucket b, as the plan lists them
 #pragma once
 
 #include <c10/util/Exception.h>   // TORCH_CHECK
 
 #include <string>
+#include <vector>
 
 #include "core/zx_core.h"
 
@@ -24,4 +26,13 @@ inline zx_isa parse_isa(const std::string &name) {
     TORCH_CHECK(false, "zero_ext: unknown isa '", name,
                 "'; use 'scalar', 'avx2', 'avx512' (or 'auto' where accepted)");
     return ZX_ISA_SCALAR;  // not reached
+}
+
+// Rank r's fragments of bucket b (zx_plan_fragments: count, then fill).
+inline std::vector<zx_fragment> plan_fragments(const zx_plan *plan, int64_t b, int32_t r) {
+    int64_t count = 0;
+    zx_plan_fragments(plan, b, r, nullptr, 0, &count);
+    std::vector<zx_fragment> fr((size_t)count);
+    zx_check(zx_plan_fragments(plan, b, r, fr.data(), count, &count), "reading the plan");
+    return fr;
 }

@@ -4,7 +4,7 @@
 // state (Note [Filling atomic buckets] in core/zx_core.h decides the layout).
 #include "engine/engine.h"
 
-#include "engine/check.h"      // defines: zx_check
+#include "engine/check.h"      // defines: zx_check, plan_fragments
 
 namespace zx {
 
@@ -20,18 +20,14 @@ namespace zx {
 //   Muon element too.
 void Engine::plan_state_windows() {
     const int64_t r = opts_.stage == 0 ? 0 : rank_;
-    std::vector<zx_fragment> fr;
     int64_t at = 0;
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
         bk.state_lo = 0;
         bk.state_numel = bk.slice_numel;
         if (bk.atomic) {
-            int64_t count = 0, lo = INT64_MAX, hi = 0;
-            zx_plan_fragments(plan_, b, (int32_t)r, nullptr, 0, &count);
-            fr.resize((size_t)count);
-            zx_check(zx_plan_fragments(plan_, b, (int32_t)r, fr.data(), count, &count), "reading the plan");
-            for (const auto &f : fr) {
+            int64_t lo = INT64_MAX, hi = 0;
+            for (const auto &f : plan_fragments(plan_, b, (int32_t)r)) {
                 if (zx_plan_owner(plan_, f.param) >= 0) continue;
                 lo = std::min(lo, f.slice_offset);
                 hi = std::max(hi, f.slice_offset + f.numel);

@@ -4,7 +4,7 @@
 // each piece lives (slices, fragments); stats() and the printable plan.
 #include "engine/engine.h"
 
-#include "engine/check.h"      // defines: zx_check, parse_isa
+#include "engine/check.h"      // defines: zx_check, parse_isa, plan_fragments
 
 namespace zx {
 
@@ -359,15 +359,9 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(in
     TORCH_CHECK(r >= 0 && r < std::max<int64_t>(parts_, 1), "zero_ext: internal: no rank ", r, " among ", parts_,
                 " partitions");
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
-    std::vector<zx_fragment> fr;
-    for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
-        int64_t count = 0;
-        zx_plan_fragments(plan_, b, (int32_t)r, nullptr, 0, &count);
-        fr.resize((size_t)count);
-        zx_check(zx_plan_fragments(plan_, b, (int32_t)r, fr.data(), count, &count), "reading the plan");
-        for (const auto &f : fr)
+    for (int64_t b = 0; b < (int64_t)buckets_.size(); b++)
+        for (const auto &f : plan_fragments(plan_, b, (int32_t)r))
             out.emplace_back(f.param, f.param_offset, buckets_[b].shard_offset + f.slice_offset, f.numel);
-    }
     return out;
 }
 
@@ -384,16 +378,12 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(in
 std::vector<FragmentView> Engine::fragment_views(bool masters) {
     const int64_t r = parts_ > 1 ? rank_ : 0;
     std::vector<FragmentView> out;
-    std::vector<zx_fragment> fr;
     int64_t index = 0;   // among the active buckets
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
         if (!active(bk)) continue;
-        int64_t count = 0;
-        zx_plan_fragments(plan_, b, (int32_t)r, nullptr, 0, &count);
-        fr.resize((size_t)count);
-        zx_check(zx_plan_fragments(plan_, b, (int32_t)r, fr.data(), count, &count), "reading the plan");
-        at::Tensor m = count && masters ? master_slice(bk) : at::Tensor();
+        const std::vector<zx_fragment> fr = plan_fragments(plan_, b, (int32_t)r);
+        at::Tensor m = !fr.empty() && masters ? master_slice(bk) : at::Tensor();
         for (const auto &f : fr)
             out.push_back({f.param, f.param_offset, index, f.slice_offset, f.numel,
                            m.defined() ? m.narrow(0, f.slice_offset, f.numel) : at::Tensor()});

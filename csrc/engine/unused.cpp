@@ -46,7 +46,7 @@
 //   parameters contribute zeros), so nothing hangs.
 #include "engine/engine.h"
 
-#include "engine/check.h"      // defines: zx_check
+#include "engine/check.h"      // defines: zx_check, plan_fragments
 
 #include <algorithm>
 #include <cstring>
@@ -104,13 +104,8 @@ void StepBook::set_all_steps(int64_t step) { std::fill(steps_.begin(), steps_.en
 
 void StepBook::read_fragments(const zx_plan *plan, int64_t num_buckets, int32_t rank) {
     frags_.assign((size_t)num_buckets, {});
-    std::vector<zx_fragment> fr;
     for (int64_t b = 0; b < num_buckets; b++) {
-        int64_t count = 0;
-        zx_plan_fragments(plan, b, rank, nullptr, 0, &count);
-        fr.resize((size_t)count);
-        zx_check(zx_plan_fragments(plan, b, rank, fr.data(), count, &count), "reading the plan");
-        for (const auto &f : fr) frags_[(size_t)b].push_back({f.param, f.slice_offset, f.numel, 0});
+        for (const auto &f : plan_fragments(plan, b, rank)) frags_[(size_t)b].push_back({f.param, f.slice_offset, f.numel, 0});
         std::sort(frags_[(size_t)b].begin(), frags_[(size_t)b].end(),
                   [](const StepRun &x, const StepRun &y) { return x.offset < y.offset; });
     }
