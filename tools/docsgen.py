@@ -270,11 +270,26 @@ def gen_perf_offload(arg: str = "") -> str:
             f"`opt.step()` without offload (the same kernel, the parameter all-gather) plus the bytes the rings "
             f"copied, once, at the measured memcpy bandwidth; on this CPU engine each up copy is made twice "
             f"(master to pinned slot, slot to the parameters), as the GPU path stages it. Step = forward + "
-            f"backward + `opt.step()` (ms, medians; ratio: median [min, max] of the per-repetition ratios). No "
-            f"GPU figure yet.\n\n")
+            f"backward + `opt.step()` (ms, medians; ratio: median [min, max] of the per-repetition ratios).\n\n")
     text += table(["N", "stage", "step, none", "step, offload", "offload / none", "opt.step, none",
                    "opt.step, offload", "floor", "offload opt.step / floor"], rows)
-    return text + "\n" + source_line(rel)
+    text += "\n" + source_line(rel)
+    grel = f"{H200}/bench_offload_gpu.json"
+    g = ref(grel)
+    ga, gs = g["args"], g["gpu"]
+    names = {"zero_ext_offload": "zero_ext, `offload=\"cpu\"`", "zero_ext": "zero_ext, no offload",
+             "fsdp2_offload": "FSDP2, `CPUOffloadPolicy`"}
+    grows = [[names.get(k, k), f"{v['step_s']['median'] * 1e3:.0f}", f"{v['peak_bytes'] / 2**30:.2f}"]
+             for k, v in gs.items() if "step_s" in v]
+    o = gs["zero_ext_offload"]
+    text += (f"\nOn one GPU ({machine_name(grel)}): the GPT '{ga['gpu_size']}' ({o['shard_numel'] / 1e9:.2f}B "
+             f"parameters), bf16, stage 2, world size 1, median of {ga['steps'] - ga['warmup']} steps x "
+             f"{ga['reps']} repetitions. The offloaded step is {o['vs_fsdp2_offload']:.2f}x FSDP2's offloaded step "
+             f"and {o['over_floor']:.2f}x its floor ({o['floor_s'] * 1e3:.0f} ms: "
+             f"{o['link_bytes_per_step'] / 1e9:.2f} GB over PCIe at {min(o['pcie_GBps']):.0f} GB/s, and the "
+             f"host's Adam kernel over the model, {o['adam_kernel_s'] * 1e3:.0f} ms).\n\n")
+    text += table(["system", "ms / step", "device peak GiB"], grows)
+    return text + "\n" + source_line(grel)
 
 
 def gen_perf_sequence(arg: str = "") -> str:
@@ -412,6 +427,20 @@ def gpu_check_results() -> list[tuple[str, dict]]:
     return sorted(found, key=lambda x: x[1].get("date_utc", ""), reverse=True)
 
 
+def reruns(rel: str) -> dict:
+    """{step: {commit, why, result, command}}: benchmarks/reference/<gpu>/reruns.json beside a
+    gpu-check.json, the steps run again by hand (in the same session, on the same machine) after
+    a correction; runs.md beside it says how."""
+    p = (REFERENCE / rel).with_name("reruns.json")
+    if not p.exists():
+        return {}
+    out = json.loads(p.read_text())
+    for step, r in out.items():
+        if set(r) != {"commit", "why", "result", "command"}:
+            raise DocsError(f"{p}: {step} needs exactly commit, why, result, command")
+    return out
+
+
 def machine_name(rel: str) -> str:
     """The short name of the machine a reference file was measured on."""
     meta_path = REFERENCE / rel.split("/")[0] / "machine.json"
@@ -440,8 +469,11 @@ def gen_status(arg: str = "") -> str:
                 if hit:
                     t = hit.get("tests")
                     counts = f", {t['tests'] - t['skipped']} of {t['tests']} tests ran" if isinstance(t, dict) else ""
+                    rerun = reruns(rel).get(step)
+                    again = (f"; re-run after {rerun['why']}: {rerun['result']} ({rerun['commit'][:7]})"
+                             if rerun else "")
                     gpu.append(f"`{step}` {hit['status']} on {check.get('gpu')} "
-                               f"({str(check.get('commit', ''))[:7]}{counts})")
+                               f"({str(check.get('commit', ''))[:7]}{counts}{again})")
                     break
             else:
                 missing.append(f"`{step}`")
