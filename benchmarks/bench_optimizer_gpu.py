@@ -14,6 +14,11 @@ Reported: ours in GB/s and as a fraction of the copy's GB/s (target >= 0.90), an
 torch time / ours time (target >= 1.15). Then "many small tensors" (default 2000
 tensors of 4K..256K elements): ours on their flat concatenation (one launch, as the
 ZeRO shard is laid out) vs torch fused AdamW over the list + torch._foreach_copy_ to bf16.
+Then the split master (Note [Split master], stages 0-2 with bf16 parameters: the master kept as
+the bf16 parameter + a 16-bit remainder + a tie bit) at --split-size: the engine's step, chunk by
+chunk of 2^24 elements (join into fp32 scratch, the same Adam kernel, split back), against the
+step on an fp32 master, and join + split alone against the copy ceiling (16.25 bytes/param:
+read hi, rem, ties and write fp32; read fp32 and hi, write rem and ties).
 JSON goes to benchmarks/results/bench_optimizer_gpu.json.
 """
 import argparse
@@ -168,6 +173,65 @@ def bench_small(C, args):
     return result
 
 
+SPLIT_BYTES_PER_PARAM = 16.25   # join: 2 + 2 + 1/8 read, 4 written; split: 4 + 2 read, 2 + 1/8 written
+SPLIT_CHUNK = 1 << 24           # MasterSplit::chunk_numel on a GPU (csrc/engine/master_split.cpp)
+
+
+def bench_split_master(C, n, args):
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(2)
+    master = torch.randn(n, device=dev, generator=gen)
+    g = torch.randn(n, device=dev, generator=gen) * 1e-2
+    m = torch.zeros(n, device=dev)
+    v = torch.zeros(n, device=dev)
+    p16 = master.to(torch.bfloat16)
+    rem = torch.empty(n, device=dev, dtype=torch.int16)
+    ties = torch.empty((n + 7) // 8, device=dev, dtype=torch.uint8)
+    C.cuda_master_split(master, p16, rem, ties)
+    scratch = torch.empty(min(n, SPLIT_CHUNK), device=dev)
+    copy_src, copy_dst = torch.empty(n, device=dev), torch.empty(n, device=dev)
+    step = [0, 0]
+
+    def fp32_master():
+        step[0] += 1
+        C.cuda_adam_step(master, g, m, v, None, p16, LR, BETA1, BETA2, EPS, WD, step[0], True, False, False, 1.0)
+
+    def split_master():
+        step[1] += 1
+        for a in range(0, n, SPLIT_CHUNK):
+            b = min(n, a + SPLIT_CHUNK)
+            s = scratch[: b - a]
+            C.cuda_master_join(p16[a:b], rem[a:b], ties[a // 8:(b + 7) // 8], s)
+            C.cuda_adam_step(s, g[a:b], m[a:b], v[a:b], None, p16[a:b], LR, BETA1, BETA2, EPS, WD, step[1],
+                             True, False, False, 1.0)
+            C.cuda_master_split(s, p16[a:b], rem[a:b], ties[a // 8:(b + 7) // 8])
+
+    def join_split():
+        for a in range(0, n, SPLIT_CHUNK):
+            b = min(n, a + SPLIT_CHUNK)
+            s = scratch[: b - a]
+            C.cuda_master_join(p16[a:b], rem[a:b], ties[a // 8:(b + 7) // 8], s)
+            C.cuda_master_split(s, p16[a:b], rem[a:b], ties[a // 8:(b + 7) // 8])
+
+    def copy():
+        copy_dst.copy_(copy_src)
+
+    times = bench_interleaved({"fp32_master": fp32_master, "split_master": split_master, "join_split": join_split,
+                               "copy": copy}, args.reps, args.warmup, args.min_rep_ms)
+    med = {k: statistics.median(t) for k, t in times.items()}
+    copy_gbps = 2 * 4 * n / (med["copy"] * 1e-3) / 1e9
+    js_gbps = SPLIT_BYTES_PER_PARAM * n / (med["join_split"] * 1e-3) / 1e9
+    result = {
+        "numel": n, "chunk": SPLIT_CHUNK, "times": {k: summary(t) for k, t in times.items()},
+        "split_over_fp32_master": med["split_master"] / med["fp32_master"],
+        "ideal_split_over_fp32_master": (ADAM_BYTES_PER_PARAM + SPLIT_BYTES_PER_PARAM) / ADAM_BYTES_PER_PARAM,
+        "join_split_GBps": js_gbps, "copy_GBps": copy_gbps, "join_split_fraction_of_copy": js_gbps / copy_gbps,
+    }
+    del master, g, m, v, p16, rem, ties, scratch, copy_src, copy_dst
+    torch.cuda.empty_cache()
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="16M,64M,256M,1B", help="comma-separated param counts (K/M/B suffixes)")
@@ -178,6 +242,7 @@ def main():
     parser.add_argument("--small-min", type=int, default=4 * 1024)
     parser.add_argument("--small-max", type=int, default=256 * 1024)
     parser.add_argument("--skip-small", action="store_true")
+    parser.add_argument("--split-size", default="256M", help="elements of the split-master comparison (0: skip)")
     parser.add_argument("--json", default=str(pathlib.Path(__file__).resolve().parent / "results" / "bench_optimizer_gpu.json"))
     args = parser.parse_args()
     if args.reps < 5:
@@ -231,9 +296,19 @@ def main():
               f"({small['numel_total'] / 2 ** 20:.0f}M params): ours flat {t['ours_flat']['median_ms']:.3f} ms "
               f"({small['ours_GBps']:.0f} GB/s), torch fused list + foreach copy "
               f"{t['torch_fused_list+foreach_copy']['median_ms']:.3f} ms -> {small['speedup_vs_torch']:.2f}x")
+    split = None
+    if parse_size(args.split_size) > 0 and hasattr(C, "cuda_master_join"):
+        split = bench_split_master(C, parse_size(args.split_size), args)
+        t = split["times"]
+        print(f"split master, {fmt_size(split['numel'])} elements in chunks of {fmt_size(split['chunk'])}: step "
+              f"{t['split_master']['median_ms']:.3f} ms vs {t['fp32_master']['median_ms']:.3f} ms on an fp32 master "
+              f"({split['split_over_fp32_master']:.2f}x; bytes alone would give "
+              f"{split['ideal_split_over_fp32_master']:.2f}x); join + split {t['join_split']['median_ms']:.3f} ms, "
+              f"{split['join_split_GBps']:.0f} GB/s = {split['join_split_fraction_of_copy']:.2f} of copy")
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "sizes": sizes, "many_small_tensors": small}, indent=2) + "\n")
+    out.write_text(json.dumps({"meta": meta, "sizes": sizes, "many_small_tensors": small, "split_master": split},
+                              indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -1,6 +1,7 @@
 """One training step of a >= 1B-parameter bf16 GPT on one GPU, world size 1:
 plain torch (autocast bf16 + AdamW fused=True), zero_ext stages 1-3 (param_dtype bf16,
-fp32 masters) and FSDP2 fully_shard (MixedPrecisionPolicy bf16), interleaved.
+fp32 masters: stages 1-2 keep them as the bf16 parameter + a remainder by default, the
+*_fp32master systems as fp32) and FSDP2 fully_shard (MixedPrecisionPolicy bf16), interleaved.
 
     python benchmarks/bench_step_gpu.py                 # 1.3B GPT, 5 reps x 5 steps
     python benchmarks/bench_step_gpu.py --layers 4 --width 1024   # quick look
@@ -8,7 +9,7 @@ fp32 masters) and FSDP2 fully_shard (MixedPrecisionPolicy bf16), interleaved.
 Needs a CUDA GPU and zero_ext built with CUDA; otherwise it says so and exits 0.
 Reported per system: step time (median [min, max] over reps), ratio to plain torch
 (target <= 1.03) and to FSDP2 (target <= 1.0 for our stage 3), tokens/s, peak memory.
-Not yet run on a GPU (see README, "GPUs"). JSON: benchmarks/results/bench_step_gpu.json.
+JSON: benchmarks/results/bench_step_gpu.json.
 """
 import argparse
 import datetime
@@ -59,9 +60,12 @@ def make_system(name, args):
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
-    stage = int(name[-1])
+    # "zero1" .. "zero3"; "zero1_fp32master": the same with an fp32 master shard instead of
+    # the bf16 parameter + remainder (master_remainder=False), the split master's cost
+    stage = int(name[4])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="bf16")
+    zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="bf16",
+                              master_remainder=not name.endswith("_fp32master"))
 
     def step(x, y):
         zm(x, y)[1].backward()
@@ -78,7 +82,7 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per rep")
-    parser.add_argument("--systems", default="torch,fsdp2,zero1,zero2,zero3")
+    parser.add_argument("--systems", default="torch,fsdp2,zero1,zero2,zero3,zero1_fp32master,zero2_fp32master")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_step_gpu.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -133,10 +137,10 @@ def main():
     med = {n: statistics.median(t) for n, t in times.items() if t}
     rows = {}
     print(f"GPT {numel / 1e9:.2f}B params, batch {args.batch} x {args.seq}, {torch.cuda.get_device_name(0)}")
-    print(f"{'system':>8} {'ms/step':>9} {'[min, max]':>18} {'vs torch':>9} {'vs fsdp2':>9} {'tok/s':>9} {'peak GiB':>9}")
+    print(f"{'system':>16} {'ms/step':>9} {'[min, max]':>18} {'vs torch':>9} {'vs fsdp2':>9} {'tok/s':>9} {'peak GiB':>9}")
     for n in names:
         if n in errors:
-            print(f"{n:>8} did not run: {errors[n]}")
+            print(f"{n:>16} did not run: {errors[n]}")
             rows[n] = {"did_not_run": errors[n]}
             continue
         t = times[n]
@@ -146,7 +150,7 @@ def main():
         rows[n] = r
         vt = f"{r['vs_torch']:.3f}" if r["vs_torch"] else "-"
         vf = f"{r['vs_fsdp2']:.3f}" if r["vs_fsdp2"] else "-"
-        print(f"{n:>8} {med[n]:9.1f} [{min(t):7.1f}, {max(t):7.1f}] {vt:>9} {vf:>9} "
+        print(f"{n:>16} {med[n]:9.1f} [{min(t):7.1f}, {max(t):7.1f}] {vt:>9} {vf:>9} "
               f"{r['tokens_per_s']:9.0f} {peak[n] / 2 ** 30:9.2f}")
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

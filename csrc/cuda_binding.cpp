@@ -2,7 +2,7 @@
 //
 // zx_bind_cuda(m) adds cuda_adam_step, cuda_adam_step_bf16_states, cuda_sgd_step, cuda_grad_sumsq,
 // cuda_grad_sumsq_into, cuda_scale, cuda_sum_slices, cuda_cast_from_f32,
-// cuda_cast_to_f32, cuda_increment_step and cuda_quantize, cuda_dequantize,
+// cuda_cast_to_f32, cuda_master_join, cuda_master_split, cuda_increment_step and cuda_quantize, cuda_dequantize,
 // cuda_dequantize_sum to the extension module. They take
 // CUDA tensors, check them (contiguous, one device, dtype, length), and enqueue
 // the kernel on the current CUDA stream (at::cuda::getCurrentCUDAStream()) of the
@@ -290,6 +290,37 @@ void zx_py_cuda_cast_to_f32(at::Tensor src, at::Tensor dst) {
                     "cuda_cast_to_f32");
 }
 
+// ---- split master (Note [Split master], zx_master_split.c): hi is the bf16 parameter ----
+
+void zx_check_split_master(const at::Tensor &hi, const at::Tensor &rem, const at::Tensor &ties) {
+    TORCH_CHECK(hi.is_cuda(), "hi must be a CUDA tensor");
+    zx_check_tensor(hi, "hi", at::kBFloat16, hi.device(), -1);
+    zx_check_tensor(rem, "rem", at::kShort, hi.device(), hi.numel());
+    zx_check_tensor(ties, "ties", at::kByte, hi.device(), (hi.numel() + 7) / 8);
+}
+
+// out (fp32) = the masters of (hi, rem, ties), bit for bit.
+void zx_py_cuda_master_join(at::Tensor hi, at::Tensor rem, at::Tensor ties, at::Tensor out) {
+    zx_check_split_master(hi, rem, ties);
+    zx_check_tensor(out, "out", at::kFloat, hi.device(), hi.numel());
+    c10::cuda::CUDAGuard guard(hi.device());
+    zx_check_status(zx_cuda_master_join((size_t)hi.numel(), reinterpret_cast<const uint16_t *>(hi.data_ptr()),
+                                        rem.data_ptr<int16_t>(), ties.data_ptr<uint8_t>(), out.data_ptr<float>(),
+                                        zx_current_stream()),
+                    "cuda_master_join");
+}
+
+// rem and ties of the masters m (fp32), whose bf16 rounding is hi.
+void zx_py_cuda_master_split(at::Tensor m, at::Tensor hi, at::Tensor rem, at::Tensor ties) {
+    zx_check_split_master(hi, rem, ties);
+    zx_check_tensor(m, "m", at::kFloat, hi.device(), hi.numel());
+    c10::cuda::CUDAGuard guard(hi.device());
+    zx_check_status(zx_cuda_master_split((size_t)hi.numel(), m.data_ptr<float>(),
+                                         reinterpret_cast<const uint16_t *>(hi.data_ptr()),
+                                         rem.data_ptr<int16_t>(), ties.data_ptr<uint8_t>(), zx_current_stream()),
+                    "cuda_master_split");
+}
+
 // ---- blockwise quantization (zx_cuda_quant.cu); formats as quant_sizes / quantize on the CPU ----
 
 // (bytes of codes, blocks) of a payload of n elements; raises for a bad format.
@@ -408,6 +439,13 @@ void zx_bind_cuda(pybind11::module_ &m) {
           py::arg("src"), py::arg("dst"));
     m.def("cuda_cast_to_f32", &zx_py_cuda_cast_to_f32, "dst (fp32) = src (bf16/fp16/fp32).",
           py::arg("src"), py::arg("dst"));
+    m.def("cuda_master_join", &zx_py_cuda_master_join,
+          "out (fp32) = the split masters (hi: the bf16 parameter, rem: int16, ties: uint8, one bit per "
+          "element), bit for bit (Note [Split master]).",
+          py::arg("hi"), py::arg("rem"), py::arg("ties"), py::arg("out"));
+    m.def("cuda_master_split", &zx_py_cuda_master_split,
+          "rem and ties of the fp32 masters m whose bf16 rounding is hi (Note [Split master]).",
+          py::arg("m"), py::arg("hi"), py::arg("rem"), py::arg("ties"));
     m.def("cuda_quantize", &zx_py_cuda_quantize,
           "quantize() on CUDA tensors: src (fp32/bf16/fp16) -> q (uint8) and scales (fp32), optional "
           "error-feedback residual; bit-identical to the CPU.",

@@ -280,6 +280,35 @@ void py_cast_to_f32(const std::string &isa_name, at::Tensor src, at::Tensor dst)
     });
 }
 
+// ---- split master (Note [Split master], zx_master_split.c): hi is the bf16 parameter ----
+// One call over the whole range (a tie byte holds 8 elements; the engine's own calls
+// are split by MasterSplit, csrc/engine/master_split.h).
+
+void check_split_master(const at::Tensor &hi, const at::Tensor &rem, const at::Tensor &ties) {
+    check_cpu(hi, "hi", at::kBFloat16, -1);
+    check_cpu(rem, "rem", at::kShort, hi.numel());
+    check_cpu(ties, "ties", at::kByte, (hi.numel() + 7) / 8);
+}
+
+void py_master_join(const std::string &isa_name, at::Tensor hi, at::Tensor rem, at::Tensor ties, at::Tensor out) {
+    const zx_isa isa = isa_arg(isa_name);
+    check_split_master(hi, rem, ties);
+    check_cpu(out, "out", at::kFloat, hi.numel());
+    zx_check(zx_master_join(isa, (size_t)hi.numel(), reinterpret_cast<const uint16_t *>(hi.data_ptr()),
+                            rem.data_ptr<int16_t>(), ties.data_ptr<uint8_t>(), out.data_ptr<float>()),
+             "master_join");
+}
+
+void py_master_split(const std::string &isa_name, at::Tensor m, at::Tensor hi, at::Tensor rem, at::Tensor ties) {
+    const zx_isa isa = isa_arg(isa_name);
+    check_split_master(hi, rem, ties);
+    check_cpu(m, "m", at::kFloat, hi.numel());
+    zx_check(zx_master_split(isa, (size_t)hi.numel(), m.data_ptr<float>(),
+                             reinterpret_cast<const uint16_t *>(hi.data_ptr()), rem.data_ptr<int16_t>(),
+                             ties.data_ptr<uint8_t>()),
+             "master_split");
+}
+
 // ---- blockwise quantization (zx_quant*.c) ----
 
 // Bytes of codes and blocks of a payload of n elements; raises for a bad format.
@@ -425,6 +454,13 @@ void zx_bind_kernels(pybind11::module_ &m) {
           py::arg("numel"));
     m.def("cast_to_f32", &py_cast_to_f32, "dst (float32) = src (bf16/fp16/fp32), exact.", py::arg("isa"),
           py::arg("src"), py::arg("dst"));
+    m.def("master_join", &py_master_join,
+          "out (fp32) = the split masters (hi: the bf16 parameter, rem: int16, ties: uint8, one bit per "
+          "element), bit for bit (Note [Split master]).",
+          py::arg("isa"), py::arg("hi"), py::arg("rem"), py::arg("ties"), py::arg("out"));
+    m.def("master_split", &py_master_split,
+          "rem and ties of the fp32 masters m whose bf16 rounding is hi (Note [Split master]).",
+          py::arg("isa"), py::arg("m"), py::arg("hi"), py::arg("rem"), py::arg("ties"));
     m.def("quant_sizes", &quant_sizes,
           "(bytes of codes, number of scales) of a quantized payload of n elements: whole blocks of "
           "block_numel, int8 (bits=8) or two int4 codes per byte (bits=4, block_numel even).",

@@ -39,7 +39,7 @@ def test_every_cuda_test_module_uses_the_guard():
     import pathlib
     here = pathlib.Path(__file__).parent
     for name in ("test_cuda_kernels.py", "test_cuda_bf16_states.py", "test_gpu_engine.py", "test_offload_cuda.py",
-                 "test_quant_cuda.py", "test_gpu_multirank.py", "test_state_dtype.py"):
+                 "test_quant_cuda.py", "test_gpu_multirank.py", "test_state_dtype.py", "test_cuda_master_split.py"):
         text = (here / name).read_text()
         assert "cuda_guard" in text, f"{name} does not use tests/cuda_guard.py"
         assert "built without CUDA" not in text.replace("cuda_guard", ""), \

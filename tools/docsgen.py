@@ -96,7 +96,9 @@ def gen_perf_headline(arg: str = "") -> str:
     d = ref(rel)
     a = d["meta"]["args"]
     names = {"torch": "plain torch (autocast bf16, fused AdamW)", "fsdp2": "FSDP2 `fully_shard`",
-             "zero1": "zero_ext stage 1", "zero2": "zero_ext stage 2", "zero3": "zero_ext stage 3"}
+             "zero1": "zero_ext stage 1", "zero2": "zero_ext stage 2", "zero3": "zero_ext stage 3",
+             "zero1_fp32master": "zero_ext stage 1, fp32 master (`master_remainder=False`)",
+             "zero2_fp32master": "zero_ext stage 2, fp32 master (`master_remainder=False`)"}
     rows = []
     for key, s in d["systems"].items():
         rows.append([names.get(key, key), f"{s['median_ms']:.1f}", f"{s['vs_torch']:.2f}x", f"{s['vs_fsdp2']:.2f}x",
@@ -128,6 +130,14 @@ def gen_perf_optimizer_gpu(arg: str = "") -> str:
              f"{m['times']['ours_flat']['median_ms']:.2f} ms against torch's fused list + foreach copy "
              f"{m['times']['torch_fused_list+foreach_copy']['median_ms']:.2f} ms "
              f"({m['speedup_vs_torch']:.2f}x).\n\n")
+    sm = d.get("split_master")
+    if sm:   # benchmarks/bench_optimizer_gpu.py --split-size (files written after 2026-11-26)
+        st = sm["times"]
+        text += (f"The split master ({sm['numel'] / 2**20:,.0f}M elements, chunks of {sm['chunk'] / 2**20:,.0f}M): the "
+                 f"step {st['split_master']['median_ms']:.2f} ms against {st['fp32_master']['median_ms']:.2f} ms on an "
+                 f"fp32 master ({sm['split_over_fp32_master']:.2f}x; the bytes alone would give "
+                 f"{sm['ideal_split_over_fp32_master']:.2f}x); join + split at "
+                 f"{sm['join_split_fraction_of_copy']:.2f} of the copy bandwidth.\n\n")
     return text + "![AdamW bandwidth on the H200](img/optimizer_gpu.svg)\n\n" + source_line(rel)
 
 
@@ -415,7 +425,8 @@ STATUS = [
      ["tests_bf16_states_cuda", "tests_state_dtype_cuda"], []),
     ("bf16 masters kept as a remainder under the bf16 parameter in stages 0-2 (`master_remainder`, on by "
      "default): 2 bytes and a tie bit per shard element instead of 4, bit-identical",
-     ["tests/test_split_master.py"], ["tests_engine"], [f"{XEON}/bench_memory_peers.json"]),
+     ["tests/test_split_master.py", "tests/test_master_split_kernels.py"],
+     ["tests_engine", "tests_master_split_cuda", "memcheck_master_split"], [f"{XEON}/bench_memory_peers.json"]),
     ("Parameter offload (to host memory or NVMe)", "not implemented", [], []),
     ("`torch.compile` of a zeroified model", "not tested", [], []),
 ]

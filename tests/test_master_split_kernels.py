@@ -1,0 +1,117 @@
+"""The split master's join and split kernels (Note [Split master], csrc/core/zx_master_split.c)
+through their bindings, zero_ext._C.master_join / master_split, for every ISA this CPU runs,
+against the note's formulas written here in torch integer arithmetic:
+
+    d = bits(m) - (bits(hi) << 16)   rem = (int16) d   tie = d == 0x8000
+    bits(master) = (bits(hi) << 16) + (tie ? 0x8000 : rem)   (a zero hi never takes a negative rem)
+
+  - split then join gives every master back bit for bit, ties (m halfway between two bf16
+    numbers, both directions) included; lengths that end inside a tie byte write 0 to its
+    unused bits;
+  - join of an edited hi (a parameter changed through p.data) keeps the old remainder, and a
+    zero hi with a negative remainder joins to zero, not NaN;
+  - bad input raises, naming the argument.
+tests/test_cuda_master_split.py holds the CUDA kernels to these CPU ones.
+Run: pytest tests/test_master_split_kernels.py -v
+"""
+import pytest
+import torch
+
+from zero_ext import _C
+
+ISAS = [isa for isa in ("scalar", "avx2", "avx512") if _C.isa_supported(isa)]
+LENGTHS = [1, 7, 8, 9, 31, 32, 33, 255, 1000, 4099]
+
+
+def masters(n, seed):
+    """fp32 masters with ties in both directions, zeros of both signs, subnormals and infinities."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+    bits = m.view(torch.int32)
+    k = torch.randint(0, 8, (n,), generator=g)
+    bits[k == 0] = (bits[k == 0] & ~0xFFFF) | 0x8000                  # halfway: a tie
+    bits[k == 1] = (bits[k == 1] & ~0x1FFFF) | 0x18000                 # halfway, odd hi: rounds up
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, float("inf"), -float("inf")])
+    m[: min(n, 6)] = special[: min(n, 6)]
+    return m
+
+
+def u32(t):
+    return t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def reference_split(m, hi):
+    d = (u32(m) - ((hi.view(torch.int16).to(torch.int64) & 0xFFFF) << 16)) & 0xFFFFFFFF
+    rem = (((d & 0xFFFF) ^ 0x8000) - 0x8000).to(torch.int16)
+    return rem, pack(d == 0x8000)
+
+
+def reference_join(hi, rem, ties):
+    h = hi.view(torch.int16).to(torch.int64) & 0xFFFF
+    d = torch.where(unpack(ties, hi.numel()), torch.tensor(0x8000), rem.to(torch.int64))
+    d = torch.where(((h & 0x7FFF) == 0) & (d < 0), torch.tensor(0), d)
+    b = ((h << 16) + d) & 0xFFFFFFFF
+    return torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)
+
+
+def pack(bits):
+    n = bits.numel()
+    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.int64)
+    padded[:n] = bits.to(torch.int64)
+    return (padded.view(-1, 8) << torch.arange(8)).sum(1).to(torch.uint8)
+
+
+def unpack(ties, n):
+    return ((ties.to(torch.int64).unsqueeze(1) >> torch.arange(8)) & 1).flatten()[:n].bool()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_split_then_join_is_the_master(isa, n):
+    m = masters(n, n)
+    hi = m.to(torch.bfloat16)
+    rem = torch.empty(n, dtype=torch.int16)
+    ties = torch.full(((n + 7) // 8,), 0xFF, dtype=torch.uint8)   # unused bits must come back 0
+    _C.master_split(isa, m, hi, rem, ties)
+    want_rem, want_ties = reference_split(m, hi)
+    assert torch.equal(rem, want_rem)
+    assert torch.equal(ties, want_ties)
+    out = torch.empty(n, dtype=torch.float32)
+    _C.master_join(isa, hi, rem, ties, out)
+    assert torch.equal(out.view(torch.int32), m.view(torch.int32)), "join(split(m)) is not m bit for bit"
+    assert torch.equal(out.view(torch.int32), reference_join(hi, rem, ties).view(torch.int32))
+
+
+def test_the_masters_hold_ties_in_both_directions():
+    """The case the tie bit exists for: d = +0x8000 (kept by the bit) and d = -0x8000 (in rem)."""
+    m = masters(4099, 1)
+    hi = m.to(torch.bfloat16)
+    d = (u32(m) - ((hi.view(torch.int16).to(torch.int64) & 0xFFFF) << 16)) & 0xFFFFFFFF
+    assert int((d == 0x8000).sum()) > 100 and int((d == 0xFFFF8000).sum()) > 100
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_join_of_an_edited_parameter(isa):
+    n = 1000
+    g = torch.Generator().manual_seed(3)
+    hi = (torch.randn(n, generator=g) * 10).to(torch.bfloat16)
+    hi[::7] = 0.0
+    hi[1::7] = -0.0
+    rem = torch.randint(-2**15, 2**15, (n,), generator=g, dtype=torch.int16)
+    ties = torch.randint(0, 256, ((n + 7) // 8,), generator=g, dtype=torch.uint8)
+    out = torch.empty(n, dtype=torch.float32)
+    _C.master_join(isa, hi, rem, ties, out)
+    assert torch.equal(out.view(torch.int32), reference_join(hi, rem, ties).view(torch.int32))
+    assert not bool(out.isnan().any()), "a zero parameter with a negative remainder joined to NaN"
+
+
+def test_bad_input_names_the_argument():
+    hi = torch.zeros(10, dtype=torch.bfloat16)
+    rem = torch.zeros(10, dtype=torch.int16)
+    out = torch.zeros(10)
+    with pytest.raises(RuntimeError, match="ties has 1 elements, expected 2"):
+        _C.master_join("scalar", hi, rem, torch.zeros(1, dtype=torch.uint8), out)
+    with pytest.raises(RuntimeError, match="rem must be torch.int16"):
+        _C.master_split("scalar", out, hi, torch.zeros(10, dtype=torch.int32), torch.zeros(2, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="hi must be torch.bfloat16"):
+        _C.master_join("scalar", hi.float(), rem, torch.zeros(2, dtype=torch.uint8), out)
