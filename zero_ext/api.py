@@ -424,23 +424,22 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         cast_buffers(model, low, cfg.cast_buffers)
     buffers = [b for b in model.buffers() if b.numel() > 0]
     wrapped = ZeroModel(model, engine, cfg, buffers, unit_modules, root_holders)
-    if cfg.overlap_param_gather and cfg.stage in (1, 2) and world > 1:
-        wrapped._param_waits = ParamWaits(wrapped, model, engine, params)
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), units[i] if units else 0))
     for p, u in zip(sharded_frozen, frozen_units):
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), u))
-    zopt = ZeroOptimizer(optimizers, engine, cfg, fused, fingerprint, comm, parts=parts, param_groups_of=groups)
-    wrapped._guard = zopt._guard = ModelGuard(wrapped, model, params, shapes, sharded_frozen, frozen_shapes)
+    guard = ModelGuard(wrapped, model, params, shapes, sharded_frozen, frozen_shapes)
+    # what this rank holds for frozen parameters: whole ones, and its stage-3 slices
+    frozen_bytes = sum(p.numel() * p.element_size() for p in replicated) + engine.frozen_shard_bytes
+    zopt = ZeroOptimizer(optimizers, engine, cfg, fused, fingerprint, comm, parts=parts, param_groups_of=groups,
+                         params=params, param_shapes=shapes, units=wrapped._units, frozen_bytes=frozen_bytes,
+                         guard=guard)
     for o in optimizers:
         retire_optimizer(o)
-    # what this rank holds for frozen parameters: whole ones, and its stage-3 slices
-    zopt._frozen_bytes = sum(p.numel() * p.element_size() for p in replicated) + engine.frozen_shard_bytes
-    zopt._units = wrapped._units
-    wrapped._optimizer = weakref.ref(zopt)   # Note [torch's clipping utilities] (torch_utils.py)
-    zopt._params = params            # engine parameter i = params[i]
-    zopt._param_shapes = shapes      # logical shape of engine parameter i
+    waits = (ParamWaits(wrapped, model, engine, params)
+             if cfg.overlap_param_gather and cfg.stage in (1, 2) and world > 1 else None)
+    wrapped.attach(guard, zopt, waits)   # Note [torch's clipping utilities] (torch_utils.py): the optimizer
     if cfg.stage >= 1 and not cfg.step_in_backward:   # Note [Sharded gradients]: p.grad answers as DDP's
         install_sharded_grads(wrapped, zopt, {id(p): n for n, p in model.named_parameters()})
     if world > 1 and cfg.check_sequence is not False and backend != "fake":   # fake moves no data

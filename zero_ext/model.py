@@ -66,7 +66,15 @@ class ZeroModel(nn.Module):
         self._pinned = collections.Counter()   # stage 3: units gathered_parameters() holds whole
         self._units = _UnitHooks(self, unit_modules, root_holders) if config.stage == 3 else None
         self._compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.param_dtype)
-        self._param_waits = None   # stages 1-2, overlap_param_gather: set by zeroify (param_waits.py)
+        self._param_waits = None   # stages 1-2, overlap_param_gather (param_waits.py): attach()
+        self._guard = None         # the ModelGuard (changes.py): attach()
+        self._optimizer = None     # weakref to the ZeroOptimizer (Note [torch's clipping utilities]): attach()
+
+    def attach(self, guard, optimizer, param_waits=None) -> None:
+        """zeroify's last step: the collaborators built after this wrapper (each needs it)."""
+        self._guard = guard
+        self._optimizer = weakref.ref(optimizer)
+        self._param_waits = param_waits
 
     def forward(self, *args, **kwargs):
         self._engine.hide_sharded_grads()   # Note [Sharded gradients]: autograd accumulates into plain ones

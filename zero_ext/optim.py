@@ -51,7 +51,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose state is sharded across ranks (see zeroify)."""
 
     def __init__(self, optimizer, engine, config, fused: bool, fingerprint: int,
-                 comm=None, parts: list | None = None, param_groups_of: list | None = None):
+                 comm=None, parts: list | None = None, param_groups_of: list | None = None, *,
+                 params: list = (), param_shapes: list = (), units=None, frozen_bytes: int = 0, guard=None):
+        """params[i]: engine parameter i, param_shapes[i] its logical shape (stage 3 empties
+        the tensor); units: the model's stage-3 unit hooks (fetch counters); frozen_bytes:
+        what this rank holds of frozen parameters; guard: the model's ModelGuard (changes.py)."""
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         groups = [g for o in optimizers for g in o.param_groups]
         torch.optim.Optimizer.__init__(self, groups, optimizers[0].defaults)
@@ -70,6 +74,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._tensor_updates = 0                        # whole tensors this rank updated
         self._engine = engine
         self._config = config
+        self._params = list(params)
+        self._param_shapes = list(param_shapes)
+        self._units = units
+        self._frozen_bytes = frozen_bytes
+        self._guard = guard
         self._fused = fused
         self._fingerprint = fingerprint
         self._comm = comm if comm is not None else Comm(None, torch.device("cpu"))   # Note [One communication layer]

@@ -15,7 +15,9 @@
 //   stepper.cpp      optimizer steps, gradient norm and scaling, casts
 //   comm.h/.cpp      Communicator: collectives on the process group, counters
 //   sequence.h/.cpp  the collective sequence check: divergent ranks named, not hung
-//   frozen.cpp       stage 3: frozen (requires_grad=False) parameters sharded per unit
+//   bucket.h         Bucket: one bucket of the plan as tensors; GatherGroup
+//   frozen.cpp, frozen_params.h
+//                    stage 3: frozen (requires_grad=False) parameters sharded per unit
 //   secondary.h/.cpp stage 3: node-local secondary parts for backward gathers (node_size)
 //   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
 //                    the per-device kernel table (Note [Kernel table])
@@ -36,7 +38,9 @@
 #include <vector>
 
 #include "core/zx_core.h"
+#include "engine/bucket.h"    // defines: Bucket, GatherGroup
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
+#include "engine/frozen_params.h"  // defines: FrozenParams (stage 3 frozen parameters)
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
 #include "engine/master_split.h"   // defines: MasterSplit (master_remainder)
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
@@ -101,18 +105,6 @@ struct EngineOptions {
 // step count is added (zero_ext._C.BF16_STATE_SEED, for tests that redo a step).
 constexpr uint64_t kStateSeed = 0x5eed0b16c0ffee01ULL;
 
-// One bucket of the plan, as tensors.
-//
-// Note [Gradient layout]
-//   stage 0/1: flat_grad persists; param.grad is a view of it, so autograd
-//              accumulates straight into the bucket (DDP's gradient_as_bucket_view).
-//   stage 2:   no flat_grad; each gradient is copied into a ring slot as it
-//              arrives, the slot is reduce-scattered into grad_shard_ and reused.
-//   Mixed precision (Note [Mixed precision]): flat_param holds param_dtype,
-//   flat_grad / ring / grad_shard_ hold reduce_dtype; when the two differ,
-//   stage 0/1 gradients are added into flat_grad by the hook (not views).
-struct GatherGroup;
-
 // Note [Step in backward] (backward_step.cpp): the armed step and what it keeps.
 struct BackwardStep {
     std::vector<zx_adam_hparams> adam;   // one per param group, or empty
@@ -121,43 +113,6 @@ struct BackwardStep {
     bool stepped = false;                // some bucket stepped in this backward
     at::Tensor land;                     // all-to-all: where a bucket's slices are summed
 };
-
-struct Bucket {
-    int64_t group = 0;                 // param group index
-    std::vector<int64_t> params;       // engine parameter index of each piece, layout order
-    int64_t numel = 0;                 // elements of parameters (unpadded)
-    int64_t padded_numel = 0;          // numel padded to partitions*align
-    int64_t slice_numel = 0;           // padded_numel / partitions: one rank's share
-    int64_t shard_offset = 0;          // where this bucket's slice sits in a shard
-    bool atomic = false;               // tensor-atomic: each slice holds whole tensors
-    bool mixed = false;                // atomic and filled with element-granular pieces (Note [Cut parameters])
-    std::vector<int64_t> groups;       // mixed: every param group with a piece inside
-    std::vector<char> stepped;         // mixed: per entry of groups, stepped since the last gather
-    int64_t state_lo = 0, state_numel = 0;   // this rank's window of the slice with per-element state
-    int64_t state_offset = 0;          // where that window starts in the flat states
-    std::vector<std::pair<int64_t, int64_t>> gaps;  // padding (offset, numel): zeroed before reduction
-    at::Tensor flat_param;             // (padded_numel,) param_dtype; parameters are views
-    at::Tensor flat_grad;              // (padded_numel,) reduce_dtype in stage 0/1, else undefined
-    at::Tensor staging;                // stage 3, low precision: fp32 full values while initializing
-    at::Tensor local_grad;             // stages 2-3 under no_sync: (padded_numel,) reduce_dtype, else undefined
-    int64_t pending = 0;               // parameters not yet ready in this backward
-    int64_t slot = -1;                 // ring slot held (stage 2 / all-to-all), or -1
-    // stage 3 (Note [Stage 3 parameter lifetime]):
-    int64_t unit = 0;                  // the unit whose parameters this bucket holds
-    bool gathered = false;             // flat_param holds the full parameters
-    bool frozen = false;               // stage 3: a unit's frozen parameters (frozen.cpp)
-    WorkPtr gather_work;  // all-gather in flight, if any
-    std::shared_ptr<GatherGroup> gather_group;   // coalesced all-gather in flight, if any
-};
-
-// Note [Coalesced unit gathers] (gatherer.cpp): several small buckets all-gathered
-// by one collective through a staging pair; `members` are (bucket, offset in a slice).
-struct GatherGroup {
-    WorkPtr work;
-    at::Tensor in, out;                // (slice,) this rank's slices; (N * slice,) everyone's
-    std::vector<std::pair<Bucket *, int64_t>> members;
-};
-
 
 // Note [Fragment views] (layout.cpp): one piece of a parameter in this rank's shard, as
 // Python asks for it (checkpoints, loads, edits, the generic step).
@@ -319,10 +274,10 @@ public:
                     std::vector<std::string> names = {});
     bool unit_has_frozen(int64_t u) const;
     void release_frozen(int64_t u);    // after the unit's backward: its frozen weights
-    at::Tensor frozen_shard() const { return frozen_shard_; }   // this rank's slices, param_dtype
+    at::Tensor frozen_shard() const { return frozen_.shard(); }   // this rank's slices, param_dtype
     // As fragments(), over frozen_shard(): (frozen index, offset in it, offset in the shard, numel).
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> frozen_fragments(int64_t r) const;
-    int64_t frozen_shard_bytes() const;
+    int64_t frozen_shard_bytes() const { return frozen_.shard_bytes(); }
 
     // --- state ---
     // Flat per-element optimizer state (exp_avg, ...), created zero-filled on demand,
@@ -420,8 +375,6 @@ private:
     void commit_frozen(int64_t u, int64_t src);
     void open_frozen_fp32(int64_t u);
     void release_all_frozen();
-    Bucket *frozen_bucket(int64_t u);            // unit u's frozen bucket, or null
-    at::Tensor frozen_slice(const Bucket &bk) const;
     at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(dev_); }
     // Where the master, the states and the gradient shard live (Note [Optimizer offload]).
     at::TensorOptions on_shard(at::ScalarType dt) const { return opts_.offload ? Offload::host(dt) : on_device(dt); }
@@ -499,13 +452,7 @@ private:
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
     std::unique_ptr<QuantGather> qgather_; // param_quant (world > 1): quantized all-gather, else null
     std::unique_ptr<Secondary> sec_;       // node_size (stage 3, 1 <= L < world): secondary parts, else null
-    // Note [Stage 3 frozen parameters]: frozen parameters, their full views and
-    // offsets in their bucket; one bucket per unit that has any; unit -> bucket or -1.
-    std::vector<at::Tensor> frozen_params_, frozen_views_;
-    std::vector<std::string> frozen_names_;   // for messages (add_frozen's names)
-    std::vector<int64_t> frozen_offset_, frozen_of_unit_;
-    std::vector<Bucket> frozen_buckets_;
-    at::Tensor frozen_shard_;              // (sum of the frozen slices,) param_dtype
+    FrozenParams frozen_;                  // Note [Stage 3 frozen parameters]: stage 3's frozen parameters
 };
 
 }  // namespace zx

@@ -1,6 +1,7 @@
 // frozen.cpp — stage 3: parameters that are not trained (requires_grad=False,
 // e.g. the base model under LoRA) sharded like trainable ones.
 #include "engine/engine.h"
+#include "engine/frozen_params.h"
 
 namespace zx {
 
@@ -9,7 +10,7 @@ namespace zx {
 //   unit's frozen parameters, in param_dtype, outside the plan: no gradient, no
 //   ring slot, no master, no optimizer state, nothing the reducer or the steps
 //   visit. Its padded size is a multiple of partitions * align; this rank's
-//   slice lives in frozen_shard_ (param_dtype), the only persistent copy. The
+//   slice lives in FrozenParams' shard (param_dtype), the only persistent copy. The
 //   bucket is gathered and released with its unit (gather_unit and gather_units
 //   take it through unit_gather_buckets; release_unit, commit_unit and
 //   open_unit_fp32 call the *_frozen functions below), its storage
@@ -20,108 +21,147 @@ namespace zx {
 //   when the gradients of the unit's inputs are complete (release_frozen), and
 //   finalize_backward releases whatever is left. Layout: parameters in the
 //   order given, contiguous; frozen_fragments(r) says where rank r's slice holds
-//   which piece, as fragments() does for trainable parameters.
+//   which piece, as fragments() does for trainable parameters. The state is
+//   FrozenParams' (frozen_params.h); the engine drives the collectives.
+
+// ---- FrozenParams: the layout and the parameters' views ----
+
+void FrozenParams::plan(std::vector<at::Tensor> params, const std::vector<int64_t> &units,
+                        std::vector<std::string> names, int64_t unit_count, int64_t parts, int64_t quantum,
+                        const at::TensorOptions &options) {
+    names_ = std::move(names);
+    params_ = std::move(params);
+    const int64_t n = (int64_t)params_.size();
+    views_.assign(n, at::Tensor());
+    offset_.assign(n, 0);
+    of_unit_.assign(unit_count, -1);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t u = units[i];
+        if (of_unit_[u] < 0) {
+            of_unit_[u] = (int64_t)buckets_.size();
+            buckets_.emplace_back();
+            buckets_.back().frozen = true;
+            buckets_.back().unit = u;
+            buckets_.back().group = -1;
+        }
+        Bucket &bk = buckets_[of_unit_[u]];
+        bk.params.push_back(i);
+        offset_[i] = bk.numel;
+        bk.numel += params_[i].numel();
+    }
+    int64_t shard = 0;
+    for (auto &bk : buckets_) {
+        bk.padded_numel = std::max<int64_t>(1, (bk.numel + quantum - 1) / quantum) * quantum;
+        bk.slice_numel = bk.padded_numel / parts;
+        bk.shard_offset = shard;
+        shard += bk.slice_numel;
+    }
+    shard_ = at::zeros({shard}, options);
+}
+
+std::string FrozenParams::name_in(const std::vector<std::string> &names, int64_t i) {
+    if (i >= 0 && i < (int64_t)names.size()) return "frozen parameter '" + names[i] + "'";
+    return "frozen parameter " + std::to_string(i);
+}
+
+Bucket *FrozenParams::of_unit(int64_t u) {
+    return const_cast<Bucket *>(static_cast<const FrozenParams *>(this)->of_unit(u));
+}
+
+const Bucket *FrozenParams::of_unit(int64_t u) const {
+    if (u < 0 || u >= (int64_t)of_unit_.size() || of_unit_[u] < 0) return nullptr;
+    return &buckets_[of_unit_[u]];
+}
+
+void FrozenParams::point_at(const Bucket &bk, const at::Tensor &flat) {
+    for (int64_t i : bk.params)
+        params_[i].set_data(flat.narrow(0, offset_[i], views_[i].numel()).view(views_[i].sizes()));
+}
+
+void FrozenParams::point_home(const Bucket &bk) {
+    for (int64_t i : bk.params) params_[i].set_data(views_[i]);
+}
+
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> FrozenParams::fragments(int64_t r) const {
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
+    for (const auto &bk : buckets_) {
+        const int64_t lo = r * bk.slice_numel, hi = lo + bk.slice_numel;
+        for (int64_t i : bk.params) {
+            const int64_t a = std::max(lo, offset_[i]);
+            const int64_t b = std::min(hi, offset_[i] + views_[(size_t)i].numel());
+            if (a < b) out.emplace_back(i, a - offset_[i], bk.shard_offset + a - lo, b - a);
+        }
+    }
+    return out;
+}
+
+// ---- the engine: checks, storage, collectives ----
 
 void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units, std::vector<std::string> names) {
     TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: frozen parameters are sharded in stage 3 only");
-    TORCH_CHECK(frozen_params_.empty(), "zero_ext: internal: add_frozen was already called on this engine");
+    TORCH_CHECK(frozen_.empty(), "zero_ext: internal: add_frozen was already called on this engine");
     TORCH_CHECK(params.size() == units.size() && (names.empty() || names.size() == params.size()),
                 "zero_ext: internal: add_frozen needs one unit id (and one name) per frozen parameter");
-    frozen_names_ = std::move(names);
-    const int64_t n = (int64_t)params.size();
-    if (n == 0) return;
-    for (int64_t i = 0; i < n; i++) {
+    if (params.empty()) return;
+    for (size_t i = 0; i < params.size(); i++) {
         TORCH_CHECK(units[i] >= 0, "zero_ext: internal: frozen parameter ", i, " has unit ", units[i]);
-        TORCH_CHECK(params[i].device() == dev_ && params[i].is_floating_point(), "zero_ext: ", frozen_pname(i),
+        TORCH_CHECK(params[i].device() == dev_ && params[i].is_floating_point(), "zero_ext: ",
+                    FrozenParams::name_in(names, (int64_t)i),
                     " is ", params[i].scalar_type(), " on ", params[i].device(), ", expected a floating-point "
                     "tensor on ", dev_, " (where the trainable parameters are); call model.to(", dev_,
                     ") before zeroify");
         if ((int64_t)unit_buckets_.size() <= units[i]) unit_buckets_.resize(units[i] + 1);
     }
-    frozen_params_ = std::move(params);
-    frozen_views_.resize(n);
-    frozen_offset_.assign(n, 0);
-    frozen_of_unit_.assign(unit_buckets_.size(), -1);
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t u = units[i];
-        if (frozen_of_unit_[u] < 0) {
-            frozen_of_unit_[u] = (int64_t)frozen_buckets_.size();
-            frozen_buckets_.emplace_back();
-            frozen_buckets_.back().frozen = true;
-            frozen_buckets_.back().unit = u;
-            frozen_buckets_.back().group = -1;
-        }
-        Bucket &bk = frozen_buckets_[frozen_of_unit_[u]];
-        bk.params.push_back(i);
-        frozen_offset_[i] = bk.numel;
-        bk.numel += frozen_params_[i].numel();
-    }
-    const int64_t quantum = parts_ * opts_.align;
-    int64_t shard = 0;
-    for (auto &bk : frozen_buckets_) {
-        bk.padded_numel = std::max<int64_t>(1, (bk.numel + quantum - 1) / quantum) * quantum;
-        bk.slice_numel = bk.padded_numel / parts_;
-        bk.shard_offset = shard;
-        shard += bk.slice_numel;
-    }
     const auto pt = on_device(pdt_);
-    frozen_shard_ = at::zeros({shard}, pt);
+    frozen_.plan(std::move(params), units, std::move(names), (int64_t)unit_buckets_.size(), parts_,
+                 parts_ * opts_.align, pt);
     at::NoGradGuard ng;
-    for (auto &bk : frozen_buckets_) {
+    for (auto &bk : frozen_.buckets()) {
         // Without values (meta build) the pages stay untouched until open_unit_fp32.
         bk.flat_param = opts_.copy_params ? at::zeros({bk.padded_numel}, pt) : at::empty({bk.padded_numel}, pt);
         for (int64_t i : bk.params) {
-            at::Tensor &p = frozen_params_[i];
-            at::Tensor view = bk.flat_param.narrow(0, frozen_offset_[i], p.numel()).view(p.sizes());
+            at::Tensor &p = frozen_.param(i);
+            at::Tensor view = bk.flat_param.narrow(0, frozen_.offset(i), p.numel()).view(p.sizes());
             if (opts_.copy_params) view.copy_(p);   // rounds to param_dtype, as a replicated frozen one was
             p.set_data(view);
-            frozen_views_[i] = view;
+            frozen_.set_home(i, view);
         }
-        if (opts_.copy_params) frozen_slice(bk).copy_(owned_slice(bk.flat_param, bk));
+        if (opts_.copy_params) frozen_.slice(bk).copy_(owned_slice(bk.flat_param, bk));
         bk.gathered = true;
         gathered_bytes_ += bk.flat_param.nbytes();
         release_bucket(bk);
     }
 }
 
-at::Tensor Engine::frozen_slice(const Bucket &bk) const {
-    return frozen_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
-}
+std::string Engine::frozen_pname(int64_t i) const { return frozen_.name(i); }
 
-Bucket *Engine::frozen_bucket(int64_t u) {
-    if (u < 0 || u >= (int64_t)frozen_of_unit_.size() || frozen_of_unit_[u] < 0) return nullptr;
-    return &frozen_buckets_[frozen_of_unit_[u]];
-}
-
-bool Engine::unit_has_frozen(int64_t u) const {
-    return u >= 0 && u < (int64_t)frozen_of_unit_.size() && frozen_of_unit_[u] >= 0;
-}
+bool Engine::unit_has_frozen(int64_t u) const { return frozen_.of_unit(u) != nullptr; }
 
 void Engine::release_frozen(int64_t u) {
-    if (Bucket *bk = frozen_bucket(u)) release_bucket(*bk);
+    if (Bucket *bk = frozen_.of_unit(u)) release_bucket(*bk);
 }
 
 void Engine::release_all_frozen() {
-    for (auto &bk : frozen_buckets_) release_bucket(bk);
+    for (auto &bk : frozen_.buckets()) release_bucket(bk);
 }
 
 void Engine::commit_frozen(int64_t u, int64_t src) {
-    Bucket *bk = frozen_bucket(u);
+    Bucket *bk = frozen_.of_unit(u);
     if (bk == nullptr) return;
     comm_.seq.subject(subject_of(*bk), u);
     if (bk->staging.defined()) {   // open_unit_fp32: full-precision values, rounded once
         broadcast_tensors({bk->staging}, src);
-        frozen_slice(*bk).copy_(owned_slice(bk->staging, *bk));
+        frozen_.slice(*bk).copy_(owned_slice(bk->staging, *bk));
         release_bucket(*bk);
         return;
     }
     TORCH_CHECK(bk->gathered, "zero_ext: internal: commit_unit needs unit ", u, " gathered");
     broadcast_tensors({bk->flat_param}, src);
-    frozen_slice(*bk).copy_(owned_slice(bk->flat_param, *bk));
+    frozen_.slice(*bk).copy_(owned_slice(bk->flat_param, *bk));
 }
 
 void Engine::open_frozen_fp32(int64_t u) {
-    Bucket *bk = frozen_bucket(u);
+    Bucket *bk = frozen_.of_unit(u);
     if (bk == nullptr) return;
     // Only with a low param_dtype (open_unit_fp32 gathers fp32 units as they are).
     // As open_unit_fp32: an fp32 buffer holding the current values, so that an
@@ -129,35 +169,20 @@ void Engine::open_frozen_fp32(int64_t u) {
     release_bucket(*bk);
     at::Tensor full = at::empty({bk->padded_numel}, on_device(pdt_));
     if (world_ == 1) {
-        full.copy_(frozen_slice(*bk));
+        full.copy_(frozen_.slice(*bk));
     } else {
         comm_.seq.subject(subject_of(*bk), u);
-        comm_.watch(comm_.all_gather(full, frozen_slice(*bk)), "unit all-gather");
+        comm_.watch(comm_.all_gather(full, frozen_.slice(*bk)), "unit all-gather");
     }
     bk->staging = full.to(at::kFloat);
     gathered_bytes_ += bk->staging.nbytes();
     peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-    for (int64_t i : bk->params)
-        frozen_params_[i].set_data(bk->staging.narrow(0, frozen_offset_[i], frozen_views_[i].numel())
-                                       .view(frozen_views_[i].sizes()));
+    frozen_.point_at(*bk, bk->staging);
 }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::frozen_fragments(int64_t r) const {
     TORCH_CHECK(r >= 0 && r < parts_, "zero_ext: internal: no rank ", r, " among ", parts_, " partitions");
-    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
-    for (const auto &bk : frozen_buckets_) {
-        const int64_t lo = r * bk.slice_numel, hi = lo + bk.slice_numel;
-        for (int64_t i : bk.params) {
-            const int64_t a = std::max(lo, frozen_offset_[i]);
-            const int64_t b = std::min(hi, frozen_offset_[i] + frozen_views_[(size_t)i].numel());
-            if (a < b) out.emplace_back(i, a - frozen_offset_[i], bk.shard_offset + a - lo, b - a);
-        }
-    }
-    return out;
-}
-
-int64_t Engine::frozen_shard_bytes() const {
-    return frozen_shard_.defined() ? (int64_t)frozen_shard_.nbytes() : 0;
+    return frozen_.fragments(r);
 }
 
 }  // namespace zx

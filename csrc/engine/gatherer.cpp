@@ -199,7 +199,7 @@ void Engine::release_bucket(Bucket &bk) {
         bk.gathered = false;
     }
     const at::Tensor empty = at::empty({0}, bk.flat_param.options());
-    for (int64_t i : bk.params) (bk.frozen ? frozen_params_ : params_)[i].set_data(empty);
+    for (int64_t i : bk.params) (bk.frozen ? frozen_.param(i) : params_[i]).set_data(empty);
 }
 
 void Engine::mark_gathered(Bucket &bk) {
@@ -207,13 +207,13 @@ void Engine::mark_gathered(Bucket &bk) {
     if (bk.gathered) return;
     bk.gathered = true;
     if (bk.frozen)
-        for (int64_t i : bk.params) frozen_params_[i].set_data(frozen_views_[i]);
+        frozen_.point_home(bk);
     else
         for (int64_t i : bk.params) params_[i].set_data(param_views_[i]);
 }
 
 at::Tensor Engine::gather_source(Bucket &bk, at::Tensor dst) {
-    if (bk.frozen) return frozen_slice(bk);
+    if (bk.frozen) return frozen_.slice(bk);
     if (off_) return param_shard_.narrow(0, bk.shard_offset, bk.slice_numel);   // Note [Optimizer offload]
     if (!lp_) return master_slice(bk);   // stage 3 fp32: the master is the slice
     kern_->cast_from_f32(bk.slice_numel, master(bk), dst.data_ptr(), pzx_);
@@ -221,14 +221,14 @@ at::Tensor Engine::gather_source(Bucket &bk, at::Tensor dst) {
 }
 
 int64_t Engine::subject_of(const Bucket &bk) const {
-    return bk.frozen ? (int64_t)buckets_.size() + frozen_of_unit_[bk.unit] : (int64_t)(&bk - buckets_.data());
+    return bk.frozen ? (int64_t)buckets_.size() + frozen_.index(bk) : (int64_t)(&bk - buckets_.data());
 }
 
 std::vector<Bucket *> Engine::unit_gather_buckets(int64_t u) {
     TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: internal: no unit ", u);
     std::vector<Bucket *> out;
     for (int64_t b : unit_buckets_[u]) out.push_back(&buckets_[b]);
-    if (Bucket *f = frozen_bucket(u)) out.push_back(f);
+    if (Bucket *f = frozen_.of_unit(u)) out.push_back(f);
     return out;
 }
 
@@ -389,17 +389,20 @@ void Engine::open_unit_fp32(int64_t u) {
 bool Engine::unit_gathered(int64_t u) const {
     for (int64_t b : unit_buckets_.at(u))
         if (!buckets_[b].gathered) return false;
-    return !unit_has_frozen(u) || frozen_buckets_[frozen_of_unit_[u]].gathered;
+    const Bucket *f = frozen_.of_unit(u);
+    return f == nullptr || f->gathered;
 }
 
 bool Engine::unit_requested(int64_t u) const {
     for (int64_t b : unit_buckets_.at(u))
         if (!requested(buckets_[b])) return false;
-    return !unit_has_frozen(u) || requested(frozen_buckets_[frozen_of_unit_[u]]);
+    const Bucket *f = frozen_.of_unit(u);
+    return f == nullptr || requested(*f);
 }
 
 int64_t Engine::unit_numel(int64_t u) const {
-    int64_t n = unit_has_frozen(u) ? frozen_buckets_[frozen_of_unit_[u]].padded_numel : 0;
+    const Bucket *f = frozen_.of_unit(u);
+    int64_t n = f != nullptr ? f->padded_numel : 0;
     for (int64_t b : unit_buckets_.at(u)) n += buckets_[b].padded_numel;
     return n;
 }

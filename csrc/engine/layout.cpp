@@ -40,11 +40,6 @@ std::string Engine::pname(int64_t i) const {
     return "parameter " + std::to_string(i);
 }
 
-std::string Engine::frozen_pname(int64_t i) const {
-    if (i >= 0 && i < (int64_t)frozen_names_.size()) return "frozen parameter '" + frozen_names_[i] + "'";
-    return "frozen parameter " + std::to_string(i);
-}
-
 static std::pair<at::ScalarType, zx_dtype> parse_dtype(const std::string &name, const char *what) {
     if (name == "fp32") return {at::kFloat, ZX_F32};
     if (name == "bf16") return {at::kBFloat16, ZX_BF16};
@@ -307,7 +302,7 @@ Engine::~Engine() {
         if (comm_.seq.diverged()) inflight_.clear(), gather_works_.clear();
         for (auto &w : inflight_) w.second->wait();
         for (auto &w : gather_works_) w.second->wait();
-        for (auto *bks : {&buckets_, &frozen_buckets_})
+        for (auto *bks : {&buckets_, &frozen_.buckets()})
             for (auto &bk : *bks)
                 if (bk.gather_work && !comm_.seq.diverged()) bk.gather_work->wait();
     } catch (...) {
@@ -394,9 +389,9 @@ std::vector<FragmentView> Engine::fragment_views(bool masters) {
 
 std::vector<FragmentView> Engine::frozen_fragment_views() const {
     std::vector<FragmentView> out;
-    if (frozen_buckets_.empty()) return out;
+    if (frozen_.empty()) return out;
     for (const auto &[i, poff, soff, n] : frozen_fragments(parts_ > 1 ? rank_ : 0))
-        out.push_back({i, poff, -1, soff, n, frozen_shard_.narrow(0, soff, n)});
+        out.push_back({i, poff, -1, soff, n, frozen_.shard().narrow(0, soff, n)});
     return out;
 }
 

@@ -90,7 +90,7 @@ void Engine::enable_hierarchy(ProcessGroupPtr node_pg) {
                 "use stage=3 or node_size=None");
     TORCH_CHECK(!sec_, "zero_ext: internal: enable_hierarchy called twice");
     auto sec = std::make_unique<Secondary>(std::move(node_pg), world_);
-    for (auto *bks : {&buckets_, &frozen_buckets_})
+    for (auto *bks : {&buckets_, &frozen_.buckets()})
         for (const auto &bk : *bks)
             TORCH_CHECK(bk.padded_numel % sec->node_size() == 0, "zero_ext: internal: bucket of ",
                         bk.padded_numel, " elements does not split into ", sec->node_size(), " node parts");

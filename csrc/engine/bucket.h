@@ -1,0 +1,64 @@
+// bucket.h — one bucket of the plan as tensors (Bucket), and a coalesced all-gather of
+// several small ones in flight (GatherGroup). Plain data: the engine's owners fill and
+// read them (layout.cpp builds them from the plan).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "engine/comm.h"   // defines: WorkPtr
+
+namespace zx {
+
+// One bucket of the plan, as tensors.
+//
+// Note [Gradient layout]
+//   stage 0/1: flat_grad persists; param.grad is a view of it, so autograd
+//              accumulates straight into the bucket (DDP's gradient_as_bucket_view).
+//   stage 2:   no flat_grad; each gradient is copied into a ring slot as it
+//              arrives, the slot is reduce-scattered into grad_shard_ and reused.
+//   Mixed precision (Note [Mixed precision]): flat_param holds param_dtype,
+//   flat_grad / ring / grad_shard_ hold reduce_dtype; when the two differ,
+//   stage 0/1 gradients are added into flat_grad by the hook (not views).
+struct GatherGroup;
+
+struct Bucket {
+    int64_t group = 0;                 // param group index
+    std::vector<int64_t> params;       // engine parameter index of each piece, layout order
+    int64_t numel = 0;                 // elements of parameters (unpadded)
+    int64_t padded_numel = 0;          // numel padded to partitions*align
+    int64_t slice_numel = 0;           // padded_numel / partitions: one rank's share
+    int64_t shard_offset = 0;          // where this bucket's slice sits in a shard
+    bool atomic = false;               // tensor-atomic: each slice holds whole tensors
+    bool mixed = false;                // atomic and filled with element-granular pieces (Note [Cut parameters])
+    std::vector<int64_t> groups;       // mixed: every param group with a piece inside
+    std::vector<char> stepped;         // mixed: per entry of groups, stepped since the last gather
+    int64_t state_lo = 0, state_numel = 0;   // this rank's window of the slice with per-element state
+    int64_t state_offset = 0;          // where that window starts in the flat states
+    std::vector<std::pair<int64_t, int64_t>> gaps;  // padding (offset, numel): zeroed before reduction
+    at::Tensor flat_param;             // (padded_numel,) param_dtype; parameters are views
+    at::Tensor flat_grad;              // (padded_numel,) reduce_dtype in stage 0/1, else undefined
+    at::Tensor staging;                // stage 3, low precision: fp32 full values while initializing
+    at::Tensor local_grad;             // stages 2-3 under no_sync: (padded_numel,) reduce_dtype, else undefined
+    int64_t pending = 0;               // parameters not yet ready in this backward
+    int64_t slot = -1;                 // ring slot held (stage 2 / all-to-all), or -1
+    // stage 3 (Note [Stage 3 parameter lifetime]):
+    int64_t unit = 0;                  // the unit whose parameters this bucket holds
+    bool gathered = false;             // flat_param holds the full parameters
+    bool frozen = false;               // stage 3: a unit's frozen parameters (frozen.cpp)
+    WorkPtr gather_work;  // all-gather in flight, if any
+    std::shared_ptr<GatherGroup> gather_group;   // coalesced all-gather in flight, if any
+};
+
+// Note [Coalesced unit gathers] (gatherer.cpp): several small buckets all-gathered
+// by one collective through a staging pair; `members` are (bucket, offset in a slice).
+struct GatherGroup {
+    WorkPtr work;
+    at::Tensor in, out;                // (slice,) this rank's slices; (N * slice,) everyone's
+    std::vector<std::pair<Bucket *, int64_t>> members;
+};
+
+}  // namespace zx
