@@ -35,7 +35,8 @@ void Engine::set_backward_step_sgd(std::vector<zx_sgd_hparams> hps) {
 }
 
 at::Tensor Engine::landing(int64_t numel) {
-    if (!bw_.land.defined() || bw_.land.numel() < numel) bw_.land = at::empty({max_padded_ / parts_}, on_device(rdt_));
+    if (!bw_.land.defined() || bw_.land.numel() < numel)
+        bw_.land = at::empty({max_padded_ / parts_}, on_device(dtypes_.reduce));
     return bw_.land.narrow(0, 0, numel);
 }
 
@@ -45,7 +46,7 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
     const int64_t g = bk.group, step = bw_.steps + 1;
     settle_masters();   // Note [Split master in the engine]
     char *lp = (char *)lp_out(bk);
-    const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
+    const int64_t lp_elem = (int64_t)zx_dtype_size(dtypes_.param_zx);
     const int64_t so = bk.state_offset - bk.state_lo;   // Note [State windows]
     if (!bw_.adam.empty()) {
         TORCH_CHECK(g < (int64_t)bw_.adam.size(), "zero_ext: internal: missing hyperparameters for group ", g);
@@ -57,15 +58,15 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
             const uint64_t c0 = counter_base(b) + (uint64_t)(rank_ * bk.slice_numel);
             uint16_t *m = (uint16_t *)ms.data_ptr() + so, *v = (uint16_t *)vs.data_ptr() + so;
             step_master(bk, 0, bk.slice_numel, [&](float *p, int64_t o, int64_t n) {
-                kern_->adam_bf16_states(n, p, grad.narrow(0, o, n), m + o, v + o, lp ? lp + o * lp_elem : nullptr, pzx_,
-                                        h, kStateSeed, c0 + (uint64_t)o, nullptr, nullptr);
+                kern_->adam_bf16_states(n, p, grad.narrow(0, o, n), m + o, v + o, lp ? lp + o * lp_elem : nullptr,
+                                        dtypes_.param_zx, h, kStateSeed, c0 + (uint64_t)o, nullptr, nullptr);
             });
         } else {
             float *m = ms.data_ptr<float>() + so, *v = vs.data_ptr<float>() + so;
             float *vmax = h.amsgrad ? state("max_exp_avg_sq").data_ptr<float>() + so : nullptr;
             step_master(bk, 0, bk.slice_numel, [&](float *p, int64_t o, int64_t n) {
                 kern_->adam(n, p, grad.narrow(0, o, n), m + o, v + o, vmax ? vmax + o : nullptr,
-                            lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
+                            lp ? lp + o * lp_elem : nullptr, dtypes_.param_zx, h, nullptr, nullptr);
             });
         }
     } else {
@@ -74,8 +75,8 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
         h.first_step = step == 1;
         float *buf = h.momentum != 0.0 ? state("momentum_buffer").data_ptr<float>() + so : nullptr;
         step_master(bk, 0, bk.slice_numel, [&](float *p, int64_t o, int64_t n) {
-            kern_->sgd(n, p, grad.narrow(0, o, n), buf ? buf + o : nullptr, lp ? lp + o * lp_elem : nullptr, pzx_, h,
-                       nullptr, nullptr);
+            kern_->sgd(n, p, grad.narrow(0, o, n), buf ? buf + o : nullptr, lp ? lp + o * lp_elem : nullptr,
+                       dtypes_.param_zx, h, nullptr, nullptr);
         });
     }
     bw_.stepped = true;

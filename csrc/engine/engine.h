@@ -101,6 +101,14 @@ struct EngineOptions {
     int64_t coalesce_numel = 0;
 };
 
+// param_dtype and reduce_dtype (Note [Mixed precision] in csrc/engine/layout.cpp): what parameters
+// compute in and are gathered as, what gradients accumulate and are reduced in.
+struct Dtypes {
+    at::ScalarType param = at::kFloat, reduce = at::kFloat;
+    zx_dtype param_zx = ZX_F32, reduce_zx = ZX_F32;   // the same, for the C kernels
+    bool low() const { return param != at::kFloat; }   // parameters are not fp32
+};
+
 // Note [bf16 optimizer states] (stepper.cpp): the stochastic rounding's seed before the
 // step count is added (zero_ext._C.BF16_STATE_SEED, for tests that redo a step).
 constexpr uint64_t kStateSeed = 0x5eed0b16c0ffee01ULL;
@@ -440,9 +448,7 @@ private:
     at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) reduce_dtype gradient sums
     at::Tensor master_shard_;              // stage 3 or low precision: (shard_numel,) fp32 master
     std::unique_ptr<MasterSplit> split_;   // master_remainder: the master as remainders, else null
-    at::ScalarType pdt_ = at::kFloat, rdt_ = at::kFloat;
-    zx_dtype pzx_ = ZX_F32, rzx_ = ZX_F32;
-    bool lp_ = false;                      // param_dtype is not fp32
+    Dtypes dtypes_;                        // param_dtype and reduce_dtype (Note [Mixed precision])
     bool grad_views_ok_ = true;            // stage 0/1: param.grad may be a view of flat_grad
     std::vector<std::vector<int64_t>> unit_buckets_;  // stage 3: unit -> its buckets
     int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;

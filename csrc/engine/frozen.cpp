@@ -112,7 +112,7 @@ void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> uni
                     ") before zeroify");
         if ((int64_t)unit_buckets_.size() <= units[i]) unit_buckets_.resize(units[i] + 1);
     }
-    const auto pt = on_device(pdt_);
+    const auto pt = on_device(dtypes_.param);
     frozen_.plan(std::move(params), units, std::move(names), (int64_t)unit_buckets_.size(), parts_,
                  parts_ * opts_.align, pt);
     at::NoGradGuard ng;
@@ -167,7 +167,7 @@ void Engine::open_frozen_fp32(int64_t u) {
     // As open_unit_fp32: an fp32 buffer holding the current values, so that an
     // init writes full precision and is rounded once, at commit.
     release_bucket(*bk);
-    at::Tensor full = at::empty({bk->padded_numel}, on_device(pdt_));
+    at::Tensor full = at::empty({bk->padded_numel}, on_device(dtypes_.param));
     if (world_ == 1) {
         full.copy_(frozen_.slice(*bk));
     } else {

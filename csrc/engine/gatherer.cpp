@@ -29,7 +29,7 @@ void Engine::absorb(at::Tensor master, const at::Tensor &lp_in) {
     // offload: the master is in host memory (Note [Optimizer offload])
     const at::Tensor lp_new = lp_in.device() == master.device() ? lp_in : lp_in.to(master.device());
     // Only elements whose low-precision (param_quant: dequantized) value changed take the new value.
-    at::Tensor changed = lp_new.ne(qgather_ ? qgather_->roundtrip(master, pdt_) : master.to(pdt_));
+    at::Tensor changed = lp_new.ne(qgather_ ? qgather_->roundtrip(master, dtypes_.param) : master.to(dtypes_.param));
     master.copy_(at::where(changed, lp_new.to(at::kFloat), master));
 }
 
@@ -51,7 +51,7 @@ void Engine::absorb_param_edits() {
     TORCH_CHECK(opts_.stage <= 2, "zero_ext: internal: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
     wait_params();
     if (any_cut_) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
-    if (!lp_ && !qgather_ && !off_) return;   // the owned slice is the master
+    if (!dtypes_.low() && !qgather_ && !off_) return;   // the owned slice is the master
     // Note [Split master in the engine]: without a joined master the edits already are its top halves
     if (split_ && !master_shard_.defined()) return;
     for (auto &bk : buckets_) absorb(master_slice(bk), owned_slice(bk.flat_param, bk));
@@ -215,8 +215,8 @@ void Engine::mark_gathered(Bucket &bk) {
 at::Tensor Engine::gather_source(Bucket &bk, at::Tensor dst) {
     if (bk.frozen) return frozen_.slice(bk);
     if (off_) return param_shard_.narrow(0, bk.shard_offset, bk.slice_numel);   // Note [Optimizer offload]
-    if (!lp_) return master_slice(bk);   // stage 3 fp32: the master is the slice
-    kern_->cast_from_f32(bk.slice_numel, master(bk), dst.data_ptr(), pzx_);
+    if (!dtypes_.low()) return master_slice(bk);   // stage 3 fp32: the master is the slice
+    kern_->cast_from_f32(bk.slice_numel, master(bk), dst.data_ptr(), dtypes_.param_zx);
     return dst;
 }
 
@@ -284,7 +284,8 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
     auto g = std::make_shared<GatherGroup>();
     int64_t slice = 0;
     for (Bucket *bk : todo) {
-        if (world_ == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != pdt_ || (qgather_ && !bk->frozen) ||
+        if (world_ == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != dtypes_.param ||
+            (qgather_ && !bk->frozen) ||
             (sec_ && sec_->has(subject_of(*bk)))) {
             launch_gather(*bk);
             continue;
@@ -297,8 +298,8 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
         launch_gather(*g->members[0].first);
         return;
     }
-    g->in = at::empty({slice}, on_device(pdt_));
-    g->out = at::empty({slice * world_}, on_device(pdt_));
+    g->in = at::empty({slice}, on_device(dtypes_.param));
+    g->out = at::empty({slice * world_}, on_device(dtypes_.param));
     gathered_bytes_ += g->in.nbytes() + g->out.nbytes();
     for (auto [bk, offset] : g->members) {
         const int64_t bytes = bk->flat_param.numel() * bk->flat_param.element_size();
@@ -345,7 +346,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
         comm_.seq.subject(b, u);
         broadcast_tensors({bk.flat_param}, src);
         const at::Tensor owned = owned_slice(bk.flat_param, bk);
-        if (lp_ || qgather_) {
+        if (dtypes_.low() || qgather_) {
             absorb(master_slice(bk), owned);
         } else {
             master_slice(bk).copy_(owned);
@@ -359,7 +360,7 @@ void Engine::open_unit_fp32(int64_t u) {
     TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: open_unit_fp32 is a stage-3 operation");
     TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: internal: no unit ", u);
     if (sec_) sec_->drop_all();
-    if (!lp_) {
+    if (!dtypes_.low()) {
         gather_unit(u, true);
         return;
     }

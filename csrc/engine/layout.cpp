@@ -9,17 +9,18 @@
 namespace zx {
 
 // Note [Mixed precision]
-//   param_dtype (pdt_) is what parameters compute in and are all-gathered as;
-//   reduce_dtype (rdt_) what gradients accumulate and are reduced in; master
+//   param_dtype (dtypes_.param) is what parameters compute in and are all-gathered as;
+//   reduce_dtype (dtypes_.reduce) what gradients accumulate and are reduced in; master
 //   weights and optimizer states are always fp32 over this rank's shard.
-//   With pdt_ = fp32 the owned slice of a stage 0-2 bucket *is* the master; else
+//   With dtypes_.param = fp32 the owned slice of a stage 0-2 bucket *is* the master; else
 //   master_shard_ holds it and the fused step writes the low-precision copy in
 //   the same pass straight into what is gathered next: the owned slice of the
 //   bucket (stages 0-2; the all-gather runs in place). Stage 3 keeps no
 //   low-precision shard: each gather casts the master into place (Note [Stage 3
 //   parameter lifetime] in gatherer.cpp).
-//   Autograd produces gradients in pdt_. When rdt_ == pdt_ stage 0/1 gradients
-//   are views of flat_grad as in fp32; otherwise the hook adds each gradient
+//   Autograd produces gradients in dtypes_.param. When dtypes_.reduce ==
+//   dtypes_.param stage 0/1 gradients are views of flat_grad as in fp32;
+//   otherwise the hook adds each gradient
 //   into the reduce_dtype bucket and drops it, so accumulation over micro-steps
 //   happens in reduce_dtype, never silently in bf16. Stage 2/3 cast into the
 //   ring as they stage. Kernels read fp32 gradients: low-precision ones are
@@ -68,10 +69,9 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     world_ = comm_.world();
     parts_ = opts_.stage == 0 ? 1 : world_;
     isa_ = opts_.isa == "auto" ? zx_cpu_best_isa() : parse_isa(opts_.isa);
-    std::tie(pdt_, pzx_) = parse_dtype(opts_.param_dtype, "param_dtype");
-    std::tie(rdt_, rzx_) = parse_dtype(opts_.reduce_dtype, "reduce_dtype");
-    lp_ = pdt_ != at::kFloat;
-    grad_views_ok_ = rdt_ == pdt_;
+    std::tie(dtypes_.param, dtypes_.param_zx) = parse_dtype(opts_.param_dtype, "param_dtype");
+    std::tie(dtypes_.reduce, dtypes_.reduce_zx) = parse_dtype(opts_.reduce_dtype, "reduce_dtype");
+    grad_views_ok_ = dtypes_.reduce == dtypes_.param;
     TORCH_CHECK(zx_cpu_supports(isa_), "zero_ext: this CPU cannot run isa='", opts_.isa,
                 "'; pass isa='auto' (the best ISA this CPU has)");
     dev_ = params_[0].device();
@@ -79,7 +79,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     // Plan: reverse registration order, which is roughly gradient-ready order;
     // stage 3: units in reverse forward order, so buckets again follow backward.
     std::vector<int64_t> numel(n), order(n);
-    std::vector<int32_t> dtype(n, pzx_), group(n), unit(n, 0);
+    std::vector<int32_t> dtype(n, dtypes_.param_zx), group(n), unit(n, 0);
     std::vector<double> cost(n, 0.0);
     bool any_atomic = false;
     for (int64_t i = 0; i < n; i++) {
@@ -130,7 +130,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     }
 
     // Buckets as tensors; parameters (and stage 0/1 gradients) become views.
-    kern_ = make_kernels(dev_, isa_, rzx_);
+    kern_ = make_kernels(dev_, isa_, dtypes_.reduce_zx);
     if (opts_.grad_quant_bits != 0) {
         TORCH_CHECK(opts_.stage >= 1 && opts_.alltoall_reduce_scatter,
                     "zero_ext: grad_quant needs stage 1, 2 or 3 and the all-to-all reduce-scatter; pass stage=1, 2 "
@@ -154,14 +154,15 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                     "pass stage=1, 2 or 3, or offload=None");
         TORCH_CHECK(!qreduce_ && !qgather_, "zero_ext: offload='cpu' keeps exact gradients and parameters; pass "
                     "grad_quant=None and param_quant=None with it, or offload=None");
-        if (!dev_.is_cpu()) host_kern_ = make_cpu_kernels(isa_, rzx_);
+        if (!dev_.is_cpu()) host_kern_ = make_cpu_kernels(isa_, dtypes_.reduce_zx);
     }
-    const auto f32 = on_device(at::kFloat), pt = on_device(pdt_), rt = on_device(rdt_);
+    const auto f32 = on_device(at::kFloat), pt = on_device(dtypes_.param), rt = on_device(dtypes_.reduce);
     const int64_t nb = zx_plan_num_buckets(plan_);
     buckets_.resize(nb);
     // param_quant: the owned slice of flat_param holds dequantized values, so the
     // master is a shard of its own (Note [Quantized parameter gather]); so does offload.
-    if (s3 || lp_ || qgather_ || opts_.offload) master_shard_ = at::zeros({shard_numel_}, on_shard(at::kFloat));
+    if (s3 || dtypes_.low() || qgather_ || opts_.offload)
+        master_shard_ = at::zeros({shard_numel_}, on_shard(at::kFloat));
     bucket_of_.assign(n, -1);
     offset_of_.assign(n, 0);
     grad_views_.resize(n);
@@ -185,7 +186,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                                                  : at::zeros({bi.padded_numel}, pt);
         if (opts_.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, rt);
         // Low precision: the fp32 values, from which the master is taken.
-        at::Tensor src32 = lp_ && opts_.copy_params ? at::zeros({bi.padded_numel}, f32) : at::Tensor();
+        at::Tensor src32 = dtypes_.low() && opts_.copy_params ? at::zeros({bi.padded_numel}, f32) : at::Tensor();
         max_padded_ = std::max(max_padded_, bi.padded_numel);
         for (int64_t k = 0; k < bi.num_params; k++) {
             zx_piece pc;
@@ -198,7 +199,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                 bk.mixed = bk.mixed || bk.atomic;
                 if (opts_.copy_params) {
                     at::NoGradGuard ng;
-                    (lp_ ? src32 : bk.flat_param).narrow(0, pc.offset, pc.numel)
+                    (dtypes_.low() ? src32 : bk.flat_param).narrow(0, pc.offset, pc.numel)
                         .copy_(p.detach().reshape(-1).narrow(0, pc.param_offset, pc.numel));
                 }
                 continue;
@@ -211,7 +212,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             at::Tensor view = bk.flat_param.narrow(0, loc.offset, loc.numel).view(p.sizes());
             if (opts_.copy_params) {
                 at::NoGradGuard ng;
-                (lp_ ? src32.narrow(0, loc.offset, loc.numel).view(p.sizes()) : view).copy_(p);
+                (dtypes_.low() ? src32.narrow(0, loc.offset, loc.numel).view(p.sizes()) : view).copy_(p);
             }
             p.set_data(view);
             if (s3) param_views_[i] = view;
@@ -243,7 +244,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             at = std::max(at, sp.first + sp.second);
         }
         if (at < bk.padded_numel) bk.gaps.emplace_back(at, bk.padded_numel - at);
-        if (opts_.copy_params && lp_) {
+        if (opts_.copy_params && dtypes_.low()) {
             bk.flat_param.copy_(src32);                            // rounds to param_dtype
             master_slice(bk).copy_(owned_slice(src32, bk));
         } else if (opts_.copy_params && (s3 || qgather_ || opts_.offload)) {
@@ -280,7 +281,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         // rank) the whole bucket; up: a slice in param_dtype.
         const int64_t slice = max_padded_ / std::max<int64_t>(parts_, 1);
         const int64_t down = opts_.alltoall_reduce_scatter && world_ > 1 ? max_padded_ : slice;
-        off_ = std::make_unique<Offload>(dev_, rdt_, down, pdt_, slice, nb);
+        off_ = std::make_unique<Offload>(dev_, dtypes_.reduce, down, dtypes_.param, slice, nb);
         if (s3) {   // what the unit gathers read: the master in param_dtype, kept current by upload()
             param_shard_ = at::empty({shard_numel_}, pt);
             for (auto &bk : buckets_) upload(bk);
@@ -289,7 +290,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     book_ = StepBook(params_.size(), opts_.agree_unused, world_);   // Note [Unused parameters]
     // Note [Coalesced gradient reductions] (reducer.cpp): stage 3's plain reduction path only.
     if (s3 && world_ > 1 && !qreduce_ && !off_ && !opts_.step_in_backward && opts_.coalesce_numel > 0)
-        rgroups_.configure(std::max<int64_t>(opts_.coalesce_numel / parts_, 1), parts_, on_device(rdt_));
+        rgroups_.configure(std::max<int64_t>(opts_.coalesce_numel / parts_, 1), parts_, on_device(dtypes_.reduce));
     // The gradient shard and the ring are allocated at the first backward
     // (grad_shard_slice, acquire_slot), so building the model costs no more.
 }
@@ -321,14 +322,14 @@ at::Tensor Engine::grad_shard_slice(const Bucket &bk) {
         return host_grad_slice(bk);
     }
     if (opts_.stage >= 2) {
-        if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, on_device(rdt_));
+        if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, on_device(dtypes_.reduce));
         return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
     }
     return owned_slice(bk.flat_grad, bk);
 }
 
 at::Tensor Engine::host_grad_slice(const Bucket &bk) {
-    if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, on_shard(rdt_));
+    if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, on_shard(dtypes_.reduce));
     return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
 }
 
@@ -346,7 +347,7 @@ at::Tensor Engine::lp_slice(Bucket &bk) {
 }
 
 // Stage 3 writes no low-precision copy: the gather casts (Note [Stage 3 parameter lifetime]).
-void *Engine::lp_out(Bucket &bk) { return lp_ && opts_.stage < 3 ? lp_slice(bk).data_ptr() : nullptr; }
+void *Engine::lp_out(Bucket &bk) { return dtypes_.low() && opts_.stage < 3 ? lp_slice(bk).data_ptr() : nullptr; }
 
 double Engine::grad_divisor() const { return opts_.stage == 0 ? 1.0 : (double)world_; }
 
@@ -414,9 +415,9 @@ EngineStats Engine::stats() const {
     int64_t master_bytes = 0;
     // stage 3: the fp32 master is the parameter shard; with a low param_dtype the gather
     // casts it, so no low-precision copy persists (it is counted as master weights)
-    if (opts_.stage == 3 && !lp_ && !off_) param_bytes += master_shard_.nbytes();
+    if (opts_.stage == 3 && !dtypes_.low() && !off_) param_bytes += master_shard_.nbytes();
     if (param_shard_.defined()) param_bytes += param_shard_.nbytes();   // offload, stage 3
-    if ((lp_ || (qgather_ && opts_.stage < 3)) && !off_)
+    if ((dtypes_.low() || (qgather_ && opts_.stage < 3)) && !off_)
         master_bytes = (master_shard_.defined() ? master_shard_.nbytes() : 0) + (split_ ? split_->bytes() : 0);
     int64_t state_bytes = 0;
     if (!off_)

@@ -47,7 +47,7 @@ const uint16_t *Engine::hi_bits(Bucket &bk) { return (const uint16_t *)lp_slice(
 
 void Engine::enable_split_master() {
     if (split_) return;
-    TORCH_CHECK(opts_.stage <= 2 && pdt_ == at::kBFloat16 && !qgather_ && !off_ && master_shard_.defined(),
+    TORCH_CHECK(opts_.stage <= 2 && dtypes_.param == at::kBFloat16 && !qgather_ && !off_ && master_shard_.defined(),
                 "zero_ext: master_remainder needs param_dtype='bf16' in stage 0, 1 or 2 without param_quant or "
                 "offload; pass master_remainder=False");
     for (const auto &bk : buckets_)
@@ -79,7 +79,7 @@ void Engine::settle_masters() {
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
         const float *m = master_shard_.data_ptr<float>() + bk.shard_offset;
-        kern_->cast_from_f32(bk.slice_numel, m, lp_slice(bk).data_ptr(), pzx_);   // the step's rounding
+        kern_->cast_from_f32(bk.slice_numel, m, lp_slice(bk).data_ptr(), dtypes_.param_zx);   // the step's rounding
         split_->split(*kern_, b, m, hi_bits(bk), 0, bk.slice_numel);
     }
     master_shard_ = at::Tensor();

@@ -87,7 +87,7 @@ void Engine::accumulate_local(int64_t i) {
     for (const zx_piece &pc : pieces_[i]) {
         Bucket &bk = buckets_[pc.bucket];
         if (!bk.local_grad.defined())
-            bk.local_grad = at::zeros({bk.padded_numel}, on_device(rdt_));
+            bk.local_grad = at::zeros({bk.padded_numel}, on_device(dtypes_.reduce));
         bk.local_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
     }
     p.mutable_grad() = at::Tensor();
@@ -211,7 +211,7 @@ int64_t Engine::acquire_slot(int64_t b) {
     // (gradients arrived out of bucket order): grow the ring by one; bounded by
     // the number of buckets.
     Slot sl;
-    const auto rt = on_device(rdt_);
+    const auto rt = on_device(dtypes_.reduce);
     if (opts_.stage >= 2) sl.send = at::zeros({max_padded_}, rt);
     if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / parts_}, rt);
     slots_.push_back(std::move(sl));
@@ -316,10 +316,10 @@ void Engine::launch_reduce_group() {
     comm_.seq.subject(first, buckets_[first].unit);
     WorkPtr work;
     if (opts_.alltoall_reduce_scatter) {
-        g.recv = at::empty({parts_ * n}, on_device(rdt_));
+        g.recv = at::empty({parts_ * n}, on_device(dtypes_.reduce));
         work = comm_.all_to_all(g.recv, g.send, parts_ * n);
     } else {
-        g.recv = at::empty({n}, on_device(rdt_));
+        g.recv = at::empty({n}, on_device(dtypes_.reduce));
         work = comm_.reduce_scatter_sum(g.recv, g.send);
     }
     const int64_t last = g.members.back();
@@ -406,7 +406,7 @@ void Engine::complete(int64_t b) {
 
 void Engine::finish_reduction(int64_t padded, int64_t slice, const at::Tensor &recv, at::Tensor dst,
                               bool accumulate, Kernels &k) {
-    if (opts_.alltoall_reduce_scatter && rdt_ != at::kFloat) {
+    if (opts_.alltoall_reduce_scatter && dtypes_.reduce != at::kFloat) {
         // Low-precision reduce: add the N slices in fp32 and round once.
         at::Tensor sum = recv.narrow(0, 0, padded).view({parts_, slice}).to(at::kFloat).sum(0);
         if (accumulate) sum.add_(dst);

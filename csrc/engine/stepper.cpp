@@ -65,7 +65,7 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
     TORCH_CHECK(!(bf && ams), "zero_ext: amsgrad=True has no bf16 optimizer state; pass state_dtype='fp32' or "
                 "build the optimizer with amsgrad=False");
     at::Tensor vmax = ams ? state("max_exp_avg_sq") : at::Tensor();
-    const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
+    const int64_t lp_elem = (int64_t)zx_dtype_size(dtypes_.param_zx);
     settle_masters();   // Note [Split master in the engine]: step the split form
     for (auto &bk : buckets_) {
         // Whole tensors / another part's groups; a mixed bucket's pieces (Note [Cut parameters]).
@@ -90,11 +90,11 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
                 char *l = lp ? lp + o * lp_elem : nullptr;
                 const at::Tensor g = gs.narrow(0, o, n);
                 if (bf)
-                    kern_->adam_bf16_states(n, p, g, mb + o, vb + o, l, pzx_, hp, kStateSeed, c0 + (uint64_t)o,
-                                            ctl_ptr(ctl), step_ptr(steps, bk.group));
+                    kern_->adam_bf16_states(n, p, g, mb + o, vb + o, l, dtypes_.param_zx, hp, kStateSeed,
+                                            c0 + (uint64_t)o, ctl_ptr(ctl), step_ptr(steps, bk.group));
                 else
-                    kern_->adam(n, p, g, mp + o, vp + o, hp.amsgrad ? xp + o : nullptr, l, pzx_, hp, ctl_ptr(ctl),
-                                step_ptr(steps, bk.group));
+                    kern_->adam(n, p, g, mp + o, vp + o, hp.amsgrad ? xp + o : nullptr, l, dtypes_.param_zx, hp,
+                                ctl_ptr(ctl), step_ptr(steps, bk.group));
             });
             continue;
         }
@@ -109,10 +109,10 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
                 char *l = lp ? lp + o * lp_elem : nullptr;
                 const at::Tensor g = gs.narrow(0, o, n);
                 if (bf)
-                    kstep().adam_bf16_states(n, p, g, mb + o, vb + o, l, pzx_, h, kStateSeed, c0 + (uint64_t)o,
-                                             nullptr, nullptr);
+                    kstep().adam_bf16_states(n, p, g, mb + o, vb + o, l, dtypes_.param_zx, h, kStateSeed,
+                                             c0 + (uint64_t)o, nullptr, nullptr);
                 else
-                    kstep().adam(n, p, g, mp + o, vp + o, h.amsgrad ? xp + o : nullptr, l, pzx_, h, nullptr,
+                    kstep().adam(n, p, g, mp + o, vp + o, h.amsgrad ? xp + o : nullptr, l, dtypes_.param_zx, h, nullptr,
                                  nullptr);
             });
         }
@@ -126,7 +126,7 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
     bool momentum = false;
     for (const auto &h : hps) momentum = momentum || h.momentum != 0.0;
     at::Tensor buf = momentum ? state("momentum_buffer") : at::Tensor();
-    const int64_t lp_elem = (int64_t)zx_dtype_size(pzx_);
+    const int64_t lp_elem = (int64_t)zx_dtype_size(dtypes_.param_zx);
     settle_masters();   // Note [Split master in the engine]
     for (auto &bk : buckets_) {
         if (bk.atomic ? !bk.mixed : !active(bk)) continue;   // as step_adam
@@ -141,7 +141,8 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
             const zx_sgd_hparams &hp = hps[bk.group];
             TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
             step_master(bk, 0, bk.slice_numel, [&](float *p, int64_t o, int64_t n) {
-                kern_->sgd(n, p, gs.narrow(0, o, n), hp.momentum != 0.0 ? bp + o : nullptr, lp ? lp + o * lp_elem : nullptr, pzx_,
+                kern_->sgd(n, p, gs.narrow(0, o, n), hp.momentum != 0.0 ? bp + o : nullptr,
+                           lp ? lp + o * lp_elem : nullptr, dtypes_.param_zx,
                            hp, ctl_ptr(ctl), step_ptr(steps, bk.group));
             });
             continue;
@@ -154,7 +155,7 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
             h.first_step = r.step == 1;
             step_master(bk, r.offset, r.numel, [&](float *p, int64_t o, int64_t n) {
                 kstep().sgd(n, p, gs.narrow(0, o, n), h.momentum != 0.0 ? bp + o : nullptr,
-                            lp ? lp + o * lp_elem : nullptr, pzx_, h, nullptr, nullptr);
+                            lp ? lp + o * lp_elem : nullptr, dtypes_.param_zx, h, nullptr, nullptr);
             });
         }
         if (off_) upload(bk);
@@ -196,7 +197,7 @@ void Engine::scale_grads(double factor) {
         }
         if (!active(bk)) continue;
         at::Tensor gs = grad_shard_slice(bk);
-        if (rdt_ != at::kFloat) {
+        if (dtypes_.reduce != at::kFloat) {
             gs.mul_(factor);
             continue;
         }
@@ -233,7 +234,7 @@ void Engine::grad_sumsq_into(at::Tensor out2) {
 }
 
 void Engine::cast_masters() {
-    if (!off_ && (!lp_ || opts_.stage == 3)) return;   // stage 3 casts at each gather
+    if (!off_ && (!dtypes_.low() || opts_.stage == 3)) return;   // stage 3 casts at each gather
     if (split_) return settle_masters();   // the parameters hold the rounding unless a master was joined
     wait_params();
     for (auto &bk : buckets_) {
@@ -247,7 +248,7 @@ void Engine::cast_masters() {
         }
         const float *p = master(bk);
         char *lp = (char *)lp_slice(bk).data_ptr();
-        kern_->cast_from_f32(bk.slice_numel, p, lp, pzx_);
+        kern_->cast_from_f32(bk.slice_numel, p, lp, dtypes_.param_zx);
     }
 }
 
@@ -257,8 +258,8 @@ void Engine::cast_masters() {
 // which the unit gathers read).
 void Engine::upload(Bucket &bk) {
     at::Tensor slot = off_->up_slot(bk.slice_numel);
-    if (lp_)
-        kstep().cast_from_f32(bk.slice_numel, master(bk), slot.data_ptr(), pzx_);
+    if (dtypes_.low())
+        kstep().cast_from_f32(bk.slice_numel, master(bk), slot.data_ptr(), dtypes_.param_zx);
     else
         slot.copy_(master_slice(bk));
     off_->up(slot, opts_.stage == 3 ? param_shard_.narrow(0, bk.shard_offset, bk.slice_numel)
