@@ -51,7 +51,7 @@ AtomicStats Engine::atomic_stats() const {
     AtomicStats st;
     double cmax = 0.0, csum = 0.0;
     int64_t nmax = 0, nsum = 0;
-    for (int64_t r = 0; r < parts_; r++) {
+    for (int64_t r = 0; r < partitions_; r++) {
         double c = 0.0;
         int64_t m = 0;
         zx_check(zx_plan_rank_load(plan_, (int32_t)r, &c, &m), "reading the plan");
@@ -80,18 +80,18 @@ AtomicStats Engine::atomic_stats() const {
     // Planned optimizer state per rank (zx_plan_rank_state; 0 unless the
     // optimizers' state sizes were given: Note [Filling atomic buckets]).
     double smax = 0.0, ssum = 0.0;
-    for (int64_t r = 0; r < parts_; r++) {
+    for (int64_t r = 0; r < partitions_; r++) {
         double bytes = 0.0, whole = 0.0;
         zx_check(zx_plan_rank_state(plan_, (int32_t)r, &bytes, &whole), "reading the plan");
         st.state_bytes_per_rank.push_back(bytes);
         smax = std::max(smax, bytes);
         ssum += bytes;
     }
-    st.cost_balance = csum > 0 ? cmax / (csum / (double)parts_) : 1.0;
-    st.numel_balance = nsum > 0 ? (double)nmax / ((double)nsum / (double)parts_) : 1.0;
+    st.cost_balance = csum > 0 ? cmax / (csum / (double)partitions_) : 1.0;
+    st.numel_balance = nsum > 0 ? (double)nmax / ((double)nsum / (double)partitions_) : 1.0;
     st.filled_numel = filled - st.numel;   // pieces of element-granular parameters in the padding
     st.cut_params = (int64_t)cut_params().size();
-    st.state_balance = ssum > 0 ? smax / (ssum / (double)parts_) : 1.0;
+    st.state_balance = ssum > 0 ? smax / (ssum / (double)partitions_) : 1.0;
     return st;
 }
 

@@ -36,7 +36,7 @@ void Engine::set_backward_step_sgd(std::vector<zx_sgd_hparams> hps) {
 
 at::Tensor Engine::landing(int64_t numel) {
     if (!bw_.land.defined() || bw_.land.numel() < numel)
-        bw_.land = at::empty({max_padded_ / parts_}, on_device(dtypes_.reduce));
+        bw_.land = at::empty({max_padded_ / partitions_}, on_device(dtypes_.reduce));
     return bw_.land.narrow(0, 0, numel);
 }
 

@@ -41,7 +41,7 @@ struct Bucket {
     std::vector<std::pair<int64_t, int64_t>> gaps;  // padding (offset, numel): zeroed before reduction
     at::Tensor flat_param;             // (padded_numel,) param_dtype; parameters are views
     at::Tensor flat_grad;              // (padded_numel,) reduce_dtype in stage 0/1, else undefined
-    at::Tensor staging;                // stage 3, low precision: fp32 full values while initializing
+    at::Tensor fp32_values;            // stage 3, low precision: full fp32 values while initializing
     at::Tensor local_grad;             // stages 2-3 under no_sync: (padded_numel,) reduce_dtype, else undefined
     int64_t pending = 0;               // parameters not yet ready in this backward
     int64_t slot = -1;                 // ring slot held (stage 2 / all-to-all), or -1

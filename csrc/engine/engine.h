@@ -315,7 +315,7 @@ public:
     int64_t rank() const { return rank_; }
     int64_t world_size() const { return world_; }
     const char *kernels_name() const { return kern_->name(); }
-    int64_t partitions() const { return parts_; }
+    int64_t partitions() const { return partitions_; }
     double grad_divisor() const;       // what shard gradients must be divided by
     std::string isa_name() const { return zx_isa_name(isa_); }
 
@@ -432,7 +432,7 @@ private:
     zx_plan *plan_ = nullptr;
     Communicator comm_;
     EngineOptions opts_;
-    int64_t rank_ = 0, world_ = 1, parts_ = 1, shard_numel_ = 0;
+    int64_t rank_ = 0, world_ = 1, partitions_ = 1, shard_numel_ = 0;
     zx_isa isa_ = ZX_ISA_SCALAR;            // CPU kernels' ISA (reported by stats())
     at::Device dev_ = at::kCPU;             // the parameters' device: every buffer lives there
     std::unique_ptr<Kernels> kern_;         // Note [Kernel table]

@@ -113,8 +113,8 @@ void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> uni
         if ((int64_t)unit_buckets_.size() <= units[i]) unit_buckets_.resize(units[i] + 1);
     }
     const auto pt = on_device(dtypes_.param);
-    frozen_.plan(std::move(params), units, std::move(names), (int64_t)unit_buckets_.size(), parts_,
-                 parts_ * opts_.align, pt);
+    frozen_.plan(std::move(params), units, std::move(names), (int64_t)unit_buckets_.size(), partitions_,
+                 partitions_ * opts_.align, pt);
     at::NoGradGuard ng;
     for (auto &bk : frozen_.buckets()) {
         // Without values (meta build) the pages stay untouched until open_unit_fp32.
@@ -149,9 +149,9 @@ void Engine::commit_frozen(int64_t u, int64_t src) {
     Bucket *bk = frozen_.of_unit(u);
     if (bk == nullptr) return;
     comm_.seq.subject(subject_of(*bk), u);
-    if (bk->staging.defined()) {   // open_unit_fp32: full-precision values, rounded once
-        broadcast_tensors({bk->staging}, src);
-        frozen_.slice(*bk).copy_(owned_slice(bk->staging, *bk));
+    if (bk->fp32_values.defined()) {   // open_unit_fp32: full-precision values, rounded once
+        broadcast_tensors({bk->fp32_values}, src);
+        frozen_.slice(*bk).copy_(owned_slice(bk->fp32_values, *bk));
         release_bucket(*bk);
         return;
     }
@@ -174,14 +174,14 @@ void Engine::open_frozen_fp32(int64_t u) {
         comm_.seq.subject(subject_of(*bk), u);
         comm_.watch(comm_.all_gather(full, frozen_.slice(*bk)), "unit all-gather");
     }
-    bk->staging = full.to(at::kFloat);
-    gathered_bytes_ += bk->staging.nbytes();
+    bk->fp32_values = full.to(at::kFloat);
+    gathered_bytes_ += bk->fp32_values.nbytes();
     peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-    frozen_.point_at(*bk, bk->staging);
+    frozen_.point_at(*bk, bk->fp32_values);
 }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::frozen_fragments(int64_t r) const {
-    TORCH_CHECK(r >= 0 && r < parts_, "zero_ext: internal: no rank ", r, " among ", parts_, " partitions");
+    TORCH_CHECK(r >= 0 && r < partitions_, "zero_ext: internal: no rank ", r, " among ", partitions_, " partitions");
     return frozen_.fragments(r);
 }
 

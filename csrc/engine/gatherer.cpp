@@ -58,7 +58,7 @@ void Engine::absorb_param_edits() {
 }
 
 void Engine::all_gather_params() {
-    if (parts_ == 1 || opts_.stage == 3) {   // stage 3 gathers per unit, on demand
+    if (partitions_ == 1 || opts_.stage == 3) {   // stage 3 gathers per unit, on demand
         if (any_cut_) copy_cut_params(true);
         return;
     }
@@ -187,11 +187,11 @@ void Engine::wait_gather(Bucket &bk) {
 
 void Engine::release_bucket(Bucket &bk) {
     wait_gather(bk);
-    const bool staged = bk.staging.defined();
+    const bool staged = bk.fp32_values.defined();
     if (!staged && !bk.gathered) return;   // the common case after backward: nothing held
     if (staged) {
-        gathered_bytes_ -= bk.staging.nbytes();
-        bk.staging = at::Tensor();
+        gathered_bytes_ -= bk.fp32_values.nbytes();
+        bk.fp32_values = at::Tensor();
     }
     if (bk.gathered) {
         kern_->resize_storage(bk.flat_param, 0);
@@ -334,10 +334,10 @@ void Engine::commit_unit(int64_t u, int64_t src) {
     if (sec_) sec_->drop_all();   // the masters change
     for (int64_t b : unit_buckets_[u]) {
         Bucket &bk = buckets_[b];
-        if (bk.staging.defined()) {   // open_unit_fp32: full-precision values
+        if (bk.fp32_values.defined()) {   // open_unit_fp32: full-precision values
             comm_.seq.subject(b, u);
-            broadcast_tensors({bk.staging}, src);
-            master_slice(bk).copy_(owned_slice(bk.staging, bk));
+            broadcast_tensors({bk.fp32_values}, src);
+            master_slice(bk).copy_(owned_slice(bk.fp32_values, bk));
             if (off_) upload(bk);
             release_bucket(bk);
             continue;
@@ -370,19 +370,19 @@ void Engine::open_unit_fp32(int64_t u) {
         release_bucket(bk);
         // The current fp32 masters (zeros before the first commit), so a unit opened
         // again after a commit keeps what was written to it.
-        bk.staging = at::empty({bk.padded_numel}, on_device(at::kFloat));
+        bk.fp32_values = at::empty({bk.padded_numel}, on_device(at::kFloat));
         at::Tensor in = master_slice(bk);
         if (in.device() != dev_) in = in.to(dev_);   // offload: the collective runs on the device
         if (world_ == 1) {
-            bk.staging.copy_(in);
+            bk.fp32_values.copy_(in);
         } else {
             comm_.seq.subject(b, u);
-            comm_.watch(comm_.all_gather(bk.staging, in), "unit all-gather");
+            comm_.watch(comm_.all_gather(bk.fp32_values, in), "unit all-gather");
         }
-        gathered_bytes_ += bk.staging.nbytes();
+        gathered_bytes_ += bk.fp32_values.nbytes();
         peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
         for (int64_t i : bk.params)
-            params_[i].set_data(bk.staging.narrow(0, offset_of_[i], param_views_[i].numel())
+            params_[i].set_data(bk.fp32_values.narrow(0, offset_of_[i], param_views_[i].numel())
                                     .view(param_views_[i].sizes()));
     }
 }

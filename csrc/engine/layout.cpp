@@ -67,7 +67,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     TORCH_CHECK(!s3 || (int64_t)units.size() == n, "zero_ext: internal: stage 3 needs one unit id per parameter");
     rank_ = comm_.rank();
     world_ = comm_.world();
-    parts_ = opts_.stage == 0 ? 1 : world_;
+    partitions_ = opts_.stage == 0 ? 1 : world_;
     isa_ = opts_.isa == "auto" ? zx_cpu_best_isa() : parse_isa(opts_.isa);
     std::tie(dtypes_.param, dtypes_.param_zx) = parse_dtype(opts_.param_dtype, "param_dtype");
     std::tie(dtypes_.reduce, dtypes_.reduce_zx) = parse_dtype(opts_.reduce_dtype, "reduce_dtype");
@@ -113,7 +113,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     TORCH_CHECK(opts_.param_state.empty() || (int64_t)opts_.param_state.size() == n,
                 "zero_ext: internal: one state size per parameter expected, got ", opts_.param_state.size());
     zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), s3 ? unit.data() : nullptr,
-                      order.data(), (int32_t)parts_, cap, first_cap, opts_.align,
+                      order.data(), (int32_t)partitions_, cap, first_cap, opts_.align,
                       any_atomic ? cost.data() : nullptr, fill ? opts_.param_state.data() : nullptr};
     zx_check(zx_plan_create(&pp, &plan_), "planning the bucket layout");
     shard_numel_ = zx_plan_shard_numel(plan_);
@@ -136,15 +136,15 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                     "zero_ext: grad_quant needs stage 1, 2 or 3 and the all-to-all reduce-scatter; pass stage=1, 2 "
                     "or 3 and reduce_scatter='auto' or 'alltoall', or grad_quant=None");
         qreduce_ = std::make_unique<QuantReduce>((int32_t)opts_.grad_quant_bits, opts_.quant_block_numel,
-                                                 opts_.grad_quant_error_feedback, kern_.get(), dev_, parts_);
+                                                 opts_.grad_quant_error_feedback, kern_.get(), dev_, partitions_);
     }
     if (opts_.param_quant_bits != 0) {
         TORCH_CHECK(opts_.stage >= 1, "zero_ext: param_quant needs stage 1, 2 or 3; pass stage=1, 2 or 3, or "
                     "param_quant=None");
         // One rank gathers nothing: its parameters stay exact.
-        if (parts_ > 1)
+        if (partitions_ > 1)
             qgather_ = std::make_unique<QuantGather>((int32_t)opts_.param_quant_bits, opts_.quant_block_numel,
-                                                     kern_.get(), dev_, parts_);
+                                                     kern_.get(), dev_, partitions_);
     }
     TORCH_CHECK(!opts_.step_in_backward || (opts_.stage >= 1 && !opts_.offload), "zero_ext: step_in_backward "
                 "needs stage 1, 2 or 3 and no offload; pass stage=1, 2 or 3 and offload=None, or "
@@ -279,7 +279,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     if (opts_.offload) {
         // Down: a reduce-scatter's slice, an all-to-all's whole receive buffer, or (one
         // rank) the whole bucket; up: a slice in param_dtype.
-        const int64_t slice = max_padded_ / std::max<int64_t>(parts_, 1);
+        const int64_t slice = max_padded_ / std::max<int64_t>(partitions_, 1);
         const int64_t down = opts_.alltoall_reduce_scatter && world_ > 1 ? max_padded_ : slice;
         off_ = std::make_unique<Offload>(dev_, dtypes_.reduce, down, dtypes_.param, slice, nb);
         if (s3) {   // what the unit gathers read: the master in param_dtype, kept current by upload()
@@ -290,7 +290,8 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     book_ = StepBook(params_.size(), opts_.agree_unused, world_);   // Note [Unused parameters]
     // Note [Coalesced gradient reductions] (reducer.cpp): stage 3's plain reduction path only.
     if (s3 && world_ > 1 && !qreduce_ && !off_ && !opts_.step_in_backward && opts_.coalesce_numel > 0)
-        rgroups_.configure(std::max<int64_t>(opts_.coalesce_numel / parts_, 1), parts_, on_device(dtypes_.reduce));
+        rgroups_.configure(std::max<int64_t>(opts_.coalesce_numel / partitions_, 1), partitions_,
+                           on_device(dtypes_.reduce));
     // The gradient shard and the ring are allocated at the first backward
     // (grad_shard_slice, acquire_slot), so building the model costs no more.
 }
@@ -352,8 +353,8 @@ void *Engine::lp_out(Bucket &bk) { return dtypes_.low() && opts_.stage < 3 ? lp_
 double Engine::grad_divisor() const { return opts_.stage == 0 ? 1.0 : (double)world_; }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(int64_t r) const {
-    TORCH_CHECK(r >= 0 && r < std::max<int64_t>(parts_, 1), "zero_ext: internal: no rank ", r, " among ", parts_,
-                " partitions");
+    TORCH_CHECK(r >= 0 && r < std::max<int64_t>(partitions_, 1), "zero_ext: internal: no rank ", r, " among ",
+                partitions_, " partitions");
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++)
         for (const auto &f : plan_fragments(plan_, b, (int32_t)r))
@@ -372,7 +373,7 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(in
 //   piece. Only the active groups' buckets are listed (set_active_groups), as
 //   param_shards() lists them.
 std::vector<FragmentView> Engine::fragment_views(bool masters) {
-    const int64_t r = parts_ > 1 ? rank_ : 0;
+    const int64_t r = partitions_ > 1 ? rank_ : 0;
     std::vector<FragmentView> out;
     int64_t index = 0;   // among the active buckets
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
@@ -391,7 +392,7 @@ std::vector<FragmentView> Engine::fragment_views(bool masters) {
 std::vector<FragmentView> Engine::frozen_fragment_views() const {
     std::vector<FragmentView> out;
     if (frozen_.empty()) return out;
-    for (const auto &[i, poff, soff, n] : frozen_fragments(parts_ > 1 ? rank_ : 0))
+    for (const auto &[i, poff, soff, n] : frozen_fragments(partitions_ > 1 ? rank_ : 0))
         out.push_back({i, poff, -1, soff, n, frozen_.shard().narrow(0, soff, n)});
     return out;
 }

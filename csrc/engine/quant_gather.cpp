@@ -19,7 +19,7 @@ zx_dtype zx_dtype_of(at::ScalarType t) {
 }  // namespace
 
 QuantGather::QuantGather(int32_t bits, int64_t block_numel, Kernels *kern, at::Device device, int64_t parts)
-    : bits_(bits), block_numel_(block_numel), kern_(kern), device_(device), parts_(parts) {
+    : bits_(bits), block_numel_(block_numel), kern_(kern), device_(device), partitions_(parts) {
     TORCH_CHECK(bits == 8, "zero_ext: param_quant must be int8 (the supported bit width); pass param_quant='int8' "
                 "or None");
     TORCH_CHECK(block_numel >= 2 && block_numel % 2 == 0, "zero_ext: quant_block_numel must be even and >= 2, got ",
@@ -56,13 +56,13 @@ void QuantGather::dequantize_from(const at::Tensor &record, int64_t slice_numel,
 
 WorkPtr QuantGather::launch(Communicator &comm, int64_t b, const at::Tensor &master, at::Tensor dst) {
     const int64_t n = master.numel(), rb = record_bytes(n);
-    TORCH_CHECK(dst.numel() == parts_ * n && dst.is_contiguous(), "zero_ext: internal: param_quant gathers ", parts_,
-                " slices of ", n, " elements into a contiguous bucket");
+    TORCH_CHECK(dst.numel() == partitions_ * n && dst.is_contiguous(), "zero_ext: internal: param_quant gathers ",
+                partitions_, " slices of ", n, " elements into a contiguous bucket");
     TORCH_CHECK(!pending_.count(b), "zero_ext: internal: bucket ", b, " already has a quantized gather in flight");
     Pending p;
     const auto u8 = at::TensorOptions().dtype(at::kByte).device(device_);
     p.send = at::zeros({rb}, u8);   // the 4-byte padding is sent too: keep it defined
-    p.recv = at::empty({parts_ * rb}, u8);
+    p.recv = at::empty({partitions_ * rb}, u8);
     p.dst = dst;
     quantize_into(master, p.send);
     held_ += p.send.nbytes() + p.recv.nbytes();
@@ -76,8 +76,9 @@ void QuantGather::finish(int64_t b) {
     auto it = pending_.find(b);
     if (it == pending_.end()) return;
     Pending &p = it->second;
-    const int64_t n = p.dst.numel() / parts_, rb = p.send.numel();
-    for (int64_t j = 0; j < parts_; j++) dequantize_from(p.recv.narrow(0, j * rb, rb), n, p.dst.narrow(0, j * n, n));
+    const int64_t n = p.dst.numel() / partitions_, rb = p.send.numel();
+    for (int64_t j = 0; j < partitions_; j++)
+        dequantize_from(p.recv.narrow(0, j * rb, rb), n, p.dst.narrow(0, j * n, n));
     held_ -= p.send.nbytes() + p.recv.nbytes();
     pending_.erase(it);
 }

@@ -68,7 +68,7 @@ private:
     int64_t block_numel_;
     Kernels *kern_;
     at::Device device_;
-    int64_t parts_;
+    int64_t partitions_;
     std::map<int64_t, Pending> pending_;   // bucket -> its gather in flight
     int64_t held_ = 0, peak_ = 0;
 };

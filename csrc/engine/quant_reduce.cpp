@@ -9,7 +9,7 @@ namespace zx {
 QuantReduce::QuantReduce(int32_t bits, int64_t block_numel, bool error_feedback, Kernels *kern, at::Device device,
                          int64_t parts)
     : bits_(bits), block_numel_(block_numel), error_feedback_(error_feedback), kern_(kern), device_(device),
-      parts_(parts) {
+      partitions_(parts) {
     TORCH_CHECK(bits == 0 || bits == 8 || bits == 4, "zero_ext: grad_quant must be int8 or int4; pass "
                 "grad_quant='int8', 'int4' or None");
     TORCH_CHECK(bits == 0 || (block_numel >= 2 && block_numel % 2 == 0),
@@ -40,7 +40,7 @@ WorkPtr QuantReduce::launch(Communicator &comm, int64_t b, const at::Tensor &sen
     size_t slice_bytes = 0;
     zx_check(zx_quant_bytes(bits_, (size_t)block_numel_, (size_t)slice_numel, &slice_bytes), "grad_quant sizes");
     const int64_t slice_blocks = (int64_t)zx_quant_blocks((size_t)slice_numel, (size_t)block_numel_);
-    Buffers &bf = buffers(slot, parts_ * (int64_t)slice_bytes, parts_ * slice_blocks);
+    Buffers &bf = buffers(slot, partitions_ * (int64_t)slice_bytes, partitions_ * slice_blocks);
     float *residual = nullptr;
     if (error_feedback_) {
         if ((int64_t)residual_.size() <= b) residual_.resize(b + 1);
@@ -55,13 +55,13 @@ WorkPtr QuantReduce::launch(Communicator &comm, int64_t b, const at::Tensor &sen
     uint8_t *codes = bf.codes_send.data_ptr<uint8_t>();
     float *scales = bf.scales_send.data_ptr<float>();
     // slice by slice: blocks never cross slices (each owner gets whole blocks)
-    for (int64_t j = 0; j < parts_; j++) {
+    for (int64_t j = 0; j < partitions_; j++) {
         const int64_t lo = j * slice_numel;
         kern_->quantize(bits_, block_numel_, slice_numel, src + (size_t)lo * esz, dt,
                         residual ? residual + lo : nullptr, codes + j * (int64_t)slice_bytes,
                         scales + j * slice_blocks);
     }
-    const int64_t ns = parts_ * slice_blocks, nc = parts_ * (int64_t)slice_bytes;
+    const int64_t ns = partitions_ * slice_blocks, nc = partitions_ * (int64_t)slice_bytes;
     auto works = comm.all_to_all_quantized(bf.codes_recv.narrow(0, 0, nc), bf.codes_send.narrow(0, 0, nc),
                                            bf.scales_recv.narrow(0, 0, ns), bf.scales_send.narrow(0, 0, ns),
                                            send.numel(), send.element_size());
@@ -79,7 +79,7 @@ void QuantReduce::finish(int64_t slot, int64_t slice_numel, at::Tensor dst, bool
                          ? dst
                          : at::empty({slice_numel}, at::TensorOptions().dtype(at::kFloat).device(device_));
     const bool acc_in_kernel = accumulate && dst.scalar_type() == at::kFloat;
-    kern_->dequantize_sum(bits_, block_numel_, slice_numel, (int32_t)parts_, slice_blocks,
+    kern_->dequantize_sum(bits_, block_numel_, slice_numel, (int32_t)partitions_, slice_blocks,
                           bf.codes_recv.data_ptr<uint8_t>(), bf.scales_recv.data_ptr<float>(), out.data_ptr<float>(),
                           acc_in_kernel);
     if (!out.is_same(dst)) {

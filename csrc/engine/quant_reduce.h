@@ -68,7 +68,7 @@ private:
     bool error_feedback_;
     Kernels *kern_;
     at::Device device_;
-    int64_t parts_;
+    int64_t partitions_;
     std::vector<Buffers> slots_;          // parallel to the engine's ring slots
     std::vector<at::Tensor> residual_;    // per bucket, (padded_numel,) fp32, when error_feedback
 };

@@ -24,7 +24,7 @@ public:
     // capacity: elements per rank row (0: off); parts: the partitions of a bucket
     void configure(int64_t capacity, int64_t parts, at::TensorOptions options) {
         capacity_ = capacity;
-        parts_ = parts;
+        partitions_ = parts;
         options_ = options;
     }
     bool enabled() const { return capacity_ > 0; }
@@ -35,8 +35,8 @@ public:
 
     // Bucket b's gradient (parts * slice,) joins the group being filled.
     void add(int64_t b, const at::Tensor &padded, int64_t slice) {
-        if (!filling_.rows.defined()) filling_.rows = at::empty({parts_, capacity_}, options_);
-        filling_.rows.narrow(1, filling_.numel, slice).copy_(padded.view({parts_, slice}));
+        if (!filling_.rows.defined()) filling_.rows = at::empty({partitions_, capacity_}, options_);
+        filling_.rows.narrow(1, filling_.numel, slice).copy_(padded.view({partitions_, slice}));
         filling_.members.push_back(b);
         filling_.numel += slice;
     }
@@ -66,7 +66,7 @@ public:
     }
 
 private:
-    int64_t capacity_ = 0, parts_ = 1;
+    int64_t capacity_ = 0, partitions_ = 1;
     at::TensorOptions options_;
     ReduceGroup filling_;
     std::map<int64_t, ReduceGroup> flying_;

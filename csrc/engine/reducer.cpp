@@ -213,7 +213,7 @@ int64_t Engine::acquire_slot(int64_t b) {
     Slot sl;
     const auto rt = on_device(dtypes_.reduce);
     if (opts_.stage >= 2) sl.send = at::zeros({max_padded_}, rt);
-    if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / parts_}, rt);
+    if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / partitions_}, rt);
     slots_.push_back(std::move(sl));
     return acquire_slot(b);
 }
@@ -316,8 +316,8 @@ void Engine::launch_reduce_group() {
     comm_.seq.subject(first, buckets_[first].unit);
     WorkPtr work;
     if (opts_.alltoall_reduce_scatter) {
-        g.recv = at::empty({parts_ * n}, on_device(dtypes_.reduce));
-        work = comm_.all_to_all(g.recv, g.send, parts_ * n);
+        g.recv = at::empty({partitions_ * n}, on_device(dtypes_.reduce));
+        work = comm_.all_to_all(g.recv, g.send, partitions_ * n);
     } else {
         g.recv = at::empty({n}, on_device(dtypes_.reduce));
         work = comm_.reduce_scatter_sum(g.recv, g.send);
@@ -336,7 +336,7 @@ void Engine::finish_reduce_group(ReduceGroup &g) {
                     "are not consecutive");
         at += buckets_[m].slice_numel;
     }
-    finish_reduction(parts_ * g.numel, g.numel, g.recv, grad_shard_.narrow(0, first.shard_offset, g.numel), true,
+    finish_reduction(partitions_ * g.numel, g.numel, g.recv, grad_shard_.narrow(0, first.shard_offset, g.numel), true,
                      *kern_);
 }
 
@@ -408,11 +408,11 @@ void Engine::finish_reduction(int64_t padded, int64_t slice, const at::Tensor &r
                               bool accumulate, Kernels &k) {
     if (opts_.alltoall_reduce_scatter && dtypes_.reduce != at::kFloat) {
         // Low-precision reduce: add the N slices in fp32 and round once.
-        at::Tensor sum = recv.narrow(0, 0, padded).view({parts_, slice}).to(at::kFloat).sum(0);
+        at::Tensor sum = recv.narrow(0, 0, padded).view({partitions_, slice}).to(at::kFloat).sum(0);
         if (accumulate) sum.add_(dst);
         dst.copy_(sum);
     } else if (opts_.alltoall_reduce_scatter) {
-        k.sum_slices(slice, (int32_t)parts_, recv.data_ptr<float>(), dst.data_ptr<float>(), accumulate);
+        k.sum_slices(slice, (int32_t)partitions_, recv.data_ptr<float>(), dst.data_ptr<float>(), accumulate);
     } else if (accumulate) {
         dst.add_(recv.narrow(0, 0, slice));
     } else {

@@ -21,14 +21,14 @@ void Secondary::keep(int64_t s, const at::Tensor &flat) {
     at::Tensor t = flat.narrow(0, comm_.rank() * part, part).clone();
     bytes_ += t.nbytes();
     peak_bytes_ = std::max(peak_bytes_, bytes_);
-    parts_[s] = std::move(t);
+    node_parts_[s] = std::move(t);
 }
 
 WorkPtr Secondary::launch(int64_t s, at::Tensor flat) {
-    auto it = parts_.find(s);
-    TORCH_CHECK(it != parts_.end(), "zero_ext: internal: no secondary part for bucket ", s);
+    auto it = node_parts_.find(s);
+    TORCH_CHECK(it != node_parts_.end(), "zero_ext: internal: no secondary part for bucket ", s);
     at::Tensor part = it->second;
-    parts_.erase(it);
+    node_parts_.erase(it);
     inflight_[s] = part;
     comm_.seq.subject(s, -1);
     return comm_.all_gather(std::move(flat), part);
@@ -42,15 +42,15 @@ void Secondary::finish(int64_t s) {
 }
 
 void Secondary::drop(int64_t s) {
-    auto it = parts_.find(s);
-    if (it == parts_.end()) return;
+    auto it = node_parts_.find(s);
+    if (it == node_parts_.end()) return;
     bytes_ -= it->second.nbytes();
-    parts_.erase(it);
+    node_parts_.erase(it);
 }
 
 void Secondary::drop_all() {
-    for (auto &kv : parts_) bytes_ -= kv.second.nbytes();
-    parts_.clear();
+    for (auto &kv : node_parts_) bytes_ -= kv.second.nbytes();
+    node_parts_.clear();
 }
 
 // A counter's share exchanged with other nodes: num/den of its bytes (rounded down).

@@ -59,7 +59,7 @@ public:
     int64_t node_size() const { return comm_.world(); }
     // Keep this rank's part of subject s's gathered bucket (flat: padded_numel elements).
     void keep(int64_t s, const at::Tensor &flat);
-    bool has(int64_t s) const { return parts_.count(s) > 0; }
+    bool has(int64_t s) const { return node_parts_.count(s) > 0; }
     // All-gather the node's parts of s into flat (asynchronous); the part moves
     // to in-flight until finish(s).
     WorkPtr launch(int64_t s, at::Tensor flat);
@@ -79,7 +79,7 @@ public:
 private:
     Communicator comm_;                        // the node group; its own counters
     int64_t world_ = 1;
-    std::map<int64_t, at::Tensor> parts_;      // subject -> (padded_numel / L,) param_dtype
+    std::map<int64_t, at::Tensor> node_parts_;      // subject -> (padded_numel / L,) param_dtype
     std::map<int64_t, at::Tensor> inflight_;   // parts a node all-gather is reading
     int64_t bytes_ = 0, peak_bytes_ = 0;
 };

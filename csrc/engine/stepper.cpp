@@ -210,7 +210,7 @@ std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
     double sumsq = 0.0;
     int64_t nonfinite = 0;
     for (auto &bk : buckets_) kstep().grad_sumsq(grad_shard_slice(bk), scale, &sumsq, &nonfinite);
-    if (parts_ > 1) {
+    if (partitions_ > 1) {
         // One small all-reduce carries both the norm and the inf/nan count.
         at::Tensor t = at::empty({2}, at::TensorOptions().dtype(at::kDouble).device(dev_));
         t[0] = sumsq;
@@ -230,7 +230,7 @@ void Engine::grad_sumsq_into(at::Tensor out2) {
     TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
     out2.zero_();
     for (auto &bk : buckets_) kern_->grad_sumsq_into(grad_shard_slice(bk), out2.data_ptr<float>());
-    if (parts_ > 1) comm_.all_reduce_sum_blocking(out2, "gradient-norm all-reduce");
+    if (partitions_ > 1) comm_.all_reduce_sum_blocking(out2, "gradient-norm all-reduce");
 }
 
 void Engine::cast_masters() {

@@ -157,7 +157,7 @@ std::vector<StepRun> StepBook::mixed_runs(int64_t b, const zx_plan *plan, const 
 
 void Engine::ensure_step_tables() {
     if (!book_.has_fragments() && !buckets_.empty())
-        book_.read_fragments(plan_, (int64_t)buckets_.size(), (int32_t)(parts_ > 1 ? rank_ : 0));
+        book_.read_fragments(plan_, (int64_t)buckets_.size(), (int32_t)(partitions_ > 1 ? rank_ : 0));
 }
 
 void Engine::begin_step(bool advance) {
