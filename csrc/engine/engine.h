@@ -44,6 +44,7 @@
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
 #include "engine/master_split.h"   // defines: MasterSplit (master_remainder)
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
+#include "engine/param_pieces.h"  // defines: ParamPieces (Note [Cut parameters])
 #include "engine/quant_gather.h"   // defines: QuantGather (param_quant)
 #include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
 #include "engine/reduce_groups.h"  // defines: ReduceGroups (stage 3: coalesced reductions)
@@ -411,11 +412,7 @@ private:
 
     std::vector<at::Tensor> params_;
     std::vector<int64_t> group_of_;              // each parameter's param group
-    // Note [Cut parameters]: per parameter its pieces (one entry when it lies whole
-    // in one bucket); cut_[i]: it was cut, so it owns storage instead of being a view.
-    std::vector<std::vector<zx_piece>> pieces_;
-    std::vector<char> cut_;
-    bool any_cut_ = false, cut_stale_ = false;
+    ParamPieces pieces_;                         // Note [Cut parameters]: where each parameter lies
     int64_t state_numel_ = 0;                    // Note [State windows]
     std::vector<std::vector<int64_t>> shapes_;   // each parameter's logical shape
     std::vector<char> active_groups_;            // set_active_groups: empty = all

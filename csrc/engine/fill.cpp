@@ -76,23 +76,23 @@ at::Tensor Engine::state(const std::string &name) {
 void Engine::copy_cut_params(bool into_params) {
     at::NoGradGuard ng;
     for (size_t i = 0; i < params_.size(); i++) {
-        if (!cut_[i]) continue;
+        if (!pieces_.cut(i)) continue;
         // variable_data(): a write that leaves the version counter alone, so the
         // Python guard sees only the user's edits (Note [Edits outside gathered_parameters]).
         at::Tensor flat = params_[i].variable_data().view(-1);
-        for (const zx_piece &pc : pieces_[i]) {
+        for (const zx_piece &pc : pieces_.of(i)) {
             at::Tensor mine = flat.narrow(0, pc.param_offset, pc.numel);
             at::Tensor in_bucket = buckets_[pc.bucket].flat_param.narrow(0, pc.offset, pc.numel);
             (into_params ? mine : in_bucket).copy_(into_params ? in_bucket : mine);
         }
     }
-    if (into_params) cut_stale_ = false;
+    if (into_params) pieces_.copied_out();
 }
 
 std::vector<int64_t> Engine::cut_params() const {
     std::vector<int64_t> out;
-    for (size_t i = 0; i < cut_.size(); i++)
-        if (cut_[i]) out.push_back((int64_t)i);
+    for (int64_t i = 0; i < pieces_.size(); i++)
+        if (pieces_.cut(i)) out.push_back(i);
     return out;
 }
 

@@ -50,7 +50,7 @@ void Engine::publish_params() {
 void Engine::absorb_param_edits() {
     TORCH_CHECK(opts_.stage <= 2, "zero_ext: internal: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
     wait_params();
-    if (any_cut_) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
+    if (pieces_.any_cut()) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
     if (!dtypes_.low() && !qgather_ && !off_) return;   // the owned slice is the master
     // Note [Split master in the engine]: without a joined master the edits already are its top halves
     if (split_ && !master_shard_.defined()) return;
@@ -59,7 +59,7 @@ void Engine::absorb_param_edits() {
 
 void Engine::all_gather_params() {
     if (partitions_ == 1 || opts_.stage == 3) {   // stage 3 gathers per unit, on demand
-        if (any_cut_) copy_cut_params(true);
+        if (pieces_.any_cut()) copy_cut_params(true);
         return;
     }
     wait_params();
@@ -89,7 +89,7 @@ void Engine::launch_param_gather(int64_t b) {
     comm_.seq.subject(b, -1);
     gather_works_.emplace_back(b, qgather_ ? qgather_->launch(comm_, b, master_slice(bk), bk.flat_param)
                                            : comm_.all_gather(bk.flat_param, in));
-    cut_stale_ = cut_stale_ || any_cut_;
+    pieces_.gathered();
 }
 
 void Engine::flush_params(bool wait) {
@@ -110,7 +110,7 @@ void Engine::flush_params(bool wait) {
 }
 
 void Engine::wait_param_buckets(const std::vector<int64_t> &buckets) {
-    if (any_cut_) {   // a cut parameter is copied out once all of its buckets have arrived
+    if (pieces_.any_cut()) {   // a cut parameter is copied out once all of its buckets have arrived
         wait_params();
         return;
     }
@@ -131,7 +131,7 @@ void Engine::wait_params() {
     for (auto &w : gather_works_) comm_.watch(w.second, "parameter all-gather");
     gather_works_.clear();
     if (qgather_ && opts_.stage < 3) qgather_->finish_all();   // stage 3: wait_gather finishes its own
-    if (cut_stale_) copy_cut_params(true);
+    if (pieces_.stale()) copy_cut_params(true);
 }
 
 void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {

@@ -118,16 +118,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     zx_check(zx_plan_create(&pp, &plan_), "planning the bucket layout");
     shard_numel_ = zx_plan_shard_numel(plan_);
     group_of_ = groups;
-    pieces_.resize(n);
-    cut_.assign(n, 0);
-    for (int64_t i = 0; i < n; i++) {
-        int64_t count = 0;
-        zx_plan_param_pieces(plan_, i, nullptr, 0, &count);
-        pieces_[i].resize((size_t)count);
-        zx_check(zx_plan_param_pieces(plan_, i, pieces_[i].data(), count, &count), "reading the plan");
-        cut_[i] = count > 1;
-        any_cut_ = any_cut_ || count > 1;
-    }
+    pieces_.read(plan_, n);
 
     // Buckets as tensors; parameters (and stage 0/1 gradients) become views.
     kern_ = make_kernels(dev_, isa_, dtypes_.reduce_zx);
@@ -194,7 +185,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             const int64_t i = pc.param;
             bk.params.push_back(i);
             at::Tensor &p = params_[i];
-            if (cut_[i]) {
+            if (pieces_.cut(i)) {
                 // Note [Cut parameters]: this piece's values; the parameter keeps storage of its own.
                 bk.mixed = bk.mixed || bk.atomic;
                 if (opts_.copy_params) {
@@ -259,22 +250,22 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         }
     }
     if (s3) peak_gathered_bytes_ = 0;
-    TORCH_CHECK(!s3 || !any_cut_, "zero_ext: internal: stage 3 cuts no parameter");
+    TORCH_CHECK(!s3 || !pieces_.any_cut(), "zero_ext: internal: stage 3 cuts no parameter");
     for (int64_t i = 0; i < n; i++) {
-        if (!cut_[i]) continue;
+        if (!pieces_.cut(i)) continue;
         // Note [Cut parameters]: storage of its own in param_dtype, filled from the buckets.
         at::Tensor &p = params_[i];
-        bucket_of_[i] = pieces_[i][0].bucket;
-        offset_of_[i] = pieces_[i][0].offset;
+        bucket_of_[i] = pieces_.of(i)[0].bucket;
+        offset_of_[i] = pieces_.of(i)[0].offset;
         const at::Tensor grad = p.grad();
         p.set_data(at::empty(shapes_[i], pt));
         p.mutable_grad() = at::Tensor();
         if (grad.defined() && opts_.stage <= 1)
-            for (const zx_piece &pc : pieces_[i])
+            for (const zx_piece &pc : pieces_.of(i))
                 buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel)
                     .copy_(grad.reshape(-1).narrow(0, pc.param_offset, pc.numel));
     }
-    if (any_cut_) copy_cut_params(true);
+    if (pieces_.any_cut()) copy_cut_params(true);
     plan_state_windows();
     if (opts_.offload) {
         // Down: a reduce-scatter's slice, an all-to-all's whole receive buffer, or (one

@@ -26,11 +26,11 @@ void Engine::ensure_grad_view(int64_t i) {
     const at::Tensor &g = p.grad();
     const at::Tensor &view = grad_views_[i];
     require_dense(*this, i, g);
-    if (cut_[i]) {
+    if (pieces_.cut(i)) {
         // Note [Cut parameters]: added piece by piece into each bucket's flat_grad.
         if (g.defined()) {
             const at::Tensor flat = g.reshape(-1);
-            for (const zx_piece &pc : pieces_[i])
+            for (const zx_piece &pc : pieces_.of(i))
                 buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
             p.mutable_grad() = at::Tensor();
         }
@@ -56,7 +56,7 @@ void Engine::stage_grad(int64_t i) {
     const at::Tensor g = p.grad();
     require_dense(*this, i, g);
     const at::Tensor flat = g.defined() ? g.reshape(-1) : at::Tensor();
-    for (const zx_piece &pc : pieces_[i]) {   // one piece unless cut (Note [Cut parameters])
+    for (const zx_piece &pc : pieces_.of(i)) {   // one piece unless cut (Note [Cut parameters])
         Bucket &bk = buckets_[pc.bucket];
         if (bk.slot < 0) acquire_slot(pc.bucket);
         at::Tensor dst = slots_[bk.slot].send.narrow(0, pc.offset, pc.numel);
@@ -84,7 +84,7 @@ void Engine::accumulate_local(int64_t i) {
     require_dense(*this, i, g);
     if (!g.defined()) return;
     const at::Tensor flat = g.reshape(-1);
-    for (const zx_piece &pc : pieces_[i]) {
+    for (const zx_piece &pc : pieces_.of(i)) {
         Bucket &bk = buckets_[pc.bucket];
         if (!bk.local_grad.defined())
             bk.local_grad = at::zeros({bk.padded_numel}, on_device(dtypes_.reduce));
@@ -101,7 +101,7 @@ void Engine::mark_ready(int64_t i) {
     if (opts_.stage >= 2 && !require_sync_) {
         accumulate_local(i);
         if (opts_.stage == 3) {   // its backward is over: release as a reducing pass would
-            for (const zx_piece &pc : pieces_[i]) {
+            for (const zx_piece &pc : pieces_.of(i)) {
                 Bucket &bk = buckets_[pc.bucket];
                 if (--bk.pending == 0 && bk.unit != 0) release_bucket(bk);
             }
@@ -115,7 +115,7 @@ void Engine::mark_ready(int64_t i) {
                 "call backward() twice, call it under model.no_sync() for all but the last, or step in between");
     ready_[i] = 1;
     bool done = false;
-    for (const zx_piece &pc : pieces_[i]) {
+    for (const zx_piece &pc : pieces_.of(i)) {
         Bucket &bk = buckets_[pc.bucket];
         if (--bk.pending > 0) continue;
         done = true;
@@ -146,7 +146,7 @@ void Engine::finalize_backward() {
         if (ready_[i]) continue;
         if (opts_.stage >= 2) stage_grad(i);
         ready_[i] = 1;
-        for (const zx_piece &pc : pieces_[i]) buckets_[pc.bucket].pending--;
+        for (const zx_piece &pc : pieces_.of(i)) buckets_[pc.bucket].pending--;
     }
     while (next_launch_ < (int64_t)buckets_.size()) launch(next_launch_++);
     launch_reduce_group();   // Note [Coalesced gradient reductions]: what is left
@@ -187,7 +187,7 @@ void Engine::hide_sharded_grads() {
         at::Tensor &p = params_[i];
         if (!p.grad().defined() || !p.grad().is_same(grad_wrappers_[i])) continue;   // replaced meanwhile
         // stage 1: the bucket view again (its owned part holds the reduced sum, the rest zeros)
-        p.mutable_grad() = opts_.stage <= 1 && grad_views_ok_ && !cut_[i] ? grad_views_[i] : at::Tensor();
+        p.mutable_grad() = opts_.stage <= 1 && grad_views_ok_ && !pieces_.cut(i) ? grad_views_[i] : at::Tensor();
     }
 }
 
@@ -437,7 +437,8 @@ void Engine::zero_grad(bool set_to_none) {
         for (size_t i = 0; i < params_.size(); i++) {
             if (!active_param((int64_t)i)) continue;
             if (opts_.stage <= 1)
-                for (const zx_piece &pc : pieces_[i]) buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
+                for (const zx_piece &pc : pieces_.of(i))
+                    buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
             if (set_to_none) {
                 params_[i].mutable_grad() = at::Tensor();
                 book_.forget_grad((int64_t)i);   // Note [Unused parameters]

@@ -186,7 +186,7 @@ std::vector<int64_t> Engine::bucket_groups() {
 void Engine::scale_grads(double factor) {
     wait_reductions();
     if (factor == 1.0) return;
-    if (any_cut_) ensure_step_tables();
+    if (pieces_.any_cut()) ensure_step_tables();
     for (auto &bk : buckets_) {
         if (bk.mixed) {
             // Note [Cut parameters]: only the pieces of the active groups.
