@@ -33,6 +33,17 @@ Note [Standing worlds]
   after its ranks and the number of groups that exist, so a group made after one
   was destroyed takes that one's name and finds its stale addresses in the store
   (gloo then connects to a closed port, or hangs, depending on which rank is first).
+
+Note [Forked ranks]
+  Ranks of gloo worlds (fresh and standing) start from multiprocessing's fork server,
+  which has imported torch, torch.distributed and zero_ext once (a preload), instead of
+  from a fresh interpreter each: importing torch costs a rank ~1.4 s of CPU, most of a
+  short test's time on a 2-core machine. The server is a clean process (it imported
+  modules and ran nothing else), so a forked rank sees what a spawned one would, except
+  the environment and the working directory, which are those of the server's start:
+  each rank takes the parent's at its entry (an environment variable read when torch is
+  imported keeps the server's value). Worlds on a backend that carries CUDA tensors
+  keep "spawn"; ZX_TEST_START=spawn brings it back for every world.
 """
 from __future__ import annotations
 
@@ -46,10 +57,34 @@ import tempfile
 import time
 import traceback
 
+import multiprocessing
+
 import torch
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Note [Forked ranks]
+START_METHOD = os.environ.get("ZX_TEST_START", "forkserver")
+if START_METHOD == "forkserver":
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "zero_ext", "dist_harness"])
+
+
+def _start_method(backend: str) -> str:
+    return "spawn" if uses_cuda(backend) else START_METHOD
+
+
+def _parent_state() -> tuple:
+    """What a forked rank takes from the parent at its entry (Note [Forked ranks])."""
+    return dict(os.environ), os.getcwd()
+
+
+def _take_parent_state(state) -> None:
+    env, cwd = state
+    if os.environ != env:
+        os.environ.clear()
+        os.environ.update(env)
+    os.chdir(cwd)
 
 # Set by conftest.py for each test: whether it may start processes (it is marked `dist`).
 # A test that calls run_world without the mark fails, so `make check` (-m "not dist")
@@ -71,7 +106,9 @@ def _add_paths():
             sys.path.insert(0, p)
 
 
-def _entry(rank, world, store_path, out_dir, fn, args, init_pg, backend="gloo"):
+def _entry(rank, world, store_path, out_dir, fn, args, init_pg, backend="gloo", state=None):
+    if state is not None:
+        _take_parent_state(state)
     _add_paths()
     import torch.distributed as dist
 
@@ -135,8 +172,8 @@ def run_world(fn, world_size: int, *args, timeout_s: float = 300, init_pg: bool 
         return _standing(world_size).run(fn, args, timeout_s)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_entry, args=(world_size, store, tmp, fn, args, init_pg, backend),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(world_size, store, tmp, fn, args, init_pg, backend, _parent_state()),
+                                 nprocs=world_size, join=False, start_method=_start_method(backend))
         deadline = time.monotonic() + timeout_s
         try:
             while not _joined(ctx, expect_errors):
@@ -164,8 +201,9 @@ def run_world(fn, world_size: int, *args, timeout_s: float = 300, init_pg: bool 
 
 # ---------------------------------------------------------------------------- standing worlds
 
-def _standing_entry(rank, world, store_path, conn):
+def _standing_entry(rank, world, store_path, conn, state):
     """A rank of a standing world: runs (fn, args) messages until an empty one."""
+    _take_parent_state(state)
     _add_paths()
     import torch.distributed as dist
 
@@ -221,11 +259,12 @@ class _StandingWorld:
     def __init__(self, world: int):
         self.world = world
         self.tmp = tempfile.TemporaryDirectory()
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(_start_method("gloo"))
         self.conns, self.procs = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_standing_entry, args=(rank, world, os.path.join(self.tmp.name, "store"), child),
+            p = ctx.Process(target=_standing_entry,
+                            args=(rank, world, os.path.join(self.tmp.name, "store"), child, _parent_state()),
                             daemon=True)
             p.start()
             child.close()
