@@ -64,7 +64,7 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Note [Forked ranks]
+# the start method of the ranks (Note [Forked ranks])
 START_METHOD = os.environ.get("ZX_TEST_START", "forkserver")
 if START_METHOD == "forkserver":
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "zero_ext", "dist_harness"])
