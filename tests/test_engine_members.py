@@ -1,0 +1,91 @@
+"""The engine stays a set of small owners (csrc/engine/): no class there holds more than
+OWNER_LIMIT data members (two older ones, listed in OVER, no more than they had), and
+Engine itself, the one that still holds most of the state, no more than ENGINE_LIMIT. Lower ENGINE_LIMIT when an owner takes members over from
+it; the aim is an Engine facade with no more members than an owner.
+
+A data member is a declarator named with a trailing underscore (`rank_`, `frozen_`) in a
+class body, counted from the header's text (comments and template arguments stripped).
+"""
+import pathlib
+import re
+
+ENGINE_DIR = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "engine"
+ENGINE_LIMIT = 51
+OWNER_LIMIT = 12
+# Owners that were over OWNER_LIMIT when this test came: they may not grow (split them first).
+OVER = {"offload.h:Offload": 22, "sequence.h:Sequence": 27}
+CLASS = re.compile(r"^(?:class|struct)\s+(\w+)[^;{]*\{", re.M)
+
+
+def _body(text: str, start: int) -> str:
+    depth, i = 0, start
+    while True:
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1:i]
+        i += 1
+
+
+def _top_level(body: str) -> str:
+    """The class body without nested braces (inline function bodies, nested types)."""
+    out, depth = [], 0
+    for ch in body:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            out.append(";")
+        elif depth == 0:
+            out.append(ch)
+    return "".join(out)
+
+
+def data_members(text: str, name: str) -> list[str]:
+    text = re.sub(r"//[^\n]*", "", text)
+    m = next(m for m in CLASS.finditer(text) if m.group(1) == name)
+    names = []
+    for stmt in _top_level(_body(text, m.end() - 1)).split(";"):
+        stmt = re.sub(r"\b(public|private|protected):", "", stmt).strip()
+        if not stmt or "(" in stmt.split("=")[0] or stmt.startswith(("using", "friend", "static", "template")):
+            continue
+        flat, depth = "", 0
+        for ch in stmt:                       # drop template arguments: their commas are not declarators
+            depth += ch == "<"
+            depth -= ch == ">"
+            if depth == 0 and ch not in "<>":
+                flat += ch
+        for decl in flat.split(","):
+            word = re.search(r"(\w+)\s*$", decl.split("=")[0].strip())
+            if word and word.group(1).endswith("_"):
+                names.append(word.group(1))
+    return names
+
+
+def classes() -> dict[str, list[str]]:
+    out = {}
+    for header in sorted(ENGINE_DIR.glob("*.h")):
+        text = header.read_text()
+        for m in CLASS.finditer(re.sub(r"//[^\n]*", "", text)):
+            members = data_members(text, m.group(1))
+            if members:
+                out[f"{header.name}:{m.group(1)}"] = members
+    return out
+
+
+def test_the_counter_counts():
+    text = "class A {\n int a_ = 0, b_;  // c_\n std::map<int, int> m_;\n void f() { int x_; }\n}"
+    assert data_members(text, "A") == ["a_", "b_", "m_"]
+
+
+def test_engine_and_its_owners_stay_small():
+    found = classes()
+    engine = found.pop("engine.h:Engine")
+    print(f"Engine: {len(engine)} data members")
+    assert len(engine) <= ENGINE_LIMIT, (f"Engine holds {len(engine)} data members (limit {ENGINE_LIMIT}): give "
+                                         f"new state to an owner class (csrc/engine/*.h), not to Engine")
+    big = {k: len(v) for k, v in found.items() if len(v) > OVER.get(k, OWNER_LIMIT)}
+    assert not big, f"owner classes over their limit of data members ({OWNER_LIMIT}, or OVER's): {big}"
+    assert len(found) >= 10, sorted(found)   # the owners were found at all
