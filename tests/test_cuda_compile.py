@@ -1,4 +1,5 @@
-"""Compile every CUDA source in csrc/cuda with nvcc, for sm_80 and sm_90.
+"""Compile every CUDA source in csrc/cuda with nvcc, for sm_80 and sm_90 (one nvcc run per
+source for both, the sources in parallel).
 
 Nothing here runs a kernel: it only makes a syntax or type error in the CUDA code
 fail CI on machines without a GPU. Skipped when nvcc is not on PATH.
@@ -24,29 +25,35 @@ def test_cuda_sources_exist():
     assert CUDA_SOURCES, f"no .cu files found in {CUDA_DIR}"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("source", CUDA_SOURCES, ids=lambda p: p.name)
-def test_nvcc_compiles(source, arch, tmp_path):
+def _nvcc(source: pathlib.Path, out_dir: pathlib.Path):
+    """nvcc on one source for every arch of ARCHS at once (one host pass, a device pass per arch)."""
     nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH: CUDA sources not compiled (install the CUDA toolkit to check them)")
-    obj = tmp_path / f"{source.stem}_{arch}.o"
-    cmd = [
-        nvcc, "-c", f"-arch={arch}", "-std=c++17", "-O3",
-        "-Xcompiler", "-Wall",
-        "-I", str(ROOT / "csrc" / "core"),
-        "-o", str(obj), str(source),
-    ]
+    obj = out_dir / f"{source.stem}.o"
+    cmd = [nvcc, "-c", *[f"-gencode=arch=compute_{a[3:]},code={a}" for a in ARCHS], "-std=c++17", "-O3",
+           "-Xcompiler", "-Wall", "-I", str(ROOT / "csrc" / "core"), "-o", str(obj), str(source)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        print(" ".join(cmd))
-        print(proc.stdout)
-        print(proc.stderr)
-    assert proc.returncode == 0, f"nvcc failed on {source.name} for {arch}:\n{proc.stderr}"
+    return cmd, proc, obj
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Every source compiled once, as many at a time as there are cores."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH: CUDA sources not compiled (install the CUDA toolkit to check them)")
+    from concurrent.futures import ThreadPoolExecutor
+    out = tmp_path_factory.mktemp("nvcc")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(CUDA_SOURCES, pool.map(lambda s: _nvcc(s, out), CUDA_SOURCES)))
+
+
+@pytest.mark.parametrize("source", CUDA_SOURCES, ids=lambda p: p.name)
+def test_nvcc_compiles(source, compiled):
+    cmd, proc, obj = compiled[source]
+    assert proc.returncode == 0, f"nvcc failed on {source.name} ({', '.join(ARCHS)}):\n{' '.join(cmd)}\n{proc.stderr}"
     assert obj.exists()
     # Warnings are not errors, but show them (pytest -s / on failure of a later assert).
     if proc.stderr.strip():
-        print(f"nvcc warnings for {source.name} ({arch}):\n{proc.stderr}")
+        print(f"nvcc warnings for {source.name}:\n{proc.stderr}")
 
 
 # The host side of the CUDA build (the CUDA kernel table of the engine and the CUDA

@@ -49,6 +49,7 @@
 #include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
 #include "engine/reduce_groups.h"  // defines: ReduceGroups (stage 3: coalesced reductions)
 #include "engine/secondary.h"      // defines: Secondary (node_size)
+#include "engine/sharded_grads.h"  // defines: ShardedGrads (Note [Sharded gradients])
 #include "engine/step_book.h"      // defines: StepBook, StepRun (Note [Unused parameters])
 #include "engine/stats.h"          // defines: EngineStats, AtomicStats, OffloadStats (Note [Engine stats])
 
@@ -154,7 +155,7 @@ public:
     // Note [Sharded gradients] (zero_ext/sharded_grad.py): stages 1-3 show each
     // parameter's gradient as a storage-less tensor that knows it is sharded, from the
     // end of a reducing backward until the next forward (hide) or zero_grad.
-    void set_grad_wrappers(std::vector<at::Tensor> wrappers) { grad_wrappers_ = std::move(wrappers); }
+    void set_grad_wrappers(std::vector<at::Tensor> wrappers) { sharded_grads_.set(std::move(wrappers)); }
     void hide_sharded_grads();
     int64_t grad_generation() const { return grad_generation_; }   // changes when the gradients do
     void wait_reductions();            // block until every launched reduction is done
@@ -417,8 +418,7 @@ private:
     std::vector<std::vector<int64_t>> shapes_;   // each parameter's logical shape
     std::vector<char> active_groups_;            // set_active_groups: empty = all
     std::vector<at::Tensor> grad_views_;   // stage 0/1: param i's view into flat_grad
-    std::vector<at::Tensor> grad_wrappers_;   // Note [Sharded gradients]: param i's, or empty
-    bool wrappers_shown_ = false;
+    ShardedGrads sharded_grads_;           // Note [Sharded gradients]: the wrappers .grad shows after backward
     int64_t grad_generation_ = 0;
     std::vector<at::Tensor> param_views_;  // stage 3: param i's view into flat_param
     std::vector<int64_t> bucket_of_, offset_of_;

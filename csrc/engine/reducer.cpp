@@ -174,21 +174,14 @@ void Engine::finalize_backward() {
         book_.set_all_steps(bw_.steps);
     }
     grad_generation_++;
-    if (!grad_wrappers_.empty()) {   // Note [Sharded gradients]
-        for (size_t i = 0; i < params_.size(); i++) params_[i].mutable_grad() = grad_wrappers_[i];
-        wrappers_shown_ = true;
-    }
+    sharded_grads_.show(params_);   // Note [Sharded gradients]
 }
 
 void Engine::hide_sharded_grads() {
-    if (!wrappers_shown_) return;
-    wrappers_shown_ = false;
-    for (size_t i = 0; i < params_.size(); i++) {
-        at::Tensor &p = params_[i];
-        if (!p.grad().defined() || !p.grad().is_same(grad_wrappers_[i])) continue;   // replaced meanwhile
+    sharded_grads_.hide(params_, [&](int64_t i) {
         // stage 1: the bucket view again (its owned part holds the reduced sum, the rest zeros)
-        p.mutable_grad() = opts_.stage <= 1 && grad_views_ok_ && !pieces_.cut(i) ? grad_views_[i] : at::Tensor();
-    }
+        return opts_.stage <= 1 && grad_views_ok_ && !pieces_.cut(i) ? grad_views_[i] : at::Tensor();
+    });
 }
 
 int64_t Engine::acquire_slot(int64_t b) {
