@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "core/zx_core.h"
+#include "engine/backward_pass.h"  // defines: BackwardPass
 #include "engine/bucket.h"    // defines: Bucket, GatherGroup
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
 #include "engine/frozen_params.h"  // defines: FrozenParams (stage 3 frozen parameters)
@@ -157,10 +158,10 @@ public:
     // end of a reducing backward until the next forward (hide) or zero_grad.
     void set_grad_wrappers(std::vector<at::Tensor> wrappers) { sharded_grads_.set(std::move(wrappers)); }
     void hide_sharded_grads();
-    int64_t grad_generation() const { return grad_generation_; }   // changes when the gradients do
+    int64_t grad_generation() const { return pass_.generation(); }   // changes when the gradients do
     void wait_reductions();            // block until every launched reduction is done
-    void set_require_sync(bool sync) { require_sync_ = sync; }
-    bool require_sync() const { return require_sync_; }
+    void set_require_sync(bool sync) { pass_.set_require_sync(sync); }
+    bool require_sync() const { return pass_.require_sync(); }
 
     // --- optimizer ---
     // Fused AdamW/Adam step over this rank's shard. hparams: one dict per param group.
@@ -419,10 +420,8 @@ private:
     std::vector<char> active_groups_;            // set_active_groups: empty = all
     std::vector<at::Tensor> grad_views_;   // stage 0/1: param i's view into flat_grad
     ShardedGrads sharded_grads_;           // Note [Sharded gradients]: the wrappers .grad shows after backward
-    int64_t grad_generation_ = 0;
     std::vector<at::Tensor> param_views_;  // stage 3: param i's view into flat_param
     std::vector<int64_t> bucket_of_, offset_of_;
-    std::vector<char> ready_;
     std::vector<Bucket> buckets_;
     std::vector<Slot> slots_;
     int64_t max_padded_ = 0;
@@ -437,8 +436,7 @@ private:
     std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
     at::Tensor param_shard_;               // offload in stage 3: this rank's slices in param_dtype, on the device
     BackwardStep bw_;                      // Note [Step in backward]
-    bool require_sync_ = true;
-    int64_t next_launch_ = 0;
+    BackwardPass pass_;                    // where this backward stands: readiness, launches, no_sync
     std::deque<std::pair<int64_t, WorkPtr>> inflight_;
     ReduceGroups rgroups_;                 // Note [Coalesced gradient reductions]
     std::vector<std::pair<int64_t, WorkPtr>> gather_works_;   // stage 1-2: (bucket, its gather in flight)
@@ -450,7 +448,6 @@ private:
     std::vector<std::vector<int64_t>> unit_buckets_;  // stage 3: unit -> its buckets
     int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
     std::map<std::string, at::Tensor> states_;
-    int64_t reductions_ = 0;               // backward passes whose gradients were reduced
     StepBook book_;                        // Note [Unused parameters]: gradients seen, steps, runs
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
     std::unique_ptr<QuantGather> qgather_; // param_quant (world > 1): quantized all-gather, else null

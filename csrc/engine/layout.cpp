@@ -158,7 +158,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     offset_of_.assign(n, 0);
     grad_views_.resize(n);
     if (s3) param_views_.resize(n);
-    ready_.assign(n, 0);
+    pass_.resize(n);
     for (int64_t b = 0; b < nb; b++) {
         zx_bucket_info bi;
         zx_check(zx_plan_bucket(plan_, b, &bi), "reading the plan");
@@ -460,7 +460,7 @@ EngineStats Engine::stats() const {
     st.comm_wait_s = comm_.waited_s() + (sec_ ? sec_->comm().waited_s() : 0.0);
     st.comm_delay_ms = comm_.delay_ms();
     if (sec_) st.comm_groups = sec_->group_stats(comm_);   // Note [Per-group byte counters]
-    st.reductions = reductions_;
+    st.reductions = pass_.reductions();
     st.num_units = (int64_t)unit_buckets_.size();
     st.frozen_shard_bytes = frozen_shard_bytes();
     st.atomic = atomic_stats();

@@ -97,8 +97,8 @@ void Engine::mark_ready(int64_t i) {
     TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: internal: bad parameter index ", i);
     book_.note_grad(i);
     if (opts_.stage <= 1) ensure_grad_view(i);
-    const bool reduce_now = opts_.stage >= 2 || require_sync_;
-    if (opts_.stage >= 2 && !require_sync_) {
+    const bool reduce_now = opts_.stage >= 2 || pass_.require_sync();
+    if (opts_.stage >= 2 && !pass_.require_sync()) {
         accumulate_local(i);
         if (opts_.stage == 3) {   // its backward is over: release as a reducing pass would
             for (const zx_piece &pc : pieces_.of(i)) {
@@ -110,10 +110,10 @@ void Engine::mark_ready(int64_t i) {
     }
     if (!reduce_now) return;
     if (opts_.stage >= 2) stage_grad(i);
-    TORCH_CHECK(!ready_[i], "zero_ext: ", pname(i),
+    TORCH_CHECK(!pass_.ready(i), "zero_ext: ", pname(i),
                 " got its gradient twice in one backward pass (its gradient was reduced already); if you "
                 "call backward() twice, call it under model.no_sync() for all but the last, or step in between");
-    ready_[i] = 1;
+    pass_.set_ready(i);
     bool done = false;
     for (const zx_piece &pc : pieces_.of(i)) {
         Bucket &bk = buckets_[pc.bucket];
@@ -124,12 +124,12 @@ void Engine::mark_ready(int64_t i) {
     }
     // Launch strictly in bucket order so that every rank issues the same collectives.
     if (done)
-        while (next_launch_ < (int64_t)buckets_.size() && buckets_[next_launch_].pending == 0)
-            launch(next_launch_++);
+        pass_.launch_in_order((int64_t)buckets_.size(), [&](int64_t b) { return buckets_[b].pending == 0; },
+                              [&](int64_t b) { launch(b); });
 }
 
 void Engine::finalize_backward() {
-    if (!require_sync_) {   // Note [Local accumulation]: nothing sent
+    if (!pass_.require_sync()) {   // Note [Local accumulation]: nothing sent
         if (opts_.stage == 3) {
             for (auto &bk : buckets_) {
                 release_bucket(bk);
@@ -143,12 +143,12 @@ void Engine::finalize_backward() {
     // Parameters that got no gradient this pass: their region holds zeros or
     // earlier accumulated gradients (stage 0/1), or is zero-filled (stage 2).
     for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
-        if (ready_[i]) continue;
+        if (pass_.ready(i)) continue;
         if (opts_.stage >= 2) stage_grad(i);
-        ready_[i] = 1;
+        pass_.set_ready(i);
         for (const zx_piece &pc : pieces_.of(i)) buckets_[pc.bucket].pending--;
     }
-    while (next_launch_ < (int64_t)buckets_.size()) launch(next_launch_++);
+    pass_.launch_in_order((int64_t)buckets_.size(), [](int64_t) { return true; }, [&](int64_t b) { launch(b); });
     launch_reduce_group();   // Note [Coalesced gradient reductions]: what is left
     // Note [Reductions end with backward]
     // As DDP's reducer does, wait here.
@@ -162,18 +162,15 @@ void Engine::finalize_backward() {
         if (sec_) sec_->drop_all();   // Note [Hierarchical partitioning]: the pass is over
     }
     // Reset readiness for the next backward.
-    std::fill(ready_.begin(), ready_.end(), 0);
     for (auto &bk : buckets_) {
         bk.pending = (int64_t)bk.params.size();
     }
-    next_launch_ = 0;
-    reductions_++;
+    pass_.reduced();
     if (bw_.stepped) {   // Note [Step in backward]: this backward was one optimizer step
         bw_.stepped = false;
         bw_.steps++;
         book_.set_all_steps(bw_.steps);
     }
-    grad_generation_++;
     sharded_grads_.show(params_);   // Note [Sharded gradients]
 }
 
@@ -421,7 +418,7 @@ void Engine::zero_grad(bool set_to_none) {
     wait_reductions();
     rgroups_.drop_filling();   // Note [Coalesced gradient reductions]: a backward that did not end
     if (off_) off_->drain();   // no landing writes the host shard any more
-    grad_generation_++;
+    pass_.gradients_changed();
     hide_sharded_grads();   // Note [Sharded gradients]: cleared, or zeroed (the plain views again)
     if (!active_groups_.empty()) {
         // One of several wrapped optimizers: only its groups' gradients, as torch's
