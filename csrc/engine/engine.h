@@ -42,6 +42,7 @@
 #include "engine/bucket.h"    // defines: Bucket, GatherGroup
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
 #include "engine/frozen_params.h"  // defines: FrozenParams (stage 3 frozen parameters)
+#include "engine/gather_meter.h"   // defines: GatherMeter
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
 #include "engine/master_split.h"   // defines: MasterSplit (master_remainder)
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
@@ -446,7 +447,7 @@ private:
     Dtypes dtypes_;                        // param_dtype and reduce_dtype (Note [Mixed precision])
     bool grad_views_ok_ = true;            // stage 0/1: param.grad may be a view of flat_grad
     std::vector<std::vector<int64_t>> unit_buckets_;  // stage 3: unit -> its buckets
-    int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
+    GatherMeter gathered_;                 // bytes of gathered parameters held, and the peak
     std::map<std::string, at::Tensor> states_;
     StepBook book_;                        // Note [Unused parameters]: gradients seen, steps, runs
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null

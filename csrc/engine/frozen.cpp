@@ -128,7 +128,7 @@ void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> uni
         }
         if (opts_.copy_params) frozen_.slice(bk).copy_(owned_slice(bk.flat_param, bk));
         bk.gathered = true;
-        gathered_bytes_ += bk.flat_param.nbytes();
+        gathered_.add(bk.flat_param.nbytes());
         release_bucket(bk);
     }
 }
@@ -175,8 +175,8 @@ void Engine::open_frozen_fp32(int64_t u) {
         comm_.watch(comm_.all_gather(full, frozen_.slice(*bk)), "unit all-gather");
     }
     bk->fp32_values = full.to(at::kFloat);
-    gathered_bytes_ += bk->fp32_values.nbytes();
-    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+    gathered_.add(bk->fp32_values.nbytes());
+    gathered_.note_peak();
     frozen_.point_at(*bk, bk->fp32_values);
 }
 

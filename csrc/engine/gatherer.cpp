@@ -161,7 +161,7 @@ void Engine::finish_group(const std::shared_ptr<GatherGroup> &g) {
         m->gather_group.reset();
         mark_gathered(*m);
     }
-    gathered_bytes_ -= g->in.nbytes() + g->out.nbytes();
+    gathered_.sub(g->in.nbytes() + g->out.nbytes());
     g->in = at::Tensor();
     g->out = at::Tensor();
 }
@@ -190,12 +190,12 @@ void Engine::release_bucket(Bucket &bk) {
     const bool staged = bk.fp32_values.defined();
     if (!staged && !bk.gathered) return;   // the common case after backward: nothing held
     if (staged) {
-        gathered_bytes_ -= bk.fp32_values.nbytes();
+        gathered_.sub(bk.fp32_values.nbytes());
         bk.fp32_values = at::Tensor();
     }
     if (bk.gathered) {
         kern_->resize_storage(bk.flat_param, 0);
-        gathered_bytes_ -= bk.flat_param.numel() * bk.flat_param.element_size();
+        gathered_.sub(bk.flat_param.numel() * bk.flat_param.element_size());
         bk.gathered = false;
     }
     const at::Tensor empty = at::empty({0}, bk.flat_param.options());
@@ -235,8 +235,8 @@ std::vector<Bucket *> Engine::unit_gather_buckets(int64_t u) {
 void Engine::launch_gather(Bucket &bk) {
     const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
     kern_->resize_storage(bk.flat_param, bytes);
-    gathered_bytes_ += bytes;
-    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+    gathered_.add(bytes);
+    gathered_.note_peak();
     at::Tensor own = owned_slice(bk.flat_param, bk);
     at::Tensor in = gather_source(bk, own);   // with a low param_dtype: cast into place
     if (world_ == 1) {
@@ -300,17 +300,17 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
     }
     g->in = at::empty({slice}, on_device(dtypes_.param));
     g->out = at::empty({slice * world_}, on_device(dtypes_.param));
-    gathered_bytes_ += g->in.nbytes() + g->out.nbytes();
+    gathered_.add(g->in.nbytes() + g->out.nbytes());
     for (auto [bk, offset] : g->members) {
         const int64_t bytes = bk->flat_param.numel() * bk->flat_param.element_size();
         kern_->resize_storage(bk->flat_param, bytes);
-        gathered_bytes_ += bytes;
+        gathered_.add(bytes);
         at::Tensor dst = g->in.narrow(0, offset, bk->slice_numel);
         at::Tensor src = gather_source(*bk, dst);
         if (!src.is_same(dst)) dst.copy_(src);
         bk->gather_group = g;
     }
-    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+    gathered_.note_peak();
     const Bucket &first = *g->members[0].first;
     comm_.seq.subject(subject_of(first), first.unit);
     g->work = comm_.all_gather(g->out, g->in);
@@ -379,8 +379,8 @@ void Engine::open_unit_fp32(int64_t u) {
             comm_.seq.subject(b, u);
             comm_.watch(comm_.all_gather(bk.fp32_values, in), "unit all-gather");
         }
-        gathered_bytes_ += bk.fp32_values.nbytes();
-        peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+        gathered_.add(bk.fp32_values.nbytes());
+        gathered_.note_peak();
         for (int64_t i : bk.params)
             params_[i].set_data(bk.fp32_values.narrow(0, offset_of_[i], param_views_[i].numel())
                                     .view(param_views_[i].sizes()));

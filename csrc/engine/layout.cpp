@@ -245,11 +245,11 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             // Keep only this rank's slice (Note [Stage 3 parameter lifetime]).
             if ((int64_t)unit_buckets_.size() <= bk.unit) unit_buckets_.resize(bk.unit + 1);
             unit_buckets_[bk.unit].push_back(b);
-            gathered_bytes_ += bk.flat_param.nbytes();
+            gathered_.add(bk.flat_param.nbytes());
             release_bucket(bk);
         }
     }
-    if (s3) peak_gathered_bytes_ = 0;
+    if (s3) gathered_.reset_peak();
     TORCH_CHECK(!s3 || !pieces_.any_cut(), "zero_ext: internal: stage 3 cuts no parameter");
     for (int64_t i = 0; i < n; i++) {
         if (!pieces_.cut(i)) continue;
@@ -429,8 +429,8 @@ EngineStats Engine::stats() const {
     buf.grad_ring = ring_bytes;
     buf.grad_landing = bw_.land.defined() ? bw_.land.nbytes() : 0;
     buf.ring_slots = (int64_t)slots_.size();
-    buf.gathered_params = gathered_bytes_;
-    buf.peak_gathered_params = peak_gathered_bytes_;
+    buf.gathered_params = gathered_.now();
+    buf.peak_gathered_params = gathered_.peak();
     buf.quant_buffers = qreduce_ ? qreduce_->buffer_bytes() : 0;
     buf.quant_residual = qreduce_ ? qreduce_->residual_bytes() : 0;
     buf.quant_gather_buffers = qgather_ ? qgather_->buffer_bytes() : 0;
