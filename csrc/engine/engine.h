@@ -43,6 +43,7 @@
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
 #include "engine/frozen_params.h"  // defines: FrozenParams (stage 3 frozen parameters)
 #include "engine/gather_meter.h"   // defines: GatherMeter
+#include "engine/grad_ring.h"      // defines: GradRing, Slot
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
 #include "engine/master_split.h"   // defines: MasterSplit (master_remainder)
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
@@ -135,13 +136,6 @@ struct FragmentView {
     int64_t slice_offset;              // first element inside that bucket's shard slice (frozen: the frozen shard)
     int64_t numel;
     at::Tensor master;                 // (numel,) view: the fp32 master (frozen: the param_dtype shard)
-};
-
-// A staging/receive pair of the ring (Note [Gradient layout]).
-struct Slot {
-    at::Tensor send;                   // (max padded_numel,) stage 2 gradient staging
-    at::Tensor recv;                   // (max padded_numel,) all-to-all receive / RS output
-    int64_t owner = -1;                // bucket holding the slot, -1 when free
 };
 
 class Engine {
@@ -424,7 +418,7 @@ private:
     std::vector<at::Tensor> param_views_;  // stage 3: param i's view into flat_param
     std::vector<int64_t> bucket_of_, offset_of_;
     std::vector<Bucket> buckets_;
-    std::vector<Slot> slots_;
+    GradRing ring_;                        // the gradient slots (Note [Gradient layout])
     int64_t max_padded_ = 0;
     zx_plan *plan_ = nullptr;
     Communicator comm_;

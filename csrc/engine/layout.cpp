@@ -278,6 +278,11 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             for (auto &bk : buckets_) upload(bk);
         }
     }
+    // Note [Gradient layout]: stages 2-3 stage each gradient in a slot; more than one rank
+    // receives a slice (reduce-scatter) or every rank's slices (all-to-all).
+    ring_.configure(opts_.stage >= 2 ? max_padded_ : 0,
+                    world_ > 1 ? (opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / partitions_) : 0,
+                    on_device(dtypes_.reduce), opts_.grad_ring_buckets);
     book_ = StepBook(params_.size(), opts_.agree_unused, world_);   // Note [Unused parameters]
     // Note [Coalesced gradient reductions] (reducer.cpp): stage 3's plain reduction path only.
     if (s3 && world_ > 1 && !qreduce_ && !off_ && !opts_.step_in_backward && opts_.coalesce_numel > 0)
@@ -414,11 +419,7 @@ EngineStats Engine::stats() const {
     int64_t state_bytes = 0;
     if (!off_)
         for (const auto &kv : states_) state_bytes += kv.second.nbytes();
-    int64_t ring_bytes = 0;
-    for (const auto &s : slots_) {
-        if (s.send.defined()) ring_bytes += s.send.nbytes();
-        if (s.recv.defined()) ring_bytes += s.recv.nbytes();
-    }
+    const int64_t ring_bytes = ring_.bytes();
     ModelStateBytes &msb = st.model_state_bytes;
     msb.parameters = param_bytes;
     msb.gradients = grad_bytes;
@@ -428,7 +429,7 @@ EngineStats Engine::stats() const {
     BufferBytes &buf = st.buffer_bytes;
     buf.grad_ring = ring_bytes;
     buf.grad_landing = bw_.land.defined() ? bw_.land.nbytes() : 0;
-    buf.ring_slots = (int64_t)slots_.size();
+    buf.ring_slots = ring_.slots();
     buf.gathered_params = gathered_.now();
     buf.peak_gathered_params = gathered_.peak();
     buf.quant_buffers = qreduce_ ? qreduce_->buffer_bytes() : 0;

@@ -59,7 +59,7 @@ void Engine::stage_grad(int64_t i) {
     for (const zx_piece &pc : pieces_.of(i)) {   // one piece unless cut (Note [Cut parameters])
         Bucket &bk = buckets_[pc.bucket];
         if (bk.slot < 0) acquire_slot(pc.bucket);
-        at::Tensor dst = slots_[bk.slot].send.narrow(0, pc.offset, pc.numel);
+        at::Tensor dst = ring_[bk.slot].send.narrow(0, pc.offset, pc.numel);
         if (flat.defined())
             dst.copy_(flat.narrow(0, pc.param_offset, pc.numel));
         else
@@ -182,35 +182,27 @@ void Engine::hide_sharded_grads() {
 }
 
 int64_t Engine::acquire_slot(int64_t b) {
-    for (int64_t s = 0; s < (int64_t)slots_.size(); s++) {
-        if (slots_[s].owner < 0) {
-            if (off_) off_->before_reuse(s);   // Note [Optimizer offload]: its last down copy is done
-            slots_[s].owner = b;
-            buckets_[b].slot = s;
-            return s;
+    int64_t s = ring_.take_free(b);
+    if (s < 0) {
+        // All slots busy: the ring grows to grad_ring_buckets first, then finishes
+        // the oldest launched reduction and takes its slot.
+        if (ring_.at_size() && !inflight_.empty()) {
+            complete(inflight_.front().first);
+            return acquire_slot(b);
         }
+        // Below its configured size, or every slot held by a bucket still filling
+        // (gradients arrived out of bucket order): grow the ring by one; bounded by
+        // the number of buckets.
+        s = ring_.grow(b);
     }
-    // All slots busy: the ring grows to grad_ring_buckets first, then finishes
-    // the oldest launched reduction and takes its slot.
-    if ((int64_t)slots_.size() >= std::max<int64_t>(1, opts_.grad_ring_buckets) && !inflight_.empty()) {
-        const int64_t done = inflight_.front().first;
-        complete(done);
-        return acquire_slot(b);
-    }
-    // Below its configured size, or every slot held by a bucket still filling
-    // (gradients arrived out of bucket order): grow the ring by one; bounded by
-    // the number of buckets.
-    Slot sl;
-    const auto rt = on_device(dtypes_.reduce);
-    if (opts_.stage >= 2) sl.send = at::zeros({max_padded_}, rt);
-    if (world_ > 1) sl.recv = at::zeros({opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / partitions_}, rt);
-    slots_.push_back(std::move(sl));
-    return acquire_slot(b);
+    if (off_) off_->before_reuse(s);   // Note [Optimizer offload]: its last down copy is done
+    buckets_[b].slot = s;
+    return s;
 }
 
 void Engine::release_slot(int64_t b) {
     Bucket &bk = buckets_[b];
-    if (bk.slot >= 0) slots_[bk.slot].owner = -1;
+    if (bk.slot >= 0) ring_.release(bk.slot);
     bk.slot = -1;
 }
 
@@ -219,15 +211,15 @@ void Engine::launch(int64_t b) {
     if (opts_.stage >= 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
     if (opts_.stage >= 2) {
         if (bk.local_grad.defined()) {   // Note [Local accumulation]
-            slots_[bk.slot].send.narrow(0, 0, bk.padded_numel).add_(bk.local_grad);
+            ring_[bk.slot].send.narrow(0, 0, bk.padded_numel).add_(bk.local_grad);
             bk.local_grad = at::Tensor();
         }
         // Zero the padding so it never feeds the optimizer garbage.
-        for (const auto &g : bk.gaps) slots_[bk.slot].send.narrow(0, g.first, g.second).zero_();
+        for (const auto &g : bk.gaps) ring_[bk.slot].send.narrow(0, g.first, g.second).zero_();
     }
     if (world_ == 1) {
         if (opts_.stage >= 2) {
-            at::Tensor src = slots_[bk.slot].send.narrow(0, 0, bk.padded_numel);
+            at::Tensor src = ring_[bk.slot].send.narrow(0, 0, bk.padded_numel);
             if (opts_.step_in_backward) {   // Note [Step in backward]
                 step_landed(bk, src);
             } else if (off_) {   // Note [Optimizer offload]: added on the host as it lands
@@ -249,7 +241,7 @@ void Engine::launch(int64_t b) {
     if (rgroups_.enabled()) {   // Note [Coalesced gradient reductions]
         if (rgroups_.coalesces(bk.slice_numel)) {
             if (!rgroups_.fits(bk.slice_numel)) launch_reduce_group();
-            rgroups_.add(b, slots_[bk.slot].send.narrow(0, 0, bk.padded_numel), bk.slice_numel);
+            rgroups_.add(b, ring_[bk.slot].send.narrow(0, 0, bk.padded_numel), bk.slice_numel);
             release_slot(b);
             return;
         }
@@ -264,9 +256,9 @@ void Engine::launch(int64_t b) {
         bk.flat_grad.mul_(1.0 / (double)world_);
         work = comm_.all_reduce_sum(bk.flat_grad);
     } else {
-        at::Tensor send = opts_.stage >= 2 ? slots_[bk.slot].send.narrow(0, 0, bk.padded_numel) : bk.flat_grad;
+        at::Tensor send = opts_.stage >= 2 ? ring_[bk.slot].send.narrow(0, 0, bk.padded_numel) : bk.flat_grad;
         if (bk.slot < 0) acquire_slot(b);
-        Slot &sl = slots_[bk.slot];
+        Slot &sl = ring_[bk.slot];
         if (qreduce_) {
             // Note [Quantized gradient reduction] (quant_reduce.h)
             work = qreduce_->launch(comm_, b, send, bk.slice_numel, bk.slot);
@@ -344,7 +336,7 @@ void Engine::complete(int64_t b) {
         }
         Bucket &bk = buckets_[cur];
         if (opts_.stage >= 1) {
-            Slot &sl = slots_[bk.slot];
+            Slot &sl = ring_[bk.slot];
             const bool accumulate = opts_.stage >= 2;
             const int64_t padded = bk.padded_numel, slice = bk.slice_numel;
             if (opts_.step_in_backward && accumulate) {
