@@ -16,6 +16,12 @@
 //   comm.h/.cpp      Communicator: collectives on the process group, counters
 //   sequence.h/.cpp  the collective sequence check: divergent ranks named, not hung
 //   bucket.h         Bucket: one bucket of the plan as tensors; GatherGroup
+//   owners of one piece of state each, used by the files above:
+//     backward_pass.h  where a backward stands (readiness, launch order, no_sync, counters)
+//     grad_ring.h      the gradient slots of stages 2-3
+//     param_pieces.h   where each parameter lies; cut parameters (Note [Cut parameters])
+//     gather_meter.h   bytes of gathered parameters and their peak
+//     sharded_grads.h  the wrappers .grad shows after backward (Note [Sharded gradients])
 //   frozen.cpp, frozen_params.h
 //                    stage 3: frozen (requires_grad=False) parameters sharded per unit
 //   secondary.h/.cpp stage 3: node-local secondary parts for backward gathers (node_size)
