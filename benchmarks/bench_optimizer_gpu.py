@@ -82,13 +82,18 @@ def summary(ms):
     return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "reps": len(ms)}
 
 
-def bench_size(C, n, args):
+def adam_tensors(n, seed):
+    """(param, grad, exp_avg, exp_avg_sq) of n fp32 elements on the GPU, states at zero."""
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     p = torch.randn(n, device=dev, generator=gen)
     g = torch.randn(n, device=dev, generator=gen) * 1e-2
-    m = torch.zeros(n, device=dev)
-    v = torch.zeros(n, device=dev)
+    return p, g, torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+
+
+def bench_size(C, n, args):
+    dev = torch.device("cuda")
+    p, g, m, v = adam_tensors(n, 0)
     p16 = torch.empty(n, device=dev, dtype=torch.bfloat16)
     copy_dst = torch.empty(n, device=dev)
     ref = torch.nn.Parameter(p.clone())
@@ -179,11 +184,7 @@ SPLIT_CHUNK = 1 << 24           # MasterSplit::chunk_numel on a GPU (csrc/engine
 
 def bench_split_master(C, n, args):
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(2)
-    master = torch.randn(n, device=dev, generator=gen)
-    g = torch.randn(n, device=dev, generator=gen) * 1e-2
-    m = torch.zeros(n, device=dev)
-    v = torch.zeros(n, device=dev)
+    master, g, m, v = adam_tensors(n, 2)
     p16 = master.to(torch.bfloat16)
     rem = torch.empty(n, device=dev, dtype=torch.int16)
     ties = torch.empty((n + 7) // 8, device=dev, dtype=torch.uint8)
@@ -196,22 +197,22 @@ def bench_split_master(C, n, args):
         step[0] += 1
         C.cuda_adam_step(master, g, m, v, None, p16, LR, BETA1, BETA2, EPS, WD, step[0], True, False, False, 1.0)
 
+    def chunked(step_chunk):
+        """As the engine: each chunk joined into fp32 scratch, step_chunk(scratch, a, b), split back."""
+        for a in range(0, n, SPLIT_CHUNK):
+            b = min(n, a + SPLIT_CHUNK)
+            s, t = scratch[: b - a], ties[a // 8:(b + 7) // 8]
+            C.cuda_master_join(p16[a:b], rem[a:b], t, s)
+            step_chunk(s, a, b)
+            C.cuda_master_split(s, p16[a:b], rem[a:b], t)
+
     def split_master():
         step[1] += 1
-        for a in range(0, n, SPLIT_CHUNK):
-            b = min(n, a + SPLIT_CHUNK)
-            s = scratch[: b - a]
-            C.cuda_master_join(p16[a:b], rem[a:b], ties[a // 8:(b + 7) // 8], s)
-            C.cuda_adam_step(s, g[a:b], m[a:b], v[a:b], None, p16[a:b], LR, BETA1, BETA2, EPS, WD, step[1],
-                             True, False, False, 1.0)
-            C.cuda_master_split(s, p16[a:b], rem[a:b], ties[a // 8:(b + 7) // 8])
+        chunked(lambda s, a, b: C.cuda_adam_step(s, g[a:b], m[a:b], v[a:b], None, p16[a:b], LR, BETA1, BETA2, EPS,
+                                                 WD, step[1], True, False, False, 1.0))
 
     def join_split():
-        for a in range(0, n, SPLIT_CHUNK):
-            b = min(n, a + SPLIT_CHUNK)
-            s = scratch[: b - a]
-            C.cuda_master_join(p16[a:b], rem[a:b], ties[a // 8:(b + 7) // 8], s)
-            C.cuda_master_split(s, p16[a:b], rem[a:b], ties[a // 8:(b + 7) // 8])
+        chunked(lambda s, a, b: None)
 
     def copy():
         copy_dst.copy_(copy_src)

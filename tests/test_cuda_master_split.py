@@ -16,7 +16,7 @@ from cuda_guard import cuda_extension
 
 C = cuda_extension("cuda_master_join")   # skips without a GPU; fails on one without a CUDA build
 
-from test_master_split_kernels import masters  # noqa: E402
+from test_master_split_kernels import edited, masters  # noqa: E402
 
 LENGTHS = [1, 7, 8, 9, 31, 32, 33, 255, 256, 257, 4099, 1000003]
 
@@ -55,12 +55,7 @@ def test_split_and_join_match_the_cpu(n, offset):
 
 def test_join_of_an_edited_parameter_matches_the_cpu():
     n = 100003
-    g = torch.Generator().manual_seed(5)
-    hi = (torch.randn(n, generator=g) * 10).to(torch.bfloat16)
-    hi[::7] = 0.0
-    hi[1::7] = -0.0
-    rem = torch.randint(-2**15, 2**15, (n,), generator=g, dtype=torch.int16)
-    ties = torch.randint(0, 256, ((n + 7) // 8,), generator=g, dtype=torch.uint8)
+    hi, rem, ties = edited(n, 5)
     want = torch.empty(n)
     C.master_join("scalar", hi, rem, ties, want)
     got = torch.empty(n, device="cuda")
