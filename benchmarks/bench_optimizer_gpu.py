@@ -17,8 +17,10 @@ ZeRO shard is laid out) vs torch fused AdamW over the list + torch._foreach_copy
 Then the split master (Note [Split master], stages 0-2 with bf16 parameters: the master kept as
 the bf16 parameter + a 16-bit remainder + a tie bit) at --split-size: the engine's step, chunk by
 chunk of 2^24 elements (join into fp32 scratch, the same Adam kernel, split back), against the
-step on an fp32 master, and join + split alone against the copy ceiling (16.25 bytes/param:
-read hi, rem, ties and write fp32; read fp32 and hi, write rem and ties).
+step on an fp32 master, the fused step (cuda_adam_step_split: join, Adam and split in one pass,
+28.25 bytes/param, what the engine runs for Adam with fp32 states), and join + split alone
+against the copy ceiling (16.25 bytes/param: read hi, rem, ties and write fp32; read fp32 and hi,
+write rem and ties).
 JSON goes to benchmarks/results/bench_optimizer_gpu.json.
 """
 import argparse
@@ -179,6 +181,7 @@ def bench_small(C, args):
 
 
 SPLIT_BYTES_PER_PARAM = 16.25   # join: 2 + 2 + 1/8 read, 4 written; split: 4 + 2 read, 2 + 1/8 written
+FUSED_BYTES_PER_PARAM = 28.25   # read hi, rem, ties, g, m, v (16.125); write hi, rem, ties, m, v (12.125)
 SPLIT_CHUNK = 1 << 24           # MasterSplit::chunk_numel on a GPU (csrc/engine/master_split.cpp)
 
 
@@ -191,7 +194,7 @@ def bench_split_master(C, n, args):
     C.cuda_master_split(master, p16, rem, ties)
     scratch = torch.empty(min(n, SPLIT_CHUNK), device=dev)
     copy_src, copy_dst = torch.empty(n, device=dev), torch.empty(n, device=dev)
-    step = [0, 0]
+    step = [0, 0, 0]
 
     def fp32_master():
         step[0] += 1
@@ -211,13 +214,19 @@ def bench_split_master(C, n, args):
         chunked(lambda s, a, b: C.cuda_adam_step(s, g[a:b], m[a:b], v[a:b], None, p16[a:b], LR, BETA1, BETA2, EPS,
                                                  WD, step[1], True, False, False, 1.0))
 
+    def fused_split():
+        step[2] += 1
+        C.cuda_adam_step_split(p16, rem, ties, g, m, v, None, LR, BETA1, BETA2, EPS, WD, step[2], True, False, False,
+                               1.0)
+
     def join_split():
         chunked(lambda s, a, b: None)
 
     def copy():
         copy_dst.copy_(copy_src)
 
-    times = bench_interleaved({"fp32_master": fp32_master, "split_master": split_master, "join_split": join_split,
+    times = bench_interleaved({"fp32_master": fp32_master, "split_master": split_master,
+                               "fused_split": fused_split, "join_split": join_split,
                                "copy": copy}, args.reps, args.warmup, args.min_rep_ms)
     med = {k: statistics.median(t) for k, t in times.items()}
     copy_gbps = 2 * 4 * n / (med["copy"] * 1e-3) / 1e9
@@ -226,6 +235,9 @@ def bench_split_master(C, n, args):
         "numel": n, "chunk": SPLIT_CHUNK, "times": {k: summary(t) for k, t in times.items()},
         "split_over_fp32_master": med["split_master"] / med["fp32_master"],
         "ideal_split_over_fp32_master": (ADAM_BYTES_PER_PARAM + SPLIT_BYTES_PER_PARAM) / ADAM_BYTES_PER_PARAM,
+        "fused_over_fp32_master": med["fused_split"] / med["fp32_master"],
+        "ideal_fused_over_fp32_master": FUSED_BYTES_PER_PARAM / ADAM_BYTES_PER_PARAM,
+        "fused_fraction_of_copy": FUSED_BYTES_PER_PARAM * n / (med["fused_split"] * 1e-3) / 1e9 / copy_gbps,
         "join_split_GBps": js_gbps, "copy_GBps": copy_gbps, "join_split_fraction_of_copy": js_gbps / copy_gbps,
     }
     del master, g, m, v, p16, rem, ties, scratch, copy_src, copy_dst
@@ -306,6 +318,9 @@ def main():
               f"({split['split_over_fp32_master']:.2f}x; bytes alone would give "
               f"{split['ideal_split_over_fp32_master']:.2f}x); join + split {t['join_split']['median_ms']:.3f} ms, "
               f"{split['join_split_GBps']:.0f} GB/s = {split['join_split_fraction_of_copy']:.2f} of copy")
+        print(f"  fused (one pass, what the engine runs for Adam): {t['fused_split']['median_ms']:.3f} ms = "
+              f"{split['fused_over_fp32_master']:.2f}x the fp32-master step (bytes alone: "
+              f"{split['ideal_fused_over_fp32_master']:.2f}x), {split['fused_fraction_of_copy']:.2f} of copy")
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "sizes": sizes, "many_small_tensors": small, "split_master": split},

@@ -2,7 +2,7 @@
 //
 // zx_bind_cuda(m) adds cuda_adam_step, cuda_adam_step_bf16_states, cuda_sgd_step, cuda_grad_sumsq,
 // cuda_grad_sumsq_into, cuda_scale, cuda_sum_slices, cuda_cast_from_f32,
-// cuda_cast_to_f32, cuda_master_join, cuda_master_split, cuda_increment_step and cuda_quantize, cuda_dequantize,
+// cuda_cast_to_f32, cuda_master_join, cuda_master_split, cuda_adam_step_split, cuda_increment_step and cuda_quantize, cuda_dequantize,
 // cuda_dequantize_sum to the extension module. They take
 // CUDA tensors, check them (contiguous, one device, dtype, length), and enqueue
 // the kernel on the current CUDA stream (at::cuda::getCurrentCUDAStream()) of the
@@ -321,6 +321,46 @@ void zx_py_cuda_master_split(at::Tensor m, at::Tensor hi, at::Tensor rem, at::Te
                     "cuda_master_split");
 }
 
+// One Adam/AdamW step of the split masters (hi, rem, ties) in one pass (Note [Fused
+// split-master step], zx_cuda_master_split.cu): elements [lead, lead + grad.numel()) of
+// hi step, with grad, exp_avg, exp_avg_sq (fp32) indexed from the first of them.
+void zx_py_cuda_adam_step_split(at::Tensor hi, at::Tensor rem, at::Tensor ties, at::Tensor grad,
+                                at::Tensor exp_avg, at::Tensor exp_avg_sq, std::optional<at::Tensor> max_exp_avg_sq,
+                                double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                                bool decoupled, bool amsgrad, bool maximize, double grad_scale, int64_t lead,
+                                std::optional<at::Tensor> step_tensor) {
+    zx_check_split_master(hi, rem, ties);
+    const int64_t n = grad.numel(), total = hi.numel();
+    TORCH_CHECK(lead >= 0 && lead + n <= total && total - lead - n < 8, "the stepped elements [lead, lead + ",
+                "grad.numel()) must end less than 8 elements before hi does (one tie byte); got lead=", lead,
+                ", grad.numel()=", n, ", hi.numel()=", total);
+    for (const auto &[t, name] : {std::pair<const at::Tensor &, const char *>{grad, "grad"}, {exp_avg, "exp_avg"},
+                                  {exp_avg_sq, "exp_avg_sq"}})
+        zx_check_tensor(t, name, at::kFloat, hi.device(), n);
+    float *max_ptr = nullptr;
+    if (amsgrad) {
+        TORCH_CHECK(max_exp_avg_sq.has_value(), "amsgrad=True needs max_exp_avg_sq");
+        zx_check_tensor(*max_exp_avg_sq, "max_exp_avg_sq", at::kFloat, hi.device(), n);
+        max_ptr = max_exp_avg_sq->data_ptr<float>();
+    }
+    const int64_t *step_ptr = nullptr;
+    if (step_tensor.has_value()) {
+        zx_check_tensor(*step_tensor, "step_tensor", at::kLong, hi.device(), 1);
+        step_ptr = step_tensor->data_ptr<int64_t>();
+    } else {
+        TORCH_CHECK(step >= 1, "step must be >= 1 (the count after this step's increment), got ", step);
+    }
+    const zx_adam_hparams hp = adam_hparams_of(lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
+                                               maximize, grad_scale);
+    c10::cuda::CUDAGuard guard(hi.device());
+    zx_check_status(zx_cuda_adam_step_split((size_t)total, (size_t)lead, (size_t)n,
+                                            reinterpret_cast<uint16_t *>(hi.data_ptr()), rem.data_ptr<int16_t>(),
+                                            ties.data_ptr<uint8_t>(), grad.data_ptr<float>(),
+                                            exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), max_ptr, &hp,
+                                            step_ptr, nullptr, zx_current_stream()),
+                    "cuda_adam_step_split");
+}
+
 // ---- blockwise quantization (zx_cuda_quant.cu); formats as quant_sizes / quantize on the CPU ----
 
 // (bytes of codes, blocks) of a payload of n elements; raises for a bad format.
@@ -446,6 +486,15 @@ void zx_bind_cuda(pybind11::module_ &m) {
     m.def("cuda_master_split", &zx_py_cuda_master_split,
           "rem and ties of the fp32 masters m whose bf16 rounding is hi (Note [Split master]).",
           py::arg("m"), py::arg("hi"), py::arg("rem"), py::arg("ties"));
+    m.def("cuda_adam_step_split", &zx_py_cuda_adam_step_split,
+          "One Adam/AdamW step of the split masters (hi, rem, ties) in one pass: elements [lead, lead + "
+          "grad.numel()) step; bit for bit cuda_master_join, cuda_adam_step into hi, cuda_master_split "
+          "(Note [Fused split-master step]).",
+          py::arg("hi"), py::arg("rem"), py::arg("ties"), py::arg("grad"), py::arg("exp_avg"),
+          py::arg("exp_avg_sq"), py::arg("max_exp_avg_sq"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+          py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("decoupled"), py::arg("amsgrad"),
+          py::arg("maximize"), py::arg("grad_scale"), py::kw_only(), py::arg("lead") = 0,
+          py::arg("step_tensor") = py::none());
     m.def("cuda_quantize", &zx_py_cuda_quantize,
           "quantize() on CUDA tensors: src (fp32/bf16/fp16) -> q (uint8) and scales (fp32), optional "
           "error-feedback residual; bit-identical to the CPU.",

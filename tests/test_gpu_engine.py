@@ -53,9 +53,10 @@ def _train_plain(kind, steps, dtype):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _train_zero(kind, steps, stage, param_dtype, clip=None, **opts):
+def _train_zero(kind, steps, stage, param_dtype, clip=None, sgd=False, **opts):
     model = build_model(kind).to(DEV)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = (torch.optim.SGD(model.parameters(), lr=3e-2, momentum=0.9) if sgd
+           else torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
     zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype=param_dtype, **opts)
     for s in range(steps):
         x, y = (t.to(DEV) for t in batch(kind, 0, s, 0))
@@ -115,12 +116,12 @@ def test_world1_bf16_matches_torch_emulation(stage):
         f"stage {stage} bf16: {worst:.2e} relative from the torch emulation (noise floor {floor:.2e})"
 
 
-def _train_bf16_states(stage, remainder, chunk=None):
+def _train_bf16_states(stage, remainder, chunk=None, **opts):
     import os
     if chunk is not None:
         os.environ["ZX_SPLIT_MASTER_CHUNK"] = str(chunk)
     try:
-        zm, zo = _train_zero("gpt", STEPS, stage, "bf16", clip=1.0, master_remainder=remainder)
+        zm, zo = _train_zero("gpt", STEPS, stage, "bf16", master_remainder=remainder, **opts)
     finally:
         os.environ.pop("ZX_SPLIT_MASTER_CHUNK", None)
     assert zo._engine.split_master == remainder
@@ -128,20 +129,30 @@ def _train_bf16_states(stage, remainder, chunk=None):
     sd = zo.state_dict()
     masters = sd["zero_ext_complete"]["master_weights"]
     states = [t for st in sd["state"].values() for t in st.values() if torch.is_tensor(t)]
-    return params, [masters[k] for k in sorted(masters)], states
+    return params, [masters[k] for k in sorted(masters)], states, zo.stats()["buffer_bytes"]["split_master_scratch"]
+
+
+# Note [Fused split-master step]: Adam with fp32 states steps the split master in one kernel,
+# with the step control (clipping) or host step counts; SGD joins chunks into scratch, steps
+# and splits them (one chunk, or chunks of 24 elements)
+SPLIT_CASES = {"adamw-clip": dict(clip=1.0), "adamw-host-steps": dict(step_control=False),
+               "sgd-one-chunk": dict(sgd=True, clip=1.0), "sgd-chunks-of-24": dict(sgd=True, chunk=24)}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-@pytest.mark.parametrize("chunk", [None, 24])
-def test_world1_split_master_bit_identical_on_device(stage, chunk):
-    """Note [Split master in the engine]: the CUDA join/split kernels (one chunk, or many of
-    24 elements) give the fp32-master run's parameters, masters and states bit for bit."""
-    ref = _train_bf16_states(stage, False)
-    split = _train_bf16_states(stage, True, chunk)
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_world1_split_master_bit_identical_on_device(stage, case):
+    """Note [Split master in the engine]: the split master's steps on the GPU give the
+    fp32-master run's parameters, masters and states bit for bit; only the chunked path
+    (SGD) makes fp32 scratch."""
+    opts = SPLIT_CASES[case]
+    ref = _train_bf16_states(stage, False, **{k: v for k, v in opts.items() if k != "chunk"})
+    split = _train_bf16_states(stage, True, **opts)
     for what, a, b in zip(("parameter", "master", "state"), ref, split):
         assert len(a) == len(b) > 0
         for i, (x, y) in enumerate(zip(a, b)):
-            assert torch.equal(x, y), f"stage {stage}, chunk {chunk}: {what} {i} differs"
+            assert torch.equal(x, y), f"stage {stage}, {case}: {what} {i} differs"
+    assert (split[3] > 0) == opts.get("sgd", False), split[3]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

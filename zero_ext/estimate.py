@@ -221,10 +221,13 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     if cfg.master_remainder_applies(fused):
         # Note [Split master in the engine] (csrc/engine/master_split.h): a 16-bit remainder per
         # shard element and a tie bit, each bucket's bits from a whole byte; on a GPU one fp32 chunk
+        # of scratch, except for Adam with fp32 states, whose kernel steps the split master in
+        # one pass (Note [Fused split-master step], csrc/cuda/zx_cuda_master_split.cu)
         master_b = shard * 2 + sum((r[4] + 7) // 8 for r in rows)
         largest = max(r[4] for r in rows)
+        one_pass = issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)) and state_size == 4
         on_gpu = _device_type(model_or_numel) == "cuda"
-        split_scratch = 4 * max(8, min(1 << 24, (largest + 7) // 8 * 8)) if on_gpu else 0
+        split_scratch = 4 * max(8, min(1 << 24, (largest + 7) // 8 * 8)) if on_gpu and not one_pass else 0
     landing = 0
     if cfg.step_in_backward and s >= 2:
         # Note [Step in backward] (csrc/engine/backward_step.cpp): no gradient shard; with the

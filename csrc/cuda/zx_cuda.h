@@ -21,6 +21,6 @@
 #include "zx_cuda_pack.h"   /* defines: zx_cuda_sum_slices, zx_cuda_cast_from_f32, zx_cuda_cast_to_f32 */
 #include "zx_cuda_control.h" /* defines: zx_cuda_clip_control, zx_cuda_step_control, ZX_CTL_* */
 #include "zx_cuda_quant.h"  /* defines: zx_cuda_quantize, zx_cuda_dequantize, zx_cuda_dequantize_sum */
-#include "zx_cuda_master_split.h" /* defines: zx_cuda_master_join, zx_cuda_master_split */
+#include "zx_cuda_master_split.h" /* defines: zx_cuda_master_join, zx_cuda_master_split, zx_cuda_adam_step_split */
 
 #endif /* ZX_CUDA_H */

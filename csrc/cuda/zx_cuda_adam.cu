@@ -8,55 +8,9 @@
  * Build: part of the CUDA extension (setup.py); alone:
  *   nvcc -c -arch=sm_90 -std=c++17 -I csrc/core csrc/cuda/zx_cuda_adam.cu
  */
-#include <math.h>
-
 #include "zx_cuda_adam.h"
+#include "zx_cuda_adam.cuh"    // defines: zx_adam_scalars(_of), zx_adam_when, zx_adam_element
 #include "zx_cuda_common.cuh"  // defines: zx_span, zx_launch_elementwise, zx_store_lp*
-#include "zx_cuda_control.h"  // defines: ZX_CTL_MULT, ZX_CTL_SKIP
-
-/* Per-step scalars, computed once per call on the host (or once per thread
- * from a device step count, see zx_adam_op::prepare), rounded to fp32 where
- * torch.optim rounds its Python-double scalars (as zx_adam_consts in
- * csrc/core/zx_kernels_internal.h). */
-struct zx_adam_scalars {
-    float grad_scale;       /* multiplies grad on load; negated when maximize */
-    float decay;            /* AdamW: param *= 1 - lr*weight_decay */
-    float weight_decay;     /* Adam: grad = fma(weight_decay, param, grad) */
-    float lerp_coeff;       /* w = 1 - beta1 when w < 0.5, else w - 1 */
-    float beta2;
-    float one_minus_beta2;
-    float eps;
-    float neg_step_size;    /* -lr / (1 - beta1^step) */
-    float bc2_sqrt;         /* sqrt(1 - beta2^step) */
-    int l2;                 /* Adam with weight_decay != 0 */
-    int decoupled;          /* AdamW with weight_decay != 0 */
-    int lerp_from_grad;     /* torch's lerp(m, g, w): base m when w < 0.5, else base g */
-    int amsgrad;
-    int maximize;           /* negate a grad_scale read from the device */
-};
-
-/* One element of one Adam step; returns the new param, updates m, v, vmax in
- * place (vmax only when s.amsgrad). Each line is the torch op it mirrors, with
- * the rounding of csrc/core/zx_kernels_ref.c (the oracle), so results are
- * bit-identical to the CPU kernels; see Note [Floating point] in
- * zx_cuda_common.cuh for why every operation is an explicit __f*_rn. */
-static __device__ __forceinline__ float zx_adam_element(float p, float grad, float &m, float &v,
-                                                        float &vmax, const zx_adam_scalars &s) {
-    float g = __fmul_rn(grad, s.grad_scale);                 /* grad (scaled; -grad if maximize) */
-    if (s.decoupled) p = __fmul_rn(p, s.decay);              /* param.mul_(1 - lr*wd) */
-    else if (s.l2) g = __fmaf_rn(s.weight_decay, p, g);      /* grad.add(param, alpha=wd) */
-    m = __fmaf_rn(s.lerp_coeff, __fsub_rn(g, m),             /* exp_avg.lerp_(g, 1 - beta1) */
-                  s.lerp_from_grad ? g : m);
-    float v_decayed = __fmul_rn(v, s.beta2);                 /* exp_avg_sq.mul_(beta2) */
-    v = __fmaf_rn(__fmul_rn(s.one_minus_beta2, g), g, v_decayed); /* .addcmul_(g, g, 1-beta2) */
-    float v_hat = v;
-    if (s.amsgrad) {                                         /* torch.maximum: NaN wins */
-        vmax = (isnan(vmax) || isnan(v)) ? __fadd_rn(vmax, v) : (vmax > v ? vmax : v);
-        v_hat = vmax;
-    }
-    float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v_hat), s.bc2_sqrt), s.eps); /* sqrt/bc2_sqrt + eps */
-    return __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step_size, m), denom)); /* addcdiv_(m, denom, -ss) */
-}
 
 /* Indexing: pointers + scalars; LP is the copy-out dtype or ZX_CUDA_LP_NONE. */
 template <int LP>
@@ -67,25 +21,10 @@ struct zx_adam_op {
     float *exp_avg_sq;
     float *max_exp_avg_sq;        /* only read/written when s.amsgrad */
     void *param_lp;               /* only written when LP != ZX_CUDA_LP_NONE */
-    const int64_t *device_step;   /* NULL: s already holds the bias corrections */
-    const double *ctl;            /* NULL, or the step control (Note [Step control]) */
-    double lr, beta1, beta2;      /* for the bias corrections from device_step */
+    zx_adam_when when;            /* the step control and a device step count */
     zx_adam_scalars s;
 
-    __device__ bool prepare() {
-        if (ctl != nullptr) {
-            if (ctl[ZX_CTL_SKIP] != 0.0) return false;
-            const float gs = (float)ctl[ZX_CTL_MULT];
-            s.grad_scale = s.maximize ? -gs : gs;
-        }
-        if (device_step == nullptr) return true;
-        double step = (double)*device_step;
-        double bias_correction1 = 1.0 - pow(beta1, step);
-        double bias_correction2 = 1.0 - pow(beta2, step);
-        s.neg_step_size = (float)(-(lr / bias_correction1));
-        s.bc2_sqrt = (float)sqrt(bias_correction2);
-        return true;
-    }
+    __device__ bool prepare() { return when.prepare(s); }
 
     __device__ void one(size_t i) {
         float m = exp_avg[i], v = exp_avg_sq[i];
@@ -135,43 +74,22 @@ extern "C" zx_status zx_cuda_adam_step(size_t n, float *param, const float *grad
     }
     if (hp->amsgrad && max_exp_avg_sq == nullptr) return ZX_ERR_INVALID_ARG;
 
-    zx_adam_scalars s;
-    float lerp_weight = (float)(1.0 - hp->beta1);
-    s.grad_scale = hp->maximize ? -hp->grad_scale : hp->grad_scale;
-    s.decay = (float)(1.0 - hp->lr * hp->weight_decay);
-    s.weight_decay = (float)hp->weight_decay;
-    s.lerp_from_grad = !(lerp_weight < 0.5f);
-    s.lerp_coeff = s.lerp_from_grad ? lerp_weight - 1.0f : lerp_weight;
-    s.beta2 = (float)hp->beta2;
-    s.one_minus_beta2 = (float)(1.0 - hp->beta2);
-    s.eps = (float)hp->eps;
-    s.l2 = !hp->decoupled && hp->weight_decay != 0.0;
-    s.decoupled = hp->decoupled && hp->weight_decay != 0.0;
-    s.amsgrad = hp->amsgrad != 0;
-    s.maximize = hp->maximize != 0;
-    s.neg_step_size = 0.0f;
-    s.bc2_sqrt = 1.0f;
-    if (device_step == nullptr) {                 /* bias corrections, once, in double */
-        double step = (double)hp->step;
-        double bias_correction1 = 1.0 - pow(hp->beta1, step);
-        double bias_correction2 = 1.0 - pow(hp->beta2, step);
-        s.neg_step_size = (float)(-(hp->lr / bias_correction1));
-        s.bc2_sqrt = (float)sqrt(bias_correction2);
-    }
+    const zx_adam_scalars s = zx_adam_scalars_of(hp, device_step == nullptr);
+    const zx_adam_when when = zx_adam_when_of(hp, device_step, ctl);
 
     cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
     if (param_lp == nullptr) {
         zx_adam_op<ZX_CUDA_LP_NONE> op = {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                                          nullptr, device_step, ctl, hp->lr, hp->beta1, hp->beta2, s};
+                                          nullptr, when, s};
         return zx_adam_launch(op, n, cuda_stream);
     }
     if (lp_dtype == ZX_BF16) {
         zx_adam_op<ZX_BF16> op = {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                                  param_lp, device_step, ctl, hp->lr, hp->beta1, hp->beta2, s};
+                                  param_lp, when, s};
         return zx_adam_launch(op, n, cuda_stream);
     }
     zx_adam_op<ZX_F16> op = {param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                             param_lp, device_step, ctl, hp->lr, hp->beta1, hp->beta2, s};
+                             param_lp, when, s};
     return zx_adam_launch(op, n, cuda_stream);
 }
 

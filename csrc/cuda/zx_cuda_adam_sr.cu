@@ -3,43 +3,23 @@
  * optional bf16/fp16 copy of the updated parameter, in one pass.
  *
  * Bit-identical to the CPU oracle zx_adam_bf16s_ref (csrc/core/zx_kernels_ref.c):
- * the per-element maths is zx_adam_element's (zx_cuda_adam.cu) with explicit __f*_rn
+ * the per-element maths is zx_adam_element's (zx_cuda_adam.cuh) with explicit __f*_rn
  * operations (Note [Floating point] in zx_cuda_common.cuh), and the random bits and
  * the rounding are the very functions of ../core/zx_sr.h (Note [Counter-based
  * stochastic rounding]), compiled for the device.
  * Build: part of the CUDA extension (setup.py); alone:
  *   nvcc -c -arch=sm_90 -std=c++17 -I csrc/core csrc/cuda/zx_cuda_adam_sr.cu
  */
-#include <math.h>
-
 #include "zx_cuda_adam_sr.h"
+#include "zx_cuda_adam.cuh"    // defines: zx_adam_scalars(_of), zx_adam_when
 #include "zx_cuda_common.cuh"  // defines: zx_span, zx_launch_elementwise, zx_store_lp*, zx_load*
-#include "zx_cuda_control.h"   // defines: ZX_CTL_MULT, ZX_CTL_SKIP
 #include "../core/zx_sr.h"     // defines: zx_sr_key, zx_sr_key_of, zx_sr_bits_in_block, zx_bf16_sr
-
-/* Per-step scalars, rounded to fp32 where torch.optim rounds its Python doubles (as
- * zx_adam_consts in csrc/core/zx_kernels_internal.h). */
-struct zx_adam_sr_scalars {
-    float grad_scale;       /* multiplies grad on load; negated when maximize */
-    float decay;            /* AdamW: param *= 1 - lr*weight_decay */
-    float weight_decay;     /* Adam: grad = fma(weight_decay, param, grad) */
-    float lerp_coeff;       /* w = 1 - beta1 when w < 0.5, else w - 1 */
-    float beta2;
-    float one_minus_beta2;
-    float eps;
-    float neg_step_size;    /* -lr / (1 - beta1^step) */
-    float bc2_sqrt;         /* sqrt(1 - beta2^step) */
-    int l2;                 /* Adam with weight_decay != 0 */
-    int decoupled;          /* AdamW with weight_decay != 0 */
-    int lerp_from_grad;     /* torch's lerp(m, g, w): base m when w < 0.5, else base g */
-    int maximize;           /* negate a grad_scale read from the device */
-};
 
 /* One element: returns the new param; *m_bits, *v_bits are the bf16 states, read and
  * written. bits: the element's 32 random bits (low half exp_avg, high half exp_avg_sq). */
 static __device__ __forceinline__ float zx_adam_sr_element(float p, float grad, unsigned short &m_bits,
                                                            unsigned short &v_bits, uint32_t bits,
-                                                           const zx_adam_sr_scalars &s) {
+                                                           const zx_adam_scalars &s) {
     float g = __fmul_rn(grad, s.grad_scale);                 /* grad (scaled; -grad if maximize) */
     if (s.decoupled) p = __fmul_rn(p, s.decay);              /* param.mul_(1 - lr*wd) */
     else if (s.l2) g = __fmaf_rn(s.weight_decay, p, g);      /* grad.add(param, alpha=wd) */
@@ -62,27 +42,14 @@ struct zx_adam_sr_op {
     unsigned short *exp_avg;
     unsigned short *exp_avg_sq;
     void *param_lp;               /* only written when LP != ZX_CUDA_LP_NONE */
-    const int64_t *device_step;   /* NULL: s and key are final */
-    const double *ctl;            /* NULL, or the step control (Note [Step control]) */
-    double lr, beta1, beta2;      /* for the bias corrections from device_step */
+    zx_adam_when when;            /* the step control and a device step count */
     uint64_t seed, offset;
-    zx_sr_key key;
-    zx_adam_sr_scalars s;
+    zx_sr_key key;                /* of seed + the step count (from the device when when.device_step) */
+    zx_adam_scalars s;
 
     __device__ bool prepare() {
-        if (ctl != nullptr) {
-            if (ctl[ZX_CTL_SKIP] != 0.0) return false;
-            const float gs = (float)ctl[ZX_CTL_MULT];
-            s.grad_scale = s.maximize ? -gs : gs;
-        }
-        if (device_step == nullptr) return true;
-        const int64_t count = *device_step;
-        double step = (double)count;
-        double bias_correction1 = 1.0 - pow(beta1, step);
-        double bias_correction2 = 1.0 - pow(beta2, step);
-        s.neg_step_size = (float)(-(lr / bias_correction1));
-        s.bc2_sqrt = (float)sqrt(bias_correction2);
-        key = zx_sr_key_of(seed + (uint64_t)count);
+        if (!when.prepare(s)) return false;
+        if (when.device_step != nullptr) key = zx_sr_key_of(seed + (uint64_t)*when.device_step);
         return true;
     }
 
@@ -165,44 +132,21 @@ extern "C" zx_status zx_cuda_adam_step_bf16_states(size_t n, float *param, const
         return ZX_ERR_INVALID_ARG;
     }
 
-    zx_adam_sr_scalars s;
-    float lerp_weight = (float)(1.0 - hp->beta1);
-    s.grad_scale = hp->maximize ? -hp->grad_scale : hp->grad_scale;
-    s.decay = (float)(1.0 - hp->lr * hp->weight_decay);
-    s.weight_decay = (float)hp->weight_decay;
-    s.lerp_from_grad = !(lerp_weight < 0.5f);
-    s.lerp_coeff = s.lerp_from_grad ? lerp_weight - 1.0f : lerp_weight;
-    s.beta2 = (float)hp->beta2;
-    s.one_minus_beta2 = (float)(1.0 - hp->beta2);
-    s.eps = (float)hp->eps;
-    s.l2 = !hp->decoupled && hp->weight_decay != 0.0;
-    s.decoupled = hp->decoupled && hp->weight_decay != 0.0;
-    s.maximize = hp->maximize != 0;
-    s.neg_step_size = 0.0f;
-    s.bc2_sqrt = 1.0f;
-    zx_sr_key key = zx_sr_key_of(seed);   /* replaced in prepare() when device_step is given */
-    if (device_step == nullptr) {         /* bias corrections, once, in double */
-        double step = (double)hp->step;
-        double bias_correction1 = 1.0 - pow(hp->beta1, step);
-        double bias_correction2 = 1.0 - pow(hp->beta2, step);
-        s.neg_step_size = (float)(-(hp->lr / bias_correction1));
-        s.bc2_sqrt = (float)sqrt(bias_correction2);
-    }
+    const zx_adam_scalars s = zx_adam_scalars_of(hp, device_step == nullptr);
+    const zx_adam_when when = zx_adam_when_of(hp, device_step, ctl);
+    const zx_sr_key key = zx_sr_key_of(seed);   /* replaced in prepare() when device_step is given */
 
     cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
     unsigned short *m = reinterpret_cast<unsigned short *>(exp_avg);
     unsigned short *v = reinterpret_cast<unsigned short *>(exp_avg_sq);
     if (param_lp == nullptr) {
-        zx_adam_sr_op<ZX_CUDA_LP_NONE> op = {param, grad, m, v, nullptr, device_step, ctl, hp->lr,
-                                             hp->beta1, hp->beta2, seed, offset, key, s};
+        zx_adam_sr_op<ZX_CUDA_LP_NONE> op = {param, grad, m, v, nullptr, when, seed, offset, key, s};
         return zx_adam_sr_launch(op, n, cuda_stream);
     }
     if (lp_dtype == ZX_BF16) {
-        zx_adam_sr_op<ZX_BF16> op = {param, grad, m, v, param_lp, device_step, ctl, hp->lr,
-                                     hp->beta1, hp->beta2, seed, offset, key, s};
+        zx_adam_sr_op<ZX_BF16> op = {param, grad, m, v, param_lp, when, seed, offset, key, s};
         return zx_adam_sr_launch(op, n, cuda_stream);
     }
-    zx_adam_sr_op<ZX_F16> op = {param, grad, m, v, param_lp, device_step, ctl, hp->lr,
-                                hp->beta1, hp->beta2, seed, offset, key, s};
+    zx_adam_sr_op<ZX_F16> op = {param, grad, m, v, param_lp, when, seed, offset, key, s};
     return zx_adam_sr_launch(op, n, cuda_stream);
 }

@@ -64,10 +64,7 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
         } else {
             float *m = ms.data_ptr<float>() + so, *v = vs.data_ptr<float>() + so;
             float *vmax = h.amsgrad ? state("max_exp_avg_sq").data_ptr<float>() + so : nullptr;
-            step_master(bk, 0, bk.slice_numel, [&](float *p, int64_t o, int64_t n) {
-                kern_->adam(n, p, grad.narrow(0, o, n), m + o, v + o, vmax ? vmax + o : nullptr,
-                            lp ? lp + o * lp_elem : nullptr, dtypes_.param_zx, h, nullptr, nullptr);
-            });
+            adam_master(*kern_, bk, 0, bk.slice_numel, grad, m, v, vmax, lp, h, nullptr, nullptr);
         }
     } else {
         TORCH_CHECK(g < (int64_t)bw_.sgd.size(), "zero_ext: internal: missing hyperparameters for group ", g);

@@ -62,6 +62,16 @@ public:
     // split writes rem and ties from m and the hi that rounding m gave.
     virtual void master_join(int64_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties, float *out) = 0;
     virtual void master_split(int64_t n, const float *m, const uint16_t *hi, int16_t *rem, uint8_t *ties) = 0;
+    // adam() over the split master of `total` elements (hi, rem, ties as master_join's), in one
+    // pass with no fp32 master (Note [Fused split-master step], cuda/zx_cuda_master_split.cu):
+    // elements [lead, lead + n) step (grad, m, v, vmax indexed from the first), total <= lead
+    // + n + 7. false: the table has no such kernel (the CPU, whose join, step and split run on
+    // pieces in cache); the caller then joins, steps and splits.
+    virtual bool adam_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
+                            const at::Tensor &grad, float *m, float *v, float *vmax, const zx_adam_hparams &hp,
+                            const double *ctl, const int64_t *step) {
+        return false;
+    }
     // dst = (accumulate ? dst : 0) + sum_j src[j*slice_n + i], j ascending.
     virtual void sum_slices(int64_t slice_n, int32_t nslices, const float *src, float *dst, bool accumulate) = 0;
     // Blockwise quantization (Note [Blockwise quantization], csrc/core/zx_quant.c): the

@@ -105,6 +105,17 @@ public:
         zx_check(zx_cuda_master_split((size_t)n, m, hi, rem, ties, stream()), "CUDA master split");
     }
 
+    bool adam_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
+                    const at::Tensor &grad, float *m, float *v, float *vmax, const zx_adam_hparams &hp,
+                    const double *ctl, const int64_t *step) override {
+        if (n <= 0) return true;
+        c10::cuda::CUDAGuard guard(dev_);
+        zx_check(zx_cuda_adam_step_split((size_t)total, (size_t)lead, (size_t)n, hi, rem, ties, f32(grad), m, v, vmax,
+                                         &hp, step, ctl, stream()),
+                 "CUDA Adam step of the split master");
+        return true;
+    }
+
     void sum_slices(int64_t sn, int32_t np, const float *src, float *dst, bool accumulate) override {
         if (sn <= 0) return;
         c10::cuda::CUDAGuard guard(dev_);

@@ -14,7 +14,10 @@
 //   it always does), split it back. Each chunk starts on a tie byte; elements of the
 //   chunk outside the stepped run are joined and split unchanged. The fp32 values the
 //   kernel sees are the master's bits, so the trajectory is the one of an fp32
-//   master shard, bit for bit (tests/test_split_master.py).
+//   master shard, bit for bit (tests/test_split_master.py). On the GPU, Adam with fp32
+//   states skips the scratch: one kernel joins, steps and splits each element in
+//   registers (Note [Fused split-master step], cuda/zx_cuda_master_split.cu); the scratch
+//   is made on the first step that needs it (SGD, bf16 states).
 //   Everything else that reads or writes the master (checkpoints, loads, the
 //   parameter fragments Python reads, gathered_parameters) gets an fp32 master shard
 //   joined on demand (Engine::join_masters, from the first master_slice()) that is
@@ -61,11 +64,19 @@ public:
     void join(Kernels &k, int64_t b, const uint16_t *hi, int64_t at, int64_t n, float *out);
     void split(Kernels &k, int64_t b, const float *m, const uint16_t *hi, int64_t at, int64_t n);
 
+    // Adam over the elements [lo, lo + n) of bucket b's slice (parameters at hi, written) in
+    // one pass when k has the fused kernel (Note [Fused split-master step]): m, v, vmax and
+    // grad hold those n elements. false: k has none; step through over().
+    bool adam(Kernels &k, int64_t b, uint16_t *hi, int64_t slice_numel, int64_t lo, int64_t n,
+              const at::Tensor &grad, float *m, float *v, float *vmax, const zx_adam_hparams &hp, const double *ctl,
+              const int64_t *step);
+
     // fn(p, o, n) over the elements [lo, lo + n) of bucket b's slice (slice_numel of
     // them, parameters at hi), with p their fp32 master, chunk by chunk.
     template <class F>
     void over(Kernels &k, int64_t b, const uint16_t *hi, int64_t slice_numel, int64_t lo, int64_t n, F &&fn) {
         const int64_t a0 = lo & ~int64_t(7), end = lo + n;
+        if (chunk_ > 0 && !scratch_.defined()) scratch_ = at::empty({chunk_}, rem_.options().dtype(at::kFloat));
         if (!scratch_.defined()) {   // CPU: tasks over whole tie bytes; the kernels run inline in them
             zx_parallel_blocks(end - a0, 8, [&](int64_t, int64_t ta, int64_t tb) {
                 // a piece joins whole tie bytes: up to the task's length rounded up to 8
@@ -96,7 +107,8 @@ private:
     std::vector<int64_t> shard_offset_, tie_offset_;   // per bucket: its rem / tie byte offset
     at::Tensor rem_;       // (shard_numel,) int16
     at::Tensor ties_;      // per bucket ceil(slice / 8) bytes, uint8
-    at::Tensor scratch_;   // GPU: (chunk,) fp32; CPU: undefined
+    at::Tensor scratch_;   // GPU: (chunk_,) fp32 once a step needed it; CPU: undefined
+    int64_t chunk_ = 0;    // chunk_numel(): 0 on the CPU
 };
 
 }  // namespace zx

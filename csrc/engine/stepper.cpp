@@ -86,15 +86,15 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
             const zx_adam_hparams &hp = hps[bk.group];
             TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
+            if (!bf) {
+                adam_master(*kern_, bk, 0, bk.slice_numel, gs, mp, vp, hp.amsgrad ? xp : nullptr, lp, hp,
+                            ctl_ptr(ctl), step_ptr(steps, bk.group));
+                continue;
+            }
             step_master(bk, 0, bk.slice_numel, [&](float *p, int64_t o, int64_t n) {
-                char *l = lp ? lp + o * lp_elem : nullptr;
-                const at::Tensor g = gs.narrow(0, o, n);
-                if (bf)
-                    kern_->adam_bf16_states(n, p, g, mb + o, vb + o, l, dtypes_.param_zx, hp, kStateSeed,
-                                            c0 + (uint64_t)o, ctl_ptr(ctl), step_ptr(steps, bk.group));
-                else
-                    kern_->adam(n, p, g, mp + o, vp + o, hp.amsgrad ? xp + o : nullptr, l, dtypes_.param_zx, hp,
-                                ctl_ptr(ctl), step_ptr(steps, bk.group));
+                kern_->adam_bf16_states(n, p, gs.narrow(0, o, n), mb + o, vb + o, lp ? lp + o * lp_elem : nullptr,
+                                        dtypes_.param_zx, hp, kStateSeed, c0 + (uint64_t)o, ctl_ptr(ctl),
+                                        step_ptr(steps, bk.group));
             });
             continue;
         }
@@ -105,15 +105,14 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
             TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
             zx_adam_hparams h = hps[g];
             h.step = r.step;
+            if (!bf) {
+                adam_master(kstep(), bk, r.offset, r.numel, gs, mp, vp, h.amsgrad ? xp : nullptr, lp, h, nullptr,
+                            nullptr);
+                continue;
+            }
             step_master(bk, r.offset, r.numel, [&](float *p, int64_t o, int64_t n) {
-                char *l = lp ? lp + o * lp_elem : nullptr;
-                const at::Tensor g = gs.narrow(0, o, n);
-                if (bf)
-                    kstep().adam_bf16_states(n, p, g, mb + o, vb + o, l, dtypes_.param_zx, h, kStateSeed,
-                                             c0 + (uint64_t)o, nullptr, nullptr);
-                else
-                    kstep().adam(n, p, g, mp + o, vp + o, h.amsgrad ? xp + o : nullptr, l, dtypes_.param_zx, h, nullptr,
-                                 nullptr);
+                kstep().adam_bf16_states(n, p, gs.narrow(0, o, n), mb + o, vb + o, lp ? lp + o * lp_elem : nullptr,
+                                         dtypes_.param_zx, h, kStateSeed, c0 + (uint64_t)o, nullptr, nullptr);
             });
         }
         if (off_) upload(bk);   // overlaps the next bucket's step
