@@ -4,7 +4,8 @@ isa='scalar'), bit for bit: rem, the tie bytes (a partial last byte's unused bit
 joined masters, at lengths that end inside a warp's 32 elements and a tie byte, on views offset
 by 0-3 elements (the kernels make no alignment assumption), and joins of edited parameters.
 The fused Adam step of the split master (cuda_adam_step_split, Note [Fused split-master step])
-against the CPU's join, adam_step into hi and split: hi, rem, ties and the states, bit for bit,
+against the join, cuda_adam_step into hi and split it replaces: hi, rem, ties and the states, bit
+for bit (on the GPU: a NaN made from the infinities has other bits on an x86 CPU),
 with stepped runs that start and end inside a tie byte.
 The CPU kernels are held to the formulas of Note [Split master] in
 tests/test_master_split_kernels.py.
@@ -70,16 +71,17 @@ ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=3,
             amsgrad=False, maximize=False, grad_scale=1.0)
 
 
-def cpu_adam_split(hi, rem, ties, lead, grad, m, v, vmax, hp):
-    """Join, adam_step over [lead, lead + n) writing hi, split: the unfused path, on the CPU."""
-    hi, rem, ties, m, v = hi.clone(), rem.clone(), ties.clone(), m.clone(), v.clone()
-    vmax = vmax.clone() if vmax is not None else None
-    master = torch.empty(hi.numel())
-    C.master_join("scalar", hi, rem, ties, master)
+def unfused(hi, rem, ties, lead, grad, m, v, vmax, hp):
+    """Join, cuda_adam_step over [lead, lead + n) writing hi, split: the three kernels the fused
+    one replaces (each held to the CPU by the tests above and tests/test_cuda_kernels.py)."""
+    hi, rem, ties, grad, m, v = (t.cuda() for t in (hi, rem, ties, grad, m, v))
+    vmax = vmax.cuda() if vmax is not None else None
+    master = torch.empty(hi.numel(), device="cuda")
+    C.cuda_master_join(hi, rem, ties, master)
     n = grad.numel()
-    C.adam_step("scalar", master[lead:lead + n], grad, m, v, vmax, hi[lead:lead + n], **hp)
-    C.master_split("scalar", master, hi, rem, ties)
-    return hi, rem, ties, m, v, vmax
+    C.cuda_adam_step(master[lead:lead + n], grad, m, v, vmax, hi[lead:lead + n], **hp)
+    C.cuda_master_split(master, hi, rem, ties)
+    return [t.cpu() if t is not None else None for t in (hi, rem, ties, m, v, vmax)]
 
 
 # (total, lead, n): runs that start and end inside a tie byte and a warp, and a long one
@@ -104,7 +106,7 @@ def test_fused_adam_step_matches_join_step_split(total, lead, n, variant):
     m = torch.randn(n, generator=g) * 0.01
     v = torch.rand(n, generator=g) * 1e-4
     vmax = v * 1.5 if hp["amsgrad"] else None
-    want = cpu_adam_split(hi, rem, ties, lead, grad, m, v, vmax, hp)
+    want = unfused(hi, rem, ties, lead, grad, m, v, vmax, hp)
     d = [t.cuda() if t is not None else None for t in (hi, rem, ties, grad, m, v, vmax)]
     kw = {}
     if variant == "step_tensor":   # the step count read on the device (CUDA graphs)

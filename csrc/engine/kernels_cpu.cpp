@@ -3,6 +3,7 @@
 #include <ATen/native/Resize.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "engine/kernels.h"
@@ -17,7 +18,7 @@ namespace {
 
 class CpuKernels final : public Kernels {
 public:
-    CpuKernels(zx_isa isa, zx_dtype rdt) : isa_(isa), rdt_(rdt) {
+    CpuKernels(zx_isa isa, zx_dtype rdt) : isa_(isa), rdt_(rdt), one_pass_split_(std::getenv("ZX_SPLIT_MASTER_ONE_PASS")) {
         snprintf(name_, sizeof name_, "cpu-%s", zx_isa_name(isa));
     }
     const char *name() const override { return name_; }
@@ -128,6 +129,24 @@ public:
         });
     }
 
+    // Tests only (ZX_SPLIT_MASTER_ONE_PASS set when the table is made): take the GPU's one-pass
+    // calls (Note [Fused split-master step]) as join, adam, split over the call's elements, so
+    // that the engine's side of them (runs inside tie bytes, every rank's slice) runs on CPU ranks.
+    // Otherwise the engine steps through MasterSplit's pieces in cache.
+    bool adam_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
+                    const at::Tensor &grad, float *m, float *v, float *vmax, const zx_adam_hparams &hp,
+                    const double *ctl, const int64_t *step) override {
+        if (!one_pass_split_) return false;
+        TORCH_CHECK(lead >= 0 && lead < 8 && n >= 0 && total >= lead + n && total - lead - n < 8,
+                    "zero_ext: internal: a one-pass split-master call over ", total, " elements steps [", lead,
+                    ", ", lead + n, ")");
+        std::vector<float> p((size_t)total);
+        master_join(total, hi, rem, ties, p.data());
+        adam(n, p.data() + lead, grad, m, v, vmax, hi + lead, ZX_BF16, hp, ctl, step);
+        master_split(total, p.data(), hi, rem, ties);
+        return true;
+    }
+
     void sum_slices(int64_t sn, int32_t np, const float *src, float *dst, bool accumulate) override {
         parallel(sn, [&](int64_t lo, int64_t hi) {
             if (hi - lo == sn) {   // one task: one pass over all slices
@@ -207,6 +226,7 @@ private:
 
     zx_isa isa_;
     zx_dtype rdt_;
+    bool one_pass_split_;   // tests only: see adam_split
     char name_[32];
 };
 
