@@ -137,7 +137,13 @@ def gen_perf_optimizer_gpu(arg: str = "") -> str:
                  f"step {st['split_master']['median_ms']:.2f} ms against {st['fp32_master']['median_ms']:.2f} ms on an "
                  f"fp32 master ({sm['split_over_fp32_master']:.2f}x; the bytes alone would give "
                  f"{sm['ideal_split_over_fp32_master']:.2f}x); join + split at "
-                 f"{sm['join_split_fraction_of_copy']:.2f} of the copy bandwidth.\n\n")
+                 f"{sm['join_split_fraction_of_copy']:.2f} of the copy bandwidth.")
+        if "fused_split" in st:   # files written after the one-pass kernel (Note [Fused split-master step])
+            text += (f" What the engine runs for Adam with fp32 states is one pass (join, step, split in "
+                     f"registers): {st['fused_split']['median_ms']:.2f} ms, {sm['fused_over_fp32_master']:.2f}x the "
+                     f"fp32-master step (the bytes alone would give {sm['ideal_fused_over_fp32_master']:.2f}x), "
+                     f"{sm['fused_fraction_of_copy']:.2f} of the copy bandwidth.")
+        text += "\n\n"
     return text + "![AdamW bandwidth on the H200](img/optimizer_gpu.svg)\n\n" + source_line(rel)
 
 
@@ -483,8 +489,9 @@ def gen_status(arg: str = "") -> str:
                     rerun = reruns(rel).get(step)
                     again = (f"; re-run after {rerun['why']}: {rerun['result']} ({rerun['commit'][:7]})"
                              if rerun else "")
+                    commit = hit.get("commit") or check.get("commit", "")   # a merged file: per step
                     gpu.append(f"`{step}` {hit['status']} on {check.get('gpu')} "
-                               f"({str(check.get('commit', ''))[:7]}{counts}{again})")
+                               f"({str(commit)[:7]}{counts}{again})")
                     break
             else:
                 missing.append(f"`{step}`")
