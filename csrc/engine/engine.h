@@ -21,7 +21,9 @@
 //     grad_ring.h      the gradient slots of stages 2-3
 //     param_pieces.h   where each parameter lies; cut parameters (Note [Cut parameters])
 //     gather_meter.h   bytes of gathered parameters and their peak
-//     sharded_grads.h  the wrappers .grad shows after backward (Note [Sharded gradients])
+//     sharded_grads.h  what .grad shows: stage 0-1 views, stage 2-3 wrappers (Note [Sharded gradients])
+//     optimizer_states.h the fused optimizer's states over the state windows
+//     unit_store.h     stage 3: each unit's buckets, parameter views, offload's parameter shard
 //   frozen.cpp, frozen_params.h
 //                    stage 3: frozen (requires_grad=False) parameters sharded per unit
 //   secondary.h/.cpp stage 3: node-local secondary parts for backward gathers (node_size)
@@ -53,13 +55,15 @@
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
 #include "engine/master_split.h"   // defines: MasterSplit (master_remainder)
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
+#include "engine/optimizer_states.h"  // defines: OptimizerStates
 #include "engine/param_pieces.h"  // defines: ParamPieces (Note [Cut parameters])
 #include "engine/quant_gather.h"   // defines: QuantGather (param_quant)
 #include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
 #include "engine/reduce_groups.h"  // defines: ReduceGroups (stage 3: coalesced reductions)
 #include "engine/secondary.h"      // defines: Secondary (node_size)
-#include "engine/sharded_grads.h"  // defines: ShardedGrads (Note [Sharded gradients])
+#include "engine/sharded_grads.h"  // defines: ShardedGrads (Note [Sharded gradients]), GradViews
 #include "engine/step_book.h"      // defines: StepBook, StepRun (Note [Unused parameters])
+#include "engine/unit_store.h"      // defines: UnitStore (stage 3)
 #include "engine/stats.h"          // defines: EngineStats, AtomicStats, OffloadStats (Note [Engine stats])
 
 namespace zx {
@@ -276,7 +280,7 @@ public:
     // Stages 0-2: parameters were edited in place (gathered_parameters): fold
     // the edits into the fp32 master (only changed elements, as commit_unit).
     void absorb_param_edits();
-    int64_t num_units() const { return (int64_t)unit_buckets_.size(); }
+    int64_t num_units() const { return units_.count(); }
 
     // --- stage-3 frozen parameters (frozen.cpp, Note [Stage 3 frozen parameters]) ---
     // Shard these requires_grad=False parameters, one bucket per unit, gathered
@@ -300,7 +304,7 @@ public:
     // Per bucket: (first element of this rank's window inside its slice, elements,
     // offset of the window in the flat states).
     std::vector<std::tuple<int64_t, int64_t, int64_t>> state_windows() const;
-    std::map<std::string, at::Tensor> &states() { return states_; }
+    std::map<std::string, at::Tensor> &states() { return states_.all(); }
     // Note [Engine stats] (engine/stats.h): bytes, buffers, collectives; the binding makes it a dict.
     EngineStats stats() const;
     std::optional<OffloadStats> offload_stats() const;   // offload="cpu": host bytes and copies (none without)
@@ -421,12 +425,10 @@ private:
     std::vector<at::Tensor> params_;
     std::vector<int64_t> group_of_;              // each parameter's param group
     ParamPieces pieces_;                         // Note [Cut parameters]: where each parameter lies
-    int64_t state_numel_ = 0;                    // Note [State windows]
     std::vector<std::vector<int64_t>> shapes_;   // each parameter's logical shape
     std::vector<char> active_groups_;            // set_active_groups: empty = all
-    std::vector<at::Tensor> grad_views_;   // stage 0/1: param i's view into flat_grad
+    GradViews grad_views_;                 // stage 0/1: param i's view into flat_grad, and if .grad may be it
     ShardedGrads sharded_grads_;           // Note [Sharded gradients]: the wrappers .grad shows after backward
-    std::vector<at::Tensor> param_views_;  // stage 3: param i's view into flat_param
     std::vector<int64_t> bucket_of_, offset_of_;
     std::vector<Bucket> buckets_;
     GradRing ring_;                        // the gradient slots (Note [Gradient layout])
@@ -440,7 +442,6 @@ private:
     std::unique_ptr<Kernels> kern_;         // Note [Kernel table]
     std::unique_ptr<Kernels> host_kern_;    // offload from a device: the CPU kernels, else null
     std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
-    at::Tensor param_shard_;               // offload in stage 3: this rank's slices in param_dtype, on the device
     BackwardStep bw_;                      // Note [Step in backward]
     BackwardPass pass_;                    // where this backward stands: readiness, launches, no_sync
     std::deque<std::pair<int64_t, WorkPtr>> inflight_;
@@ -450,10 +451,9 @@ private:
     at::Tensor master_shard_;              // stage 3 or low precision: (shard_numel,) fp32 master
     std::unique_ptr<MasterSplit> split_;   // master_remainder: the master as remainders, else null
     Dtypes dtypes_;                        // param_dtype and reduce_dtype (Note [Mixed precision])
-    bool grad_views_ok_ = true;            // stage 0/1: param.grad may be a view of flat_grad
-    std::vector<std::vector<int64_t>> unit_buckets_;  // stage 3: unit -> its buckets
+    UnitStore units_;                      // stage 3: each unit's buckets, parameter views, offload's shard
     GatherMeter gathered_;                 // bytes of gathered parameters held, and the peak
-    std::map<std::string, at::Tensor> states_;
+    OptimizerStates states_;               // the fused optimizer's states, over the state windows
     StepBook book_;                        // Note [Unused parameters]: gradients seen, steps, runs
     std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
     std::unique_ptr<QuantGather> qgather_; // param_quant (world > 1): quantized all-gather, else null

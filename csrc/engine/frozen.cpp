@@ -110,10 +110,10 @@ void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> uni
                     " is ", params[i].scalar_type(), " on ", params[i].device(), ", expected a floating-point "
                     "tensor on ", dev_, " (where the trainable parameters are); call model.to(", dev_,
                     ") before zeroify");
-        if ((int64_t)unit_buckets_.size() <= units[i]) unit_buckets_.resize(units[i] + 1);
+        units_.ensure(units[i]);
     }
     const auto pt = on_device(dtypes_.param);
-    frozen_.plan(std::move(params), units, std::move(names), (int64_t)unit_buckets_.size(), partitions_,
+    frozen_.plan(std::move(params), units, std::move(names), units_.count(), partitions_,
                  partitions_ * opts_.align, pt);
     at::NoGradGuard ng;
     for (auto &bk : frozen_.buckets()) {

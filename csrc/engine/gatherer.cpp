@@ -209,12 +209,12 @@ void Engine::mark_gathered(Bucket &bk) {
     if (bk.frozen)
         frozen_.point_home(bk);
     else
-        for (int64_t i : bk.params) params_[i].set_data(param_views_[i]);
+        for (int64_t i : bk.params) params_[i].set_data(units_.param_views[i]);
 }
 
 at::Tensor Engine::gather_source(Bucket &bk, at::Tensor dst) {
     if (bk.frozen) return frozen_.slice(bk);
-    if (off_) return param_shard_.narrow(0, bk.shard_offset, bk.slice_numel);   // Note [Optimizer offload]
+    if (off_) return units_.param_shard.narrow(0, bk.shard_offset, bk.slice_numel);   // Note [Optimizer offload]
     if (!dtypes_.low()) return master_slice(bk);   // stage 3 fp32: the master is the slice
     kern_->cast_from_f32(bk.slice_numel, master(bk), dst.data_ptr(), dtypes_.param_zx);
     return dst;
@@ -225,9 +225,8 @@ int64_t Engine::subject_of(const Bucket &bk) const {
 }
 
 std::vector<Bucket *> Engine::unit_gather_buckets(int64_t u) {
-    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: internal: no unit ", u);
     std::vector<Bucket *> out;
-    for (int64_t b : unit_buckets_[u]) out.push_back(&buckets_[b]);
+    for (int64_t b : units_.buckets(u)) out.push_back(&buckets_[b]);
     if (Bucket *f = frozen_.of_unit(u)) out.push_back(f);
     return out;
 }
@@ -330,9 +329,8 @@ void Engine::release_unit(int64_t u, bool keep) {
 }
 
 void Engine::commit_unit(int64_t u, int64_t src) {
-    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: internal: no unit ", u);
     if (sec_) sec_->drop_all();   // the masters change
-    for (int64_t b : unit_buckets_[u]) {
+    for (int64_t b : units_.buckets(u)) {
         Bucket &bk = buckets_[b];
         if (bk.fp32_values.defined()) {   // open_unit_fp32: full-precision values
             comm_.seq.subject(b, u);
@@ -358,14 +356,14 @@ void Engine::commit_unit(int64_t u, int64_t src) {
 
 void Engine::open_unit_fp32(int64_t u) {
     TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: open_unit_fp32 is a stage-3 operation");
-    TORCH_CHECK(u >= 0 && u < (int64_t)unit_buckets_.size(), "zero_ext: internal: no unit ", u);
+    units_.buckets(u);   // checks u
     if (sec_) sec_->drop_all();
     if (!dtypes_.low()) {
         gather_unit(u, true);
         return;
     }
     open_frozen_fp32(u);
-    for (int64_t b : unit_buckets_[u]) {
+    for (int64_t b : units_.buckets(u)) {
         Bucket &bk = buckets_[b];
         release_bucket(bk);
         // The current fp32 masters (zeros before the first commit), so a unit opened
@@ -382,20 +380,20 @@ void Engine::open_unit_fp32(int64_t u) {
         gathered_.add(bk.fp32_values.nbytes());
         gathered_.note_peak();
         for (int64_t i : bk.params)
-            params_[i].set_data(bk.fp32_values.narrow(0, offset_of_[i], param_views_[i].numel())
-                                    .view(param_views_[i].sizes()));
+            params_[i].set_data(bk.fp32_values.narrow(0, offset_of_[i], units_.param_views[i].numel())
+                                    .view(units_.param_views[i].sizes()));
     }
 }
 
 bool Engine::unit_gathered(int64_t u) const {
-    for (int64_t b : unit_buckets_.at(u))
+    for (int64_t b : units_.buckets(u))
         if (!buckets_[b].gathered) return false;
     const Bucket *f = frozen_.of_unit(u);
     return f == nullptr || f->gathered;
 }
 
 bool Engine::unit_requested(int64_t u) const {
-    for (int64_t b : unit_buckets_.at(u))
+    for (int64_t b : units_.buckets(u))
         if (!requested(buckets_[b])) return false;
     const Bucket *f = frozen_.of_unit(u);
     return f == nullptr || requested(*f);
@@ -404,7 +402,7 @@ bool Engine::unit_requested(int64_t u) const {
 int64_t Engine::unit_numel(int64_t u) const {
     const Bucket *f = frozen_.of_unit(u);
     int64_t n = f != nullptr ? f->padded_numel : 0;
-    for (int64_t b : unit_buckets_.at(u)) n += buckets_[b].padded_numel;
+    for (int64_t b : units_.buckets(u)) n += buckets_[b].padded_numel;
     return n;
 }
 

@@ -71,7 +71,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     isa_ = opts_.isa == "auto" ? zx_cpu_best_isa() : parse_isa(opts_.isa);
     std::tie(dtypes_.param, dtypes_.param_zx) = parse_dtype(opts_.param_dtype, "param_dtype");
     std::tie(dtypes_.reduce, dtypes_.reduce_zx) = parse_dtype(opts_.reduce_dtype, "reduce_dtype");
-    grad_views_ok_ = dtypes_.reduce == dtypes_.param;
+    grad_views_.ok = dtypes_.reduce == dtypes_.param;
     TORCH_CHECK(zx_cpu_supports(isa_), "zero_ext: this CPU cannot run isa='", opts_.isa,
                 "'; pass isa='auto' (the best ISA this CPU has)");
     dev_ = params_[0].device();
@@ -156,8 +156,8 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         master_shard_ = at::zeros({shard_numel_}, on_shard(at::kFloat));
     bucket_of_.assign(n, -1);
     offset_of_.assign(n, 0);
-    grad_views_.resize(n);
-    if (s3) param_views_.resize(n);
+    grad_views_.views.resize(n);
+    if (s3) units_.param_views.resize(n);
     pass_.resize(n);
     for (int64_t b = 0; b < nb; b++) {
         zx_bucket_info bi;
@@ -206,10 +206,11 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                 (dtypes_.low() ? src32.narrow(0, loc.offset, loc.numel).view(p.sizes()) : view).copy_(p);
             }
             p.set_data(view);
-            if (s3) param_views_[i] = view;
+            if (s3) units_.param_views[i] = view;
             if (opts_.stage <= 1) {
-                grad_views_[i] = bk.flat_grad.narrow(0, loc.offset, loc.numel).view(p.sizes());
-                if (p.grad().defined()) grad_views_[i].copy_(p.grad());
+                at::Tensor &gv = grad_views_.views[i];
+                gv = bk.flat_grad.narrow(0, loc.offset, loc.numel).view(p.sizes());
+                if (p.grad().defined()) gv.copy_(p.grad());
                 p.mutable_grad() = at::Tensor();
             } else {
                 p.mutable_grad() = at::Tensor();
@@ -243,8 +244,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         }
         if (s3) {
             // Keep only this rank's slice (Note [Stage 3 parameter lifetime]).
-            if ((int64_t)unit_buckets_.size() <= bk.unit) unit_buckets_.resize(bk.unit + 1);
-            unit_buckets_[bk.unit].push_back(b);
+            units_.add(bk.unit, b);
             gathered_.add(bk.flat_param.nbytes());
             release_bucket(bk);
         }
@@ -274,7 +274,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         const int64_t down = opts_.alltoall_reduce_scatter && world_ > 1 ? max_padded_ : slice;
         off_ = std::make_unique<Offload>(dev_, dtypes_.reduce, down, dtypes_.param, slice, nb);
         if (s3) {   // what the unit gathers read: the master in param_dtype, kept current by upload()
-            param_shard_ = at::empty({shard_numel_}, pt);
+            units_.param_shard = at::empty({shard_numel_}, pt);
             for (auto &bk : buckets_) upload(bk);
         }
     }
@@ -413,12 +413,10 @@ EngineStats Engine::stats() const {
     // stage 3: the fp32 master is the parameter shard; with a low param_dtype the gather
     // casts it, so no low-precision copy persists (it is counted as master weights)
     if (opts_.stage == 3 && !dtypes_.low() && !off_) param_bytes += master_shard_.nbytes();
-    if (param_shard_.defined()) param_bytes += param_shard_.nbytes();   // offload, stage 3
+    if (units_.param_shard.defined()) param_bytes += units_.param_shard.nbytes();   // offload, stage 3
     if ((dtypes_.low() || (qgather_ && opts_.stage < 3)) && !off_)
         master_bytes = (master_shard_.defined() ? master_shard_.nbytes() : 0) + (split_ ? split_->bytes() : 0);
-    int64_t state_bytes = 0;
-    if (!off_)
-        for (const auto &kv : states_) state_bytes += kv.second.nbytes();
+    const int64_t state_bytes = off_ ? 0 : states_.bytes();
     const int64_t ring_bytes = ring_.bytes();
     ModelStateBytes &msb = st.model_state_bytes;
     msb.parameters = param_bytes;
@@ -462,7 +460,7 @@ EngineStats Engine::stats() const {
     st.comm_delay_ms = comm_.delay_ms();
     if (sec_) st.comm_groups = sec_->group_stats(comm_);   // Note [Per-group byte counters]
     st.reductions = pass_.reductions();
-    st.num_units = (int64_t)unit_buckets_.size();
+    st.num_units = units_.count();
     st.frozen_shard_bytes = frozen_shard_bytes();
     st.atomic = atomic_stats();
     st.offload = offload_stats();
@@ -472,10 +470,8 @@ EngineStats Engine::stats() const {
 std::optional<OffloadStats> Engine::offload_stats() const {
     if (!off_) return std::nullopt;
     OffloadStats o;
-    int64_t states = 0;
-    for (const auto &kv : states_) states += kv.second.nbytes();
     o.master_weights = master_shard_.nbytes();
-    o.optimizer_states = states;
+    o.optimizer_states = states_.bytes();
     o.gradients = grad_shard_.defined() ? grad_shard_.nbytes() : 0;
     o.pinned_ring = off_->pinned_bytes();
     o.total = o.master_weights + o.optimizer_states + o.gradients + o.pinned_ring;

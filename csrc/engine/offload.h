@@ -6,7 +6,7 @@
 //   reduced gradient shard live in host memory and are stepped there by the CPU
 //   kernel table (the C core's threaded SIMD kernels); the device keeps what
 //   forward and backward use: the parameters in param_dtype (stage 3: this rank's
-//   shard of them, param_shard_, which the unit gathers read), stage 1's gradient
+//   shard of them, UnitStore::param_shard, which the unit gathers read), stage 1's gradient
 //   buckets, the gradient ring. Per bucket, in bucket order:
 //     down  as the bucket's reduction lands (Engine::complete), its slice (reduce_dtype)
 //           is copied into a pinned slot of the down ring on a copy stream; the
@@ -15,7 +15,7 @@
 //           goes on;
 //     step  opt.step() steps bucket k on the host as soon as its gradient has landed,
 //           casts the updated master slice into a pinned slot of the up ring, and
-//           copies it into the device's owned slice (stage 3: param_shard_) on the copy stream, which
+//           copies it into the device's owned slice (stage 3: UnitStore::param_shard) on the copy stream, which
 //           overlaps the step of bucket k+1; the device's stream waits for those
 //           copies before the parameter all-gather reads the owned slices.
 //   Pinned memory is the two rings only (kSlots slots each, one bucket slice per

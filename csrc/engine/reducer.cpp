@@ -24,7 +24,7 @@ static void require_dense(const Engine &e, int64_t i, const at::Tensor &g) {
 void Engine::ensure_grad_view(int64_t i) {
     at::Tensor &p = params_[i];
     const at::Tensor &g = p.grad();
-    const at::Tensor &view = grad_views_[i];
+    const at::Tensor &view = grad_views_.views[i];
     require_dense(*this, i, g);
     if (pieces_.cut(i)) {
         // Note [Cut parameters]: added piece by piece into each bucket's flat_grad.
@@ -36,7 +36,7 @@ void Engine::ensure_grad_view(int64_t i) {
         }
         return;
     }
-    if (!grad_views_ok_) {
+    if (!grad_views_.ok) {
         // Note [Mixed precision]: accumulate in reduce_dtype, keep no param.grad.
         if (g.defined()) {
             view.add_(g);
@@ -177,7 +177,7 @@ void Engine::finalize_backward() {
 void Engine::hide_sharded_grads() {
     sharded_grads_.hide(params_, [&](int64_t i) {
         // stage 1: the bucket view again (its owned part holds the reduced sum, the rest zeros)
-        return opts_.stage <= 1 && grad_views_ok_ && !pieces_.cut(i) ? grad_views_[i] : at::Tensor();
+        return opts_.stage <= 1 && grad_views_.ok && !pieces_.cut(i) ? grad_views_.views[i] : at::Tensor();
     });
 }
 

@@ -11,6 +11,15 @@
 
 namespace zx {
 
+// Stages 0-1: what param.grad is between backwards. views[i]: parameter i's view into
+// its bucket's flat_grad; ok: .grad may be that view (false with a reduce_dtype other
+// than param_dtype: the gradient is added into the view and .grad stays empty; Note
+// [Mixed precision]).
+struct GradViews {
+    std::vector<at::Tensor> views;
+    bool ok = true;
+};
+
 class ShardedGrads {
 public:
     void set(std::vector<at::Tensor> wrappers) { wrappers_ = std::move(wrappers); }

@@ -261,7 +261,7 @@ void Engine::upload(Bucket &bk) {
         kstep().cast_from_f32(bk.slice_numel, master(bk), slot.data_ptr(), dtypes_.param_zx);
     else
         slot.copy_(master_slice(bk));
-    off_->up(slot, opts_.stage == 3 ? param_shard_.narrow(0, bk.shard_offset, bk.slice_numel)
+    off_->up(slot, opts_.stage == 3 ? units_.param_shard.narrow(0, bk.shard_offset, bk.slice_numel)
                                     : owned_slice(bk.flat_param, bk));
 }
 

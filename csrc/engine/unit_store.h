@@ -1,0 +1,36 @@
+// unit_store.h — stage 3's units on the engine's side (Note [Stage 3 parameter
+// lifetime]): which buckets make up each unit, what each parameter is while its unit is
+// gathered (a view into its bucket's flat_param), and, with offload, the device copy
+// of this rank's slices in param_dtype that the gathers read (Note [Optimizer offload]).
+// The gathers and releases themselves are the engine's (gatherer.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace zx {
+
+class UnitStore {
+public:
+    int64_t count() const { return (int64_t)buckets_.size(); }
+    void ensure(int64_t u) {   // units 0..u exist (some may have frozen parameters only)
+        if (count() <= u) buckets_.resize(u + 1);
+    }
+    void add(int64_t u, int64_t bucket) {
+        ensure(u);
+        buckets_[u].push_back(bucket);
+    }
+    const std::vector<int64_t> &buckets(int64_t u) const {
+        TORCH_CHECK(u >= 0 && u < count(), "zero_ext: internal: no unit ", u);
+        return buckets_[u];
+    }
+
+    std::vector<at::Tensor> param_views;   // param i's view into its bucket's flat_param
+    at::Tensor param_shard;                // offload: this rank's slices in param_dtype, on the device
+
+private:
+    std::vector<std::vector<int64_t>> buckets_;   // unit -> its buckets
+};
+
+}  // namespace zx
