@@ -309,6 +309,38 @@ void py_master_split(const std::string &isa_name, at::Tensor m, at::Tensor hi, a
              "master_split");
 }
 
+// Note [Fused split-master step]: one Adam/AdamW step of the masters (hi, rem, ties), in one
+// pass; elements [lead, lead + grad.numel()) step, the states indexed from the first of them.
+// One call, on the calling thread (the engine's table splits it over tasks).
+void py_adam_step_split(const std::string &isa_name, at::Tensor hi, at::Tensor rem, at::Tensor ties, at::Tensor grad,
+                        at::Tensor exp_avg, at::Tensor exp_avg_sq, std::optional<at::Tensor> max_exp_avg_sq,
+                        double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                        bool decoupled, bool amsgrad, bool maximize, double grad_scale, int64_t lead) {
+    const zx_isa isa = isa_arg(isa_name);
+    check_split_master(hi, rem, ties);
+    const int64_t n = grad.numel(), total = hi.numel();
+    TORCH_CHECK(lead >= 0 && lead + n <= total && total - lead - n < 8, "zero_ext: the stepped elements [lead, ",
+                "lead + grad.numel()) must end less than 8 elements before hi does (one tie byte); got lead=", lead,
+                ", grad.numel()=", n, ", hi.numel()=", total);
+    check_cpu(grad, "grad", at::kFloat, n);
+    check_cpu(exp_avg, "exp_avg", at::kFloat, n);
+    check_cpu(exp_avg_sq, "exp_avg_sq", at::kFloat, n);
+    TORCH_CHECK(!amsgrad || max_exp_avg_sq.has_value(),
+                "zero_ext: amsgrad=True needs max_exp_avg_sq (a float32 tensor shaped like grad)");
+    float *v_max = nullptr;
+    if (amsgrad) {
+        check_cpu(*max_exp_avg_sq, "max_exp_avg_sq", at::kFloat, n);
+        v_max = max_exp_avg_sq->data_ptr<float>();
+    }
+    const zx_adam_hparams hp = adam_hparams_of(lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
+                                               maximize, grad_scale);
+    zx_check(zx_adam_step_split(isa, (size_t)total, (size_t)lead, (size_t)n,
+                                reinterpret_cast<uint16_t *>(hi.data_ptr()), rem.data_ptr<int16_t>(),
+                                ties.data_ptr<uint8_t>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
+                                exp_avg_sq.data_ptr<float>(), v_max, &hp),
+             "adam_step_split (check lr >= 0, 0 <= betas < 1, eps >= 0, weight_decay >= 0, step >= 1)");
+}
+
 // ---- blockwise quantization (zx_quant*.c) ----
 
 // Bytes of codes and blocks of a payload of n elements; raises for a bad format.
@@ -418,6 +450,14 @@ void zx_bind_kernels(pybind11::module_ &m) {
           py::arg("max_exp_avg_sq"), py::arg("param_lp"), py::arg("lr"), py::arg("beta1"),
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
           py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"), py::arg("grad_scale"));
+    m.def("adam_step_split", &py_adam_step_split,
+          "One Adam/AdamW step of the split masters (hi: bf16, rem: int16, ties: uint8) in one pass: "
+          "elements [lead, lead + grad.numel()) step; bit for bit master_join, adam_step into hi, "
+          "master_split (Note [Fused split-master step]).",
+          py::arg("isa"), py::arg("hi"), py::arg("rem"), py::arg("ties"), py::arg("grad"), py::arg("exp_avg"),
+          py::arg("exp_avg_sq"), py::arg("max_exp_avg_sq"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+          py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("decoupled"), py::arg("amsgrad"),
+          py::arg("maximize"), py::arg("grad_scale"), py::kw_only(), py::arg("lead") = 0);
     m.def("adam_step_bf16_states", &py_adam_step_bf16_states,
           "One Adam (decoupled=False) / AdamW (decoupled=True) step on flat CPU tensors with the "
           "states exp_avg, exp_avg_sq in torch.bfloat16, updated in float32 and stored with "

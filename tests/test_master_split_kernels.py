@@ -10,7 +10,10 @@ against the note's formulas written here in torch integer arithmetic:
     unused bits;
   - join of an edited hi (a parameter changed through p.data) keeps the old remainder, and a
     zero hi with a negative remainder joins to zero, not NaN;
-  - bad input raises, naming the argument.
+  - bad input raises, naming the argument;
+  - the fused Adam step of the split master (adam_step_split, Note [Fused split-master step])
+    equals join, adam_step writing hi, split, bit for bit, for runs that start and end inside
+    tie bytes and vectors, with AdamW, Adam + L2 + amsgrad, and lr = 0 (ties kept).
 tests/test_cuda_master_split.py holds the CUDA kernels to these CPU ones.
 Run: pytest tests/test_master_split_kernels.py -v
 """
@@ -122,3 +125,55 @@ def test_bad_input_names_the_argument():
         _C.master_split("scalar", out, hi, torch.zeros(10, dtype=torch.int32), torch.zeros(2, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="hi must be torch.bfloat16"):
         _C.master_join("scalar", hi.float(), rem, torch.zeros(2, dtype=torch.uint8), out)
+
+
+ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=3, decoupled=True,
+            amsgrad=False, maximize=False, grad_scale=1.0)
+# (total, lead, n): whole vectors only, runs starting and ending inside a tie byte, a lead past the
+# first byte, a long run (both vector widths and the byte-by-byte ends)
+RUNS = [(8, 0, 8), (17, 9, 8), (33, 5, 27), (257, 3, 250), (1000, 0, 993), (40003, 7, 39990)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("total,lead,n", RUNS)
+@pytest.mark.parametrize("variant", ["adamw", "adam_l2_amsgrad", "lr0"])
+def test_fused_adam_step_matches_join_step_split(isa, total, lead, n, variant):
+    hp = dict(ADAM)
+    if variant == "adam_l2_amsgrad":
+        hp.update(decoupled=False, weight_decay=0.01, amsgrad=True, grad_scale=0.5)
+    if variant == "lr0":
+        hp.update(lr=0.0, weight_decay=0.0)
+    g = torch.Generator().manual_seed(total + lead)
+    master = masters(total, total + 1)
+    hi = master.to(torch.bfloat16)
+    rem = torch.empty(total, dtype=torch.int16)
+    ties = torch.empty((total + 7) // 8, dtype=torch.uint8)
+    _C.master_split("scalar", master, hi, rem, ties)
+    grad = torch.randn(n, generator=g)
+    m, v = torch.randn(n, generator=g) * 0.01, torch.rand(n, generator=g) * 1e-4
+    vmax = v * 1.5 if hp["amsgrad"] else None
+    want = [t.clone() if t is not None else None for t in (hi, rem, ties, m, v, vmax)]
+    before = (hi.clone(), rem.clone(), ties.clone())   # lr0
+    joined = torch.empty(total)
+    _C.master_join("scalar", want[0], want[1], want[2], joined)
+    _C.adam_step("scalar", joined[lead:lead + n], grad, want[3], want[4], want[5], want[0][lead:lead + n], **hp)
+    _C.master_split("scalar", joined, want[0], want[1], want[2])
+    _C.adam_step_split(isa, hi, rem, ties, grad, m, v, vmax, **hp, lead=lead)
+    for name, w, got in zip(["hi", "rem", "ties", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"], want,
+                            [hi, rem, ties, m, v, vmax]):
+        if w is not None:
+            assert torch.equal(got.view(torch.uint8), w.view(torch.uint8)), name
+    if variant == "lr0":   # the masters do not move (-0 may become +0): every tie bit is kept
+        assert torch.equal(ties, before[2])
+        assert total < 100 or int(ties.sum()) > 0, "masters() made no tie"
+
+
+def test_fused_adam_step_bad_input():
+    hi = torch.zeros(16, dtype=torch.bfloat16)
+    rem = torch.zeros(16, dtype=torch.int16)
+    ties = torch.zeros(2, dtype=torch.uint8)
+    z = torch.zeros(8)
+    with pytest.raises(RuntimeError, match="must end less than 8 elements before hi does"):
+        _C.adam_step_split("scalar", hi, rem, ties, z, z, z, None, **ADAM, lead=0)
+    with pytest.raises(RuntimeError, match="exp_avg has 7 elements, expected 8"):
+        _C.adam_step_split("scalar", hi, rem, ties, z, z[:7], z, None, **ADAM, lead=8)

@@ -13,8 +13,9 @@ and save what it says:
    with AdamW and clipping, Adam with an fp32 reduce, SGD with Nesterov momentum under
    no_sync accumulation, a parameter no rank uses (stepped runs start inside tie bytes),
    bf16 optimizer states, step_in_backward, step_control=True; with chunks of 8 and 24
-   elements (ZX_SPLIT_MASTER_CHUNK), so that small models cross many chunk boundaries; and
-   through the GPU's one-pass Adam calls (ZX_SPLIT_MASTER_ONE_PASS, the CPU table's stand-in).
+   elements (ZX_SPLIT_MASTER_CHUNK), so that small models cross many chunk boundaries (SGD
+   and bf16 states go chunk by chunk; Adam with fp32 states steps in one pass, Note [Fused
+   split-master step]).
 2. A state_dict round trip with the split master resumes bit for bit like the run without.
 3. fp32 masters exactly halfway between two bf16 numbers (both tie directions) loaded with
    model.load_state_dict come back from opt.state_dict() bit for bit.
@@ -47,31 +48,20 @@ CASES = {
     "mlp-adamw-step-in-backward": dict(step_in_backward=True),
     "gpt-adamw-chunk-8": dict(kind="gpt", clip=1.0, chunk=8),
     "mlp-adamw-unused-chunk-24": dict(kind="unused", find_unused_parameters=True, chunk=24),
-    # Note [Fused split-master step]: the GPU's one-pass Adam calls, taken by the CPU table
-    # (ZX_SPLIT_MASTER_ONE_PASS) as join, step, split over each call's elements: the engine's
-    # side of them on every rank's slice, runs that start inside tie bytes included
-    "gpt-adamw-clip-one-pass": dict(kind="gpt", clip=1.0, one_pass=True),
-    "mlp-adamw-unused-one-pass": dict(kind="unused", find_unused_parameters=True, one_pass=True),
-    "mlp-adamw-step-control-one-pass": dict(step_control=True, one_pass=True),
-    "mlp-adamw-step-in-backward-one-pass": dict(step_in_backward=True, one_pass=True),
 }
 
 
 def _train(rank, stage, remainder, case, **kw):
     args = dict(CASES[case], **kw)
     chunk = args.pop("chunk", None)
-    one_pass = args.pop("one_pass", False)
     if stage == 0 and args.get("step_in_backward"):   # it needs stage 1-3
         return None
     if chunk is not None:
         os.environ["ZX_SPLIT_MASTER_CHUNK"] = str(chunk)
-    if one_pass:
-        os.environ["ZX_SPLIT_MASTER_ONE_PASS"] = "1"
     try:
         return train(rank, stage, master_remainder=remainder, **BF16, **args)
     finally:
         os.environ.pop("ZX_SPLIT_MASTER_CHUNK", None)
-        os.environ.pop("ZX_SPLIT_MASTER_ONE_PASS", None)
 
 
 def _compare_worker(rank, world, stage, cases):

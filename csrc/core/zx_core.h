@@ -254,6 +254,19 @@ zx_status zx_adam_step(zx_isa isa, size_t n, float *param, const float *grad,
                        void *param_lp, zx_dtype lp_dtype,
                        const zx_adam_hparams *hp);
 
+/* Note [Fused split-master step]: one Adam/AdamW step (zx_adam_step's maths) of masters
+ * kept as bf16 top halves hi, 16-bit remainders rem and tie bits ties (Note [Split
+ * master], zx_master_split.c), in one pass with no fp32 master in memory. The call
+ * covers `total` elements of hi/rem (bit 0 of ties[0] is element 0); elements
+ * [lead, lead + n) step, with grad, exp_avg, exp_avg_sq and max_exp_avg_sq (required iff
+ * amsgrad) indexed from the first of them; the others keep their bits; total must be
+ * at most lead + n + 7 (the stepped run ends in the last tie byte). hi receives the
+ * masters' bf16 rounding. Bit for bit zx_master_join, zx_adam_step with hi as the bf16
+ * copy, zx_master_split. */
+zx_status zx_adam_step_split(zx_isa isa, size_t total, size_t lead, size_t n, uint16_t *hi, int16_t *rem,
+                             uint8_t *ties, const float *grad, float *exp_avg, float *exp_avg_sq,
+                             float *max_exp_avg_sq, const zx_adam_hparams *hp);
+
 /* One Adam/AdamW step over n elements with both states kept in bfloat16 (2 bytes
  * each instead of 4): exp_avg[i] and exp_avg_sq[i] are bf16 bit patterns, widened
  * exactly to fp32 on load, updated with the fp32 maths of zx_adam_step, and stored

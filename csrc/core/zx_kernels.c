@@ -129,6 +129,64 @@ zx_status zx_adam_step(zx_isa isa, size_t n, float *param, const float *grad,
     return ZX_OK;
 }
 
+/* Bytes [from, to) of a split-master call (to: at most the call's total), through an
+ * 8-element buffer: join, the reference step on the elements of [lead, end) among them,
+ * their bf16 rounding into hi, split. */
+static void adam_split_ref(size_t from, size_t to, size_t lead, size_t end, uint16_t *hi, int16_t *rem,
+                           uint8_t *ties, const float *grad, float *exp_avg, float *exp_avg_sq,
+                           float *max_exp_avg_sq, const zx_adam_consts *c) {
+    float buf[8];
+    for (size_t a = from; a < to; a += 8) {
+        const size_t len = to - a < 8 ? to - a : 8;
+        const size_t s = a > lead ? a : lead, e = a + len < end ? a + len : end;
+        zx_master_join(ZX_ISA_SCALAR, len, hi + a, rem + a, ties + a / 8, buf);
+        if (e > s) {
+            const size_t j = s - lead;
+            zx_adam_ref(e - s, buf + (s - a), grad + j, exp_avg + j, exp_avg_sq + j,
+                        c->amsgrad ? max_exp_avg_sq + j : NULL, c);
+            for (size_t i = s; i < e; i++) hi[i] = zx_f32_to_bf16_ref(buf[i - a]);
+        }
+        zx_master_split(ZX_ISA_SCALAR, len, buf, hi + a, rem + a, ties + a / 8);
+    }
+}
+
+/* Note [Fused split-master step]: the bytes that [lead, lead + n) covers in part go through
+ * the buffer, the whole vectors between them through the ISA's body. */
+zx_status zx_adam_step_split(zx_isa isa, size_t total, size_t lead, size_t n, uint16_t *hi, int16_t *rem,
+                             uint8_t *ties, const float *grad, float *exp_avg, float *exp_avg_sq,
+                             float *max_exp_avg_sq, const zx_adam_hparams *hp) {
+    if (!hp) return ZX_ERR_INVALID_ARG;
+    if (hp->step < 1 || !nonneg(hp->lr) || !nonneg(hp->eps) || !nonneg(hp->weight_decay) ||
+        !(hp->beta1 >= 0.0 && hp->beta1 < 1.0) || !(hp->beta2 >= 0.0 && hp->beta2 < 1.0))
+        return ZX_ERR_INVALID_ARG;
+    if (lead > total || n > total - lead || total - lead - n >= 8) return ZX_ERR_INVALID_ARG;
+    zx_status s = check_isa(isa);
+    if (s != ZX_OK) return s;
+    if (n == 0) return ZX_OK;
+    if (!hi || !rem || !ties || !grad || !exp_avg || !exp_avg_sq) return ZX_ERR_INVALID_ARG;
+    if (hp->amsgrad && !max_exp_avg_sq) return ZX_ERR_INVALID_ARG;
+
+    const zx_adam_consts c = adam_consts(hp);
+    float *v_max = c.amsgrad ? max_exp_avg_sq : NULL;
+    const size_t end = lead + n;
+    const size_t up = (lead + 7) & ~(size_t)7, body = up < total ? up : total;   /* the first byte stepped whole */
+    adam_split_ref(0, body, lead, end, hi, rem, ties, grad, exp_avg, exp_avg_sq, v_max, &c);
+    size_t done = body;
+#if ZX_HAVE_X86_SIMD
+    if (body < end) {
+        const size_t j = body - lead, len = end - body;
+        if (isa == ZX_ISA_AVX512)
+            done += zx_adam_split_avx512(len, hi + body, rem + body, ties + body / 8, grad + j, exp_avg + j,
+                                         exp_avg_sq + j, v_max ? v_max + j : NULL, &c);
+        else if (isa == ZX_ISA_AVX2)
+            done += zx_adam_split_avx2(len, hi + body, rem + body, ties + body / 8, grad + j, exp_avg + j,
+                                       exp_avg_sq + j, v_max ? v_max + j : NULL, &c);
+    }
+#endif
+    adam_split_ref(done, total, lead, end, hi, rem, ties, grad, exp_avg, exp_avg_sq, v_max, &c);
+    return ZX_OK;
+}
+
 /* Note [Counter-based stochastic rounding] (zx_sr.h); the maths is zx_adam_step's. */
 zx_status zx_adam_step_bf16_states(zx_isa isa, size_t n, float *param, const float *grad,
                                    uint16_t *exp_avg, uint16_t *exp_avg_sq,

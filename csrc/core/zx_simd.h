@@ -37,6 +37,10 @@
  *                    uint32_t arithmetic), vec_u32_shr(a, k) (logical, k a constant);
  *                    vec_to_bf16_sr(x, r) (fp32 -> bf16 bits, stochastically rounded
  *                    with r < 2^16 per lane exactly like zx_bf16_sr in zx_sr.h)
+ *   split master     vec_join(hi, rem, t) (VEC_WIDTH masters from bf16 top halves, int16
+ *                    remainders and tie bits t, bit k for lane k), vec_split(a, h, rem) (the
+ *                    remainders of a over h = its bf16 rounding, stored; returns the tie
+ *                    bits): Note [Split master] in zx_master_split.c, bit for bit
  *   int8             vec_store_i8 (VEC_WIDTH integral values in [-127, 127] -> int8),
  *                    vec_load_i8 (VEC_WIDTH int8 -> fp32)
  */

@@ -101,6 +101,30 @@ static inline ZX_SIMD_TARGET vec_u16 vec_to_bf16_sr(vec x, vec_u32 r) {
     return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+/* ---- the split master (Note [Split master], zx_master_split.c) ---- */
+/* 8 masters from their top halves hi, remainders rem and tie bits t (bit k: lane k) */
+static inline ZX_SIMD_TARGET vec vec_join(const uint16_t *hi, const int16_t *rem, unsigned t) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), zero = _mm256_setzero_si256();
+    const __m256i tie = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)t), bit), bit);
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)hi));
+    __m256i d = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)rem));
+    d = _mm256_blendv_epi8(d, _mm256_set1_epi32(0x8000), tie);
+    /* an edited zero with a negative remainder: no wrap into NaN */
+    const __m256i edited = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x7fff)), zero),
+                                            _mm256_cmpgt_epi32(zero, d));
+    d = _mm256_andnot_si256(edited, d);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(h, 16), d));
+}
+/* the remainders of a over its top halves h (the rounding of a) into rem; returns the tie bits */
+static inline ZX_SIMD_TARGET unsigned vec_split(vec a, vec_u16 h, int16_t *rem) {
+    const __m256i d = _mm256_sub_epi32(_mm256_castps_si256(a), _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    /* the low halves, in order: pack (no saturation below 0x10000), then the two 64-bit middles swap */
+    const __m256i packed = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(d, _mm256_set1_epi32(0xffff)), _mm256_setzero_si256()), 0xd8);
+    _mm_storeu_si128((__m128i *)rem, _mm256_castsi256_si128(packed));
+    return (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d, _mm256_set1_epi32(0x8000))));
+}
+
 /* ---- int8 ---- */
 /* 8 integral floats -> 8 int32 -> 8 int16 -> 8 int8 (saturating packs never saturate:
  * the values are within [-127, 127]) */

@@ -104,6 +104,26 @@ static inline ZX_SIMD_TARGET vec_u16 vec_to_bf16_sr(vec x, vec_u32 r) {
     return _mm512_cvtepi32_epi16(h);
 }
 
+/* ---- the split master (Note [Split master], zx_master_split.c) ---- */
+/* 16 masters from their top halves hi, remainders rem and tie bits t (bit k: lane k) */
+static inline ZX_SIMD_TARGET vec vec_join(const uint16_t *hi, const int16_t *rem, unsigned t) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)hi));
+    __m512i d = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)rem));
+    d = _mm512_mask_mov_epi32(d, (__mmask16)t, _mm512_set1_epi32(0x8000));
+    /* an edited zero with a negative remainder: no wrap into NaN */
+    const __mmask16 edited = _mm512_cmpeq_epi32_mask(_mm512_and_si512(h, _mm512_set1_epi32(0x7fff)), zero) &
+                             _mm512_cmplt_epi32_mask(d, zero);
+    d = _mm512_maskz_mov_epi32((__mmask16)~edited, d);
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 16), d));
+}
+/* the remainders of a over its top halves h (the rounding of a) into rem; returns the tie bits */
+static inline ZX_SIMD_TARGET unsigned vec_split(vec a, vec_u16 h, int16_t *rem) {
+    const __m512i d = _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    _mm256_storeu_si256((__m256i *)rem, _mm512_cvtepi32_epi16(d));   /* the low halves */
+    return (unsigned)_mm512_cmpeq_epi32_mask(d, _mm512_set1_epi32(0x8000));
+}
+
 /* ---- int8 ---- */
 /* 16 integral floats -> 16 int32 -> 16 int8 (vpmovdb truncates; the values fit) */
 static inline ZX_SIMD_TARGET void vec_store_i8(int8_t *p, vec a) {

@@ -13,7 +13,7 @@
  * a warp's group covers exactly 4 tie bytes (fewer at the end).
  *
  * Note [Fused split-master step]
- *   The engine's step over a split master on the GPU (csrc/engine/master_split.h)
+ *   The engine's step over a split master (csrc/engine/master_split.h) on the GPU
  *   was join into fp32 scratch, Adam, split: 8 more bytes per element moved each way
  *   than the step over an fp32 master, which made the 1.31B GPT's stage-1 step ~8 ms
  *   (6 %) slower than with master_remainder=False on the H200 even with the coalesced
@@ -22,7 +22,10 @@
  *   writes them back instead of the master and the bf16 copy, so it moves 4 bytes
  *   fewer per element than the fp32-master step, not 16 more. The bits are the
  *   three kernels' (same join, same zx_adam_element, same rounding into hi, same
- *   split), which tests/test_cuda_master_split.py checks.
+ *   split), which tests/test_cuda_master_split.py checks. The CPU has the same kernel,
+ *   zx_adam_step_split (core/zx_kernels.c, its vector body in core/zx_kernels_simd.inc):
+ *   there the chunked path cost 1.8-2.2x the fp32 master's step of 2^19 elements
+ *   (benchmarks/bench_step_glue.py), the join and the split each a pass of their own.
  *
  * Build: part of the CUDA extension (setup.py); alone:
  *   nvcc -c -arch=sm_90 -std=c++17 -I csrc/core csrc/cuda/zx_cuda_master_split.cu

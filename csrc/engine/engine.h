@@ -413,8 +413,8 @@ private:
         if (!split_) return fn(master(bk) + lo, lo, n);
         split_->over(*kern_, &bk - buckets_.data(), hi_bits(bk), bk.slice_numel, lo, n, fn);
     }
-    // Adam with fp32 states over [lo, lo + n) of bk's slice, through step_master or, on the
-    // GPU with a split master, one fused kernel (Note [Fused split-master step]). grad, m, v,
+    // Adam with fp32 states over [lo, lo + n) of bk's slice, through step_master or, with a
+    // split master, one fused kernel (Note [Fused split-master step]). grad, m, v,
     // vmax (may be null): the whole slice's; lp: the slice's low-precision parameters or null.
     void adam_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, float *m, float *v,
                      float *vmax, char *lp, const zx_adam_hparams &hp, const double *ctl, const int64_t *step);

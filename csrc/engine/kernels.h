@@ -65,8 +65,8 @@ public:
     // adam() over the split master of `total` elements (hi, rem, ties as master_join's), in one
     // pass with no fp32 master (Note [Fused split-master step], cuda/zx_cuda_master_split.cu):
     // elements [lead, lead + n) step (grad, m, v, vmax indexed from the first), total <= lead
-    // + n + 7. false: the table has no such kernel (the CPU, whose join, step and split run on
-    // pieces in cache); the caller then joins, steps and splits.
+    // + n + 7. false: the table has no such kernel; the caller then joins, steps and splits
+    // chunk by chunk.
     virtual bool adam_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
                             const at::Tensor &grad, float *m, float *v, float *vmax, const zx_adam_hparams &hp,
                             const double *ctl, const int64_t *step) {

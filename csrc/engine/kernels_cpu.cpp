@@ -3,7 +3,6 @@
 #include <ATen/native/Resize.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <vector>
 
 #include "engine/kernels.h"
@@ -18,7 +17,7 @@ namespace {
 
 class CpuKernels final : public Kernels {
 public:
-    CpuKernels(zx_isa isa, zx_dtype rdt) : isa_(isa), rdt_(rdt), one_pass_split_(std::getenv("ZX_SPLIT_MASTER_ONE_PASS")) {
+    CpuKernels(zx_isa isa, zx_dtype rdt) : isa_(isa), rdt_(rdt) {
         snprintf(name_, sizeof name_, "cpu-%s", zx_isa_name(isa));
     }
     const char *name() const override { return name_; }
@@ -129,21 +128,35 @@ public:
         });
     }
 
-    // Tests only (ZX_SPLIT_MASTER_ONE_PASS set when the table is made): take the GPU's one-pass
-    // calls (Note [Fused split-master step]) as join, adam, split over the call's elements, so
-    // that the engine's side of them (runs inside tie bytes, every rank's slice) runs on CPU ranks.
-    // Otherwise the engine steps through MasterSplit's pieces in cache.
+    // Note [Fused split-master step]: tasks over whole tie bytes, each stepping its part of
+    // [lead, lead + n) in one pass (zx_adam_step_split); low-precision gradients converted
+    // 2048 elements (a whole number of tie bytes) at a time, as with_f32_grads does.
     bool adam_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
-                    const at::Tensor &grad, float *m, float *v, float *vmax, const zx_adam_hparams &hp,
+                    const at::Tensor &grad, float *m, float *v, float *vmax, const zx_adam_hparams &hp_in,
                     const double *ctl, const int64_t *step) override {
-        if (!one_pass_split_) return false;
-        TORCH_CHECK(lead >= 0 && lead < 8 && n >= 0 && total >= lead + n && total - lead - n < 8,
-                    "zero_ext: internal: a one-pass split-master call over ", total, " elements steps [", lead,
-                    ", ", lead + n, ")");
-        std::vector<float> p((size_t)total);
-        master_join(total, hi, rem, ties, p.data());
-        adam(n, p.data() + lead, grad, m, v, vmax, hi + lead, ZX_BF16, hp, ctl, step);
-        master_split(total, p.data(), hi, rem, ties);
+        if (n <= 0 || (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0)) return true;
+        zx_adam_hparams hp = hp_in;
+        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
+        if (step != nullptr) hp.step = *step;
+        const int64_t end = lead + n;
+        zx_parallel_blocks(total, 8, [&](int64_t, int64_t ta, int64_t tb) {
+            const int64_t piece = rdt_ == ZX_F32 ? tb - ta : 2048;
+            float buf[2048];
+            for (int64_t a = ta; a < tb; a += piece) {
+                const int64_t b = std::min(tb, a + piece), s = std::max(a, lead), e = std::min(b, end);
+                if (e <= s) continue;   // no stepped element: its bits stay
+                const int64_t k = e - s, j = s - lead;
+                const float *g = buf;
+                if (rdt_ == ZX_F32)
+                    g = grad.data_ptr<float>() + j;
+                else
+                    zx_check(zx_cast_to_f32(isa_, (size_t)k, (const char *)grad.data_ptr() + j * grad.element_size(),
+                                            rdt_, buf), "converting gradients");
+                zx_check(zx_adam_step_split(isa_, (size_t)(b - a), (size_t)(s - a), (size_t)k, hi + a, rem + a,
+                                            ties + a / 8, g, m + j, v + j, vmax ? vmax + j : nullptr, &hp),
+                         "Adam step of the split master");
+            }
+        });
         return true;
     }
 
@@ -226,7 +239,6 @@ private:
 
     zx_isa isa_;
     zx_dtype rdt_;
-    bool one_pass_split_;   // tests only: see adam_split
     char name_[32];
 };
 

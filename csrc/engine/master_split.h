@@ -14,9 +14,9 @@
 //   it always does), split it back. Each chunk starts on a tie byte; elements of the
 //   chunk outside the stepped run are joined and split unchanged. The fp32 values the
 //   kernel sees are the master's bits, so the trajectory is the one of an fp32
-//   master shard, bit for bit (tests/test_split_master.py). On the GPU, Adam with fp32
-//   states skips the scratch: one kernel joins, steps and splits each element in
-//   registers (Note [Fused split-master step], cuda/zx_cuda_master_split.cu); the scratch
+//   master shard, bit for bit (tests/test_split_master.py). Adam with fp32 states skips
+//   the chunks: one kernel joins, steps and splits each element in registers (Note [Fused
+//   split-master step]: core/zx_kernels.c, cuda/zx_cuda_master_split.cu); the GPU's scratch
 //   is made on the first step that needs it (SGD, bf16 states).
 //   Everything else that reads or writes the master (checkpoints, loads, the
 //   parameter fragments Python reads, gathered_parameters) gets an fp32 master shard

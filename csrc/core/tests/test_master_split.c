@@ -7,8 +7,9 @@
  * rounding the fused steps write), split, join: the bits must be m's (NaN: a NaN).
  * Ties (low half 0x8000) occur under both odd and even high halves. Also: lengths
  * that are not whole bytes, the bytes of a chunk inside a longer array, an edited
- * zero with a negative remainder, and bad arguments; for the scalar loop and the CPU's best
- * ISA (the AVX2 loop).
+ * zero with a negative remainder, and bad arguments; the fused Adam step over the split
+ * master against join, step, split (every ISA the CPU has); the rest for the scalar loop
+ * and the CPU's best ISA.
  *
  * Run: make -C csrc/core test
  */
@@ -138,6 +139,61 @@ static void test_edited_vector(void) {
         CHECK(f32_bits(out[i]) == want[i], "element %d: 0x%08x, want 0x%08x", i, f32_bits(out[i]), want[i]);
 }
 
+/* Note [Fused split-master step]: zx_adam_step_split equals join, zx_adam_step writing
+   hi, split, bit for bit (hi, rem, ties, both states and the AMSGrad max), for runs that
+   start and end inside tie bytes and inside vectors, AdamW and Adam + L2 + amsgrad, with
+   masters that include ties, zeros, subnormals and infinities. */
+static void test_fused_adam(void) {
+    enum { T = 1003 };
+    static float m[T], e1[T], e2[T], vm[T], g[T], w1[T], w2[T], wm[T], master[T];
+    static uint16_t hi[T], hi2[T];
+    static int16_t rem[T], rem2[T];
+    static uint8_t ties[(T + 7) / 8], ties2[(T + 7) / 8];
+    const size_t runs[][3] = {{T, 0, T}, {T, 5, T - 10}, {T, 3, T - 3}, {40, 7, 33}, {8, 1, 6}, {17, 9, 8},
+                              {1, 0, 1}, {64, 0, 57}};
+    zx_adam_hparams hp = {1e-3, 0.9, 0.999, 1e-8, 0.1, 3, 1, 0, 0, 1.0f};
+    long bad = 0;
+    for (int variant = 0; variant < 2; variant++) {
+        if (variant == 1) hp.decoupled = 0, hp.amsgrad = 1, hp.weight_decay = 0.01, hp.grad_scale = 0.5f;
+        for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+            const size_t total = runs[r][0], lead = runs[r][1], n = runs[r][2];
+            for (size_t i = 0; i < T; i++) {
+                const uint32_t u = 0x3c000000u + (uint32_t)(i * 2654435761u % 0x3000000u);
+                m[i] = bits_f32(i % 5 == 0 ? (u & ~0xffffu) | 0x8000u : u) * (i % 2 ? -1.0f : 1.0f);
+                g[i] = (float)((int)(i * 40503u % 2001u) - 1000) * 1e-4f;
+                e1[i] = w1[i] = g[i] * 0.1f;
+                e2[i] = w2[i] = g[i] * g[i] + 1e-6f;
+                vm[i] = wm[i] = e2[i] * 1.5f;
+            }
+            m[0] = 0.0f, m[1] = -0.0f, m[2] = 1e-40f, m[3] = INFINITY;
+            for (size_t i = 0; i < T; i++) hi[i] = zx_f32_to_bf16_ref(m[i]);
+            CHECK(zx_master_split(ZX_ISA_SCALAR, T, m, hi, rem, ties) == ZX_OK, "split");
+            memcpy(hi2, hi, sizeof hi), memcpy(rem2, rem, sizeof rem), memcpy(ties2, ties, sizeof ties);
+            /* the unfused path, on the first total elements */
+            CHECK(zx_master_join(ZX_ISA_SCALAR, total, hi2, rem2, ties2, master) == ZX_OK, "join");
+            CHECK(zx_adam_step(ZX_ISA_SCALAR, n, master + lead, g, w1, w2, hp.amsgrad ? wm : NULL, hi2 + lead, ZX_BF16,
+                               &hp) == ZX_OK, "adam");
+            CHECK(zx_master_split(ZX_ISA_SCALAR, total, master, hi2, rem2, ties2) == ZX_OK, "split back");
+            CHECK(zx_adam_step_split(g_isa, total, lead, n, hi, rem, ties, g, e1, e2, hp.amsgrad ? vm : NULL, &hp) ==
+                  ZX_OK, "fused step (%zu, %zu, %zu)", total, lead, n);
+            int same = memcmp(hi, hi2, total * 2) == 0 && memcmp(rem, rem2, total * 2) == 0 &&
+                       memcmp(ties, ties2, (total + 7) / 8) == 0 && memcmp(e1, w1, sizeof e1) == 0 &&
+                       memcmp(e2, w2, sizeof e2) == 0 && memcmp(vm, wm, sizeof vm) == 0;
+            bad += !same;
+            CHECK(same, "fused step (%zu, %zu, %zu), variant %d differs from join, adam, split", total, lead, n,
+                  variant);
+        }
+    }
+    CHECK(bad == 0, "%ld fused runs differ", bad);
+    /* bad arguments: the stepped run must end in the last tie byte */
+    CHECK(zx_adam_step_split(g_isa, 16, 0, 8, hi, rem, ties, g, e1, e2, NULL, &hp) == ZX_ERR_INVALID_ARG,
+          "a run ending 8 elements early");
+    CHECK(zx_adam_step_split(g_isa, 16, 9, 8, hi, rem, ties, g, e1, e2, NULL, &hp) == ZX_ERR_INVALID_ARG,
+          "a run past the end");
+    CHECK(zx_adam_step_split(g_isa, 0, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, &hp) == ZX_OK,
+          "n = 0 touches nothing");
+}
+
 int main(void) {
     const zx_isa isas[2] = {ZX_ISA_SCALAR, zx_cpu_best_isa()};
     for (int k = 0; k < (isas[1] == ZX_ISA_SCALAR ? 1 : 2); k++) {
@@ -148,6 +204,13 @@ int main(void) {
         test_edited();
         test_edited_vector();
         test_errors();
+    }
+    const zx_isa every[3] = {ZX_ISA_SCALAR, ZX_ISA_AVX2, ZX_ISA_AVX512};
+    for (int k = 0; k < 3; k++) {
+        if (!zx_cpu_supports(every[k])) continue;
+        g_isa = every[k];
+        printf("test_master_split: the fused Adam step, %s\n", zx_isa_name(g_isa));
+        test_fused_adam();
     }
     printf("test_master_split: %ld passed, %ld failed\n", g_passed, g_failed);
     return g_failed ? 1 : 0;
