@@ -118,6 +118,10 @@ float zx_f16_to_f32_ref(uint16_t h);
     void zx_adam_lp_##sfx(size_t n, float *param, const float *grad, float *exp_avg,   \
                           float *exp_avg_sq, float *max_exp_avg_sq,                    \
                           const zx_adam_consts *c, uint16_t *lp, zx_dtype lp_dtype);   \
+    size_t zx_master_join_##sfx(size_t n, const uint16_t *hi, const int16_t *rem,      \
+                                const uint8_t *ties, float *out);                      \
+    size_t zx_master_split_##sfx(size_t n, const float *m, const uint16_t *hi,         \
+                                 int16_t *rem, uint8_t *ties);                         \
     size_t zx_adam_split_##sfx(size_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,   \
                                const float *grad, float *exp_avg, float *exp_avg_sq,   \
                                float *max_exp_avg_sq, const zx_adam_consts *c);        \

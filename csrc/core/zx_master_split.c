@@ -34,11 +34,7 @@
 #include <string.h>
 
 #include "zx_core.h"
-#include "zx_kernels_internal.h"   /* defines: ZX_HAVE_X86_SIMD */
-
-#if ZX_HAVE_X86_SIMD
-#include <immintrin.h>
-#endif
+#include "zx_kernels_internal.h"   /* defines: ZX_HAVE_X86_SIMD, zx_master_join_avx2, ... */
 
 static inline uint32_t f32_bits(float x) {
     uint32_t u;
@@ -64,93 +60,21 @@ static inline uint8_t split1(float m, uint16_t hi, int16_t *rem, unsigned j) {
     return (uint8_t)((d == 0x8000u) << j);
 }
 
-#if ZX_HAVE_X86_SIMD
-/* AVX2: one tie byte = one vector of 8 elements. Returns the whole bytes done. */
-#define ZX_MS_TARGET __attribute__((target("avx2")))
-
-static ZX_MS_TARGET __m256i tie_lanes(unsigned t) {   /* all ones where bit j of t is set */
-    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)t), bit), bit);
-}
-
-static ZX_MS_TARGET size_t join_avx2(size_t whole, const uint16_t *hi, const int16_t *rem, const uint8_t *ties,
-                                     float *out) {
-    const __m256i half = _mm256_set1_epi32(0x8000), mag = _mm256_set1_epi32(0x7fff), zero = _mm256_setzero_si256();
-    for (size_t b = 0; b < whole; b++) {
-        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(hi + b * 8)));
-        __m256i d = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(rem + b * 8)));
-        d = _mm256_blendv_epi8(d, half, tie_lanes(ties[b]));
-        const __m256i edited = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_and_si256(h, mag), zero),
-                                                _mm256_cmpgt_epi32(zero, d));
-        d = _mm256_andnot_si256(edited, d);
-        _mm256_storeu_si256((__m256i *)(out + b * 8), _mm256_add_epi32(_mm256_slli_epi32(h, 16), d));
-    }
-    return whole;
-}
-
-static ZX_MS_TARGET size_t split_avx2(size_t whole, const float *m, const uint16_t *hi, int16_t *rem,
-                                      uint8_t *ties) {
-    const __m256i half = _mm256_set1_epi32(0x8000), low = _mm256_set1_epi32(0xffff);
-    for (size_t b = 0; b < whole; b++) {
-        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(hi + b * 8)));
-        const __m256i d = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(m + b * 8)), _mm256_slli_epi32(h, 16));
-        /* the low halves, in order: pack (no saturation below 0x10000), then the two 64-bit middles swap */
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(d, low), _mm256_setzero_si256()), 0xd8);
-        _mm_storeu_si128((__m128i *)(rem + b * 8), _mm256_castsi256_si128(packed));
-        ties[b] = (uint8_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(d, half)));
-    }
-    return whole;
-}
-
-/* AVX-512: two tie bytes = one 16-bit lane mask = 16 elements. Returns the whole bytes done. */
-#define ZX_MS_TARGET512 __attribute__((target("avx512f,avx512bw")))
-
-static ZX_MS_TARGET512 size_t join_avx512(size_t whole, const uint16_t *hi, const int16_t *rem,
-                                          const uint8_t *ties, float *out) {
-    const __m512i half = _mm512_set1_epi32(0x8000), mag = _mm512_set1_epi32(0x7fff), zero = _mm512_setzero_si512();
-    size_t b = 0;
-    for (; b + 2 <= whole; b += 2) {
-        const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(hi + b * 8)));
-        __m512i d = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(rem + b * 8)));
-        d = _mm512_mask_mov_epi32(d, (__mmask16)(ties[b] | ties[b + 1] << 8), half);
-        const __mmask16 edited = _mm512_cmpeq_epi32_mask(_mm512_and_si512(h, mag), zero) &
-                                 _mm512_cmplt_epi32_mask(d, zero);
-        d = _mm512_maskz_mov_epi32((__mmask16)~edited, d);
-        _mm512_storeu_si512(out + b * 8, _mm512_add_epi32(_mm512_slli_epi32(h, 16), d));
-    }
-    return b;
-}
-
-static ZX_MS_TARGET512 size_t split_avx512(size_t whole, const float *m, const uint16_t *hi, int16_t *rem,
-                                           uint8_t *ties) {
-    const __m512i half = _mm512_set1_epi32(0x8000);
-    size_t b = 0;
-    for (; b + 2 <= whole; b += 2) {
-        const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(hi + b * 8)));
-        const __m512i d = _mm512_sub_epi32(_mm512_loadu_si512(m + b * 8), _mm512_slli_epi32(h, 16));
-        _mm256_storeu_si256((__m256i *)(rem + b * 8), _mm512_cvtepi32_epi16(d));   /* the low halves */
-        const __mmask16 t = _mm512_cmpeq_epi32_mask(d, half);
-        ties[b] = (uint8_t)t;
-        ties[b + 1] = (uint8_t)(t >> 8);
-    }
-    return b;
-}
-#endif
-
-/* Whole bytes first (AVX-512 / AVX2 where the CPU has them and isa allows; an odd last
- * whole byte and the partial last byte in the narrower loops). */
+/* Whole vectors first (AVX-512 / AVX2 where the CPU has them and isa allows: their loops,
+ * written with vec_join / vec_split, are in zx_kernels_simd.inc); an odd last whole byte
+ * and the partial last byte in the narrower loops. */
 zx_status zx_master_join(zx_isa isa, size_t n, const uint16_t *hi, const int16_t *rem, const uint8_t *ties,
                          float *out) {
     if (n == 0) return ZX_OK;
     if (!hi || !rem || !ties || !out) return ZX_ERR_INVALID_ARG;
     if (!zx_cpu_supports(isa)) return ZX_ERR_UNSUPPORTED;
     const size_t whole = n / 8;
-    size_t done = 0;
+    size_t v = 0;   /* elements the vector loops did: whole bytes */
 #if ZX_HAVE_X86_SIMD
-    if (isa == ZX_ISA_AVX512) done = join_avx512(whole, hi, rem, ties, out);
-    if (isa != ZX_ISA_SCALAR) done += join_avx2(whole - done, hi + done * 8, rem + done * 8, ties + done,
-                                                out + done * 8);
+    if (isa == ZX_ISA_AVX512) v = zx_master_join_avx512(n, hi, rem, ties, out);
+    if (isa != ZX_ISA_SCALAR) v += zx_master_join_avx2(n - v, hi + v, rem + v, ties + v / 8, out + v);
 #endif
+    const size_t done = v / 8;
     for (size_t b = done; b < whole; b++) {
         const unsigned t = ties[b];
         for (unsigned j = 0; j < 8; j++) out[b * 8 + j] = join1(hi[b * 8 + j], rem[b * 8 + j], (t >> j) & 1u);
@@ -164,12 +88,12 @@ zx_status zx_master_split(zx_isa isa, size_t n, const float *m, const uint16_t *
     if (!m || !hi || !rem || !ties) return ZX_ERR_INVALID_ARG;
     if (!zx_cpu_supports(isa)) return ZX_ERR_UNSUPPORTED;
     const size_t whole = n / 8;
-    size_t done = 0;
+    size_t v = 0;   /* elements the vector loops did: whole bytes */
 #if ZX_HAVE_X86_SIMD
-    if (isa == ZX_ISA_AVX512) done = split_avx512(whole, m, hi, rem, ties);
-    if (isa != ZX_ISA_SCALAR) done += split_avx2(whole - done, m + done * 8, hi + done * 8, rem + done * 8,
-                                                 ties + done);
+    if (isa == ZX_ISA_AVX512) v = zx_master_split_avx512(n, m, hi, rem, ties);
+    if (isa != ZX_ISA_SCALAR) v += zx_master_split_avx2(n - v, m + v, hi + v, rem + v, ties + v / 8);
 #endif
+    const size_t done = v / 8;
     for (size_t b = done; b < whole; b++) {
         uint8_t t = 0;
         for (unsigned j = 0; j < 8; j++) t |= split1(m[b * 8 + j], hi[b * 8 + j], &rem[b * 8 + j], j);

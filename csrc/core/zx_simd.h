@@ -28,7 +28,8 @@
  *                    (torch.maximum: NaN wins), vec_round_even (to nearest, ties to even)
  *   16-bit floats    vec_load_bf16, vec_load_f16 (VEC_WIDTH uint16 -> fp32, exact);
  *                    vec_to_bf16, vec_to_f16 (fp32 -> bits, rounded like
- *                    zx_f32_to_bf16_ref / zx_f32_to_f16_ref); vec_u16_store(dst, r,
+ *                    zx_f32_to_bf16_ref / zx_f32_to_f16_ref); vec_u16_load(src),
+ *                    vec_u16_store(dst, r,
  *                    stream) (stream: a non-temporal store, dst VEC_LP_ALIGN-aligned;
  *                    Note [Streaming copy-out] in zx_kernels_avx512.c), vec_store_fence;
  *                    vec_store_lp(dst, a, lp_dtype, stream) = convert + store

@@ -62,6 +62,7 @@ static inline ZX_SIMD_TARGET vec_u16 vec_to_bf16(vec x) {
 static inline ZX_SIMD_TARGET vec_u16 vec_to_f16(vec x) {
     return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
 }
+static inline ZX_SIMD_TARGET vec_u16 vec_u16_load(const uint16_t *p) { return _mm_loadu_si128((const __m128i *)p); }
 static inline ZX_SIMD_TARGET void vec_u16_store(uint16_t *dst, vec_u16 r, int stream) {
     if (stream)
         _mm_stream_si128((__m128i *)dst, r);
