@@ -13,6 +13,8 @@ gradient exists; then, per thread count, interleaved within each repetition:
   public bf16  the same with param_dtype="bf16" (the kernel also writes the bf16 copy;
                the master kept as a remainder, Note [Split master in the engine])
   bf16 fp32 master  the same with master_remainder=False (a separate fp32 master shard)
+  sgd bf16, adamw bf16 states  SGD with momentum, AdamW with state_dtype="bf16", bf16 parameters
+               with the split master, each also with master_remainder=False ("... fp32 master")
   torch fused  torch.optim.AdamW(fused=True) over the same parameters (a peer on the same path)
 Each timing covers enough steps for >= 20 ms; the median (min/max) over --reps repetitions
 is reported, and the ratios public / kernel and 2-thread / 1-thread are taken within a
@@ -75,6 +77,17 @@ def contenders(numel: int, count: int):
                                   stage=1, param_dtype=pdt, master_remainder=remainder)
         zm().backward()
         out[name] = zo.step
+    # the other fused steps over the split master (Note [Fused split-master step]): SGD with
+    # momentum, AdamW with bf16 states; each against the same step with an fp32 master
+    for name, make, kw in (("sgd bf16", lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9), {}),
+                           ("adamw bf16 states", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
+                            dict(state_dtype="bf16"))):
+        for suffix, remainder in (("", True), (" fp32 master", False)):
+            model = Params(numel, count)
+            zm, zo = zero_ext.zeroify(model, make(model.parameters()), stage=1, param_dtype="bf16",
+                                      master_remainder=remainder, **kw)
+            zm().backward()
+            out[name + suffix] = zo.step
     model = Params(numel, count)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
     model().backward()
@@ -109,13 +122,13 @@ def main(argv=None):
         result["threads"][t] = {"us": r, "over_kernel": ratio}
         for n in names:
             extra = f"{ratio[n]['median']:.2f}x" if n in ratio else "1.00x"
-            rows.append(f"{t:>7} {n:<16} {r[n]['median']:>9.1f} ({r[n]['min']:.1f}/{r[n]['max']:.1f}) {extra:>9}")
+            rows.append(f"{t:>7} {n:<29} {r[n]['median']:>9.1f} ({r[n]['min']:.1f}/{r[n]['max']:.1f}) {extra:>9}")
     if len(threads) > 1:
         a, b = threads[0], threads[-1]
         result["scaling"] = {n: spread([y / x for x, y in zip(times[a][n], times[b][n])]) for n in names}
     print(f"{args.numel} parameters in {args.params} tensors, AdamW, stage 1, world 1, {cpu_model()}, "
           f"ISA {_C.best_isa()}, {args.reps} repetitions")
-    print(f"{'threads':>7} {'side':<16} {'us/step':>9} {'(min/max)':<14} {'/kernel':>6}")
+    print(f"{'threads':>7} {'side':<29} {'us/step':>9} {'(min/max)':<14} {'/kernel':>6}")
     print("\n".join(rows))
     if "scaling" in result:
         print(f"{threads[-1]}-thread / {threads[0]}-thread time: " +

@@ -12,10 +12,9 @@ and save what it says:
    gloo ranks (3 divides no parameter count here), stages 0-2: the GPT on tinyshakespeare
    with AdamW and clipping, Adam with an fp32 reduce, SGD with Nesterov momentum under
    no_sync accumulation, a parameter no rank uses (stepped runs start inside tie bytes),
-   bf16 optimizer states, step_in_backward, step_control=True; with chunks of 8 and 24
-   elements (ZX_SPLIT_MASTER_CHUNK), so that small models cross many chunk boundaries (SGD
-   and bf16 states go chunk by chunk; Adam with fp32 states steps in one pass, Note [Fused
-   split-master step]).
+   bf16 optimizer states, step_in_backward, step_control=True; the CPU steps each through
+   one call over the split master (Note [Fused split-master step]: stepped runs that start
+   inside tie bytes included; the GPU's chunked path: tests/test_gpu_engine.py).
 2. A state_dict round trip with the split master resumes bit for bit like the run without.
 3. fp32 masters exactly halfway between two bf16 numbers (both tie directions) loaded with
    model.load_state_dict come back from opt.state_dict() bit for bit.
@@ -25,7 +24,6 @@ and save what it says:
    param_quant, offload, or a torch optimizer without fused kernel).
 6. gathered_parameters(modifier_rank=0) folds an edit exactly as with an fp32 master.
 """
-import os
 import struct
 
 import pytest
@@ -46,22 +44,14 @@ CASES = {
     "mlp-adamw-bf16-states": dict(state_dtype="bf16"),
     "mlp-adamw-step-control": dict(step_control=True),
     "mlp-adamw-step-in-backward": dict(step_in_backward=True),
-    "gpt-adamw-chunk-8": dict(kind="gpt", clip=1.0, chunk=8),
-    "mlp-adamw-unused-chunk-24": dict(kind="unused", find_unused_parameters=True, chunk=24),
 }
 
 
 def _train(rank, stage, remainder, case, **kw):
     args = dict(CASES[case], **kw)
-    chunk = args.pop("chunk", None)
     if stage == 0 and args.get("step_in_backward"):   # it needs stage 1-3
         return None
-    if chunk is not None:
-        os.environ["ZX_SPLIT_MASTER_CHUNK"] = str(chunk)
-    try:
-        return train(rank, stage, master_remainder=remainder, **BF16, **args)
-    finally:
-        os.environ.pop("ZX_SPLIT_MASTER_CHUNK", None)
+    return train(rank, stage, master_remainder=remainder, **BF16, **args)
 
 
 def _compare_worker(rank, world, stage, cases):

@@ -307,6 +307,18 @@ zx_status zx_sgd_step(zx_isa isa, size_t n, float *param, const float *grad,
                       float *momentum_buf, void *param_lp, zx_dtype lp_dtype,
                       const zx_sgd_hparams *hp);
 
+/* zx_adam_step_split's call shape (Note [Fused split-master step]) for SGD (zx_sgd_step's maths; momentum_buf indexed like grad) and
+ * for Adam with bf16 states (zx_adam_step_bf16_states': element lead + j of the call draws
+ * its random bits from counter offset + j). These go block by block through an L1 buffer
+ * (join, the kernel, round into hi, split) in one call. Bit for bit zx_master_join, the
+ * kernel with hi as the bf16 copy, zx_master_split. */
+zx_status zx_sgd_step_split(zx_isa isa, size_t total, size_t lead, size_t n, uint16_t *hi, int16_t *rem,
+                            uint8_t *ties, const float *grad, float *momentum_buf, const zx_sgd_hparams *hp);
+zx_status zx_adam_step_bf16_states_split(zx_isa isa, size_t total, size_t lead, size_t n, uint16_t *hi,
+                                         int16_t *rem, uint8_t *ties, const float *grad, uint16_t *exp_avg,
+                                         uint16_t *exp_avg_sq, const zx_adam_hparams *hp, uint64_t seed,
+                                         uint64_t offset);
+
 /* Fused gradient scan: *sumsq += sum((grad[i]*scale)^2) accumulated in double
  * over the finite elements, *nonfinite += count of inf/nan elements. */
 zx_status zx_grad_sumsq(zx_isa isa, size_t n, const float *grad, float scale,

@@ -366,3 +366,93 @@ zx_status zx_cast_to_f32(zx_isa isa, size_t n, const void *src, zx_dtype src_dty
     }
     return ZX_OK;
 }
+
+/* ------------------------------------------------------------------ split master, blocked */
+
+/* Note [Fused split-master step] for the kernels without a one-pass vector body (SGD, Adam
+ * with bf16 states): blocks of ZX_LP_BLOCK_NUMEL elements (whole tie bytes; 8 KiB of fp32,
+ * in L1) are joined into a buffer, stepped by the kernel, rounded into hi and split, in one
+ * call, so the masters make one trip through memory. step(ctx, k, p, j, h): k elements at
+ * p, the stepped run's elements j.. (grad, states, counters), their bf16 copy h. */
+typedef void (*zx_split_step_fn)(void *ctx, size_t k, float *p, size_t j, uint16_t *h);
+
+static zx_status split_blocks(zx_isa isa, size_t total, size_t lead, size_t n, uint16_t *hi, int16_t *rem,
+                              uint8_t *ties, zx_split_step_fn step, void *ctx) {
+    if (lead > total || n > total - lead || total - lead - n >= 8) return ZX_ERR_INVALID_ARG;
+    if (n == 0) return ZX_OK;
+    if (!hi || !rem || !ties) return ZX_ERR_INVALID_ARG;
+    float buf[ZX_LP_BLOCK_NUMEL];
+    const size_t end = lead + n;
+    for (size_t a = lead & ~(size_t)7; a < total; a += ZX_LP_BLOCK_NUMEL) {
+        const size_t len = total - a < ZX_LP_BLOCK_NUMEL ? total - a : ZX_LP_BLOCK_NUMEL;
+        zx_master_join(isa, len, hi + a, rem + a, ties + a / 8, buf);
+        const size_t s = a > lead ? a : lead, e = a + len < end ? a + len : end;
+        if (e > s) step(ctx, e - s, buf + (s - a), s - lead, hi + s);
+        zx_master_split(isa, len, buf, hi + a, rem + a, ties + a / 8);
+    }
+    return ZX_OK;
+}
+
+typedef struct {
+    zx_isa isa;
+    const float *grad;
+    float *buf;
+    zx_sgd_consts c;
+} sgd_split_ctx;
+
+static void sgd_split_step(void *ctx, size_t k, float *p, size_t j, uint16_t *h) {
+    const sgd_split_ctx *x = (const sgd_split_ctx *)ctx;
+    sgd_isa(x->isa, k, p, x->grad + j, x->buf ? x->buf + j : NULL, &x->c);
+    cast_from_f32_isa(x->isa, k, p, h, ZX_BF16, 0);
+}
+
+zx_status zx_sgd_step_split(zx_isa isa, size_t total, size_t lead, size_t n, uint16_t *hi, int16_t *rem,
+                            uint8_t *ties, const float *grad, float *momentum_buf, const zx_sgd_hparams *hp) {
+    zx_status s = zx_sgd_step(isa, 0, NULL, NULL, NULL, NULL, ZX_BF16, hp);   /* hp and isa checks */
+    if (s != ZX_OK) return s;
+    if (n > 0 && (!grad || (hp->momentum != 0.0 && !momentum_buf))) return ZX_ERR_INVALID_ARG;
+    sgd_split_ctx x = {isa, grad, NULL, sgd_consts(hp)};
+    x.buf = x.c.use_momentum ? momentum_buf : NULL;
+    return split_blocks(isa, total, lead, n, hi, rem, ties, sgd_split_step, &x);
+}
+
+typedef struct {
+    zx_isa isa;
+    const float *grad;
+    uint16_t *m, *v;
+    zx_adam_consts c;
+    zx_sr_key key;
+    uint64_t offset;
+} bf16s_split_ctx;
+
+/* The kernel writes no copy here: its copy-out streams past the cache when aligned, and the
+ * split reads hi right after; the cast from the L1 buffer is the same rounding. */
+static void bf16s_split_step(void *ctx, size_t k, float *p, size_t j, uint16_t *h) {
+    const bf16s_split_ctx *x = (const bf16s_split_ctx *)ctx;
+    const uint64_t off = x->offset + j;
+    switch (x->isa) {
+#if ZX_HAVE_X86_SIMD
+    case ZX_ISA_AVX512:
+        zx_adam_bf16s_avx512(k, p, x->grad + j, x->m + j, x->v + j, &x->c, x->key, off, NULL, ZX_BF16);
+        break;
+    case ZX_ISA_AVX2:
+        zx_adam_bf16s_avx2(k, p, x->grad + j, x->m + j, x->v + j, &x->c, x->key, off, NULL, ZX_BF16);
+        break;
+#endif
+    default:
+        zx_adam_bf16s_ref(k, p, x->grad + j, x->m + j, x->v + j, &x->c, x->key, off, NULL, ZX_BF16);
+        break;
+    }
+    cast_from_f32_isa(x->isa, k, p, h, ZX_BF16, 0);
+}
+
+zx_status zx_adam_step_bf16_states_split(zx_isa isa, size_t total, size_t lead, size_t n, uint16_t *hi,
+                                         int16_t *rem, uint8_t *ties, const float *grad, uint16_t *exp_avg,
+                                         uint16_t *exp_avg_sq, const zx_adam_hparams *hp, uint64_t seed,
+                                         uint64_t offset) {
+    zx_status s = zx_adam_step_bf16_states(isa, 0, NULL, NULL, NULL, NULL, NULL, ZX_BF16, hp, seed, offset);
+    if (s != ZX_OK) return s;   /* hp (no amsgrad) and isa checks */
+    if (n > 0 && (!grad || !exp_avg || !exp_avg_sq)) return ZX_ERR_INVALID_ARG;
+    bf16s_split_ctx x = {isa, grad, exp_avg, exp_avg_sq, adam_consts(hp), zx_sr_key_of(seed), offset};
+    return split_blocks(isa, total, lead, n, hi, rem, ties, bf16s_split_step, &x);
+}

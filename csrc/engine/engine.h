@@ -413,8 +413,17 @@ private:
         if (!split_) return fn(master(bk) + lo, lo, n);
         split_->over(*kern_, &bk - buckets_.data(), hi_bits(bk), bk.slice_numel, lo, n, fn);
     }
-    // Adam with fp32 states over [lo, lo + n) of bk's slice, through step_master or, with a
-    // split master, one fused kernel (Note [Fused split-master step]). grad, m, v,
+    // A fused step over [lo, lo + n) of bk's slice (lp: its low-precision parameters): with a
+    // split master, one_pass(total, lead, hi, rem, ties), the kernel table's one-pass call
+    // (Note [Fused split-master step]); where that returns false, or without a split master,
+    // chunked(p, o, c) through step_master.
+    template <class OnePass, class Chunked>
+    void step_split(Bucket &bk, char *lp, int64_t lo, int64_t n, OnePass &&one_pass, Chunked &&chunked) {
+        if (split_ && split_->one_pass(&bk - buckets_.data(), (uint16_t *)lp, bk.slice_numel, lo, n, one_pass))
+            return;
+        step_master(bk, lo, n, chunked);
+    }
+    // Adam with fp32 states over [lo, lo + n) of bk's slice, through step_split. grad, m, v,
     // vmax (may be null): the whole slice's; lp: the slice's low-precision parameters or null.
     void adam_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, float *m, float *v,
                      float *vmax, char *lp, const zx_adam_hparams &hp, const double *ctl, const int64_t *step);

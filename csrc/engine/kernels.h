@@ -72,6 +72,19 @@ public:
                             const double *ctl, const int64_t *step) {
         return false;
     }
+    // The same for SGD (buf: momentum, indexed like grad) and for Adam with bf16 states
+    // (element lead + j draws its random bits from counter offset + j, as adam_bf16_states).
+    virtual bool sgd_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
+                           const at::Tensor &grad, float *buf, const zx_sgd_hparams &hp, const double *ctl,
+                           const int64_t *step) {
+        return false;
+    }
+    virtual bool adam_bf16_states_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem,
+                                        uint8_t *ties, const at::Tensor &grad, uint16_t *m, uint16_t *v,
+                                        const zx_adam_hparams &hp, uint64_t seed, uint64_t offset, const double *ctl,
+                                        const int64_t *step) {
+        return false;
+    }
     // dst = (accumulate ? dst : 0) + sum_j src[j*slice_n + i], j ascending.
     virtual void sum_slices(int64_t slice_n, int32_t nslices, const float *src, float *dst, bool accumulate) = 0;
     // Blockwise quantization (Note [Blockwise quantization], csrc/core/zx_quant.c): the

@@ -128,9 +128,8 @@ public:
         });
     }
 
-    // Note [Fused split-master step]: tasks over whole tie bytes, each stepping its part of
-    // [lead, lead + n) in one pass (zx_adam_step_split); low-precision gradients converted
-    // 2048 elements (a whole number of tie bytes) at a time, as with_f32_grads does.
+    // Note [Fused split-master step]: each kernel's one-pass call over the split master, on
+    // tasks of whole tie bytes (split_tasks below).
     bool adam_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
                     const at::Tensor &grad, float *m, float *v, float *vmax, const zx_adam_hparams &hp_in,
                     const double *ctl, const int64_t *step) override {
@@ -138,24 +137,38 @@ public:
         zx_adam_hparams hp = hp_in;
         if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
         if (step != nullptr) hp.step = *step;
-        const int64_t end = lead + n;
-        zx_parallel_blocks(total, 8, [&](int64_t, int64_t ta, int64_t tb) {
-            const int64_t piece = rdt_ == ZX_F32 ? tb - ta : 2048;
-            float buf[2048];
-            for (int64_t a = ta; a < tb; a += piece) {
-                const int64_t b = std::min(tb, a + piece), s = std::max(a, lead), e = std::min(b, end);
-                if (e <= s) continue;   // no stepped element: its bits stay
-                const int64_t k = e - s, j = s - lead;
-                const float *g = buf;
-                if (rdt_ == ZX_F32)
-                    g = grad.data_ptr<float>() + j;
-                else
-                    zx_check(zx_cast_to_f32(isa_, (size_t)k, (const char *)grad.data_ptr() + j * grad.element_size(),
-                                            rdt_, buf), "converting gradients");
-                zx_check(zx_adam_step_split(isa_, (size_t)(b - a), (size_t)(s - a), (size_t)k, hi + a, rem + a,
-                                            ties + a / 8, g, m + j, v + j, vmax ? vmax + j : nullptr, &hp),
-                         "Adam step of the split master");
-            }
+        split_tasks(total, lead, n, grad, [&](int64_t a, int64_t b, int64_t s, int64_t k, int64_t j, const float *g) {
+            return zx_adam_step_split(isa_, (size_t)(b - a), (size_t)(s - a), (size_t)k, hi + a, rem + a, ties + a / 8,
+                                      g, m + j, v + j, vmax ? vmax + j : nullptr, &hp);
+        });
+        return true;
+    }
+
+    bool sgd_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
+                   const at::Tensor &grad, float *buf, const zx_sgd_hparams &hp_in, const double *ctl,
+                   const int64_t *step) override {
+        if (n <= 0 || (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0)) return true;
+        zx_sgd_hparams hp = hp_in;
+        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
+        if (step != nullptr) hp.first_step = *step == 1;
+        split_tasks(total, lead, n, grad, [&](int64_t a, int64_t b, int64_t s, int64_t k, int64_t j, const float *g) {
+            return zx_sgd_step_split(isa_, (size_t)(b - a), (size_t)(s - a), (size_t)k, hi + a, rem + a, ties + a / 8,
+                                     g, buf ? buf + j : nullptr, &hp);
+        });
+        return true;
+    }
+
+    bool adam_bf16_states_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
+                                const at::Tensor &grad, uint16_t *m, uint16_t *v, const zx_adam_hparams &hp_in,
+                                uint64_t seed, uint64_t offset, const double *ctl, const int64_t *step) override {
+        if (n <= 0 || (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0)) return true;
+        zx_adam_hparams hp = hp_in;
+        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
+        if (step != nullptr) hp.step = *step;
+        const uint64_t sd = seed + (uint64_t)hp.step;   // as adam_bf16_states
+        split_tasks(total, lead, n, grad, [&](int64_t a, int64_t b, int64_t s, int64_t k, int64_t j, const float *g) {
+            return zx_adam_step_bf16_states_split(isa_, (size_t)(b - a), (size_t)(s - a), (size_t)k, hi + a, rem + a,
+                                                  ties + a / 8, g, m + j, v + j, &hp, sd, offset + (uint64_t)j);
         });
         return true;
     }
@@ -220,6 +233,30 @@ private:
 
     // Kernels read fp32 gradients: a low-precision one is converted in small
     // cache-resident chunks (Note [Mixed precision]).
+    // [0, total) in tasks of whole tie bytes, each cut into pieces (2048 elements when the
+    // gradients need converting, as with_f32_grads); call(a, b, s, k, j, g) steps piece [a, b),
+    // whose elements [s, s + k) are the stepped run's j.., with g their fp32 gradients.
+    template <class F>
+    void split_tasks(int64_t total, int64_t lead, int64_t n, const at::Tensor &grad, F &&call) const {
+        const int64_t end = lead + n;
+        zx_parallel_blocks(total, 8, [&](int64_t, int64_t ta, int64_t tb) {
+            const int64_t piece = rdt_ == ZX_F32 ? tb - ta : 2048;
+            float buf[2048];
+            for (int64_t a = ta; a < tb; a += piece) {
+                const int64_t b = std::min(tb, a + piece), s = std::max(a, lead), e = std::min(b, end);
+                if (e <= s) continue;   // no stepped element: its bits stay
+                const int64_t k = e - s, j = s - lead;
+                const float *g = buf;
+                if (rdt_ == ZX_F32)
+                    g = grad.data_ptr<float>() + j;
+                else
+                    zx_check(zx_cast_to_f32(isa_, (size_t)k, (const char *)grad.data_ptr() + j * grad.element_size(),
+                                            rdt_, buf), "converting gradients");
+                zx_check(call(a, b, s, k, j, g), "a step of the split master");
+            }
+        });
+    }
+
     template <class F>
     void with_f32_grads(const at::Tensor &grad, int64_t lo, int64_t hi, F &&fn) const {
         if (rdt_ == ZX_F32) {

@@ -8,11 +8,11 @@
 namespace zx {
 
 int64_t MasterSplit::chunk_numel(int64_t max_slice_numel, bool cuda) {
-    int64_t c = cuda ? (int64_t(1) << 24) : 0;
-    // Tests only: chunks of this size on any device (the CPU too), so that small models
-    // cross chunk boundaries (tests/test_split_master.py).
+    int64_t c = cuda ? (int64_t(1) << 24) : (int64_t(1) << 15);
+    // Tests only: chunks of this size, so that small models cross chunk boundaries
+    // (tests/test_gpu_engine.py).
     if (const char *env = std::getenv("ZX_SPLIT_MASTER_CHUNK")) c = std::max<int64_t>(8, std::atoll(env) & ~int64_t(7));
-    return c == 0 ? 0 : std::max<int64_t>(8, std::min(c, (max_slice_numel + 7) & ~int64_t(7)));
+    return std::max<int64_t>(8, std::min(c, (max_slice_numel + 7) & ~int64_t(7)));
 }
 
 MasterSplit::MasterSplit(const std::vector<int64_t> &slice_numel, const std::vector<int64_t> &shard_offset,
@@ -30,14 +30,6 @@ MasterSplit::MasterSplit(const std::vector<int64_t> &slice_numel, const std::vec
     chunk_ = chunk_numel(largest, dev.is_cuda());
 }
 
-bool MasterSplit::adam(Kernels &k, int64_t b, uint16_t *hi, int64_t slice_numel, int64_t lo, int64_t n,
-                       const at::Tensor &grad, float *m, float *v, float *vmax, const zx_adam_hparams &hp,
-                       const double *ctl, const int64_t *step) {
-    const int64_t a0 = lo & ~int64_t(7), end = std::min((lo + n + 7) & ~int64_t(7), slice_numel);
-    return k.adam_split(end - a0, lo - a0, n, hi + a0, rem_.data_ptr<int16_t>() + shard_offset_[b] + a0,
-                        ties_.data_ptr<uint8_t>() + tie_offset_[b] + a0 / 8, grad, m, v, vmax, hp, ctl, step);
-}
-
 void MasterSplit::join(Kernels &k, int64_t b, const uint16_t *hi, int64_t at, int64_t n, float *out) {
     TORCH_CHECK(at % 8 == 0, "zero_ext: internal: a split-master chunk must start on a tie byte");
     k.master_join(n, hi + at, rem_.data_ptr<int16_t>() + shard_offset_[b] + at,
@@ -52,14 +44,16 @@ void MasterSplit::split(Kernels &k, int64_t b, const float *m, const uint16_t *h
 
 void Engine::adam_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, float *m, float *v,
                          float *vmax, char *lp, const zx_adam_hparams &hp, const double *ctl, const int64_t *step) {
-    if (split_ && split_->adam(k, &bk - buckets_.data(), (uint16_t *)lp, bk.slice_numel, lo, n, grad.narrow(0, lo, n),
-                               m + lo, v + lo, vmax ? vmax + lo : nullptr, hp, ctl, step))
-        return;
     const int64_t lp_elem = (int64_t)zx_dtype_size(dtypes_.param_zx);
-    step_master(bk, lo, n, [&](float *p, int64_t o, int64_t c) {
-        k.adam(c, p, grad.narrow(0, o, c), m + o, v + o, vmax ? vmax + o : nullptr, lp ? lp + o * lp_elem : nullptr,
-               dtypes_.param_zx, hp, ctl, step);
-    });
+    step_split(bk, lp, lo, n,
+               [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
+                   return k.adam_split(total, lead, n, hi, rem, ties, grad.narrow(0, lo, n), m + lo, v + lo,
+                                       vmax ? vmax + lo : nullptr, hp, ctl, step);
+               },
+               [&](float *p, int64_t o, int64_t c) {
+                   k.adam(c, p, grad.narrow(0, o, c), m + o, v + o, vmax ? vmax + o : nullptr,
+                          lp ? lp + o * lp_elem : nullptr, dtypes_.param_zx, hp, ctl, step);
+               });
 }
 
 const uint16_t *Engine::hi_bits(Bucket &bk) { return (const uint16_t *)lp_slice(bk).data_ptr(); }

@@ -194,6 +194,54 @@ static void test_fused_adam(void) {
           "n = 0 touches nothing");
 }
 
+/* SGD and Adam with bf16 states over the split master (blocked through L1) equal join, the
+   kernel writing hi, split, bit for bit; runs longer than a block and inside tie bytes. */
+static void test_blocked_steps(void) {
+    enum { T = 5003 };
+    static float m[T], g[T], b1[T], b2[T], master[T];
+    static uint16_t hi[T], hi2[T], s1[T], s2[T], t1[T], t2[T];
+    static int16_t rem[T], rem2[T];
+    static uint8_t ties[(T + 7) / 8], ties2[(T + 7) / 8];
+    const size_t runs[][3] = {{T, 0, T}, {T, 3, T - 8}, {4096, 7, 4089}, {17, 9, 8}, {8, 1, 6}};
+    const zx_sgd_hparams sgd = {1e-2, 0.9, 0.0, 1e-4, 1, 0, 0, 1.0f};
+    const zx_adam_hparams adam = {1e-3, 0.9, 0.999, 1e-8, 0.1, 4, 1, 0, 0, 1.0f};
+    long bad = 0;
+    for (int kind = 0; kind < 2; kind++)
+        for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+            const size_t total = runs[r][0], lead = runs[r][1], n = runs[r][2];
+            for (size_t i = 0; i < T; i++) {
+                const uint32_t u = 0x3c000000u + (uint32_t)(i * 2654435761u % 0x3000000u);
+                m[i] = bits_f32(i % 7 == 0 ? (u & ~0xffffu) | 0x8000u : u);
+                g[i] = (float)((int)(i * 40503u % 2001u) - 1000) * 1e-4f;
+                b1[i] = b2[i] = g[i] * 0.5f;
+                s1[i] = s2[i] = zx_f32_to_bf16_ref(g[i] * 0.1f);
+                t1[i] = t2[i] = zx_f32_to_bf16_ref(g[i] * g[i] + 1e-6f);
+                hi[i] = zx_f32_to_bf16_ref(m[i]);
+            }
+            CHECK(zx_master_split(ZX_ISA_SCALAR, T, m, hi, rem, ties) == ZX_OK, "split");
+            memcpy(hi2, hi, sizeof hi), memcpy(rem2, rem, sizeof rem), memcpy(ties2, ties, sizeof ties);
+            CHECK(zx_master_join(ZX_ISA_SCALAR, total, hi2, rem2, ties2, master) == ZX_OK, "join");
+            if (kind == 0) {
+                CHECK(zx_sgd_step(ZX_ISA_SCALAR, n, master + lead, g, b2, hi2 + lead, ZX_BF16, &sgd) == ZX_OK, "sgd");
+                CHECK(zx_sgd_step_split(g_isa, total, lead, n, hi, rem, ties, g, b1, &sgd) == ZX_OK, "sgd split");
+            } else {
+                CHECK(zx_adam_step_bf16_states(ZX_ISA_SCALAR, n, master + lead, g, s2, t2, hi2 + lead, ZX_BF16, &adam,
+                                               77, 1000) == ZX_OK, "adam bf16 states");
+                CHECK(zx_adam_step_bf16_states_split(g_isa, total, lead, n, hi, rem, ties, g, s1, t1, &adam, 77,
+                                                     1000) == ZX_OK, "adam bf16 states split");
+            }
+            CHECK(zx_master_split(ZX_ISA_SCALAR, total, master, hi2, rem2, ties2) == ZX_OK, "split back");
+            const int same = memcmp(hi, hi2, total * 2) == 0 && memcmp(rem, rem2, total * 2) == 0 &&
+                             memcmp(ties, ties2, (total + 7) / 8) == 0 && memcmp(b1, b2, sizeof b1) == 0 &&
+                             memcmp(s1, s2, sizeof s1) == 0 && memcmp(t1, t2, sizeof t1) == 0;
+            bad += !same;
+            CHECK(same, "%s over the split master (%zu, %zu, %zu) differs from join, step, split",
+                  kind ? "Adam with bf16 states" : "SGD", total, lead, n);
+        }
+    CHECK(bad == 0, "%ld blocked runs differ", bad);
+    CHECK(zx_sgd_step_split(g_isa, 16, 0, 8, hi, rem, ties, g, b1, &sgd) == ZX_ERR_INVALID_ARG, "a short run");
+}
+
 int main(void) {
     const zx_isa isas[2] = {ZX_ISA_SCALAR, zx_cpu_best_isa()};
     for (int k = 0; k < (isas[1] == ZX_ISA_SCALAR ? 1 : 2); k++) {
@@ -211,6 +259,7 @@ int main(void) {
         g_isa = every[k];
         printf("test_master_split: the fused Adam step, %s\n", zx_isa_name(g_isa));
         test_fused_adam();
+        test_blocked_steps();
     }
     printf("test_master_split: %ld passed, %ld failed\n", g_passed, g_failed);
     return g_failed ? 1 : 0;
