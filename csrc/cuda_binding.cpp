@@ -67,6 +67,26 @@ zx_dtype zx_any_dtype(const at::Tensor &t, const char *name) {
 // The current stream of the current device (set by the CUDAGuard before each call).
 void *zx_current_stream() { return static_cast<void *>(c10::cuda::getCurrentCUDAStream().stream()); }
 
+// The AMSGrad maximum (n fp32 on device) when amsgrad, else null.
+float *zx_vmax_ptr(bool amsgrad, const std::optional<at::Tensor> &max_exp_avg_sq, const at::Device &device,
+                   int64_t n) {
+    if (!amsgrad) return nullptr;
+    TORCH_CHECK(max_exp_avg_sq.has_value(), "amsgrad=True needs max_exp_avg_sq");
+    zx_check_tensor(*max_exp_avg_sq, "max_exp_avg_sq", at::kFloat, device, n);
+    return max_exp_avg_sq->data_ptr<float>();
+}
+
+// The step count in device memory (step_tensor, CUDA graphs), else null after checking the host step.
+const int64_t *zx_device_step_ptr(const std::optional<at::Tensor> &step_tensor, int64_t step,
+                                  const at::Device &device) {
+    if (step_tensor.has_value()) {
+        zx_check_tensor(*step_tensor, "step_tensor", at::kLong, device, 1);
+        return step_tensor->data_ptr<int64_t>();
+    }
+    TORCH_CHECK(step >= 1, "step must be >= 1 (the count after this step's increment), got ", step);
+    return nullptr;
+}
+
 void zx_py_cuda_adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                           std::optional<at::Tensor> max_exp_avg_sq, std::optional<at::Tensor> param_lp,
                           double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -79,12 +99,7 @@ void zx_py_cuda_adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg,
     zx_check_tensor(grad, "grad", at::kFloat, device, n);
     zx_check_tensor(exp_avg, "exp_avg", at::kFloat, device, n);
     zx_check_tensor(exp_avg_sq, "exp_avg_sq", at::kFloat, device, n);
-    float *max_ptr = nullptr;
-    if (amsgrad) {
-        TORCH_CHECK(max_exp_avg_sq.has_value(), "amsgrad=True needs max_exp_avg_sq");
-        zx_check_tensor(*max_exp_avg_sq, "max_exp_avg_sq", at::kFloat, device, n);
-        max_ptr = max_exp_avg_sq->data_ptr<float>();
-    }
+    float *max_ptr = zx_vmax_ptr(amsgrad, max_exp_avg_sq, device, n);
     void *lp_ptr = nullptr;
     zx_dtype lp_dtype = ZX_BF16;
     if (param_lp.has_value()) {
@@ -92,13 +107,7 @@ void zx_py_cuda_adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg,
         zx_check_tensor(*param_lp, "param_lp", param_lp->scalar_type(), device, n);
         lp_ptr = param_lp->data_ptr();
     }
-    const int64_t *step_ptr = nullptr;
-    if (step_tensor.has_value()) {
-        zx_check_tensor(*step_tensor, "step_tensor", at::kLong, device, 1);
-        step_ptr = step_tensor->data_ptr<int64_t>();
-    } else {
-        TORCH_CHECK(step >= 1, "step must be >= 1 (the count after this step's increment), got ", step);
-    }
+    const int64_t *step_ptr = zx_device_step_ptr(step_tensor, step, device);
     const zx_adam_hparams hp = adam_hparams_of(lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
                                                maximize, grad_scale);
     c10::cuda::CUDAGuard guard(device);
@@ -130,13 +139,7 @@ void zx_py_cuda_adam_step_bf16_states(at::Tensor param, at::Tensor grad, at::Ten
         zx_check_tensor(*param_lp, "param_lp", param_lp->scalar_type(), device, n);
         lp_ptr = param_lp->data_ptr();
     }
-    const int64_t *step_ptr = nullptr;
-    if (step_tensor.has_value()) {
-        zx_check_tensor(*step_tensor, "step_tensor", at::kLong, device, 1);
-        step_ptr = step_tensor->data_ptr<int64_t>();
-    } else {
-        TORCH_CHECK(step >= 1, "step must be >= 1 (the count after this step's increment), got ", step);
-    }
+    const int64_t *step_ptr = zx_device_step_ptr(step_tensor, step, device);
     const zx_adam_hparams hp = adam_hparams_of(lr, beta1, beta2, eps, weight_decay, step, decoupled, false,
                                                maximize, grad_scale);
     c10::cuda::CUDAGuard guard(device);
@@ -337,19 +340,8 @@ void zx_py_cuda_adam_step_split(at::Tensor hi, at::Tensor rem, at::Tensor ties, 
     for (const auto &[t, name] : {std::pair<const at::Tensor &, const char *>{grad, "grad"}, {exp_avg, "exp_avg"},
                                   {exp_avg_sq, "exp_avg_sq"}})
         zx_check_tensor(t, name, at::kFloat, hi.device(), n);
-    float *max_ptr = nullptr;
-    if (amsgrad) {
-        TORCH_CHECK(max_exp_avg_sq.has_value(), "amsgrad=True needs max_exp_avg_sq");
-        zx_check_tensor(*max_exp_avg_sq, "max_exp_avg_sq", at::kFloat, hi.device(), n);
-        max_ptr = max_exp_avg_sq->data_ptr<float>();
-    }
-    const int64_t *step_ptr = nullptr;
-    if (step_tensor.has_value()) {
-        zx_check_tensor(*step_tensor, "step_tensor", at::kLong, hi.device(), 1);
-        step_ptr = step_tensor->data_ptr<int64_t>();
-    } else {
-        TORCH_CHECK(step >= 1, "step must be >= 1 (the count after this step's increment), got ", step);
-    }
+    float *max_ptr = zx_vmax_ptr(amsgrad, max_exp_avg_sq, hi.device(), n);
+    const int64_t *step_ptr = zx_device_step_ptr(step_tensor, step, hi.device());
     const zx_adam_hparams hp = adam_hparams_of(lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
                                                maximize, grad_scale);
     c10::cuda::CUDAGuard guard(hi.device());

@@ -102,6 +102,20 @@ uint16_t *lp_ptr(const std::optional<at::Tensor> &t) {
     return t ? static_cast<uint16_t *>(t->data_ptr()) : nullptr;
 }
 
+// Adam's fp32 states (n elements each, on the CPU); returns the AMSGrad maximum when
+// amsgrad, else null. like: what the states are shaped like, for the message.
+float *check_adam_states(int64_t n, const at::Tensor &grad, const at::Tensor &exp_avg, const at::Tensor &exp_avg_sq,
+                         const std::optional<at::Tensor> &max_exp_avg_sq, bool amsgrad, const char *like) {
+    check_cpu(grad, "grad", at::kFloat, n);
+    check_cpu(exp_avg, "exp_avg", at::kFloat, n);
+    check_cpu(exp_avg_sq, "exp_avg_sq", at::kFloat, n);
+    TORCH_CHECK(!amsgrad || max_exp_avg_sq.has_value(),
+                "zero_ext: amsgrad=True needs max_exp_avg_sq (a float32 tensor shaped like ", like, ")");
+    if (!amsgrad) return nullptr;
+    check_cpu(*max_exp_avg_sq, "max_exp_avg_sq", at::kFloat, n);
+    return max_exp_avg_sq->data_ptr<float>();
+}
+
 void py_adam_step(const std::string &isa_name, at::Tensor param, at::Tensor grad, at::Tensor exp_avg,
                   at::Tensor exp_avg_sq, std::optional<at::Tensor> max_exp_avg_sq,
                   std::optional<at::Tensor> param_lp, double lr, double beta1, double beta2, double eps,
@@ -110,16 +124,7 @@ void py_adam_step(const std::string &isa_name, at::Tensor param, at::Tensor grad
     const zx_isa isa = isa_arg(isa_name);
     const int64_t n = param.numel();
     check_cpu(param, "param", at::kFloat, n);
-    check_cpu(grad, "grad", at::kFloat, n);
-    check_cpu(exp_avg, "exp_avg", at::kFloat, n);
-    check_cpu(exp_avg_sq, "exp_avg_sq", at::kFloat, n);
-    TORCH_CHECK(!amsgrad || max_exp_avg_sq.has_value(),
-                "zero_ext: amsgrad=True needs max_exp_avg_sq (a float32 tensor shaped like param)");
-    float *v_max = nullptr;
-    if (amsgrad) {
-        check_cpu(*max_exp_avg_sq, "max_exp_avg_sq", at::kFloat, n);
-        v_max = max_exp_avg_sq->data_ptr<float>();
-    }
+    float *v_max = check_adam_states(n, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad, "param");
     zx_dtype lp_dtype = param_lp ? check_lp(*param_lp, "param_lp", n) : ZX_F32;
     const zx_adam_hparams hp = adam_hparams_of(lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
                                                maximize, grad_scale);
@@ -322,16 +327,7 @@ void py_adam_step_split(const std::string &isa_name, at::Tensor hi, at::Tensor r
     TORCH_CHECK(lead >= 0 && lead + n <= total && total - lead - n < 8, "zero_ext: the stepped elements [lead, ",
                 "lead + grad.numel()) must end less than 8 elements before hi does (one tie byte); got lead=", lead,
                 ", grad.numel()=", n, ", hi.numel()=", total);
-    check_cpu(grad, "grad", at::kFloat, n);
-    check_cpu(exp_avg, "exp_avg", at::kFloat, n);
-    check_cpu(exp_avg_sq, "exp_avg_sq", at::kFloat, n);
-    TORCH_CHECK(!amsgrad || max_exp_avg_sq.has_value(),
-                "zero_ext: amsgrad=True needs max_exp_avg_sq (a float32 tensor shaped like grad)");
-    float *v_max = nullptr;
-    if (amsgrad) {
-        check_cpu(*max_exp_avg_sq, "max_exp_avg_sq", at::kFloat, n);
-        v_max = max_exp_avg_sq->data_ptr<float>();
-    }
+    float *v_max = check_adam_states(n, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad, "grad");
     const zx_adam_hparams hp = adam_hparams_of(lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
                                                maximize, grad_scale);
     zx_check(zx_adam_step_split(isa, (size_t)total, (size_t)lead, (size_t)n,

@@ -129,6 +129,12 @@ zx_status zx_adam_step(zx_isa isa, size_t n, float *param, const float *grad,
     return ZX_OK;
 }
 
+/* A split-master call's stepped run [lead, lead + n) lies in [0, total) and ends in its last
+ * tie byte (Note [Fused split-master step]). */
+static int split_run_ok(size_t total, size_t lead, size_t n) {
+    return lead <= total && n <= total - lead && total - lead - n < 8;
+}
+
 /* Bytes [from, to) of a split-master call (to: at most the call's total), through an
  * 8-element buffer: join, the reference step on the elements of [lead, end) among them,
  * their bf16 rounding into hi, split. */
@@ -155,13 +161,9 @@ static void adam_split_ref(size_t from, size_t to, size_t lead, size_t end, uint
 zx_status zx_adam_step_split(zx_isa isa, size_t total, size_t lead, size_t n, uint16_t *hi, int16_t *rem,
                              uint8_t *ties, const float *grad, float *exp_avg, float *exp_avg_sq,
                              float *max_exp_avg_sq, const zx_adam_hparams *hp) {
-    if (!hp) return ZX_ERR_INVALID_ARG;
-    if (hp->step < 1 || !nonneg(hp->lr) || !nonneg(hp->eps) || !nonneg(hp->weight_decay) ||
-        !(hp->beta1 >= 0.0 && hp->beta1 < 1.0) || !(hp->beta2 >= 0.0 && hp->beta2 < 1.0))
-        return ZX_ERR_INVALID_ARG;
-    if (lead > total || n > total - lead || total - lead - n >= 8) return ZX_ERR_INVALID_ARG;
-    zx_status s = check_isa(isa);
+    zx_status s = zx_adam_step(isa, 0, NULL, NULL, NULL, NULL, NULL, NULL, ZX_BF16, hp);   /* hp and isa checks */
     if (s != ZX_OK) return s;
+    if (!split_run_ok(total, lead, n)) return ZX_ERR_INVALID_ARG;
     if (n == 0) return ZX_OK;
     if (!hi || !rem || !ties || !grad || !exp_avg || !exp_avg_sq) return ZX_ERR_INVALID_ARG;
     if (hp->amsgrad && !max_exp_avg_sq) return ZX_ERR_INVALID_ARG;
@@ -378,7 +380,7 @@ typedef void (*zx_split_step_fn)(void *ctx, size_t k, float *p, size_t j, uint16
 
 static zx_status split_blocks(zx_isa isa, size_t total, size_t lead, size_t n, uint16_t *hi, int16_t *rem,
                               uint8_t *ties, zx_split_step_fn step, void *ctx) {
-    if (lead > total || n > total - lead || total - lead - n >= 8) return ZX_ERR_INVALID_ARG;
+    if (!split_run_ok(total, lead, n)) return ZX_ERR_INVALID_ARG;
     if (n == 0) return ZX_OK;
     if (!hi || !rem || !ties) return ZX_ERR_INVALID_ARG;
     float buf[ZX_LP_BLOCK_NUMEL];

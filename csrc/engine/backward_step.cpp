@@ -46,7 +46,6 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
     const int64_t g = bk.group, step = bw_.steps + 1;
     settle_masters();   // Note [Split master in the engine]
     char *lp = (char *)lp_out(bk);
-    const int64_t lp_elem = (int64_t)zx_dtype_size(dtypes_.param_zx);
     const int64_t so = bk.state_offset - bk.state_lo;   // Note [State windows]
     if (!bw_.adam.empty()) {
         TORCH_CHECK(g < (int64_t)bw_.adam.size(), "zero_ext: internal: missing hyperparameters for group ", g);
@@ -57,16 +56,7 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
             const int64_t b = &bk - buckets_.data();
             const uint64_t c0 = counter_base(b) + (uint64_t)(rank_ * bk.slice_numel);
             uint16_t *m = (uint16_t *)ms.data_ptr() + so, *v = (uint16_t *)vs.data_ptr() + so;
-            step_split(bk, lp, 0, bk.slice_numel,
-                       [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
-                           return kern_->adam_bf16_states_split(total, lead, bk.slice_numel, hi, rem, ties, grad, m, v,
-                                                                h, kStateSeed, c0, nullptr, nullptr);
-                       },
-                       [&](float *p, int64_t o, int64_t n) {
-                           kern_->adam_bf16_states(n, p, grad.narrow(0, o, n), m + o, v + o,
-                                                   lp ? lp + o * lp_elem : nullptr, dtypes_.param_zx, h, kStateSeed,
-                                                   c0 + (uint64_t)o, nullptr, nullptr);
-                       });
+            adam_bf16_master(*kern_, bk, 0, bk.slice_numel, grad, m, v, lp, h, c0, nullptr, nullptr);
         } else {
             float *m = ms.data_ptr<float>() + so, *v = vs.data_ptr<float>() + so;
             float *vmax = h.amsgrad ? state("max_exp_avg_sq").data_ptr<float>() + so : nullptr;
@@ -77,15 +67,7 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
         zx_sgd_hparams h = bw_.sgd[g];
         h.first_step = step == 1;
         float *buf = h.momentum != 0.0 ? state("momentum_buffer").data_ptr<float>() + so : nullptr;
-        step_split(bk, lp, 0, bk.slice_numel,
-                   [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
-                       return kern_->sgd_split(total, lead, bk.slice_numel, hi, rem, ties, grad, buf, h, nullptr,
-                                               nullptr);
-                   },
-                   [&](float *p, int64_t o, int64_t n) {
-                       kern_->sgd(n, p, grad.narrow(0, o, n), buf ? buf + o : nullptr, lp ? lp + o * lp_elem : nullptr,
-                                  dtypes_.param_zx, h, nullptr, nullptr);
-                   });
+        sgd_master(*kern_, bk, 0, bk.slice_numel, grad, buf, lp, h, nullptr, nullptr);
     }
     bw_.stepped = true;
 }

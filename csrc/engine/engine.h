@@ -406,27 +406,28 @@ private:
     // while it exists), and settled back (rounded into the parameters, split, freed).
     void settle_masters();
     const uint16_t *hi_bits(Bucket &bk);   // the owned slice of flat_param, bf16 bits
-    // fn(p, o, n): a fused step over elements [lo, lo + n) of bk's slice, p their fp32
-    // master (through the split master's scratch, chunk by chunk, when there is one).
-    template <class F>
-    void step_master(Bucket &bk, int64_t lo, int64_t n, F &&fn) {
-        if (!split_) return fn(master(bk) + lo, lo, n);
-        split_->over(*kern_, &bk - buckets_.data(), hi_bits(bk), bk.slice_numel, lo, n, fn);
-    }
-    // A fused step over [lo, lo + n) of bk's slice (lp: its low-precision parameters): with a
-    // split master, one_pass(total, lead, hi, rem, ties), the kernel table's one-pass call
-    // (Note [Fused split-master step]); where that returns false, or without a split master,
-    // chunked(p, o, c) through step_master.
+    // A fused step over [lo, lo + n) of bk's slice (lp: its low-precision parameters). With a
+    // split master: one_pass(total, lead, hi, rem, ties), the kernel table's one-pass call
+    // (Note [Fused split-master step]), or where that returns false chunked(p, o, c) through
+    // the split master's fp32 scratch, chunk by chunk; without one: chunked on the master.
     template <class OnePass, class Chunked>
     void step_split(Bucket &bk, char *lp, int64_t lo, int64_t n, OnePass &&one_pass, Chunked &&chunked) {
-        if (split_ && split_->one_pass(&bk - buckets_.data(), (uint16_t *)lp, bk.slice_numel, lo, n, one_pass))
-            return;
-        step_master(bk, lo, n, chunked);
+        if (!split_) return chunked(master(bk) + lo, lo, n);
+        const int64_t b = &bk - buckets_.data();
+        if (!split_->one_pass(b, (uint16_t *)lp, bk.slice_numel, lo, n, one_pass))
+            split_->over(*kern_, b, hi_bits(bk), bk.slice_numel, lo, n, chunked);
     }
     // Adam with fp32 states over [lo, lo + n) of bk's slice, through step_split. grad, m, v,
     // vmax (may be null): the whole slice's; lp: the slice's low-precision parameters or null.
     void adam_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, float *m, float *v,
                      float *vmax, char *lp, const zx_adam_hparams &hp, const double *ctl, const int64_t *step);
+    // The same for Adam with bf16 states (c0: the counter of the slice's element 0, Note [bf16
+    // optimizer states]) and for SGD (buf: the momentum, may be null).
+    void adam_bf16_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, uint16_t *m,
+                          uint16_t *v, char *lp, const zx_adam_hparams &hp, uint64_t c0, const double *ctl,
+                          const int64_t *step);
+    void sgd_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, float *buf, char *lp,
+                    const zx_sgd_hparams &hp, const double *ctl, const int64_t *step);
     // step_in_backward: bucket bk's fused step on its reduced gradient slice grad (sums)
     void step_landed(Bucket &bk, const at::Tensor &grad);
     at::Tensor landing(int64_t numel);   // step_in_backward, all-to-all: where the slices are summed

@@ -24,10 +24,8 @@ public:
 
     void adam(int64_t n, float *p, const at::Tensor &grad, float *m, float *v, float *vmax, void *lp,
               zx_dtype lp_dtype, const zx_adam_hparams &hp_in, const double *ctl, const int64_t *step) override {
-        if (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0) return;
         zx_adam_hparams hp = hp_in;
-        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
-        if (step != nullptr) hp.step = *step;
+        if (!controlled(hp, ctl, step)) return;
         char *lpc = (char *)lp;
         parallel(n, [&](int64_t lo, int64_t hi) {
             with_f32_grads(grad, lo, hi, [&](const float *g, int64_t a, int64_t b) {
@@ -41,10 +39,8 @@ public:
     void adam_bf16_states(int64_t n, float *p, const at::Tensor &grad, uint16_t *m, uint16_t *v, void *lp,
                           zx_dtype lp_dtype, const zx_adam_hparams &hp_in, uint64_t seed, uint64_t offset,
                           const double *ctl, const int64_t *step) override {
-        if (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0) return;
         zx_adam_hparams hp = hp_in;
-        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
-        if (step != nullptr) hp.step = *step;
+        if (!controlled(hp, ctl, step)) return;
         const uint64_t s = seed + (uint64_t)hp.step;   // as the CUDA kernel with a device step
         char *lpc = (char *)lp;
         parallel(n, [&](int64_t lo, int64_t hi) {
@@ -60,10 +56,8 @@ public:
 
     void sgd(int64_t n, float *p, const at::Tensor &grad, float *buf, void *lp, zx_dtype lp_dtype,
              const zx_sgd_hparams &hp_in, const double *ctl, const int64_t *step) override {
-        if (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0) return;
         zx_sgd_hparams hp = hp_in;
-        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
-        if (step != nullptr) hp.first_step = *step == 1;
+        if (!controlled(hp, ctl, step)) return;
         char *lpc = (char *)lp;
         parallel(n, [&](int64_t lo, int64_t hi) {
             with_f32_grads(grad, lo, hi, [&](const float *g, int64_t a, int64_t b) {
@@ -133,10 +127,8 @@ public:
     bool adam_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
                     const at::Tensor &grad, float *m, float *v, float *vmax, const zx_adam_hparams &hp_in,
                     const double *ctl, const int64_t *step) override {
-        if (n <= 0 || (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0)) return true;
         zx_adam_hparams hp = hp_in;
-        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
-        if (step != nullptr) hp.step = *step;
+        if (n <= 0 || !controlled(hp, ctl, step)) return true;
         split_tasks(total, lead, n, grad, [&](int64_t a, int64_t b, int64_t s, int64_t k, int64_t j, const float *g) {
             return zx_adam_step_split(isa_, (size_t)(b - a), (size_t)(s - a), (size_t)k, hi + a, rem + a, ties + a / 8,
                                       g, m + j, v + j, vmax ? vmax + j : nullptr, &hp);
@@ -147,10 +139,8 @@ public:
     bool sgd_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
                    const at::Tensor &grad, float *buf, const zx_sgd_hparams &hp_in, const double *ctl,
                    const int64_t *step) override {
-        if (n <= 0 || (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0)) return true;
         zx_sgd_hparams hp = hp_in;
-        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
-        if (step != nullptr) hp.first_step = *step == 1;
+        if (n <= 0 || !controlled(hp, ctl, step)) return true;
         split_tasks(total, lead, n, grad, [&](int64_t a, int64_t b, int64_t s, int64_t k, int64_t j, const float *g) {
             return zx_sgd_step_split(isa_, (size_t)(b - a), (size_t)(s - a), (size_t)k, hi + a, rem + a, ties + a / 8,
                                      g, buf ? buf + j : nullptr, &hp);
@@ -161,10 +151,8 @@ public:
     bool adam_bf16_states_split(int64_t total, int64_t lead, int64_t n, uint16_t *hi, int16_t *rem, uint8_t *ties,
                                 const at::Tensor &grad, uint16_t *m, uint16_t *v, const zx_adam_hparams &hp_in,
                                 uint64_t seed, uint64_t offset, const double *ctl, const int64_t *step) override {
-        if (n <= 0 || (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0)) return true;
         zx_adam_hparams hp = hp_in;
-        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
-        if (step != nullptr) hp.step = *step;
+        if (n <= 0 || !controlled(hp, ctl, step)) return true;
         const uint64_t sd = seed + (uint64_t)hp.step;   // as adam_bf16_states
         split_tasks(total, lead, n, grad, [&](int64_t a, int64_t b, int64_t s, int64_t k, int64_t j, const float *g) {
             return zx_adam_step_bf16_states_split(isa_, (size_t)(b - a), (size_t)(s - a), (size_t)k, hi + a, rem + a,
@@ -233,6 +221,21 @@ private:
 
     // Kernels read fp32 gradients: a low-precision one is converted in small
     // cache-resident chunks (Note [Mixed precision]).
+    // The step control (Note [Step control]) and a step count, both in host memory here, folded
+    // into hp; false: this step is skipped.
+    static bool controlled(zx_adam_hparams &hp, const double *ctl, const int64_t *step) {
+        if (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0) return false;
+        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
+        if (step != nullptr) hp.step = *step;
+        return true;
+    }
+    static bool controlled(zx_sgd_hparams &hp, const double *ctl, const int64_t *step) {
+        if (ctl != nullptr && ctl[ZX_CTL_SKIP] != 0.0) return false;
+        if (ctl != nullptr) hp.grad_scale = (float)ctl[ZX_CTL_MULT];
+        if (step != nullptr) hp.first_step = *step == 1;
+        return true;
+    }
+
     // [0, total) in tasks of whole tie bytes, each cut into pieces (2048 elements when the
     // gradients need converting, as with_f32_grads); call(a, b, s, k, j, g) steps piece [a, b),
     // whose elements [s, s + k) are the stepped run's j.., with g their fp32 gradients.

@@ -65,7 +65,6 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
     TORCH_CHECK(!(bf && ams), "zero_ext: amsgrad=True has no bf16 optimizer state; pass state_dtype='fp32' or "
                 "build the optimizer with amsgrad=False");
     at::Tensor vmax = ams ? state("max_exp_avg_sq") : at::Tensor();
-    const int64_t lp_elem = (int64_t)zx_dtype_size(dtypes_.param_zx);
     settle_masters();   // Note [Split master in the engine]: step the split form
     for (auto &bk : buckets_) {
         // Whole tensors / another part's groups; a mixed bucket's pieces (Note [Cut parameters]).
@@ -91,17 +90,8 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
                             ctl_ptr(ctl), step_ptr(steps, bk.group));
                 continue;
             }
-            step_split(bk, lp, 0, bk.slice_numel,
-                       [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
-                           return kern_->adam_bf16_states_split(total, lead, bk.slice_numel, hi, rem, ties, gs, mb, vb,
-                                                                hp, kStateSeed, c0, ctl_ptr(ctl),
-                                                                step_ptr(steps, bk.group));
-                       },
-                       [&](float *p, int64_t o, int64_t n) {
-                           kern_->adam_bf16_states(n, p, gs.narrow(0, o, n), mb + o, vb + o,
-                                                   lp ? lp + o * lp_elem : nullptr, dtypes_.param_zx, hp, kStateSeed,
-                                                   c0 + (uint64_t)o, ctl_ptr(ctl), step_ptr(steps, bk.group));
-                       });
+            adam_bf16_master(*kern_, bk, 0, bk.slice_numel, gs, mb, vb, lp, hp, c0, ctl_ptr(ctl),
+                             step_ptr(steps, bk.group));
             continue;
         }
         // Note [Unused parameters]: only the stretches of stepped parameters.
@@ -116,18 +106,7 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
                             nullptr);
                 continue;
             }
-            step_split(bk, lp, r.offset, r.numel,
-                       [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
-                           return kstep().adam_bf16_states_split(total, lead, r.numel, hi, rem, ties,
-                                                                 gs.narrow(0, r.offset, r.numel), mb + r.offset,
-                                                                 vb + r.offset, h, kStateSeed,
-                                                                 c0 + (uint64_t)r.offset, nullptr, nullptr);
-                       },
-                       [&](float *p, int64_t o, int64_t n) {
-                           kstep().adam_bf16_states(n, p, gs.narrow(0, o, n), mb + o, vb + o,
-                                                    lp ? lp + o * lp_elem : nullptr, dtypes_.param_zx, h, kStateSeed,
-                                                    c0 + (uint64_t)o, nullptr, nullptr);
-                       });
+            adam_bf16_master(kstep(), bk, r.offset, r.numel, gs, mb, vb, lp, h, c0, nullptr, nullptr);
         }
         if (off_) upload(bk);   // overlaps the next bucket's step
     }
@@ -139,7 +118,6 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
     bool momentum = false;
     for (const auto &h : hps) momentum = momentum || h.momentum != 0.0;
     at::Tensor buf = momentum ? state("momentum_buffer") : at::Tensor();
-    const int64_t lp_elem = (int64_t)zx_dtype_size(dtypes_.param_zx);
     settle_masters();   // Note [Split master in the engine]
     for (auto &bk : buckets_) {
         if (bk.atomic ? !bk.mixed : !active(bk)) continue;   // as step_adam
@@ -153,17 +131,8 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
             const zx_sgd_hparams &hp = hps[bk.group];
             TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
-            float *mom = hp.momentum != 0.0 ? bp : nullptr;
-            step_split(bk, lp, 0, bk.slice_numel,
-                       [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
-                           return kern_->sgd_split(total, lead, bk.slice_numel, hi, rem, ties, gs, mom, hp,
-                                                   ctl_ptr(ctl), step_ptr(steps, bk.group));
-                       },
-                       [&](float *p, int64_t o, int64_t n) {
-                           kern_->sgd(n, p, gs.narrow(0, o, n), mom ? mom + o : nullptr,
-                                      lp ? lp + o * lp_elem : nullptr, dtypes_.param_zx, hp, ctl_ptr(ctl),
-                                      step_ptr(steps, bk.group));
-                       });
+            sgd_master(*kern_, bk, 0, bk.slice_numel, gs, hp.momentum != 0.0 ? bp : nullptr, lp, hp, ctl_ptr(ctl),
+                       step_ptr(steps, bk.group));
             continue;
         }
         for (const StepRun &r : bk.mixed ? book_.mixed_runs(b, plan_, group_of_) : book_.runs(b, bk.slice_numel)) {   // Note [Unused parameters]
@@ -172,16 +141,7 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
             TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
             zx_sgd_hparams h = hps[g];
             h.first_step = r.step == 1;
-            float *mom = h.momentum != 0.0 ? bp : nullptr;
-            step_split(bk, lp, r.offset, r.numel,
-                       [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
-                           return kstep().sgd_split(total, lead, r.numel, hi, rem, ties, gs.narrow(0, r.offset, r.numel),
-                                                    mom ? mom + r.offset : nullptr, h, nullptr, nullptr);
-                       },
-                       [&](float *p, int64_t o, int64_t n) {
-                           kstep().sgd(n, p, gs.narrow(0, o, n), mom ? mom + o : nullptr,
-                                       lp ? lp + o * lp_elem : nullptr, dtypes_.param_zx, h, nullptr, nullptr);
-                       });
+            sgd_master(kstep(), bk, r.offset, r.numel, gs, h.momentum != 0.0 ? bp : nullptr, lp, h, nullptr, nullptr);
         }
         if (off_) upload(bk);
     }
