@@ -10,15 +10,18 @@
 //   layout.cpp       the buckets, shards and views built from the plan; stats
 //   stats.h          what stats() reports, as plain data (the binding makes the dicts)
 //   fill.cpp         atomic buckets filled with cut parameters; per-element state windows
-//   reducer.cpp      gradient readiness, the ring, reduce-scatter / all-reduce
+//   reducer.cpp      gradient readiness, launch and landing of each bucket's reduction, zero_grad
+//   grad_reducer.h   GradReducer: backward's reductions and the reduce kind, chosen once; it holds:
+//     backward_pass.h  where a backward stands (readiness, launch order, no_sync, counters)
+//     grad_ring.h      the gradient slots of stages 2-3
+//     reduce_groups.h  stage 3: small buckets' gradients reduced together (Note [Coalesced gradient reductions])
+//     quant_reduce.h   grad_quant's codes, scales and residuals (Note [Quantized gradient reduction])
 //   gatherer.cpp     parameter all-gather (stages 0-2) and stage-3 units
 //   stepper.cpp      optimizer steps, gradient norm and scaling, casts
 //   comm.h/.cpp      Communicator: collectives on the process group, counters
 //   sequence.h/.cpp  the collective sequence check: divergent ranks named, not hung
 //   bucket.h         Bucket: one bucket of the plan as tensors; GatherGroup
 //   owners of one piece of state each, used by the files above:
-//     backward_pass.h  where a backward stands (readiness, launch order, no_sync, counters)
-//     grad_ring.h      the gradient slots of stages 2-3
 //     param_pieces.h   where each parameter lies; cut parameters (Note [Cut parameters])
 //     gather_meter.h   bytes of gathered parameters and their peak
 //     sharded_grads.h  what .grad shows: stage 0-1 views, stage 2-3 wrappers (Note [Sharded gradients])
@@ -32,7 +35,6 @@
 //   offload.h/.cpp   offload="cpu": host rings, copy stream, landing worker (Note [Optimizer offload])
 //   backward_step.cpp step_in_backward: each bucket steps as its gradient lands (Note [Step in backward])
 //   master_split.h/.cpp the bf16 stage 0-2 master as a remainder (Note [Split master in the engine])
-//   reduce_groups.h  stage 3: small buckets' gradients reduced together (Note [Coalesced gradient reductions])
 #pragma once
 
 #include <ATen/ATen.h>
@@ -46,20 +48,17 @@
 #include <vector>
 
 #include "core/zx_core.h"
-#include "engine/backward_pass.h"  // defines: BackwardPass
 #include "engine/bucket.h"    // defines: Bucket, GatherGroup
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
 #include "engine/frozen_params.h"  // defines: FrozenParams (stage 3 frozen parameters)
 #include "engine/gather_meter.h"   // defines: GatherMeter
-#include "engine/grad_ring.h"      // defines: GradRing, Slot
+#include "engine/grad_reducer.h"   // defines: GradReducer (backward's reductions), ReduceKind
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
 #include "engine/master_split.h"   // defines: MasterSplit (master_remainder)
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
 #include "engine/optimizer_states.h"  // defines: OptimizerStates
 #include "engine/param_pieces.h"  // defines: ParamPieces (Note [Cut parameters])
 #include "engine/quant_gather.h"   // defines: QuantGather (param_quant)
-#include "engine/quant_reduce.h"   // defines: QuantReduce (grad_quant)
-#include "engine/reduce_groups.h"  // defines: ReduceGroups (stage 3: coalesced reductions)
 #include "engine/secondary.h"      // defines: Secondary (node_size)
 #include "engine/sharded_grads.h"  // defines: ShardedGrads (Note [Sharded gradients]), GradViews
 #include "engine/step_book.h"      // defines: StepBook, StepRun (Note [Unused parameters])
@@ -163,10 +162,10 @@ public:
     // end of a reducing backward until the next forward (hide) or zero_grad.
     void set_grad_wrappers(std::vector<at::Tensor> wrappers) { sharded_grads_.set(std::move(wrappers)); }
     void hide_sharded_grads();
-    int64_t grad_generation() const { return pass_.generation(); }   // changes when the gradients do
+    int64_t grad_generation() const { return reducer_.pass().generation(); }   // changes when the gradients do
     void wait_reductions();            // block until every launched reduction is done
-    void set_require_sync(bool sync) { pass_.set_require_sync(sync); }
-    bool require_sync() const { return pass_.require_sync(); }
+    void set_require_sync(bool sync) { reducer_.pass().set_require_sync(sync); }
+    bool require_sync() const { return reducer_.pass().require_sync(); }
 
     // --- optimizer ---
     // Fused AdamW/Adam step over this rank's shard. hparams: one dict per param group.
@@ -353,9 +352,7 @@ private:
     }
     bool active(const Bucket &bk) const { return active_group(bk.group); }
     void launch(int64_t b);
-    // Note [Coalesced gradient reductions]: one collective for the group being filled
-    void launch_reduce_group();
-    void finish_reduce_group(ReduceGroup &g);
+    void finish_reduce_group(ReduceGroup &g);   // Note [Coalesced gradient reductions]: its sums into the shard
     void complete(int64_t b);          // wait for b's reduction and post-process it
     int64_t acquire_slot(int64_t b);
     void release_slot(int64_t b);
@@ -397,10 +394,6 @@ private:
     // The kernels that step those: the host's with offload, else the device's.
     Kernels &kstep() { return host_kern_ ? *host_kern_ : *kern_; }
     at::Tensor host_grad_slice(const Bucket &bk);   // offload: bucket bk's slice of the host gradient shard
-    // A reduction's result recv (as the collective left it) into dst: sum the all-to-all's
-    // slices, or add / copy the reduce-scatter's slice.
-    void finish_reduction(int64_t padded, int64_t slice, const at::Tensor &recv, at::Tensor dst, bool accumulate,
-                          Kernels &k);
     void upload(Bucket &bk);           // offload: the master slice, in param_dtype, into the owned slice
     // Note [Split master in the engine]: an fp32 master shard joined on demand (authoritative
     // while it exists), and settled back (rounded into the parameters, split, freed).
@@ -441,7 +434,6 @@ private:
     ShardedGrads sharded_grads_;           // Note [Sharded gradients]: the wrappers .grad shows after backward
     std::vector<int64_t> bucket_of_, offset_of_;
     std::vector<Bucket> buckets_;
-    GradRing ring_;                        // the gradient slots (Note [Gradient layout])
     int64_t max_padded_ = 0;
     zx_plan *plan_ = nullptr;
     Communicator comm_;
@@ -453,9 +445,7 @@ private:
     std::unique_ptr<Kernels> host_kern_;    // offload from a device: the CPU kernels, else null
     std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
     BackwardStep bw_;                      // Note [Step in backward]
-    BackwardPass pass_;                    // where this backward stands: readiness, launches, no_sync
-    std::deque<std::pair<int64_t, WorkPtr>> inflight_;
-    ReduceGroups rgroups_;                 // Note [Coalesced gradient reductions]
+    GradReducer reducer_;                  // backward's reductions: the pass, the ring, what is in flight
     std::vector<std::pair<int64_t, WorkPtr>> gather_works_;   // stage 1-2: (bucket, its gather in flight)
     at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) reduce_dtype gradient sums
     at::Tensor master_shard_;              // stage 3 or low precision: (shard_numel,) fp32 master
@@ -465,7 +455,6 @@ private:
     GatherMeter gathered_;                 // bytes of gathered parameters held, and the peak
     OptimizerStates states_;               // the fused optimizer's states, over the state windows
     StepBook book_;                        // Note [Unused parameters]: gradients seen, steps, runs
-    std::unique_ptr<QuantReduce> qreduce_; // grad_quant: quantized reduce-scatter, else null
     std::unique_ptr<QuantGather> qgather_; // param_quant (world > 1): quantized all-gather, else null
     std::unique_ptr<Secondary> sec_;       // node_size (stage 3, 1 <= L < world): secondary parts, else null
     FrozenParams frozen_;                  // Note [Stage 3 frozen parameters]: stage 3's frozen parameters

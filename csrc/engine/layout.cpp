@@ -126,9 +126,17 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         TORCH_CHECK(opts_.stage >= 1 && opts_.alltoall_reduce_scatter,
                     "zero_ext: grad_quant needs stage 1, 2 or 3 and the all-to-all reduce-scatter; pass stage=1, 2 "
                     "or 3 and reduce_scatter='auto' or 'alltoall', or grad_quant=None");
-        qreduce_ = std::make_unique<QuantReduce>((int32_t)opts_.grad_quant_bits, opts_.quant_block_numel,
-                                                 opts_.grad_quant_error_feedback, kern_.get(), dev_, partitions_);
     }
+    // The reduce kind, chosen once (grad_reducer.h).
+    const ReduceKind kind = opts_.stage == 0            ? ReduceKind::kAllReduce
+                            : opts_.grad_quant_bits != 0 ? ReduceKind::kQuantized
+                            : opts_.alltoall_reduce_scatter ? ReduceKind::kAllToAll
+                                                            : ReduceKind::kReduceScatter;
+    reducer_.configure(kind, world_, partitions_, on_device(dtypes_.reduce),
+                       kind == ReduceKind::kQuantized
+                           ? std::make_unique<QuantReduce>((int32_t)opts_.grad_quant_bits, opts_.quant_block_numel,
+                                                           opts_.grad_quant_error_feedback, kern_.get(), dev_, partitions_)
+                           : nullptr);
     if (opts_.param_quant_bits != 0) {
         TORCH_CHECK(opts_.stage >= 1, "zero_ext: param_quant needs stage 1, 2 or 3; pass stage=1, 2 or 3, or "
                     "param_quant=None");
@@ -143,7 +151,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     if (opts_.offload) {   // Note [Optimizer offload]
         TORCH_CHECK(opts_.stage >= 1, "zero_ext: offload='cpu' needs stage 1, 2 or 3 (stage 0 shards nothing); "
                     "pass stage=1, 2 or 3, or offload=None");
-        TORCH_CHECK(!qreduce_ && !qgather_, "zero_ext: offload='cpu' keeps exact gradients and parameters; pass "
+        TORCH_CHECK(!reducer_.quantized() && !qgather_, "zero_ext: offload='cpu' keeps exact gradients and parameters; pass "
                     "grad_quant=None and param_quant=None with it, or offload=None");
         if (!dev_.is_cpu()) host_kern_ = make_cpu_kernels(isa_, dtypes_.reduce_zx);
     }
@@ -158,7 +166,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     offset_of_.assign(n, 0);
     grad_views_.views.resize(n);
     if (s3) units_.param_views.resize(n);
-    pass_.resize(n);
+    reducer_.pass().resize(n);
     for (int64_t b = 0; b < nb; b++) {
         zx_bucket_info bi;
         zx_check(zx_plan_bucket(plan_, b, &bi), "reading the plan");
@@ -280,13 +288,12 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     }
     // Note [Gradient layout]: stages 2-3 stage each gradient in a slot; more than one rank
     // receives a slice (reduce-scatter) or every rank's slices (all-to-all).
-    ring_.configure(opts_.stage >= 2 ? max_padded_ : 0,
-                    world_ > 1 ? (opts_.alltoall_reduce_scatter ? max_padded_ : max_padded_ / partitions_) : 0,
-                    on_device(dtypes_.reduce), opts_.grad_ring_buckets);
+    reducer_.ring().configure(opts_.stage >= 2 ? max_padded_ : 0, world_ > 1 ? reducer_.recv_numel(max_padded_) : 0,
+                              on_device(dtypes_.reduce), opts_.grad_ring_buckets);
     book_ = StepBook(params_.size(), opts_.agree_unused, world_);   // Note [Unused parameters]
     // Note [Coalesced gradient reductions] (reducer.cpp): stage 3's plain reduction path only.
-    if (s3 && world_ > 1 && !qreduce_ && !off_ && !opts_.step_in_backward && opts_.coalesce_numel > 0)
-        rgroups_.configure(std::max<int64_t>(opts_.coalesce_numel / partitions_, 1), partitions_,
+    if (s3 && world_ > 1 && !reducer_.quantized() && !off_ && !opts_.step_in_backward && opts_.coalesce_numel > 0)
+        reducer_.groups().configure(std::max<int64_t>(opts_.coalesce_numel / partitions_, 1), partitions_,
                            on_device(dtypes_.reduce));
     // The gradient shard and the ring are allocated at the first backward
     // (grad_shard_slice, acquire_slot), so building the model costs no more.
@@ -297,8 +304,8 @@ Engine::~Engine() {
     // divergence they never will; their works hold the buffers).
     off_.reset();   // its worker's queued finishes use the engine's kernels
     try {
-        if (comm_.seq.diverged()) inflight_.clear(), gather_works_.clear();
-        for (auto &w : inflight_) w.second->wait();
+        reducer_.drain(comm_.seq.diverged());
+        if (comm_.seq.diverged()) gather_works_.clear();
         for (auto &w : gather_works_) w.second->wait();
         for (auto *bks : {&buckets_, &frozen_.buckets()})
             for (auto &bk : *bks)
@@ -417,7 +424,7 @@ EngineStats Engine::stats() const {
     if ((dtypes_.low() || (qgather_ && opts_.stage < 3)) && !off_)
         master_bytes = (master_shard_.defined() ? master_shard_.nbytes() : 0) + (split_ ? split_->bytes() : 0);
     const int64_t state_bytes = off_ ? 0 : states_.bytes();
-    const int64_t ring_bytes = ring_.bytes();
+    const int64_t ring_bytes = reducer_.ring().bytes();
     ModelStateBytes &msb = st.model_state_bytes;
     msb.parameters = param_bytes;
     msb.gradients = grad_bytes;
@@ -427,11 +434,12 @@ EngineStats Engine::stats() const {
     BufferBytes &buf = st.buffer_bytes;
     buf.grad_ring = ring_bytes;
     buf.grad_landing = bw_.land.defined() ? bw_.land.nbytes() : 0;
-    buf.ring_slots = ring_.slots();
+    buf.ring_slots = reducer_.ring().slots();
     buf.gathered_params = gathered_.now();
     buf.peak_gathered_params = gathered_.peak();
-    buf.quant_buffers = qreduce_ ? qreduce_->buffer_bytes() : 0;
-    buf.quant_residual = qreduce_ ? qreduce_->residual_bytes() : 0;
+    const QuantReduce *quant = reducer_.quant();
+    buf.quant_buffers = quant ? quant->buffer_bytes() : 0;
+    buf.quant_residual = quant ? quant->residual_bytes() : 0;
     buf.quant_gather_buffers = qgather_ ? qgather_->buffer_bytes() : 0;
     buf.peak_quant_gather_buffers = qgather_ ? qgather_->peak_buffer_bytes() : 0;
     buf.kernel_scratch = kern_->scratch_bytes();
@@ -452,14 +460,14 @@ EngineStats Engine::stats() const {
     st.num_buckets = (int64_t)buckets_.size();
     st.param_dtype = opts_.param_dtype;
     st.reduce_dtype = opts_.reduce_dtype;
-    st.reduce_scatter_impl = qreduce_ ? (opts_.grad_quant_bits == 8 ? "alltoall-int8" : "alltoall-int4")
+    st.reduce_scatter_impl = reducer_.quantized() ? (opts_.grad_quant_bits == 8 ? "alltoall-int8" : "alltoall-int4")
                              : opts_.alltoall_reduce_scatter ? "alltoall" : "native";
     st.param_gather_impl = qgather_ ? "allgather-int8" : "allgather";
     st.comm = comm_.counters();
     st.comm_wait_s = comm_.waited_s() + (sec_ ? sec_->comm().waited_s() : 0.0);
     st.comm_delay_ms = comm_.delay_ms();
     if (sec_) st.comm_groups = sec_->group_stats(comm_);   // Note [Per-group byte counters]
-    st.reductions = pass_.reductions();
+    st.reductions = reducer_.pass().reductions();
     st.num_units = units_.count();
     st.frozen_shard_bytes = frozen_shard_bytes();
     st.atomic = atomic_stats();

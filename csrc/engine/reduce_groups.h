@@ -15,6 +15,7 @@ namespace zx {
 struct ReduceGroup {
     std::vector<int64_t> members;   // bucket indices, in launch order
     int64_t numel = 0;              // sum of their slices: this rank's part of the group
+    int64_t unit = -1;              // the first member's unit: the sequence check names the group by it
     at::Tensor rows;                // filling: (parts, capacity); row r holds every member's slice r
     at::Tensor send, recv;          // in flight: (parts * numel,) rank-major; what the collective left
 };
@@ -33,9 +34,10 @@ public:
     bool fits(int64_t slice) const { return filling_.numel + slice <= capacity_; }
     bool filling() const { return !filling_.members.empty(); }
 
-    // Bucket b's gradient (parts * slice,) joins the group being filled.
-    void add(int64_t b, const at::Tensor &padded, int64_t slice) {
+    // Bucket b's gradient (parts * slice,) joins the group being filled; unit: b's unit.
+    void add(int64_t b, int64_t unit, const at::Tensor &padded, int64_t slice) {
         if (!filling_.rows.defined()) filling_.rows = at::empty({partitions_, capacity_}, options_);
+        if (filling_.members.empty()) filling_.unit = unit;
         filling_.rows.narrow(1, filling_.numel, slice).copy_(padded.view({partitions_, slice}));
         filling_.members.push_back(b);
         filling_.numel += slice;

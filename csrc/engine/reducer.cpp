@@ -59,7 +59,7 @@ void Engine::stage_grad(int64_t i) {
     for (const zx_piece &pc : pieces_.of(i)) {   // one piece unless cut (Note [Cut parameters])
         Bucket &bk = buckets_[pc.bucket];
         if (bk.slot < 0) acquire_slot(pc.bucket);
-        at::Tensor dst = ring_[bk.slot].send.narrow(0, pc.offset, pc.numel);
+        at::Tensor dst = reducer_.ring()[bk.slot].send.narrow(0, pc.offset, pc.numel);
         if (flat.defined())
             dst.copy_(flat.narrow(0, pc.param_offset, pc.numel));
         else
@@ -97,8 +97,8 @@ void Engine::mark_ready(int64_t i) {
     TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: internal: bad parameter index ", i);
     book_.note_grad(i);
     if (opts_.stage <= 1) ensure_grad_view(i);
-    const bool reduce_now = opts_.stage >= 2 || pass_.require_sync();
-    if (opts_.stage >= 2 && !pass_.require_sync()) {
+    const bool reduce_now = opts_.stage >= 2 || reducer_.pass().require_sync();
+    if (opts_.stage >= 2 && !reducer_.pass().require_sync()) {
         accumulate_local(i);
         if (opts_.stage == 3) {   // its backward is over: release as a reducing pass would
             for (const zx_piece &pc : pieces_.of(i)) {
@@ -110,10 +110,10 @@ void Engine::mark_ready(int64_t i) {
     }
     if (!reduce_now) return;
     if (opts_.stage >= 2) stage_grad(i);
-    TORCH_CHECK(!pass_.ready(i), "zero_ext: ", pname(i),
+    TORCH_CHECK(!reducer_.pass().ready(i), "zero_ext: ", pname(i),
                 " got its gradient twice in one backward pass (its gradient was reduced already); if you "
                 "call backward() twice, call it under model.no_sync() for all but the last, or step in between");
-    pass_.set_ready(i);
+    reducer_.pass().set_ready(i);
     bool done = false;
     for (const zx_piece &pc : pieces_.of(i)) {
         Bucket &bk = buckets_[pc.bucket];
@@ -124,12 +124,12 @@ void Engine::mark_ready(int64_t i) {
     }
     // Launch strictly in bucket order so that every rank issues the same collectives.
     if (done)
-        pass_.launch_in_order((int64_t)buckets_.size(), [&](int64_t b) { return buckets_[b].pending == 0; },
+        reducer_.pass().launch_in_order((int64_t)buckets_.size(), [&](int64_t b) { return buckets_[b].pending == 0; },
                               [&](int64_t b) { launch(b); });
 }
 
 void Engine::finalize_backward() {
-    if (!pass_.require_sync()) {   // Note [Local accumulation]: nothing sent
+    if (!reducer_.pass().require_sync()) {   // Note [Local accumulation]: nothing sent
         if (opts_.stage == 3) {
             for (auto &bk : buckets_) {
                 release_bucket(bk);
@@ -143,13 +143,13 @@ void Engine::finalize_backward() {
     // Parameters that got no gradient this pass: their region holds zeros or
     // earlier accumulated gradients (stage 0/1), or is zero-filled (stage 2).
     for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
-        if (pass_.ready(i)) continue;
+        if (reducer_.pass().ready(i)) continue;
         if (opts_.stage >= 2) stage_grad(i);
-        pass_.set_ready(i);
+        reducer_.pass().set_ready(i);
         for (const zx_piece &pc : pieces_.of(i)) buckets_[pc.bucket].pending--;
     }
-    pass_.launch_in_order((int64_t)buckets_.size(), [](int64_t) { return true; }, [&](int64_t b) { launch(b); });
-    launch_reduce_group();   // Note [Coalesced gradient reductions]: what is left
+    reducer_.pass().launch_in_order((int64_t)buckets_.size(), [](int64_t) { return true; }, [&](int64_t b) { launch(b); });
+    reducer_.launch_group(comm_);   // Note [Coalesced gradient reductions]: what is left
     // Note [Reductions end with backward]
     // As DDP's reducer does, wait here.
     // The reductions overlapped the rest of backward; the step needs them next
@@ -165,7 +165,7 @@ void Engine::finalize_backward() {
     for (auto &bk : buckets_) {
         bk.pending = (int64_t)bk.params.size();
     }
-    pass_.reduced();
+    reducer_.pass().reduced();
     if (bw_.stepped) {   // Note [Step in backward]: this backward was one optimizer step
         bw_.stepped = false;
         bw_.steps++;
@@ -182,18 +182,18 @@ void Engine::hide_sharded_grads() {
 }
 
 int64_t Engine::acquire_slot(int64_t b) {
-    int64_t s = ring_.take_free(b);
+    int64_t s = reducer_.ring().take_free(b);
     if (s < 0) {
         // All slots busy: the ring grows to grad_ring_buckets first, then finishes
         // the oldest launched reduction and takes its slot.
-        if (ring_.at_size() && !inflight_.empty()) {
-            complete(inflight_.front().first);
+        if (reducer_.ring().at_size() && !reducer_.idle()) {
+            complete(reducer_.oldest());
             return acquire_slot(b);
         }
         // Below its configured size, or every slot held by a bucket still filling
         // (gradients arrived out of bucket order): grow the ring by one; bounded by
         // the number of buckets.
-        s = ring_.grow(b);
+        s = reducer_.ring().grow(b);
     }
     if (off_) off_->before_reuse(s);   // Note [Optimizer offload]: its last down copy is done
     buckets_[b].slot = s;
@@ -202,7 +202,7 @@ int64_t Engine::acquire_slot(int64_t b) {
 
 void Engine::release_slot(int64_t b) {
     Bucket &bk = buckets_[b];
-    if (bk.slot >= 0) ring_.release(bk.slot);
+    if (bk.slot >= 0) reducer_.ring().release(bk.slot);
     bk.slot = -1;
 }
 
@@ -211,15 +211,15 @@ void Engine::launch(int64_t b) {
     if (opts_.stage >= 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
     if (opts_.stage >= 2) {
         if (bk.local_grad.defined()) {   // Note [Local accumulation]
-            ring_[bk.slot].send.narrow(0, 0, bk.padded_numel).add_(bk.local_grad);
+            reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel).add_(bk.local_grad);
             bk.local_grad = at::Tensor();
         }
         // Zero the padding so it never feeds the optimizer garbage.
-        for (const auto &g : bk.gaps) ring_[bk.slot].send.narrow(0, g.first, g.second).zero_();
+        for (const auto &g : bk.gaps) reducer_.ring()[bk.slot].send.narrow(0, g.first, g.second).zero_();
     }
     if (world_ == 1) {
         if (opts_.stage >= 2) {
-            at::Tensor src = ring_[bk.slot].send.narrow(0, 0, bk.padded_numel);
+            at::Tensor src = reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel);
             if (opts_.step_in_backward) {   // Note [Step in backward]
                 step_landed(bk, src);
             } else if (off_) {   // Note [Optimizer offload]: added on the host as it lands
@@ -238,41 +238,55 @@ void Engine::launch(int64_t b) {
         }
         return;
     }
-    if (rgroups_.enabled()) {   // Note [Coalesced gradient reductions]
-        if (rgroups_.coalesces(bk.slice_numel)) {
-            if (!rgroups_.fits(bk.slice_numel)) launch_reduce_group();
-            rgroups_.add(b, ring_[bk.slot].send.narrow(0, 0, bk.padded_numel), bk.slice_numel);
+    ReduceGroups &groups = reducer_.groups();
+    if (groups.enabled()) {   // Note [Coalesced gradient reductions]
+        if (groups.coalesces(bk.slice_numel)) {
+            if (!groups.fits(bk.slice_numel)) reducer_.launch_group(comm_);
+            groups.add(b, bk.unit, reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel), bk.slice_numel);
             release_slot(b);
             return;
         }
-        launch_reduce_group();   // the small buckets before this one go first: bucket order
+        reducer_.launch_group(comm_);   // the small buckets before this one first: bucket order
     }
-    WorkPtr work;
     comm_.seq.subject(b, opts_.stage == 3 ? bk.unit : -1);
-    if (opts_.stage == 0) {
+    const at::Tensor send = opts_.stage >= 2 ? reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel) : bk.flat_grad;
+    if (opts_.stage == 1 && bk.slot < 0) acquire_slot(b);
+    reducer_.launch(comm_, b, send, bk.padded_numel, bk.slice_numel, bk.slot);
+}
+
+void GradReducer::launch(Communicator &comm, int64_t b, const at::Tensor &send, int64_t padded, int64_t slice,
+                         int64_t slot) {
+    WorkPtr work;
+    switch (kind_) {
+    case ReduceKind::kAllReduce:
         // As DDP's reducer scales while copying into its bucket: times the
         // reciprocal, which rounds differently from a division when N is not a
         // power of two (tests/test_hf_models.py at 3 ranks).
-        bk.flat_grad.mul_(1.0 / (double)world_);
-        work = comm_.all_reduce_sum(bk.flat_grad);
-    } else {
-        at::Tensor send = opts_.stage >= 2 ? ring_[bk.slot].send.narrow(0, 0, bk.padded_numel) : bk.flat_grad;
-        if (bk.slot < 0) acquire_slot(b);
-        Slot &sl = ring_[bk.slot];
-        if (qreduce_) {
-            // Note [Quantized gradient reduction] (quant_reduce.h)
-            work = qreduce_->launch(comm_, b, send, bk.slice_numel, bk.slot);
-        } else if (opts_.alltoall_reduce_scatter) {
-            // Note [Reduce-scatter on gloo]
-            // gloo's reduce_scatter is an
-            // all-reduce underneath (2x the bytes); an equal-split all-to-all
-            // moves exactly one slice to each peer, and sum_slices adds them.
-            work = comm_.all_to_all(sl.recv.narrow(0, 0, bk.padded_numel), send, bk.padded_numel);
-        } else {
-            work = comm_.reduce_scatter_sum(sl.recv.narrow(0, 0, bk.slice_numel), send);
-        }
+        send.mul_(1.0 / (double)world_);
+        work = comm.all_reduce_sum(send);
+        break;
+    case ReduceKind::kQuantized:   // Note [Quantized gradient reduction] (quant_reduce.h)
+        work = quant_->launch(comm, b, send, slice, slot);
+        break;
+    case ReduceKind::kAllToAll:
+        // Note [Reduce-scatter on gloo]
+        // gloo's reduce_scatter is an
+        // all-reduce underneath (2x the bytes); an equal-split all-to-all
+        // moves exactly one slice to each peer, and sum_slices adds them.
+        work = comm.all_to_all(ring_[slot].recv.narrow(0, 0, padded), send, padded);
+        break;
+    case ReduceKind::kReduceScatter:
+        work = comm.reduce_scatter_sum(ring_[slot].recv.narrow(0, 0, slice), send);
+        break;
     }
     inflight_.emplace_back(b, std::move(work));
+}
+
+int64_t GradReducer::wait_oldest(Communicator &comm) {
+    auto [b, work] = inflight_.front();
+    inflight_.pop_front();
+    comm.watch(work, kind_ == ReduceKind::kAllReduce ? "gradient all-reduce" : "gradient reduce-scatter");
+    return b;
 }
 
 // Note [Coalesced gradient reductions]
@@ -291,21 +305,21 @@ void Engine::launch(int64_t b) {
 //   group depends only on the bucket sizes, so every rank forms the same groups.
 //   Stage 3 only (stages 1-2 have few, large buckets), not with grad_quant, offload
 //   or step_in_backward, which finish each bucket on its own.
-void Engine::launch_reduce_group() {
-    if (!rgroups_.filling()) return;
-    ReduceGroup g = rgroups_.close();
-    const int64_t first = g.members.front(), n = g.numel;
-    comm_.seq.subject(first, buckets_[first].unit);
+void GradReducer::launch_group(Communicator &comm) {
+    if (!groups_.filling()) return;
+    ReduceGroup g = groups_.close();
+    const int64_t n = g.numel;
+    comm.seq.subject(g.members.front(), g.unit);
     WorkPtr work;
-    if (opts_.alltoall_reduce_scatter) {
-        g.recv = at::empty({partitions_ * n}, on_device(dtypes_.reduce));
-        work = comm_.all_to_all(g.recv, g.send, partitions_ * n);
+    if (kind_ == ReduceKind::kAllToAll) {
+        g.recv = at::empty({partitions_ * n}, reduce_);
+        work = comm.all_to_all(g.recv, g.send, partitions_ * n);
     } else {
-        g.recv = at::empty({n}, on_device(dtypes_.reduce));
-        work = comm_.reduce_scatter_sum(g.recv, g.send);
+        g.recv = at::empty({n}, reduce_);
+        work = comm.reduce_scatter_sum(g.recv, g.send);
     }
     const int64_t last = g.members.back();
-    rgroups_.fly(std::move(g));
+    groups_.fly(std::move(g));
     inflight_.emplace_back(last, std::move(work));
 }
 
@@ -318,54 +332,37 @@ void Engine::finish_reduce_group(ReduceGroup &g) {
                     "are not consecutive");
         at += buckets_[m].slice_numel;
     }
-    finish_reduction(partitions_ * g.numel, g.numel, g.recv, grad_shard_.narrow(0, first.shard_offset, g.numel), true,
-                     *kern_);
+    reducer_.finish(partitions_ * g.numel, g.numel, g.recv, grad_shard_.narrow(0, first.shard_offset, g.numel), true,
+                    *kern_);
 }
 
 void Engine::complete(int64_t b) {
     // Works finish in launch order; complete everything up to b.
-    while (!inflight_.empty()) {
-        auto [cur, work] = inflight_.front();
-        inflight_.pop_front();
-        comm_.watch(work, opts_.stage == 0 ? "gradient all-reduce" : "gradient reduce-scatter");
-        if (rgroups_.flying(cur)) {   // Note [Coalesced gradient reductions]
-            ReduceGroup g = rgroups_.land(cur);
+    while (!reducer_.idle()) {
+        const int64_t cur = reducer_.wait_oldest(comm_);
+        if (reducer_.groups().flying(cur)) {   // Note [Coalesced gradient reductions]
+            ReduceGroup g = reducer_.groups().land(cur);
             finish_reduce_group(g);
             if (cur == b) break;
             continue;
         }
         Bucket &bk = buckets_[cur];
         if (opts_.stage >= 1) {
-            Slot &sl = ring_[bk.slot];
             const bool accumulate = opts_.stage >= 2;
             const int64_t padded = bk.padded_numel, slice = bk.slice_numel;
             if (opts_.step_in_backward && accumulate) {
                 // Note [Step in backward]: the step reads the reduced slice where it landed.
-                at::Tensor grad;
-                if (qreduce_) {
-                    grad = landing(slice);
-                    qreduce_->finish(bk.slot, slice, grad, false);
-                } else if (opts_.alltoall_reduce_scatter) {
-                    grad = landing(slice);
-                    finish_reduction(padded, slice, sl.recv, grad, false, *kern_);
-                } else {
-                    grad = sl.recv.narrow(0, 0, slice);
-                }
-                step_landed(bk, grad);
+                step_landed(bk, reducer_.reduced(bk.slot, padded, slice, [&](int64_t n) { return landing(n); }, *kern_));
             } else if (off_ && accumulate) {
                 // Note [Optimizer offload]: what the collective left, finished on the host as it lands.
                 at::Tensor dst = host_grad_slice(bk);
-                const at::Tensor recv = sl.recv.narrow(0, 0, opts_.alltoall_reduce_scatter ? padded : slice);
-                off_->down(cur, recv, bk.slot, [this, padded, slice, dst](const at::Tensor &v) {
-                    finish_reduction(padded, slice, v, dst, true, kstep());
+                off_->down(cur, reducer_.recv(bk.slot, padded, slice), bk.slot, [this, padded, slice, dst](const at::Tensor &v) {
+                    reducer_.finish(padded, slice, v, dst, true, kstep());
                 });
             } else {
                 // stage 1 keeps the sum in its bucket (Note [Gradient sums in stages 1-2]); offload copies it down
                 at::Tensor dst = off_ ? owned_slice(bk.flat_grad, bk) : grad_shard_slice(bk);
-                if (qreduce_)
-                    qreduce_->finish(bk.slot, slice, dst, accumulate);
-                else
-                    finish_reduction(padded, slice, sl.recv, dst, accumulate, *kern_);
+                reducer_.land(bk.slot, padded, slice, dst, accumulate, *kern_);
                 if (off_) {
                     at::Tensor host = host_grad_slice(bk);
                     off_->down(cur, dst, -1, [host](const at::Tensor &v) { host.copy_(v); });
@@ -386,14 +383,15 @@ void Engine::complete(int64_t b) {
     }
 }
 
-void Engine::finish_reduction(int64_t padded, int64_t slice, const at::Tensor &recv, at::Tensor dst,
-                              bool accumulate, Kernels &k) {
-    if (opts_.alltoall_reduce_scatter && dtypes_.reduce != at::kFloat) {
+void GradReducer::finish(int64_t padded, int64_t slice, const at::Tensor &recv, at::Tensor dst, bool accumulate,
+                         Kernels &k) const {
+    const bool all_to_all = kind_ == ReduceKind::kAllToAll;
+    if (all_to_all && reduce_.dtype() != at::kFloat) {
         // Low-precision reduce: add the N slices in fp32 and round once.
         at::Tensor sum = recv.narrow(0, 0, padded).view({partitions_, slice}).to(at::kFloat).sum(0);
         if (accumulate) sum.add_(dst);
         dst.copy_(sum);
-    } else if (opts_.alltoall_reduce_scatter) {
+    } else if (all_to_all) {
         k.sum_slices(slice, (int32_t)partitions_, recv.data_ptr<float>(), dst.data_ptr<float>(), accumulate);
     } else if (accumulate) {
         dst.add_(recv.narrow(0, 0, slice));
@@ -402,15 +400,22 @@ void Engine::finish_reduction(int64_t padded, int64_t slice, const at::Tensor &r
     }
 }
 
+void GradReducer::land(int64_t slot, int64_t padded, int64_t slice, at::Tensor dst, bool accumulate, Kernels &k) {
+    if (quant_)
+        quant_->finish(slot, slice, dst, accumulate);
+    else
+        finish(padded, slice, ring_[slot].recv, dst, accumulate, k);
+}
+
 void Engine::wait_reductions() {
-    while (!inflight_.empty()) complete(inflight_.back().first);
+    while (!reducer_.idle()) complete(reducer_.newest());
 }
 
 void Engine::zero_grad(bool set_to_none) {
     wait_reductions();
-    rgroups_.drop_filling();   // Note [Coalesced gradient reductions]: a backward that did not end
+    reducer_.groups().drop_filling();   // Note [Coalesced gradient reductions]: a backward that did not end
     if (off_) off_->drain();   // no landing writes the host shard any more
-    pass_.gradients_changed();
+    reducer_.pass().gradients_changed();
     hide_sharded_grads();   // Note [Sharded gradients]: cleared, or zeroed (the plain views again)
     if (!active_groups_.empty()) {
         // One of several wrapped optimizers: only its groups' gradients, as torch's

@@ -1,0 +1,101 @@
+// grad_reducer.h — backward's reductions, one owner (its code in reducer.cpp): where the
+// pass stands (BackwardPass), the ring of gradient slots (GradRing), the reductions in
+// flight in launch order, stage 3's coalesced groups (ReduceGroups), and the reduce kind,
+// chosen once at construction: every launch and every landing goes through it, so no
+// other code asks which collective sums the gradients.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <deque>
+#include <memory>
+#include <utility>
+
+#include "engine/backward_pass.h"   // defines: BackwardPass
+#include "engine/comm.h"            // defines: Communicator, WorkPtr
+#include "engine/grad_ring.h"       // defines: GradRing, Slot
+#include "engine/kernels.h"         // defines: Kernels
+#include "engine/quant_reduce.h"    // defines: QuantReduce
+#include "engine/reduce_groups.h"   // defines: ReduceGroups, ReduceGroup
+
+namespace zx {
+
+enum class ReduceKind {
+    kAllReduce,       // stage 0: each bucket averaged by a SUM all-reduce of bucket / N, as DDP
+    kReduceScatter,   // the process group's reduce-scatter (SUM)
+    kAllToAll,        // Note [Reduce-scatter on gloo]: all-to-all, then the slices summed locally
+    kQuantized,       // Note [Quantized gradient reduction]: two all-to-alls of codes and scales
+};
+
+class GradReducer {
+public:
+    // quant: grad_quant's reducer, exactly when kind is kQuantized.
+    // reduce: reduce_dtype on the parameters' device, what the groups' receive buffers are.
+    void configure(ReduceKind kind, int64_t world, int64_t partitions, at::TensorOptions reduce,
+                   std::unique_ptr<QuantReduce> quant) {
+        kind_ = kind, world_ = world, partitions_ = partitions, reduce_ = reduce;
+        quant_ = std::move(quant);
+    }
+    ReduceKind kind() const { return kind_; }
+    bool quantized() const { return kind_ == ReduceKind::kQuantized; }
+    const QuantReduce *quant() const { return quant_.get(); }
+    // what the collective leaves in a slot's recv: every rank's slices (all-to-alls) or this rank's
+    int64_t recv_numel(int64_t padded) const {
+        return kind_ == ReduceKind::kAllToAll || kind_ == ReduceKind::kQuantized ? padded : padded / partitions_;
+    }
+
+    BackwardPass &pass() { return pass_; }
+    const BackwardPass &pass() const { return pass_; }
+    GradRing &ring() { return ring_; }
+    const GradRing &ring() const { return ring_; }
+    ReduceGroups &groups() { return groups_; }
+
+    // Bucket b's reduction of send (padded elements, slice of them this rank's) launched and
+    // queued; slot: its ring slot (stages 1-3), whose recv the collective writes.
+    void launch(Communicator &comm, int64_t b, const at::Tensor &send, int64_t padded, int64_t slice, int64_t slot);
+    // Note [Coalesced gradient reductions]: the group being filled, launched and queued.
+    void launch_group(Communicator &comm);
+
+    bool idle() const { return inflight_.empty(); }
+    int64_t oldest() const { return inflight_.front().first; }
+    int64_t newest() const { return inflight_.back().first; }
+    // The oldest reduction, waited for (the watch names it): the bucket the queue named.
+    int64_t wait_oldest(Communicator &comm);
+    // At teardown: wait for what is in flight (its works hold the buffers), or drop it after a divergence.
+    void drain(bool diverged) {
+        if (diverged) inflight_.clear();
+        for (auto &w : inflight_) w.second->wait();
+    }
+
+    // recv, as an exact collective left it (padded elements for the all-to-all, else slice),
+    // into dst: the slices summed (all-to-all) or the slice taken, added when accumulate.
+    void finish(int64_t padded, int64_t slice, const at::Tensor &recv, at::Tensor dst, bool accumulate,
+                Kernels &k) const;
+    // What slot's collective left, into dst, as finish() (or dequantized and summed).
+    void land(int64_t slot, int64_t padded, int64_t slice, at::Tensor dst, bool accumulate, Kernels &k);
+    // The part of slot's recv an exact collective wrote (all-to-all: every rank's slices).
+    at::Tensor recv(int64_t slot, int64_t padded, int64_t slice) {
+        return ring_[slot].recv.narrow(0, 0, kind_ == ReduceKind::kAllToAll ? padded : slice);
+    }
+    // Slot's reduced slice as a tensor: where the reduce-scatter left it, else summed into
+    // landing(slice) (Note [Step in backward]).
+    template <class Landing>
+    at::Tensor reduced(int64_t slot, int64_t padded, int64_t slice, Landing &&landing, Kernels &k) {
+        if (kind_ == ReduceKind::kReduceScatter) return ring_[slot].recv.narrow(0, 0, slice);
+        at::Tensor dst = landing(slice);
+        land(slot, padded, slice, dst, false, k);
+        return dst;
+    }
+
+private:
+    ReduceKind kind_ = ReduceKind::kReduceScatter;
+    int64_t world_ = 1, partitions_ = 1;
+    at::TensorOptions reduce_;               // reduce_dtype, on the parameters' device
+    std::unique_ptr<QuantReduce> quant_;     // kQuantized: the codes, scales and residuals
+    BackwardPass pass_;
+    GradRing ring_;
+    ReduceGroups groups_;
+    std::deque<std::pair<int64_t, WorkPtr>> inflight_;   // (bucket, its reduction), launch order
+};
+
+}  // namespace zx
