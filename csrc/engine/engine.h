@@ -17,6 +17,7 @@
 //     reduce_groups.h  stage 3: small buckets' gradients reduced together (Note [Coalesced gradient reductions])
 //     quant_reduce.h   grad_quant's codes, scales and residuals (Note [Quantized gradient reduction])
 //   gatherer.cpp     parameter all-gather (stages 0-2) and stage-3 units
+//   param_gather.h   ParamGather: the gather kind (exact / param_quant, chosen once), stage 1-2 gathers in flight
 //   stepper.cpp      optimizer steps, gradient norm and scaling, casts
 //   comm.h/.cpp      Communicator: collectives on the process group, counters
 //   sequence.h/.cpp  the collective sequence check: divergent ranks named, not hung
@@ -58,7 +59,7 @@
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
 #include "engine/optimizer_states.h"  // defines: OptimizerStates
 #include "engine/param_pieces.h"  // defines: ParamPieces (Note [Cut parameters])
-#include "engine/quant_gather.h"   // defines: QuantGather (param_quant)
+#include "engine/param_gather.h"   // defines: ParamGather (the gather kind, stage 1-2 gathers in flight)
 #include "engine/secondary.h"      // defines: Secondary (node_size)
 #include "engine/sharded_grads.h"  // defines: ShardedGrads (Note [Sharded gradients]), GradViews
 #include "engine/step_book.h"      // defines: StepBook, StepRun (Note [Unused parameters])
@@ -446,7 +447,6 @@ private:
     std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
     BackwardStep bw_;                      // Note [Step in backward]
     GradReducer reducer_;                  // backward's reductions: the pass, the ring, what is in flight
-    std::vector<std::pair<int64_t, WorkPtr>> gather_works_;   // stage 1-2: (bucket, its gather in flight)
     at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) reduce_dtype gradient sums
     at::Tensor master_shard_;              // stage 3 or low precision: (shard_numel,) fp32 master
     std::unique_ptr<MasterSplit> split_;   // master_remainder: the master as remainders, else null
@@ -455,7 +455,7 @@ private:
     GatherMeter gathered_;                 // bytes of gathered parameters held, and the peak
     OptimizerStates states_;               // the fused optimizer's states, over the state windows
     StepBook book_;                        // Note [Unused parameters]: gradients seen, steps, runs
-    std::unique_ptr<QuantGather> qgather_; // param_quant (world > 1): quantized all-gather, else null
+    ParamGather gather_;                   // the gather kind (param_quant's or exact); stages 1-2: gathers in flight
     std::unique_ptr<Secondary> sec_;       // node_size (stage 3, 1 <= L < world): secondary parts, else null
     FrozenParams frozen_;                  // Note [Stage 3 frozen parameters]: stage 3's frozen parameters
 };

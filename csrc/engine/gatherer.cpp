@@ -29,7 +29,7 @@ void Engine::absorb(at::Tensor master, const at::Tensor &lp_in) {
     // offload: the master is in host memory (Note [Optimizer offload])
     const at::Tensor lp_new = lp_in.device() == master.device() ? lp_in : lp_in.to(master.device());
     // Only elements whose low-precision (param_quant: dequantized) value changed take the new value.
-    at::Tensor changed = lp_new.ne(qgather_ ? qgather_->roundtrip(master, dtypes_.param) : master.to(dtypes_.param));
+    at::Tensor changed = lp_new.ne(gather_.as_gathered(master, dtypes_.param));
     master.copy_(at::where(changed, lp_new.to(at::kFloat), master));
 }
 
@@ -51,7 +51,7 @@ void Engine::absorb_param_edits() {
     TORCH_CHECK(opts_.stage <= 2, "zero_ext: internal: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
     wait_params();
     if (pieces_.any_cut()) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
-    if (!dtypes_.low() && !qgather_ && !off_) return;   // the owned slice is the master
+    if (!dtypes_.low() && !gather_.quantized() && !off_) return;   // the owned slice is the master
     // Note [Split master in the engine]: without a joined master the edits already are its top halves
     if (split_ && !master_shard_.defined()) return;
     for (auto &bk : buckets_) absorb(master_slice(bk), owned_slice(bk.flat_param, bk));
@@ -87,8 +87,7 @@ void Engine::launch_param_gather(int64_t b) {
     Bucket &bk = buckets_[b];
     at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
     comm_.seq.subject(b, -1);
-    gather_works_.emplace_back(b, qgather_ ? qgather_->launch(comm_, b, master_slice(bk), bk.flat_param)
-                                           : comm_.all_gather(bk.flat_param, in));
+    gather_.launch(comm_, b, bk.flat_param, in, [&] { return master_slice(bk); });
     pieces_.gathered();
 }
 
@@ -114,23 +113,11 @@ void Engine::wait_param_buckets(const std::vector<int64_t> &buckets) {
         wait_params();
         return;
     }
-    for (size_t k = 0; k < gather_works_.size();) {
-        const int64_t b = gather_works_[k].first;
-        if (std::find(buckets.begin(), buckets.end(), b) == buckets.end()) {
-            k++;
-            continue;
-        }
-        WorkPtr work = std::move(gather_works_[k].second);
-        gather_works_.erase(gather_works_.begin() + (std::ptrdiff_t)k);
-        comm_.watch(work, "parameter all-gather");
-        if (qgather_ && opts_.stage < 3) qgather_->finish(b);
-    }
+    gather_.wait(comm_, buckets);
 }
 
 void Engine::wait_params() {
-    for (auto &w : gather_works_) comm_.watch(w.second, "parameter all-gather");
-    gather_works_.clear();
-    if (qgather_ && opts_.stage < 3) qgather_->finish_all();   // stage 3: wait_gather finishes its own
+    gather_.wait_all(comm_);
     if (pieces_.stale()) copy_cut_params(true);
 }
 
@@ -177,7 +164,7 @@ void Engine::wait_gather(Bucket &bk) {
             sec_->finish(s);
         } else {
             comm_.watch(work, "unit all-gather");
-            if (qgather_ && !bk.frozen) qgather_->finish(s);
+            if (gather_.quantized() && !bk.frozen) gather_.quant()->finish(s);
         }
         // A finished gather holds the full bucket, used or not: a prefetched unit that
         // the pass then skipped must still be freed (and uncounted) by release_bucket.
@@ -250,9 +237,8 @@ void Engine::launch_gather(Bucket &bk) {
     comm_.seq.subject(subject_of(bk), bk.unit);
     // param_quant: trainable buckets travel quantized from the exact master (frozen
     // ones have no master and stay exact)
-    bk.gather_work = qgather_ && !bk.frozen
-                         ? qgather_->launch(comm_, subject_of(bk), master_slice(bk), bk.flat_param)
-                         : comm_.all_gather(bk.flat_param, in);
+    bk.gather_work = bk.frozen ? comm_.all_gather(bk.flat_param, in)
+                               : gather_.start(comm_, subject_of(bk), bk.flat_param, in, [&] { return master_slice(bk); });
 }
 
 static bool requested(const Bucket &bk) { return bk.gathered || bk.gather_work || bk.gather_group; }
@@ -284,7 +270,7 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
     int64_t slice = 0;
     for (Bucket *bk : todo) {
         if (world_ == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != dtypes_.param ||
-            (qgather_ && !bk->frozen) ||
+            (gather_.quantized() && !bk->frozen) ||
             (sec_ && sec_->has(subject_of(*bk)))) {
             launch_gather(*bk);
             continue;
@@ -344,7 +330,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
         comm_.seq.subject(b, u);
         broadcast_tensors({bk.flat_param}, src);
         const at::Tensor owned = owned_slice(bk.flat_param, bk);
-        if (dtypes_.low() || qgather_) {
+        if (dtypes_.low() || gather_.quantized()) {
             absorb(master_slice(bk), owned);
         } else {
             master_slice(bk).copy_(owned);

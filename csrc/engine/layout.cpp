@@ -142,8 +142,9 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                     "param_quant=None");
         // One rank gathers nothing: its parameters stay exact.
         if (partitions_ > 1)
-            qgather_ = std::make_unique<QuantGather>((int32_t)opts_.param_quant_bits, opts_.quant_block_numel,
-                                                     kern_.get(), dev_, partitions_);
+            gather_.configure(std::make_unique<QuantGather>((int32_t)opts_.param_quant_bits, opts_.quant_block_numel,
+                                                            kern_.get(), dev_, partitions_),
+                              opts_.stage < 3);
     }
     TORCH_CHECK(!opts_.step_in_backward || (opts_.stage >= 1 && !opts_.offload), "zero_ext: step_in_backward "
                 "needs stage 1, 2 or 3 and no offload; pass stage=1, 2 or 3 and offload=None, or "
@@ -151,7 +152,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     if (opts_.offload) {   // Note [Optimizer offload]
         TORCH_CHECK(opts_.stage >= 1, "zero_ext: offload='cpu' needs stage 1, 2 or 3 (stage 0 shards nothing); "
                     "pass stage=1, 2 or 3, or offload=None");
-        TORCH_CHECK(!reducer_.quantized() && !qgather_, "zero_ext: offload='cpu' keeps exact gradients and parameters; pass "
+        TORCH_CHECK(!reducer_.quantized() && !gather_.quantized(), "zero_ext: offload='cpu' keeps exact gradients and parameters; pass "
                     "grad_quant=None and param_quant=None with it, or offload=None");
         if (!dev_.is_cpu()) host_kern_ = make_cpu_kernels(isa_, dtypes_.reduce_zx);
     }
@@ -160,7 +161,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     buckets_.resize(nb);
     // param_quant: the owned slice of flat_param holds dequantized values, so the
     // master is a shard of its own (Note [Quantized parameter gather]); so does offload.
-    if (s3 || dtypes_.low() || qgather_ || opts_.offload)
+    if (s3 || dtypes_.low() || gather_.quantized() || opts_.offload)
         master_shard_ = at::zeros({shard_numel_}, on_shard(at::kFloat));
     bucket_of_.assign(n, -1);
     offset_of_.assign(n, 0);
@@ -247,7 +248,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         if (opts_.copy_params && dtypes_.low()) {
             bk.flat_param.copy_(src32);                            // rounds to param_dtype
             master_slice(bk).copy_(owned_slice(src32, bk));
-        } else if (opts_.copy_params && (s3 || qgather_ || opts_.offload)) {
+        } else if (opts_.copy_params && (s3 || gather_.quantized() || opts_.offload)) {
             master_slice(bk).copy_(owned_slice(bk.flat_param, bk));
         }
         if (s3) {
@@ -305,8 +306,7 @@ Engine::~Engine() {
     off_.reset();   // its worker's queued finishes use the engine's kernels
     try {
         reducer_.drain(comm_.seq.diverged());
-        if (comm_.seq.diverged()) gather_works_.clear();
-        for (auto &w : gather_works_) w.second->wait();
+        gather_.drain(comm_.seq.diverged());
         for (auto *bks : {&buckets_, &frozen_.buckets()})
             for (auto &bk : *bks)
                 if (bk.gather_work && !comm_.seq.diverged()) bk.gather_work->wait();
@@ -421,7 +421,7 @@ EngineStats Engine::stats() const {
     // casts it, so no low-precision copy persists (it is counted as master weights)
     if (opts_.stage == 3 && !dtypes_.low() && !off_) param_bytes += master_shard_.nbytes();
     if (units_.param_shard.defined()) param_bytes += units_.param_shard.nbytes();   // offload, stage 3
-    if ((dtypes_.low() || (qgather_ && opts_.stage < 3)) && !off_)
+    if ((dtypes_.low() || (gather_.quantized() && opts_.stage < 3)) && !off_)
         master_bytes = (master_shard_.defined() ? master_shard_.nbytes() : 0) + (split_ ? split_->bytes() : 0);
     const int64_t state_bytes = off_ ? 0 : states_.bytes();
     const int64_t ring_bytes = reducer_.ring().bytes();
@@ -440,8 +440,9 @@ EngineStats Engine::stats() const {
     const QuantReduce *quant = reducer_.quant();
     buf.quant_buffers = quant ? quant->buffer_bytes() : 0;
     buf.quant_residual = quant ? quant->residual_bytes() : 0;
-    buf.quant_gather_buffers = qgather_ ? qgather_->buffer_bytes() : 0;
-    buf.peak_quant_gather_buffers = qgather_ ? qgather_->peak_buffer_bytes() : 0;
+    const QuantGather *qg = gather_.quant();
+    buf.quant_gather_buffers = qg ? qg->buffer_bytes() : 0;
+    buf.peak_quant_gather_buffers = qg ? qg->peak_buffer_bytes() : 0;
     buf.kernel_scratch = kern_->scratch_bytes();
     buf.split_master_scratch = split_ ? split_->scratch_bytes() : 0;
     buf.secondary = sec_ ? sec_->bytes() : 0;
@@ -462,7 +463,7 @@ EngineStats Engine::stats() const {
     st.reduce_dtype = opts_.reduce_dtype;
     st.reduce_scatter_impl = reducer_.quantized() ? (opts_.grad_quant_bits == 8 ? "alltoall-int8" : "alltoall-int4")
                              : opts_.alltoall_reduce_scatter ? "alltoall" : "native";
-    st.param_gather_impl = qgather_ ? "allgather-int8" : "allgather";
+    st.param_gather_impl = gather_.quantized() ? "allgather-int8" : "allgather";
     st.comm = comm_.counters();
     st.comm_wait_s = comm_.waited_s() + (sec_ ? sec_->comm().waited_s() : 0.0);
     st.comm_delay_ms = comm_.delay_ms();

@@ -89,7 +89,7 @@ const uint16_t *Engine::hi_bits(Bucket &bk) { return (const uint16_t *)lp_slice(
 
 void Engine::enable_split_master() {
     if (split_) return;
-    TORCH_CHECK(opts_.stage <= 2 && dtypes_.param == at::kBFloat16 && !qgather_ && !off_ && master_shard_.defined(),
+    TORCH_CHECK(opts_.stage <= 2 && dtypes_.param == at::kBFloat16 && !gather_.quantized() && !off_ && master_shard_.defined(),
                 "zero_ext: master_remainder needs param_dtype='bf16' in stage 0, 1 or 2 without param_quant or "
                 "offload; pass master_remainder=False");
     for (const auto &bk : buckets_)

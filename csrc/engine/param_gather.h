@@ -1,0 +1,78 @@
+// param_gather.h — how parameters are all-gathered from the owned slices, one owner (its
+// callers in gatherer.cpp): the gather kind, exact or param_quant's int8 (chosen once at
+// construction, Note [Quantized parameter gather]), and the stage 1-2 gathers in flight,
+// waited for bucket by bucket (Note [Gathers waited per module]) or all at once.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "engine/comm.h"           // defines: Communicator, WorkPtr
+#include "engine/quant_gather.h"   // defines: QuantGather
+
+namespace zx {
+
+class ParamGather {
+public:
+    // quant: param_quant's gather (world > 1), else null. queued_finish: stages 1-2, where the
+    // waits below finish the quantized gathers (stage 3 finishes each unit's as it waits).
+    void configure(std::unique_ptr<QuantGather> quant, bool queued_finish) {
+        quant_ = std::move(quant);
+        queued_finish_ = queued_finish;
+    }
+    bool quantized() const { return quant_ != nullptr; }
+    QuantGather *quant() const { return quant_.get(); }
+
+    // One gather: full := every rank's owned slice (owned: this rank's, a view of full); a
+    // quantized one travels as int8 records of master() (the exact fp32 slice).
+    template <class Master>
+    WorkPtr start(Communicator &comm, int64_t subject, const at::Tensor &full, const at::Tensor &owned,
+                  Master &&master) {
+        return quant_ ? quant_->launch(comm, subject, master(), full) : comm.all_gather(full, owned);
+    }
+    // Stages 1-2: bucket b's gather, started and queued.
+    template <class Master>
+    void launch(Communicator &comm, int64_t b, const at::Tensor &full, const at::Tensor &owned, Master &&master) {
+        works_.emplace_back(b, start(comm, b, full, owned, master));
+    }
+    // Stages 1-2: wait for the queued gathers of these buckets only, or for all of them.
+    void wait(Communicator &comm, const std::vector<int64_t> &buckets) {
+        for (size_t k = 0; k < works_.size();) {
+            const int64_t b = works_[k].first;
+            if (std::find(buckets.begin(), buckets.end(), b) == buckets.end()) {
+                k++;
+                continue;
+            }
+            WorkPtr work = std::move(works_[k].second);
+            works_.erase(works_.begin() + (std::ptrdiff_t)k);
+            comm.watch(work, "parameter all-gather");
+            if (quant_ && queued_finish_) quant_->finish(b);
+        }
+    }
+    void wait_all(Communicator &comm) {
+        for (auto &w : works_) comm.watch(w.second, "parameter all-gather");
+        works_.clear();
+        if (quant_ && queued_finish_) quant_->finish_all();
+    }
+    // At teardown: wait for what is in flight (its works hold the buffers), or drop it after a divergence.
+    void drain(bool diverged) {
+        if (diverged) works_.clear();
+        for (auto &w : works_) w.second->wait();
+    }
+
+    // The values a gather of master brings (in dtype): what an edit is compared with.
+    at::Tensor as_gathered(const at::Tensor &master, at::ScalarType dtype) const {
+        return quant_ ? quant_->roundtrip(master, dtype) : master.to(dtype);
+    }
+
+private:
+    std::unique_ptr<QuantGather> quant_;
+    bool queued_finish_ = true;
+    std::vector<std::pair<int64_t, WorkPtr>> works_;   // stages 1-2: (bucket, its gather in flight)
+};
+
+}  // namespace zx
