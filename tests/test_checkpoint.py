@@ -276,8 +276,9 @@ def _dying_world(rank, world, tmp, how):
     from cases import batch, build_model, loss_of
     model = build_model("mlp")
     stage = 3 if how == "step" else 2
+    # sequence_timeout: a rank that sees a peer fail waits twice this for the others' reports
     zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage,
-                              **(dict(unit_modules=["Linear"]) if stage == 3 else {}))
+                              sequence_timeout=1.0, **(dict(unit_modules=["Linear"]) if stage == 3 else {}))
     path = os.path.join(tmp, how)
 
     def die():

@@ -1,5 +1,6 @@
 """Compile every CUDA source in csrc/cuda with nvcc, for sm_80 and sm_90 (one nvcc run per
-source for both, the sources in parallel).
+source for both), and the CUDA host code with the host compiler: all compiles at once,
+as many at a time as there are cores (the `compiled` fixture).
 
 Nothing here runs a kernel: it only makes a syntax or type error in the CUDA code
 fail CI on machines without a GPU. Skipped when nvcc is not on PATH.
@@ -35,15 +36,54 @@ def _nvcc(source: pathlib.Path, out_dir: pathlib.Path):
     return cmd, proc, obj
 
 
+def _host_cmd(source: pathlib.Path, shim_dir: pathlib.Path):
+    """The host compiler's syntax check of source with -DZX_WITH_CUDA (None: no toolkit)."""
+    import sysconfig
+
+    import torch
+    from torch.utils import cpp_extension
+    nvcc = shutil.which("nvcc")
+    homes = [cpp_extension.CUDA_HOME, str(pathlib.Path(nvcc).resolve().parents[1]), "/usr/local/cuda"]
+    cuda_home = next((h for h in homes if h and os.path.exists(os.path.join(h, "include", "cuda_runtime.h"))), None)
+    if cuda_home is None:
+        return None, f"nvcc found but no cuda_runtime.h under {homes}: the CUDA host code is not compiled"
+    cxx = shutil.which("c++") or shutil.which("g++")
+    includes = cpp_extension.include_paths() + [str(shim_dir), str(ROOT / "csrc"), str(ROOT / "csrc" / "core"),
+                                                os.path.join(cuda_home, "include"), sysconfig.get_paths()["include"]]
+    cmd = [cxx, "-std=c++20", "-fsyntax-only", "-DZX_WITH_CUDA", "-DTORCH_EXTENSION_NAME=_C",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-Wall", "-Wno-unused-parameter"] + [f"-I{p}" for p in includes] + [str(source)]
+    return cmd, None
+
+
+def _run(cmd):
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """Every source compiled once, as many at a time as there are cores."""
+    """Every compile of this module run once, as many at a time as there are cores: nvcc on
+    each CUDA source (source -> (cmd, proc, obj)); the host compiler's syntax check of each
+    host source (source -> (cmd, proc) or (None, why it is not compiled)), and for the
+    engine's, its preprocessed text (("E", source) -> proc)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH: CUDA sources not compiled (install the CUDA toolkit to check them)")
     from concurrent.futures import ThreadPoolExecutor
     out = tmp_path_factory.mktemp("nvcc")
+    # The one header a CPU wheel lacks: CMake generates it for CUDA builds of torch.
+    shim = tmp_path_factory.mktemp("shim")
+    (shim / "c10" / "cuda" / "impl").mkdir(parents=True)
+    (shim / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    jobs = {}
+    for source in HOST_SOURCES:
+        cmd, why = _host_cmd(source, shim)
+        jobs[source] = (lambda c=cmd, w=why: (c, _run(c)) if c else (None, w))
+        if cmd and source.parent.name == "engine":
+            jobs[("E", source)] = (lambda c=cmd: _run([a if a != "-fsyntax-only" else "-E" for a in c]))
+    for source in CUDA_SOURCES:
+        jobs[source] = (lambda s=source: _nvcc(s, out))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return dict(zip(CUDA_SOURCES, pool.map(lambda s: _nvcc(s, out), CUDA_SOURCES)))
+        futures = {k: pool.submit(f) for k, f in jobs.items()}
+        return {k: f.result() for k, f in futures.items()}
 
 
 @pytest.mark.parametrize("source", CUDA_SOURCES, ids=lambda p: p.name)
@@ -64,33 +104,14 @@ HOST_SOURCES = [ROOT / "csrc" / "engine" / "kernels_cuda.cpp", ROOT / "csrc" / "
 
 
 @pytest.mark.parametrize("source", HOST_SOURCES, ids=lambda p: p.name)
-def test_cuda_host_code_compiles(source, tmp_path):
-    import sysconfig
-
-    import torch
-    from torch.utils import cpp_extension
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH: the CUDA host code is not compiled (install the CUDA toolkit)")
-    homes = [cpp_extension.CUDA_HOME, str(pathlib.Path(nvcc).resolve().parents[1]), "/usr/local/cuda"]
-    cuda_home = next((h for h in homes if h and os.path.exists(os.path.join(h, "include", "cuda_runtime.h"))), None)
-    if cuda_home is None:
-        pytest.skip(f"nvcc found but no cuda_runtime.h under {homes}: the CUDA host code is not compiled")
-    cxx = shutil.which("c++") or shutil.which("g++")
-    # The one header a CPU wheel lacks: CMake generates it for CUDA builds of torch.
-    shim = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
-    shim.parent.mkdir(parents=True)
-    shim.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    includes = cpp_extension.include_paths() + [str(tmp_path), str(ROOT / "csrc"), str(ROOT / "csrc" / "core"),
-                                                os.path.join(cuda_home, "include"), sysconfig.get_paths()["include"]]
-    cmd = [cxx, "-std=c++20", "-fsyntax-only", "-DZX_WITH_CUDA", "-DTORCH_EXTENSION_NAME=_C",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-Wall", "-Wno-unused-parameter"] + [f"-I{p}" for p in includes] + [str(source)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+def test_cuda_host_code_compiles(source, compiled):
+    cmd, proc = compiled[source]
+    if cmd is None:
+        pytest.skip(proc)
     assert proc.returncode == 0, f"{source.name} does not compile with -DZX_WITH_CUDA:\n{proc.stderr[-4000:]}"
     if source.parent.name == "engine":
         # the engine includes no pybind11/Python header (tests/test_engine_headers.py), its CUDA branch neither
-        pre = subprocess.run([a if a != "-fsyntax-only" else "-E" for a in cmd], capture_output=True, text=True,
-                             cwd=ROOT)
+        pre = compiled[("E", source)]
         assert pre.returncode == 0, pre.stderr[-4000:]
         reached = sorted({f for f in re.findall(r'^# \d+ "([^"]+)"', pre.stdout, re.M)
                           if "/pybind11/" in f or f.endswith("/Python.h")})

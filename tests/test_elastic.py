@@ -27,7 +27,10 @@ SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
 STEPS, EVERY = 600, 10
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
          "--stage", "2", "--threads", "1", "--warmup", "0", "--eval-iters", "1", "--sample-chars", "0",
-         "--log-every", "100000", "--lr", "1e-3"]
+         "--log-every", "100000", "--lr", "1e-3",
+         # the workers that see a peer die fail after 2 x sequence_timeout (Note [Collective
+         # sequence check]: the others' reports are awaited first), 2 s here instead of 6
+         "--zero-config", '{"sequence_timeout": 1.0}']
 TIMEOUT_S = 420
 
 pytestmark = [pytest.mark.dist,
@@ -160,7 +163,10 @@ def test_elastic_shrink_and_grow(tmp_path):
         # A hosts the rendezvous store (on a real cluster: the endpoint's machine); B is a client.
         return ["--nnodes=1:2", "--nproc_per_node=2", "--max-restarts=3", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", "--monitor-interval=0.2",
-                f"--rdzv-conf=is_host={int(host)},last_call_timeout=4,join_timeout=120,read_timeout=30",
+                # a dead agent leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt
+                # seconds without a heartbeat (torch's default: 5 x 3)
+                f"--rdzv-conf=is_host={int(host)},last_call_timeout=4,join_timeout=120,read_timeout=30,"
+                "keep_alive_interval=1,keep_alive_max_attempt=3",
                 SCRIPT, *MODEL, "--steps", str(STEPS), "--save-every", str(EVERY), "--checkpoint", ckpt]
 
     log = []

@@ -19,7 +19,10 @@ def _dying_worker(rank, world, stage, die_at):
 
     model = build_model("mlp")
     kw = dict(unit_modules=["Linear"]) if stage == 3 else {}
-    zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters()), stage=stage, **kw)
+    # a rank that sees a peer fail waits 2 x sequence_timeout for the others' reports before
+    # it raises (Note [Collective sequence check]): 2 s here instead of the default 6
+    zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters()), stage=stage, sequence_timeout=1.0,
+                              **kw)
     for step in range(10):
         if rank == world - 1 and step == die_at:
             os._exit(0)                      # gone without a word, sockets closed
