@@ -424,9 +424,15 @@ def test_damaged_and_mismatched_checkpoints(saved, tmp_path):
     # a save that died between its two renames left only <path>.old: that one is read
     shutil.copytree(src, str(tmp_path / "renamed.old"))
     assert consolidate(str(tmp_path / "renamed"))["extra"] == {"step": 10}
-    proc = subprocess.run([sys.executable, "-m", "zero_ext.consolidate", corrupt, str(tmp_path / "x.pt")],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.returncode == 1 and "corrupt" in proc.stderr and not os.path.exists(tmp_path / "x.pt")
+    # the command line's main() (test_offline_consolidation_to_plain_torch runs the command itself)
+    import contextlib
+    import io
+
+    from zero_ext.consolidate import main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main([corrupt, str(tmp_path / "x.pt")])
+    assert code == 1 and "corrupt" in err.getvalue() and not os.path.exists(tmp_path / "x.pt")
 
 
 # ----------------------------------------------------------------------------- other optimizers

@@ -5,6 +5,7 @@ Also: `python -m zero_ext.estimate` reproduces the ZeRO paper's Table I, and
 stage="auto" picks the cheapest stage that fits (test_auto_stage.py)."""
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -94,6 +95,18 @@ def test_estimate_matches_fake_backend(n):
                 f"{where}: gathered {est['buffer_bytes']} vs {s['buffer_bytes']}"
 
 
+def _estimate_main(argv: list) -> str:
+    """What `python -m zero_ext.estimate ARGV` prints, from its main() in this process."""
+    import contextlib
+    import io
+
+    from zero_ext.estimate import main
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(argv)
+    return buf.getvalue()
+
+
 def test_cli_reproduces_table_1():
     """ZeRO paper, Table I: 7.5B parameters, N = 64, mixed precision Adam (K = 12):
     120 / 31.4 / 16.6 / 1.9 GB per device for stages 0-3 with a 4-byte fp32 master
@@ -101,12 +114,16 @@ def test_cli_reproduces_table_1():
     (the gather casts it): 14Ψ/N = 1.6 GB. By default stages 0-2 keep the master as a 2-byte
     remainder and a tie bit under the bf16 parameter (Note [Split master in the engine]):
     K = 10.125 there."""
-    def rows(*extra):
-        out = subprocess.run([sys.executable, "-m", "zero_ext.estimate", "--params", "7.5e9", "--world", "64",
-                              *extra], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True).stdout
+    def rows(*extra, command_line=False):
+        args = ["--params", "7.5e9", "--world", "64", *extra]
+        if command_line:   # the command itself, once; the function behind it otherwise (no interpreter to start)
+            out = subprocess.run([sys.executable, "-m", "zero_ext.estimate", *args], capture_output=True, text=True,
+                                 cwd=ROOT, timeout=120, check=True).stdout
+        else:
+            out = _estimate_main(args)
         return {int(line.split()[0]): float(line.split()[5]) for line in out.splitlines()
                 if line.strip() and line.split()[0] in ("0", "1", "2", "3")}, out
-    paper, out = rows("--fp32-master")
+    paper, out = rows("--fp32-master", command_line=True)
     assert paper == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.6}, out
     psi, n, k = 7.5e9, 64, 2 + 1 / 8 + 8
     split, out = rows()
@@ -120,9 +137,10 @@ def test_cli_offload_and_step_in_backward():
     per parameter on the host; --step-in-backward keeps no gradient shard (stage 3 at N = 64:
     4 + 8 bytes per parameter over 64 = 1.4 GB)."""
     def rows(*args):
-        r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "zero_ext.estimate", *args],
-                           capture_output=True, text=True, cwd=ROOT, timeout=120, check=True)
-        return {int(line.split()[0]): [float(v) for v in line.split()[1:]] for line in r.stdout.splitlines()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            out = _estimate_main(list(args))
+        return {int(line.split()[0]): [float(v) for v in line.split()[1:]] for line in out.splitlines()
                 if line.strip() and line.split()[0] in ("0", "1", "2", "3")}
     off = rows("--params", "7e9", "--world", "1", "--offload")
     assert sorted(off) == [1, 2, 3], off                          # stage 0 shards nothing
