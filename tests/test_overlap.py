@@ -38,8 +38,8 @@ pytestmark = pytest.mark.dist
 
 BLOCKS = 8
 WIDTH = 64
-FWD_MS, BWD_MS = 20.0, 40.0
-DELAY_MS = 15.0
+FWD_MS, BWD_MS = 10.0, 20.0
+DELAY_MS = 7.5
 STEPS = 4              # timed steps per variant, after one untimed
 HIDDEN_MAX = 0.3       # overlap - compute <= this x total delay
 APPLIED_MIN = 0.8      # serial - compute >= this x total delay
