@@ -24,16 +24,17 @@ void Engine::set_active_groups(const std::vector<int64_t> &groups) {
 
 std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Engine::owned_tensors() {
     std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> out;
-    const int64_t r = opts_.stage == 0 ? 0 : rank_;
+    const int64_t r = opts_.stage == 0 ? 0 : layout_.rank;
     for (auto &bk : buckets_) {
         if (!bk.atomic || !active(bk)) continue;
         at::Tensor master = master_slice(bk), grad = grad_shard_slice(bk);
         for (int64_t i : bk.params) {
-            if (zx_plan_owner(plan_, i) != r) continue;
+            if (zx_plan_owner(layout_.plan, i) != r) continue;
             zx_param_loc loc;
-            zx_check(zx_plan_param(plan_, i, &loc), "reading the plan");
+            zx_check(zx_plan_param(layout_.plan, i, &loc), "reading the plan");
             const int64_t at = loc.offset - r * bk.slice_numel, n = loc.numel;   // (stage 3 parameters may be empty now)
-            out.emplace_back(i, master.narrow(0, at, n).view(shapes_[i]), grad.narrow(0, at, n).view(shapes_[i]));
+            const std::vector<int64_t> &shape = layout_.shapes[i];
+            out.emplace_back(i, master.narrow(0, at, n).view(shape), grad.narrow(0, at, n).view(shape));
         }
     }
     return out;
@@ -41,7 +42,7 @@ std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Engine::owned_tensors()
 
 std::vector<int64_t> Engine::owners() const {
     std::vector<int64_t> out(params_.size());
-    for (size_t i = 0; i < params_.size(); i++) out[i] = zx_plan_owner(plan_, (int64_t)i);
+    for (size_t i = 0; i < params_.size(); i++) out[i] = zx_plan_owner(layout_.plan, (int64_t)i);
     return out;
 }
 
@@ -51,10 +52,10 @@ AtomicStats Engine::atomic_stats() const {
     AtomicStats st;
     double cmax = 0.0, csum = 0.0;
     int64_t nmax = 0, nsum = 0;
-    for (int64_t r = 0; r < partitions_; r++) {
+    for (int64_t r = 0; r < layout_.partitions; r++) {
         double c = 0.0;
         int64_t m = 0;
-        zx_check(zx_plan_rank_load(plan_, (int32_t)r, &c, &m), "reading the plan");
+        zx_check(zx_plan_rank_load(layout_.plan, (int32_t)r, &c, &m), "reading the plan");
         st.cost_per_rank.push_back(c);
         st.numel_per_rank.push_back(m);
         cmax = std::max(cmax, c);
@@ -67,10 +68,10 @@ AtomicStats Engine::atomic_stats() const {
         if (!bk.atomic) continue;
         st.buckets++;
         for (int64_t i : bk.params) {
-            if (zx_plan_owner(plan_, i) >= 0) {
+            if (zx_plan_owner(layout_.plan, i) >= 0) {
                 st.tensors++;
                 int64_t m = 1;   // (stage 3 parameters may be empty now: the logical shape)
-                for (int64_t d : shapes_[i]) m *= d;
+                for (int64_t d : layout_.shapes[i]) m *= d;
                 st.numel += m;
             }
         }
@@ -80,18 +81,18 @@ AtomicStats Engine::atomic_stats() const {
     // Planned optimizer state per rank (zx_plan_rank_state; 0 unless the
     // optimizers' state sizes were given: Note [Filling atomic buckets]).
     double smax = 0.0, ssum = 0.0;
-    for (int64_t r = 0; r < partitions_; r++) {
+    for (int64_t r = 0; r < layout_.partitions; r++) {
         double bytes = 0.0, whole = 0.0;
-        zx_check(zx_plan_rank_state(plan_, (int32_t)r, &bytes, &whole), "reading the plan");
+        zx_check(zx_plan_rank_state(layout_.plan, (int32_t)r, &bytes, &whole), "reading the plan");
         st.state_bytes_per_rank.push_back(bytes);
         smax = std::max(smax, bytes);
         ssum += bytes;
     }
-    st.cost_balance = csum > 0 ? cmax / (csum / (double)partitions_) : 1.0;
-    st.numel_balance = nsum > 0 ? (double)nmax / ((double)nsum / (double)partitions_) : 1.0;
+    st.cost_balance = csum > 0 ? cmax / (csum / (double)layout_.partitions) : 1.0;
+    st.numel_balance = nsum > 0 ? (double)nmax / ((double)nsum / (double)layout_.partitions) : 1.0;
     st.filled_numel = filled - st.numel;   // pieces of element-granular parameters in the padding
     st.cut_params = (int64_t)cut_params().size();
-    st.state_balance = ssum > 0 ? smax / (ssum / (double)partitions_) : 1.0;
+    st.state_balance = ssum > 0 ? smax / (ssum / (double)layout_.partitions) : 1.0;
     return st;
 }
 

@@ -36,7 +36,7 @@ void Engine::set_backward_step_sgd(std::vector<zx_sgd_hparams> hps) {
 
 at::Tensor Engine::landing(int64_t numel) {
     if (!bw_.land.defined() || bw_.land.numel() < numel)
-        bw_.land = at::empty({max_padded_ / partitions_}, on_device(dtypes_.reduce));
+        bw_.land = at::empty({layout_.max_padded / layout_.partitions}, on_device(dtypes_.reduce));
     return bw_.land.narrow(0, 0, numel);
 }
 
@@ -54,20 +54,20 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
         at::Tensor ms = state("exp_avg"), vs = state("exp_avg_sq");
         if (ms.scalar_type() == at::kBFloat16) {   // Note [bf16 optimizer states] (stepper.cpp)
             const int64_t b = &bk - buckets_.data();
-            const uint64_t c0 = counter_base(b) + (uint64_t)(rank_ * bk.slice_numel);
+            const uint64_t c0 = counter_base(b) + (uint64_t)(layout_.rank * bk.slice_numel);
             uint16_t *m = (uint16_t *)ms.data_ptr() + so, *v = (uint16_t *)vs.data_ptr() + so;
-            adam_bf16_master(*kern_, bk, 0, bk.slice_numel, grad, m, v, lp, h, c0, nullptr, nullptr);
+            adam_bf16_master(*kernels_.device, bk, 0, bk.slice_numel, grad, m, v, lp, h, c0, nullptr, nullptr);
         } else {
             float *m = ms.data_ptr<float>() + so, *v = vs.data_ptr<float>() + so;
             float *vmax = h.amsgrad ? state("max_exp_avg_sq").data_ptr<float>() + so : nullptr;
-            adam_master(*kern_, bk, 0, bk.slice_numel, grad, m, v, vmax, lp, h, nullptr, nullptr);
+            adam_master(*kernels_.device, bk, 0, bk.slice_numel, grad, m, v, vmax, lp, h, nullptr, nullptr);
         }
     } else {
         TORCH_CHECK(g < (int64_t)bw_.sgd.size(), "zero_ext: internal: missing hyperparameters for group ", g);
         zx_sgd_hparams h = bw_.sgd[g];
         h.first_step = step == 1;
         float *buf = h.momentum != 0.0 ? state("momentum_buffer").data_ptr<float>() + so : nullptr;
-        sgd_master(*kern_, bk, 0, bk.slice_numel, grad, buf, lp, h, nullptr, nullptr);
+        sgd_master(*kernels_.device, bk, 0, bk.slice_numel, grad, buf, lp, h, nullptr, nullptr);
     }
     bw_.stepped = true;
 }

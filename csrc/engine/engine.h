@@ -8,6 +8,7 @@
 //
 // One class, one file per concern (csrc/engine/):
 //   layout.cpp       the buckets, shards and views built from the plan; stats
+//   layout.h         Layout: the plan, this rank's place, each parameter's group, shape and bucket (fixed)
 //   stats.h          what stats() reports, as plain data (the binding makes the dicts)
 //   fill.cpp         atomic buckets filled with cut parameters; per-element state windows
 //   reducer.cpp      gradient readiness, launch and landing of each bucket's reduction, zero_grad
@@ -55,6 +56,7 @@
 #include "engine/gather_meter.h"   // defines: GatherMeter
 #include "engine/grad_reducer.h"   // defines: GradReducer (backward's reductions), ReduceKind
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
+#include "engine/layout.h"    // defines: Layout
 #include "engine/master_split.h"   // defines: MasterSplit (master_remainder)
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
 #include "engine/optimizer_states.h"  // defines: OptimizerStates
@@ -219,7 +221,7 @@ public:
     // Wait for the stage 1-2 parameter gathers of these buckets only (all of them when
     // some parameter is cut across buckets); bucket_of_params(): each parameter's bucket.
     void wait_param_buckets(const std::vector<int64_t> &buckets);
-    const std::vector<int64_t> &bucket_of_params() const { return bucket_of_; }
+    const std::vector<int64_t> &bucket_of_params() const { return layout_.bucket_of; }
     void zero_grad(bool set_to_none);  // with set_active_groups: those groups' gradients only
     // Note [Unused parameters] (unused.cpp): agree across ranks (one small
     // all-reduce) which parameters got a gradient, and advance their step counts.
@@ -320,12 +322,12 @@ public:
     // included) takes at least ms longer; serialize: each is waited for at its launch.
     void set_comm_delay(double ms, bool serialize);
     std::string describe_plan() const;
-    int64_t rank() const { return rank_; }
-    int64_t world_size() const { return world_; }
-    const char *kernels_name() const { return kern_->name(); }
-    int64_t partitions() const { return partitions_; }
+    int64_t rank() const { return layout_.rank; }
+    int64_t world_size() const { return layout_.world; }
+    const char *kernels_name() const { return kernels_.device->name(); }
+    int64_t partitions() const { return layout_.partitions; }
     double grad_divisor() const;       // what shard gradients must be divided by
-    std::string isa_name() const { return zx_isa_name(isa_); }
+    std::string isa_name() const { return zx_isa_name(kernels_.isa); }
 
     // --- collective sequence check (Note [Collective sequence check], sequence.cpp) ---
     // store: the process group's store, for watched waits (None: checkpoints only).
@@ -379,7 +381,9 @@ private:
     at::Tensor owned_slice(const at::Tensor &flat, const Bucket &bk) const;
     at::Tensor grad_shard_slice(const Bucket &bk);
     void ensure_step_tables();         // book_ has read this rank's fragments from the plan
-    bool active_param(int64_t i) const { return active_group(group_of_[i]); }
+    // Note [Unused parameters]: the stretches of bk's slice that step (mixed: one per parameter piece)
+    std::vector<StepRun> step_runs(const Bucket &bk) const;
+    bool active_param(int64_t i) const { return active_group(layout_.group_of[i]); }
     // into_params: cut parameters := their pieces of the gathered buckets; else the
     // pieces := the cut parameters (their edits).
     void copy_cut_params(bool into_params);
@@ -392,8 +396,6 @@ private:
     at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(dev_); }
     // Where the master, the states and the gradient shard live (Note [Optimizer offload]).
     at::TensorOptions on_shard(at::ScalarType dt) const { return opts_.offload ? Offload::host(dt) : on_device(dt); }
-    // The kernels that step those: the host's with offload, else the device's.
-    Kernels &kstep() { return host_kern_ ? *host_kern_ : *kern_; }
     at::Tensor host_grad_slice(const Bucket &bk);   // offload: bucket bk's slice of the host gradient shard
     void upload(Bucket &bk);           // offload: the master slice, in param_dtype, into the owned slice
     // Note [Split master in the engine]: an fp32 master shard joined on demand (authoritative
@@ -409,7 +411,7 @@ private:
         if (!split_) return chunked(master(bk) + lo, lo, n);
         const int64_t b = &bk - buckets_.data();
         if (!split_->one_pass(b, (uint16_t *)lp, bk.slice_numel, lo, n, one_pass))
-            split_->over(*kern_, b, hi_bits(bk), bk.slice_numel, lo, n, chunked);
+            split_->over(*kernels_.device, b, hi_bits(bk), bk.slice_numel, lo, n, chunked);
     }
     // Adam with fp32 states over [lo, lo + n) of bk's slice, through step_split. grad, m, v,
     // vmax (may be null): the whole slice's; lp: the slice's low-precision parameters or null.
@@ -427,23 +429,16 @@ private:
     at::Tensor landing(int64_t numel);   // step_in_backward, all-to-all: where the slices are summed
 
     std::vector<at::Tensor> params_;
-    std::vector<int64_t> group_of_;              // each parameter's param group
     ParamPieces pieces_;                         // Note [Cut parameters]: where each parameter lies
-    std::vector<std::vector<int64_t>> shapes_;   // each parameter's logical shape
     std::vector<char> active_groups_;            // set_active_groups: empty = all
     GradViews grad_views_;                 // stage 0/1: param i's view into flat_grad, and if .grad may be it
     ShardedGrads sharded_grads_;           // Note [Sharded gradients]: the wrappers .grad shows after backward
-    std::vector<int64_t> bucket_of_, offset_of_;
     std::vector<Bucket> buckets_;
-    int64_t max_padded_ = 0;
-    zx_plan *plan_ = nullptr;
+    Layout layout_;                        // where everything lies: the plan, this rank, the parameters
     Communicator comm_;
     EngineOptions opts_;
-    int64_t rank_ = 0, world_ = 1, partitions_ = 1, shard_numel_ = 0;
-    zx_isa isa_ = ZX_ISA_SCALAR;            // CPU kernels' ISA (reported by stats())
     at::Device dev_ = at::kCPU;             // the parameters' device: every buffer lives there
-    std::unique_ptr<Kernels> kern_;         // Note [Kernel table]
-    std::unique_ptr<Kernels> host_kern_;    // offload from a device: the CPU kernels, else null
+    KernelTables kernels_;                 // Note [Kernel table]: the device's, and the host's with offload
     std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
     BackwardStep bw_;                      // Note [Step in backward]
     GradReducer reducer_;                  // backward's reductions: the pass, the ring, what is in flight
@@ -456,7 +451,7 @@ private:
     OptimizerStates states_;               // the fused optimizer's states, over the state windows
     StepBook book_;                        // Note [Unused parameters]: gradients seen, steps, runs
     ParamGather gather_;                   // the gather kind (param_quant's or exact); stages 1-2: gathers in flight
-    std::unique_ptr<Secondary> sec_;       // node_size (stage 3, 1 <= L < world): secondary parts, else null
+    std::unique_ptr<Secondary> secondary_; // node_size (stage 3, 1 <= L < world): secondary parts, else null
     FrozenParams frozen_;                  // Note [Stage 3 frozen parameters]: stage 3's frozen parameters
 };
 

@@ -19,7 +19,7 @@ namespace zx {
 //   they spanned the whole shard, so Muon + AdamW held AdamW moments for every
 //   Muon element too.
 void Engine::plan_state_windows() {
-    const int64_t r = opts_.stage == 0 ? 0 : rank_;
+    const int64_t r = opts_.stage == 0 ? 0 : layout_.rank;
     int64_t at = 0;
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
@@ -27,8 +27,8 @@ void Engine::plan_state_windows() {
         bk.state_numel = bk.slice_numel;
         if (bk.atomic) {
             int64_t lo = INT64_MAX, hi = 0;
-            for (const auto &f : plan_fragments(plan_, b, (int32_t)r)) {
-                if (zx_plan_owner(plan_, f.param) >= 0) continue;
+            for (const auto &f : plan_fragments(layout_.plan, b, (int32_t)r)) {
+                if (zx_plan_owner(layout_.plan, f.param) >= 0) continue;
                 lo = std::min(lo, f.slice_offset);
                 hi = std::max(hi, f.slice_offset + f.numel);
             }

@@ -113,8 +113,8 @@ void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> uni
         units_.ensure(units[i]);
     }
     const auto pt = on_device(dtypes_.param);
-    frozen_.plan(std::move(params), units, std::move(names), units_.count(), partitions_,
-                 partitions_ * opts_.align, pt);
+    frozen_.plan(std::move(params), units, std::move(names), units_.count(), layout_.partitions,
+                 layout_.partitions * opts_.align, pt);
     at::NoGradGuard ng;
     for (auto &bk : frozen_.buckets()) {
         // Without values (meta build) the pages stay untouched until open_unit_fp32.
@@ -168,7 +168,7 @@ void Engine::open_frozen_fp32(int64_t u) {
     // init writes full precision and is rounded once, at commit.
     release_bucket(*bk);
     at::Tensor full = at::empty({bk->padded_numel}, on_device(dtypes_.param));
-    if (world_ == 1) {
+    if (layout_.world == 1) {
         full.copy_(frozen_.slice(*bk));
     } else {
         comm_.seq.subject(subject_of(*bk), u);
@@ -181,7 +181,8 @@ void Engine::open_frozen_fp32(int64_t u) {
 }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::frozen_fragments(int64_t r) const {
-    TORCH_CHECK(r >= 0 && r < partitions_, "zero_ext: internal: no rank ", r, " among ", partitions_, " partitions");
+    TORCH_CHECK(r >= 0 && r < layout_.partitions, "zero_ext: internal: no rank ", r, " among ", layout_.partitions,
+                " partitions");
     return frozen_.fragments(r);
 }
 

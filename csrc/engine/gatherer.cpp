@@ -38,7 +38,7 @@ void Engine::publish_params() {
     cast_masters();
     if (opts_.stage == 3) {
         // Gathered units hold stale values: release them; the next gather reads the shards.
-        if (sec_) sec_->drop_all();
+        if (secondary_) secondary_->drop_all();
         for (auto &bk : buckets_) release_bucket(bk);
         release_all_frozen();
         return;
@@ -58,7 +58,7 @@ void Engine::absorb_param_edits() {
 }
 
 void Engine::all_gather_params() {
-    if (partitions_ == 1 || opts_.stage == 3) {   // stage 3 gathers per unit, on demand
+    if (layout_.partitions == 1 || opts_.stage == 3) {   // stage 3 gathers per unit, on demand
         if (pieces_.any_cut()) copy_cut_params(true);
         return;
     }
@@ -141,10 +141,10 @@ void Engine::finish_group(const std::shared_ptr<GatherGroup> &g) {
     comm_.watch(g->work, "unit all-gather");
     g->work.reset();
     const int64_t slice = g->in.numel();
-    const at::Tensor rows = g->out.view({world_, slice});
+    const at::Tensor rows = g->out.view({layout_.world, slice});
     for (auto [m, offset] : g->members) {
         if (m->gather_group != g) continue;
-        m->flat_param.view({world_, m->slice_numel}).copy_(rows.narrow(1, offset, m->slice_numel));
+        m->flat_param.view({layout_.world, m->slice_numel}).copy_(rows.narrow(1, offset, m->slice_numel));
         m->gather_group.reset();
         mark_gathered(*m);
     }
@@ -159,9 +159,9 @@ void Engine::wait_gather(Bucket &bk) {
         auto work = std::move(bk.gather_work);
         bk.gather_work.reset();
         const int64_t s = subject_of(bk);
-        if (sec_ && sec_->in_flight(s)) {   // Note [Hierarchical partitioning]
-            sec_->comm().timed_wait(work, "node all-gather");
-            sec_->finish(s);
+        if (secondary_ && secondary_->in_flight(s)) {   // Note [Hierarchical partitioning]
+            secondary_->comm().timed_wait(work, "node all-gather");
+            secondary_->finish(s);
         } else {
             comm_.watch(work, "unit all-gather");
             if (gather_.quantized() && !bk.frozen) gather_.quant()->finish(s);
@@ -181,7 +181,7 @@ void Engine::release_bucket(Bucket &bk) {
         bk.fp32_values = at::Tensor();
     }
     if (bk.gathered) {
-        kern_->resize_storage(bk.flat_param, 0);
+        kernels_.device->resize_storage(bk.flat_param, 0);
         gathered_.sub(bk.flat_param.numel() * bk.flat_param.element_size());
         bk.gathered = false;
     }
@@ -203,7 +203,7 @@ at::Tensor Engine::gather_source(Bucket &bk, at::Tensor dst) {
     if (bk.frozen) return frozen_.slice(bk);
     if (off_) return units_.param_shard.narrow(0, bk.shard_offset, bk.slice_numel);   // Note [Optimizer offload]
     if (!dtypes_.low()) return master_slice(bk);   // stage 3 fp32: the master is the slice
-    kern_->cast_from_f32(bk.slice_numel, master(bk), dst.data_ptr(), dtypes_.param_zx);
+    kernels_.device->cast_from_f32(bk.slice_numel, master(bk), dst.data_ptr(), dtypes_.param_zx);
     return dst;
 }
 
@@ -220,25 +220,26 @@ std::vector<Bucket *> Engine::unit_gather_buckets(int64_t u) {
 
 void Engine::launch_gather(Bucket &bk) {
     const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
-    kern_->resize_storage(bk.flat_param, bytes);
+    kernels_.device->resize_storage(bk.flat_param, bytes);
     gathered_.add(bytes);
     gathered_.note_peak();
     at::Tensor own = owned_slice(bk.flat_param, bk);
     at::Tensor in = gather_source(bk, own);   // with a low param_dtype: cast into place
-    if (world_ == 1) {
+    if (layout_.world == 1) {
         if (!in.is_same(own)) own.copy_(in);
         mark_gathered(bk);
         return;
     }
-    if (sec_ && sec_->has(subject_of(bk))) {   // Note [Hierarchical partitioning]: inside the node
-        bk.gather_work = sec_->launch(subject_of(bk), bk.flat_param);
+    if (secondary_ && secondary_->has(subject_of(bk))) {   // Note [Hierarchical partitioning]: inside the node
+        bk.gather_work = secondary_->launch(subject_of(bk), bk.flat_param);
         return;
     }
     comm_.seq.subject(subject_of(bk), bk.unit);
     // param_quant: trainable buckets travel quantized from the exact master (frozen
     // ones have no master and stay exact)
+    const auto master = [&] { return master_slice(bk); };
     bk.gather_work = bk.frozen ? comm_.all_gather(bk.flat_param, in)
-                               : gather_.start(comm_, subject_of(bk), bk.flat_param, in, [&] { return master_slice(bk); });
+                               : gather_.start(comm_, subject_of(bk), bk.flat_param, in, master);
 }
 
 static bool requested(const Bucket &bk) { return bk.gathered || bk.gather_work || bk.gather_group; }
@@ -269,9 +270,9 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
     auto g = std::make_shared<GatherGroup>();
     int64_t slice = 0;
     for (Bucket *bk : todo) {
-        if (world_ == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != dtypes_.param ||
+        if (layout_.world == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != dtypes_.param ||
             (gather_.quantized() && !bk->frozen) ||
-            (sec_ && sec_->has(subject_of(*bk)))) {
+            (secondary_ && secondary_->has(subject_of(*bk)))) {
             launch_gather(*bk);
             continue;
         }
@@ -284,11 +285,11 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
         return;
     }
     g->in = at::empty({slice}, on_device(dtypes_.param));
-    g->out = at::empty({slice * world_}, on_device(dtypes_.param));
+    g->out = at::empty({slice * layout_.world}, on_device(dtypes_.param));
     gathered_.add(g->in.nbytes() + g->out.nbytes());
     for (auto [bk, offset] : g->members) {
         const int64_t bytes = bk->flat_param.numel() * bk->flat_param.element_size();
-        kern_->resize_storage(bk->flat_param, bytes);
+        kernels_.device->resize_storage(bk->flat_param, bytes);
         gathered_.add(bytes);
         at::Tensor dst = g->in.narrow(0, offset, bk->slice_numel);
         at::Tensor src = gather_source(*bk, dst);
@@ -303,19 +304,19 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
 
 void Engine::release_unit(int64_t u, bool keep) {
     for (Bucket *bk : unit_gather_buckets(u)) {   // trainable, then frozen
-        if (sec_) {   // Note [Hierarchical partitioning]
+        if (secondary_) {   // Note [Hierarchical partitioning]
             wait_gather(*bk);
             if (!keep)
-                sec_->drop(subject_of(*bk));
+                secondary_->drop(subject_of(*bk));
             else if (bk->gathered)
-                sec_->keep(subject_of(*bk), bk->flat_param);
+                secondary_->keep(subject_of(*bk), bk->flat_param);
         }
         release_bucket(*bk);
     }
 }
 
 void Engine::commit_unit(int64_t u, int64_t src) {
-    if (sec_) sec_->drop_all();   // the masters change
+    if (secondary_) secondary_->drop_all();   // the masters change
     for (int64_t b : units_.buckets(u)) {
         Bucket &bk = buckets_[b];
         if (bk.fp32_values.defined()) {   // open_unit_fp32: full-precision values
@@ -343,7 +344,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
 void Engine::open_unit_fp32(int64_t u) {
     TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: open_unit_fp32 is a stage-3 operation");
     units_.buckets(u);   // checks u
-    if (sec_) sec_->drop_all();
+    if (secondary_) secondary_->drop_all();
     if (!dtypes_.low()) {
         gather_unit(u, true);
         return;
@@ -357,7 +358,7 @@ void Engine::open_unit_fp32(int64_t u) {
         bk.fp32_values = at::empty({bk.padded_numel}, on_device(at::kFloat));
         at::Tensor in = master_slice(bk);
         if (in.device() != dev_) in = in.to(dev_);   // offload: the collective runs on the device
-        if (world_ == 1) {
+        if (layout_.world == 1) {
             bk.fp32_values.copy_(in);
         } else {
             comm_.seq.subject(b, u);
@@ -366,7 +367,7 @@ void Engine::open_unit_fp32(int64_t u) {
         gathered_.add(bk.fp32_values.nbytes());
         gathered_.note_peak();
         for (int64_t i : bk.params)
-            params_[i].set_data(bk.fp32_values.narrow(0, offset_of_[i], units_.param_views[i].numel())
+            params_[i].set_data(bk.fp32_values.narrow(0, layout_.offset_of[i], units_.param_views[i].numel())
                                     .view(units_.param_views[i].sizes()));
     }
 }

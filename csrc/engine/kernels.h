@@ -115,6 +115,16 @@ public:
 // isa: the CPU ISA ("auto" already resolved); ignored for CUDA.
 std::unique_ptr<Kernels> make_kernels(const at::Device &device, zx_isa isa, zx_dtype reduce_dtype);
 std::unique_ptr<Kernels> make_cpu_kernels(zx_isa isa, zx_dtype reduce_dtype);
+
+// An engine's kernel tables: its parameters' device's, and with offload from a device the
+// host's, which step the master and states there.
+struct KernelTables {
+    zx_isa isa = ZX_ISA_SCALAR;        // the CPU kernels' ISA (reported by stats())
+    std::unique_ptr<Kernels> device;   // the parameters' device's
+    std::unique_ptr<Kernels> host;     // offload from a device: the CPU kernels, else null
+    // What steps the master and the states: the host's with offload, else the device's.
+    Kernels &step() { return host ? *host : *device; }
+};
 std::unique_ptr<Kernels> make_cuda_kernels(const at::Device &device, zx_dtype reduce_dtype);  // null without CUDA
 
 }  // namespace zx

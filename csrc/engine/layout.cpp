@@ -65,14 +65,14 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                 "'fp32' or 'bf16', got '", opts_.state_dtype, "'; pass state_dtype='fp32' (exact) or 'bf16'");
     const bool s3 = opts_.stage == 3;
     TORCH_CHECK(!s3 || (int64_t)units.size() == n, "zero_ext: internal: stage 3 needs one unit id per parameter");
-    rank_ = comm_.rank();
-    world_ = comm_.world();
-    partitions_ = opts_.stage == 0 ? 1 : world_;
-    isa_ = opts_.isa == "auto" ? zx_cpu_best_isa() : parse_isa(opts_.isa);
+    layout_.rank = comm_.rank();
+    layout_.world = comm_.world();
+    layout_.partitions = opts_.stage == 0 ? 1 : layout_.world;
+    kernels_.isa = opts_.isa == "auto" ? zx_cpu_best_isa() : parse_isa(opts_.isa);
     std::tie(dtypes_.param, dtypes_.param_zx) = parse_dtype(opts_.param_dtype, "param_dtype");
     std::tie(dtypes_.reduce, dtypes_.reduce_zx) = parse_dtype(opts_.reduce_dtype, "reduce_dtype");
     grad_views_.ok = dtypes_.reduce == dtypes_.param;
-    TORCH_CHECK(zx_cpu_supports(isa_), "zero_ext: this CPU cannot run isa='", opts_.isa,
+    TORCH_CHECK(zx_cpu_supports(kernels_.isa), "zero_ext: this CPU cannot run isa='", opts_.isa,
                 "'; pass isa='auto' (the best ISA this CPU has)");
     dev_ = params_[0].device();
 
@@ -84,7 +84,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     bool any_atomic = false;
     for (int64_t i = 0; i < n; i++) {
         const at::Tensor &p = params_[i];
-        shapes_.push_back(p.sizes().vec());
+        layout_.shapes.push_back(p.sizes().vec());
         const int64_t kind = groups[i] < (int64_t)opts_.group_update_kind.size() ? opts_.group_update_kind[groups[i]] : 0;
         if (kind != 0 && p.numel() > 0) {
             // Note [Tensor-atomic buckets]: rows = first dimension, cols = the rest.
@@ -113,15 +113,15 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     TORCH_CHECK(opts_.param_state.empty() || (int64_t)opts_.param_state.size() == n,
                 "zero_ext: internal: one state size per parameter expected, got ", opts_.param_state.size());
     zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), s3 ? unit.data() : nullptr,
-                      order.data(), (int32_t)partitions_, cap, first_cap, opts_.align,
+                      order.data(), (int32_t)layout_.partitions, cap, first_cap, opts_.align,
                       any_atomic ? cost.data() : nullptr, fill ? opts_.param_state.data() : nullptr};
-    zx_check(zx_plan_create(&pp, &plan_), "planning the bucket layout");
-    shard_numel_ = zx_plan_shard_numel(plan_);
-    group_of_ = groups;
-    pieces_.read(plan_, n);
+    zx_check(zx_plan_create(&pp, &layout_.plan), "planning the bucket layout");
+    layout_.shard_numel = zx_plan_shard_numel(layout_.plan);
+    layout_.group_of = groups;
+    pieces_.read(layout_.plan, n);
 
     // Buckets as tensors; parameters (and stage 0/1 gradients) become views.
-    kern_ = make_kernels(dev_, isa_, dtypes_.reduce_zx);
+    kernels_.device = make_kernels(dev_, kernels_.isa, dtypes_.reduce_zx);
     if (opts_.grad_quant_bits != 0) {
         TORCH_CHECK(opts_.stage >= 1 && opts_.alltoall_reduce_scatter,
                     "zero_ext: grad_quant needs stage 1, 2 or 3 and the all-to-all reduce-scatter; pass stage=1, 2 "
@@ -132,18 +132,19 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                             : opts_.grad_quant_bits != 0 ? ReduceKind::kQuantized
                             : opts_.alltoall_reduce_scatter ? ReduceKind::kAllToAll
                                                             : ReduceKind::kReduceScatter;
-    reducer_.configure(kind, world_, partitions_, on_device(dtypes_.reduce),
+    reducer_.configure(kind, layout_.world, layout_.partitions, on_device(dtypes_.reduce),
                        kind == ReduceKind::kQuantized
                            ? std::make_unique<QuantReduce>((int32_t)opts_.grad_quant_bits, opts_.quant_block_numel,
-                                                           opts_.grad_quant_error_feedback, kern_.get(), dev_, partitions_)
+                                                           opts_.grad_quant_error_feedback, kernels_.device.get(), dev_,
+                                                           layout_.partitions)
                            : nullptr);
     if (opts_.param_quant_bits != 0) {
         TORCH_CHECK(opts_.stage >= 1, "zero_ext: param_quant needs stage 1, 2 or 3; pass stage=1, 2 or 3, or "
                     "param_quant=None");
         // One rank gathers nothing: its parameters stay exact.
-        if (partitions_ > 1)
+        if (layout_.partitions > 1)
             gather_.configure(std::make_unique<QuantGather>((int32_t)opts_.param_quant_bits, opts_.quant_block_numel,
-                                                            kern_.get(), dev_, partitions_),
+                                                            kernels_.device.get(), dev_, layout_.partitions),
                               opts_.stage < 3);
     }
     TORCH_CHECK(!opts_.step_in_backward || (opts_.stage >= 1 && !opts_.offload), "zero_ext: step_in_backward "
@@ -152,31 +153,32 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     if (opts_.offload) {   // Note [Optimizer offload]
         TORCH_CHECK(opts_.stage >= 1, "zero_ext: offload='cpu' needs stage 1, 2 or 3 (stage 0 shards nothing); "
                     "pass stage=1, 2 or 3, or offload=None");
-        TORCH_CHECK(!reducer_.quantized() && !gather_.quantized(), "zero_ext: offload='cpu' keeps exact gradients and parameters; pass "
+        TORCH_CHECK(!reducer_.quantized() && !gather_.quantized(), "zero_ext: offload='cpu' keeps exact gradients "
+                    "and parameters; pass "
                     "grad_quant=None and param_quant=None with it, or offload=None");
-        if (!dev_.is_cpu()) host_kern_ = make_cpu_kernels(isa_, dtypes_.reduce_zx);
+        if (!dev_.is_cpu()) kernels_.host = make_cpu_kernels(kernels_.isa, dtypes_.reduce_zx);
     }
     const auto f32 = on_device(at::kFloat), pt = on_device(dtypes_.param), rt = on_device(dtypes_.reduce);
-    const int64_t nb = zx_plan_num_buckets(plan_);
+    const int64_t nb = zx_plan_num_buckets(layout_.plan);
     buckets_.resize(nb);
     // param_quant: the owned slice of flat_param holds dequantized values, so the
     // master is a shard of its own (Note [Quantized parameter gather]); so does offload.
     if (s3 || dtypes_.low() || gather_.quantized() || opts_.offload)
-        master_shard_ = at::zeros({shard_numel_}, on_shard(at::kFloat));
-    bucket_of_.assign(n, -1);
-    offset_of_.assign(n, 0);
+        master_shard_ = at::zeros({layout_.shard_numel}, on_shard(at::kFloat));
+    layout_.bucket_of.assign(n, -1);
+    layout_.offset_of.assign(n, 0);
     grad_views_.views.resize(n);
     if (s3) units_.param_views.resize(n);
     reducer_.pass().resize(n);
     for (int64_t b = 0; b < nb; b++) {
         zx_bucket_info bi;
-        zx_check(zx_plan_bucket(plan_, b, &bi), "reading the plan");
+        zx_check(zx_plan_bucket(layout_.plan, b, &bi), "reading the plan");
         Bucket &bk = buckets_[b];
         bk.group = bi.group;
         bk.numel = bi.numel;
         bk.padded_numel = bi.padded_numel;
         bk.slice_numel = bi.slice_numel;
-        bk.shard_offset = zx_plan_shard_offset(plan_, b);
+        bk.shard_offset = zx_plan_shard_offset(layout_.plan, b);
         bk.pending = bi.num_params;
         bk.unit = bi.unit;
         bk.atomic = bi.atomic != 0;
@@ -187,10 +189,10 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         if (opts_.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, rt);
         // Low precision: the fp32 values, from which the master is taken.
         at::Tensor src32 = dtypes_.low() && opts_.copy_params ? at::zeros({bi.padded_numel}, f32) : at::Tensor();
-        max_padded_ = std::max(max_padded_, bi.padded_numel);
+        layout_.max_padded = std::max(layout_.max_padded, bi.padded_numel);
         for (int64_t k = 0; k < bi.num_params; k++) {
             zx_piece pc;
-            zx_check(zx_plan_bucket_piece(plan_, b, k, &pc), "reading the plan");
+            zx_check(zx_plan_bucket_piece(layout_.plan, b, k, &pc), "reading the plan");
             const int64_t i = pc.param;
             bk.params.push_back(i);
             at::Tensor &p = params_[i];
@@ -204,11 +206,11 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                 }
                 continue;
             }
-            bk.mixed = bk.mixed || (bk.atomic && zx_plan_owner(plan_, i) < 0);
+            bk.mixed = bk.mixed || (bk.atomic && zx_plan_owner(layout_.plan, i) < 0);
             zx_param_loc loc;
-            zx_check(zx_plan_param(plan_, i, &loc), "reading the plan");
-            bucket_of_[i] = b;
-            offset_of_[i] = loc.offset;
+            zx_check(zx_plan_param(layout_.plan, i, &loc), "reading the plan");
+            layout_.bucket_of[i] = b;
+            layout_.offset_of[i] = loc.offset;
             at::Tensor view = bk.flat_param.narrow(0, loc.offset, loc.numel).view(p.sizes());
             if (opts_.copy_params) {
                 at::NoGradGuard ng;
@@ -227,15 +229,15 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         }
         if (bk.mixed) {
             for (int64_t i : bk.params)
-                if (std::find(bk.groups.begin(), bk.groups.end(), group_of_[i]) == bk.groups.end())
-                    bk.groups.push_back(group_of_[i]);
+                if (std::find(bk.groups.begin(), bk.groups.end(), layout_.group_of[i]) == bk.groups.end())
+                    bk.groups.push_back(layout_.group_of[i]);
             bk.stepped.assign(bk.groups.size(), 0);
         }
         // Padding between and after the pieces (atomic buckets pad every slice).
         std::vector<std::pair<int64_t, int64_t>> spans;
         for (int64_t k = 0; k < bi.num_params; k++) {
             zx_piece pc;
-            zx_check(zx_plan_bucket_piece(plan_, b, k, &pc), "reading the plan");
+            zx_check(zx_plan_bucket_piece(layout_.plan, b, k, &pc), "reading the plan");
             spans.emplace_back(pc.offset, pc.numel);
         }
         std::sort(spans.begin(), spans.end());
@@ -264,10 +266,10 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         if (!pieces_.cut(i)) continue;
         // Note [Cut parameters]: storage of its own in param_dtype, filled from the buckets.
         at::Tensor &p = params_[i];
-        bucket_of_[i] = pieces_.of(i)[0].bucket;
-        offset_of_[i] = pieces_.of(i)[0].offset;
+        layout_.bucket_of[i] = pieces_.of(i)[0].bucket;
+        layout_.offset_of[i] = pieces_.of(i)[0].offset;
         const at::Tensor grad = p.grad();
-        p.set_data(at::empty(shapes_[i], pt));
+        p.set_data(at::empty(layout_.shapes[i], pt));
         p.mutable_grad() = at::Tensor();
         if (grad.defined() && opts_.stage <= 1)
             for (const zx_piece &pc : pieces_.of(i))
@@ -279,22 +281,24 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     if (opts_.offload) {
         // Down: a reduce-scatter's slice, an all-to-all's whole receive buffer, or (one
         // rank) the whole bucket; up: a slice in param_dtype.
-        const int64_t slice = max_padded_ / std::max<int64_t>(partitions_, 1);
-        const int64_t down = opts_.alltoall_reduce_scatter && world_ > 1 ? max_padded_ : slice;
+        const int64_t slice = layout_.max_padded / std::max<int64_t>(layout_.partitions, 1);
+        const int64_t down = opts_.alltoall_reduce_scatter && layout_.world > 1 ? layout_.max_padded : slice;
         off_ = std::make_unique<Offload>(dev_, dtypes_.reduce, down, dtypes_.param, slice, nb);
         if (s3) {   // what the unit gathers read: the master in param_dtype, kept current by upload()
-            units_.param_shard = at::empty({shard_numel_}, pt);
+            units_.param_shard = at::empty({layout_.shard_numel}, pt);
             for (auto &bk : buckets_) upload(bk);
         }
     }
     // Note [Gradient layout]: stages 2-3 stage each gradient in a slot; more than one rank
     // receives a slice (reduce-scatter) or every rank's slices (all-to-all).
-    reducer_.ring().configure(opts_.stage >= 2 ? max_padded_ : 0, world_ > 1 ? reducer_.recv_numel(max_padded_) : 0,
+    reducer_.ring().configure(opts_.stage >= 2 ? layout_.max_padded : 0,
+                              layout_.world > 1 ? reducer_.recv_numel(layout_.max_padded) : 0,
                               on_device(dtypes_.reduce), opts_.grad_ring_buckets);
-    book_ = StepBook(params_.size(), opts_.agree_unused, world_);   // Note [Unused parameters]
+    book_ = StepBook(params_.size(), opts_.agree_unused, layout_.world);   // Note [Unused parameters]
     // Note [Coalesced gradient reductions] (reducer.cpp): stage 3's plain reduction path only.
-    if (s3 && world_ > 1 && !reducer_.quantized() && !off_ && !opts_.step_in_backward && opts_.coalesce_numel > 0)
-        reducer_.groups().configure(std::max<int64_t>(opts_.coalesce_numel / partitions_, 1), partitions_,
+    if (s3 && layout_.world > 1 && !reducer_.quantized() && !off_ && !opts_.step_in_backward &&
+        opts_.coalesce_numel > 0)
+        reducer_.groups().configure(std::max<int64_t>(opts_.coalesce_numel / layout_.partitions, 1), layout_.partitions,
                            on_device(dtypes_.reduce));
     // The gradient shard and the ring are allocated at the first backward
     // (grad_shard_slice, acquire_slot), so building the model costs no more.
@@ -312,11 +316,11 @@ Engine::~Engine() {
                 if (bk.gather_work && !comm_.seq.diverged()) bk.gather_work->wait();
     } catch (...) {
     }
-    zx_plan_free(plan_);
+    zx_plan_free(layout_.plan);
 }
 
 at::Tensor Engine::owned_slice(const at::Tensor &flat, const Bucket &bk) const {
-    const int64_t r = opts_.stage == 0 ? 0 : rank_;
+    const int64_t r = opts_.stage == 0 ? 0 : layout_.rank;
     return flat.narrow(0, r * bk.slice_numel, bk.slice_numel);
 }
 
@@ -326,14 +330,14 @@ at::Tensor Engine::grad_shard_slice(const Bucket &bk) {
         return host_grad_slice(bk);
     }
     if (opts_.stage >= 2) {
-        if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, on_device(dtypes_.reduce));
+        if (!grad_shard_.defined()) grad_shard_ = at::zeros({layout_.shard_numel}, on_device(dtypes_.reduce));
         return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
     }
     return owned_slice(bk.flat_grad, bk);
 }
 
 at::Tensor Engine::host_grad_slice(const Bucket &bk) {
-    if (!grad_shard_.defined()) grad_shard_ = at::zeros({shard_numel_}, on_shard(dtypes_.reduce));
+    if (!grad_shard_.defined()) grad_shard_ = at::zeros({layout_.shard_numel}, on_shard(dtypes_.reduce));
     return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
 }
 
@@ -353,14 +357,14 @@ at::Tensor Engine::lp_slice(Bucket &bk) {
 // Stage 3 writes no low-precision copy: the gather casts (Note [Stage 3 parameter lifetime]).
 void *Engine::lp_out(Bucket &bk) { return dtypes_.low() && opts_.stage < 3 ? lp_slice(bk).data_ptr() : nullptr; }
 
-double Engine::grad_divisor() const { return opts_.stage == 0 ? 1.0 : (double)world_; }
+double Engine::grad_divisor() const { return opts_.stage == 0 ? 1.0 : (double)layout_.world; }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(int64_t r) const {
-    TORCH_CHECK(r >= 0 && r < std::max<int64_t>(partitions_, 1), "zero_ext: internal: no rank ", r, " among ",
-                partitions_, " partitions");
+    TORCH_CHECK(r >= 0 && r < std::max<int64_t>(layout_.partitions, 1), "zero_ext: internal: no rank ", r, " among ",
+                layout_.partitions, " partitions");
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++)
-        for (const auto &f : plan_fragments(plan_, b, (int32_t)r))
+        for (const auto &f : plan_fragments(layout_.plan, b, (int32_t)r))
             out.emplace_back(f.param, f.param_offset, buckets_[b].shard_offset + f.slice_offset, f.numel);
     return out;
 }
@@ -376,13 +380,13 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(in
 //   piece. Only the active groups' buckets are listed (set_active_groups), as
 //   param_shards() lists them.
 std::vector<FragmentView> Engine::fragment_views(bool masters) {
-    const int64_t r = partitions_ > 1 ? rank_ : 0;
+    const int64_t r = layout_.partitions > 1 ? layout_.rank : 0;
     std::vector<FragmentView> out;
     int64_t index = 0;   // among the active buckets
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
         if (!active(bk)) continue;
-        const std::vector<zx_fragment> fr = plan_fragments(plan_, b, (int32_t)r);
+        const std::vector<zx_fragment> fr = plan_fragments(layout_.plan, b, (int32_t)r);
         at::Tensor m = !fr.empty() && masters ? master_slice(bk) : at::Tensor();
         for (const auto &f : fr)
             out.push_back({f.param, f.param_offset, index, f.slice_offset, f.numel,
@@ -395,15 +399,15 @@ std::vector<FragmentView> Engine::fragment_views(bool masters) {
 std::vector<FragmentView> Engine::frozen_fragment_views() const {
     std::vector<FragmentView> out;
     if (frozen_.empty()) return out;
-    for (const auto &[i, poff, soff, n] : frozen_fragments(partitions_ > 1 ? rank_ : 0))
+    for (const auto &[i, poff, soff, n] : frozen_fragments(layout_.partitions > 1 ? layout_.rank : 0))
         out.push_back({i, poff, -1, soff, n, frozen_.shard().narrow(0, soff, n)});
     return out;
 }
 
 void Engine::set_comm_delay(double ms, bool serialize) {
-    Kernels *device = dev_.is_cuda() ? kern_.get() : nullptr;
+    Kernels *device = dev_.is_cuda() ? kernels_.device.get() : nullptr;
     comm_.set_delay(ms, serialize, device);
-    if (sec_) sec_->comm().set_delay(ms, serialize, device);
+    if (secondary_) secondary_->comm().set_delay(ms, serialize, device);
 }
 
 EngineStats Engine::stats() const {
@@ -443,21 +447,21 @@ EngineStats Engine::stats() const {
     const QuantGather *qg = gather_.quant();
     buf.quant_gather_buffers = qg ? qg->buffer_bytes() : 0;
     buf.peak_quant_gather_buffers = qg ? qg->peak_buffer_bytes() : 0;
-    buf.kernel_scratch = kern_->scratch_bytes();
+    buf.kernel_scratch = kernels_.device->scratch_bytes();
     buf.split_master_scratch = split_ ? split_->scratch_bytes() : 0;
-    buf.secondary = sec_ ? sec_->bytes() : 0;
-    buf.peak_secondary = sec_ ? sec_->peak_bytes() : 0;
+    buf.secondary = secondary_ ? secondary_->bytes() : 0;
+    buf.peak_secondary = secondary_ ? secondary_->peak_bytes() : 0;
     buf.total = buf.grad_ring + buf.grad_landing + buf.gathered_params + buf.quant_buffers + buf.quant_residual +
                 buf.quant_gather_buffers + buf.kernel_scratch + buf.secondary + buf.split_master_scratch;
     st.stage = opts_.stage;
-    st.world_size = world_;
-    st.rank = rank_;
-    st.isa = zx_isa_name(isa_);
+    st.world_size = layout_.world;
+    st.rank = layout_.rank;
+    st.isa = zx_isa_name(kernels_.isa);
     st.device = dev_.str();
-    st.kernels = kern_->name();
+    st.kernels = kernels_.device->name();
     st.num_params = numel;
     st.padded_numel = padded;
-    st.shard_numel = shard_numel_;
+    st.shard_numel = layout_.shard_numel;
     st.num_buckets = (int64_t)buckets_.size();
     st.param_dtype = opts_.param_dtype;
     st.reduce_dtype = opts_.reduce_dtype;
@@ -465,9 +469,9 @@ EngineStats Engine::stats() const {
                              : opts_.alltoall_reduce_scatter ? "alltoall" : "native";
     st.param_gather_impl = gather_.quantized() ? "allgather-int8" : "allgather";
     st.comm = comm_.counters();
-    st.comm_wait_s = comm_.waited_s() + (sec_ ? sec_->comm().waited_s() : 0.0);
+    st.comm_wait_s = comm_.waited_s() + (secondary_ ? secondary_->comm().waited_s() : 0.0);
     st.comm_delay_ms = comm_.delay_ms();
-    if (sec_) st.comm_groups = sec_->group_stats(comm_);   // Note [Per-group byte counters]
+    if (secondary_) st.comm_groups = secondary_->group_stats(comm_);   // Note [Per-group byte counters]
     st.reductions = reducer_.pass().reductions();
     st.num_units = units_.count();
     st.frozen_shard_bytes = frozen_shard_bytes();
@@ -493,9 +497,9 @@ std::optional<OffloadStats> Engine::offload_stats() const {
 
 std::string Engine::describe_plan() const {
     size_t need = 0;
-    zx_plan_describe(plan_, nullptr, 0, &need);
+    zx_plan_describe(layout_.plan, nullptr, 0, &need);
     std::string s(need + 1, '\0');
-    zx_check(zx_plan_describe(plan_, s.data(), s.size(), &need), "describing the plan");
+    zx_check(zx_plan_describe(layout_.plan, s.data(), s.size(), &need), "describing the plan");
     s.resize(need);
     return s;
 }

@@ -100,17 +100,17 @@ void Engine::enable_split_master() {
         slices.push_back(bk.slice_numel);
         offsets.push_back(bk.shard_offset);
     }
-    split_ = std::make_unique<MasterSplit>(slices, offsets, shard_numel_, dev_);
+    split_ = std::make_unique<MasterSplit>(slices, offsets, layout_.shard_numel, dev_);
     settle_masters();
 }
 
 void Engine::join_masters() {
     if (!split_ || master_shard_.defined()) return;
     wait_params();
-    master_shard_ = at::empty({shard_numel_}, on_device(at::kFloat));
+    master_shard_ = at::empty({layout_.shard_numel}, on_device(at::kFloat));
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
-        split_->join(*kern_, b, hi_bits(bk), 0, bk.slice_numel,
+        split_->join(*kernels_.device, b, hi_bits(bk), 0, bk.slice_numel,
                      master_shard_.data_ptr<float>() + bk.shard_offset);
     }
 }
@@ -121,8 +121,9 @@ void Engine::settle_masters() {
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
         const float *m = master_shard_.data_ptr<float>() + bk.shard_offset;
-        kern_->cast_from_f32(bk.slice_numel, m, lp_slice(bk).data_ptr(), dtypes_.param_zx);   // the step's rounding
-        split_->split(*kern_, b, m, hi_bits(bk), 0, bk.slice_numel);
+        // the step's rounding
+        kernels_.device->cast_from_f32(bk.slice_numel, m, lp_slice(bk).data_ptr(), dtypes_.param_zx);
+        split_->split(*kernels_.device, b, m, hi_bits(bk), 0, bk.slice_numel);
     }
     master_shard_ = at::Tensor();
 }

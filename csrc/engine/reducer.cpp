@@ -97,8 +97,9 @@ void Engine::mark_ready(int64_t i) {
     TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: internal: bad parameter index ", i);
     book_.note_grad(i);
     if (opts_.stage <= 1) ensure_grad_view(i);
-    const bool reduce_now = opts_.stage >= 2 || reducer_.pass().require_sync();
-    if (opts_.stage >= 2 && !reducer_.pass().require_sync()) {
+    BackwardPass &pass = reducer_.pass();
+    const bool reduce_now = opts_.stage >= 2 || pass.require_sync();
+    if (opts_.stage >= 2 && !pass.require_sync()) {
         accumulate_local(i);
         if (opts_.stage == 3) {   // its backward is over: release as a reducing pass would
             for (const zx_piece &pc : pieces_.of(i)) {
@@ -110,10 +111,10 @@ void Engine::mark_ready(int64_t i) {
     }
     if (!reduce_now) return;
     if (opts_.stage >= 2) stage_grad(i);
-    TORCH_CHECK(!reducer_.pass().ready(i), "zero_ext: ", pname(i),
+    TORCH_CHECK(!pass.ready(i), "zero_ext: ", pname(i),
                 " got its gradient twice in one backward pass (its gradient was reduced already); if you "
                 "call backward() twice, call it under model.no_sync() for all but the last, or step in between");
-    reducer_.pass().set_ready(i);
+    pass.set_ready(i);
     bool done = false;
     for (const zx_piece &pc : pieces_.of(i)) {
         Bucket &bk = buckets_[pc.bucket];
@@ -124,31 +125,32 @@ void Engine::mark_ready(int64_t i) {
     }
     // Launch strictly in bucket order so that every rank issues the same collectives.
     if (done)
-        reducer_.pass().launch_in_order((int64_t)buckets_.size(), [&](int64_t b) { return buckets_[b].pending == 0; },
-                              [&](int64_t b) { launch(b); });
+        pass.launch_in_order((int64_t)buckets_.size(), [&](int64_t b) { return buckets_[b].pending == 0; },
+                             [&](int64_t b) { launch(b); });
 }
 
 void Engine::finalize_backward() {
-    if (!reducer_.pass().require_sync()) {   // Note [Local accumulation]: nothing sent
+    BackwardPass &pass = reducer_.pass();
+    if (!pass.require_sync()) {   // Note [Local accumulation]: nothing sent
         if (opts_.stage == 3) {
             for (auto &bk : buckets_) {
                 release_bucket(bk);
                 bk.pending = (int64_t)bk.params.size();
             }
             release_all_frozen();
-            if (sec_) sec_->drop_all();
+            if (secondary_) secondary_->drop_all();
         }
         return;
     }
     // Parameters that got no gradient this pass: their region holds zeros or
     // earlier accumulated gradients (stage 0/1), or is zero-filled (stage 2).
     for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
-        if (reducer_.pass().ready(i)) continue;
+        if (pass.ready(i)) continue;
         if (opts_.stage >= 2) stage_grad(i);
-        reducer_.pass().set_ready(i);
+        pass.set_ready(i);
         for (const zx_piece &pc : pieces_.of(i)) buckets_[pc.bucket].pending--;
     }
-    reducer_.pass().launch_in_order((int64_t)buckets_.size(), [](int64_t) { return true; }, [&](int64_t b) { launch(b); });
+    pass.launch_in_order((int64_t)buckets_.size(), [](int64_t) { return true; }, [&](int64_t b) { launch(b); });
     reducer_.launch_group(comm_);   // Note [Coalesced gradient reductions]: what is left
     // Note [Reductions end with backward]
     // As DDP's reducer does, wait here.
@@ -159,13 +161,13 @@ void Engine::finalize_backward() {
     if (opts_.stage == 3) {
         for (auto &bk : buckets_) release_bucket(bk);
         release_all_frozen();   // Note [Stage 3 frozen parameters]
-        if (sec_) sec_->drop_all();   // Note [Hierarchical partitioning]: the pass is over
+        if (secondary_) secondary_->drop_all();   // Note [Hierarchical partitioning]: the pass is over
     }
     // Reset readiness for the next backward.
     for (auto &bk : buckets_) {
         bk.pending = (int64_t)bk.params.size();
     }
-    reducer_.pass().reduced();
+    pass.reduced();
     if (bw_.stepped) {   // Note [Step in backward]: this backward was one optimizer step
         bw_.stepped = false;
         bw_.steps++;
@@ -182,18 +184,19 @@ void Engine::hide_sharded_grads() {
 }
 
 int64_t Engine::acquire_slot(int64_t b) {
-    int64_t s = reducer_.ring().take_free(b);
+    GradRing &ring = reducer_.ring();
+    int64_t s = ring.take_free(b);
     if (s < 0) {
         // All slots busy: the ring grows to grad_ring_buckets first, then finishes
         // the oldest launched reduction and takes its slot.
-        if (reducer_.ring().at_size() && !reducer_.idle()) {
+        if (ring.at_size() && !reducer_.idle()) {
             complete(reducer_.oldest());
             return acquire_slot(b);
         }
         // Below its configured size, or every slot held by a bucket still filling
         // (gradients arrived out of bucket order): grow the ring by one; bounded by
         // the number of buckets.
-        s = reducer_.ring().grow(b);
+        s = ring.grow(b);
     }
     if (off_) off_->before_reuse(s);   // Note [Optimizer offload]: its last down copy is done
     buckets_[b].slot = s;
@@ -209,24 +212,26 @@ void Engine::release_slot(int64_t b) {
 void Engine::launch(int64_t b) {
     Bucket &bk = buckets_[b];
     if (opts_.stage >= 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
-    if (opts_.stage >= 2) {
+    // stages 2-3: the bucket's gradient, staged in its ring slot
+    const at::Tensor staged = opts_.stage >= 2 ? reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel)
+                                               : at::Tensor();
+    if (staged.defined()) {
         if (bk.local_grad.defined()) {   // Note [Local accumulation]
-            reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel).add_(bk.local_grad);
+            staged.add_(bk.local_grad);
             bk.local_grad = at::Tensor();
         }
         // Zero the padding so it never feeds the optimizer garbage.
-        for (const auto &g : bk.gaps) reducer_.ring()[bk.slot].send.narrow(0, g.first, g.second).zero_();
+        for (const auto &g : bk.gaps) staged.narrow(0, g.first, g.second).zero_();
     }
-    if (world_ == 1) {
-        if (opts_.stage >= 2) {
-            at::Tensor src = reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel);
+    if (layout_.world == 1) {
+        if (staged.defined()) {
             if (opts_.step_in_backward) {   // Note [Step in backward]
-                step_landed(bk, src);
+                step_landed(bk, staged);
             } else if (off_) {   // Note [Optimizer offload]: added on the host as it lands
                 at::Tensor dst = host_grad_slice(bk);
-                off_->down(b, src, bk.slot, [dst](const at::Tensor &v) { dst.add_(v); });
+                off_->down(b, staged, bk.slot, [dst](const at::Tensor &v) { dst.add_(v); });
             } else {
-                grad_shard_slice(bk).add_(src);
+                grad_shard_slice(bk).add_(staged);
             }
             release_slot(b);
         } else if (opts_.step_in_backward) {   // stage 1: the bucket is its own shard, consumed
@@ -242,16 +247,15 @@ void Engine::launch(int64_t b) {
     if (groups.enabled()) {   // Note [Coalesced gradient reductions]
         if (groups.coalesces(bk.slice_numel)) {
             if (!groups.fits(bk.slice_numel)) reducer_.launch_group(comm_);
-            groups.add(b, bk.unit, reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel), bk.slice_numel);
+            groups.add(b, bk.unit, staged, bk.slice_numel);
             release_slot(b);
             return;
         }
         reducer_.launch_group(comm_);   // the small buckets before this one first: bucket order
     }
     comm_.seq.subject(b, opts_.stage == 3 ? bk.unit : -1);
-    const at::Tensor send = opts_.stage >= 2 ? reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel) : bk.flat_grad;
-    if (opts_.stage == 1 && bk.slot < 0) acquire_slot(b);
-    reducer_.launch(comm_, b, send, bk.padded_numel, bk.slice_numel, bk.slot);
+    if (opts_.stage == 1 && bk.slot < 0) acquire_slot(b);   // its recv
+    reducer_.launch(comm_, b, staged.defined() ? staged : bk.flat_grad, bk.padded_numel, bk.slice_numel, bk.slot);
 }
 
 void GradReducer::launch(Communicator &comm, int64_t b, const at::Tensor &send, int64_t padded, int64_t slice,
@@ -332,8 +336,8 @@ void Engine::finish_reduce_group(ReduceGroup &g) {
                     "are not consecutive");
         at += buckets_[m].slice_numel;
     }
-    reducer_.finish(partitions_ * g.numel, g.numel, g.recv, grad_shard_.narrow(0, first.shard_offset, g.numel), true,
-                    *kern_);
+    reducer_.finish(layout_.partitions * g.numel, g.numel, g.recv, grad_shard_.narrow(0, first.shard_offset, g.numel),
+                    true, *kernels_.device);
 }
 
 void Engine::complete(int64_t b) {
@@ -352,17 +356,19 @@ void Engine::complete(int64_t b) {
             const int64_t padded = bk.padded_numel, slice = bk.slice_numel;
             if (opts_.step_in_backward && accumulate) {
                 // Note [Step in backward]: the step reads the reduced slice where it landed.
-                step_landed(bk, reducer_.reduced(bk.slot, padded, slice, [&](int64_t n) { return landing(n); }, *kern_));
+                const auto land_at = [&](int64_t n) { return landing(n); };
+                step_landed(bk, reducer_.reduced(bk.slot, padded, slice, land_at, *kernels_.device));
             } else if (off_ && accumulate) {
                 // Note [Optimizer offload]: what the collective left, finished on the host as it lands.
                 at::Tensor dst = host_grad_slice(bk);
-                off_->down(cur, reducer_.recv(bk.slot, padded, slice), bk.slot, [this, padded, slice, dst](const at::Tensor &v) {
-                    reducer_.finish(padded, slice, v, dst, true, kstep());
-                });
+                off_->down(cur, reducer_.recv(bk.slot, padded, slice), bk.slot,
+                           [this, padded, slice, dst](const at::Tensor &v) {
+                               reducer_.finish(padded, slice, v, dst, true, kernels_.step());
+                           });
             } else {
                 // stage 1 keeps the sum in its bucket (Note [Gradient sums in stages 1-2]); offload copies it down
                 at::Tensor dst = off_ ? owned_slice(bk.flat_grad, bk) : grad_shard_slice(bk);
-                reducer_.land(bk.slot, padded, slice, dst, accumulate, *kern_);
+                reducer_.land(bk.slot, padded, slice, dst, accumulate, *kernels_.device);
                 if (off_) {
                     at::Tensor host = host_grad_slice(bk);
                     off_->down(cur, dst, -1, [host](const at::Tensor &v) { host.copy_(v); });
@@ -373,7 +379,7 @@ void Engine::complete(int64_t b) {
                 bk.flat_grad.zero_();
             } else if (opts_.stage == 1) {
                 // Note [Gradient sums in stages 1-2]: zero what this rank does not own.
-                const int64_t lo = rank_ * slice, hi = lo + slice;
+                const int64_t lo = layout_.rank * slice, hi = lo + slice;
                 if (lo > 0) bk.flat_grad.narrow(0, 0, lo).zero_();
                 if (hi < padded) bk.flat_grad.narrow(0, hi, padded - hi).zero_();
             }

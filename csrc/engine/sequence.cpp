@@ -542,9 +542,9 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
 void Engine::enable_sequence_check(c10::optional<StorePtr> store, double patience_s,
                                    c10::optional<ProcessGroupPtr> group, bool every_phase) {
     if (group.has_value()) {
-        TORCH_CHECK((*group)->getSize() == world_ && (*group)->getRank() == rank_,
+        TORCH_CHECK((*group)->getSize() == layout_.world && (*group)->getRank() == layout_.rank,
                     "zero_ext: internal: the sequence-check group must hold the engine's ranks in the same order");
-        comm_.seq.attach(*group, rank_, world_);
+        comm_.seq.attach(*group, layout_.rank, layout_.world);
     }
     // Note [Parameter names in messages]: the names zeroify gave the engine
     comm_.seq.enable(store.has_value() ? *store : StorePtr(), opts_.param_names, patience_s, every_phase);
@@ -564,7 +564,7 @@ void Engine::sequence_mark(int64_t phase) {
         if (params_[i].requires_grad()) continue;
         if (f.count++ == 0) {
             f.first = i;
-            f.first_bucket = bucket_of_[i];
+            f.first_bucket = layout_.bucket_of[i];
         }
         f.hash = mix(f.hash, i);
     }

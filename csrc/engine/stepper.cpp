@@ -48,7 +48,7 @@ const int64_t *step_ptr(const at::Tensor &steps, int64_t group) {
 //              so there the counters are unique but depend on the world size; stage 3's
 //              buckets follow its units. Padding elements share counters with the next
 //              bucket's first ones, which is harmless: they stay exactly zero.
-//   With offload the host kernels step the host's bf16 states (kstep()).
+//   With offload the host kernels step the host's bf16 states (kernels_.step()).
 uint64_t Engine::counter_base(int64_t b) const {
     uint64_t at = 0;
     for (int64_t k = 0; k < b; k++) at += (uint64_t)buckets_[k].numel;
@@ -80,36 +80,41 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
         uint16_t *mb = bf ? (uint16_t *)m.data_ptr() + so : nullptr, *vb = bf ? (uint16_t *)v.data_ptr() + so : nullptr;
         float *xp = ams ? vmax.data_ptr<float>() + so : nullptr;
         // Note [bf16 optimizer states]: the counter of the owned slice's element 0
-        const uint64_t c0 = counter_base(b) + (uint64_t)((opts_.stage == 0 ? 0 : rank_) * bk.slice_numel);
+        const uint64_t c0 = counter_base(b) + (uint64_t)((opts_.stage == 0 ? 0 : layout_.rank) * bk.slice_numel);
         if (ctl.defined()) {   // Note [Step control]: device step counts, one call per bucket
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
             const zx_adam_hparams &hp = hps[bk.group];
             TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
             if (!bf) {
-                adam_master(*kern_, bk, 0, bk.slice_numel, gs, mp, vp, hp.amsgrad ? xp : nullptr, lp, hp,
+                adam_master(*kernels_.device, bk, 0, bk.slice_numel, gs, mp, vp, hp.amsgrad ? xp : nullptr, lp, hp,
                             ctl_ptr(ctl), step_ptr(steps, bk.group));
                 continue;
             }
-            adam_bf16_master(*kern_, bk, 0, bk.slice_numel, gs, mb, vb, lp, hp, c0, ctl_ptr(ctl),
+            adam_bf16_master(*kernels_.device, bk, 0, bk.slice_numel, gs, mb, vb, lp, hp, c0, ctl_ptr(ctl),
                              step_ptr(steps, bk.group));
             continue;
         }
         // Note [Unused parameters]: only the stretches of stepped parameters.
-        for (const StepRun &r : bk.mixed ? book_.mixed_runs(b, plan_, group_of_) : book_.runs(b, bk.slice_numel)) {
-            const int64_t g = bk.mixed ? group_of_[r.param] : bk.group;
+        for (const StepRun &r : step_runs(bk)) {
+            const int64_t g = bk.mixed ? layout_.group_of[r.param] : bk.group;
             if (bk.mixed && !active_param(r.param)) continue;
             TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
             zx_adam_hparams h = hps[g];
             h.step = r.step;
             if (!bf) {
-                adam_master(kstep(), bk, r.offset, r.numel, gs, mp, vp, h.amsgrad ? xp : nullptr, lp, h, nullptr,
-                            nullptr);
+                adam_master(kernels_.step(), bk, r.offset, r.numel, gs, mp, vp, h.amsgrad ? xp : nullptr, lp, h,
+                            nullptr, nullptr);
                 continue;
             }
-            adam_bf16_master(kstep(), bk, r.offset, r.numel, gs, mb, vb, lp, h, c0, nullptr, nullptr);
+            adam_bf16_master(kernels_.step(), bk, r.offset, r.numel, gs, mb, vb, lp, h, c0, nullptr, nullptr);
         }
         if (off_) upload(bk);   // overlaps the next bucket's step
     }
+}
+
+std::vector<StepRun> Engine::step_runs(const Bucket &bk) const {
+    const int64_t b = &bk - buckets_.data();
+    return bk.mixed ? book_.mixed_runs(b, layout_.plan, layout_.group_of) : book_.runs(b, bk.slice_numel);
 }
 
 void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &ctl, const at::Tensor &steps) {
@@ -131,17 +136,18 @@ void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
             const zx_sgd_hparams &hp = hps[bk.group];
             TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
-            sgd_master(*kern_, bk, 0, bk.slice_numel, gs, hp.momentum != 0.0 ? bp : nullptr, lp, hp, ctl_ptr(ctl),
-                       step_ptr(steps, bk.group));
+            sgd_master(*kernels_.device, bk, 0, bk.slice_numel, gs, hp.momentum != 0.0 ? bp : nullptr, lp, hp,
+                       ctl_ptr(ctl), step_ptr(steps, bk.group));
             continue;
         }
-        for (const StepRun &r : bk.mixed ? book_.mixed_runs(b, plan_, group_of_) : book_.runs(b, bk.slice_numel)) {   // Note [Unused parameters]
-            const int64_t g = bk.mixed ? group_of_[r.param] : bk.group;
+        for (const StepRun &r : step_runs(bk)) {   // Note [Unused parameters]
+            const int64_t g = bk.mixed ? layout_.group_of[r.param] : bk.group;
             if (bk.mixed && !active_param(r.param)) continue;
             TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
             zx_sgd_hparams h = hps[g];
             h.first_step = r.step == 1;
-            sgd_master(kstep(), bk, r.offset, r.numel, gs, h.momentum != 0.0 ? bp : nullptr, lp, h, nullptr, nullptr);
+            sgd_master(kernels_.step(), bk, r.offset, r.numel, gs, h.momentum != 0.0 ? bp : nullptr, lp, h, nullptr,
+                       nullptr);
         }
         if (off_) upload(bk);
     }
@@ -186,7 +192,7 @@ void Engine::scale_grads(double factor) {
             gs.mul_(factor);
             continue;
         }
-        kstep().scale(bk.slice_numel, gs.data_ptr<float>(), (float)factor);
+        kernels_.step().scale(bk.slice_numel, gs.data_ptr<float>(), (float)factor);
     }
 }
 
@@ -194,8 +200,8 @@ std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
     wait_reductions();
     double sumsq = 0.0;
     int64_t nonfinite = 0;
-    for (auto &bk : buckets_) kstep().grad_sumsq(grad_shard_slice(bk), scale, &sumsq, &nonfinite);
-    if (partitions_ > 1) {
+    for (auto &bk : buckets_) kernels_.step().grad_sumsq(grad_shard_slice(bk), scale, &sumsq, &nonfinite);
+    if (layout_.partitions > 1) {
         // One small all-reduce carries both the norm and the inf/nan count.
         at::Tensor t = at::empty({2}, at::TensorOptions().dtype(at::kDouble).device(dev_));
         t[0] = sumsq;
@@ -214,8 +220,8 @@ void Engine::grad_sumsq_into(at::Tensor out2) {
                 "zero_ext: internal: grad_sumsq_into needs a contiguous float32 tensor of 2 elements on ", dev_);
     TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
     out2.zero_();
-    for (auto &bk : buckets_) kern_->grad_sumsq_into(grad_shard_slice(bk), out2.data_ptr<float>());
-    if (partitions_ > 1) comm_.all_reduce_sum_blocking(out2, "gradient-norm all-reduce");
+    for (auto &bk : buckets_) kernels_.device->grad_sumsq_into(grad_shard_slice(bk), out2.data_ptr<float>());
+    if (layout_.partitions > 1) comm_.all_reduce_sum_blocking(out2, "gradient-norm all-reduce");
 }
 
 void Engine::cast_masters() {
@@ -233,7 +239,7 @@ void Engine::cast_masters() {
         }
         const float *p = master(bk);
         char *lp = (char *)lp_slice(bk).data_ptr();
-        kern_->cast_from_f32(bk.slice_numel, p, lp, dtypes_.param_zx);
+        kernels_.device->cast_from_f32(bk.slice_numel, p, lp, dtypes_.param_zx);
     }
 }
 
@@ -244,7 +250,7 @@ void Engine::cast_masters() {
 void Engine::upload(Bucket &bk) {
     at::Tensor slot = off_->up_slot(bk.slice_numel);
     if (dtypes_.low())
-        kstep().cast_from_f32(bk.slice_numel, master(bk), slot.data_ptr(), dtypes_.param_zx);
+        kernels_.step().cast_from_f32(bk.slice_numel, master(bk), slot.data_ptr(), dtypes_.param_zx);
     else
         slot.copy_(master_slice(bk));
     off_->up(slot, opts_.stage == 3 ? units_.param_shard.narrow(0, bk.shard_offset, bk.slice_numel)

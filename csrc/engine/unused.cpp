@@ -157,12 +157,13 @@ std::vector<StepRun> StepBook::mixed_runs(int64_t b, const zx_plan *plan, const 
 
 void Engine::ensure_step_tables() {
     if (!book_.has_fragments() && !buckets_.empty())
-        book_.read_fragments(plan_, (int64_t)buckets_.size(), (int32_t)(partitions_ > 1 ? rank_ : 0));
+        book_.read_fragments(layout_.plan, (int64_t)buckets_.size(),
+                             (int32_t)(layout_.partitions > 1 ? layout_.rank : 0));
 }
 
 void Engine::begin_step(bool advance) {
     ensure_step_tables();
-    if (sec_) sec_->drop_all();   // the masters change (Note [Hierarchical partitioning])
+    if (secondary_) secondary_->drop_all();   // the masters change (Note [Hierarchical partitioning])
     if (book_.agrees()) {
         const std::vector<uint8_t> flags = book_.agreement_flags();
         at::Tensor t = at::empty({(int64_t)flags.size()}, at::kByte);

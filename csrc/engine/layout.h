@@ -1,0 +1,26 @@
+// layout.h — where everything lies, decided once when the engine is built (layout.cpp) and
+// never changed after: the C plan (core/zx_plan.c: buckets, slices, fragments, state), this
+// rank's place in the world, and each parameter's group, shape and bucket. Plain numbers:
+// no tensors, no communicator (the plan itself is built and tested without a process group:
+// csrc/core/tests/test_plan.c).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/zx_core.h"
+
+namespace zx {
+
+struct Layout {
+    zx_plan *plan = nullptr;                    // the engine's plan (zx_plan_free in ~Engine)
+    int64_t rank = 0, world = 1;                // this rank of world
+    int64_t partitions = 1;                     // ranks a bucket is sharded over: world, or 1 (stage 0)
+    int64_t shard_numel = 0;                    // elements of this rank's shard (its slices together)
+    int64_t max_padded = 0;                     // elements of the largest bucket, padded: a ring slot's size
+    std::vector<int64_t> group_of;              // each parameter's param group
+    std::vector<int64_t> bucket_of, offset_of;  // each parameter's bucket and offset in it (its first piece)
+    std::vector<std::vector<int64_t>> shapes;   // each parameter's logical shape
+};
+
+}  // namespace zx
