@@ -20,6 +20,9 @@ TRANSFORMERS_VERSION ?= 5.23.0
 PEFT_VERSION ?= 0.21.2
 ZX_SYSTEM_TORCH ?= 0
 PYTEST_ARGS ?=
+# make test runs the test files on this many pytest workers (pytest-xdist, a file per worker at
+# a time: its standing worlds stay in one process); 1: one process, as pytest alone
+PYTEST_JOBS ?= 2
 SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/engine/*.cpp csrc/engine/*.h csrc/core/*.c csrc/core/*.h csrc/core/*.inc csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh) setup.py
 
 .PHONY: all venv build test check core-test docs pytest demo bench gpu-check clean
@@ -35,7 +38,7 @@ $(VENV)/.deps: Makefile
 	else \
 	    $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
 	fi
-	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 ninja pytest numpy nbconvert nbclient ipykernel matplotlib tqdm \
+	$(PY) -m pip install -q "setuptools>=64" wheel pybind11 ninja pytest "pytest-xdist==3.8.0" numpy nbconvert nbclient ipykernel matplotlib tqdm \
 	    "transformers==$(TRANSFORMERS_VERSION)" "peft==$(PEFT_VERSION)" "lightning==2.6.6" "accelerate==1.15.0"
 	$(PY) -m pip install -q "mkdocs==1.6.1" "mkdocstrings==1.0.8" "mkdocstrings-python==2.0.11"
 	@touch $@
@@ -54,8 +57,10 @@ build: $(VENV)/.built
 core-test:
 	$(MAKE) -C csrc/core -j2 test
 
+# Many tests wait (on ranks, rendezvous, timeouts) about a third of the time: two workers
+# keep the cores busy (tests/conftest.py, Note [Test workers]).
 pytest: build
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 $(if $(filter-out 1,$(PYTEST_JOBS)),-n $(PYTEST_JOBS) --dist loadfile) $(PYTEST_ARGS) tests
 
 # The site's tables come from benchmarks/reference/ and the sources (tools/docsgen.py, the
 # mkdocs hook); --strict fails on a broken link, a missing API entry or a stale table.

@@ -7,6 +7,18 @@
 `make check` runs `pytest -m "not dist and not slow"` (kernels, planner, config,
 estimator, the engine at world size 1 in this process); `make test` runs everything.
 A test that calls run_world without the `dist` mark fails (dist_harness.SPAWN_ALLOWED).
+
+Note [Test workers]
+  `make test` runs the files on PYTEST_JOBS (2) pytest-xdist workers, a whole file per
+  worker at a time (--dist loadfile), so a file's standing worlds (Note [Standing worlds]
+  in tests/dist_harness.py) and module fixtures live in one process, as without workers.
+  Most multi-rank tests leave a core idle about a third of their time (ranks waiting on
+  each other, rendezvous, failure timeouts; measured from /proc/stat, 0.63 busy), which a
+  second worker fills: the suite took 875 s in one process and 737 s on two workers on
+  the same 2-core machine. Nothing is shared between workers but the machine: each test
+  makes its own temporary directories and ports, and the tests that bound a latency
+  (10-20 s for a failure to reach every rank) or a ratio of times (tests/test_overlap.py)
+  keep a margin of several times what they measure alone. PYTEST_JOBS=1 runs one process.
 """
 import os
 import sys
