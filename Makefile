@@ -60,7 +60,7 @@ core-test:
 # Many tests wait (on ranks, rendezvous, timeouts) about a third of the time: two workers
 # keep the cores busy (tests/conftest.py, Note [Test workers]).
 pytest: build
-	$(PY) -m pytest -q --durations=25 $(if $(filter-out 1,$(PYTEST_JOBS)),-n $(PYTEST_JOBS) --dist loadfile) $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 $(if $(filter-out 1,$(PYTEST_JOBS)),-n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS) tests
 
 # The site's tables come from benchmarks/reference/ and the sources (tools/docsgen.py, the
 # mkdocs hook); --strict fails on a broken link, a missing API entry or a stale table.
