@@ -19,9 +19,9 @@ namespace zx {
 //   stage 0/1: flat_grad persists; param.grad is a view of it, so autograd
 //              accumulates straight into the bucket (DDP's gradient_as_bucket_view).
 //   stage 2:   no flat_grad; each gradient is copied into a ring slot as it
-//              arrives, the slot is reduce-scattered into grad_shard_ and reused.
+//              arrives, the slot is reduce-scattered into shard_.grad and reused.
 //   Mixed precision (Note [Mixed precision]): flat_param holds param_dtype,
-//   flat_grad / ring / grad_shard_ hold reduce_dtype; when the two differ,
+//   flat_grad / ring / shard_.grad hold reduce_dtype; when the two differ,
 //   stage 0/1 gradients are added into flat_grad by the hook (not views).
 struct GatherGroup;
 

@@ -6,7 +6,7 @@
 // the plan into tensors and drives the collectives. Python glue (zero_ext/)
 // creates one Engine per zeroify() call and calls into it from thin hooks.
 //
-// One class, one file per concern (csrc/engine/):
+// The Engine class, one file per concern, and the owners it holds (csrc/engine/):
 //   layout.cpp       the buckets, shards and views built from the plan; stats
 //   layout.h         Layout: the plan, this rank's place, each parameter's group, shape and bucket (fixed)
 //   stats.h          what stats() reports, as plain data (the binding makes the dicts)
@@ -27,7 +27,8 @@
 //     param_pieces.h   where each parameter lies; cut parameters (Note [Cut parameters])
 //     gather_meter.h   bytes of gathered parameters and their peak
 //     sharded_grads.h  what .grad shows: stage 0-1 views, stage 2-3 wrappers (Note [Sharded gradients])
-//     optimizer_states.h the fused optimizer's states over the state windows
+//     shard_buffers.h  ShardBuffers: this rank's gradient sums, master (master_split.h: as remainders)
+//                      and optimizer states (optimizer_states.h)
 //     unit_store.h     stage 3: each unit's buckets, parameter views, offload's parameter shard
 //   frozen.cpp, frozen_params.h
 //                    stage 3: frozen (requires_grad=False) parameters sharded per unit
@@ -57,9 +58,8 @@
 #include "engine/grad_reducer.h"   // defines: GradReducer (backward's reductions), ReduceKind
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
 #include "engine/layout.h"    // defines: Layout
-#include "engine/master_split.h"   // defines: MasterSplit (master_remainder)
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
-#include "engine/optimizer_states.h"  // defines: OptimizerStates
+#include "engine/shard_buffers.h"   // defines: ShardBuffers (gradient, master, split master, optimizer states)
 #include "engine/param_pieces.h"  // defines: ParamPieces (Note [Cut parameters])
 #include "engine/param_gather.h"   // defines: ParamGather (the gather kind, stage 1-2 gathers in flight)
 #include "engine/secondary.h"      // defines: Secondary (node_size)
@@ -206,7 +206,7 @@ public:
     // Note [Split master in the engine] (master_split.h): keep the master shard as the
     // bf16 parameters' remainder from now on (zeroify, when master_remainder applies).
     void enable_split_master();
-    bool split_master() const { return split_ != nullptr; }
+    bool split_master() const { return shard_.split != nullptr; }
     // With a split master: make the fp32 master shard exist (authoritative) until the next step
     // or cast (e.g. before parameters are edited, so that absorb folds only the changed elements).
     void join_masters();
@@ -306,7 +306,7 @@ public:
     // Per bucket: (first element of this rank's window inside its slice, elements,
     // offset of the window in the flat states).
     std::vector<std::tuple<int64_t, int64_t, int64_t>> state_windows() const;
-    std::map<std::string, at::Tensor> &states() { return states_.all(); }
+    std::map<std::string, at::Tensor> &states() { return shard_.states.all(); }
     // Note [Engine stats] (engine/stats.h): bytes, buffers, collectives; the binding makes it a dict.
     EngineStats stats() const;
     std::optional<OffloadStats> offload_stats() const;   // offload="cpu": host bytes and copies (none without)
@@ -408,10 +408,10 @@ private:
     // the split master's fp32 scratch, chunk by chunk; without one: chunked on the master.
     template <class OnePass, class Chunked>
     void step_split(Bucket &bk, char *lp, int64_t lo, int64_t n, OnePass &&one_pass, Chunked &&chunked) {
-        if (!split_) return chunked(master(bk) + lo, lo, n);
+        if (!shard_.split) return chunked(master(bk) + lo, lo, n);
         const int64_t b = &bk - buckets_.data();
-        if (!split_->one_pass(b, (uint16_t *)lp, bk.slice_numel, lo, n, one_pass))
-            split_->over(*kernels_.device, b, hi_bits(bk), bk.slice_numel, lo, n, chunked);
+        if (!shard_.split->one_pass(b, (uint16_t *)lp, bk.slice_numel, lo, n, one_pass))
+            shard_.split->over(*kernels_.device, b, hi_bits(bk), bk.slice_numel, lo, n, chunked);
     }
     // Adam with fp32 states over [lo, lo + n) of bk's slice, through step_split. grad, m, v,
     // vmax (may be null): the whole slice's; lp: the slice's low-precision parameters or null.
@@ -442,13 +442,10 @@ private:
     std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
     BackwardStep bw_;                      // Note [Step in backward]
     GradReducer reducer_;                  // backward's reductions: the pass, the ring, what is in flight
-    at::Tensor grad_shard_;                // stage 2/3: (shard_numel,) reduce_dtype gradient sums
-    at::Tensor master_shard_;              // stage 3 or low precision: (shard_numel,) fp32 master
-    std::unique_ptr<MasterSplit> split_;   // master_remainder: the master as remainders, else null
+    ShardBuffers shard_;                   // this rank's gradient sums, master (or remainders) and states
     Dtypes dtypes_;                        // param_dtype and reduce_dtype (Note [Mixed precision])
     UnitStore units_;                      // stage 3: each unit's buckets, parameter views, offload's shard
     GatherMeter gathered_;                 // bytes of gathered parameters held, and the peak
-    OptimizerStates states_;               // the fused optimizer's states, over the state windows
     StepBook book_;                        // Note [Unused parameters]: gradients seen, steps, runs
     ParamGather gather_;                   // the gather kind (param_quant's or exact); stages 1-2: gathers in flight
     std::unique_ptr<Secondary> secondary_; // node_size (stage 3, 1 <= L < world): secondary parts, else null

@@ -38,7 +38,7 @@ void Engine::plan_state_windows() {
         bk.state_offset = at;
         at += bk.state_numel;
     }
-    states_.set_numel(at);
+    shard_.states.set_numel(at);
 }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t>> Engine::state_windows() const {
@@ -50,7 +50,7 @@ std::vector<std::tuple<int64_t, int64_t, int64_t>> Engine::state_windows() const
 at::Tensor Engine::state(const std::string &name) {
     // Note [bf16 optimizer states]: Adam's two moments in bf16 when asked; others stay fp32.
     const bool low = opts_.state_dtype == "bf16" && (name == "exp_avg" || name == "exp_avg_sq");
-    return states_.get(name, on_shard(low ? at::kBFloat16 : at::kFloat));   // Note [Optimizer offload]
+    return shard_.states.get(name, on_shard(low ? at::kBFloat16 : at::kFloat));   // Note [Optimizer offload]
 }
 
 // Note [Cut parameters]

@@ -8,7 +8,7 @@
 namespace zx {
 
 // Note [Stage 3 parameter lifetime]
-//   Only master_shard_ (this rank's slices, fp32) persists: with a low
+//   Only shard_.master (this rank's slices, fp32) persists: with a low
 //   param_dtype a gather casts the slice into its own place in flat_param and
 //   all-gathers in place, so no low-precision copy is kept beside the master
 //   (fp32 master + gradient + Adam's two states = 16 bytes per parameter, as
@@ -53,7 +53,7 @@ void Engine::absorb_param_edits() {
     if (pieces_.any_cut()) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
     if (!dtypes_.low() && !gather_.quantized() && !off_) return;   // the owned slice is the master
     // Note [Split master in the engine]: without a joined master the edits already are its top halves
-    if (split_ && !master_shard_.defined()) return;
+    if (shard_.split && !shard_.master.defined()) return;
     for (auto &bk : buckets_) absorb(master_slice(bk), owned_slice(bk.flat_param, bk));
 }
 

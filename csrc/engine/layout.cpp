@@ -13,7 +13,7 @@ namespace zx {
 //   reduce_dtype (dtypes_.reduce) what gradients accumulate and are reduced in; master
 //   weights and optimizer states are always fp32 over this rank's shard.
 //   With dtypes_.param = fp32 the owned slice of a stage 0-2 bucket *is* the master; else
-//   master_shard_ holds it and the fused step writes the low-precision copy in
+//   shard_.master holds it and the fused step writes the low-precision copy in
 //   the same pass straight into what is gathered next: the owned slice of the
 //   bucket (stages 0-2; the all-gather runs in place). Stage 3 keeps no
 //   low-precision shard: each gather casts the master into place (Note [Stage 3
@@ -164,7 +164,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     // param_quant: the owned slice of flat_param holds dequantized values, so the
     // master is a shard of its own (Note [Quantized parameter gather]); so does offload.
     if (s3 || dtypes_.low() || gather_.quantized() || opts_.offload)
-        master_shard_ = at::zeros({layout_.shard_numel}, on_shard(at::kFloat));
+        shard_.master = at::zeros({layout_.shard_numel}, on_shard(at::kFloat));
     layout_.bucket_of.assign(n, -1);
     layout_.offset_of.assign(n, 0);
     grad_views_.views.resize(n);
@@ -330,20 +330,20 @@ at::Tensor Engine::grad_shard_slice(const Bucket &bk) {
         return host_grad_slice(bk);
     }
     if (opts_.stage >= 2) {
-        if (!grad_shard_.defined()) grad_shard_ = at::zeros({layout_.shard_numel}, on_device(dtypes_.reduce));
-        return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+        if (!shard_.grad.defined()) shard_.grad = at::zeros({layout_.shard_numel}, on_device(dtypes_.reduce));
+        return shard_.grad.narrow(0, bk.shard_offset, bk.slice_numel);
     }
     return owned_slice(bk.flat_grad, bk);
 }
 
 at::Tensor Engine::host_grad_slice(const Bucket &bk) {
-    if (!grad_shard_.defined()) grad_shard_ = at::zeros({layout_.shard_numel}, on_shard(dtypes_.reduce));
-    return grad_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+    if (!shard_.grad.defined()) shard_.grad = at::zeros({layout_.shard_numel}, on_shard(dtypes_.reduce));
+    return shard_.grad.narrow(0, bk.shard_offset, bk.slice_numel);
 }
 
 at::Tensor Engine::master_slice(Bucket &bk) {
     join_masters();   // Note [Split master in the engine]: only with a split master
-    if (master_shard_.defined()) return master_shard_.narrow(0, bk.shard_offset, bk.slice_numel);
+    if (shard_.master.defined()) return shard_.master.narrow(0, bk.shard_offset, bk.slice_numel);
     return owned_slice(bk.flat_param, bk);
 }
 
@@ -419,15 +419,16 @@ EngineStats Engine::stats() const {
         numel += bk.numel;
         padded += bk.padded_numel;
     }
-    if (grad_shard_.defined() && !off_) grad_bytes += grad_shard_.nbytes();   // offload: in offload_stats()
+    if (shard_.grad.defined() && !off_) grad_bytes += shard_.grad.nbytes();   // offload: in offload_stats()
     int64_t master_bytes = 0;
     // stage 3: the fp32 master is the parameter shard; with a low param_dtype the gather
     // casts it, so no low-precision copy persists (it is counted as master weights)
-    if (opts_.stage == 3 && !dtypes_.low() && !off_) param_bytes += master_shard_.nbytes();
+    if (opts_.stage == 3 && !dtypes_.low() && !off_) param_bytes += shard_.master.nbytes();
     if (units_.param_shard.defined()) param_bytes += units_.param_shard.nbytes();   // offload, stage 3
     if ((dtypes_.low() || (gather_.quantized() && opts_.stage < 3)) && !off_)
-        master_bytes = (master_shard_.defined() ? master_shard_.nbytes() : 0) + (split_ ? split_->bytes() : 0);
-    const int64_t state_bytes = off_ ? 0 : states_.bytes();
+        master_bytes =
+            (shard_.master.defined() ? shard_.master.nbytes() : 0) + (shard_.split ? shard_.split->bytes() : 0);
+    const int64_t state_bytes = off_ ? 0 : shard_.states.bytes();
     const int64_t ring_bytes = reducer_.ring().bytes();
     ModelStateBytes &msb = st.model_state_bytes;
     msb.parameters = param_bytes;
@@ -448,7 +449,7 @@ EngineStats Engine::stats() const {
     buf.quant_gather_buffers = qg ? qg->buffer_bytes() : 0;
     buf.peak_quant_gather_buffers = qg ? qg->peak_buffer_bytes() : 0;
     buf.kernel_scratch = kernels_.device->scratch_bytes();
-    buf.split_master_scratch = split_ ? split_->scratch_bytes() : 0;
+    buf.split_master_scratch = shard_.split ? shard_.split->scratch_bytes() : 0;
     buf.secondary = secondary_ ? secondary_->bytes() : 0;
     buf.peak_secondary = secondary_ ? secondary_->peak_bytes() : 0;
     buf.total = buf.grad_ring + buf.grad_landing + buf.gathered_params + buf.quant_buffers + buf.quant_residual +
@@ -483,9 +484,9 @@ EngineStats Engine::stats() const {
 std::optional<OffloadStats> Engine::offload_stats() const {
     if (!off_) return std::nullopt;
     OffloadStats o;
-    o.master_weights = master_shard_.nbytes();
-    o.optimizer_states = states_.bytes();
-    o.gradients = grad_shard_.defined() ? grad_shard_.nbytes() : 0;
+    o.master_weights = shard_.master.nbytes();
+    o.optimizer_states = shard_.states.bytes();
+    o.gradients = shard_.grad.defined() ? shard_.grad.nbytes() : 0;
     o.pinned_ring = off_->pinned_bytes();
     o.total = o.master_weights + o.optimizer_states + o.gradients + o.pinned_ring;
     o.down_copies = off_->down_copies();

@@ -88,8 +88,8 @@ void Engine::sgd_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at:
 const uint16_t *Engine::hi_bits(Bucket &bk) { return (const uint16_t *)lp_slice(bk).data_ptr(); }
 
 void Engine::enable_split_master() {
-    if (split_) return;
-    TORCH_CHECK(opts_.stage <= 2 && dtypes_.param == at::kBFloat16 && !gather_.quantized() && !off_ && master_shard_.defined(),
+    if (shard_.split) return;
+    TORCH_CHECK(opts_.stage <= 2 && dtypes_.param == at::kBFloat16 && !gather_.quantized() && !off_ && shard_.master.defined(),
                 "zero_ext: master_remainder needs param_dtype='bf16' in stage 0, 1 or 2 without param_quant or "
                 "offload; pass master_remainder=False");
     for (const auto &bk : buckets_)
@@ -100,32 +100,32 @@ void Engine::enable_split_master() {
         slices.push_back(bk.slice_numel);
         offsets.push_back(bk.shard_offset);
     }
-    split_ = std::make_unique<MasterSplit>(slices, offsets, layout_.shard_numel, dev_);
+    shard_.split = std::make_unique<MasterSplit>(slices, offsets, layout_.shard_numel, dev_);
     settle_masters();
 }
 
 void Engine::join_masters() {
-    if (!split_ || master_shard_.defined()) return;
+    if (!shard_.split || shard_.master.defined()) return;
     wait_params();
-    master_shard_ = at::empty({layout_.shard_numel}, on_device(at::kFloat));
+    shard_.master = at::empty({layout_.shard_numel}, on_device(at::kFloat));
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
-        split_->join(*kernels_.device, b, hi_bits(bk), 0, bk.slice_numel,
-                     master_shard_.data_ptr<float>() + bk.shard_offset);
+        shard_.split->join(*kernels_.device, b, hi_bits(bk), 0, bk.slice_numel,
+                     shard_.master.data_ptr<float>() + bk.shard_offset);
     }
 }
 
 void Engine::settle_masters() {
-    if (!split_ || !master_shard_.defined()) return;
+    if (!shard_.split || !shard_.master.defined()) return;
     wait_params();
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
-        const float *m = master_shard_.data_ptr<float>() + bk.shard_offset;
+        const float *m = shard_.master.data_ptr<float>() + bk.shard_offset;
         // the step's rounding
         kernels_.device->cast_from_f32(bk.slice_numel, m, lp_slice(bk).data_ptr(), dtypes_.param_zx);
-        split_->split(*kernels_.device, b, m, hi_bits(bk), 0, bk.slice_numel);
+        shard_.split->split(*kernels_.device, b, m, hi_bits(bk), 0, bk.slice_numel);
     }
-    master_shard_ = at::Tensor();
+    shard_.master = at::Tensor();
 }
 
 }  // namespace zx

@@ -336,7 +336,7 @@ void Engine::finish_reduce_group(ReduceGroup &g) {
                     "are not consecutive");
         at += buckets_[m].slice_numel;
     }
-    reducer_.finish(layout_.partitions * g.numel, g.numel, g.recv, grad_shard_.narrow(0, first.shard_offset, g.numel),
+    reducer_.finish(layout_.partitions * g.numel, g.numel, g.recv, shard_.grad.narrow(0, first.shard_offset, g.numel),
                     true, *kernels_.device);
 }
 
@@ -437,17 +437,17 @@ void Engine::zero_grad(bool set_to_none) {
                 book_.forget_grad((int64_t)i);   // Note [Unused parameters]
             }
         }
-        if (grad_shard_.defined())
+        if (shard_.grad.defined())
             for (size_t b = 0; b < buckets_.size(); b++)
                 for (const StepRun &f : book_.fragments((int64_t)b))
-                    if (active_param(f.param)) grad_shard_.narrow(0, buckets_[b].shard_offset + f.offset, f.numel).zero_();
+                    if (active_param(f.param)) shard_.grad.narrow(0, buckets_[b].shard_offset + f.offset, f.numel).zero_();
         return;
     }
     for (auto &bk : buckets_) {
         if (bk.flat_grad.defined()) bk.flat_grad.zero_();
         bk.local_grad = at::Tensor();   // Note [Local accumulation]
     }
-    if (grad_shard_.defined()) grad_shard_.zero_();
+    if (shard_.grad.defined()) shard_.grad.zero_();
     for (auto &p : params_) {
         if (set_to_none) p.mutable_grad() = at::Tensor();
     }

@@ -226,7 +226,7 @@ void Engine::grad_sumsq_into(at::Tensor out2) {
 
 void Engine::cast_masters() {
     if (!off_ && (!dtypes_.low() || opts_.stage == 3)) return;   // stage 3 casts at each gather
-    if (split_) return settle_masters();   // the parameters hold the rounding unless a master was joined
+    if (shard_.split) return settle_masters();   // the parameters hold the rounding unless a master was joined
     wait_params();
     for (auto &bk : buckets_) {
         bool any = active(bk);

@@ -1,0 +1,23 @@
+// shard_buffers.h — this rank's tensors over its shard (Note [Mixed precision], layout.cpp):
+// the gradient sums, the fp32 master (or the remainders that make it with the bf16
+// parameters), and the fused optimizer's states. Each is made when first needed; stats()
+// counts their bytes. With offload they live in host memory (Note [Optimizer offload]).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+
+#include "engine/master_split.h"       // defines: MasterSplit
+#include "engine/optimizer_states.h"   // defines: OptimizerStates
+
+namespace zx {
+
+struct ShardBuffers {
+    at::Tensor grad;                       // stages 2-3: (shard_numel,) reduce_dtype sums, made at the first backward
+    at::Tensor master;                     // stage 3, low precision, param_quant, offload: (shard_numel,) fp32
+    std::unique_ptr<MasterSplit> split;    // master_remainder: the master as remainders (master joined on demand)
+    OptimizerStates states;                // the fused optimizer's states, over the state windows
+};
+
+}  // namespace zx
