@@ -89,7 +89,8 @@ const uint16_t *Engine::hi_bits(Bucket &bk) { return (const uint16_t *)lp_slice(
 
 void Engine::enable_split_master() {
     if (shard_.split) return;
-    TORCH_CHECK(opts_.stage <= 2 && dtypes_.param == at::kBFloat16 && !gather_.quantized() && !off_ && shard_.master.defined(),
+    TORCH_CHECK(opts_.stage <= 2 && dtypes_.param == at::kBFloat16 && !gather_.quantized() && !off_ &&
+                    shard_.master.defined(),
                 "zero_ext: master_remainder needs param_dtype='bf16' in stage 0, 1 or 2 without param_quant or "
                 "offload; pass master_remainder=False");
     for (const auto &bk : buckets_)
@@ -111,7 +112,7 @@ void Engine::join_masters() {
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
         shard_.split->join(*kernels_.device, b, hi_bits(bk), 0, bk.slice_numel,
-                     shard_.master.data_ptr<float>() + bk.shard_offset);
+                           shard_.master.data_ptr<float>() + bk.shard_offset);
     }
 }
 
