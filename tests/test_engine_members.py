@@ -1,19 +1,21 @@
 """The engine stays a set of small owners (csrc/engine/): no class there holds more than
 OWNER_LIMIT data members (two older ones, listed in OVER, no more than they had), and
-Engine itself, the one that still holds most of the state, no more than ENGINE_LIMIT. Lower ENGINE_LIMIT when an owner takes members over from
-it; the aim is an Engine facade with no more members than an owner.
+Engine itself, the facade over them, no more than ENGINE_LIMIT. Lower ENGINE_LIMIT when an
+owner takes members over from it.
 
-A data member is a declarator named with a trailing underscore (`rank_`, `frozen_`) in a
-class body, counted from the header's text (comments and template arguments stripped).
+A data member is a declarator in a class body, counted from the header's text (comments
+and template arguments stripped): in a `class`, every one (`rank_`, and a public `meter`
+too); in a `struct` (plain data: Layout, Bucket, EngineOptions), those named with a trailing
+underscore only.
 """
 import pathlib
 import re
 
 ENGINE_DIR = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "engine"
-ENGINE_LIMIT = 22
+ENGINE_LIMIT = 12
 OWNER_LIMIT = 12
 # Owners that were over OWNER_LIMIT when this test came: they may not grow (split them first).
-OVER = {"offload.h:Offload": 22, "sequence.h:Sequence": 27}
+OVER = {"offload.h:Offload": 22, "sequence.h:Sequence": 27, "comm.h:Communicator": 15}
 CLASS = re.compile(r"^(?:class|struct)\s+(\w+)[^;{]*\{", re.M)
 
 
@@ -45,11 +47,14 @@ def _top_level(body: str) -> str:
 
 def data_members(text: str, name: str) -> list[str]:
     text = re.sub(r"//[^\n]*", "", text)
+    text = re.sub(r"=\s*\{\s*\}", "= 0", text)   # a default argument `= {}` is no body
     m = next(m for m in CLASS.finditer(text) if m.group(1) == name)
+    every = m.group(0).startswith("class")
     names = []
     for stmt in _top_level(_body(text, m.end() - 1)).split(";"):
         stmt = re.sub(r"\b(public|private|protected):", "", stmt).strip()
-        if not stmt or "(" in stmt.split("=")[0] or stmt.startswith(("using", "friend", "static", "template")):
+        if not stmt or "(" in stmt.split("=")[0] or "operator" in stmt or stmt.startswith(("using", "friend", "static", "template",
+                                                                       "struct", "class", "enum", "typedef")):
             continue
         flat, depth = "", 0
         for ch in stmt:                       # drop template arguments: their commas are not declarators
@@ -59,7 +64,7 @@ def data_members(text: str, name: str) -> list[str]:
                 flat += ch
         for decl in flat.split(","):
             word = re.search(r"(\w+)\s*$", decl.split("=")[0].strip())
-            if word and word.group(1).endswith("_"):
+            if word and (every or word.group(1).endswith("_")):
                 names.append(word.group(1))
     return names
 
@@ -78,6 +83,10 @@ def classes() -> dict[str, list[str]]:
 def test_the_counter_counts():
     text = "class A {\n int a_ = 0, b_;  // c_\n std::map<int, int> m_;\n void f() { int x_; }\n}"
     assert data_members(text, "A") == ["a_", "b_", "m_"]
+    text = ("class B {\npublic:\n struct J { int k; };\n void g(int a, const T &t = {});\n B &operator=(const B &) = delete;"
+            "\n int open;\n int shut_;\n}\nstruct C { int x, y_; };")
+    assert data_members(text, "B") == ["open", "shut_"]
+    assert data_members(text, "C") == ["y_"]
 
 
 def test_engine_and_its_owners_stay_small():

@@ -10,21 +10,11 @@
 
 namespace zx {
 
-void Engine::set_active_groups(const std::vector<int64_t> &groups) {
-    active_groups_.clear();
-    if (groups.empty()) return;
-    int64_t most = 0;
-    for (int64_t g : groups) {
-        TORCH_CHECK(g >= 0, "zero_ext: internal: set_active_groups: negative group ", g);
-        most = std::max(most, g);
-    }
-    active_groups_.assign((size_t)most + 1, 0);
-    for (int64_t g : groups) active_groups_[(size_t)g] = 1;
-}
+void Engine::set_active_groups(const std::vector<int64_t> &groups) { book_.set_active_groups(groups); }
 
 std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Engine::owned_tensors() {
     std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> out;
-    const int64_t r = opts_.stage == 0 ? 0 : layout_.rank;
+    const int64_t r = layout_.opts.stage == 0 ? 0 : layout_.rank;
     for (auto &bk : buckets_) {
         if (!bk.atomic || !active(bk)) continue;
         at::Tensor master = master_slice(bk), grad = grad_shard_slice(bk);

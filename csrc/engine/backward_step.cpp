@@ -23,33 +23,34 @@ namespace zx {
 //   no_sync micro-steps reduce nothing and step nothing; the backward that reduces steps.
 
 void Engine::set_backward_step_adam(std::vector<zx_adam_hparams> hps) {
-    TORCH_CHECK(opts_.step_in_backward, "zero_ext: internal: set_backward_step_adam without step_in_backward");
-    bw_.adam = std::move(hps);
-    bw_.sgd.clear();
+    TORCH_CHECK(layout_.opts.step_in_backward, "zero_ext: internal: set_backward_step_adam without step_in_backward");
+    book_.backward.adam = std::move(hps);
+    book_.backward.sgd.clear();
 }
 
 void Engine::set_backward_step_sgd(std::vector<zx_sgd_hparams> hps) {
-    TORCH_CHECK(opts_.step_in_backward, "zero_ext: internal: set_backward_step_sgd without step_in_backward");
-    bw_.sgd = std::move(hps);
-    bw_.adam.clear();
+    TORCH_CHECK(layout_.opts.step_in_backward, "zero_ext: internal: set_backward_step_sgd without step_in_backward");
+    book_.backward.sgd = std::move(hps);
+    book_.backward.adam.clear();
 }
 
 at::Tensor Engine::landing(int64_t numel) {
-    if (!bw_.land.defined() || bw_.land.numel() < numel)
-        bw_.land = at::empty({layout_.max_padded / layout_.partitions}, on_device(dtypes_.reduce));
-    return bw_.land.narrow(0, 0, numel);
+    if (!shard_.land.defined() || shard_.land.numel() < numel)
+        shard_.land = at::empty({layout_.max_padded / layout_.partitions}, on_device(layout_.dtypes.reduce));
+    return shard_.land.narrow(0, 0, numel);
 }
 
 void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
-    TORCH_CHECK(!bw_.adam.empty() || !bw_.sgd.empty(), "zero_ext: internal: a bucket landed in a step_in_backward "
-                "backward that was not armed");
-    const int64_t g = bk.group, step = bw_.steps + 1;
+    BackwardStep &armed = book_.backward;
+    TORCH_CHECK(!armed.adam.empty() || !armed.sgd.empty(),
+                "zero_ext: internal: a bucket landed in a step_in_backward backward that was not armed");
+    const int64_t g = bk.group, step = armed.steps + 1;
     settle_masters();   // Note [Split master in the engine]
     char *lp = (char *)lp_out(bk);
     const int64_t so = bk.state_offset - bk.state_lo;   // Note [State windows]
-    if (!bw_.adam.empty()) {
-        TORCH_CHECK(g < (int64_t)bw_.adam.size(), "zero_ext: internal: missing hyperparameters for group ", g);
-        zx_adam_hparams h = bw_.adam[g];
+    if (!armed.adam.empty()) {
+        TORCH_CHECK(g < (int64_t)armed.adam.size(), "zero_ext: internal: missing hyperparameters for group ", g);
+        zx_adam_hparams h = armed.adam[g];
         h.step = step;
         at::Tensor ms = state("exp_avg"), vs = state("exp_avg_sq");
         if (ms.scalar_type() == at::kBFloat16) {   // Note [bf16 optimizer states] (stepper.cpp)
@@ -63,13 +64,13 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
             adam_master(*kernels_.device, bk, 0, bk.slice_numel, grad, m, v, vmax, lp, h, nullptr, nullptr);
         }
     } else {
-        TORCH_CHECK(g < (int64_t)bw_.sgd.size(), "zero_ext: internal: missing hyperparameters for group ", g);
-        zx_sgd_hparams h = bw_.sgd[g];
+        TORCH_CHECK(g < (int64_t)armed.sgd.size(), "zero_ext: internal: missing hyperparameters for group ", g);
+        zx_sgd_hparams h = armed.sgd[g];
         h.first_step = step == 1;
         float *buf = h.momentum != 0.0 ? state("momentum_buffer").data_ptr<float>() + so : nullptr;
         sgd_master(*kernels_.device, bk, 0, bk.slice_numel, grad, buf, lp, h, nullptr, nullptr);
     }
-    bw_.stepped = true;
+    armed.stepped = true;
 }
 
 }  // namespace zx

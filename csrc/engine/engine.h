@@ -8,7 +8,8 @@
 //
 // The Engine class, one file per concern, and the owners it holds (csrc/engine/):
 //   layout.cpp       the buckets, shards and views built from the plan; stats
-//   layout.h         Layout: the plan, this rank's place, each parameter's group, shape and bucket (fixed)
+//   layout.h         Layout, fixed at construction: options (options.h), device and dtypes, the plan, this
+//                    rank's place, each parameter's group, shape and bucket
 //   stats.h          what stats() reports, as plain data (the binding makes the dicts)
 //   fill.cpp         atomic buckets filled with cut parameters; per-element state windows
 //   reducer.cpp      gradient readiness, launch and landing of each bucket's reduction, zero_grad
@@ -24,15 +25,15 @@
 //   sequence.h/.cpp  the collective sequence check: divergent ranks named, not hung
 //   bucket.h         Bucket: one bucket of the plan as tensors; GatherGroup
 //   owners of one piece of state each, used by the files above:
-//     param_pieces.h   where each parameter lies; cut parameters (Note [Cut parameters])
-//     gather_meter.h   bytes of gathered parameters and their peak
-//     sharded_grads.h  what .grad shows: stage 0-1 views, stage 2-3 wrappers (Note [Sharded gradients])
+//     params.h         the parameters: their tensors, where each lies; cut parameters (Note [Cut parameters])
+//     sharded_grads.h  what .grad shows: stage 0-1 views, the wrappers after backward (Note [Sharded gradients])
 //     shard_buffers.h  ShardBuffers: this rank's gradient sums, master (master_split.h: as remainders)
-//                      and optimizer states (optimizer_states.h)
-//     unit_store.h     stage 3: each unit's buckets, parameter views, offload's parameter shard
-//   frozen.cpp, frozen_params.h
-//                    stage 3: frozen (requires_grad=False) parameters sharded per unit
-//   secondary.h/.cpp stage 3: node-local secondary parts for backward gathers (node_size)
+//                      and optimizer states (optimizer_states.h), step_in_backward's landing
+//     unit_store.h     UnitStore, stage 3: each unit's buckets and parameter views, offload's parameter shard,
+//                      gathered bytes (gather_meter.h), frozen parameters (frozen_params.h), node parts (secondary.h)
+//     step_book.h      StepBook: gradients seen, the groups a step covers, step counts, runs, the backward step
+//   frozen.cpp       stage 3: frozen (requires_grad=False) parameters sharded per unit
+//   secondary.cpp    stage 3: node-local secondary parts for backward gathers (node_size)
 //   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
 //                    the per-device kernel table (Note [Kernel table])
 //   offload.h/.cpp   offload="cpu": host rings, copy stream, landing worker (Note [Optimizer offload])
@@ -53,91 +54,23 @@
 #include "core/zx_core.h"
 #include "engine/bucket.h"    // defines: Bucket, GatherGroup
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
-#include "engine/frozen_params.h"  // defines: FrozenParams (stage 3 frozen parameters)
-#include "engine/gather_meter.h"   // defines: GatherMeter
 #include "engine/grad_reducer.h"   // defines: GradReducer (backward's reductions), ReduceKind
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
-#include "engine/layout.h"    // defines: Layout
+#include "engine/layout.h"    // defines: Layout, and (options.h) EngineOptions, Dtypes
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
 #include "engine/shard_buffers.h"   // defines: ShardBuffers (gradient, master, split master, optimizer states)
-#include "engine/param_pieces.h"  // defines: ParamPieces (Note [Cut parameters])
+#include "engine/params.h"        // defines: Params (the tensors; Note [Cut parameters])
 #include "engine/param_gather.h"   // defines: ParamGather (the gather kind, stage 1-2 gathers in flight)
-#include "engine/secondary.h"      // defines: Secondary (node_size)
-#include "engine/sharded_grads.h"  // defines: ShardedGrads (Note [Sharded gradients]), GradViews
+#include "engine/sharded_grads.h"  // defines: ShardedGrads (what .grad is; Note [Sharded gradients])
 #include "engine/step_book.h"      // defines: StepBook, StepRun (Note [Unused parameters])
-#include "engine/unit_store.h"      // defines: UnitStore (stage 3)
+#include "engine/unit_store.h"     // defines: UnitStore (stage 3: also FrozenParams, GatherMeter, Secondary)
 #include "engine/stats.h"          // defines: EngineStats, AtomicStats, OffloadStats (Note [Engine stats])
 
 namespace zx {
 
-struct EngineOptions {
-    int64_t stage = 2;                 // 0 (DDP), 1, 2, 3
-    int64_t bucket_bytes = 16 << 20;   // cap per bucket
-    int64_t first_bucket_bytes = 1 << 20;
-    int64_t align = 16;                // slice alignment, elements
-    bool alltoall_reduce_scatter = false;  // reduce-scatter = all-to-all + local sum (gloo)
-    int64_t grad_ring_buckets = 2;     // stage 2: staging buffers in the ring
-    std::string isa = "auto";          // kernel ISA: auto/scalar/avx2/avx512
-    bool copy_params = true;           // false: parameters hold no values yet (stage 3,
-                                       // materialized unit by unit afterwards)
-    std::string param_dtype = "fp32";  // what parameters compute in and are gathered as: fp32/bf16/fp16
-    std::string reduce_dtype = "fp32"; // what gradients accumulate and are reduced in
-    int64_t grad_quant_bits = 0;       // 0: exact; 8/4: Note [Quantized gradient reduction]
-    bool grad_quant_error_feedback = false;
-    int64_t quant_block_numel = 256;   // elements per quantization scale
-    int64_t param_quant_bits = 0;      // 0: exact; 8: Note [Quantized parameter gather]
-    // Per param group, a zx_update_kind: 0 elementwise (element-granular layout),
-    // 1 factored (Adafactor), 2 orthogonalized (Muon): those groups' tensors are
-    // owned whole by one rank (Note [Tensor-atomic buckets], core/zx_core.h).
-    std::vector<int64_t> group_update_kind;
-    // Per parameter, optimizer state bytes per element (empty: none given). With
-    // tensor-atomic groups, element-granular pieces fill the atomic buckets' padding
-    // so that state balances (Note [Filling atomic buckets], core/zx_core.h;
-    // Note [Cut parameters] in layout.cpp). Stages 1-2 only.
-    std::vector<double> param_state;
-    // Note [Unused parameters]: when the ranks agree on which parameters got a gradient:
-    // 0 never (a missing gradient is the caller's error), 1 every step, 2 at the first
-    // step, and on only if some rank missed some parameter there.
-    int64_t agree_unused = 2;
-    // Per parameter, its name in the model ('blocks.0.attn.weight'), so that errors
-    // name it (Note [Parameter names in messages], layout.cpp); empty: by index.
-    std::vector<std::string> param_names;
-    // Note [Optimizer offload] (offload.h): the fp32 master, optimizer states and gradient
-    // shard in host memory, stepped by the CPU kernels (stages 1-3).
-    bool offload = false;
-    // Note [Step in backward] (backward_step.cpp): each bucket takes its fused optimizer step
-    // as soon as its reduced gradient lands, and keeps no gradient shard.
-    bool step_in_backward = false;
-    // Note [bf16 optimizer states] (stepper.cpp): "bf16" keeps the fused Adam/AdamW's
-    // exp_avg and exp_avg_sq in bfloat16 with stochastic rounding (2 bytes per element
-    // each instead of 4); "fp32" (default) keeps them exact.
-    std::string state_dtype = "fp32";
-    // Stage 3: buckets this small (elements, all ranks' slices together) have their
-    // gradients reduced together, one collective for several (Note [Coalesced gradient
-    // reductions], reducer.cpp); 0: each alone.
-    int64_t coalesce_numel = 0;
-};
-
-// param_dtype and reduce_dtype (Note [Mixed precision] in csrc/engine/layout.cpp): what parameters
-// compute in and are gathered as, what gradients accumulate and are reduced in.
-struct Dtypes {
-    at::ScalarType param = at::kFloat, reduce = at::kFloat;
-    zx_dtype param_zx = ZX_F32, reduce_zx = ZX_F32;   // the same, for the C kernels
-    bool low() const { return param != at::kFloat; }   // parameters are not fp32
-};
-
 // Note [bf16 optimizer states] (stepper.cpp): the stochastic rounding's seed before the
 // step count is added (zero_ext._C.BF16_STATE_SEED, for tests that redo a step).
 constexpr uint64_t kStateSeed = 0x5eed0b16c0ffee01ULL;
-
-// Note [Step in backward] (backward_step.cpp): the armed step and what it keeps.
-struct BackwardStep {
-    std::vector<zx_adam_hparams> adam;   // one per param group, or empty
-    std::vector<zx_sgd_hparams> sgd;     // one per param group, or empty
-    int64_t steps = 0;                   // optimizer steps taken in backward
-    bool stepped = false;                // some bucket stepped in this backward
-    at::Tensor land;                     // all-to-all: where a bucket's slices are summed
-};
 
 // Note [Fragment views] (layout.cpp): one piece of a parameter in this rank's shard, as
 // Python asks for it (checkpoints, loads, edits, the generic step).
@@ -211,7 +144,7 @@ public:
     // or cast (e.g. before parameters are edited, so that absorb folds only the changed elements).
     void join_masters();
     // Where the master, the states and the gradient shard live: the parameters' device, or the host with offload.
-    at::Device shard_device() const { return opts_.offload ? at::Device(at::kCPU) : dev_; }
+    at::Device shard_device() const { return layout_.opts.offload ? at::Device(at::kCPU) : layout_.dev; }
     void all_gather_params();          // launch: every rank's slices -> full buckets
     void wait_params();                // block until the parameter gather is done
     // Parameters are needed now (forward, reads): launch the gathers of mixed buckets
@@ -292,10 +225,10 @@ public:
                     std::vector<std::string> names = {});
     bool unit_has_frozen(int64_t u) const;
     void release_frozen(int64_t u);    // after the unit's backward: its frozen weights
-    at::Tensor frozen_shard() const { return frozen_.shard(); }   // this rank's slices, param_dtype
+    at::Tensor frozen_shard() const { return units_.frozen.shard(); }   // this rank's slices, param_dtype
     // As fragments(), over frozen_shard(): (frozen index, offset in it, offset in the shard, numel).
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> frozen_fragments(int64_t r) const;
-    int64_t frozen_shard_bytes() const { return frozen_.shard_bytes(); }
+    int64_t frozen_shard_bytes() const { return units_.frozen.shard_bytes(); }
 
     // --- state ---
     // Flat per-element optimizer state (exp_avg, ...), created zero-filled on demand,
@@ -317,7 +250,7 @@ public:
     // backward_steps() + 1).
     void set_backward_step_adam(std::vector<zx_adam_hparams> hps);
     void set_backward_step_sgd(std::vector<zx_sgd_hparams> hps);
-    int64_t backward_steps() const { return bw_.steps; }   // optimizer steps taken in backward
+    int64_t backward_steps() const { return book_.backward.steps; }   // optimizer steps taken in backward
     // Note [Communication delay] (comm.cpp): every collective of this engine (node group
     // included) takes at least ms longer; serialize: each is waited for at its launch.
     void set_comm_delay(double ms, bool serialize);
@@ -350,9 +283,7 @@ public:
 
 private:
     // set_active_groups: no groups given = all active.
-    bool active_group(int64_t g) const {
-        return active_groups_.empty() || (g < (int64_t)active_groups_.size() && active_groups_[g]);
-    }
+    bool active_group(int64_t g) const { return book_.active_group(g); }
     bool active(const Bucket &bk) const { return active_group(bk.group); }
     void launch(int64_t b);
     void finish_reduce_group(ReduceGroup &g);   // Note [Coalesced gradient reductions]: its sums into the shard
@@ -393,9 +324,11 @@ private:
     void commit_frozen(int64_t u, int64_t src);
     void open_frozen_fp32(int64_t u);
     void release_all_frozen();
-    at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(dev_); }
+    at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(layout_.dev); }
     // Where the master, the states and the gradient shard live (Note [Optimizer offload]).
-    at::TensorOptions on_shard(at::ScalarType dt) const { return opts_.offload ? Offload::host(dt) : on_device(dt); }
+    at::TensorOptions on_shard(at::ScalarType dt) const {
+        return layout_.opts.offload ? Offload::host(dt) : on_device(dt);
+    }
     at::Tensor host_grad_slice(const Bucket &bk);   // offload: bucket bk's slice of the host gradient shard
     void upload(Bucket &bk);           // offload: the master slice, in param_dtype, into the owned slice
     // Note [Split master in the engine]: an fp32 master shard joined on demand (authoritative
@@ -428,28 +361,18 @@ private:
     void step_landed(Bucket &bk, const at::Tensor &grad);
     at::Tensor landing(int64_t numel);   // step_in_backward, all-to-all: where the slices are summed
 
-    std::vector<at::Tensor> params_;
-    ParamPieces pieces_;                         // Note [Cut parameters]: where each parameter lies
-    std::vector<char> active_groups_;            // set_active_groups: empty = all
-    GradViews grad_views_;                 // stage 0/1: param i's view into flat_grad, and if .grad may be it
-    ShardedGrads sharded_grads_;           // Note [Sharded gradients]: the wrappers .grad shows after backward
+    Params params_;                        // the parameters' tensors and where each lies (Note [Cut parameters])
+    ShardedGrads sharded_grads_;           // what .grad is: stage 0-1 views; Note [Sharded gradients]' wrappers
     std::vector<Bucket> buckets_;
-    Layout layout_;                        // where everything lies: the plan, this rank, the parameters
+    Layout layout_;                        // fixed at construction: options, device, dtypes, the plan, this rank
     Communicator comm_;
-    EngineOptions opts_;
-    at::Device dev_ = at::kCPU;             // the parameters' device: every buffer lives there
     KernelTables kernels_;                 // Note [Kernel table]: the device's, and the host's with offload
     std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
-    BackwardStep bw_;                      // Note [Step in backward]
     GradReducer reducer_;                  // backward's reductions: the pass, the ring, what is in flight
     ShardBuffers shard_;                   // this rank's gradient sums, master (or remainders) and states
-    Dtypes dtypes_;                        // param_dtype and reduce_dtype (Note [Mixed precision])
-    UnitStore units_;                      // stage 3: each unit's buckets, parameter views, offload's shard
-    GatherMeter gathered_;                 // bytes of gathered parameters held, and the peak
-    StepBook book_;                        // Note [Unused parameters]: gradients seen, steps, runs
+    UnitStore units_;                      // stage 3: units' buckets and views, frozen parameters, node parts
+    StepBook book_;                        // gradients seen, groups stepping, steps, runs (Note [Unused parameters])
     ParamGather gather_;                   // the gather kind (param_quant's or exact); stages 1-2: gathers in flight
-    std::unique_ptr<Secondary> secondary_; // node_size (stage 3, 1 <= L < world): secondary parts, else null
-    FrozenParams frozen_;                  // Note [Stage 3 frozen parameters]: stage 3's frozen parameters
 };
 
 }  // namespace zx

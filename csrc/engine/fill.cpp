@@ -19,7 +19,7 @@ namespace zx {
 //   they spanned the whole shard, so Muon + AdamW held AdamW moments for every
 //   Muon element too.
 void Engine::plan_state_windows() {
-    const int64_t r = opts_.stage == 0 ? 0 : layout_.rank;
+    const int64_t r = layout_.opts.stage == 0 ? 0 : layout_.rank;
     int64_t at = 0;
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
@@ -49,7 +49,7 @@ std::vector<std::tuple<int64_t, int64_t, int64_t>> Engine::state_windows() const
 
 at::Tensor Engine::state(const std::string &name) {
     // Note [bf16 optimizer states]: Adam's two moments in bf16 when asked; others stay fp32.
-    const bool low = opts_.state_dtype == "bf16" && (name == "exp_avg" || name == "exp_avg_sq");
+    const bool low = layout_.opts.state_dtype == "bf16" && (name == "exp_avg" || name == "exp_avg_sq");
     return shard_.states.get(name, on_shard(low ? at::kBFloat16 : at::kFloat));   // Note [Optimizer offload]
 }
 
@@ -72,23 +72,23 @@ at::Tensor Engine::state(const std::string &name) {
 void Engine::copy_cut_params(bool into_params) {
     at::NoGradGuard ng;
     for (size_t i = 0; i < params_.size(); i++) {
-        if (!pieces_.cut(i)) continue;
+        if (!params_.cut(i)) continue;
         // variable_data(): a write that leaves the version counter alone, so the
         // Python guard sees only the user's edits (Note [Edits outside gathered_parameters]).
         at::Tensor flat = params_[i].variable_data().view(-1);
-        for (const zx_piece &pc : pieces_.of(i)) {
+        for (const zx_piece &pc : params_.pieces(i)) {
             at::Tensor mine = flat.narrow(0, pc.param_offset, pc.numel);
             at::Tensor in_bucket = buckets_[pc.bucket].flat_param.narrow(0, pc.offset, pc.numel);
             (into_params ? mine : in_bucket).copy_(into_params ? in_bucket : mine);
         }
     }
-    if (into_params) pieces_.copied_out();
+    if (into_params) params_.copied_out();
 }
 
 std::vector<int64_t> Engine::cut_params() const {
     std::vector<int64_t> out;
-    for (int64_t i = 0; i < pieces_.size(); i++)
-        if (pieces_.cut(i)) out.push_back(i);
+    for (int64_t i = 0; i < (int64_t)params_.size(); i++)
+        if (params_.cut(i)) out.push_back(i);
     return out;
 }
 

@@ -98,92 +98,92 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> FrozenParams::fragme
 // ---- the engine: checks, storage, collectives ----
 
 void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units, std::vector<std::string> names) {
-    TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: frozen parameters are sharded in stage 3 only");
-    TORCH_CHECK(frozen_.empty(), "zero_ext: internal: add_frozen was already called on this engine");
+    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: internal: frozen parameters are sharded in stage 3 only");
+    TORCH_CHECK(units_.frozen.empty(), "zero_ext: internal: add_frozen was already called on this engine");
     TORCH_CHECK(params.size() == units.size() && (names.empty() || names.size() == params.size()),
                 "zero_ext: internal: add_frozen needs one unit id (and one name) per frozen parameter");
     if (params.empty()) return;
     for (size_t i = 0; i < params.size(); i++) {
         TORCH_CHECK(units[i] >= 0, "zero_ext: internal: frozen parameter ", i, " has unit ", units[i]);
-        TORCH_CHECK(params[i].device() == dev_ && params[i].is_floating_point(), "zero_ext: ",
+        TORCH_CHECK(params[i].device() == layout_.dev && params[i].is_floating_point(), "zero_ext: ",
                     FrozenParams::name_in(names, (int64_t)i),
                     " is ", params[i].scalar_type(), " on ", params[i].device(), ", expected a floating-point "
-                    "tensor on ", dev_, " (where the trainable parameters are); call model.to(", dev_,
+                    "tensor on ", layout_.dev, " (where the trainable parameters are); call model.to(", layout_.dev,
                     ") before zeroify");
         units_.ensure(units[i]);
     }
-    const auto pt = on_device(dtypes_.param);
-    frozen_.plan(std::move(params), units, std::move(names), units_.count(), layout_.partitions,
-                 layout_.partitions * opts_.align, pt);
+    const auto pt = on_device(layout_.dtypes.param);
+    units_.frozen.plan(std::move(params), units, std::move(names), units_.count(), layout_.partitions,
+                 layout_.partitions * layout_.opts.align, pt);
     at::NoGradGuard ng;
-    for (auto &bk : frozen_.buckets()) {
+    for (auto &bk : units_.frozen.buckets()) {
         // Without values (meta build) the pages stay untouched until open_unit_fp32.
-        bk.flat_param = opts_.copy_params ? at::zeros({bk.padded_numel}, pt) : at::empty({bk.padded_numel}, pt);
+        bk.flat_param = layout_.opts.copy_params ? at::zeros({bk.padded_numel}, pt) : at::empty({bk.padded_numel}, pt);
         for (int64_t i : bk.params) {
-            at::Tensor &p = frozen_.param(i);
-            at::Tensor view = bk.flat_param.narrow(0, frozen_.offset(i), p.numel()).view(p.sizes());
-            if (opts_.copy_params) view.copy_(p);   // rounds to param_dtype, as a replicated frozen one was
+            at::Tensor &p = units_.frozen.param(i);
+            at::Tensor view = bk.flat_param.narrow(0, units_.frozen.offset(i), p.numel()).view(p.sizes());
+            if (layout_.opts.copy_params) view.copy_(p);   // rounds to param_dtype, as a replicated frozen one was
             p.set_data(view);
-            frozen_.set_home(i, view);
+            units_.frozen.set_home(i, view);
         }
-        if (opts_.copy_params) frozen_.slice(bk).copy_(owned_slice(bk.flat_param, bk));
+        if (layout_.opts.copy_params) units_.frozen.slice(bk).copy_(owned_slice(bk.flat_param, bk));
         bk.gathered = true;
-        gathered_.add(bk.flat_param.nbytes());
+        units_.meter.add(bk.flat_param.nbytes());
         release_bucket(bk);
     }
 }
 
-std::string Engine::frozen_pname(int64_t i) const { return frozen_.name(i); }
+std::string Engine::frozen_pname(int64_t i) const { return units_.frozen.name(i); }
 
-bool Engine::unit_has_frozen(int64_t u) const { return frozen_.of_unit(u) != nullptr; }
+bool Engine::unit_has_frozen(int64_t u) const { return units_.frozen.of_unit(u) != nullptr; }
 
 void Engine::release_frozen(int64_t u) {
-    if (Bucket *bk = frozen_.of_unit(u)) release_bucket(*bk);
+    if (Bucket *bk = units_.frozen.of_unit(u)) release_bucket(*bk);
 }
 
 void Engine::release_all_frozen() {
-    for (auto &bk : frozen_.buckets()) release_bucket(bk);
+    for (auto &bk : units_.frozen.buckets()) release_bucket(bk);
 }
 
 void Engine::commit_frozen(int64_t u, int64_t src) {
-    Bucket *bk = frozen_.of_unit(u);
+    Bucket *bk = units_.frozen.of_unit(u);
     if (bk == nullptr) return;
     comm_.seq.subject(subject_of(*bk), u);
     if (bk->fp32_values.defined()) {   // open_unit_fp32: full-precision values, rounded once
         broadcast_tensors({bk->fp32_values}, src);
-        frozen_.slice(*bk).copy_(owned_slice(bk->fp32_values, *bk));
+        units_.frozen.slice(*bk).copy_(owned_slice(bk->fp32_values, *bk));
         release_bucket(*bk);
         return;
     }
     TORCH_CHECK(bk->gathered, "zero_ext: internal: commit_unit needs unit ", u, " gathered");
     broadcast_tensors({bk->flat_param}, src);
-    frozen_.slice(*bk).copy_(owned_slice(bk->flat_param, *bk));
+    units_.frozen.slice(*bk).copy_(owned_slice(bk->flat_param, *bk));
 }
 
 void Engine::open_frozen_fp32(int64_t u) {
-    Bucket *bk = frozen_.of_unit(u);
+    Bucket *bk = units_.frozen.of_unit(u);
     if (bk == nullptr) return;
     // Only with a low param_dtype (open_unit_fp32 gathers fp32 units as they are).
     // As open_unit_fp32: an fp32 buffer holding the current values, so that an
     // init writes full precision and is rounded once, at commit.
     release_bucket(*bk);
-    at::Tensor full = at::empty({bk->padded_numel}, on_device(dtypes_.param));
+    at::Tensor full = at::empty({bk->padded_numel}, on_device(layout_.dtypes.param));
     if (layout_.world == 1) {
-        full.copy_(frozen_.slice(*bk));
+        full.copy_(units_.frozen.slice(*bk));
     } else {
         comm_.seq.subject(subject_of(*bk), u);
-        comm_.watch(comm_.all_gather(full, frozen_.slice(*bk)), "unit all-gather");
+        comm_.watch(comm_.all_gather(full, units_.frozen.slice(*bk)), "unit all-gather");
     }
     bk->fp32_values = full.to(at::kFloat);
-    gathered_.add(bk->fp32_values.nbytes());
-    gathered_.note_peak();
-    frozen_.point_at(*bk, bk->fp32_values);
+    units_.meter.add(bk->fp32_values.nbytes());
+    units_.meter.note_peak();
+    units_.frozen.point_at(*bk, bk->fp32_values);
 }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::frozen_fragments(int64_t r) const {
     TORCH_CHECK(r >= 0 && r < layout_.partitions, "zero_ext: internal: no rank ", r, " among ", layout_.partitions,
                 " partitions");
-    return frozen_.fragments(r);
+    return units_.frozen.fragments(r);
 }
 
 }  // namespace zx

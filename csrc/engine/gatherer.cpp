@@ -29,16 +29,16 @@ void Engine::absorb(at::Tensor master, const at::Tensor &lp_in) {
     // offload: the master is in host memory (Note [Optimizer offload])
     const at::Tensor lp_new = lp_in.device() == master.device() ? lp_in : lp_in.to(master.device());
     // Only elements whose low-precision (param_quant: dequantized) value changed take the new value.
-    at::Tensor changed = lp_new.ne(gather_.as_gathered(master, dtypes_.param));
+    at::Tensor changed = lp_new.ne(gather_.as_gathered(master, layout_.dtypes.param));
     master.copy_(at::where(changed, lp_new.to(at::kFloat), master));
 }
 
 void Engine::publish_params() {
     wait_params();
     cast_masters();
-    if (opts_.stage == 3) {
+    if (layout_.opts.stage == 3) {
         // Gathered units hold stale values: release them; the next gather reads the shards.
-        if (secondary_) secondary_->drop_all();
+        if (units_.secondary) units_.secondary->drop_all();
         for (auto &bk : buckets_) release_bucket(bk);
         release_all_frozen();
         return;
@@ -48,18 +48,19 @@ void Engine::publish_params() {
 }
 
 void Engine::absorb_param_edits() {
-    TORCH_CHECK(opts_.stage <= 2, "zero_ext: internal: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
+    TORCH_CHECK(layout_.opts.stage <= 2,
+                "zero_ext: internal: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
     wait_params();
-    if (pieces_.any_cut()) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
-    if (!dtypes_.low() && !gather_.quantized() && !off_) return;   // the owned slice is the master
+    if (params_.any_cut()) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
+    if (!layout_.dtypes.low() && !gather_.quantized() && !off_) return;   // the owned slice is the master
     // Note [Split master in the engine]: without a joined master the edits already are its top halves
     if (shard_.split && !shard_.master.defined()) return;
     for (auto &bk : buckets_) absorb(master_slice(bk), owned_slice(bk.flat_param, bk));
 }
 
 void Engine::all_gather_params() {
-    if (layout_.partitions == 1 || opts_.stage == 3) {   // stage 3 gathers per unit, on demand
-        if (pieces_.any_cut()) copy_cut_params(true);
+    if (layout_.partitions == 1 || layout_.opts.stage == 3) {   // stage 3 gathers per unit, on demand
+        if (params_.any_cut()) copy_cut_params(true);
         return;
     }
     wait_params();
@@ -88,7 +89,7 @@ void Engine::launch_param_gather(int64_t b) {
     at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
     comm_.seq.subject(b, -1);
     gather_.launch(comm_, b, bk.flat_param, in, [&] { return master_slice(bk); });
-    pieces_.gathered();
+    params_.gathered();
 }
 
 void Engine::flush_params(bool wait) {
@@ -109,7 +110,7 @@ void Engine::flush_params(bool wait) {
 }
 
 void Engine::wait_param_buckets(const std::vector<int64_t> &buckets) {
-    if (pieces_.any_cut()) {   // a cut parameter is copied out once all of its buckets have arrived
+    if (params_.any_cut()) {   // a cut parameter is copied out once all of its buckets have arrived
         wait_params();
         return;
     }
@@ -118,7 +119,7 @@ void Engine::wait_param_buckets(const std::vector<int64_t> &buckets) {
 
 void Engine::wait_params() {
     gather_.wait_all(comm_);
-    if (pieces_.stale()) copy_cut_params(true);
+    if (params_.stale()) copy_cut_params(true);
 }
 
 void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {
@@ -148,7 +149,7 @@ void Engine::finish_group(const std::shared_ptr<GatherGroup> &g) {
         m->gather_group.reset();
         mark_gathered(*m);
     }
-    gathered_.sub(g->in.nbytes() + g->out.nbytes());
+    units_.meter.sub(g->in.nbytes() + g->out.nbytes());
     g->in = at::Tensor();
     g->out = at::Tensor();
 }
@@ -159,9 +160,9 @@ void Engine::wait_gather(Bucket &bk) {
         auto work = std::move(bk.gather_work);
         bk.gather_work.reset();
         const int64_t s = subject_of(bk);
-        if (secondary_ && secondary_->in_flight(s)) {   // Note [Hierarchical partitioning]
-            secondary_->comm().timed_wait(work, "node all-gather");
-            secondary_->finish(s);
+        if (units_.secondary && units_.secondary->in_flight(s)) {   // Note [Hierarchical partitioning]
+            units_.secondary->comm().timed_wait(work, "node all-gather");
+            units_.secondary->finish(s);
         } else {
             comm_.watch(work, "unit all-gather");
             if (gather_.quantized() && !bk.frozen) gather_.quant()->finish(s);
@@ -177,16 +178,16 @@ void Engine::release_bucket(Bucket &bk) {
     const bool staged = bk.fp32_values.defined();
     if (!staged && !bk.gathered) return;   // the common case after backward: nothing held
     if (staged) {
-        gathered_.sub(bk.fp32_values.nbytes());
+        units_.meter.sub(bk.fp32_values.nbytes());
         bk.fp32_values = at::Tensor();
     }
     if (bk.gathered) {
         kernels_.device->resize_storage(bk.flat_param, 0);
-        gathered_.sub(bk.flat_param.numel() * bk.flat_param.element_size());
+        units_.meter.sub(bk.flat_param.numel() * bk.flat_param.element_size());
         bk.gathered = false;
     }
     const at::Tensor empty = at::empty({0}, bk.flat_param.options());
-    for (int64_t i : bk.params) (bk.frozen ? frozen_.param(i) : params_[i]).set_data(empty);
+    for (int64_t i : bk.params) (bk.frozen ? units_.frozen.param(i) : params_[i]).set_data(empty);
 }
 
 void Engine::mark_gathered(Bucket &bk) {
@@ -194,35 +195,35 @@ void Engine::mark_gathered(Bucket &bk) {
     if (bk.gathered) return;
     bk.gathered = true;
     if (bk.frozen)
-        frozen_.point_home(bk);
+        units_.frozen.point_home(bk);
     else
         for (int64_t i : bk.params) params_[i].set_data(units_.param_views[i]);
 }
 
 at::Tensor Engine::gather_source(Bucket &bk, at::Tensor dst) {
-    if (bk.frozen) return frozen_.slice(bk);
+    if (bk.frozen) return units_.frozen.slice(bk);
     if (off_) return units_.param_shard.narrow(0, bk.shard_offset, bk.slice_numel);   // Note [Optimizer offload]
-    if (!dtypes_.low()) return master_slice(bk);   // stage 3 fp32: the master is the slice
-    kernels_.device->cast_from_f32(bk.slice_numel, master(bk), dst.data_ptr(), dtypes_.param_zx);
+    if (!layout_.dtypes.low()) return master_slice(bk);   // stage 3 fp32: the master is the slice
+    kernels_.device->cast_from_f32(bk.slice_numel, master(bk), dst.data_ptr(), layout_.dtypes.param_zx);
     return dst;
 }
 
 int64_t Engine::subject_of(const Bucket &bk) const {
-    return bk.frozen ? (int64_t)buckets_.size() + frozen_.index(bk) : (int64_t)(&bk - buckets_.data());
+    return bk.frozen ? (int64_t)buckets_.size() + units_.frozen.index(bk) : (int64_t)(&bk - buckets_.data());
 }
 
 std::vector<Bucket *> Engine::unit_gather_buckets(int64_t u) {
     std::vector<Bucket *> out;
     for (int64_t b : units_.buckets(u)) out.push_back(&buckets_[b]);
-    if (Bucket *f = frozen_.of_unit(u)) out.push_back(f);
+    if (Bucket *f = units_.frozen.of_unit(u)) out.push_back(f);
     return out;
 }
 
 void Engine::launch_gather(Bucket &bk) {
     const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
     kernels_.device->resize_storage(bk.flat_param, bytes);
-    gathered_.add(bytes);
-    gathered_.note_peak();
+    units_.meter.add(bytes);
+    units_.meter.note_peak();
     at::Tensor own = owned_slice(bk.flat_param, bk);
     at::Tensor in = gather_source(bk, own);   // with a low param_dtype: cast into place
     if (layout_.world == 1) {
@@ -230,8 +231,8 @@ void Engine::launch_gather(Bucket &bk) {
         mark_gathered(bk);
         return;
     }
-    if (secondary_ && secondary_->has(subject_of(bk))) {   // Note [Hierarchical partitioning]: inside the node
-        bk.gather_work = secondary_->launch(subject_of(bk), bk.flat_param);
+    if (units_.secondary && units_.secondary->has(subject_of(bk))) {   // Note [Hierarchical partitioning]: in the node
+        bk.gather_work = units_.secondary->launch(subject_of(bk), bk.flat_param);
         return;
     }
     comm_.seq.subject(subject_of(bk), bk.unit);
@@ -245,7 +246,7 @@ void Engine::launch_gather(Bucket &bk) {
 static bool requested(const Bucket &bk) { return bk.gathered || bk.gather_work || bk.gather_group; }
 
 bool Engine::gather_unit(int64_t u, bool wait) {
-    TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: gather_unit is a stage-3 operation");
+    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: internal: gather_unit is a stage-3 operation");
     bool prefetched = true;
     for (Bucket *bk : unit_gather_buckets(u)) {
         if (bk->gathered) continue;
@@ -259,7 +260,7 @@ bool Engine::gather_unit(int64_t u, bool wait) {
 }
 
 void Engine::gather_units(const std::vector<int64_t> &units) {
-    TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: gather_units is a stage-3 operation");
+    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: internal: gather_units is a stage-3 operation");
     std::vector<Bucket *> todo;
     for (int64_t u : units)
         for (Bucket *bk : unit_gather_buckets(u))
@@ -270,9 +271,9 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
     auto g = std::make_shared<GatherGroup>();
     int64_t slice = 0;
     for (Bucket *bk : todo) {
-        if (layout_.world == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != dtypes_.param ||
+        if (layout_.world == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != layout_.dtypes.param ||
             (gather_.quantized() && !bk->frozen) ||
-            (secondary_ && secondary_->has(subject_of(*bk)))) {
+            (units_.secondary && units_.secondary->has(subject_of(*bk)))) {
             launch_gather(*bk);
             continue;
         }
@@ -284,19 +285,19 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
         launch_gather(*g->members[0].first);
         return;
     }
-    g->in = at::empty({slice}, on_device(dtypes_.param));
-    g->out = at::empty({slice * layout_.world}, on_device(dtypes_.param));
-    gathered_.add(g->in.nbytes() + g->out.nbytes());
+    g->in = at::empty({slice}, on_device(layout_.dtypes.param));
+    g->out = at::empty({slice * layout_.world}, on_device(layout_.dtypes.param));
+    units_.meter.add(g->in.nbytes() + g->out.nbytes());
     for (auto [bk, offset] : g->members) {
         const int64_t bytes = bk->flat_param.numel() * bk->flat_param.element_size();
         kernels_.device->resize_storage(bk->flat_param, bytes);
-        gathered_.add(bytes);
+        units_.meter.add(bytes);
         at::Tensor dst = g->in.narrow(0, offset, bk->slice_numel);
         at::Tensor src = gather_source(*bk, dst);
         if (!src.is_same(dst)) dst.copy_(src);
         bk->gather_group = g;
     }
-    gathered_.note_peak();
+    units_.meter.note_peak();
     const Bucket &first = *g->members[0].first;
     comm_.seq.subject(subject_of(first), first.unit);
     g->work = comm_.all_gather(g->out, g->in);
@@ -304,19 +305,19 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
 
 void Engine::release_unit(int64_t u, bool keep) {
     for (Bucket *bk : unit_gather_buckets(u)) {   // trainable, then frozen
-        if (secondary_) {   // Note [Hierarchical partitioning]
+        if (units_.secondary) {   // Note [Hierarchical partitioning]
             wait_gather(*bk);
             if (!keep)
-                secondary_->drop(subject_of(*bk));
+                units_.secondary->drop(subject_of(*bk));
             else if (bk->gathered)
-                secondary_->keep(subject_of(*bk), bk->flat_param);
+                units_.secondary->keep(subject_of(*bk), bk->flat_param);
         }
         release_bucket(*bk);
     }
 }
 
 void Engine::commit_unit(int64_t u, int64_t src) {
-    if (secondary_) secondary_->drop_all();   // the masters change
+    if (units_.secondary) units_.secondary->drop_all();   // the masters change
     for (int64_t b : units_.buckets(u)) {
         Bucket &bk = buckets_[b];
         if (bk.fp32_values.defined()) {   // open_unit_fp32: full-precision values
@@ -331,7 +332,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
         comm_.seq.subject(b, u);
         broadcast_tensors({bk.flat_param}, src);
         const at::Tensor owned = owned_slice(bk.flat_param, bk);
-        if (dtypes_.low() || gather_.quantized()) {
+        if (layout_.dtypes.low() || gather_.quantized()) {
             absorb(master_slice(bk), owned);
         } else {
             master_slice(bk).copy_(owned);
@@ -342,10 +343,10 @@ void Engine::commit_unit(int64_t u, int64_t src) {
 }
 
 void Engine::open_unit_fp32(int64_t u) {
-    TORCH_CHECK(opts_.stage == 3, "zero_ext: internal: open_unit_fp32 is a stage-3 operation");
+    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: internal: open_unit_fp32 is a stage-3 operation");
     units_.buckets(u);   // checks u
-    if (secondary_) secondary_->drop_all();
-    if (!dtypes_.low()) {
+    if (units_.secondary) units_.secondary->drop_all();
+    if (!layout_.dtypes.low()) {
         gather_unit(u, true);
         return;
     }
@@ -357,15 +358,15 @@ void Engine::open_unit_fp32(int64_t u) {
         // again after a commit keeps what was written to it.
         bk.fp32_values = at::empty({bk.padded_numel}, on_device(at::kFloat));
         at::Tensor in = master_slice(bk);
-        if (in.device() != dev_) in = in.to(dev_);   // offload: the collective runs on the device
+        if (in.device() != layout_.dev) in = in.to(layout_.dev);   // offload: the collective runs on the device
         if (layout_.world == 1) {
             bk.fp32_values.copy_(in);
         } else {
             comm_.seq.subject(b, u);
             comm_.watch(comm_.all_gather(bk.fp32_values, in), "unit all-gather");
         }
-        gathered_.add(bk.fp32_values.nbytes());
-        gathered_.note_peak();
+        units_.meter.add(bk.fp32_values.nbytes());
+        units_.meter.note_peak();
         for (int64_t i : bk.params)
             params_[i].set_data(bk.fp32_values.narrow(0, layout_.offset_of[i], units_.param_views[i].numel())
                                     .view(units_.param_views[i].sizes()));
@@ -375,19 +376,19 @@ void Engine::open_unit_fp32(int64_t u) {
 bool Engine::unit_gathered(int64_t u) const {
     for (int64_t b : units_.buckets(u))
         if (!buckets_[b].gathered) return false;
-    const Bucket *f = frozen_.of_unit(u);
+    const Bucket *f = units_.frozen.of_unit(u);
     return f == nullptr || f->gathered;
 }
 
 bool Engine::unit_requested(int64_t u) const {
     for (int64_t b : units_.buckets(u))
         if (!requested(buckets_[b])) return false;
-    const Bucket *f = frozen_.of_unit(u);
+    const Bucket *f = units_.frozen.of_unit(u);
     return f == nullptr || requested(*f);
 }
 
 int64_t Engine::unit_numel(int64_t u) const {
-    const Bucket *f = frozen_.of_unit(u);
+    const Bucket *f = units_.frozen.of_unit(u);
     int64_t n = f != nullptr ? f->padded_numel : 0;
     for (int64_t b : units_.buckets(u)) n += buckets_[b].padded_numel;
     return n;

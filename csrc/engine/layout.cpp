@@ -9,17 +9,17 @@
 namespace zx {
 
 // Note [Mixed precision]
-//   param_dtype (dtypes_.param) is what parameters compute in and are all-gathered as;
-//   reduce_dtype (dtypes_.reduce) what gradients accumulate and are reduced in; master
+//   param_dtype (layout_.dtypes.param) is what parameters compute in and are all-gathered as;
+//   reduce_dtype (layout_.dtypes.reduce) what gradients accumulate and are reduced in; master
 //   weights and optimizer states are always fp32 over this rank's shard.
-//   With dtypes_.param = fp32 the owned slice of a stage 0-2 bucket *is* the master; else
+//   With layout_.dtypes.param = fp32 the owned slice of a stage 0-2 bucket *is* the master; else
 //   shard_.master holds it and the fused step writes the low-precision copy in
 //   the same pass straight into what is gathered next: the owned slice of the
 //   bucket (stages 0-2; the all-gather runs in place). Stage 3 keeps no
 //   low-precision shard: each gather casts the master into place (Note [Stage 3
 //   parameter lifetime] in gatherer.cpp).
-//   Autograd produces gradients in dtypes_.param. When dtypes_.reduce ==
-//   dtypes_.param stage 0/1 gradients are views of flat_grad as in fp32;
+//   Autograd produces gradients in layout_.dtypes.param. When layout_.dtypes.reduce ==
+//   layout_.dtypes.param stage 0/1 gradients are views of flat_grad as in fp32;
 //   otherwise the hook adds each gradient
 //   into the reduce_dtype bucket and drops it, so accumulation over micro-steps
 //   happens in reduce_dtype, never silently in bf16. Stage 2/3 cast into the
@@ -37,7 +37,8 @@ namespace zx {
 //   names a parameter goes through pname(i) / frozen_pname(i). The sequence check
 //   reads the same names.
 std::string Engine::pname(int64_t i) const {
-    if (i >= 0 && i < (int64_t)opts_.param_names.size()) return "parameter '" + opts_.param_names[i] + "'";
+    const std::vector<std::string> &names = layout_.opts.param_names;
+    if (i >= 0 && i < (int64_t)names.size()) return "parameter '" + names[i] + "'";
     return "parameter " + std::to_string(i);
 }
 
@@ -52,40 +53,41 @@ static std::pair<at::ScalarType, zx_dtype> parse_dtype(const std::string &name, 
 
 Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std::vector<int64_t> units,
                c10::optional<ProcessGroupPtr> pg, EngineOptions opts)
-    : params_(std::move(params)), comm_(std::move(pg)), opts_(std::move(opts)) {
+    : params_(std::move(params)), comm_(std::move(pg)) {
+    layout_.opts = opts;   // a copy: the constructor reads its argument, the same values
     const int64_t n = (int64_t)params_.size();
     TORCH_CHECK(n > 0, "zero_ext: the optimizer has no trainable parameters; build it over parameters with "
                 "requires_grad=True (torch.optim.AdamW(model.parameters()))");
     TORCH_CHECK((int64_t)groups.size() == n, "zero_ext: internal: one group index per parameter expected");
-    TORCH_CHECK(opts_.param_names.empty() || (int64_t)opts_.param_names.size() == n,
-                "zero_ext: internal: one name per parameter expected, got ", opts_.param_names.size());
-    TORCH_CHECK(opts_.stage >= 0 && opts_.stage <= 3, "zero_ext: stage must be 0, 1, 2 or 3, got ", opts_.stage,
+    TORCH_CHECK(opts.param_names.empty() || (int64_t)opts.param_names.size() == n,
+                "zero_ext: internal: one name per parameter expected, got ", opts.param_names.size());
+    TORCH_CHECK(opts.stage >= 0 && opts.stage <= 3, "zero_ext: stage must be 0, 1, 2 or 3, got ", opts.stage,
                 "; pass stage=0, 1, 2 or 3");
-    TORCH_CHECK(opts_.state_dtype == "fp32" || opts_.state_dtype == "bf16", "zero_ext: state_dtype must be "
-                "'fp32' or 'bf16', got '", opts_.state_dtype, "'; pass state_dtype='fp32' (exact) or 'bf16'");
-    const bool s3 = opts_.stage == 3;
+    TORCH_CHECK(opts.state_dtype == "fp32" || opts.state_dtype == "bf16", "zero_ext: state_dtype must be "
+                "'fp32' or 'bf16', got '", opts.state_dtype, "'; pass state_dtype='fp32' (exact) or 'bf16'");
+    const bool s3 = opts.stage == 3;
     TORCH_CHECK(!s3 || (int64_t)units.size() == n, "zero_ext: internal: stage 3 needs one unit id per parameter");
     layout_.rank = comm_.rank();
     layout_.world = comm_.world();
-    layout_.partitions = opts_.stage == 0 ? 1 : layout_.world;
-    kernels_.isa = opts_.isa == "auto" ? zx_cpu_best_isa() : parse_isa(opts_.isa);
-    std::tie(dtypes_.param, dtypes_.param_zx) = parse_dtype(opts_.param_dtype, "param_dtype");
-    std::tie(dtypes_.reduce, dtypes_.reduce_zx) = parse_dtype(opts_.reduce_dtype, "reduce_dtype");
-    grad_views_.ok = dtypes_.reduce == dtypes_.param;
-    TORCH_CHECK(zx_cpu_supports(kernels_.isa), "zero_ext: this CPU cannot run isa='", opts_.isa,
+    layout_.partitions = opts.stage == 0 ? 1 : layout_.world;
+    kernels_.isa = opts.isa == "auto" ? zx_cpu_best_isa() : parse_isa(opts.isa);
+    std::tie(layout_.dtypes.param, layout_.dtypes.param_zx) = parse_dtype(opts.param_dtype, "param_dtype");
+    std::tie(layout_.dtypes.reduce, layout_.dtypes.reduce_zx) = parse_dtype(opts.reduce_dtype, "reduce_dtype");
+    sharded_grads_.views_ok = layout_.dtypes.reduce == layout_.dtypes.param;
+    TORCH_CHECK(zx_cpu_supports(kernels_.isa), "zero_ext: this CPU cannot run isa='", opts.isa,
                 "'; pass isa='auto' (the best ISA this CPU has)");
-    dev_ = params_[0].device();
+    layout_.dev = params_[0].device();
 
     // Plan: reverse registration order, which is roughly gradient-ready order;
     // stage 3: units in reverse forward order, so buckets again follow backward.
     std::vector<int64_t> numel(n), order(n);
-    std::vector<int32_t> dtype(n, dtypes_.param_zx), group(n), unit(n, 0);
+    std::vector<int32_t> dtype(n, layout_.dtypes.param_zx), group(n), unit(n, 0);
     std::vector<double> cost(n, 0.0);
     bool any_atomic = false;
     for (int64_t i = 0; i < n; i++) {
         const at::Tensor &p = params_[i];
         layout_.shapes.push_back(p.sizes().vec());
-        const int64_t kind = groups[i] < (int64_t)opts_.group_update_kind.size() ? opts_.group_update_kind[groups[i]] : 0;
+        const int64_t kind = groups[i] < (int64_t)opts.group_update_kind.size() ? opts.group_update_kind[groups[i]] : 0;
         if (kind != 0 && p.numel() > 0) {
             // Note [Tensor-atomic buckets]: rows = first dimension, cols = the rest.
             const int64_t rows = p.dim() > 0 ? p.size(0) : 1;
@@ -96,8 +98,8 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         TORCH_CHECK(p.scalar_type() == at::kFloat, "zero_ext: ", pname(i), " is ", p.scalar_type(),
                     ", expected float32 (the fp32 master weights are taken from it); call model.float() before "
                     "zeroify and choose the compute precision with param_dtype='bf16' or 'fp16'");
-        TORCH_CHECK(p.device() == dev_, "zero_ext: ", pname(i), " is on ", p.device(), " but ", pname(0),
-                    " is on ", dev_, "; every trainable parameter must be on one device: call model.to(device) "
+        TORCH_CHECK(p.device() == layout_.dev, "zero_ext: ", pname(i), " is on ", p.device(), " but ", pname(0),
+                    " is on ", layout_.dev, "; every trainable parameter must be on one device: call model.to(device) "
                     "before zeroify");
         numel[i] = p.numel();
         group[i] = (int32_t)groups[i];
@@ -106,68 +108,68 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     }
     if (s3) std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return unit[a] > unit[b]; });
     // Stage 3: one bucket per (unit, group); the unit is the granularity.
-    const int64_t cap = s3 ? INT64_MAX / 4 : opts_.bucket_bytes;
-    const int64_t first_cap = s3 ? INT64_MAX / 4 : opts_.first_bucket_bytes;
+    const int64_t cap = s3 ? INT64_MAX / 4 : opts.bucket_bytes;
+    const int64_t first_cap = s3 ? INT64_MAX / 4 : opts.first_bucket_bytes;
     // Note [Cut parameters]: state per element, so element-granular pieces fill the padding.
-    const bool fill = any_atomic && !opts_.param_state.empty() && (opts_.stage == 1 || opts_.stage == 2);
-    TORCH_CHECK(opts_.param_state.empty() || (int64_t)opts_.param_state.size() == n,
-                "zero_ext: internal: one state size per parameter expected, got ", opts_.param_state.size());
+    const bool fill = any_atomic && !opts.param_state.empty() && (opts.stage == 1 || opts.stage == 2);
+    TORCH_CHECK(opts.param_state.empty() || (int64_t)opts.param_state.size() == n,
+                "zero_ext: internal: one state size per parameter expected, got ", opts.param_state.size());
     zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), s3 ? unit.data() : nullptr,
-                      order.data(), (int32_t)layout_.partitions, cap, first_cap, opts_.align,
-                      any_atomic ? cost.data() : nullptr, fill ? opts_.param_state.data() : nullptr};
+                      order.data(), (int32_t)layout_.partitions, cap, first_cap, opts.align,
+                      any_atomic ? cost.data() : nullptr, fill ? opts.param_state.data() : nullptr};
     zx_check(zx_plan_create(&pp, &layout_.plan), "planning the bucket layout");
     layout_.shard_numel = zx_plan_shard_numel(layout_.plan);
     layout_.group_of = groups;
-    pieces_.read(layout_.plan, n);
+    params_.read_pieces(layout_.plan);
 
     // Buckets as tensors; parameters (and stage 0/1 gradients) become views.
-    kernels_.device = make_kernels(dev_, kernels_.isa, dtypes_.reduce_zx);
-    if (opts_.grad_quant_bits != 0) {
-        TORCH_CHECK(opts_.stage >= 1 && opts_.alltoall_reduce_scatter,
+    kernels_.device = make_kernels(layout_.dev, kernels_.isa, layout_.dtypes.reduce_zx);
+    if (opts.grad_quant_bits != 0) {
+        TORCH_CHECK(opts.stage >= 1 && opts.alltoall_reduce_scatter,
                     "zero_ext: grad_quant needs stage 1, 2 or 3 and the all-to-all reduce-scatter; pass stage=1, 2 "
                     "or 3 and reduce_scatter='auto' or 'alltoall', or grad_quant=None");
     }
     // The reduce kind, chosen once (grad_reducer.h).
-    const ReduceKind kind = opts_.stage == 0            ? ReduceKind::kAllReduce
-                            : opts_.grad_quant_bits != 0 ? ReduceKind::kQuantized
-                            : opts_.alltoall_reduce_scatter ? ReduceKind::kAllToAll
+    const ReduceKind kind = opts.stage == 0            ? ReduceKind::kAllReduce
+                            : opts.grad_quant_bits != 0 ? ReduceKind::kQuantized
+                            : opts.alltoall_reduce_scatter ? ReduceKind::kAllToAll
                                                             : ReduceKind::kReduceScatter;
-    reducer_.configure(kind, layout_.world, layout_.partitions, on_device(dtypes_.reduce),
+    reducer_.configure(kind, layout_.world, layout_.partitions, on_device(layout_.dtypes.reduce),
                        kind == ReduceKind::kQuantized
-                           ? std::make_unique<QuantReduce>((int32_t)opts_.grad_quant_bits, opts_.quant_block_numel,
-                                                           opts_.grad_quant_error_feedback, kernels_.device.get(), dev_,
-                                                           layout_.partitions)
+                           ? std::make_unique<QuantReduce>((int32_t)opts.grad_quant_bits, opts.quant_block_numel,
+                                                           opts.grad_quant_error_feedback, kernels_.device.get(),
+                                                           layout_.dev, layout_.partitions)
                            : nullptr);
-    if (opts_.param_quant_bits != 0) {
-        TORCH_CHECK(opts_.stage >= 1, "zero_ext: param_quant needs stage 1, 2 or 3; pass stage=1, 2 or 3, or "
+    if (opts.param_quant_bits != 0) {
+        TORCH_CHECK(opts.stage >= 1, "zero_ext: param_quant needs stage 1, 2 or 3; pass stage=1, 2 or 3, or "
                     "param_quant=None");
         // One rank gathers nothing: its parameters stay exact.
         if (layout_.partitions > 1)
-            gather_.configure(std::make_unique<QuantGather>((int32_t)opts_.param_quant_bits, opts_.quant_block_numel,
-                                                            kernels_.device.get(), dev_, layout_.partitions),
-                              opts_.stage < 3);
+            gather_.configure(std::make_unique<QuantGather>((int32_t)opts.param_quant_bits, opts.quant_block_numel,
+                                                            kernels_.device.get(), layout_.dev, layout_.partitions),
+                              opts.stage < 3);
     }
-    TORCH_CHECK(!opts_.step_in_backward || (opts_.stage >= 1 && !opts_.offload), "zero_ext: step_in_backward "
+    TORCH_CHECK(!opts.step_in_backward || (opts.stage >= 1 && !opts.offload), "zero_ext: step_in_backward "
                 "needs stage 1, 2 or 3 and no offload; pass stage=1, 2 or 3 and offload=None, or "
                 "step_in_backward=False");
-    if (opts_.offload) {   // Note [Optimizer offload]
-        TORCH_CHECK(opts_.stage >= 1, "zero_ext: offload='cpu' needs stage 1, 2 or 3 (stage 0 shards nothing); "
+    if (opts.offload) {   // Note [Optimizer offload]
+        TORCH_CHECK(opts.stage >= 1, "zero_ext: offload='cpu' needs stage 1, 2 or 3 (stage 0 shards nothing); "
                     "pass stage=1, 2 or 3, or offload=None");
         TORCH_CHECK(!reducer_.quantized() && !gather_.quantized(), "zero_ext: offload='cpu' keeps exact gradients "
                     "and parameters; pass "
                     "grad_quant=None and param_quant=None with it, or offload=None");
-        if (!dev_.is_cpu()) kernels_.host = make_cpu_kernels(kernels_.isa, dtypes_.reduce_zx);
+        if (!layout_.dev.is_cpu()) kernels_.host = make_cpu_kernels(kernels_.isa, layout_.dtypes.reduce_zx);
     }
-    const auto f32 = on_device(at::kFloat), pt = on_device(dtypes_.param), rt = on_device(dtypes_.reduce);
+    const auto f32 = on_device(at::kFloat), pt = on_device(layout_.dtypes.param), rt = on_device(layout_.dtypes.reduce);
     const int64_t nb = zx_plan_num_buckets(layout_.plan);
     buckets_.resize(nb);
     // param_quant: the owned slice of flat_param holds dequantized values, so the
     // master is a shard of its own (Note [Quantized parameter gather]); so does offload.
-    if (s3 || dtypes_.low() || gather_.quantized() || opts_.offload)
+    if (s3 || layout_.dtypes.low() || gather_.quantized() || opts.offload)
         shard_.master = at::zeros({layout_.shard_numel}, on_shard(at::kFloat));
     layout_.bucket_of.assign(n, -1);
     layout_.offset_of.assign(n, 0);
-    grad_views_.views.resize(n);
+    sharded_grads_.views.resize(n);
     if (s3) units_.param_views.resize(n);
     reducer_.pass().resize(n);
     for (int64_t b = 0; b < nb; b++) {
@@ -184,11 +186,11 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         bk.atomic = bi.atomic != 0;
         bk.gathered = true;
         // Stage 3 without values: never touch the pages (peak = shards + one unit).
-        bk.flat_param = s3 && !opts_.copy_params ? at::empty({bi.padded_numel}, pt)
+        bk.flat_param = s3 && !opts.copy_params ? at::empty({bi.padded_numel}, pt)
                                                  : at::zeros({bi.padded_numel}, pt);
-        if (opts_.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, rt);
+        if (opts.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, rt);
         // Low precision: the fp32 values, from which the master is taken.
-        at::Tensor src32 = dtypes_.low() && opts_.copy_params ? at::zeros({bi.padded_numel}, f32) : at::Tensor();
+        at::Tensor src32 = layout_.dtypes.low() && opts.copy_params ? at::zeros({bi.padded_numel}, f32) : at::Tensor();
         layout_.max_padded = std::max(layout_.max_padded, bi.padded_numel);
         for (int64_t k = 0; k < bi.num_params; k++) {
             zx_piece pc;
@@ -196,12 +198,12 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             const int64_t i = pc.param;
             bk.params.push_back(i);
             at::Tensor &p = params_[i];
-            if (pieces_.cut(i)) {
+            if (params_.cut(i)) {
                 // Note [Cut parameters]: this piece's values; the parameter keeps storage of its own.
                 bk.mixed = bk.mixed || bk.atomic;
-                if (opts_.copy_params) {
+                if (opts.copy_params) {
                     at::NoGradGuard ng;
-                    (dtypes_.low() ? src32 : bk.flat_param).narrow(0, pc.offset, pc.numel)
+                    (layout_.dtypes.low() ? src32 : bk.flat_param).narrow(0, pc.offset, pc.numel)
                         .copy_(p.detach().reshape(-1).narrow(0, pc.param_offset, pc.numel));
                 }
                 continue;
@@ -212,14 +214,14 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             layout_.bucket_of[i] = b;
             layout_.offset_of[i] = loc.offset;
             at::Tensor view = bk.flat_param.narrow(0, loc.offset, loc.numel).view(p.sizes());
-            if (opts_.copy_params) {
+            if (opts.copy_params) {
                 at::NoGradGuard ng;
-                (dtypes_.low() ? src32.narrow(0, loc.offset, loc.numel).view(p.sizes()) : view).copy_(p);
+                (layout_.dtypes.low() ? src32.narrow(0, loc.offset, loc.numel).view(p.sizes()) : view).copy_(p);
             }
             p.set_data(view);
             if (s3) units_.param_views[i] = view;
-            if (opts_.stage <= 1) {
-                at::Tensor &gv = grad_views_.views[i];
+            if (opts.stage <= 1) {
+                at::Tensor &gv = sharded_grads_.views[i];
                 gv = bk.flat_grad.narrow(0, loc.offset, loc.numel).view(p.sizes());
                 if (p.grad().defined()) gv.copy_(p.grad());
                 p.mutable_grad() = at::Tensor();
@@ -247,43 +249,43 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             at = std::max(at, sp.first + sp.second);
         }
         if (at < bk.padded_numel) bk.gaps.emplace_back(at, bk.padded_numel - at);
-        if (opts_.copy_params && dtypes_.low()) {
+        if (opts.copy_params && layout_.dtypes.low()) {
             bk.flat_param.copy_(src32);                            // rounds to param_dtype
             master_slice(bk).copy_(owned_slice(src32, bk));
-        } else if (opts_.copy_params && (s3 || gather_.quantized() || opts_.offload)) {
+        } else if (opts.copy_params && (s3 || gather_.quantized() || opts.offload)) {
             master_slice(bk).copy_(owned_slice(bk.flat_param, bk));
         }
         if (s3) {
             // Keep only this rank's slice (Note [Stage 3 parameter lifetime]).
             units_.add(bk.unit, b);
-            gathered_.add(bk.flat_param.nbytes());
+            units_.meter.add(bk.flat_param.nbytes());
             release_bucket(bk);
         }
     }
-    if (s3) gathered_.reset_peak();
-    TORCH_CHECK(!s3 || !pieces_.any_cut(), "zero_ext: internal: stage 3 cuts no parameter");
+    if (s3) units_.meter.reset_peak();
+    TORCH_CHECK(!s3 || !params_.any_cut(), "zero_ext: internal: stage 3 cuts no parameter");
     for (int64_t i = 0; i < n; i++) {
-        if (!pieces_.cut(i)) continue;
+        if (!params_.cut(i)) continue;
         // Note [Cut parameters]: storage of its own in param_dtype, filled from the buckets.
         at::Tensor &p = params_[i];
-        layout_.bucket_of[i] = pieces_.of(i)[0].bucket;
-        layout_.offset_of[i] = pieces_.of(i)[0].offset;
+        layout_.bucket_of[i] = params_.pieces(i)[0].bucket;
+        layout_.offset_of[i] = params_.pieces(i)[0].offset;
         const at::Tensor grad = p.grad();
         p.set_data(at::empty(layout_.shapes[i], pt));
         p.mutable_grad() = at::Tensor();
-        if (grad.defined() && opts_.stage <= 1)
-            for (const zx_piece &pc : pieces_.of(i))
+        if (grad.defined() && opts.stage <= 1)
+            for (const zx_piece &pc : params_.pieces(i))
                 buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel)
                     .copy_(grad.reshape(-1).narrow(0, pc.param_offset, pc.numel));
     }
-    if (pieces_.any_cut()) copy_cut_params(true);
+    if (params_.any_cut()) copy_cut_params(true);
     plan_state_windows();
-    if (opts_.offload) {
+    if (opts.offload) {
         // Down: a reduce-scatter's slice, an all-to-all's whole receive buffer, or (one
         // rank) the whole bucket; up: a slice in param_dtype.
         const int64_t slice = layout_.max_padded / std::max<int64_t>(layout_.partitions, 1);
-        const int64_t down = opts_.alltoall_reduce_scatter && layout_.world > 1 ? layout_.max_padded : slice;
-        off_ = std::make_unique<Offload>(dev_, dtypes_.reduce, down, dtypes_.param, slice, nb);
+        const int64_t down = opts.alltoall_reduce_scatter && layout_.world > 1 ? layout_.max_padded : slice;
+        off_ = std::make_unique<Offload>(layout_.dev, layout_.dtypes.reduce, down, layout_.dtypes.param, slice, nb);
         if (s3) {   // what the unit gathers read: the master in param_dtype, kept current by upload()
             units_.param_shard = at::empty({layout_.shard_numel}, pt);
             for (auto &bk : buckets_) upload(bk);
@@ -291,15 +293,15 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     }
     // Note [Gradient layout]: stages 2-3 stage each gradient in a slot; more than one rank
     // receives a slice (reduce-scatter) or every rank's slices (all-to-all).
-    reducer_.ring().configure(opts_.stage >= 2 ? layout_.max_padded : 0,
+    reducer_.ring().configure(opts.stage >= 2 ? layout_.max_padded : 0,
                               layout_.world > 1 ? reducer_.recv_numel(layout_.max_padded) : 0,
-                              on_device(dtypes_.reduce), opts_.grad_ring_buckets);
-    book_ = StepBook(params_.size(), opts_.agree_unused, layout_.world);   // Note [Unused parameters]
+                              on_device(layout_.dtypes.reduce), opts.grad_ring_buckets);
+    book_ = StepBook(params_.size(), opts.agree_unused, layout_.world);   // Note [Unused parameters]
     // Note [Coalesced gradient reductions] (reducer.cpp): stage 3's plain reduction path only.
-    if (s3 && layout_.world > 1 && !reducer_.quantized() && !off_ && !opts_.step_in_backward &&
-        opts_.coalesce_numel > 0)
-        reducer_.groups().configure(std::max<int64_t>(opts_.coalesce_numel / layout_.partitions, 1), layout_.partitions,
-                           on_device(dtypes_.reduce));
+    if (s3 && layout_.world > 1 && !reducer_.quantized() && !off_ && !opts.step_in_backward &&
+        opts.coalesce_numel > 0)
+        reducer_.groups().configure(std::max<int64_t>(opts.coalesce_numel / layout_.partitions, 1), layout_.partitions,
+                           on_device(layout_.dtypes.reduce));
     // The gradient shard and the ring are allocated at the first backward
     // (grad_shard_slice, acquire_slot), so building the model costs no more.
 }
@@ -311,7 +313,7 @@ Engine::~Engine() {
     try {
         reducer_.drain(comm_.seq.diverged());
         gather_.drain(comm_.seq.diverged());
-        for (auto *bks : {&buckets_, &frozen_.buckets()})
+        for (auto *bks : {&buckets_, &units_.frozen.buckets()})
             for (auto &bk : *bks)
                 if (bk.gather_work && !comm_.seq.diverged()) bk.gather_work->wait();
     } catch (...) {
@@ -320,7 +322,7 @@ Engine::~Engine() {
 }
 
 at::Tensor Engine::owned_slice(const at::Tensor &flat, const Bucket &bk) const {
-    const int64_t r = opts_.stage == 0 ? 0 : layout_.rank;
+    const int64_t r = layout_.opts.stage == 0 ? 0 : layout_.rank;
     return flat.narrow(0, r * bk.slice_numel, bk.slice_numel);
 }
 
@@ -329,15 +331,15 @@ at::Tensor Engine::grad_shard_slice(const Bucket &bk) {
         off_->drain();
         return host_grad_slice(bk);
     }
-    if (opts_.stage >= 2) {
-        if (!shard_.grad.defined()) shard_.grad = at::zeros({layout_.shard_numel}, on_device(dtypes_.reduce));
+    if (layout_.opts.stage >= 2) {
+        if (!shard_.grad.defined()) shard_.grad = at::zeros({layout_.shard_numel}, on_device(layout_.dtypes.reduce));
         return shard_.grad.narrow(0, bk.shard_offset, bk.slice_numel);
     }
     return owned_slice(bk.flat_grad, bk);
 }
 
 at::Tensor Engine::host_grad_slice(const Bucket &bk) {
-    if (!shard_.grad.defined()) shard_.grad = at::zeros({layout_.shard_numel}, on_shard(dtypes_.reduce));
+    if (!shard_.grad.defined()) shard_.grad = at::zeros({layout_.shard_numel}, on_shard(layout_.dtypes.reduce));
     return shard_.grad.narrow(0, bk.shard_offset, bk.slice_numel);
 }
 
@@ -350,14 +352,16 @@ at::Tensor Engine::master_slice(Bucket &bk) {
 float *Engine::master(Bucket &bk) { return master_slice(bk).data_ptr<float>(); }
 
 at::Tensor Engine::lp_slice(Bucket &bk) {
-    TORCH_CHECK(opts_.stage < 3, "zero_ext: internal: stage 3 keeps no low-precision shard");
+    TORCH_CHECK(layout_.opts.stage < 3, "zero_ext: internal: stage 3 keeps no low-precision shard");
     return owned_slice(bk.flat_param, bk);
 }
 
 // Stage 3 writes no low-precision copy: the gather casts (Note [Stage 3 parameter lifetime]).
-void *Engine::lp_out(Bucket &bk) { return dtypes_.low() && opts_.stage < 3 ? lp_slice(bk).data_ptr() : nullptr; }
+void *Engine::lp_out(Bucket &bk) {
+    return layout_.dtypes.low() && layout_.opts.stage < 3 ? lp_slice(bk).data_ptr() : nullptr;
+}
 
-double Engine::grad_divisor() const { return opts_.stage == 0 ? 1.0 : (double)layout_.world; }
+double Engine::grad_divisor() const { return layout_.opts.stage == 0 ? 1.0 : (double)layout_.world; }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(int64_t r) const {
     TORCH_CHECK(r >= 0 && r < std::max<int64_t>(layout_.partitions, 1), "zero_ext: internal: no rank ", r, " among ",
@@ -398,23 +402,23 @@ std::vector<FragmentView> Engine::fragment_views(bool masters) {
 
 std::vector<FragmentView> Engine::frozen_fragment_views() const {
     std::vector<FragmentView> out;
-    if (frozen_.empty()) return out;
+    if (units_.frozen.empty()) return out;
     for (const auto &[i, poff, soff, n] : frozen_fragments(layout_.partitions > 1 ? layout_.rank : 0))
-        out.push_back({i, poff, -1, soff, n, frozen_.shard().narrow(0, soff, n)});
+        out.push_back({i, poff, -1, soff, n, units_.frozen.shard().narrow(0, soff, n)});
     return out;
 }
 
 void Engine::set_comm_delay(double ms, bool serialize) {
-    Kernels *device = dev_.is_cuda() ? kernels_.device.get() : nullptr;
+    Kernels *device = layout_.dev.is_cuda() ? kernels_.device.get() : nullptr;
     comm_.set_delay(ms, serialize, device);
-    if (secondary_) secondary_->comm().set_delay(ms, serialize, device);
+    if (units_.secondary) units_.secondary->comm().set_delay(ms, serialize, device);
 }
 
 EngineStats Engine::stats() const {
     EngineStats st;
     int64_t param_bytes = 0, grad_bytes = 0, numel = 0, padded = 0;
     for (const auto &bk : buckets_) {
-        if (opts_.stage < 3) param_bytes += bk.flat_param.nbytes();
+        if (layout_.opts.stage < 3) param_bytes += bk.flat_param.nbytes();
         if (bk.flat_grad.defined()) grad_bytes += bk.flat_grad.nbytes();
         numel += bk.numel;
         padded += bk.padded_numel;
@@ -423,9 +427,9 @@ EngineStats Engine::stats() const {
     int64_t master_bytes = 0;
     // stage 3: the fp32 master is the parameter shard; with a low param_dtype the gather
     // casts it, so no low-precision copy persists (it is counted as master weights)
-    if (opts_.stage == 3 && !dtypes_.low() && !off_) param_bytes += shard_.master.nbytes();
+    if (layout_.opts.stage == 3 && !layout_.dtypes.low() && !off_) param_bytes += shard_.master.nbytes();
     if (units_.param_shard.defined()) param_bytes += units_.param_shard.nbytes();   // offload, stage 3
-    if ((dtypes_.low() || (gather_.quantized() && opts_.stage < 3)) && !off_)
+    if ((layout_.dtypes.low() || (gather_.quantized() && layout_.opts.stage < 3)) && !off_)
         master_bytes =
             (shard_.master.defined() ? shard_.master.nbytes() : 0) + (shard_.split ? shard_.split->bytes() : 0);
     const int64_t state_bytes = off_ ? 0 : shard_.states.bytes();
@@ -438,10 +442,10 @@ EngineStats Engine::stats() const {
     msb.total = param_bytes + grad_bytes + master_bytes + state_bytes;
     BufferBytes &buf = st.buffer_bytes;
     buf.grad_ring = ring_bytes;
-    buf.grad_landing = bw_.land.defined() ? bw_.land.nbytes() : 0;
+    buf.grad_landing = shard_.land.defined() ? shard_.land.nbytes() : 0;
     buf.ring_slots = reducer_.ring().slots();
-    buf.gathered_params = gathered_.now();
-    buf.peak_gathered_params = gathered_.peak();
+    buf.gathered_params = units_.meter.now();
+    buf.peak_gathered_params = units_.meter.peak();
     const QuantReduce *quant = reducer_.quant();
     buf.quant_buffers = quant ? quant->buffer_bytes() : 0;
     buf.quant_residual = quant ? quant->residual_bytes() : 0;
@@ -450,29 +454,30 @@ EngineStats Engine::stats() const {
     buf.peak_quant_gather_buffers = qg ? qg->peak_buffer_bytes() : 0;
     buf.kernel_scratch = kernels_.device->scratch_bytes();
     buf.split_master_scratch = shard_.split ? shard_.split->scratch_bytes() : 0;
-    buf.secondary = secondary_ ? secondary_->bytes() : 0;
-    buf.peak_secondary = secondary_ ? secondary_->peak_bytes() : 0;
+    buf.secondary = units_.secondary ? units_.secondary->bytes() : 0;
+    buf.peak_secondary = units_.secondary ? units_.secondary->peak_bytes() : 0;
     buf.total = buf.grad_ring + buf.grad_landing + buf.gathered_params + buf.quant_buffers + buf.quant_residual +
                 buf.quant_gather_buffers + buf.kernel_scratch + buf.secondary + buf.split_master_scratch;
-    st.stage = opts_.stage;
+    st.stage = layout_.opts.stage;
     st.world_size = layout_.world;
     st.rank = layout_.rank;
     st.isa = zx_isa_name(kernels_.isa);
-    st.device = dev_.str();
+    st.device = layout_.dev.str();
     st.kernels = kernels_.device->name();
     st.num_params = numel;
     st.padded_numel = padded;
     st.shard_numel = layout_.shard_numel;
     st.num_buckets = (int64_t)buckets_.size();
-    st.param_dtype = opts_.param_dtype;
-    st.reduce_dtype = opts_.reduce_dtype;
-    st.reduce_scatter_impl = reducer_.quantized() ? (opts_.grad_quant_bits == 8 ? "alltoall-int8" : "alltoall-int4")
-                             : opts_.alltoall_reduce_scatter ? "alltoall" : "native";
+    st.param_dtype = layout_.opts.param_dtype;
+    st.reduce_dtype = layout_.opts.reduce_dtype;
+    const EngineOptions &o = layout_.opts;
+    st.reduce_scatter_impl = reducer_.quantized() ? (o.grad_quant_bits == 8 ? "alltoall-int8" : "alltoall-int4")
+                             : o.alltoall_reduce_scatter ? "alltoall" : "native";
     st.param_gather_impl = gather_.quantized() ? "allgather-int8" : "allgather";
     st.comm = comm_.counters();
-    st.comm_wait_s = comm_.waited_s() + (secondary_ ? secondary_->comm().waited_s() : 0.0);
+    st.comm_wait_s = comm_.waited_s() + (units_.secondary ? units_.secondary->comm().waited_s() : 0.0);
     st.comm_delay_ms = comm_.delay_ms();
-    if (secondary_) st.comm_groups = secondary_->group_stats(comm_);   // Note [Per-group byte counters]
+    if (units_.secondary) st.comm_groups = units_.secondary->group_stats(comm_);   // Note [Per-group byte counters]
     st.reductions = reducer_.pass().reductions();
     st.num_units = units_.count();
     st.frozen_shard_bytes = frozen_shard_bytes();

@@ -1,18 +1,22 @@
-// layout.h — where everything lies, decided once when the engine is built (layout.cpp) and
-// never changed after: the C plan (core/zx_plan.c: buckets, slices, fragments, state), this
-// rank's place in the world, and each parameter's group, shape and bucket. Plain numbers:
-// no tensors, no communicator (the plan itself is built and tested without a process group:
-// csrc/core/tests/test_plan.c).
+// layout.h — what is decided once when the engine is built (layout.cpp) and never changed
+// after: the options it was given, the parameters' device and dtypes, the C plan
+// (core/zx_plan.c: buckets, slices, fragments, state), this rank's place in the world, and
+// each parameter's group, shape and bucket. Plain data: no tensors, no communicator (the
+// plan itself is built and tested without a process group: csrc/core/tests/test_plan.c).
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "core/zx_core.h"
+#include "engine/options.h"   // defines: EngineOptions, Dtypes
 
 namespace zx {
 
 struct Layout {
+    EngineOptions opts;                         // as given (stage, bucket sizes, dtypes by name, ...)
+    at::Device dev = at::kCPU;                  // the parameters' device: every buffer lives there
+    Dtypes dtypes;                              // param_dtype and reduce_dtype (Note [Mixed precision])
     zx_plan *plan = nullptr;                    // the engine's plan (zx_plan_free in ~Engine)
     int64_t rank = 0, world = 1;                // this rank of world
     int64_t partitions = 1;                     // ranks a bucket is sharded over: world, or 1 (stage 0)

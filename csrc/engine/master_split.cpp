@@ -44,7 +44,7 @@ void MasterSplit::split(Kernels &k, int64_t b, const float *m, const uint16_t *h
 
 void Engine::adam_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, float *m, float *v,
                          float *vmax, char *lp, const zx_adam_hparams &hp, const double *ctl, const int64_t *step) {
-    const int64_t lp_elem = (int64_t)zx_dtype_size(dtypes_.param_zx);
+    const int64_t lp_elem = (int64_t)zx_dtype_size(layout_.dtypes.param_zx);
     step_split(bk, lp, lo, n,
                [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
                    return k.adam_split(total, lead, n, hi, rem, ties, grad.narrow(0, lo, n), m + lo, v + lo,
@@ -52,14 +52,14 @@ void Engine::adam_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at
                },
                [&](float *p, int64_t o, int64_t c) {
                    k.adam(c, p, grad.narrow(0, o, c), m + o, v + o, vmax ? vmax + o : nullptr,
-                          lp ? lp + o * lp_elem : nullptr, dtypes_.param_zx, hp, ctl, step);
+                          lp ? lp + o * lp_elem : nullptr, layout_.dtypes.param_zx, hp, ctl, step);
                });
 }
 
 void Engine::adam_bf16_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, uint16_t *m,
                               uint16_t *v, char *lp, const zx_adam_hparams &hp, uint64_t c0, const double *ctl,
                               const int64_t *step) {
-    const int64_t lp_elem = (int64_t)zx_dtype_size(dtypes_.param_zx);
+    const int64_t lp_elem = (int64_t)zx_dtype_size(layout_.dtypes.param_zx);
     step_split(bk, lp, lo, n,
                [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
                    return k.adam_bf16_states_split(total, lead, n, hi, rem, ties, grad.narrow(0, lo, n), m + lo,
@@ -67,13 +67,13 @@ void Engine::adam_bf16_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, con
                },
                [&](float *p, int64_t o, int64_t c) {
                    k.adam_bf16_states(c, p, grad.narrow(0, o, c), m + o, v + o, lp ? lp + o * lp_elem : nullptr,
-                                      dtypes_.param_zx, hp, kStateSeed, c0 + (uint64_t)o, ctl, step);
+                                      layout_.dtypes.param_zx, hp, kStateSeed, c0 + (uint64_t)o, ctl, step);
                });
 }
 
 void Engine::sgd_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, float *buf, char *lp,
                         const zx_sgd_hparams &hp, const double *ctl, const int64_t *step) {
-    const int64_t lp_elem = (int64_t)zx_dtype_size(dtypes_.param_zx);
+    const int64_t lp_elem = (int64_t)zx_dtype_size(layout_.dtypes.param_zx);
     step_split(bk, lp, lo, n,
                [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
                    return k.sgd_split(total, lead, n, hi, rem, ties, grad.narrow(0, lo, n), buf ? buf + lo : nullptr,
@@ -81,7 +81,7 @@ void Engine::sgd_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at:
                },
                [&](float *p, int64_t o, int64_t c) {
                    k.sgd(c, p, grad.narrow(0, o, c), buf ? buf + o : nullptr, lp ? lp + o * lp_elem : nullptr,
-                         dtypes_.param_zx, hp, ctl, step);
+                         layout_.dtypes.param_zx, hp, ctl, step);
                });
 }
 
@@ -89,7 +89,7 @@ const uint16_t *Engine::hi_bits(Bucket &bk) { return (const uint16_t *)lp_slice(
 
 void Engine::enable_split_master() {
     if (shard_.split) return;
-    TORCH_CHECK(opts_.stage <= 2 && dtypes_.param == at::kBFloat16 && !gather_.quantized() && !off_ &&
+    TORCH_CHECK(layout_.opts.stage <= 2 && layout_.dtypes.param == at::kBFloat16 && !gather_.quantized() && !off_ &&
                     shard_.master.defined(),
                 "zero_ext: master_remainder needs param_dtype='bf16' in stage 0, 1 or 2 without param_quant or "
                 "offload; pass master_remainder=False");
@@ -101,7 +101,7 @@ void Engine::enable_split_master() {
         slices.push_back(bk.slice_numel);
         offsets.push_back(bk.shard_offset);
     }
-    shard_.split = std::make_unique<MasterSplit>(slices, offsets, layout_.shard_numel, dev_);
+    shard_.split = std::make_unique<MasterSplit>(slices, offsets, layout_.shard_numel, layout_.dev);
     settle_masters();
 }
 
@@ -123,7 +123,7 @@ void Engine::settle_masters() {
         Bucket &bk = buckets_[b];
         const float *m = shard_.master.data_ptr<float>() + bk.shard_offset;
         // the step's rounding
-        kernels_.device->cast_from_f32(bk.slice_numel, m, lp_slice(bk).data_ptr(), dtypes_.param_zx);
+        kernels_.device->cast_from_f32(bk.slice_numel, m, lp_slice(bk).data_ptr(), layout_.dtypes.param_zx);
         shard_.split->split(*kernels_.device, b, m, hi_bits(bk), 0, bk.slice_numel);
     }
     shard_.master = at::Tensor();

@@ -24,19 +24,19 @@ static void require_dense(const Engine &e, int64_t i, const at::Tensor &g) {
 void Engine::ensure_grad_view(int64_t i) {
     at::Tensor &p = params_[i];
     const at::Tensor &g = p.grad();
-    const at::Tensor &view = grad_views_.views[i];
+    const at::Tensor &view = sharded_grads_.views[i];
     require_dense(*this, i, g);
-    if (pieces_.cut(i)) {
+    if (params_.cut(i)) {
         // Note [Cut parameters]: added piece by piece into each bucket's flat_grad.
         if (g.defined()) {
             const at::Tensor flat = g.reshape(-1);
-            for (const zx_piece &pc : pieces_.of(i))
+            for (const zx_piece &pc : params_.pieces(i))
                 buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
             p.mutable_grad() = at::Tensor();
         }
         return;
     }
-    if (!grad_views_.ok) {
+    if (!sharded_grads_.views_ok) {
         // Note [Mixed precision]: accumulate in reduce_dtype, keep no param.grad.
         if (g.defined()) {
             view.add_(g);
@@ -56,7 +56,7 @@ void Engine::stage_grad(int64_t i) {
     const at::Tensor g = p.grad();
     require_dense(*this, i, g);
     const at::Tensor flat = g.defined() ? g.reshape(-1) : at::Tensor();
-    for (const zx_piece &pc : pieces_.of(i)) {   // one piece unless cut (Note [Cut parameters])
+    for (const zx_piece &pc : params_.pieces(i)) {   // one piece unless cut (Note [Cut parameters])
         Bucket &bk = buckets_[pc.bucket];
         if (bk.slot < 0) acquire_slot(pc.bucket);
         at::Tensor dst = reducer_.ring()[bk.slot].send.narrow(0, pc.offset, pc.numel);
@@ -84,10 +84,10 @@ void Engine::accumulate_local(int64_t i) {
     require_dense(*this, i, g);
     if (!g.defined()) return;
     const at::Tensor flat = g.reshape(-1);
-    for (const zx_piece &pc : pieces_.of(i)) {
+    for (const zx_piece &pc : params_.pieces(i)) {
         Bucket &bk = buckets_[pc.bucket];
         if (!bk.local_grad.defined())
-            bk.local_grad = at::zeros({bk.padded_numel}, on_device(dtypes_.reduce));
+            bk.local_grad = at::zeros({bk.padded_numel}, on_device(layout_.dtypes.reduce));
         bk.local_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
     }
     p.mutable_grad() = at::Tensor();
@@ -96,13 +96,13 @@ void Engine::accumulate_local(int64_t i) {
 void Engine::mark_ready(int64_t i) {
     TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: internal: bad parameter index ", i);
     book_.note_grad(i);
-    if (opts_.stage <= 1) ensure_grad_view(i);
+    if (layout_.opts.stage <= 1) ensure_grad_view(i);
     BackwardPass &pass = reducer_.pass();
-    const bool reduce_now = opts_.stage >= 2 || pass.require_sync();
-    if (opts_.stage >= 2 && !pass.require_sync()) {
+    const bool reduce_now = layout_.opts.stage >= 2 || pass.require_sync();
+    if (layout_.opts.stage >= 2 && !pass.require_sync()) {
         accumulate_local(i);
-        if (opts_.stage == 3) {   // its backward is over: release as a reducing pass would
-            for (const zx_piece &pc : pieces_.of(i)) {
+        if (layout_.opts.stage == 3) {   // its backward is over: release as a reducing pass would
+            for (const zx_piece &pc : params_.pieces(i)) {
                 Bucket &bk = buckets_[pc.bucket];
                 if (--bk.pending == 0 && bk.unit != 0) release_bucket(bk);
             }
@@ -110,18 +110,18 @@ void Engine::mark_ready(int64_t i) {
         return;
     }
     if (!reduce_now) return;
-    if (opts_.stage >= 2) stage_grad(i);
+    if (layout_.opts.stage >= 2) stage_grad(i);
     TORCH_CHECK(!pass.ready(i), "zero_ext: ", pname(i),
                 " got its gradient twice in one backward pass (its gradient was reduced already); if you "
                 "call backward() twice, call it under model.no_sync() for all but the last, or step in between");
     pass.set_ready(i);
     bool done = false;
-    for (const zx_piece &pc : pieces_.of(i)) {
+    for (const zx_piece &pc : params_.pieces(i)) {
         Bucket &bk = buckets_[pc.bucket];
         if (--bk.pending > 0) continue;
         done = true;
         // Stage 3: its backward is over; the root unit waits for the end.
-        if (opts_.stage == 3 && bk.unit != 0) release_bucket(bk);
+        if (layout_.opts.stage == 3 && bk.unit != 0) release_bucket(bk);
     }
     // Launch strictly in bucket order so that every rank issues the same collectives.
     if (done)
@@ -132,13 +132,13 @@ void Engine::mark_ready(int64_t i) {
 void Engine::finalize_backward() {
     BackwardPass &pass = reducer_.pass();
     if (!pass.require_sync()) {   // Note [Local accumulation]: nothing sent
-        if (opts_.stage == 3) {
+        if (layout_.opts.stage == 3) {
             for (auto &bk : buckets_) {
                 release_bucket(bk);
                 bk.pending = (int64_t)bk.params.size();
             }
             release_all_frozen();
-            if (secondary_) secondary_->drop_all();
+            if (units_.secondary) units_.secondary->drop_all();
         }
         return;
     }
@@ -146,9 +146,9 @@ void Engine::finalize_backward() {
     // earlier accumulated gradients (stage 0/1), or is zero-filled (stage 2).
     for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
         if (pass.ready(i)) continue;
-        if (opts_.stage >= 2) stage_grad(i);
+        if (layout_.opts.stage >= 2) stage_grad(i);
         pass.set_ready(i);
-        for (const zx_piece &pc : pieces_.of(i)) buckets_[pc.bucket].pending--;
+        for (const zx_piece &pc : params_.pieces(i)) buckets_[pc.bucket].pending--;
     }
     pass.launch_in_order((int64_t)buckets_.size(), [](int64_t) { return true; }, [&](int64_t b) { launch(b); });
     reducer_.launch_group(comm_);   // Note [Coalesced gradient reductions]: what is left
@@ -158,28 +158,29 @@ void Engine::finalize_backward() {
     // anyway, and no later backward may write into a bucket (stage 0/1) or a
     // ring slot (stage 2) that a collective is still reading.
     wait_reductions();
-    if (opts_.stage == 3) {
+    if (layout_.opts.stage == 3) {
         for (auto &bk : buckets_) release_bucket(bk);
         release_all_frozen();   // Note [Stage 3 frozen parameters]
-        if (secondary_) secondary_->drop_all();   // Note [Hierarchical partitioning]: the pass is over
+        if (units_.secondary) units_.secondary->drop_all();   // Note [Hierarchical partitioning]: the pass is over
     }
     // Reset readiness for the next backward.
     for (auto &bk : buckets_) {
         bk.pending = (int64_t)bk.params.size();
     }
     pass.reduced();
-    if (bw_.stepped) {   // Note [Step in backward]: this backward was one optimizer step
-        bw_.stepped = false;
-        bw_.steps++;
-        book_.set_all_steps(bw_.steps);
+    if (book_.backward.stepped) {   // Note [Step in backward]: this backward was one optimizer step
+        book_.backward.stepped = false;
+        book_.backward.steps++;
+        book_.set_all_steps(book_.backward.steps);
     }
-    sharded_grads_.show(params_);   // Note [Sharded gradients]
+    sharded_grads_.show(params_.tensors());   // Note [Sharded gradients]
 }
 
 void Engine::hide_sharded_grads() {
-    sharded_grads_.hide(params_, [&](int64_t i) {
+    sharded_grads_.hide(params_.tensors(), [&](int64_t i) {
         // stage 1: the bucket view again (its owned part holds the reduced sum, the rest zeros)
-        return opts_.stage <= 1 && grad_views_.ok && !pieces_.cut(i) ? grad_views_.views[i] : at::Tensor();
+        const bool view = layout_.opts.stage <= 1 && sharded_grads_.views_ok && !params_.cut(i);
+        return view ? sharded_grads_.views[i] : at::Tensor();
     });
 }
 
@@ -211,9 +212,9 @@ void Engine::release_slot(int64_t b) {
 
 void Engine::launch(int64_t b) {
     Bucket &bk = buckets_[b];
-    if (opts_.stage >= 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
+    if (layout_.opts.stage >= 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
     // stages 2-3: the bucket's gradient, staged in its ring slot
-    const at::Tensor staged = opts_.stage >= 2 ? reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel)
+    const at::Tensor staged = layout_.opts.stage >= 2 ? reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel)
                                                : at::Tensor();
     if (staged.defined()) {
         if (bk.local_grad.defined()) {   // Note [Local accumulation]
@@ -225,7 +226,7 @@ void Engine::launch(int64_t b) {
     }
     if (layout_.world == 1) {
         if (staged.defined()) {
-            if (opts_.step_in_backward) {   // Note [Step in backward]
+            if (layout_.opts.step_in_backward) {   // Note [Step in backward]
                 step_landed(bk, staged);
             } else if (off_) {   // Note [Optimizer offload]: added on the host as it lands
                 at::Tensor dst = host_grad_slice(bk);
@@ -234,7 +235,7 @@ void Engine::launch(int64_t b) {
                 grad_shard_slice(bk).add_(staged);
             }
             release_slot(b);
-        } else if (opts_.step_in_backward) {   // stage 1: the bucket is its own shard, consumed
+        } else if (layout_.opts.step_in_backward) {   // stage 1: the bucket is its own shard, consumed
             step_landed(bk, bk.flat_grad);
             bk.flat_grad.zero_();
         } else if (off_) {   // stage 1: the bucket is its own shard; the host gets a copy
@@ -253,8 +254,8 @@ void Engine::launch(int64_t b) {
         }
         reducer_.launch_group(comm_);   // the small buckets before this one first: bucket order
     }
-    comm_.seq.subject(b, opts_.stage == 3 ? bk.unit : -1);
-    if (opts_.stage == 1 && bk.slot < 0) acquire_slot(b);   // its recv
+    comm_.seq.subject(b, layout_.opts.stage == 3 ? bk.unit : -1);
+    if (layout_.opts.stage == 1 && bk.slot < 0) acquire_slot(b);   // its recv
     reducer_.launch(comm_, b, staged.defined() ? staged : bk.flat_grad, bk.padded_numel, bk.slice_numel, bk.slot);
 }
 
@@ -351,10 +352,10 @@ void Engine::complete(int64_t b) {
             continue;
         }
         Bucket &bk = buckets_[cur];
-        if (opts_.stage >= 1) {
-            const bool accumulate = opts_.stage >= 2;
+        if (layout_.opts.stage >= 1) {
+            const bool accumulate = layout_.opts.stage >= 2;
             const int64_t padded = bk.padded_numel, slice = bk.slice_numel;
-            if (opts_.step_in_backward && accumulate) {
+            if (layout_.opts.step_in_backward && accumulate) {
                 // Note [Step in backward]: the step reads the reduced slice where it landed.
                 const auto land_at = [&](int64_t n) { return landing(n); };
                 step_landed(bk, reducer_.reduced(bk.slot, padded, slice, land_at, *kernels_.device));
@@ -374,10 +375,10 @@ void Engine::complete(int64_t b) {
                     off_->down(cur, dst, -1, [host](const at::Tensor &v) { host.copy_(v); });
                 }
             }
-            if (opts_.stage == 1 && opts_.step_in_backward) {
+            if (layout_.opts.stage == 1 && layout_.opts.step_in_backward) {
                 step_landed(bk, owned_slice(bk.flat_grad, bk));   // Note [Step in backward]: consumed
                 bk.flat_grad.zero_();
-            } else if (opts_.stage == 1) {
+            } else if (layout_.opts.stage == 1) {
                 // Note [Gradient sums in stages 1-2]: zero what this rank does not own.
                 const int64_t lo = layout_.rank * slice, hi = lo + slice;
                 if (lo > 0) bk.flat_grad.narrow(0, 0, lo).zero_();
@@ -423,14 +424,14 @@ void Engine::zero_grad(bool set_to_none) {
     if (off_) off_->drain();   // no landing writes the host shard any more
     reducer_.pass().gradients_changed();
     hide_sharded_grads();   // Note [Sharded gradients]: cleared, or zeroed (the plain views again)
-    if (!active_groups_.empty()) {
+    if (!book_.all_active()) {
         // One of several wrapped optimizers: only its groups' gradients, as torch's
         // zero_grad touches only its own parameters (the others may still step).
         ensure_step_tables();
         for (size_t i = 0; i < params_.size(); i++) {
             if (!active_param((int64_t)i)) continue;
-            if (opts_.stage <= 1)
-                for (const zx_piece &pc : pieces_.of(i))
+            if (layout_.opts.stage <= 1)
+                for (const zx_piece &pc : params_.pieces(i))
                     buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
             if (set_to_none) {
                 params_[i].mutable_grad() = at::Tensor();

@@ -86,15 +86,15 @@ CommGroupStats Secondary::group_stats(const Communicator &w) const {
 }
 
 void Engine::enable_hierarchy(ProcessGroupPtr node_pg) {
-    TORCH_CHECK(opts_.stage == 3, "zero_ext: node_size (hierarchical partitioning) is for stage 3; "
+    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: node_size (hierarchical partitioning) is for stage 3; "
                 "use stage=3 or node_size=None");
-    TORCH_CHECK(!secondary_, "zero_ext: internal: enable_hierarchy called twice");
+    TORCH_CHECK(!units_.secondary, "zero_ext: internal: enable_hierarchy called twice");
     auto sec = std::make_unique<Secondary>(std::move(node_pg), layout_.world);
-    for (auto *bks : {&buckets_, &frozen_.buckets()})
+    for (auto *bks : {&buckets_, &units_.frozen.buckets()})
         for (const auto &bk : *bks)
             TORCH_CHECK(bk.padded_numel % sec->node_size() == 0, "zero_ext: internal: bucket of ",
                         bk.padded_numel, " elements does not split into ", sec->node_size(), " node parts");
-    secondary_ = std::move(sec);
+    units_.secondary = std::move(sec);
 }
 
 }  // namespace zx

@@ -547,7 +547,7 @@ void Engine::enable_sequence_check(c10::optional<StorePtr> store, double patienc
         comm_.seq.attach(*group, layout_.rank, layout_.world);
     }
     // Note [Parameter names in messages]: the names zeroify gave the engine
-    comm_.seq.enable(store.has_value() ? *store : StorePtr(), opts_.param_names, patience_s, every_phase);
+    comm_.seq.enable(store.has_value() ? *store : StorePtr(), layout_.opts.param_names, patience_s, every_phase);
 }
 
 void Engine::sequence_sync() { comm_.seq.sync(); }

@@ -18,6 +18,7 @@ struct ShardBuffers {
     at::Tensor master;                     // stage 3, low precision, param_quant, offload: (shard_numel,) fp32
     std::unique_ptr<MasterSplit> split;    // master_remainder: the master as remainders (master joined on demand)
     OptimizerStates states;                // the fused optimizer's states, over the state windows
+    at::Tensor land;                       // step_in_backward, all-to-all: where a bucket's slices are summed
 };
 
 }  // namespace zx

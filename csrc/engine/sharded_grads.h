@@ -1,7 +1,8 @@
-// sharded_grads.h — Note [Sharded gradients] (zero_ext/sharded_grad.py) on the engine's
-// side: after a backward whose gradients were reduced, each parameter's .grad is the
-// wrapper Python made for it (it answers as DDP's gradient would); the next forward puts
-// the engine's own gradient back, unless the user replaced the wrapper meanwhile.
+// sharded_grads.h — what each parameter's .grad is: in stages 0-1 between backwards, a view
+// into its bucket's gradient; and Note [Sharded gradients] (zero_ext/sharded_grad.py) on
+// the engine's side: after a backward whose gradients were reduced, each parameter's .grad
+// is the wrapper Python made for it (it answers as DDP's gradient would); the next forward
+// puts the engine's own gradient back, unless the user replaced the wrapper meanwhile.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,17 +12,15 @@
 
 namespace zx {
 
-// Stages 0-1: what param.grad is between backwards. views[i]: parameter i's view into
-// its bucket's flat_grad; ok: .grad may be that view (false with a reduce_dtype other
-// than param_dtype: the gradient is added into the view and .grad stays empty; Note
-// [Mixed precision]).
-struct GradViews {
-    std::vector<at::Tensor> views;
-    bool ok = true;
-};
-
 class ShardedGrads {
 public:
+    // Stages 0-1: what param.grad is between backwards. views[i]: parameter i's view into
+    // its bucket's flat_grad; views_ok: .grad may be that view (false with a reduce_dtype
+    // other than param_dtype: the gradient is added into the view and .grad stays empty;
+    // Note [Mixed precision]).
+    std::vector<at::Tensor> views;
+    bool views_ok = true;
+
     void set(std::vector<at::Tensor> wrappers) { wrappers_ = std::move(wrappers); }
 
     void show(std::vector<at::Tensor> &params) {

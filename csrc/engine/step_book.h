@@ -1,6 +1,7 @@
-// step_book.h — which parameters got a gradient, which ones a step updates (agreed
-// across ranks when needed), their step counts, and the runs of this rank's fragments
-// that a fused step updates (Note [Unused parameters] in unused.cpp).
+// step_book.h — which parameters got a gradient, which param groups the step being taken
+// covers (set_active_groups), which parameters a step updates (agreed across ranks when
+// needed), their step counts, and the runs of this rank's fragments that a fused step
+// updates (Note [Unused parameters] in unused.cpp).
 #pragma once
 
 #include <cstdint>
@@ -17,6 +18,14 @@ struct StepRun {
     int64_t offset;                    // first element inside the bucket's owned slice
     int64_t numel;
     int64_t step;                      // step count after this step's increment
+};
+
+// Note [Step in backward] (backward_step.cpp): the step armed for the coming backwards and its count.
+struct BackwardStep {
+    std::vector<zx_adam_hparams> adam;   // one per param group, or empty
+    std::vector<zx_sgd_hparams> sgd;     // one per param group, or empty
+    int64_t steps = 0;                   // optimizer steps taken in backward
+    bool stepped = false;                // some bucket stepped in this backward
 };
 
 // Per parameter of one engine. The engine runs the collective (its all-reduce of
@@ -39,6 +48,13 @@ public:
     bool grads_since_step() const { return grads_since_step_; }
     std::vector<int64_t> locally_unused() const;             // no gradient on this rank
 
+    // --- the groups one wrapped optimizer's calls cover (Engine::set_active_groups) ---
+    void set_active_groups(const std::vector<int64_t> &groups);   // empty: all
+    bool all_active() const { return active_.empty(); }
+    bool active_group(int64_t g) const {
+        return active_.empty() || (g < (int64_t)active_.size() && active_[(size_t)g]);
+    }
+
     // --- the step ---
     bool agrees() const { return ranks_ > 1 && agree_ != 0 && agree_used_; }
     // what begin() all-reduces (MAX) when agrees(): the used flags and "this rank missed one"
@@ -56,6 +72,7 @@ public:
     const std::vector<int64_t> &steps() const { return steps_; }
     void set_steps(const std::vector<int64_t> &steps);
     void set_all_steps(int64_t step);                        // Note [Step in backward]
+    BackwardStep backward;                                   // Note [Step in backward]: armed step, steps taken
 
     // --- this rank's fragments ---
     // read once from the plan: per bucket, in slice order (rank: this rank's partition)
@@ -78,6 +95,7 @@ private:
     bool grads_since_step_ = false;         // some gradient arrived on this rank since the last begin()
     bool begun_ = false;                    // begin() has run
     std::vector<std::vector<StepRun>> frags_;
+    std::vector<char> active_;              // per param group: covered by the calls now (empty: all)
 };
 
 }  // namespace zx

@@ -80,7 +80,7 @@ void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor
         uint16_t *mb = bf ? (uint16_t *)m.data_ptr() + so : nullptr, *vb = bf ? (uint16_t *)v.data_ptr() + so : nullptr;
         float *xp = ams ? vmax.data_ptr<float>() + so : nullptr;
         // Note [bf16 optimizer states]: the counter of the owned slice's element 0
-        const uint64_t c0 = counter_base(b) + (uint64_t)((opts_.stage == 0 ? 0 : layout_.rank) * bk.slice_numel);
+        const uint64_t c0 = counter_base(b) + (uint64_t)((layout_.opts.stage == 0 ? 0 : layout_.rank) * bk.slice_numel);
         if (ctl.defined()) {   // Note [Step control]: device step counts, one call per bucket
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
             const zx_adam_hparams &hp = hps[bk.group];
@@ -177,7 +177,7 @@ std::vector<int64_t> Engine::bucket_groups() {
 void Engine::scale_grads(double factor) {
     wait_reductions();
     if (factor == 1.0) return;
-    if (pieces_.any_cut()) ensure_step_tables();
+    if (params_.any_cut()) ensure_step_tables();
     for (auto &bk : buckets_) {
         if (bk.mixed) {
             // Note [Cut parameters]: only the pieces of the active groups.
@@ -188,7 +188,7 @@ void Engine::scale_grads(double factor) {
         }
         if (!active(bk)) continue;
         at::Tensor gs = grad_shard_slice(bk);
-        if (dtypes_.reduce != at::kFloat) {
+        if (layout_.dtypes.reduce != at::kFloat) {
             gs.mul_(factor);
             continue;
         }
@@ -203,7 +203,7 @@ std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
     for (auto &bk : buckets_) kernels_.step().grad_sumsq(grad_shard_slice(bk), scale, &sumsq, &nonfinite);
     if (layout_.partitions > 1) {
         // One small all-reduce carries both the norm and the inf/nan count.
-        at::Tensor t = at::empty({2}, at::TensorOptions().dtype(at::kDouble).device(dev_));
+        at::Tensor t = at::empty({2}, at::TensorOptions().dtype(at::kDouble).device(layout_.dev));
         t[0] = sumsq;
         t[1] = (double)nonfinite;
         comm_.all_reduce_sum_blocking(t, "gradient-norm all-reduce");
@@ -216,8 +216,8 @@ std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
 void Engine::grad_sumsq_into(at::Tensor out2) {
     wait_reductions();
     TORCH_CHECK(out2.scalar_type() == at::kFloat && out2.numel() == 2 && out2.is_contiguous() &&
-                    out2.device() == dev_,
-                "zero_ext: internal: grad_sumsq_into needs a contiguous float32 tensor of 2 elements on ", dev_);
+                    out2.device() == layout_.dev,
+                "zero_ext: internal: grad_sumsq_into needs a contiguous float32 tensor of 2 elements on ", layout_.dev);
     TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
     out2.zero_();
     for (auto &bk : buckets_) kernels_.device->grad_sumsq_into(grad_shard_slice(bk), out2.data_ptr<float>());
@@ -225,7 +225,7 @@ void Engine::grad_sumsq_into(at::Tensor out2) {
 }
 
 void Engine::cast_masters() {
-    if (!off_ && (!dtypes_.low() || opts_.stage == 3)) return;   // stage 3 casts at each gather
+    if (!off_ && (!layout_.dtypes.low() || layout_.opts.stage == 3)) return;   // stage 3 casts at each gather
     if (shard_.split) return settle_masters();   // the parameters hold the rounding unless a master was joined
     wait_params();
     for (auto &bk : buckets_) {
@@ -239,7 +239,7 @@ void Engine::cast_masters() {
         }
         const float *p = master(bk);
         char *lp = (char *)lp_slice(bk).data_ptr();
-        kernels_.device->cast_from_f32(bk.slice_numel, p, lp, dtypes_.param_zx);
+        kernels_.device->cast_from_f32(bk.slice_numel, p, lp, layout_.dtypes.param_zx);
     }
 }
 
@@ -249,11 +249,11 @@ void Engine::cast_masters() {
 // which the unit gathers read).
 void Engine::upload(Bucket &bk) {
     at::Tensor slot = off_->up_slot(bk.slice_numel);
-    if (dtypes_.low())
-        kernels_.step().cast_from_f32(bk.slice_numel, master(bk), slot.data_ptr(), dtypes_.param_zx);
+    if (layout_.dtypes.low())
+        kernels_.step().cast_from_f32(bk.slice_numel, master(bk), slot.data_ptr(), layout_.dtypes.param_zx);
     else
         slot.copy_(master_slice(bk));
-    off_->up(slot, opts_.stage == 3 ? units_.param_shard.narrow(0, bk.shard_offset, bk.slice_numel)
+    off_->up(slot, layout_.opts.stage == 3 ? units_.param_shard.narrow(0, bk.shard_offset, bk.slice_numel)
                                     : owned_slice(bk.flat_param, bk));
 }
 

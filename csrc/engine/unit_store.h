@@ -1,13 +1,20 @@
 // unit_store.h — stage 3's units on the engine's side (Note [Stage 3 parameter
 // lifetime]): which buckets make up each unit, what each parameter is while its unit is
-// gathered (a view into its bucket's flat_param), and, with offload, the device copy
-// of this rank's slices in param_dtype that the gathers read (Note [Optimizer offload]).
+// gathered (a view into its bucket's flat_param), with offload the device copy of this
+// rank's slices in param_dtype that the gathers read (Note [Optimizer offload]), the bytes
+// of gathered parameters held, the frozen parameters sharded per unit (Note [Stage 3 frozen
+// parameters]) and, with node_size, the node-local parts (Note [Hierarchical partitioning]).
 // The gathers and releases themselves are the engine's (gatherer.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <vector>
+
+#include "engine/frozen_params.h"   // defines: FrozenParams
+#include "engine/gather_meter.h"    // defines: GatherMeter
+#include "engine/secondary.h"       // defines: Secondary
 
 namespace zx {
 
@@ -28,6 +35,9 @@ public:
 
     std::vector<at::Tensor> param_views;   // param i's view into its bucket's flat_param
     at::Tensor param_shard;                // offload: this rank's slices in param_dtype, on the device
+    GatherMeter meter;                     // bytes of gathered parameters held, and the peak
+    FrozenParams frozen;                   // stage 3's frozen parameters, one bucket per unit
+    std::unique_ptr<Secondary> secondary;  // node_size (1 <= L < world): the node-local parts, else null
 
 private:
     std::vector<std::vector<int64_t>> buckets_;   // unit -> its buckets

@@ -19,7 +19,7 @@
 //       advance_steps() per optimizer as it steps);
 //     - that all-reduce is the one collective per step beyond the reduce(-scatter)
 //       and the gather, a launch and a latency on NCCL; as DDP without
-//       find_unused_parameters, most models never need it. opts_.agree_unused
+//       find_unused_parameters, most models never need it. layout_.opts.agree_unused
 //       (find_unused_parameters) says when it runs: 1 every step; 2 ("auto") at the
 //       first step, and on only while some rank missed some parameter: once every
 //       rank had every gradient, no later step pays it; 0 never. Without it every
@@ -54,6 +54,18 @@
 namespace zx {
 
 // --- StepBook (step_book.h) ---
+
+void StepBook::set_active_groups(const std::vector<int64_t> &groups) {
+    active_.clear();
+    if (groups.empty()) return;
+    int64_t most = 0;
+    for (int64_t g : groups) {
+        TORCH_CHECK(g >= 0, "zero_ext: internal: set_active_groups: negative group ", g);
+        most = std::max(most, g);
+    }
+    active_.assign((size_t)most + 1, 0);
+    for (int64_t g : groups) active_[(size_t)g] = 1;
+}
 
 void StepBook::forget_grads() { std::fill(used_.begin(), used_.end(), (uint8_t)0); }
 
@@ -163,12 +175,12 @@ void Engine::ensure_step_tables() {
 
 void Engine::begin_step(bool advance) {
     ensure_step_tables();
-    if (secondary_) secondary_->drop_all();   // the masters change (Note [Hierarchical partitioning])
+    if (units_.secondary) units_.secondary->drop_all();   // the masters change (Note [Hierarchical partitioning])
     if (book_.agrees()) {
         const std::vector<uint8_t> flags = book_.agreement_flags();
         at::Tensor t = at::empty({(int64_t)flags.size()}, at::kByte);
         std::memcpy(t.data_ptr<uint8_t>(), flags.data(), flags.size());
-        t = t.to(dev_);
+        t = t.to(layout_.dev);
         comm_.all_reduce_max_blocking(t, comm_.c_used_flags, "unused-parameter flags all-reduce");
         t = t.cpu();
         book_.begin(t.data_ptr<uint8_t>());
@@ -187,7 +199,8 @@ std::vector<int64_t> Engine::param_steps() { return book_.steps(); }
 
 void Engine::set_param_steps(const std::vector<int64_t> &steps) {
     book_.set_steps(steps);
-    bw_.steps = steps.empty() ? 0 : *std::max_element(steps.begin(), steps.end());   // Note [Step in backward]
+    // Note [Step in backward]: its count goes on from the largest
+    book_.backward.steps = steps.empty() ? 0 : *std::max_element(steps.begin(), steps.end());
 }
 
 }  // namespace zx
