@@ -130,7 +130,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                    std::to_string(f.param_offset) + ", bucket=" + std::to_string(f.bucket) + ", slice_offset=" +
                    std::to_string(f.slice_offset) + ", numel=" + std::to_string(f.numel) + ")";
         });
-    py::class_<zx::Engine>(m, "Engine")
+    // Note [Engine teardown without the GIL]
+    //   ~Engine waits for the collectives still in flight (an overlapped parameter gather
+    //   launched by the last step, say). Meanwhile a gloo worker thread may need the GIL: it
+    //   destroys the works it finished, and a work drops the Python objects its captured
+    //   thread-local state holds (a torch function mode, saved-tensor hooks). With the GIL
+    //   held by the waiting destructor, that thread blocks while holding the process group's
+    //   queue, the awaited collective never runs, and every rank hangs at teardown (seen once
+    //   in about 30 runs of a two-rank stage-2 overlap_param_gather script on gloo). So the
+    //   destructor runs without the GIL, as every waiting method here does; tensors freed
+    //   there take the GIL themselves where they must (torch's PyObject slot).
+    //   tests/test_overlap.py: test_engine_teardown_waits_without_the_gil.
+    py::class_<zx::Engine>(m, "Engine", py::release_gil_before_calling_cpp_dtor())
         .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> groups,
                          std::vector<int64_t> units, py::object pg, const zx::EngineOptions &opts) {
                  c10::optional<zx::ProcessGroupPtr> p;

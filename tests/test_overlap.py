@@ -218,3 +218,46 @@ def test_parameters_read_without_their_module_are_waited_first():
         assert r["before"] is None, f"rank {rank}: learned before any forward: {r['before']}"
         assert r["buckets"] > len(r["direct"]), f"rank {rank}: the model needs several buckets: {r}"
         assert r["eager"] == r["direct"], f"rank {rank}: waited first {r['eager']}, read directly {r['direct']}"
+
+
+def _teardown_worker(rank, world):
+    import gc
+    import threading
+    import zero_ext
+    from cases import batch, build_model
+    model = build_model("direct")
+    zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=2,
+                              overlap_param_gather=True, bucket_bytes=1024, first_bucket_bytes=1024)
+    x, y = batch("direct", rank, 0, 0)
+    zm(x, y).backward()
+    zero_ext.delay_collectives(zo, 100)   # the gathers this step launches land >= 100 ms later
+    zo.step()
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    time.sleep(0.02)
+    start = time.monotonic()
+    del zm, zo, model
+    gc.collect()   # the engine goes with the last reference to it
+    end = time.monotonic()
+    stop.set()
+    thread.join()
+    return {"teardown_s": end - start, "ticks": sum(start < t < end for t in ticks)}
+
+
+def test_engine_teardown_waits_without_the_gil():
+    """Note [Engine teardown without the GIL] (csrc/binding.cpp): a model and optimizer
+    dropped while the gathers of an overlapped step are in flight. The engine's destructor
+    waits for them (here >= 100 ms each, delayed), and other threads run meanwhile (a Python
+    thread here, gloo's worker threads in the hang this prevents): holding the GIL there,
+    it let none run."""
+    for rank, r in enumerate(run_world(_teardown_worker, 2)):
+        assert r["teardown_s"] >= 0.1, f"rank {rank}: the engine did not wait for its gathers at teardown: {r}"
+        assert r["ticks"] >= 10, f"rank {rank}: a Python thread ran {r['ticks']} times in {r['teardown_s']:.2f} s " \
+                                 f"of teardown (every 5 ms expected): the destructor holds the GIL"
