@@ -138,8 +138,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     //   held by the waiting destructor, that thread blocks while holding the process group's
     //   queue, the awaited collective never runs, and every rank hangs at teardown (seen once
     //   in about 30 runs of a two-rank stage-2 overlap_param_gather script on gloo). So the
-    //   destructor runs without the GIL, as every waiting method here does; tensors freed
-    //   there take the GIL themselves where they must (torch's PyObject slot).
+    //   destructor runs without the GIL, as every method here that may wait does (the
+    //   collectives, and with offload the landing worker: grad_shards, owned_tensors); tensors
+    //   freed there take the GIL themselves where they must (torch's PyObject slot).
     //   tests/test_overlap.py: test_engine_teardown_waits_without_the_gil.
     py::class_<zx::Engine>(m, "Engine", py::release_gil_before_calling_cpp_dtor())
         .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> groups,
@@ -208,13 +209,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_property_readonly("backward_steps", &zx::Engine::backward_steps)
         .def("grad_sumsq_into", &zx::Engine::grad_sumsq_into, py::call_guard<py::gil_scoped_release>())
         .def("param_shards", &zx::Engine::param_shards)
-        .def("grad_shards", &zx::Engine::grad_shards)
+        .def("grad_shards", &zx::Engine::grad_shards, py::call_guard<py::gil_scoped_release>())   // offload: waits
         .def("bucket_groups", &zx::Engine::bucket_groups)
         .def("fragments", &zx::Engine::fragments, py::arg("rank"))
         .def("fragment_views", &zx::Engine::fragment_views, py::arg("masters") = true)
         .def("frozen_fragment_views", &zx::Engine::frozen_fragment_views)
         .def("set_active_groups", &zx::Engine::set_active_groups, py::arg("groups"))
-        .def("owned_tensors", &zx::Engine::owned_tensors)
+        .def("owned_tensors", &zx::Engine::owned_tensors, py::call_guard<py::gil_scoped_release>())   // the same
         .def("cut_params", &zx::Engine::cut_params)
         .def("owners", &zx::Engine::owners)
         .def("atomic_stats", [](const zx::Engine &e) { return zx_atomic_stats_dict(e.atomic_stats()); })
