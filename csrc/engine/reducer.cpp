@@ -168,11 +168,7 @@ void Engine::finalize_backward() {
         bk.pending = (int64_t)bk.params.size();
     }
     pass.reduced();
-    if (book_.backward.stepped) {   // Note [Step in backward]: this backward was one optimizer step
-        book_.backward.stepped = false;
-        book_.backward.steps++;
-        book_.set_all_steps(book_.backward.steps);
-    }
+    book_.end_backward();   // Note [Step in backward]: the backward may have been one optimizer step
     sharded_grads_.show(params_.tensors());   // Note [Sharded gradients]
 }
 

@@ -70,9 +70,11 @@ public:
     bool stepped(int64_t i) const { return stepped_[(size_t)i] != 0; }
     std::vector<bool> stepped_params() const;
     const std::vector<int64_t> &steps() const { return steps_; }
-    void set_steps(const std::vector<int64_t> &steps);
-    void set_all_steps(int64_t step);                        // Note [Step in backward]
-    BackwardStep backward;                                   // Note [Step in backward]: armed step, steps taken
+    void set_steps(const std::vector<int64_t> &steps);       // (backward.steps: the largest)
+    // Note [Step in backward]: the armed step and the steps taken in backward; end_backward():
+    // a reducing backward ended, and if some bucket stepped in it, every parameter took a step
+    BackwardStep backward;
+    void end_backward();
 
     // --- this rank's fragments ---
     // read once from the plan: per bucket, in slice order (rank: this rank's partition)

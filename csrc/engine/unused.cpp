@@ -110,9 +110,16 @@ void StepBook::set_steps(const std::vector<int64_t> &steps) {
     TORCH_CHECK(steps.size() == steps_.size(), "zero_ext: ", steps.size(), " step counts for ", steps_.size(),
                 " parameters; pass one step count per trainable parameter");
     steps_ = steps;
+    // Note [Step in backward]: its count goes on from the largest
+    backward.steps = steps.empty() ? 0 : *std::max_element(steps.begin(), steps.end());
 }
 
-void StepBook::set_all_steps(int64_t step) { std::fill(steps_.begin(), steps_.end(), step); }
+void StepBook::end_backward() {
+    if (!backward.stepped) return;
+    backward.stepped = false;
+    backward.steps++;
+    std::fill(steps_.begin(), steps_.end(), backward.steps);
+}
 
 void StepBook::read_fragments(const zx_plan *plan, int64_t num_buckets, int32_t rank) {
     frags_.assign((size_t)num_buckets, {});
@@ -199,8 +206,6 @@ std::vector<int64_t> Engine::param_steps() { return book_.steps(); }
 
 void Engine::set_param_steps(const std::vector<int64_t> &steps) {
     book_.set_steps(steps);
-    // Note [Step in backward]: its count goes on from the largest
-    book_.backward.steps = steps.empty() ? 0 : *std::max_element(steps.begin(), steps.end());
 }
 
 }  // namespace zx
