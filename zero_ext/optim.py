@@ -32,6 +32,21 @@ ELEMENTWISE = FUSED + tuple(getattr(torch.optim, n) for n in (
 STATE_FORMAT = 1
 
 
+@contextlib.contextmanager
+def active_groups(engine, groups):
+    """The engine's steps, shard views, scaling, casts, gathers and zero_grad inside
+    cover only these param groups (one wrapped optimizer's), all of them again after;
+    groups=None: all throughout (one wrapped optimizer, no call at all)."""
+    if groups is None:
+        yield
+        return
+    engine.set_active_groups(groups)
+    try:
+        yield
+    finally:
+        engine.set_active_groups([])
+
+
 class _Part:
     """One wrapped torch optimizer: its class, its param groups (indices into the
     ZeroOptimizer's param_groups) and how it runs: 'fused' (C kernels over the
@@ -93,7 +108,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if part.kind == "shard":
                 self._build_shard_optimizer(part)
             elif part.kind == "whole":
-                build_whole_optimizer(self, part)
+                with active_groups(engine, part.groups):
+                    owned = engine.owned_tensors()
+                build_whole_optimizer(self, part, owned)
         if config.master_remainder_applies(len(self._parts) == 1 and self._parts[0].kind == "fused"):
             engine.enable_split_master()   # Note [Split master in the engine] (csrc/engine/master_split.h)
         self._ctl = self._make_step_control(config)
@@ -181,11 +198,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     def _build_shard_optimizer(self, part: _Part) -> None:
-        self._engine.set_active_groups(part.groups)
-        try:
+        with active_groups(self._engine, part.groups):
             shards, grads, gids = self._engine.param_shards(), self._engine.grad_shards(), self._engine.bucket_groups()
-        finally:
-            self._engine.set_active_groups([])
         by_group: dict[int, list] = {}
         for s, g, gi in zip(shards, grads, gids):
             s.grad = g
@@ -354,10 +368,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for gi in part.groups:
             self._host_steps[gi] += 1
         one = len(self._parts) == 1
-        if not one:
-            self._engine.set_active_groups(part.groups)
-            self._engine.advance_steps()
-        try:
+        with active_groups(self._engine, None if one else part.groups):
+            if not one:
+                self._engine.advance_steps()
             if part.kind == "fused":
                 self._fused_step(scale, part)
             else:
@@ -372,9 +385,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         self._whole_step(part)
                 self._engine.cast_masters()   # low precision: the copy that is gathered next
             self._engine.all_gather_params()
-        finally:
-            if not one:
-                self._engine.set_active_groups([])
 
     def _whole_step(self, part: _Part) -> None:
         """The torch optimizer over this rank's whole tensors. As torch skips a
@@ -452,11 +462,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._engine.zero_grad(set_to_none)
 
     def _zero_grad_part(self, k: int, set_to_none: bool) -> None:
-        self._engine.set_active_groups(self._parts[k].groups)
-        try:
+        with active_groups(self._engine, self._parts[k].groups):
             self._engine.zero_grad(set_to_none)
-        finally:
-            self._engine.set_active_groups([])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

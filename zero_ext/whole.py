@@ -82,16 +82,11 @@ def fill_state_sizes(parts, group_dicts: list, params: list, groups: list, stage
                                     p.shape) for p, g in zip(params, groups)]
 
 
-def build_whole_optimizer(zopt, part) -> None:
+def build_whole_optimizer(zopt, part, owned: list) -> None:
     """The inner torch optimizer of a 'whole' part: the part's class over this
-    rank's whole tensors (fp32 master views with their gradient views), one inner
-    group per param group of which this rank owns a tensor."""
-    engine = zopt._engine
-    engine.set_active_groups(part.groups)
-    try:
-        owned = engine.owned_tensors()
-    finally:
-        engine.set_active_groups([])
+    rank's whole tensors (owned: the engine's owned_tensors() of the part's groups,
+    fp32 master views with their gradient views), one inner group per param group
+    of which this rank owns a tensor."""
     by_group: dict[int, list] = {}
     for i, master, grad in owned:
         master.grad = grad
