@@ -30,16 +30,13 @@ ELEMENTWISE = FUSED + tuple(getattr(torch.optim, n) for n in (
     "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop") if hasattr(torch.optim, n))
 
 STATE_FORMAT = 1
+_ALL_GROUPS = contextlib.nullcontext()
 
 
 @contextlib.contextmanager
 def active_groups(engine, groups):
     """The engine's steps, shard views, scaling, casts, gathers and zero_grad inside
-    cover only these param groups (one wrapped optimizer's), all of them again after;
-    groups=None: all throughout (one wrapped optimizer, no call at all)."""
-    if groups is None:
-        yield
-        return
+    cover only these param groups (one wrapped optimizer's), all of them again after."""
     engine.set_active_groups(groups)
     try:
         yield
@@ -368,7 +365,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for gi in part.groups:
             self._host_steps[gi] += 1
         one = len(self._parts) == 1
-        with active_groups(self._engine, None if one else part.groups):
+        # one wrapped optimizer: it covers every group, so the step path makes no call for it
+        with _ALL_GROUPS if one else active_groups(self._engine, part.groups):
             if not one:
                 self._engine.advance_steps()
             if part.kind == "fused":
