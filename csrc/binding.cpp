@@ -130,6 +130,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                    std::to_string(f.param_offset) + ", bucket=" + std::to_string(f.bucket) + ", slice_offset=" +
                    std::to_string(f.slice_offset) + ", numel=" + std::to_string(f.numel) + ")";
         });
+    // Note [Groups as an argument] (engine/groups.h): calls a wrapped optimizer makes for its own
+    // param groups take them; by default a call covers every group.
+    const py::arg_v all_groups = py::arg("groups") = std::vector<int64_t>{};
+
     // Note [Engine teardown without the GIL]
     //   ~Engine waits for the collectives still in flight (an overlapped parameter gather
     //   launched by the last step, say). Meanwhile a gloo worker thread may need the GIL: it
@@ -179,13 +183,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("set_require_sync", &zx::Engine::set_require_sync)
         .def("require_sync", &zx::Engine::require_sync)
         // Note [Hyperparameters] (kernels_binding.h): the optimizer's param groups as they are;
-        // groups: the ones this fused optimizer steps; steps: every group's step count
+        // groups: the ones this fused optimizer steps (Note [Groups as an argument] in
+        // engine/groups.h: every call a wrapped optimizer makes for its groups names them;
+        // empty: all); steps: every group's step count
         .def("step_adam", [](zx::Engine &e, const py::list &param_groups, const std::vector<int64_t> &groups,
                              const std::vector<int64_t> &steps, double scale, bool adamw,
                              std::optional<at::Tensor> ctl, std::optional<at::Tensor> ctl_steps) {
             auto h = adam_from_groups(param_groups, groups, steps, scale, adamw);
             py::gil_scoped_release nogil;
-            e.step_adam(h, ctl.value_or(at::Tensor()), ctl_steps.value_or(at::Tensor()));
+            e.step_adam(h, groups, ctl.value_or(at::Tensor()), ctl_steps.value_or(at::Tensor()));
         }, py::arg("param_groups"), py::arg("groups"), py::arg("steps"), py::arg("scale"), py::arg("adamw"),
            py::arg("ctl") = py::none(), py::arg("ctl_steps") = py::none())
         .def("step_sgd", [](zx::Engine &e, const py::list &param_groups, const std::vector<int64_t> &groups,
@@ -193,7 +199,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             std::optional<at::Tensor> ctl_steps) {
             auto h = sgd_from_groups(param_groups, groups, steps, scale);
             py::gil_scoped_release nogil;
-            e.step_sgd(h, ctl.value_or(at::Tensor()), ctl_steps.value_or(at::Tensor()));
+            e.step_sgd(h, groups, ctl.value_or(at::Tensor()), ctl_steps.value_or(at::Tensor()));
         }, py::arg("param_groups"), py::arg("groups"), py::arg("steps"), py::arg("scale"),
            py::arg("ctl") = py::none(), py::arg("ctl_steps") = py::none())
         .def("set_backward_step_adam", [](zx::Engine &e, const py::list &param_groups,
@@ -208,28 +214,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }, py::arg("param_groups"), py::arg("groups"), py::arg("scale"))
         .def_property_readonly("backward_steps", &zx::Engine::backward_steps)
         .def("grad_sumsq_into", &zx::Engine::grad_sumsq_into, py::call_guard<py::gil_scoped_release>())
-        .def("param_shards", &zx::Engine::param_shards)
-        .def("grad_shards", &zx::Engine::grad_shards, py::call_guard<py::gil_scoped_release>())   // offload: waits
-        .def("bucket_groups", &zx::Engine::bucket_groups)
+        .def("param_shards", &zx::Engine::param_shards, all_groups)
+        .def("grad_shards", &zx::Engine::grad_shards, all_groups,
+             py::call_guard<py::gil_scoped_release>())   // offload: waits
+        .def("bucket_groups", &zx::Engine::bucket_groups, all_groups)
         .def("fragments", &zx::Engine::fragments, py::arg("rank"))
-        .def("fragment_views", &zx::Engine::fragment_views, py::arg("masters") = true)
+        .def("fragment_views", &zx::Engine::fragment_views, py::arg("masters") = true, all_groups)
         .def("frozen_fragment_views", &zx::Engine::frozen_fragment_views)
-        .def("set_active_groups", &zx::Engine::set_active_groups, py::arg("groups"))
-        .def("owned_tensors", &zx::Engine::owned_tensors, py::call_guard<py::gil_scoped_release>())   // the same
+        .def("owned_tensors", &zx::Engine::owned_tensors, all_groups,
+             py::call_guard<py::gil_scoped_release>())   // the same
         .def("cut_params", &zx::Engine::cut_params)
         .def("owners", &zx::Engine::owners)
         .def("atomic_stats", [](const zx::Engine &e) { return zx_atomic_stats_dict(e.atomic_stats()); })
         .def("publish_params", &zx::Engine::publish_params, py::call_guard<py::gil_scoped_release>())
-        .def("cast_masters", &zx::Engine::cast_masters, py::call_guard<py::gil_scoped_release>())
+        .def("cast_masters", &zx::Engine::cast_masters, all_groups, py::call_guard<py::gil_scoped_release>())
         .def("enable_split_master", &zx::Engine::enable_split_master, py::call_guard<py::gil_scoped_release>())
         .def("join_masters", &zx::Engine::join_masters, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("split_master", &zx::Engine::split_master)
         .def_property_readonly("shard_device", &zx::Engine::shard_device)
         .def("absorb_param_edits", &zx::Engine::absorb_param_edits, py::call_guard<py::gil_scoped_release>())
         .def("open_unit_fp32", &zx::Engine::open_unit_fp32, py::call_guard<py::gil_scoped_release>())
-        .def("scale_grads", &zx::Engine::scale_grads, py::call_guard<py::gil_scoped_release>())
+        .def("scale_grads", &zx::Engine::scale_grads, py::arg("factor"), all_groups,
+             py::call_guard<py::gil_scoped_release>())
         .def("grad_sumsq", &zx::Engine::grad_sumsq, py::call_guard<py::gil_scoped_release>())
-        .def("all_gather_params", &zx::Engine::all_gather_params, py::call_guard<py::gil_scoped_release>())
+        .def("all_gather_params", &zx::Engine::all_gather_params, all_groups, py::call_guard<py::gil_scoped_release>())
         .def("wait_params", &zx::Engine::wait_params, py::call_guard<py::gil_scoped_release>())
         .def("flush_params", &zx::Engine::flush_params, py::arg("wait") = true,
              py::call_guard<py::gil_scoped_release>())
@@ -237,14 +245,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("bucket_of_params", &zx::Engine::bucket_of_params)
         .def("begin_step", &zx::Engine::begin_step, py::arg("advance") = true, py::call_guard<py::gil_scoped_release>())
-        .def("advance_steps", &zx::Engine::advance_steps, py::call_guard<py::gil_scoped_release>())
+        .def("advance_steps", &zx::Engine::advance_steps, all_groups, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("agrees_unused", &zx::Engine::agrees_unused)
         .def("locally_unused", &zx::Engine::locally_unused)
         .def_property_readonly("grads_since_step", &zx::Engine::grads_since_step)
         .def("stepped_params", &zx::Engine::stepped_params)
         .def("param_steps", &zx::Engine::param_steps)
         .def("set_param_steps", &zx::Engine::set_param_steps)
-        .def("zero_grad", &zx::Engine::zero_grad, py::call_guard<py::gil_scoped_release>())
+        .def("zero_grad", &zx::Engine::zero_grad, py::arg("set_to_none"), all_groups,
+             py::call_guard<py::gil_scoped_release>())
         .def("broadcast_tensors", &zx::Engine::broadcast_tensors, py::call_guard<py::gil_scoped_release>())
         .def("enable_sequence_check", [](zx::Engine &e, py::object store, double patience_s, py::object group,
                                          bool every_phase) {

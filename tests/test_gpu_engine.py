@@ -278,7 +278,7 @@ def test_fake_backend_7_5b_memory(stage, paper_gb):
     #  - stages 1-2 with bf16 parameters keep the master as the bf16 parameter plus a 16-bit
     #    remainder (Note [Split master in the engine]): 2 B/param of master shard, not 4;
     #  - stage 3 keeps no bf16 parameter shard: the gather casts the fp32 master (Note
-    #    [Stage 3 parameter lifetime] in csrc/engine/gatherer.cpp), 14 B/param where the
+    #    [Stage 3 parameter lifetime] in csrc/engine/units.cpp), 14 B/param where the
     #    paper has 16.
     paper = {1: 4 * psi + 12 * psi / 64, 2: 2 * psi + 14 * psi / 64, 3: 16 * psi / 64}[stage]
     assert out["split_master"] == (stage != 3), out["split_master"]

@@ -188,7 +188,7 @@ class ZeroModel(nn.Module):
 
 class _UnitHooks:
     """Stage 3: gather each unit before its forward and backward, release it after
-    (Note [Stage 3 parameter lifetime] in csrc/engine/gatherer.cpp), and prefetch
+    (Note [Stage 3 parameter lifetime] in csrc/engine/units.cpp), and prefetch
     the next units along the learned unit sequence (Note [Stage 3 unit sequence]).
     Fetches that were not prefetched count in stats()["out_of_order_fetches"].
 
@@ -246,7 +246,7 @@ class _UnitHooks:
 
     def _prefetch(self, k: int) -> None:
         """Gather the units ahead of k (zero_ext/prefetch.py): small ones in one
-        collective (Note [Coalesced unit gathers], csrc/engine/gatherer.cpp), the
+        collective (Note [Coalesced unit gathers], csrc/engine/units.cpp), the
         window reaching coalesce_numel elements ahead within this phase, so a unit
         done with its forward is not fetched back for its backward early."""
         window = self._upcoming(k, self.coalesce, _in_backward())

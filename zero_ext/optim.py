@@ -30,18 +30,6 @@ ELEMENTWISE = FUSED + tuple(getattr(torch.optim, n) for n in (
     "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop") if hasattr(torch.optim, n))
 
 STATE_FORMAT = 1
-_ALL_GROUPS = contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def active_groups(engine, groups):
-    """The engine's steps, shard views, scaling, casts, gathers and zero_grad inside
-    cover only these param groups (one wrapped optimizer's), all of them again after."""
-    engine.set_active_groups(groups)
-    try:
-        yield
-    finally:
-        engine.set_active_groups([])
 
 
 class _Part:
@@ -105,9 +93,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if part.kind == "shard":
                 self._build_shard_optimizer(part)
             elif part.kind == "whole":
-                with active_groups(engine, part.groups):
-                    owned = engine.owned_tensors()
-                build_whole_optimizer(self, part, owned)
+                build_whole_optimizer(self, part, engine.owned_tensors(part.groups))
         if config.master_remainder_applies(len(self._parts) == 1 and self._parts[0].kind == "fused"):
             engine.enable_split_master()   # Note [Split master in the engine] (csrc/engine/master_split.h)
         self._ctl = self._make_step_control(config)
@@ -195,8 +181,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     def _build_shard_optimizer(self, part: _Part) -> None:
-        with active_groups(self._engine, part.groups):
-            shards, grads, gids = self._engine.param_shards(), self._engine.grad_shards(), self._engine.bucket_groups()
+        eng, groups = self._engine, part.groups
+        shards, grads, gids = eng.param_shards(groups), eng.grad_shards(groups), eng.bucket_groups(groups)
         by_group: dict[int, list] = {}
         for s, g, gi in zip(shards, grads, gids):
             s.grad = g
@@ -364,25 +350,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _step_part(self, part: _Part, scale: float) -> None:
         for gi in part.groups:
             self._host_steps[gi] += 1
+        # Note [Groups as an argument] (csrc/engine/groups.h): the engine calls for this
+        # optimizer cover its groups; one wrapped optimizer covers every group (no list)
         one = len(self._parts) == 1
-        # one wrapped optimizer: it covers every group, so the step path makes no call for it
-        with _ALL_GROUPS if one else active_groups(self._engine, part.groups):
-            if not one:
-                self._engine.advance_steps()
-            if part.kind == "fused":
-                self._fused_step(scale, part)
-            else:
-                self._engine.scale_grads(scale)
-                if part.opt is not None:
-                    for inner, gi in zip(part.opt.param_groups, part.inner_ids):
-                        inner.update(self._hyper(gi))
-                    if part.kind == "shard":
-                        with self._keep_unstepped():
-                            part.opt.step()
-                    else:
-                        self._whole_step(part)
-                self._engine.cast_masters()   # low precision: the copy that is gathered next
-            self._engine.all_gather_params()
+        groups = [] if one else part.groups
+        if not one:
+            self._engine.advance_steps(groups)
+        if part.kind == "fused":
+            self._fused_step(scale, part)
+        else:
+            self._engine.scale_grads(scale, groups)
+            if part.opt is not None:
+                for inner, gi in zip(part.opt.param_groups, part.inner_ids):
+                    inner.update(self._hyper(gi))
+                if part.kind == "shard":
+                    with self._keep_unstepped(groups):
+                        part.opt.step()
+                else:
+                    self._whole_step(part)
+            self._engine.cast_masters(groups)   # low precision: the copy that is gathered next
+        self._engine.all_gather_params(groups)
 
     def _whole_step(self, part: _Part) -> None:
         """The torch optimizer over this rank's whole tensors. As torch skips a
@@ -400,14 +387,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 m.grad = g
         self._tensor_updates += len(part.owned) - len(hidden)
 
-    def _bucket_views(self) -> list:
-        """Generic path: the shard optimizer's tensor of each bucket, in param_shards()
-        order (Note [Fragment views]: a fragment's `bucket` indexes this list)."""
+    def _bucket_views(self, groups=()) -> list:
+        """Generic path: the shard optimizer's tensor of each bucket of these groups (all:
+        none given), in param_shards() order (Note [Fragment views]: a fragment's `bucket`
+        indexes this list)."""
         inner = {gi: list(g["params"]) for gi, g in zip(self._shard_group_ids, self._shard_opt.param_groups)}
-        return [inner[gi].pop(0) for gi in self._engine.bucket_groups()]
+        return [inner[gi].pop(0) for gi in self._engine.bucket_groups(list(groups))]
 
     @contextlib.contextmanager
-    def _keep_unstepped(self):
+    def _keep_unstepped(self, groups):
         """Generic path: the shard optimizer steps whole bucket views, so the
         elements of parameters that no rank gave a gradient (Note [Unused
         parameters]) are saved before the step and put back after it: their values
@@ -417,9 +405,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if all(stepped):
             yield
             return
-        views = self._bucket_views()
+        views = self._bucket_views(groups)
         saved = []
-        for f in self._engine.fragment_views(masters=False):   # positions only (no master joined)
+        for f in self._engine.fragment_views(masters=False, groups=groups):   # positions only (no master joined)
             if stepped[f.param] or f.numel == 0:
                 continue
             v, lo, n = views[f.bucket], f.slice_offset, f.numel
@@ -460,8 +448,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._engine.zero_grad(set_to_none)
 
     def _zero_grad_part(self, k: int, set_to_none: bool) -> None:
-        with active_groups(self._engine, self._parts[k].groups):
-            self._engine.zero_grad(set_to_none)
+        self._engine.zero_grad(set_to_none, self._parts[k].groups)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -10,7 +10,7 @@ estimate_memory to predict the most gathered bytes a rank holds.
   budget   coalesce_numel (0 when depth is 0): further units of the same phase
            are added while the window stays within this many elements, and a
            window of small units is fetched in one collective (Note [Coalesced
-           unit gathers], csrc/engine/gatherer.cpp)
+           unit gathers], csrc/engine/units.cpp)
 """
 from __future__ import annotations
 

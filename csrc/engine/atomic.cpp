@@ -10,13 +10,12 @@
 
 namespace zx {
 
-void Engine::set_active_groups(const std::vector<int64_t> &groups) { book_.set_active_groups(groups); }
-
-std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Engine::owned_tensors() {
+std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Engine::owned_tensors(const std::vector<int64_t> &groups) {
+    const Groups cover(groups);
     std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> out;
     const int64_t r = layout_.opts.stage == 0 ? 0 : layout_.rank;
     for (auto &bk : buckets_) {
-        if (!bk.atomic || !active(bk)) continue;
+        if (!bk.atomic || !cover.has(bk.group)) continue;
         at::Tensor master = master_slice(bk), grad = grad_shard_slice(bk);
         for (int64_t i : bk.params) {
             if (zx_plan_owner(layout_.plan, i) != r) continue;

@@ -47,28 +47,21 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
     const int64_t g = bk.group, step = armed.steps + 1;
     settle_masters();   // Note [Split master in the engine]
     char *lp = (char *)lp_out(bk);
-    const int64_t so = bk.state_offset - bk.state_lo;   // Note [State windows]
+    // Note [State windows]; Note [bf16 optimizer states] (stepper.cpp): the owned slice's counter
+    const int64_t so = bk.window.offset - bk.window.lo;
+    const uint64_t c0 = counter_base(&bk - buckets_.data()) + (uint64_t)(layout_.rank * bk.slice_numel);
     if (!armed.adam.empty()) {
         TORCH_CHECK(g < (int64_t)armed.adam.size(), "zero_ext: internal: missing hyperparameters for group ", g);
         zx_adam_hparams h = armed.adam[g];
-        h.step = step;
-        at::Tensor ms = state("exp_avg"), vs = state("exp_avg_sq");
-        if (ms.scalar_type() == at::kBFloat16) {   // Note [bf16 optimizer states] (stepper.cpp)
-            const int64_t b = &bk - buckets_.data();
-            const uint64_t c0 = counter_base(b) + (uint64_t)(layout_.rank * bk.slice_numel);
-            uint16_t *m = (uint16_t *)ms.data_ptr() + so, *v = (uint16_t *)vs.data_ptr() + so;
-            adam_bf16_master(*kernels_.device, bk, 0, bk.slice_numel, grad, m, v, lp, h, c0, nullptr, nullptr);
-        } else {
-            float *m = ms.data_ptr<float>() + so, *v = vs.data_ptr<float>() + so;
-            float *vmax = h.amsgrad ? state("max_exp_avg_sq").data_ptr<float>() + so : nullptr;
-            adam_master(*kernels_.device, bk, 0, bk.slice_numel, grad, m, v, vmax, lp, h, nullptr, nullptr);
-        }
+        AdamOp::at_step(h, step);
+        step_range(*kernels_.device, bk, 0, bk.slice_numel, grad, fused_op(armed.adam).at(so, c0), lp, h, nullptr,
+                   nullptr);
     } else {
         TORCH_CHECK(g < (int64_t)armed.sgd.size(), "zero_ext: internal: missing hyperparameters for group ", g);
         zx_sgd_hparams h = armed.sgd[g];
-        h.first_step = step == 1;
-        float *buf = h.momentum != 0.0 ? state("momentum_buffer").data_ptr<float>() + so : nullptr;
-        sgd_master(*kernels_.device, bk, 0, bk.slice_numel, grad, buf, lp, h, nullptr, nullptr);
+        SgdOp::at_step(h, step);
+        step_range(*kernels_.device, bk, 0, bk.slice_numel, grad, fused_op(armed.sgd).at(so, c0), lp, h, nullptr,
+                   nullptr);
     }
     armed.stepped = true;
 }

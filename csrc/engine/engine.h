@@ -18,12 +18,16 @@
 //     grad_ring.h      the gradient slots of stages 2-3
 //     reduce_groups.h  stage 3: small buckets' gradients reduced together (Note [Coalesced gradient reductions])
 //     quant_reduce.h   grad_quant's codes, scales and residuals (Note [Quantized gradient reduction])
-//   gatherer.cpp     parameter all-gather (stages 0-2) and stage-3 units
+//   gatherer.cpp     parameter all-gather (stages 0-2)
+//   units.cpp        stage-3 units: gathered (alone or coalesced), released, opened at fp32, committed
 //   param_gather.h   ParamGather: the gather kind (exact / param_quant, chosen once), stage 1-2 gathers in flight
-//   stepper.cpp      optimizer steps, gradient norm and scaling, casts
+//   stepper.cpp      optimizer steps (one loop, Note [One fused step]), gradient norm and scaling, casts
+//   fused_ops.h      AdamOp, SgdOp: the fused optimizers as one interface for that loop
+//   groups.h         Groups: the param groups a call covers (Note [Groups as an argument])
 //   comm.h/.cpp      Communicator: collectives on the process group, counters
 //   sequence.h/.cpp  the collective sequence check: divergent ranks named, not hung
-//   bucket.h         Bucket: one bucket of the plan as tensors; GatherGroup
+//   bucket.h         Bucket: one bucket of the plan as tensors (its fixed shape, buffers, stage 3's
+//                    full parameters); GatherGroup
 //   owners of one piece of state each, used by the files above:
 //     params.h         the parameters: their tensors, where each lies; cut parameters (Note [Cut parameters])
 //     sharded_grads.h  what .grad shows: stage 0-1 views, the wrappers after backward (Note [Sharded gradients])
@@ -52,9 +56,11 @@
 #include <vector>
 
 #include "core/zx_core.h"
-#include "engine/bucket.h"    // defines: Bucket, GatherGroup
+#include "engine/bucket.h"    // defines: Bucket, BucketShape, StateWindow, FullParams, GatherGroup
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
+#include "engine/fused_ops.h" // defines: AdamOp, SgdOp (Note [One fused step]), kStateSeed
 #include "engine/grad_reducer.h"   // defines: GradReducer (backward's reductions), ReduceKind
+#include "engine/groups.h"    // defines: Groups (Note [Groups as an argument])
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
 #include "engine/layout.h"    // defines: Layout, and (options.h) EngineOptions, Dtypes
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
@@ -67,10 +73,6 @@
 #include "engine/stats.h"          // defines: EngineStats, AtomicStats, OffloadStats (Note [Engine stats])
 
 namespace zx {
-
-// Note [bf16 optimizer states] (stepper.cpp): the stochastic rounding's seed before the
-// step count is added (zero_ext._C.BF16_STATE_SEED, for tests that redo a step).
-constexpr uint64_t kStateSeed = 0x5eed0b16c0ffee01ULL;
 
 // Note [Fragment views] (layout.cpp): one piece of a parameter in this rank's shard, as
 // Python asks for it (checkpoints, loads, edits, the generic step).
@@ -104,29 +106,31 @@ public:
     bool require_sync() const { return reducer_.pass().require_sync(); }
 
     // --- optimizer ---
-    // Fused AdamW/Adam step over this rank's shard. hparams: one dict per param group.
-    // ctl / steps (may be undefined): the step control and the per-group step
+    // `groups` (Note [Groups as an argument]): the param groups a call covers, one wrapped
+    // optimizer's (empty: all).
+    // Fused AdamW/Adam step over this rank's shard (Note [One fused step]). hparams: one per
+    // param group. ctl / steps (may be undefined): the step control and the per-group step
     // counts in the parameters' memory (Note [Step control], csrc/core/zx_step_control.h).
-    void step_adam(const std::vector<zx_adam_hparams> &hparams, const at::Tensor &ctl = {},
-                   const at::Tensor &steps = {});
-    void step_sgd(const std::vector<zx_sgd_hparams> &hparams, const at::Tensor &ctl = {},
-                  const at::Tensor &steps = {});
+    void step_adam(const std::vector<zx_adam_hparams> &hparams, const std::vector<int64_t> &groups = {},
+                   const at::Tensor &ctl = {}, const at::Tensor &steps = {});
+    void step_sgd(const std::vector<zx_sgd_hparams> &hparams, const std::vector<int64_t> &groups = {},
+                  const at::Tensor &ctl = {}, const at::Tensor &steps = {});
     // Generic path: this rank's parameter / gradient shard views, one per bucket.
-    std::vector<at::Tensor> param_shards();
-    std::vector<at::Tensor> grad_shards();
-    std::vector<int64_t> bucket_groups();
+    std::vector<at::Tensor> param_shards(const std::vector<int64_t> &groups = {});
+    std::vector<at::Tensor> grad_shards(const std::vector<int64_t> &groups = {});
+    std::vector<int64_t> bucket_groups(const std::vector<int64_t> &groups = {}) const;
     // Where rank r's shard holds pieces of parameters (any r, from the plan):
     // (param index, offset in the flattened parameter, offset in the flat shard, numel).
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
-    // Note [Fragment views]: this rank's fragments of the active groups' buckets, with views
-    // of the master (joined first with a split master); frozen: of the stage-3 frozen shard.
+    // Note [Fragment views]: this rank's fragments of the groups' buckets, with views of the
+    // master (joined first with a split master); frozen: of the stage-3 frozen shard.
     // masters=false: no master views (and no join): only where the pieces lie.
-    std::vector<FragmentView> fragment_views(bool masters = true);
+    std::vector<FragmentView> fragment_views(bool masters = true, const std::vector<int64_t> &groups = {});
     std::vector<FragmentView> frozen_fragment_views() const;
     // After the fp32 master shards (param_shards()) were overwritten, e.g. by a
     // checkpoint load: make the parameters every rank computes with equal them again.
     void publish_params();
-    void scale_grads(double factor);   // grad shards *= factor (generic path)
+    void scale_grads(double factor, const std::vector<int64_t> &groups = {});   // grad shards *= factor
     // Local sum of squares over the gradient shard (times scale) and inf/nan
     // count, all-reduced across ranks in stages 1-2. Returns (sumsq, nonfinite).
     std::pair<double, int64_t> grad_sumsq(double scale);
@@ -135,7 +139,7 @@ public:
     void grad_sumsq_into(at::Tensor out2);
     // Write the low-precision copy of the fp32 master shard where the next
     // gather reads it (the fused steps do this themselves, in the same pass).
-    void cast_masters();
+    void cast_masters(const std::vector<int64_t> &groups = {});
     // Note [Split master in the engine] (master_split.h): keep the master shard as the
     // bf16 parameters' remainder from now on (zeroify, when master_remainder applies).
     void enable_split_master();
@@ -145,7 +149,7 @@ public:
     void join_masters();
     // Where the master, the states and the gradient shard live: the parameters' device, or the host with offload.
     at::Device shard_device() const { return layout_.opts.offload ? at::Device(at::kCPU) : layout_.dev; }
-    void all_gather_params();          // launch: every rank's slices -> full buckets
+    void all_gather_params(const std::vector<int64_t> &groups = {});   // launch: slices -> full buckets
     void wait_params();                // block until the parameter gather is done
     // Parameters are needed now (forward, reads): launch the gathers of mixed buckets
     // some of whose groups stepped (Note [Cut parameters]), then wait_params() unless
@@ -155,14 +159,14 @@ public:
     // some parameter is cut across buckets); bucket_of_params(): each parameter's bucket.
     void wait_param_buckets(const std::vector<int64_t> &buckets);
     const std::vector<int64_t> &bucket_of_params() const { return layout_.bucket_of; }
-    void zero_grad(bool set_to_none);  // with set_active_groups: those groups' gradients only
+    void zero_grad(bool set_to_none, const std::vector<int64_t> &groups = {});
     // Note [Unused parameters] (unused.cpp): agree across ranks (one small
     // all-reduce) which parameters got a gradient, and advance their step counts.
     // Call once per optimizer step, before step_adam/step_sgd or a generic step.
     // advance=false: several wrapped optimizers; each advances its own parameters'
-    // counts with advance_steps() under set_active_groups, when it steps.
+    // counts with advance_steps(groups), when it steps.
     void begin_step(bool advance = true);
-    void advance_steps();              // step counts of the stepped parameters of the active groups
+    void advance_steps(const std::vector<int64_t> &groups = {});   // the stepped parameters' step counts
     std::vector<bool> stepped_params() const { return book_.stepped_params(); }   // per parameter: stepped by this step
     // Note [Unused parameters]: whether the next begin_step() agrees across ranks on
     // which parameters got a gradient; if not, every parameter must have one here:
@@ -175,12 +179,9 @@ public:
     void broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src);
 
     // --- tensor-atomic parameters (atomic.cpp) ---
-    // Restrict the steps, shard views, scaling, casts and the parameter gather to
-    // these param groups (empty: all), so that each wrapped optimizer steps its own.
-    void set_active_groups(const std::vector<int64_t> &groups);
-    // This rank's whole tensors: (param index, fp32 master view, gradient view),
-    // shaped as the parameter, in layout order.
-    std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> owned_tensors();
+    // This rank's whole tensors of the groups: (param index, fp32 master view, gradient
+    // view), shaped as the parameter, in layout order.
+    std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> owned_tensors(const std::vector<int64_t> &groups = {});
     // Owner rank of each parameter (-1: element-granular).
     std::vector<int64_t> owners() const;
     AtomicStats atomic_stats() const;   // stats()["atomic"]
@@ -282,9 +283,6 @@ public:
     std::string frozen_pname(int64_t i) const;
 
 private:
-    // set_active_groups: no groups given = all active.
-    bool active_group(int64_t g) const { return book_.active_group(g); }
-    bool active(const Bucket &bk) const { return active_group(bk.group); }
     void launch(int64_t b);
     void finish_reduce_group(ReduceGroup &g);   // Note [Coalesced gradient reductions]: its sums into the shard
     void complete(int64_t b);          // wait for b's reduction and post-process it
@@ -314,7 +312,6 @@ private:
     void ensure_step_tables();         // book_ has read this rank's fragments from the plan
     // Note [Unused parameters]: the stretches of bk's slice that step (mixed: one per parameter piece)
     std::vector<StepRun> step_runs(const Bucket &bk) const;
-    bool active_param(int64_t i) const { return active_group(layout_.group_of[i]); }
     // into_params: cut parameters := their pieces of the gathered buckets; else the
     // pieces := the cut parameters (their edits).
     void copy_cut_params(bool into_params);
@@ -335,28 +332,17 @@ private:
     // while it exists), and settled back (rounded into the parameters, split, freed).
     void settle_masters();
     const uint16_t *hi_bits(Bucket &bk);   // the owned slice of flat_param, bf16 bits
-    // A fused step over [lo, lo + n) of bk's slice (lp: its low-precision parameters). With a
-    // split master: one_pass(total, lead, hi, rem, ties), the kernel table's one-pass call
-    // (Note [Fused split-master step]), or where that returns false chunked(p, o, c) through
-    // the split master's fp32 scratch, chunk by chunk; without one: chunked on the master.
-    template <class OnePass, class Chunked>
-    void step_split(Bucket &bk, char *lp, int64_t lo, int64_t n, OnePass &&one_pass, Chunked &&chunked) {
-        if (!shard_.split) return chunked(master(bk) + lo, lo, n);
-        const int64_t b = &bk - buckets_.data();
-        if (!shard_.split->one_pass(b, (uint16_t *)lp, bk.slice_numel, lo, n, one_pass))
-            shard_.split->over(*kernels_.device, b, hi_bits(bk), bk.slice_numel, lo, n, chunked);
-    }
-    // Adam with fp32 states over [lo, lo + n) of bk's slice, through step_split. grad, m, v,
-    // vmax (may be null): the whole slice's; lp: the slice's low-precision parameters or null.
-    void adam_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, float *m, float *v,
-                     float *vmax, char *lp, const zx_adam_hparams &hp, const double *ctl, const int64_t *step);
-    // The same for Adam with bf16 states (c0: the counter of the slice's element 0, Note [bf16
-    // optimizer states]) and for SGD (buf: the momentum, may be null).
-    void adam_bf16_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, uint16_t *m,
-                          uint16_t *v, char *lp, const zx_adam_hparams &hp, uint64_t c0, const double *ctl,
-                          const int64_t *step);
-    void sgd_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, float *buf, char *lp,
-                    const zx_sgd_hparams &hp, const double *ctl, const int64_t *step);
+    // Note [One fused step] (stepper.cpp): step_fused steps the groups' buckets with Op (fused_ops.h);
+    // step_range the stretch [lo, lo + n) of bk's slice (grad: the whole slice's; lp: its low-precision
+    // parameters, or null); fused_op: the states' pointers for hps (created on demand).
+    template <class Op>
+    void step_fused(const std::vector<typename Op::Hparams> &hps, const Groups &groups, const at::Tensor &ctl,
+                    const at::Tensor &steps);
+    template <class Op>
+    void step_range(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, const Op &op, char *lp,
+                    const typename Op::Hparams &hp, const double *ctl, const int64_t *step);
+    AdamOp fused_op(const std::vector<zx_adam_hparams> &hps);
+    SgdOp fused_op(const std::vector<zx_sgd_hparams> &hps);
     // step_in_backward: bucket bk's fused step on its reduced gradient slice grad (sums)
     void step_landed(Bucket &bk, const at::Tensor &grad);
     at::Tensor landing(int64_t numel);   // step_in_backward, all-to-all: where the slices are summed

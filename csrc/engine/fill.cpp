@@ -23,8 +23,8 @@ void Engine::plan_state_windows() {
     int64_t at = 0;
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
-        bk.state_lo = 0;
-        bk.state_numel = bk.slice_numel;
+        bk.window.lo = 0;
+        bk.window.numel = bk.slice_numel;
         if (bk.atomic) {
             int64_t lo = INT64_MAX, hi = 0;
             for (const auto &f : plan_fragments(layout_.plan, b, (int32_t)r)) {
@@ -32,18 +32,18 @@ void Engine::plan_state_windows() {
                 lo = std::min(lo, f.slice_offset);
                 hi = std::max(hi, f.slice_offset + f.numel);
             }
-            bk.state_lo = hi > 0 ? lo : 0;
-            bk.state_numel = hi > 0 ? hi - lo : 0;
+            bk.window.lo = hi > 0 ? lo : 0;
+            bk.window.numel = hi > 0 ? hi - lo : 0;
         }
-        bk.state_offset = at;
-        at += bk.state_numel;
+        bk.window.offset = at;
+        at += bk.window.numel;
     }
     shard_.states.set_numel(at);
 }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t>> Engine::state_windows() const {
     std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
-    for (const auto &bk : buckets_) out.emplace_back(bk.state_lo, bk.state_numel, bk.state_offset);
+    for (const auto &bk : buckets_) out.emplace_back(bk.window.lo, bk.window.numel, bk.window.offset);
     return out;
 }
 

@@ -127,7 +127,7 @@ void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> uni
             units_.frozen.set_home(i, view);
         }
         if (layout_.opts.copy_params) units_.frozen.slice(bk).copy_(owned_slice(bk.flat_param, bk));
-        bk.gathered = true;
+        bk.full.gathered = true;
         units_.meter.add(bk.flat_param.nbytes());
         release_bucket(bk);
     }
@@ -149,13 +149,13 @@ void Engine::commit_frozen(int64_t u, int64_t src) {
     Bucket *bk = units_.frozen.of_unit(u);
     if (bk == nullptr) return;
     comm_.seq.subject(subject_of(*bk), u);
-    if (bk->fp32_values.defined()) {   // open_unit_fp32: full-precision values, rounded once
-        broadcast_tensors({bk->fp32_values}, src);
-        units_.frozen.slice(*bk).copy_(owned_slice(bk->fp32_values, *bk));
+    if (bk->full.fp32_values.defined()) {   // open_unit_fp32: full-precision values, rounded once
+        broadcast_tensors({bk->full.fp32_values}, src);
+        units_.frozen.slice(*bk).copy_(owned_slice(bk->full.fp32_values, *bk));
         release_bucket(*bk);
         return;
     }
-    TORCH_CHECK(bk->gathered, "zero_ext: internal: commit_unit needs unit ", u, " gathered");
+    TORCH_CHECK(bk->full.gathered, "zero_ext: internal: commit_unit needs unit ", u, " gathered");
     broadcast_tensors({bk->flat_param}, src);
     units_.frozen.slice(*bk).copy_(owned_slice(bk->flat_param, *bk));
 }
@@ -174,10 +174,10 @@ void Engine::open_frozen_fp32(int64_t u) {
         comm_.seq.subject(subject_of(*bk), u);
         comm_.watch(comm_.all_gather(full, units_.frozen.slice(*bk)), "unit all-gather");
     }
-    bk->fp32_values = full.to(at::kFloat);
-    units_.meter.add(bk->fp32_values.nbytes());
+    bk->full.fp32_values = full.to(at::kFloat);
+    units_.meter.add(bk->full.fp32_values.nbytes());
     units_.meter.note_peak();
-    units_.frozen.point_at(*bk, bk->fp32_values);
+    units_.frozen.point_at(*bk, bk->full.fp32_values);
 }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::frozen_fragments(int64_t r) const {

@@ -1,7 +1,7 @@
 // frozen_params.h — the state of stage 3's frozen parameters (Note [Stage 3 frozen
 // parameters], frozen.cpp): the parameters, their full views and names, one bucket per
 // unit that has any, and this rank's slices of those buckets. Layout only: the engine
-// gathers, releases and commits the buckets (frozen.cpp, gatherer.cpp) through it.
+// gathers, releases and commits the buckets (frozen.cpp, units.cpp) through it.
 #pragma once
 
 #include <torch/types.h>

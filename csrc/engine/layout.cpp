@@ -17,7 +17,7 @@ namespace zx {
 //   the same pass straight into what is gathered next: the owned slice of the
 //   bucket (stages 0-2; the all-gather runs in place). Stage 3 keeps no
 //   low-precision shard: each gather casts the master into place (Note [Stage 3
-//   parameter lifetime] in gatherer.cpp).
+//   parameter lifetime] in units.cpp).
 //   Autograd produces gradients in layout_.dtypes.param. When layout_.dtypes.reduce ==
 //   layout_.dtypes.param stage 0/1 gradients are views of flat_grad as in fp32;
 //   otherwise the hook adds each gradient
@@ -184,7 +184,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         bk.pending = bi.num_params;
         bk.unit = bi.unit;
         bk.atomic = bi.atomic != 0;
-        bk.gathered = true;
+        bk.full.gathered = true;
         // Stage 3 without values: never touch the pages (peak = shards + one unit).
         bk.flat_param = s3 && !opts.copy_params ? at::empty({bi.padded_numel}, pt)
                                                  : at::zeros({bi.padded_numel}, pt);
@@ -315,7 +315,7 @@ Engine::~Engine() {
         gather_.drain(comm_.seq.diverged());
         for (auto *bks : {&buckets_, &units_.frozen.buckets()})
             for (auto &bk : *bks)
-                if (bk.gather_work && !comm_.seq.diverged()) bk.gather_work->wait();
+                if (bk.full.work && !comm_.seq.diverged()) bk.full.work->wait();
     } catch (...) {
     }
     zx_plan_free(layout_.plan);
@@ -381,15 +381,16 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::fragments(in
 //   names the parameter, where the piece starts in it, its bucket (an index into
 //   param_shards(), so a caller can find the generic optimizer's tensor) and where it
 //   starts in that bucket's slice, and carries a view of the master over exactly the
-//   piece. Only the active groups' buckets are listed (set_active_groups), as
-//   param_shards() lists them.
-std::vector<FragmentView> Engine::fragment_views(bool masters) {
+//   piece. Only the buckets of the groups asked for are listed (Note [Groups as an
+//   argument]), as param_shards() lists them.
+std::vector<FragmentView> Engine::fragment_views(bool masters, const std::vector<int64_t> &groups) {
+    const Groups cover(groups);
     const int64_t r = layout_.partitions > 1 ? layout_.rank : 0;
     std::vector<FragmentView> out;
-    int64_t index = 0;   // among the active buckets
+    int64_t index = 0;   // among the covered buckets
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
-        if (!active(bk)) continue;
+        if (!cover.has(bk.group)) continue;
         const std::vector<zx_fragment> fr = plan_fragments(layout_.plan, b, (int32_t)r);
         at::Tensor m = !fr.empty() && masters ? master_slice(bk) : at::Tensor();
         for (const auto &f : fr)

@@ -42,49 +42,6 @@ void MasterSplit::split(Kernels &k, int64_t b, const float *m, const uint16_t *h
                    ties_.data_ptr<uint8_t>() + tie_offset_[b] + at / 8);
 }
 
-void Engine::adam_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, float *m, float *v,
-                         float *vmax, char *lp, const zx_adam_hparams &hp, const double *ctl, const int64_t *step) {
-    const int64_t lp_elem = (int64_t)zx_dtype_size(layout_.dtypes.param_zx);
-    step_split(bk, lp, lo, n,
-               [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
-                   return k.adam_split(total, lead, n, hi, rem, ties, grad.narrow(0, lo, n), m + lo, v + lo,
-                                       vmax ? vmax + lo : nullptr, hp, ctl, step);
-               },
-               [&](float *p, int64_t o, int64_t c) {
-                   k.adam(c, p, grad.narrow(0, o, c), m + o, v + o, vmax ? vmax + o : nullptr,
-                          lp ? lp + o * lp_elem : nullptr, layout_.dtypes.param_zx, hp, ctl, step);
-               });
-}
-
-void Engine::adam_bf16_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, uint16_t *m,
-                              uint16_t *v, char *lp, const zx_adam_hparams &hp, uint64_t c0, const double *ctl,
-                              const int64_t *step) {
-    const int64_t lp_elem = (int64_t)zx_dtype_size(layout_.dtypes.param_zx);
-    step_split(bk, lp, lo, n,
-               [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
-                   return k.adam_bf16_states_split(total, lead, n, hi, rem, ties, grad.narrow(0, lo, n), m + lo,
-                                                   v + lo, hp, kStateSeed, c0 + (uint64_t)lo, ctl, step);
-               },
-               [&](float *p, int64_t o, int64_t c) {
-                   k.adam_bf16_states(c, p, grad.narrow(0, o, c), m + o, v + o, lp ? lp + o * lp_elem : nullptr,
-                                      layout_.dtypes.param_zx, hp, kStateSeed, c0 + (uint64_t)o, ctl, step);
-               });
-}
-
-void Engine::sgd_master(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, float *buf, char *lp,
-                        const zx_sgd_hparams &hp, const double *ctl, const int64_t *step) {
-    const int64_t lp_elem = (int64_t)zx_dtype_size(layout_.dtypes.param_zx);
-    step_split(bk, lp, lo, n,
-               [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
-                   return k.sgd_split(total, lead, n, hi, rem, ties, grad.narrow(0, lo, n), buf ? buf + lo : nullptr,
-                                      hp, ctl, step);
-               },
-               [&](float *p, int64_t o, int64_t c) {
-                   k.sgd(c, p, grad.narrow(0, o, c), buf ? buf + o : nullptr, lp ? lp + o * lp_elem : nullptr,
-                         layout_.dtypes.param_zx, hp, ctl, step);
-               });
-}
-
 const uint16_t *Engine::hi_bits(Bucket &bk) { return (const uint16_t *)lp_slice(bk).data_ptr(); }
 
 void Engine::enable_split_master() {

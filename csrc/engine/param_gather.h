@@ -1,7 +1,8 @@
 // param_gather.h — how parameters are all-gathered from the owned slices, one owner (its
-// callers in gatherer.cpp): the gather kind, exact or param_quant's int8 (chosen once at
-// construction, Note [Quantized parameter gather]), and the stage 1-2 gathers in flight,
-// waited for bucket by bucket (Note [Gathers waited per module]) or all at once.
+// callers in gatherer.cpp and units.cpp): the gather kind, exact or param_quant's int8
+// (chosen once at construction, Note [Quantized parameter gather]), and the stage 1-2
+// gathers in flight, waited for bucket by bucket (Note [Gathers waited per module]) or all
+// at once.
 #pragma once
 
 #include <ATen/ATen.h>

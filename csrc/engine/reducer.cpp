@@ -414,18 +414,19 @@ void Engine::wait_reductions() {
     while (!reducer_.idle()) complete(reducer_.newest());
 }
 
-void Engine::zero_grad(bool set_to_none) {
+void Engine::zero_grad(bool set_to_none, const std::vector<int64_t> &groups) {
+    const Groups cover(groups);
     wait_reductions();
     reducer_.groups().drop_filling();   // Note [Coalesced gradient reductions]: a backward that did not end
     if (off_) off_->drain();   // no landing writes the host shard any more
     reducer_.pass().gradients_changed();
     hide_sharded_grads();   // Note [Sharded gradients]: cleared, or zeroed (the plain views again)
-    if (!book_.all_active()) {
+    if (!cover.all()) {
         // One of several wrapped optimizers: only its groups' gradients, as torch's
         // zero_grad touches only its own parameters (the others may still step).
         ensure_step_tables();
         for (size_t i = 0; i < params_.size(); i++) {
-            if (!active_param((int64_t)i)) continue;
+            if (!cover.has(layout_.group_of[i])) continue;
             if (layout_.opts.stage <= 1)
                 for (const zx_piece &pc : params_.pieces(i))
                     buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
@@ -437,7 +438,8 @@ void Engine::zero_grad(bool set_to_none) {
         if (shard_.grad.defined())
             for (size_t b = 0; b < buckets_.size(); b++)
                 for (const StepRun &f : book_.fragments((int64_t)b))
-                    if (active_param(f.param)) shard_.grad.narrow(0, buckets_[b].shard_offset + f.offset, f.numel).zero_();
+                    if (cover.has(layout_.group_of[f.param]))
+                        shard_.grad.narrow(0, buckets_[b].shard_offset + f.offset, f.numel).zero_();
         return;
     }
     for (auto &bk : buckets_) {

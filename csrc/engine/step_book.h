@@ -1,7 +1,6 @@
-// step_book.h — which parameters got a gradient, which param groups the step being taken
-// covers (set_active_groups), which parameters a step updates (agreed across ranks when
-// needed), their step counts, and the runs of this rank's fragments that a fused step
-// updates (Note [Unused parameters] in unused.cpp).
+// step_book.h — which parameters got a gradient, which parameters a step updates (agreed
+// across ranks when needed), their step counts, and the runs of this rank's fragments that
+// a fused step updates (Note [Unused parameters] in unused.cpp).
 #pragma once
 
 #include <cstdint>
@@ -48,13 +47,6 @@ public:
     bool grads_since_step() const { return grads_since_step_; }
     std::vector<int64_t> locally_unused() const;             // no gradient on this rank
 
-    // --- the groups one wrapped optimizer's calls cover (Engine::set_active_groups) ---
-    void set_active_groups(const std::vector<int64_t> &groups);   // empty: all
-    bool all_active() const { return active_.empty(); }
-    bool active_group(int64_t g) const {
-        return active_.empty() || (g < (int64_t)active_.size() && active_[(size_t)g]);
-    }
-
     // --- the step ---
     bool agrees() const { return ranks_ > 1 && agree_ != 0 && agree_used_; }
     // what begin() all-reduces (MAX) when agrees(): the used flags and "this rank missed one"
@@ -97,7 +89,6 @@ private:
     bool grads_since_step_ = false;         // some gradient arrived on this rank since the last begin()
     bool begun_ = false;                    // begin() has run
     std::vector<std::vector<StepRun>> frags_;
-    std::vector<char> active_;              // per param group: covered by the calls now (empty: all)
 };
 
 }  // namespace zx

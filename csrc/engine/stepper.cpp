@@ -55,61 +55,113 @@ uint64_t Engine::counter_base(int64_t b) const {
     return at;
 }
 
-void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const at::Tensor &ctl, const at::Tensor &steps) {
-    wait_reductions();
-    wait_params();
+// Note [One fused step]
+//   step_adam and step_sgd are one loop, step_fused<Op>, over the buckets of the groups
+//   the call covers (Note [Groups as an argument]); an Op (fused_ops.h: AdamOp, SgdOp)
+//   says where a bucket's states lie, how a step count enters the hyperparameters and
+//   which kernel-table calls step a stretch of the slice. Per bucket: wait for its host
+//   gradient (offload), then either one call over the whole slice with the device's step
+//   control (Note [Step control]) or one call per run of parameters that step (Note
+//   [Unused parameters]; a mixed bucket's runs of its covered groups, Note [Cut
+//   parameters]), each with its own step count. step_range runs one stretch: on the fp32
+//   master, or over a split master in one pass where the kernel table has one, else chunk
+//   by chunk through the split master's fp32 scratch (Note [Split master in the engine]).
+//   step_in_backward's step_landed (backward_step.cpp) calls step_range directly.
+AdamOp Engine::fused_op(const std::vector<zx_adam_hparams> &hps) {
     at::Tensor m = state("exp_avg"), v = state("exp_avg_sq");
     bool ams = false;
     for (const auto &h : hps) ams = ams || h.amsgrad;
-    const bool bf = m.scalar_type() == at::kBFloat16;   // Note [bf16 optimizer states]
-    TORCH_CHECK(!(bf && ams), "zero_ext: amsgrad=True has no bf16 optimizer state; pass state_dtype='fp32' or "
-                "build the optimizer with amsgrad=False");
-    at::Tensor vmax = ams ? state("max_exp_avg_sq") : at::Tensor();
+    AdamOp op;
+    if (m.scalar_type() == at::kBFloat16) {   // Note [bf16 optimizer states]
+        TORCH_CHECK(!ams, "zero_ext: amsgrad=True has no bf16 optimizer state; pass state_dtype='fp32' or build "
+                    "the optimizer with amsgrad=False");
+        op.mb = (uint16_t *)m.data_ptr();
+        op.vb = (uint16_t *)v.data_ptr();
+        return op;
+    }
+    op.m = m.data_ptr<float>();
+    op.v = v.data_ptr<float>();
+    if (ams) op.vmax = state("max_exp_avg_sq").data_ptr<float>();
+    return op;
+}
+
+SgdOp Engine::fused_op(const std::vector<zx_sgd_hparams> &hps) {
+    bool momentum = false;
+    for (const auto &h : hps) momentum = momentum || h.momentum != 0.0;
+    return {momentum ? state("momentum_buffer").data_ptr<float>() : nullptr};
+}
+
+template <class Op>
+void Engine::step_range(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, const Op &op,
+                        char *lp, const typename Op::Hparams &hp, const double *ctl, const int64_t *step) {
+    const zx_dtype lp_dt = layout_.dtypes.param_zx;
+    const int64_t lp_elem = (int64_t)zx_dtype_size(lp_dt);
+    auto chunked = [&](float *p, int64_t o, int64_t c) {
+        op.chunk(k, p, o, c, grad, lp ? lp + o * lp_elem : nullptr, lp_dt, hp, ctl, step);
+    };
+    if (!shard_.split) return chunked(master(bk) + lo, lo, n);
+    const int64_t b = &bk - buckets_.data();
+    auto one_pass = [&](int64_t total, int64_t lead, uint16_t *hi, int16_t *rem, uint8_t *ties) {
+        return op.one_pass(k, total, lead, lo, n, hi, rem, ties, grad, hp, ctl, step);
+    };
+    if (!shard_.split->one_pass(b, (uint16_t *)lp, bk.slice_numel, lo, n, one_pass))
+        shard_.split->over(*kernels_.device, b, hi_bits(bk), bk.slice_numel, lo, n, chunked);
+}
+template void Engine::step_range<AdamOp>(Kernels &, Bucket &, int64_t, int64_t, const at::Tensor &, const AdamOp &,
+                                         char *, const zx_adam_hparams &, const double *, const int64_t *);
+template void Engine::step_range<SgdOp>(Kernels &, Bucket &, int64_t, int64_t, const at::Tensor &, const SgdOp &,
+                                        char *, const zx_sgd_hparams &, const double *, const int64_t *);
+
+template <class Op>
+void Engine::step_fused(const std::vector<typename Op::Hparams> &hps, const Groups &groups, const at::Tensor &ctl,
+                        const at::Tensor &steps) {
+    wait_reductions();
+    wait_params();
+    const Op op = fused_op(hps);
     settle_masters();   // Note [Split master in the engine]: step the split form
+    uint64_t counter = 0;   // Note [bf16 optimizer states]: counter_base of the bucket
     for (auto &bk : buckets_) {
+        const uint64_t base = counter;
+        counter += (uint64_t)bk.numel;
         // Whole tensors / another part's groups; a mixed bucket's pieces (Note [Cut parameters]).
-        if (bk.atomic ? !bk.mixed : !active(bk)) continue;
+        if (bk.atomic ? !bk.mixed : !groups.has(bk.group)) continue;
         const int64_t b = &bk - buckets_.data();
         TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", bk.group);
         char *lp = off_ ? nullptr : (char *)lp_out(bk);   // offload: upload() casts after the step
         if (off_) off_->wait_bucket(b);                   // Note [Optimizer offload]: this bucket alone
         const at::Tensor gs = off_ ? host_grad_slice(bk) : grad_shard_slice(bk);
-        // Note [State windows]: the states hold this bucket's window only.
-        const int64_t so = bk.state_offset - bk.state_lo;
-        float *mp = bf ? nullptr : m.data_ptr<float>() + so, *vp = bf ? nullptr : v.data_ptr<float>() + so;
-        uint16_t *mb = bf ? (uint16_t *)m.data_ptr() + so : nullptr, *vb = bf ? (uint16_t *)v.data_ptr() + so : nullptr;
-        float *xp = ams ? vmax.data_ptr<float>() + so : nullptr;
-        // Note [bf16 optimizer states]: the counter of the owned slice's element 0
-        const uint64_t c0 = counter_base(b) + (uint64_t)((layout_.opts.stage == 0 ? 0 : layout_.rank) * bk.slice_numel);
+        // Note [State windows]: the states hold this bucket's window only. Note [bf16 optimizer
+        // states]: the counter of the owned slice's element 0.
+        const Op on = op.at(bk.window.offset - bk.window.lo,
+                            base + (uint64_t)((layout_.opts.stage == 0 ? 0 : layout_.rank) * bk.slice_numel));
         if (ctl.defined()) {   // Note [Step control]: device step counts, one call per bucket
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
-            const zx_adam_hparams &hp = hps[bk.group];
             TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
-            if (!bf) {
-                adam_master(*kernels_.device, bk, 0, bk.slice_numel, gs, mp, vp, hp.amsgrad ? xp : nullptr, lp, hp,
-                            ctl_ptr(ctl), step_ptr(steps, bk.group));
-                continue;
-            }
-            adam_bf16_master(*kernels_.device, bk, 0, bk.slice_numel, gs, mb, vb, lp, hp, c0, ctl_ptr(ctl),
-                             step_ptr(steps, bk.group));
+            step_range(*kernels_.device, bk, 0, bk.slice_numel, gs, on, lp, hps[bk.group], ctl_ptr(ctl),
+                       step_ptr(steps, bk.group));
             continue;
         }
         // Note [Unused parameters]: only the stretches of stepped parameters.
         for (const StepRun &r : step_runs(bk)) {
             const int64_t g = bk.mixed ? layout_.group_of[r.param] : bk.group;
-            if (bk.mixed && !active_param(r.param)) continue;
+            if (!groups.has(g)) continue;
             TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
-            zx_adam_hparams h = hps[g];
-            h.step = r.step;
-            if (!bf) {
-                adam_master(kernels_.step(), bk, r.offset, r.numel, gs, mp, vp, h.amsgrad ? xp : nullptr, lp, h,
-                            nullptr, nullptr);
-                continue;
-            }
-            adam_bf16_master(kernels_.step(), bk, r.offset, r.numel, gs, mb, vb, lp, h, c0, nullptr, nullptr);
+            typename Op::Hparams h = hps[g];
+            Op::at_step(h, r.step);
+            step_range(kernels_.step(), bk, r.offset, r.numel, gs, on, lp, h, nullptr, nullptr);
         }
         if (off_) upload(bk);   // overlaps the next bucket's step
     }
+}
+
+void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const std::vector<int64_t> &groups,
+                       const at::Tensor &ctl, const at::Tensor &steps) {
+    step_fused<AdamOp>(hps, Groups(groups), ctl, steps);
+}
+
+void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const std::vector<int64_t> &groups,
+                      const at::Tensor &ctl, const at::Tensor &steps) {
+    step_fused<SgdOp>(hps, Groups(groups), ctl, steps);
 }
 
 std::vector<StepRun> Engine::step_runs(const Bucket &bk) const {
@@ -117,76 +169,44 @@ std::vector<StepRun> Engine::step_runs(const Bucket &bk) const {
     return bk.mixed ? book_.mixed_runs(b, layout_.plan, layout_.group_of) : book_.runs(b, bk.slice_numel);
 }
 
-void Engine::step_sgd(const std::vector<zx_sgd_hparams> &hps, const at::Tensor &ctl, const at::Tensor &steps) {
-    wait_reductions();
-    wait_params();
-    bool momentum = false;
-    for (const auto &h : hps) momentum = momentum || h.momentum != 0.0;
-    at::Tensor buf = momentum ? state("momentum_buffer") : at::Tensor();
-    settle_masters();   // Note [Split master in the engine]
-    for (auto &bk : buckets_) {
-        if (bk.atomic ? !bk.mixed : !active(bk)) continue;   // as step_adam
-        const int64_t b = &bk - buckets_.data();
-        TORCH_CHECK(bk.group < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", bk.group);
-        char *lp = off_ ? nullptr : (char *)lp_out(bk);   // as step_adam
-        if (off_) off_->wait_bucket(b);
-        const at::Tensor gs = off_ ? host_grad_slice(bk) : grad_shard_slice(bk);
-        float *bp = momentum ? buf.data_ptr<float>() + bk.state_offset - bk.state_lo : nullptr;   // Note [State windows]
-        if (ctl.defined()) {   // Note [Step control]
-            TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
-            const zx_sgd_hparams &hp = hps[bk.group];
-            TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
-            sgd_master(*kernels_.device, bk, 0, bk.slice_numel, gs, hp.momentum != 0.0 ? bp : nullptr, lp, hp,
-                       ctl_ptr(ctl), step_ptr(steps, bk.group));
-            continue;
-        }
-        for (const StepRun &r : step_runs(bk)) {   // Note [Unused parameters]
-            const int64_t g = bk.mixed ? layout_.group_of[r.param] : bk.group;
-            if (bk.mixed && !active_param(r.param)) continue;
-            TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
-            zx_sgd_hparams h = hps[g];
-            h.first_step = r.step == 1;
-            sgd_master(kernels_.step(), bk, r.offset, r.numel, gs, h.momentum != 0.0 ? bp : nullptr, lp, h, nullptr,
-                       nullptr);
-        }
-        if (off_) upload(bk);
-    }
-}
-
-std::vector<at::Tensor> Engine::param_shards() {
+std::vector<at::Tensor> Engine::param_shards(const std::vector<int64_t> &groups) {
+    const Groups cover(groups);
     std::vector<at::Tensor> out;
     for (auto &bk : buckets_)
-        if (active(bk)) out.push_back(master_slice(bk));
+        if (cover.has(bk.group)) out.push_back(master_slice(bk));
     return out;
 }
 
-std::vector<at::Tensor> Engine::grad_shards() {
+std::vector<at::Tensor> Engine::grad_shards(const std::vector<int64_t> &groups) {
+    const Groups cover(groups);
     std::vector<at::Tensor> out;
     for (auto &bk : buckets_)
-        if (active(bk)) out.push_back(grad_shard_slice(bk));
+        if (cover.has(bk.group)) out.push_back(grad_shard_slice(bk));
     return out;
 }
 
-std::vector<int64_t> Engine::bucket_groups() {
+std::vector<int64_t> Engine::bucket_groups(const std::vector<int64_t> &groups) const {
+    const Groups cover(groups);
     std::vector<int64_t> out;
-    for (auto &bk : buckets_)
-        if (active(bk)) out.push_back(bk.group);
+    for (const auto &bk : buckets_)
+        if (cover.has(bk.group)) out.push_back(bk.group);
     return out;
 }
 
-void Engine::scale_grads(double factor) {
+void Engine::scale_grads(double factor, const std::vector<int64_t> &groups) {
+    const Groups cover(groups);
     wait_reductions();
     if (factor == 1.0) return;
     if (params_.any_cut()) ensure_step_tables();
     for (auto &bk : buckets_) {
         if (bk.mixed) {
-            // Note [Cut parameters]: only the pieces of the active groups.
+            // Note [Cut parameters]: only the pieces of the groups covered.
             const at::Tensor gs = grad_shard_slice(bk);
             for (const StepRun &f : book_.fragments(&bk - buckets_.data()))
-                if (active_param(f.param)) gs.narrow(0, f.offset, f.numel).mul_(factor);
+                if (cover.has(layout_.group_of[f.param])) gs.narrow(0, f.offset, f.numel).mul_(factor);
             continue;
         }
-        if (!active(bk)) continue;
+        if (!cover.has(bk.group)) continue;
         at::Tensor gs = grad_shard_slice(bk);
         if (layout_.dtypes.reduce != at::kFloat) {
             gs.mul_(factor);
@@ -224,14 +244,15 @@ void Engine::grad_sumsq_into(at::Tensor out2) {
     if (layout_.partitions > 1) comm_.all_reduce_sum_blocking(out2, "gradient-norm all-reduce");
 }
 
-void Engine::cast_masters() {
+void Engine::cast_masters(const std::vector<int64_t> &groups) {
+    const Groups cover(groups);
     if (!off_ && (!layout_.dtypes.low() || layout_.opts.stage == 3)) return;   // stage 3 casts at each gather
     if (shard_.split) return settle_masters();   // the parameters hold the rounding unless a master was joined
     wait_params();
     for (auto &bk : buckets_) {
-        bool any = active(bk);
+        bool any = cover.has(bk.group);
         for (int64_t g : bk.groups)   // a mixed bucket: any of its groups (Note [Cut parameters])
-            any = any || active_group(g);
+            any = any || cover.has(g);
         if (!any) continue;
         if (off_) {   // Note [Optimizer offload]: the device's copy, in fp32 too
             upload(bk);

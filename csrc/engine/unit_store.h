@@ -4,7 +4,7 @@
 // rank's slices in param_dtype that the gathers read (Note [Optimizer offload]), the bytes
 // of gathered parameters held, the frozen parameters sharded per unit (Note [Stage 3 frozen
 // parameters]) and, with node_size, the node-local parts (Note [Hierarchical partitioning]).
-// The gathers and releases themselves are the engine's (gatherer.cpp).
+// The gathers and releases themselves are the engine's (units.cpp).
 #pragma once
 
 #include <ATen/ATen.h>

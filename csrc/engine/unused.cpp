@@ -16,7 +16,7 @@
 //       "this rank missed some parameter"; counted as stats()["comm"]["used_flags"])
 //       turns the flags into stepped_[i], the same on every rank, and advances
 //       param_steps_[i] of the stepped parameters (with several wrapped optimizers,
-//       advance_steps() per optimizer as it steps);
+//       advance_steps(groups) per optimizer as it steps, Note [Groups as an argument]);
 //     - that all-reduce is the one collective per step beyond the reduce(-scatter)
 //       and the gather, a launch and a latency on NCCL; as DDP without
 //       find_unused_parameters, most models never need it. layout_.opts.agree_unused
@@ -54,18 +54,6 @@
 namespace zx {
 
 // --- StepBook (step_book.h) ---
-
-void StepBook::set_active_groups(const std::vector<int64_t> &groups) {
-    active_.clear();
-    if (groups.empty()) return;
-    int64_t most = 0;
-    for (int64_t g : groups) {
-        TORCH_CHECK(g >= 0, "zero_ext: internal: set_active_groups: negative group ", g);
-        most = std::max(most, g);
-    }
-    active_.assign((size_t)most + 1, 0);
-    for (int64_t g : groups) active_[(size_t)g] = 1;
-}
 
 void StepBook::forget_grads() { std::fill(used_.begin(), used_.end(), (uint8_t)0); }
 
@@ -172,7 +160,7 @@ std::vector<StepRun> StepBook::mixed_runs(int64_t b, const zx_plan *plan, const 
     return out;
 }
 
-// --- the engine's side: the collective, the active groups ---
+// --- the engine's side: the collective, the step counts ---
 
 void Engine::ensure_step_tables() {
     if (!book_.has_fragments() && !buckets_.empty())
@@ -197,9 +185,10 @@ void Engine::begin_step(bool advance) {
     if (advance) advance_steps();
 }
 
-void Engine::advance_steps() {
+void Engine::advance_steps(const std::vector<int64_t> &groups) {
     TORCH_CHECK(book_.begun(), "zero_ext: internal: advance_steps() without begin_step()");
-    book_.advance([this](int64_t i) { return active_param(i); });
+    const Groups cover(groups);
+    book_.advance([&](int64_t i) { return cover.has(layout_.group_of[i]); });
 }
 
 std::vector<int64_t> Engine::param_steps() { return book_.steps(); }
