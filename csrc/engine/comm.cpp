@@ -93,45 +93,50 @@ void Communicator::timed_wait(const WorkPtr &work, const char *what) {
     waited_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
 }
 
-void Communicator::set_delay(double ms, bool serialize, Kernels *device_kern) {
+void CommDelay::set(double ms, bool serialize, Kernels *kern) {
     TORCH_CHECK(ms >= 0, "zero_ext: a communication delay of ", ms, " ms; pass 0 or more");
-    std::lock_guard<std::mutex> lk(delay_mu_);
-    delay_ms_ = ms;
-    delay_serialize_ = serialize;
-    delay_kern_ = device_kern;
+    std::lock_guard<std::mutex> lk(mu_);
+    ms_ = ms;
+    serialize_ = serialize;
+    kern_ = kern;
     link_free_ = Clock::time_point{};
 }
 
 template <class F>
-WorkPtr Communicator::launch(F &&issue) {
-    if (delay_ms_ <= 0) return issue();
-    WorkPtr work;
-    if (delay_kern_ != nullptr) {   // CUDA: the sleep on the side stream the collective waits for
-        delay_kern_->comm_delay_begin(delay_ms_);
+WorkPtr CommDelay::apply(F &&issue) {
+    if (kern_ != nullptr) {   // CUDA: the sleep on the side stream the collective waits for
+        kern_->comm_delay_begin(ms_);
+        WorkPtr work;
         try {
             work = issue();
         } catch (...) {
-            delay_kern_->comm_delay_end();
+            kern_->comm_delay_end();
             throw;
         }
-        delay_kern_->comm_delay_end();
-    } else {
-        Clock::time_point ready;
-        {
-            std::lock_guard<std::mutex> lk(delay_mu_);
-            const auto now = Clock::now();
-            link_free_ = std::max(now, link_free_) +
-                         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(delay_ms_));
-            ready = link_free_;
-        }
-        work = c10::make_intrusive<DelayedWork>(issue(), ready);
+        kern_->comm_delay_end();
+        return work;
     }
-    if (delay_serialize_) timed_wait(work, "delayed collective");
+    Clock::time_point ready;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        const auto now = Clock::now();
+        link_free_ = std::max(now, link_free_) +
+                     std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(ms_));
+        ready = link_free_;
+    }
+    return c10::make_intrusive<DelayedWork>(issue(), ready);
+}
+
+template <class F>
+WorkPtr Communicator::launch(F &&issue) {
+    if (delay_.ms() <= 0) return issue();
+    WorkPtr work = delay_.apply(std::forward<F>(issue));
+    if (delay_.serialize()) timed_wait(work, "delayed collective");
     return work;
 }
 
 WorkPtr Communicator::all_reduce_sum(at::Tensor t) {
-    c_all_reduce.add(t.numel(), t.element_size());
+    count.all_reduce.add(t.numel(), t.element_size());
     seq.before(kSeqAllReduce, t.numel());
     std::vector<at::Tensor> ts{std::move(t)};
     c10d::AllreduceOptions o;
@@ -155,7 +160,7 @@ void Communicator::all_reduce_max_blocking(at::Tensor t, CommCounter &counter, c
 }
 
 WorkPtr Communicator::reduce_scatter_sum(at::Tensor recv, at::Tensor send) {
-    c_reduce_scatter.add(send.numel(), send.element_size());
+    count.reduce_scatter.add(send.numel(), send.element_size());
     seq.before(kSeqReduceScatter, send.numel());
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
@@ -164,7 +169,7 @@ WorkPtr Communicator::reduce_scatter_sum(at::Tensor recv, at::Tensor send) {
 
 WorkPtr Communicator::all_to_all(at::Tensor recv, at::Tensor send, int64_t logical_numel) {
     // Counted as the reduce-scatter it implements.
-    c_reduce_scatter.add(logical_numel, send.element_size());
+    count.reduce_scatter.add(logical_numel, send.element_size());
     seq.before(kSeqReduceScatter, logical_numel);
     std::vector<int64_t> splits;   // empty: equal splits
     return launch([&] { return (*pg_)->alltoall_base(recv, send, splits, splits); });
@@ -173,7 +178,7 @@ WorkPtr Communicator::all_to_all(at::Tensor recv, at::Tensor send, int64_t logic
 std::pair<WorkPtr, WorkPtr> Communicator::all_to_all_quantized(at::Tensor codes_recv, at::Tensor codes_send,
                                                              at::Tensor scales_recv, at::Tensor scales_send,
                                                              int64_t logical_numel, int64_t logical_elem) {
-    c_reduce_scatter.add(logical_numel, logical_elem, codes_send.nbytes() + scales_send.nbytes());
+    count.reduce_scatter.add(logical_numel, logical_elem, codes_send.nbytes() + scales_send.nbytes());
     seq.before(kSeqReduceScatter, logical_numel);
     std::vector<int64_t> splits;   // empty: equal splits
     WorkPtr scales = launch([&] { return (*pg_)->alltoall_base(scales_recv, scales_send, splits, splits); });
@@ -182,21 +187,21 @@ std::pair<WorkPtr, WorkPtr> Communicator::all_to_all_quantized(at::Tensor codes_
 }
 
 WorkPtr Communicator::all_gather(at::Tensor out, at::Tensor in) {
-    c_all_gather.add(out.numel(), out.element_size());
+    count.all_gather.add(out.numel(), out.element_size());
     seq.before(kSeqAllGather, out.numel());
     return launch([&] { return (*pg_)->_allgather_base(out, in); });
 }
 
 WorkPtr Communicator::all_gather_quantized(at::Tensor recv, at::Tensor send, int64_t logical_numel,
                                            int64_t logical_elem) {
-    c_all_gather.add(logical_numel, logical_elem, recv.nbytes());
+    count.all_gather.add(logical_numel, logical_elem, recv.nbytes());
     seq.before(kSeqAllGather, logical_numel);
     return launch([&] { return (*pg_)->_allgather_base(recv, send); });
 }
 
 void Communicator::broadcast(at::Tensor t, int64_t src) {
     if (world_ == 1) return;
-    c_broadcast.add(t.numel(), t.element_size());
+    count.broadcast.add(t.numel(), t.element_size());
     seq.before(kSeqBroadcast, t.numel());
     std::vector<at::Tensor> one{std::move(t)};
     c10d::BroadcastOptions o;

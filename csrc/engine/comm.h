@@ -19,6 +19,27 @@ namespace zx {
 
 class Kernels;
 
+// Note [Communication delay] (comm.cpp): the slow link a test asks for, which every
+// collective of one Communicator goes through.
+class CommDelay {
+public:
+    // ms: added to every collective; serialize: the launch waits for it; kern: the kernel
+    // table of a CUDA engine (the sleep runs on a side stream), null on the CPU.
+    void set(double ms, bool serialize, Kernels *kern);
+    double ms() const { return ms_; }
+    bool serialize() const { return serialize_; }
+    // The collective issue() returns, delayed (ms() > 0).
+    template <class F>
+    c10::intrusive_ptr<c10d::Work> apply(F &&issue);
+
+private:
+    double ms_ = 0;
+    bool serialize_ = false;
+    Kernels *kern_ = nullptr;
+    std::mutex mu_;
+    std::chrono::steady_clock::time_point link_free_{};   // the CPU delay's link: busy until then
+};
+
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
@@ -67,13 +88,13 @@ public:
     // Note [Communication delay]: every collective launched here takes at least ms
     // longer; serialize: the launch waits for it (no overlap at all). device_kern: the
     // kernel table of a CUDA engine (the sleep runs on a side stream), null on the CPU.
-    void set_delay(double ms, bool serialize, Kernels *device_kern);
-    double delay_ms() const { return delay_ms_; }
+    void set_delay(double ms, bool serialize, Kernels *device_kern) { delay_.set(ms, serialize, device_kern); }
+    double delay_ms() const { return delay_.ms(); }
 
-    CommCounter c_all_reduce, c_reduce_scatter, c_all_gather, c_broadcast;
-    CommCounter c_used_flags;   // Note [Unused parameters]: one byte per parameter per step
-    // The counters as stats()["comm"] reports them (Note [Engine stats], engine/stats.h).
-    CommStats counters() const { return {c_all_reduce, c_reduce_scatter, c_all_gather, c_broadcast, c_used_flags}; }
+    // Bytes and calls per kind, as stats()["comm"] reports them (Note [Engine stats], engine/stats.h);
+    // count.used_flags: Note [Unused parameters]'s one byte per parameter per step.
+    CommStats count;
+    const CommStats &counters() const { return count; }
     Sequence seq;   // records every collective issued here; the engine sets seq.subject()
 
 private:
@@ -84,11 +105,7 @@ private:
     c10::optional<ProcessGroupPtr> pg_;
     int64_t rank_ = 0, world_ = 1;
     int64_t waited_ns_ = 0;
-    double delay_ms_ = 0;
-    bool delay_serialize_ = false;
-    Kernels *delay_kern_ = nullptr;
-    std::mutex delay_mu_;
-    std::chrono::steady_clock::time_point link_free_{};   // the CPU delay's link: busy until then
+    CommDelay delay_;
 };
 
 }  // namespace zx

@@ -15,10 +15,10 @@ Offload::Offload(at::Device dev, at::ScalarType rdt, int64_t down_numel, at::Sca
     const auto pinned = [&](at::ScalarType dt) { return host(dt).pinned_memory(async_); };
     for (int64_t s = 0; s < kSlots; s++) {
         down_slots_.push_back(at::empty({std::max<int64_t>(down_numel, 1)}, pinned(rdt)));
-        up_slots_.push_back(at::empty({std::max<int64_t>(up_numel, 1)}, pinned(pdt)));
+        up_.slots.push_back(at::empty({std::max<int64_t>(up_numel, 1)}, pinned(pdt)));
     }
     down_busy_.assign(kSlots, 0);
-    up_done_.resize(kSlots);
+    up_.done.resize(kSlots);
     bucket_ticket_.assign(num_buckets, -1);
     if (async_) copy_stream_ = c10::impl::VirtualGuardImpl(dev_.type()).getStreamFromGlobalPool(dev_, false);
     thread_ = std::thread([this] { worker(); });
@@ -26,13 +26,13 @@ Offload::Offload(at::Device dev, at::ScalarType rdt, int64_t down_numel, at::Sca
 
 Offload::~Offload() {
     {
-        std::lock_guard<std::mutex> lock(mu_);
-        stop_ = true;
+        std::lock_guard<std::mutex> lock(landing_.mu);
+        landing_.stop = true;
     }
-    cv_.notify_all();
+    landing_.cv.notify_all();
     if (thread_.joinable()) thread_.join();   // the worker runs what is queued first
     try {
-        for (auto &e : up_done_)
+        for (auto &e : up_.done)
             if (e) e->synchronize();   // pinned slots outlive the copies reading them
     } catch (...) {
     }
@@ -43,7 +43,7 @@ c10::Stream Offload::current() const { return c10::impl::VirtualGuardImpl(dev_.t
 int64_t Offload::pinned_bytes() const {
     int64_t n = 0;
     for (const auto &t : down_slots_) n += t.nbytes();
-    for (const auto &t : up_slots_) n += t.nbytes();
+    for (const auto &t : up_.slots) n += t.nbytes();
     return n;
 }
 
@@ -51,11 +51,11 @@ void Offload::worker() {
     for (;;) {
         Job job;
         {
-            std::unique_lock<std::mutex> lock(mu_);
-            cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-            if (queue_.empty()) return;   // stopping, nothing left
-            job = std::move(queue_.front());
-            queue_.pop_front();
+            std::unique_lock<std::mutex> lock(landing_.mu);
+            landing_.cv.wait(lock, [&] { return landing_.stop || !landing_.jobs.empty(); });
+            if (landing_.jobs.empty()) return;   // stopping, nothing left
+            job = std::move(landing_.jobs.front());
+            landing_.jobs.pop_front();
         }
         std::exception_ptr err;
         try {
@@ -65,19 +65,19 @@ void Offload::worker() {
             err = std::current_exception();
         }
         {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (err && !error_) error_ = err;
+            std::lock_guard<std::mutex> lock(landing_.mu);
+            if (err && !landing_.error) landing_.error = err;
             down_busy_[job.slot] = 0;
-            finished_ = job.ticket + 1;   // jobs run in ticket order
+            landing_.finished = job.ticket + 1;   // jobs run in ticket order
         }
-        cv_.notify_all();
+        landing_.cv.notify_all();
     }
 }
 
 void Offload::rethrow() {
-    if (!error_) return;
-    std::exception_ptr e = error_;
-    error_ = nullptr;
+    if (!landing_.error) return;
+    std::exception_ptr e = landing_.error;
+    landing_.error = nullptr;
     std::rethrow_exception(e);
 }
 
@@ -88,8 +88,8 @@ void Offload::down(int64_t b, const at::Tensor &src, int64_t ring_slot,
                 " elements exceeds its ring slot");
     int64_t s = -1;
     {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] {
+        std::unique_lock<std::mutex> lock(landing_.mu);
+        landing_.cv.wait(lock, [&] {
             for (int64_t k = 0; k < kSlots; k++)
                 if (!down_busy_[k]) return true;
             return false;
@@ -123,15 +123,15 @@ void Offload::down(int64_t b, const at::Tensor &src, int64_t ring_slot,
     } else {
         job.view.copy_(src);
     }
-    down_copies_++;
-    down_bytes_ += src.nbytes();
+    down_traffic_.copies++;
+    down_traffic_.bytes += src.nbytes();
     {
-        std::lock_guard<std::mutex> lock(mu_);
-        job.ticket = issued_++;
+        std::lock_guard<std::mutex> lock(landing_.mu);
+        job.ticket = landing_.issued++;
         bucket_ticket_[b] = job.ticket;
-        queue_.push_back(std::move(job));
+        landing_.jobs.push_back(std::move(job));
     }
-    cv_.notify_all();
+    landing_.cv.notify_all();
 }
 
 void Offload::before_reuse(int64_t ring_slot) {
@@ -142,34 +142,34 @@ void Offload::before_reuse(int64_t ring_slot) {
 }
 
 void Offload::wait_bucket(int64_t b) {
-    std::unique_lock<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(landing_.mu);
     const int64_t t = bucket_ticket_[b];
-    cv_.wait(lock, [&] { return finished_ > t; });
+    landing_.cv.wait(lock, [&] { return landing_.finished > t; });
     rethrow();
 }
 
 void Offload::drain() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return finished_ >= issued_; });
+    std::unique_lock<std::mutex> lock(landing_.mu);
+    landing_.cv.wait(lock, [&] { return landing_.finished >= landing_.issued; });
     rethrow();
 }
 
 at::Tensor Offload::up_slot(int64_t n) {
-    TORCH_CHECK(n <= up_slots_[0].numel(), "zero_ext: internal: offload up copy of ", n,
+    TORCH_CHECK(n <= up_.slots[0].numel(), "zero_ext: internal: offload up copy of ", n,
                 " elements exceeds its ring slot");
-    const int64_t s = next_up_;
-    if (up_done_[s]) {
-        up_done_[s]->synchronize();   // its last copy has read it
-        up_done_[s].reset();
+    const int64_t s = up_.next;
+    if (up_.done[s]) {
+        up_.done[s]->synchronize();   // its last copy has read it
+        up_.done[s].reset();
     }
-    return up_slots_[s].narrow(0, 0, n);
+    return up_.slots[s].narrow(0, 0, n);
 }
 
 void Offload::up(const at::Tensor &slot, const at::Tensor &dst) {
-    const int64_t s = next_up_;
-    next_up_ = (next_up_ + 1) % kSlots;
-    up_copies_++;
-    up_bytes_ += slot.nbytes();
+    const int64_t s = up_.next;
+    up_.next = (up_.next + 1) % kSlots;
+    up_.traffic.copies++;
+    up_.traffic.bytes += slot.nbytes();
     if (!async_) {
         dst.copy_(slot);
         return;
@@ -182,9 +182,9 @@ void Offload::up(const at::Tensor &slot, const at::Tensor &dst) {
         c10::StreamGuard on(*copy_stream_);
         dst.copy_(slot, /*non_blocking=*/true);
     }
-    up_done_[s].emplace(dev_.type());
-    up_done_[s]->record(*copy_stream_);
-    up_done_[s]->block(current());   // the parameter gather reads dst after this copy
+    up_.done[s].emplace(dev_.type());
+    up_.done[s]->record(*copy_stream_);
+    up_.done[s]->block(current());   // the parameter gather reads dst after this copy
 }
 
 }  // namespace zx

@@ -81,10 +81,10 @@ public:
     void up(const at::Tensor &slot, const at::Tensor &dst);
 
     int64_t pinned_bytes() const;  // both rings
-    int64_t down_copies() const { return down_copies_; }
-    int64_t up_copies() const { return up_copies_; }
-    int64_t down_bytes() const { return down_bytes_; }
-    int64_t up_bytes() const { return up_bytes_; }
+    int64_t down_copies() const { return down_traffic_.copies; }
+    int64_t up_copies() const { return up_.traffic.copies; }
+    int64_t down_bytes() const { return down_traffic_.bytes; }
+    int64_t up_bytes() const { return up_.traffic.bytes; }
 
 private:
     struct Job {
@@ -93,26 +93,42 @@ private:
         at::Tensor view;
         std::function<void(const at::Tensor &)> finish;
     };
+    struct Traffic {
+        int64_t copies = 0, bytes = 0;
+    };
+    // The up ring: its pinned slots, each one's last copy, the next slot to fill.
+    struct UpRing {
+        std::vector<at::Tensor> slots;
+        std::vector<std::optional<c10::Event>> done;
+        int64_t next = 0;
+        Traffic traffic;
+    };
+    // The landing worker's queue of down copies, shared with it under mu; tickets: issued,
+    // and every one below finished ran; error: the first finish that threw.
+    struct Landing {
+        std::mutex mu;
+        std::condition_variable cv;
+        std::deque<Job> jobs;
+        int64_t issued = 0, finished = 0;
+        std::exception_ptr error;
+        bool stop = false;
+    };
     void worker();
-    void rethrow();                       // under mu_
+    void rethrow();                       // under landing_.mu
     c10::Stream current() const;
 
     at::Device dev_;
     bool async_;                          // a device with streams (not the CPU)
     std::optional<c10::Stream> copy_stream_;
-    std::vector<at::Tensor> down_slots_, up_slots_;
+    // the down ring: pinned slots, which are busy (under landing_.mu), and per engine ring
+    // slot the down copy that reads its buffer (before_reuse)
+    std::vector<at::Tensor> down_slots_;
     std::vector<char> down_busy_;
-    std::vector<std::optional<c10::Event>> up_done_, reuse_;   // per up slot / per engine ring slot
-    int64_t next_up_ = 0;
+    std::vector<std::optional<c10::Event>> reuse_;
     std::vector<int64_t> bucket_ticket_;  // last ticket of each bucket's down copies
-    int64_t down_copies_ = 0, up_copies_ = 0, down_bytes_ = 0, up_bytes_ = 0;
-
-    std::mutex mu_;
-    std::condition_variable cv_;
-    std::deque<Job> queue_;
-    int64_t issued_ = 0, finished_ = 0;   // tickets: issued, and all below finished_ ran
-    std::exception_ptr error_;
-    bool stop_ = false;
+    Traffic down_traffic_;
+    UpRing up_;
+    Landing landing_;
     std::thread thread_;
 };
 

@@ -80,7 +80,7 @@ CommGroupStats Secondary::group_stats(const Communicator &w) const {
         g.inter.*kind = share(all.*kind, N - L, N);
         g.intra.*kind = minus(all.*kind, g.inter.*kind);
     }
-    g.node_all_gather = comm_.c_all_gather;   // the backward gathers, all intra
+    g.node_all_gather = comm_.count.all_gather;   // the backward gathers, all intra
     g.node_size = L;
     return g;
 }

@@ -132,16 +132,16 @@ void Sequence::attach(c10::optional<ProcessGroupPtr> pg, int64_t rank, int64_t w
     pg_ = std::move(pg);
     rank_ = rank;
     world_ = world;
-    ring_.resize(kRing);
+    pos_.ring.resize(kRing);
 }
 
 void Sequence::enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase) {
-    store_ = std::move(store);
+    waits_.store = std::move(store);
     names_ = std::move(names);
-    patience_s_ = patience_s;
-    every_phase_ = every_phase || !store_;   // without a store, waits cannot be compared
+    waits_.patience_s = patience_s;
+    sched_.every_phase = every_phase || !waits_.store;   // without a store, waits cannot be compared
     enabled_ = world_ > 1 && pg_.has_value();
-    id_ = g_next_id++;   // engines are built in the same order on every rank
+    waits_.id = g_next_id++;   // engines are built in the same order on every rank
 }
 
 void Pattern::finish_pass() {
@@ -179,46 +179,46 @@ void Pattern::end_cycle() {
 
 void Sequence::mark(int64_t phase, const FrozenSummary &frozen, bool now) {
     if (phase == kPhaseStep) {
-        step_++;
-        micro_ = 0;
+        pos_.step++;
+        pos_.micro = 0;
     } else if (phase == kPhaseBackward) {
-        micro_++;
+        pos_.micro++;
     }
-    phase_ = phase;
-    frozen_ = frozen;
+    pos_.phase = phase;
+    pos_.frozen = frozen;
     if (!enabled_) return;
-    pending_ = true;
-    pending_now_ = now;
+    sched_.pending = true;
+    sched_.pending_now = now;
     // A step counts even without a collective (a rank that skips it differs there);
     // Python collectives follow `now`. Other marks wait for their first collective.
     if (phase == kPhaseStep || now) commit();
 }
 
 void Sequence::commit() {
-    if (!pending_) return;
-    pending_ = false;
+    if (!sched_.pending) return;
+    sched_.pending = false;
     int64_t key = 0;
-    for (int64_t v : {phase_, frozen_.count, frozen_.hash, since_mark_}) key = mix(key, v);
-    since_mark_ = 0;
-    const bool pass_start = phase_ == kPhaseForward || phase_ == kPhaseForwardNoGrad || phase_ >= kPhaseModelState;
-    const bool known = pattern_.next(key, pass_start);
-    const bool learning = every_phase_ || cycles_ < kLearnCycles;
-    if (phase_ == kPhaseStep) {
-        pattern_.end_cycle();
-        cycles_++;
+    for (int64_t v : {pos_.phase, pos_.frozen.count, pos_.frozen.hash, sched_.since_mark}) key = mix(key, v);
+    sched_.since_mark = 0;
+    const bool pass_start = pos_.phase == kPhaseForward || pos_.phase == kPhaseForwardNoGrad || pos_.phase >= kPhaseModelState;
+    const bool known = sched_.pattern.next(key, pass_start);
+    const bool learning = sched_.every_phase || sched_.cycles < kLearnCycles;
+    if (pos_.phase == kPhaseStep) {
+        sched_.pattern.end_cycle();
+        sched_.cycles++;
     }
-    if (learning && !pending_now_) {
-        armed_ = true;          // exchanged before the phase's next collective (if it has one)
-    } else if (pending_now_ || !known) {
-        armed_ = true;          // a deviation, or Python collectives follow: exchange now
-        if (!recording_) before(kSeqMark, 0);
+    if (learning && !sched_.pending_now) {
+        sched_.armed = true;          // exchanged before the phase's next collective (if it has one)
+    } else if (sched_.pending_now || !known) {
+        sched_.armed = true;          // a deviation, or Python collectives follow: exchange now
+        if (!sched_.recording) before(kSeqMark, 0);
     }
 }
 
 void Sequence::sync() {
     if (!enabled_) return;
     commit();
-    armed_ = true;
+    sched_.armed = true;
     before(kSeqMark, 0);
 }
 
@@ -226,32 +226,32 @@ void Sequence::unit_need(int64_t unit) {
     subject(-1, unit);
     if (enabled_) {
         commit();
-        const bool known = pattern_.next(mix(mix(kUnitNeedBase + unit, since_mark_), kSeqUnitNeed), false);
-        since_mark_ = 0;
-        if (!known && !every_phase_ && cycles_ >= kLearnCycles) armed_ = true;   // exchanged just below
+        const bool known = sched_.pattern.next(mix(mix(kUnitNeedBase + unit, sched_.since_mark), kSeqUnitNeed), false);
+        sched_.since_mark = 0;
+        if (!known && !sched_.every_phase && sched_.cycles >= kLearnCycles) sched_.armed = true;   // exchanged just below
     }
     before(kSeqUnitNeed, 0);
 }
 
 void Sequence::before(int64_t kind, int64_t numel) {
     if (enabled_ && kind != kSeqMark) {
-        recording_ = true;   // a deviation found by the commit is exchanged with this record
+        sched_.recording = true;   // a deviation found by the commit is exchanged with this record
         commit();
-        recording_ = false;
+        sched_.recording = false;
     }
     SeqRecord r;
-    r.seq = last_.seq + 1;
-    r.step = step_, r.micro = micro_, r.phase = phase_, r.kind = kind;
-    r.bucket = bucket_, r.unit = unit_, r.numel = numel;
-    int64_t h = last_.hash;
+    r.seq = pos_.last.seq + 1;
+    r.step = pos_.step, r.micro = pos_.micro, r.phase = pos_.phase, r.kind = kind;
+    r.bucket = pos_.bucket, r.unit = pos_.unit, r.numel = numel;
+    int64_t h = pos_.last.hash;
     for (int64_t v : {r.step, r.micro, r.phase, r.kind, r.bucket, r.unit, r.numel}) h = mix(h, v);
     r.hash = h;
-    bucket_ = unit_ = -1;
-    ring_[r.seq % kRing] = r;
-    last_ = r;
-    if (kind != kSeqUnitNeed && kind != kSeqMark) since_mark_ = mix(since_mark_, content(r));
-    if (armed_ && enabled_) {
-        armed_ = false;
+    pos_.bucket = pos_.unit = -1;
+    pos_.ring[r.seq % kRing] = r;
+    pos_.last = r;
+    if (kind != kSeqUnitNeed && kind != kSeqMark) sched_.since_mark = mix(sched_.since_mark, content(r));
+    if (sched_.armed && enabled_) {
+        sched_.armed = false;
         exchange(r);
     }
 }
@@ -349,14 +349,14 @@ std::string Sequence::diagnose(const std::vector<std::vector<SeqRecord>> &rings,
 }
 
 void Sequence::exchange(const SeqRecord &next) {
-    exchanges_++;
+    sched_.exchanges++;
     constexpr int64_t D = kRecordFields + 4;
     const auto i64 = at::TensorOptions().dtype(at::kLong);
     at::Tensor mine = at::empty({D}, i64);
     int64_t *m = mine.data_ptr<int64_t>();
     put(next, m);
     // next.hash covers this record and every earlier one
-    m[9] = frozen_.count, m[10] = frozen_.first, m[11] = frozen_.first_bucket, m[12] = frozen_.hash;
+    m[9] = pos_.frozen.count, m[10] = pos_.frozen.first, m[11] = pos_.frozen.first_bucket, m[12] = pos_.frozen.hash;
     at::Tensor all = at::empty({world_ * D}, i64);
     watch((*pg_)->_allgather_base(all, mine), "sequence check");
     const int64_t *a = all.data_ptr<int64_t>();
@@ -374,8 +374,8 @@ void Sequence::exchange(const SeqRecord &next) {
     // The records differ: every rank saw the same table, so all exchange their rings.
     at::Tensor ring = at::zeros({kRing * kRecordFields}, i64);
     int64_t k = 0;
-    for (int64_t s = std::max<int64_t>(1, last_.seq - kRing + 1); s <= last_.seq; s++, k++)
-        put(ring_[s % kRing], ring.data_ptr<int64_t>() + k * kRecordFields);
+    for (int64_t s = std::max<int64_t>(1, pos_.last.seq - kRing + 1); s <= pos_.last.seq; s++, k++)
+        put(pos_.ring[s % kRing], ring.data_ptr<int64_t>() + k * kRecordFields);
     at::Tensor rings = at::empty({world_ * kRing * kRecordFields}, i64);
     watch((*pg_)->_allgather_base(rings, ring), "sequence check (records)");
     std::vector<std::vector<SeqRecord>> all_rings(world_);
@@ -429,14 +429,14 @@ std::string Sequence::frozen_message(const std::vector<FrozenSummary> &fs, const
 }
 
 std::string Sequence::key(int64_t r) const {
-    return "zero_ext/sequence/" + std::to_string(id_) + "/" + std::to_string(r);
+    return "zero_ext/sequence/" + std::to_string(waits_.id) + "/" + std::to_string(r);
 }
 
 std::vector<uint8_t> Sequence::blob(const char *what) const {
-    std::vector<int64_t> v{published_, 0, frozen_.count, frozen_.first, frozen_.first_bucket, frozen_.hash};
-    for (int64_t s = std::max<int64_t>(1, last_.seq - kRing + 1); s <= last_.seq; s++) {
+    std::vector<int64_t> v{waits_.published, 0, pos_.frozen.count, pos_.frozen.first, pos_.frozen.first_bucket, pos_.frozen.hash};
+    for (int64_t s = std::max<int64_t>(1, pos_.last.seq - kRing + 1); s <= pos_.last.seq; s++) {
         int64_t rec[kRecordFields];
-        put(ring_[s % kRing], rec);
+        put(pos_.ring[s % kRing], rec);
         v.insert(v.end(), rec, rec + kRecordFields);
         v[1]++;
     }
@@ -454,8 +454,8 @@ std::vector<std::vector<SeqRecord>> Sequence::read_all(std::vector<std::string> 
     ids->assign(world_, 0);
     frozen->assign(world_, FrozenSummary());
     for (int64_t r = 0; r < world_; r++) {
-        if (!store_->check({key(r)})) return {};
-        std::vector<uint8_t> b = store_->get(key(r));
+        if (!waits_.store->check({key(r)})) return {};
+        std::vector<uint8_t> b = waits_.store->get(key(r));
         if (b.size() < H * sizeof(int64_t)) return {};   // not waiting (any more)
         int64_t head[H];
         std::memcpy(head, b.data(), sizeof(head));
@@ -472,12 +472,12 @@ std::vector<std::vector<SeqRecord>> Sequence::read_all(std::vector<std::string> 
 }
 
 void Sequence::watch(const WorkPtr &work, const char *what) {
-    if (!enabled_ || !store_) {
+    if (!enabled_ || !waits_.store) {
         Communicator::wait(work, what);
         return;
     }
     using clock = std::chrono::steady_clock;
-    auto slice = std::chrono::milliseconds((int64_t)(patience_s_ * 1000));
+    auto slice = std::chrono::milliseconds((int64_t)(waits_.patience_s * 1000));
     bool published = false, failed = false, deadline_set = false;
     std::string prev;
     std::vector<int64_t> prev_ids;
@@ -492,14 +492,14 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
         std::string msg;
         try {
             if (!published) {
-                published_++;
-                store_->set(key(rank_), blob(what));
+                waits_.published++;
+                waits_.store->set(key(rank_), blob(what));
                 published = true;
                 slice = std::chrono::milliseconds(250);
             }
             if (failed && !deadline_set) {
                 // give the others time to publish: a divergence explains the failure better
-                fail_deadline = clock::now() + 2 * std::chrono::milliseconds((int64_t)(patience_s_ * 1000));
+                fail_deadline = clock::now() + 2 * std::chrono::milliseconds((int64_t)(waits_.patience_s * 1000));
                 deadline_set = true;
             }
             std::vector<std::string> whats;
@@ -507,7 +507,7 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
             std::vector<FrozenSummary> frozen;
             auto rings = read_all(&whats, &ids, &frozen);
             if (!rings.empty()) {
-                msg = frozen_message(frozen, "step " + std::to_string(step_ + 1));
+                msg = frozen_message(frozen, "step " + std::to_string(pos_.step + 1));
                 if (msg.empty()) msg = diagnose(rings, whats);
             }
             // The same reading twice: a rank that merely moved on would have changed its key.
@@ -526,7 +526,7 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
     }
     if (published) {
         try {
-            store_->set(key(rank_), std::vector<uint8_t>{});
+            waits_.store->set(key(rank_), std::vector<uint8_t>{});
         } catch (const std::exception &) {
         }
     }

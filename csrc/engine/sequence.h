@@ -152,12 +152,12 @@ public:
     // runs before the ranks compare positions.
     // every_phase: exchange at every phase (waits cannot be watched, e.g. NCCL).
     void enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase);
-    int64_t exchanges() const { return exchanges_; }
+    int64_t exchanges() const { return sched_.exchanges; }
     bool enabled() const { return enabled_; }
     // A divergence was reported: collectives in flight will never complete.
     bool diverged() const { return diverged_; }
 
-    void subject(int64_t bucket, int64_t unit) { bucket_ = bucket; unit_ = unit; }
+    void subject(int64_t bucket, int64_t unit) { pos_.bucket = bucket; pos_.unit = unit; }
     // A phase begins. The exchange runs before the next collective, or at once when
     // `now` or on a deviation (Note [Exchanges on deviation]).
     void mark(int64_t phase, const FrozenSummary &frozen, bool now = false);
@@ -185,28 +185,39 @@ private:
     std::string key(int64_t r) const;
 
     c10::optional<ProcessGroupPtr> pg_;
-    StorePtr store_;
     std::vector<std::string> names_;
     int64_t rank_ = 0, world_ = 1;
-    bool enabled_ = false, armed_ = false, diverged_ = false;
-    double patience_s_ = 3.0;
-    int64_t id_ = 0, published_ = 0;
-    int64_t step_ = 0, micro_ = 0, phase_ = kPhaseNone, bucket_ = -1, unit_ = -1;
-    FrozenSummary frozen_;
-    SeqRecord last_;
-    // Note [Exchanges on deviation]: a mark enters the pattern at the first collective
-    // after it (a phase without collectives, such as a stage 0-2 forward, leaves no
-    // trace, so rank 0 alone may evaluate there), a step at once.
-    void commit();
-    bool pending_ = false, pending_now_ = false, recording_ = false;
-    bool every_phase_ = true;
-    int64_t exchanges_ = 0;
-    int64_t since_mark_ = 0;                 // hash of the collectives since the last mark
-    int64_t cycles_ = 0;                     // cycles completed (step() marks)
-    Pattern pattern_;
-    static constexpr int64_t kLearnCycles = 2;
-    std::vector<SeqRecord> ring_;   // the last kRing records, by seq % kRing
+    bool enabled_ = false, diverged_ = false;
+    // Where this rank is: what the next record holds, the last record and the last kRing
+    // records (by seq % kRing).
+    struct Position {
+        int64_t step = 0, micro = 0, phase = kPhaseNone, bucket = -1, unit = -1;
+        FrozenSummary frozen;
+        SeqRecord last;
+        std::vector<SeqRecord> ring;
+    } pos_;
     static constexpr int64_t kRing = 128;
+    // When digests are exchanged (Note [Exchanges on deviation]): a mark enters the pattern
+    // at the first collective after it (a phase without collectives, such as a stage 0-2
+    // forward, leaves no trace, so rank 0 alone may evaluate there), a step at once.
+    void commit();
+    struct Schedule {
+        bool pending = false, pending_now = false, recording = false;
+        bool every_phase = true;
+        bool armed = false;               // exchange before the next collective
+        int64_t exchanges = 0;
+        int64_t since_mark = 0;           // hash of the collectives since the last mark
+        int64_t cycles = 0;               // cycles completed (step() marks)
+        Pattern pattern;
+    } sched_;
+    static constexpr int64_t kLearnCycles = 2;
+    // Watched waits (Note [Collective sequence check], 2.): the store the records are
+    // published to, this engine's id in its keys, records published, patience.
+    struct Waits {
+        StorePtr store;
+        int64_t id = 0, published = 0;
+        double patience_s = 3.0;
+    } waits_;
 };
 
 }  // namespace zx

@@ -176,7 +176,7 @@ void Engine::begin_step(bool advance) {
         at::Tensor t = at::empty({(int64_t)flags.size()}, at::kByte);
         std::memcpy(t.data_ptr<uint8_t>(), flags.data(), flags.size());
         t = t.to(layout_.dev);
-        comm_.all_reduce_max_blocking(t, comm_.c_used_flags, "unused-parameter flags all-reduce");
+        comm_.all_reduce_max_blocking(t, comm_.count.used_flags, "unused-parameter flags all-reduce");
         t = t.cpu();
         book_.begin(t.data_ptr<uint8_t>());
     } else {
