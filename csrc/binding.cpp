@@ -256,14 +256,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::call_guard<py::gil_scoped_release>())
         .def("broadcast_tensors", &zx::Engine::broadcast_tensors, py::call_guard<py::gil_scoped_release>())
         .def("enable_sequence_check", [](zx::Engine &e, py::object store, double patience_s, py::object group,
-                                         bool every_phase) {
+                                         bool every_phase, int64_t id) {
                  c10::optional<zx::StorePtr> st;
                  if (!store.is_none()) st = store.cast<zx::StorePtr>();
                  c10::optional<zx::ProcessGroupPtr> g;
                  if (!group.is_none()) g = group.cast<zx::ProcessGroupPtr>();
-                 e.enable_sequence_check(st, patience_s, g, every_phase);
+                 e.enable_sequence_check(st, patience_s, g, every_phase, id);
              },
-             py::arg("store"), py::arg("patience_s"), py::arg("group"), py::arg("every_phase"))
+             py::arg("store"), py::arg("patience_s"), py::arg("group"), py::arg("every_phase"), py::arg("id"))
         .def("sequence_mark", &zx::Engine::sequence_mark, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("sequence_exchanges", &zx::Engine::sequence_exchanges)
         .def("sequence_sync", &zx::Engine::sequence_sync, py::call_guard<py::gil_scoped_release>())

@@ -4,6 +4,7 @@ wrapper and the optimizer wrapper."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import weakref
 
 import torch
@@ -259,6 +260,11 @@ def _side_group(pg):
     return side
 
 
+# Engines whose sequence check this process enabled: each one's records are keyed in the
+# store by its number here, which is the same on every rank (they build engines in the same order).
+_SEQUENCE_IDS = itertools.count()
+
+
 def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> None:
     """Note [Collective sequence check] (csrc/engine/sequence.h): digests exchanged where
     a rank leaves its pattern (Note [Exchanges on deviation]), and waits that compare
@@ -273,7 +279,7 @@ def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> None:
             store = None                 # digests at every phase only
     side = _side_group(pg)
     engine.enable_sequence_check(store, float(cfg.sequence_timeout), side,
-                                 store is None or cfg.check_sequence == "every_phase")
+                                 store is None or cfg.check_sequence == "every_phase", next(_SEQUENCE_IDS))
 
 
 def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | str | None = None,

@@ -267,8 +267,9 @@ public:
     // store: the process group's store, for watched waits (None: checkpoints only).
     // group: the digests' own gloo group (None: the engine's); every_phase: exchange at
     // every phase (Note [Exchanges on deviation]). Parameters are named by param_names.
+    // id: this engine's among the process's engines, the same on every rank (zeroify counts them).
     void enable_sequence_check(c10::optional<StorePtr> store, double patience_s,
-                               c10::optional<ProcessGroupPtr> group, bool every_phase);
+                               c10::optional<ProcessGroupPtr> group, bool every_phase, int64_t id);
     // A SeqPhase (forward, backward, clip, step; the phases of Python collectives, which
     // exchange at once), or kUnitNeedBase + unit.
     void sequence_mark(int64_t phase);

@@ -2,7 +2,6 @@
 #include "engine/sequence.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -102,8 +101,6 @@ std::string hint_for(const std::vector<const SeqRecord *> &at) {
     return kHint;
 }
 
-std::atomic<int64_t> g_next_id{0};
-
 // A stage-3 unit needed by the unit hooks: recorded like a collective (kind 5, no
 // data), so that a unit one rank skips shows in the digest before the collectives
 // that follow it can pair wrongly. Python passes it as sequence_mark(kUnitNeedBase + unit).
@@ -135,13 +132,14 @@ void Sequence::attach(c10::optional<ProcessGroupPtr> pg, int64_t rank, int64_t w
     pos_.ring.resize(kRing);
 }
 
-void Sequence::enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase) {
+void Sequence::enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase,
+                      int64_t id) {
     waits_.store = std::move(store);
     names_ = std::move(names);
     waits_.patience_s = patience_s;
     sched_.every_phase = every_phase || !waits_.store;   // without a store, waits cannot be compared
     enabled_ = world_ > 1 && pg_.has_value();
-    waits_.id = g_next_id++;   // engines are built in the same order on every rank
+    waits_.id = id;
 }
 
 void Pattern::finish_pass() {
@@ -200,7 +198,8 @@ void Sequence::commit() {
     int64_t key = 0;
     for (int64_t v : {pos_.phase, pos_.frozen.count, pos_.frozen.hash, sched_.since_mark}) key = mix(key, v);
     sched_.since_mark = 0;
-    const bool pass_start = pos_.phase == kPhaseForward || pos_.phase == kPhaseForwardNoGrad || pos_.phase >= kPhaseModelState;
+    const int64_t ph = pos_.phase;
+    const bool pass_start = ph == kPhaseForward || ph == kPhaseForwardNoGrad || ph >= kPhaseModelState;
     const bool known = sched_.pattern.next(key, pass_start);
     const bool learning = sched_.every_phase || sched_.cycles < kLearnCycles;
     if (pos_.phase == kPhaseStep) {
@@ -226,9 +225,11 @@ void Sequence::unit_need(int64_t unit) {
     subject(-1, unit);
     if (enabled_) {
         commit();
-        const bool known = sched_.pattern.next(mix(mix(kUnitNeedBase + unit, sched_.since_mark), kSeqUnitNeed), false);
+        const bool known =
+            sched_.pattern.next(mix(mix(kUnitNeedBase + unit, sched_.since_mark), kSeqUnitNeed), false);
         sched_.since_mark = 0;
-        if (!known && !sched_.every_phase && sched_.cycles >= kLearnCycles) sched_.armed = true;   // exchanged just below
+        // exchanged just below
+        if (!known && !sched_.every_phase && sched_.cycles >= kLearnCycles) sched_.armed = true;
     }
     before(kSeqUnitNeed, 0);
 }
@@ -433,7 +434,8 @@ std::string Sequence::key(int64_t r) const {
 }
 
 std::vector<uint8_t> Sequence::blob(const char *what) const {
-    std::vector<int64_t> v{waits_.published, 0, pos_.frozen.count, pos_.frozen.first, pos_.frozen.first_bucket, pos_.frozen.hash};
+    const FrozenSummary &fz = pos_.frozen;
+    std::vector<int64_t> v{waits_.published, 0, fz.count, fz.first, fz.first_bucket, fz.hash};
     for (int64_t s = std::max<int64_t>(1, pos_.last.seq - kRing + 1); s <= pos_.last.seq; s++) {
         int64_t rec[kRecordFields];
         put(pos_.ring[s % kRing], rec);
@@ -540,14 +542,14 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
 // another rank issued (gloo aborts the process when a message exceeds the buffer
 // posted for it). Without one, they use the engine's group.
 void Engine::enable_sequence_check(c10::optional<StorePtr> store, double patience_s,
-                                   c10::optional<ProcessGroupPtr> group, bool every_phase) {
+                                   c10::optional<ProcessGroupPtr> group, bool every_phase, int64_t id) {
     if (group.has_value()) {
         TORCH_CHECK((*group)->getSize() == layout_.world && (*group)->getRank() == layout_.rank,
                     "zero_ext: internal: the sequence-check group must hold the engine's ranks in the same order");
         comm_.seq.attach(*group, layout_.rank, layout_.world);
     }
     // Note [Parameter names in messages]: the names zeroify gave the engine
-    comm_.seq.enable(store.has_value() ? *store : StorePtr(), layout_.opts.param_names, patience_s, every_phase);
+    comm_.seq.enable(store.has_value() ? *store : StorePtr(), layout_.opts.param_names, patience_s, every_phase, id);
 }
 
 void Engine::sequence_sync() { comm_.seq.sync(); }

@@ -150,8 +150,9 @@ public:
     // Turns the check on. store: the process group's store (null: checkpoints only);
     // names: the engine's parameters, for messages; patience_s: how long a wait
     // runs before the ranks compare positions.
-    // every_phase: exchange at every phase (waits cannot be watched, e.g. NCCL).
-    void enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase);
+    // every_phase: exchange at every phase (waits cannot be watched, e.g. NCCL). id: this
+    // engine's among the process's, the same on every rank (it keys the store's records).
+    void enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase, int64_t id);
     int64_t exchanges() const { return sched_.exchanges; }
     bool enabled() const { return enabled_; }
     // A divergence was reported: collectives in flight will never complete.
