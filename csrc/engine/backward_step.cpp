@@ -47,9 +47,8 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
     const int64_t g = bk.group, step = armed.steps + 1;
     settle_masters();   // Note [Split master in the engine]
     char *lp = (char *)lp_out(bk);
-    // Note [State windows]; Note [bf16 optimizer states] (stepper.cpp): the owned slice's counter
-    const int64_t so = bk.window.offset - bk.window.lo;
-    const uint64_t c0 = counter_base(&bk - buckets_.data()) + (uint64_t)(layout_.rank * bk.slice_numel);
+    const int64_t so = bk.window.offset - bk.window.lo;   // Note [State windows]
+    const uint64_t c0 = bk.window.counter;
     if (!armed.adam.empty()) {
         TORCH_CHECK(g < (int64_t)armed.adam.size(), "zero_ext: internal: missing hyperparameters for group ", g);
         zx_adam_hparams h = armed.adam[g];

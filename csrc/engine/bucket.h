@@ -29,6 +29,7 @@ struct GatherGroup;
 struct StateWindow {
     int64_t lo = 0, numel = 0;         // inside the slice
     int64_t offset = 0;                // inside the flat states
+    uint64_t counter = 0;              // Note [bf16 optimizer states]: the slice's element 0's rounding counter
 };
 
 // What a bucket is, fixed once the plan is turned into tensors (layout.cpp; the state

@@ -317,8 +317,6 @@ private:
     // pieces := the cut parameters (their edits).
     void copy_cut_params(bool into_params);
     void plan_state_windows();
-    // Note [bf16 optimizer states]: the rounding counter of bucket b's element 0.
-    uint64_t counter_base(int64_t b) const;
     void commit_frozen(int64_t u, int64_t src);
     void open_frozen_fp32(int64_t u);
     void release_all_frozen();
@@ -358,7 +356,7 @@ private:
     GradReducer reducer_;                  // backward's reductions: the pass, the ring, what is in flight
     ShardBuffers shard_;                   // this rank's gradient sums, master (or remainders) and states
     UnitStore units_;                      // stage 3: units' buckets and views, frozen parameters, node parts
-    StepBook book_;                        // gradients seen, groups stepping, steps, runs (Note [Unused parameters])
+    StepBook book_;                        // gradients seen, steps, runs (Note [Unused parameters])
     ParamGather gather_;                   // the gather kind (param_quant's or exact); stages 1-2: gathers in flight
 };
 

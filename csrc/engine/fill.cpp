@@ -21,8 +21,11 @@ namespace zx {
 void Engine::plan_state_windows() {
     const int64_t r = layout_.opts.stage == 0 ? 0 : layout_.rank;
     int64_t at = 0;
+    uint64_t before = 0;   // unpadded elements of the buckets before (Note [bf16 optimizer states])
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
+        bk.window.counter = before + (uint64_t)(r * bk.slice_numel);
+        before += (uint64_t)bk.numel;
         bk.window.lo = 0;
         bk.window.numel = bk.slice_numel;
         if (bk.atomic) {

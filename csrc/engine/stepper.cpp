@@ -36,10 +36,11 @@ const int64_t *step_ptr(const at::Tensor &steps, int64_t group) {
 //   instead of being rounded away. The parameter update uses the fp32 states of the
 //   step, and the master stays fp32. amsgrad has no bf16 form (refused by zeroify).
 //   The random bits of an element are a hash of (seed, counter) alone:
-//     seed     kStateSeed (engine.h) + the element's step count (hp.step / the device step):
+//     seed     kStateSeed (fused_ops.h) + the element's step count (hp.step / the device step):
 //              new bits every step, the same on every rank and thread count;
-//     counter  the element's position in its bucket + counter_base(bucket), the
-//              unpadded elements of the buckets before it. Element-granular buckets
+//     counter  the element's position in its bucket + the unpadded elements of the
+//              buckets before it (StateWindow::counter, fill.cpp, counts from this
+//              rank's slice: its element 0's counter). Element-granular buckets
 //              hold their parameters packed in an order that does not depend on the
 //              world size (only the padding after them does), so an element draws the
 //              same bits at any world size and stage 1/2: with the same gradients the
@@ -49,11 +50,6 @@ const int64_t *step_ptr(const at::Tensor &steps, int64_t group) {
 //              buckets follow its units. Padding elements share counters with the next
 //              bucket's first ones, which is harmless: they stay exactly zero.
 //   With offload the host kernels step the host's bf16 states (kernels_.step()).
-uint64_t Engine::counter_base(int64_t b) const {
-    uint64_t at = 0;
-    for (int64_t k = 0; k < b; k++) at += (uint64_t)buckets_[k].numel;
-    return at;
-}
 
 // Note [One fused step]
 //   step_adam and step_sgd are one loop, step_fused<Op>, over the buckets of the groups
@@ -119,10 +115,7 @@ void Engine::step_fused(const std::vector<typename Op::Hparams> &hps, const Grou
     wait_params();
     const Op op = fused_op(hps);
     settle_masters();   // Note [Split master in the engine]: step the split form
-    uint64_t counter = 0;   // Note [bf16 optimizer states]: counter_base of the bucket
     for (auto &bk : buckets_) {
-        const uint64_t base = counter;
-        counter += (uint64_t)bk.numel;
         // Whole tensors / another part's groups; a mixed bucket's pieces (Note [Cut parameters]).
         if (bk.atomic ? !bk.mixed : !groups.has(bk.group)) continue;
         const int64_t b = &bk - buckets_.data();
@@ -130,10 +123,7 @@ void Engine::step_fused(const std::vector<typename Op::Hparams> &hps, const Grou
         char *lp = off_ ? nullptr : (char *)lp_out(bk);   // offload: upload() casts after the step
         if (off_) off_->wait_bucket(b);                   // Note [Optimizer offload]: this bucket alone
         const at::Tensor gs = off_ ? host_grad_slice(bk) : grad_shard_slice(bk);
-        // Note [State windows]: the states hold this bucket's window only. Note [bf16 optimizer
-        // states]: the counter of the owned slice's element 0.
-        const Op on = op.at(bk.window.offset - bk.window.lo,
-                            base + (uint64_t)((layout_.opts.stage == 0 ? 0 : layout_.rank) * bk.slice_numel));
+        const Op on = op.at(bk.window.offset - bk.window.lo, bk.window.counter);   // Note [State windows]
         if (ctl.defined()) {   // Note [Step control]: device step counts, one call per bucket
             TORCH_CHECK(!bk.atomic, "zero_ext: internal: step control with tensor-atomic buckets");
             TORCH_CHECK(!off_, "zero_ext: internal: step control with offload");
