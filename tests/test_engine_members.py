@@ -1,6 +1,7 @@
 """The engine stays a set of small owners (csrc/engine/): no class there holds more than
 OWNER_LIMIT data members, and Engine itself, the facade over them, no more than
-ENGINE_LIMIT. Lower ENGINE_LIMIT when an owner takes members over from it.
+ENGINE_LIMIT. Lower ENGINE_LIMIT when an owner takes members over from it, and MEMBER_FILES
+when a member's users move into fewer files.
 
 A data member is a declarator in a class body, counted from the header's text (comments
 and template arguments stripped): in a `class`, every one (`rank_`, and a public `meter`
@@ -13,6 +14,9 @@ import re
 ENGINE_DIR = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "engine"
 ENGINE_LIMIT = 12
 OWNER_LIMIT = 12
+# test_engine_members_spread_over_no_more_files: (member, file) pairs, Engine's members over
+# csrc/engine/*.cpp (12 when each member is used in one file; 83 when this came)
+MEMBER_FILES = 83
 CLASS = re.compile(r"^(?:class|struct)\s+(\w+)[^;{]*\{", re.M)
 
 
@@ -95,3 +99,24 @@ def test_engine_and_its_owners_stay_small():
     big = {k: len(v) for k, v in found.items() if len(v) > OWNER_LIMIT}
     assert not big, f"owner classes over the limit of {OWNER_LIMIT} data members (split them): {big}"
     assert len(found) >= 10, sorted(found)   # the owners were found at all
+
+
+def member_files() -> dict[str, list[str]]:
+    """Each Engine data member: the csrc/engine/*.cpp files that name it as the engine's
+    own (not as `x.member` or `p->member` of another object)."""
+    members = data_members((ENGINE_DIR / "engine.h").read_text(), "Engine")
+    sources = {p.name: re.sub(r"//[^\n]*", "", p.read_text()) for p in sorted(ENGINE_DIR.glob("*.cpp"))}
+    return {m: [name for name, text in sources.items() if re.search(rf"(?<![\w.>]){re.escape(m)}\b", text)]
+            for m in members}
+
+
+def test_engine_members_spread_over_no_more_files():
+    """Where an Engine member is used: the aim is one file per member (an owner's state used
+    by the code of that owner). MEMBER_FILES is the sum over members of the files using each;
+    lower it when code moves into the owner of the state it uses."""
+    spread = member_files()
+    print("\n".join(f"{m}: {len(f)} {' '.join(f)}" for m, f in spread.items()))
+    total = sum(len(f) for f in spread.values())
+    assert all(spread.values()), f"members no .cpp file uses (or the search broke): {spread}"
+    assert total <= MEMBER_FILES, (f"Engine's members are used in {total} (member, file) pairs, more than "
+                                   f"{MEMBER_FILES}: use an owner's state through the owner, in its own file")
