@@ -57,6 +57,8 @@ struct FullParams {
     WorkPtr work;                      // the all-gather in flight, if any
     std::shared_ptr<GatherGroup> group;   // the coalesced all-gather in flight, if any
     at::Tensor fp32_values;            // low precision: full fp32 values while initializing
+
+    bool requested() const { return gathered || work || group; }   // gathered or in flight
 };
 
 // One bucket of the plan, as tensors: its shape and what changes as it runs.

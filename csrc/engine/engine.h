@@ -295,7 +295,6 @@ private:
     void wait_gather(Bucket &bk);
     void finish_group(const std::shared_ptr<GatherGroup> &g);
     void launch_gather(Bucket &bk);    // allocate flat_param; one all-gather
-    std::vector<Bucket *> unit_gather_buckets(int64_t u);   // trainable, then frozen
     // this rank's slice of bk in param_dtype: its shard, or (stage 3, low param_dtype) its
     // master cast into dst
     at::Tensor gather_source(Bucket &bk, at::Tensor dst);

@@ -12,7 +12,7 @@ namespace zx {
 //   visit. Its padded size is a multiple of partitions * align; this rank's
 //   slice lives in FrozenParams' shard (param_dtype), the only persistent copy. The
 //   bucket is gathered and released with its unit (gather_unit and gather_units
-//   take it through unit_gather_buckets; release_unit, commit_unit and
+//   take it through UnitStore::members; release_unit, commit_unit and
 //   open_unit_fp32 call the *_frozen functions below), its storage
 //   resized as a trainable bucket's (Note [Stage 3 parameter lifetime]). In
 //   backward a trainable bucket is released when its last gradient is staged;

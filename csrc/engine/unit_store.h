@@ -4,7 +4,7 @@
 // rank's slices in param_dtype that the gathers read (Note [Optimizer offload]), the bytes
 // of gathered parameters held, the frozen parameters sharded per unit (Note [Stage 3 frozen
 // parameters]) and, with node_size, the node-local parts (Note [Hierarchical partitioning]).
-// The gathers and releases themselves are the engine's (units.cpp).
+// The gathers and releases themselves are the engine's (units.cpp), over members(u).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,6 +31,20 @@ public:
     const std::vector<int64_t> &buckets(int64_t u) const {
         TORCH_CHECK(u >= 0 && u < count(), "zero_ext: internal: no unit ", u);
         return buckets_[u];
+    }
+    // Everything a gather of unit u brings: its trainable buckets (of `all`, the engine's),
+    // then its frozen one.
+    std::vector<Bucket *> members(int64_t u, std::vector<Bucket> &all) {
+        std::vector<Bucket *> out;
+        for (int64_t b : buckets(u)) out.push_back(&all[(size_t)b]);
+        if (Bucket *f = frozen.of_unit(u)) out.push_back(f);
+        return out;
+    }
+    std::vector<const Bucket *> members(int64_t u, const std::vector<Bucket> &all) const {
+        std::vector<const Bucket *> out;
+        for (int64_t b : buckets(u)) out.push_back(&all[(size_t)b]);
+        if (const Bucket *f = frozen.of_unit(u)) out.push_back(f);
+        return out;
     }
 
     std::vector<at::Tensor> param_views;   // param i's view into its bucket's flat_param

@@ -111,13 +111,6 @@ int64_t Engine::subject_of(const Bucket &bk) const {
     return bk.frozen ? (int64_t)buckets_.size() + units_.frozen.index(bk) : (int64_t)(&bk - buckets_.data());
 }
 
-std::vector<Bucket *> Engine::unit_gather_buckets(int64_t u) {
-    std::vector<Bucket *> out;
-    for (int64_t b : units_.buckets(u)) out.push_back(&buckets_[b]);
-    if (Bucket *f = units_.frozen.of_unit(u)) out.push_back(f);
-    return out;
-}
-
 void Engine::launch_gather(Bucket &bk) {
     const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
     kernels_.device->resize_storage(bk.flat_param, bytes);
@@ -142,14 +135,12 @@ void Engine::launch_gather(Bucket &bk) {
                                : gather_.start(comm_, subject_of(bk), bk.flat_param, in, master);
 }
 
-static bool requested(const Bucket &bk) { return bk.full.gathered || bk.full.work || bk.full.group; }
-
 bool Engine::gather_unit(int64_t u, bool wait) {
     TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: internal: gather_unit is a stage-3 operation");
     bool prefetched = true;
-    for (Bucket *bk : unit_gather_buckets(u)) {
+    for (Bucket *bk : units_.members(u, buckets_)) {
         if (bk->full.gathered) continue;
-        if (!requested(*bk)) {
+        if (!bk->full.requested()) {
             prefetched = false;
             launch_gather(*bk);
         }
@@ -162,8 +153,8 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
     TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: internal: gather_units is a stage-3 operation");
     std::vector<Bucket *> todo;
     for (int64_t u : units)
-        for (Bucket *bk : unit_gather_buckets(u))
-            if (!requested(*bk) && std::find(todo.begin(), todo.end(), bk) == todo.end()) todo.push_back(bk);
+        for (Bucket *bk : units_.members(u, buckets_))
+            if (!bk->full.requested() && std::find(todo.begin(), todo.end(), bk) == todo.end()) todo.push_back(bk);
     // Coalesce the buckets in the parameters' dtype; anything else goes alone (and
     // quantized gathers, which carry records rather than slices, and gathers from
     // node-local secondary parts).
@@ -203,7 +194,7 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
 }
 
 void Engine::release_unit(int64_t u, bool keep) {
-    for (Bucket *bk : unit_gather_buckets(u)) {   // trainable, then frozen
+    for (Bucket *bk : units_.members(u, buckets_)) {   // trainable, then frozen
         if (units_.secondary) {   // Note [Hierarchical partitioning]
             wait_gather(*bk);
             if (!keep)
@@ -273,23 +264,20 @@ void Engine::open_unit_fp32(int64_t u) {
 }
 
 bool Engine::unit_gathered(int64_t u) const {
-    for (int64_t b : units_.buckets(u))
-        if (!buckets_[b].full.gathered) return false;
-    const Bucket *f = units_.frozen.of_unit(u);
-    return f == nullptr || f->full.gathered;
+    for (const Bucket *bk : units_.members(u, buckets_))
+        if (!bk->full.gathered) return false;
+    return true;
 }
 
 bool Engine::unit_requested(int64_t u) const {
-    for (int64_t b : units_.buckets(u))
-        if (!requested(buckets_[b])) return false;
-    const Bucket *f = units_.frozen.of_unit(u);
-    return f == nullptr || requested(*f);
+    for (const Bucket *bk : units_.members(u, buckets_))
+        if (!bk->full.requested()) return false;
+    return true;
 }
 
 int64_t Engine::unit_numel(int64_t u) const {
-    const Bucket *f = units_.frozen.of_unit(u);
-    int64_t n = f != nullptr ? f->padded_numel : 0;
-    for (int64_t b : units_.buckets(u)) n += buckets_[b].padded_numel;
+    int64_t n = 0;
+    for (const Bucket *bk : units_.members(u, buckets_)) n += bk->padded_numel;
     return n;
 }
 
