@@ -392,7 +392,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         none given), in param_shards() order (Note [Fragment views]: a fragment's `bucket`
         indexes this list)."""
         inner = {gi: list(g["params"]) for gi, g in zip(self._shard_group_ids, self._shard_opt.param_groups)}
-        return [inner[gi].pop(0) for gi in self._engine.bucket_groups(list(groups))]
+        return [inner[gi].pop(0) for gi in self._engine.bucket_groups(groups)]
 
     @contextlib.contextmanager
     def _keep_unstepped(self, groups):

@@ -47,21 +47,18 @@ void Engine::step_landed(Bucket &bk, const at::Tensor &grad) {
     const int64_t g = bk.group, step = armed.steps + 1;
     settle_masters();   // Note [Split master in the engine]
     char *lp = (char *)lp_out(bk);
-    const int64_t so = bk.window.offset - bk.window.lo;   // Note [State windows]
-    const uint64_t c0 = bk.window.counter;
-    if (!armed.adam.empty()) {
-        TORCH_CHECK(g < (int64_t)armed.adam.size(), "zero_ext: internal: missing hyperparameters for group ", g);
-        zx_adam_hparams h = armed.adam[g];
-        AdamOp::at_step(h, step);
-        step_range(*kernels_.device, bk, 0, bk.slice_numel, grad, fused_op(armed.adam).at(so, c0), lp, h, nullptr,
-                   nullptr);
-    } else {
-        TORCH_CHECK(g < (int64_t)armed.sgd.size(), "zero_ext: internal: missing hyperparameters for group ", g);
-        zx_sgd_hparams h = armed.sgd[g];
-        SgdOp::at_step(h, step);
-        step_range(*kernels_.device, bk, 0, bk.slice_numel, grad, fused_op(armed.sgd).at(so, c0), lp, h, nullptr,
-                   nullptr);
-    }
+    // Note [One fused step] (stepper.cpp): the whole slice, with the armed optimizer's Op
+    const auto land = [&](const auto &hps) {
+        TORCH_CHECK(g < (int64_t)hps.size(), "zero_ext: internal: missing hyperparameters for group ", g);
+        const auto op = fused_op(hps).at(bk.window.offset - bk.window.lo, bk.window.counter);   // Note [State windows]
+        auto h = hps[g];
+        op.at_step(h, step);
+        step_range(*kernels_.device, bk, 0, bk.slice_numel, grad, op, lp, h, nullptr, nullptr);
+    };
+    if (!armed.adam.empty())
+        land(armed.adam);
+    else
+        land(armed.sgd);
     armed.stepped = true;
 }
 

@@ -85,16 +85,13 @@ public:
     void timed_wait(const WorkPtr &work, const char *what);
     double waited_s() const { return (double)waited_ns_ * 1e-9; }
 
-    // Note [Communication delay]: every collective launched here takes at least ms
-    // longer; serialize: the launch waits for it (no overlap at all). device_kern: the
-    // kernel table of a CUDA engine (the sleep runs on a side stream), null on the CPU.
+    // Note [Communication delay]: every collective launched here goes through CommDelay.
     void set_delay(double ms, bool serialize, Kernels *device_kern) { delay_.set(ms, serialize, device_kern); }
     double delay_ms() const { return delay_.ms(); }
 
     // Bytes and calls per kind, as stats()["comm"] reports them (Note [Engine stats], engine/stats.h);
     // count.used_flags: Note [Unused parameters]'s one byte per parameter per step.
     CommStats count;
-    const CommStats &counters() const { return count; }
     Sequence seq;   // records every collective issued here; the engine sets seq.subject()
 
 private:

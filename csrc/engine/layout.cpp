@@ -475,7 +475,7 @@ EngineStats Engine::stats() const {
     st.reduce_scatter_impl = reducer_.quantized() ? (o.grad_quant_bits == 8 ? "alltoall-int8" : "alltoall-int4")
                              : o.alltoall_reduce_scatter ? "alltoall" : "native";
     st.param_gather_impl = gather_.quantized() ? "allgather-int8" : "allgather";
-    st.comm = comm_.counters();
+    st.comm = comm_.count;
     st.comm_wait_s = comm_.waited_s() + (units_.secondary ? units_.secondary->comm().waited_s() : 0.0);
     st.comm_delay_ms = comm_.delay_ms();
     if (units_.secondary) st.comm_groups = units_.secondary->group_stats(comm_);   // Note [Per-group byte counters]

@@ -74,7 +74,7 @@ static CommCounter minus(const CommCounter &a, const CommCounter &b) {
 
 CommGroupStats Secondary::group_stats(const Communicator &w) const {
     const int64_t L = comm_.world(), N = world_;
-    const CommStats all = w.counters();
+    const CommStats &all = w.count;
     CommGroupStats g;
     for (CommCounter CommStats::*kind : kCommKinds) {
         g.inter.*kind = share(all.*kind, N - L, N);

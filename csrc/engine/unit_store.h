@@ -34,17 +34,9 @@ public:
     }
     // Everything a gather of unit u brings: its trainable buckets (of `all`, the engine's),
     // then its frozen one.
-    std::vector<Bucket *> members(int64_t u, std::vector<Bucket> &all) {
-        std::vector<Bucket *> out;
-        for (int64_t b : buckets(u)) out.push_back(&all[(size_t)b]);
-        if (Bucket *f = frozen.of_unit(u)) out.push_back(f);
-        return out;
-    }
+    std::vector<Bucket *> members(int64_t u, std::vector<Bucket> &all) { return members_of(*this, u, all); }
     std::vector<const Bucket *> members(int64_t u, const std::vector<Bucket> &all) const {
-        std::vector<const Bucket *> out;
-        for (int64_t b : buckets(u)) out.push_back(&all[(size_t)b]);
-        if (const Bucket *f = frozen.of_unit(u)) out.push_back(f);
-        return out;
+        return members_of(*this, u, all);
     }
 
     std::vector<at::Tensor> param_views;   // param i's view into its bucket's flat_param
@@ -54,6 +46,13 @@ public:
     std::unique_ptr<Secondary> secondary;  // node_size (1 <= L < world): the node-local parts, else null
 
 private:
+    template <class Self, class Buckets>   // members(), const or not
+    static auto members_of(Self &self, int64_t u, Buckets &all) -> std::vector<decltype(&all[0])> {
+        std::vector<decltype(&all[0])> out;
+        for (int64_t b : self.buckets(u)) out.push_back(&all[(size_t)b]);
+        if (auto *f = self.frozen.of_unit(u)) out.push_back(f);
+        return out;
+    }
     std::vector<std::vector<int64_t>> buckets_;   // unit -> its buckets
 };
 
