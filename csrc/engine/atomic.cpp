@@ -16,7 +16,7 @@ std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Engine::owned_tensors(c
     const int64_t r = layout_.opts.stage == 0 ? 0 : layout_.rank;
     for (auto &bk : buckets_) {
         if (!bk.atomic || !cover.has(bk.group)) continue;
-        at::Tensor master = master_slice(bk), grad = grad_shard_slice(bk);
+        at::Tensor master = master_slice(bk), grad = view().grad(bk);
         for (int64_t i : bk.params) {
             if (zx_plan_owner(layout_.plan, i) != r) continue;
             zx_param_loc loc;

@@ -7,6 +7,7 @@
 // creates one Engine per zeroify() call and calls into it from thin hooks.
 //
 // The Engine class, one file per concern, and the owners it holds (csrc/engine/):
+//   engine.cpp       the facade's calls handed to an owner (the Stepper's, so far)
 //   layout.cpp       the buckets, shards and views built from the plan; stats
 //   layout.h         Layout, fixed at construction: options (options.h), device and dtypes, the plan, this
 //                    rank's place, each parameter's group, shape and bucket
@@ -21,8 +22,10 @@
 //   gatherer.cpp     parameter all-gather (stages 0-2)
 //   units.cpp        stage-3 units: gathered (alone or coalesced), released, opened at fp32, committed
 //   param_gather.h   ParamGather: the gather kind (exact / param_quant, chosen once), stage 1-2 gathers in flight
-//   stepper.cpp      optimizer steps (one loop, Note [One fused step]), gradient norm and scaling, casts
+//   stepper.h/.cpp   Stepper: optimizer steps (one loop, Note [One fused step]), gradient norm and
+//                    scaling, casts; lent the buckets and the shard per call, it keeps no state
 //   fused_ops.h      AdamOp, SgdOp: the fused optimizers as one interface for that loop
+//   shard_view.h/.cpp ShardView: a bucket's slices of this rank's shard (gradient, master, low-precision copy)
 //   groups.h         Groups: the param groups a call covers (Note [Groups as an argument])
 //   comm.h/.cpp      Communicator: collectives on the process group, counters
 //   sequence.h/.cpp  the collective sequence check: divergent ranks named, not hung
@@ -41,7 +44,7 @@
 //   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
 //                    the per-device kernel table (Note [Kernel table])
 //   offload.h/.cpp   offload="cpu": host rings, copy stream, landing worker (Note [Optimizer offload])
-//   backward_step.cpp step_in_backward: each bucket steps as its gradient lands (Note [Step in backward])
+//   backward_step.cpp Stepper::land: each bucket steps as its gradient lands (Note [Step in backward])
 //   master_split.h/.cpp the bf16 stage 0-2 master as a remainder (Note [Split master in the engine])
 #pragma once
 
@@ -58,13 +61,14 @@
 #include "core/zx_core.h"
 #include "engine/bucket.h"    // defines: Bucket, BucketShape, StateWindow, FullParams, GatherGroup
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
-#include "engine/fused_ops.h" // defines: AdamOp, SgdOp (Note [One fused step]), kStateSeed
 #include "engine/grad_reducer.h"   // defines: GradReducer (backward's reductions), ReduceKind
 #include "engine/groups.h"    // defines: Groups (Note [Groups as an argument])
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
 #include "engine/layout.h"    // defines: Layout, and (options.h) EngineOptions, Dtypes
 #include "engine/offload.h"   // defines: Offload (offload="cpu")
 #include "engine/shard_buffers.h"   // defines: ShardBuffers (gradient, master, split master, optimizer states)
+#include "engine/shard_view.h"     // defines: ShardView (a bucket's slices of the shard)
+#include "engine/stepper.h"        // defines: Stepper (Note [One fused step]); AdamOp, SgdOp, kStateSeed
 #include "engine/params.h"        // defines: Params (the tensors; Note [Cut parameters])
 #include "engine/param_gather.h"   // defines: ParamGather (the gather kind, stage 1-2 gathers in flight)
 #include "engine/sharded_grads.h"  // defines: ShardedGrads (what .grad is; Note [Sharded gradients])
@@ -118,7 +122,7 @@ public:
     // Generic path: this rank's parameter / gradient shard views, one per bucket.
     std::vector<at::Tensor> param_shards(const std::vector<int64_t> &groups = {});
     std::vector<at::Tensor> grad_shards(const std::vector<int64_t> &groups = {});
-    std::vector<int64_t> bucket_groups(const std::vector<int64_t> &groups = {}) const;
+    std::vector<int64_t> bucket_groups(const std::vector<int64_t> &groups = {});
     // Where rank r's shard holds pieces of parameters (any r, from the plan):
     // (param index, offset in the flattened parameter, offset in the flat shard, numel).
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
@@ -245,7 +249,7 @@ public:
     EngineStats stats() const;
     std::optional<OffloadStats> offload_stats() const;   // offload="cpu": host bytes and copies (none without)
 
-    // --- step in backward (backward_step.cpp, Note [Step in backward]) ---
+    // --- step in backward (engine.cpp, backward_step.cpp: Note [Step in backward]) ---
     // The fused step every bucket of the coming reducing backward takes as its gradient
     // lands: one set of hyperparameters per param group (their step counts are ignored:
     // backward_steps() + 1).
@@ -301,17 +305,10 @@ private:
     int64_t subject_of(const Bucket &bk) const;             // its index for the sequence check
     void release_bucket(Bucket &bk);
     void mark_gathered(Bucket &bk);    // stage 3: parameters point at the full bucket again
-    float *master(Bucket &bk);         // this rank's fp32 parameter slice
-    void *lp_out(Bucket &bk);          // where the step writes the low-precision copy, or null
-    at::Tensor master_slice(Bucket &bk);
-    at::Tensor lp_slice(Bucket &bk);   // stages 0-2: the owned slice of flat_param
+    at::Tensor master_slice(Bucket &bk);   // the fp32 master of bk's slice, a split master joined first
     void absorb(at::Tensor master, const at::Tensor &lp_new);
     void launch_param_gather(int64_t b);   // bucket b's all-gather (stages 1-2)
-    at::Tensor owned_slice(const at::Tensor &flat, const Bucket &bk) const;
-    at::Tensor grad_shard_slice(const Bucket &bk);
     void ensure_step_tables();         // book_ has read this rank's fragments from the plan
-    // Note [Unused parameters]: the stretches of bk's slice that step (mixed: one per parameter piece)
-    std::vector<StepRun> step_runs(const Bucket &bk) const;
     // into_params: cut parameters := their pieces of the gathered buckets; else the
     // pieces := the cut parameters (their edits).
     void copy_cut_params(bool into_params);
@@ -320,30 +317,16 @@ private:
     void open_frozen_fp32(int64_t u);
     void release_all_frozen();
     at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(layout_.dev); }
-    // Where the master, the states and the gradient shard live (Note [Optimizer offload]).
-    at::TensorOptions on_shard(at::ScalarType dt) const {
-        return layout_.opts.offload ? Offload::host(dt) : on_device(dt);
-    }
-    at::Tensor host_grad_slice(const Bucket &bk);   // offload: bucket bk's slice of the host gradient shard
-    void upload(Bucket &bk);           // offload: the master slice, in param_dtype, into the owned slice
     // Note [Split master in the engine]: an fp32 master shard joined on demand (authoritative
     // while it exists), and settled back (rounded into the parameters, split, freed).
     void settle_masters();
-    const uint16_t *hi_bits(Bucket &bk);   // the owned slice of flat_param, bf16 bits
-    // Note [One fused step] (stepper.cpp): step_fused steps the groups' buckets with Op (fused_ops.h);
-    // step_range the stretch [lo, lo + n) of bk's slice (grad: the whole slice's; lp: its low-precision
-    // parameters, or null); fused_op: the states' pointers for hps (created on demand).
-    template <class Op>
-    void step_fused(const std::vector<typename Op::Hparams> &hps, const Groups &groups, const at::Tensor &ctl,
-                    const at::Tensor &steps);
-    template <class Op>
-    void step_range(Kernels &k, Bucket &bk, int64_t lo, int64_t n, const at::Tensor &grad, const Op &op, char *lp,
-                    const typename Op::Hparams &hp, const double *ctl, const int64_t *step);
-    AdamOp fused_op(const std::vector<zx_adam_hparams> &hps);
-    SgdOp fused_op(const std::vector<zx_sgd_hparams> &hps);
+    // This rank's shard seen bucket by bucket (shard_view.h), and the Stepper lent it and the
+    // buckets for one call (stepper.h, Note [One fused step]); made per call, owning nothing.
+    ShardView view() { return {layout_, shard_, off_.get()}; }
+    Stepper stepper() { return {buckets_, view(), kernels_, book_, units_.param_shard}; }
+    void before_step();                // what a fused step waits for: reductions, gathers, a split master settled
     // step_in_backward: bucket bk's fused step on its reduced gradient slice grad (sums)
     void step_landed(Bucket &bk, const at::Tensor &grad);
-    at::Tensor landing(int64_t numel);   // step_in_backward, all-to-all: where the slices are summed
 
     Params params_;                        // the parameters' tensors and where each lies (Note [Cut parameters])
     ShardedGrads sharded_grads_;           // what .grad is: stage 0-1 views; Note [Sharded gradients]' wrappers

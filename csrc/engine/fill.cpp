@@ -50,12 +50,6 @@ std::vector<std::tuple<int64_t, int64_t, int64_t>> Engine::state_windows() const
     return out;
 }
 
-at::Tensor Engine::state(const std::string &name) {
-    // Note [bf16 optimizer states]: Adam's two moments in bf16 when asked; others stay fp32.
-    const bool low = layout_.opts.state_dtype == "bf16" && (name == "exp_avg" || name == "exp_avg_sq");
-    return shard_.states.get(name, on_shard(low ? at::kBFloat16 : at::kFloat));   // Note [Optimizer offload]
-}
-
 // Note [Cut parameters]
 //   With Muon/Adafactor beside an elementwise optimizer, the planner fills the
 //   padding of tensor-atomic buckets with pieces of element-granular parameters

@@ -126,7 +126,7 @@ void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> uni
             p.set_data(view);
             units_.frozen.set_home(i, view);
         }
-        if (layout_.opts.copy_params) units_.frozen.slice(bk).copy_(owned_slice(bk.flat_param, bk));
+        if (layout_.opts.copy_params) units_.frozen.slice(bk).copy_(view().owned(bk.flat_param, bk));
         bk.full.gathered = true;
         units_.meter.add(bk.flat_param.nbytes());
         release_bucket(bk);
@@ -151,13 +151,13 @@ void Engine::commit_frozen(int64_t u, int64_t src) {
     comm_.seq.subject(subject_of(*bk), u);
     if (bk->full.fp32_values.defined()) {   // open_unit_fp32: full-precision values, rounded once
         broadcast_tensors({bk->full.fp32_values}, src);
-        units_.frozen.slice(*bk).copy_(owned_slice(bk->full.fp32_values, *bk));
+        units_.frozen.slice(*bk).copy_(view().owned(bk->full.fp32_values, *bk));
         release_bucket(*bk);
         return;
     }
     TORCH_CHECK(bk->full.gathered, "zero_ext: internal: commit_unit needs unit ", u, " gathered");
     broadcast_tensors({bk->flat_param}, src);
-    units_.frozen.slice(*bk).copy_(owned_slice(bk->flat_param, *bk));
+    units_.frozen.slice(*bk).copy_(view().owned(bk->flat_param, *bk));
 }
 
 void Engine::open_frozen_fp32(int64_t u) {

@@ -37,7 +37,7 @@ void Engine::absorb_param_edits() {
     if (!layout_.dtypes.low() && !gather_.quantized() && !off_) return;   // the owned slice is the master
     // Note [Split master in the engine]: without a joined master the edits already are its top halves
     if (shard_.split && !shard_.master.defined()) return;
-    for (auto &bk : buckets_) absorb(master_slice(bk), owned_slice(bk.flat_param, bk));
+    for (auto &bk : buckets_) absorb(master_slice(bk), view().owned(bk.flat_param, bk));
 }
 
 void Engine::all_gather_params(const std::vector<int64_t> &groups) {
@@ -69,7 +69,7 @@ void Engine::all_gather_params(const std::vector<int64_t> &groups) {
 
 void Engine::launch_param_gather(int64_t b) {
     Bucket &bk = buckets_[b];
-    at::Tensor in = owned_slice(bk.flat_param, bk);   // in place: the owned slice of the output
+    at::Tensor in = view().owned(bk.flat_param, bk);   // in place: the owned slice of the output
     comm_.seq.subject(b, -1);
     gather_.launch(comm_, b, bk.flat_param, in, [&] { return master_slice(bk); });
     params_.gathered();

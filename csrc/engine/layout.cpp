@@ -166,7 +166,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     // param_quant: the owned slice of flat_param holds dequantized values, so the
     // master is a shard of its own (Note [Quantized parameter gather]); so does offload.
     if (s3 || layout_.dtypes.low() || gather_.quantized() || opts.offload)
-        shard_.master = at::zeros({layout_.shard_numel}, on_shard(at::kFloat));
+        shard_.master = at::zeros({layout_.shard_numel}, view().on_shard(at::kFloat));
     layout_.bucket_of.assign(n, -1);
     layout_.offset_of.assign(n, 0);
     sharded_grads_.views.resize(n);
@@ -251,9 +251,9 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         if (at < bk.padded_numel) bk.gaps.emplace_back(at, bk.padded_numel - at);
         if (opts.copy_params && layout_.dtypes.low()) {
             bk.flat_param.copy_(src32);                            // rounds to param_dtype
-            master_slice(bk).copy_(owned_slice(src32, bk));
+            master_slice(bk).copy_(view().owned(src32, bk));
         } else if (opts.copy_params && (s3 || gather_.quantized() || opts.offload)) {
-            master_slice(bk).copy_(owned_slice(bk.flat_param, bk));
+            master_slice(bk).copy_(view().owned(bk.flat_param, bk));
         }
         if (s3) {
             // Keep only this rank's slice (Note [Stage 3 parameter lifetime]).
@@ -288,7 +288,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         off_ = std::make_unique<Offload>(layout_.dev, layout_.dtypes.reduce, down, layout_.dtypes.param, slice, nb);
         if (s3) {   // what the unit gathers read: the master in param_dtype, kept current by upload()
             units_.param_shard = at::empty({layout_.shard_numel}, pt);
-            for (auto &bk : buckets_) upload(bk);
+            for (auto &bk : buckets_) stepper().upload(bk);
         }
     }
     // Note [Gradient layout]: stages 2-3 stage each gradient in a slot; more than one rank
@@ -319,46 +319,6 @@ Engine::~Engine() {
     } catch (...) {
     }
     zx_plan_free(layout_.plan);
-}
-
-at::Tensor Engine::owned_slice(const at::Tensor &flat, const Bucket &bk) const {
-    const int64_t r = layout_.opts.stage == 0 ? 0 : layout_.rank;
-    return flat.narrow(0, r * bk.slice_numel, bk.slice_numel);
-}
-
-at::Tensor Engine::grad_shard_slice(const Bucket &bk) {
-    if (off_) {   // every landing done: readers see the whole host shard
-        off_->drain();
-        return host_grad_slice(bk);
-    }
-    if (layout_.opts.stage >= 2) {
-        if (!shard_.grad.defined()) shard_.grad = at::zeros({layout_.shard_numel}, on_device(layout_.dtypes.reduce));
-        return shard_.grad.narrow(0, bk.shard_offset, bk.slice_numel);
-    }
-    return owned_slice(bk.flat_grad, bk);
-}
-
-at::Tensor Engine::host_grad_slice(const Bucket &bk) {
-    if (!shard_.grad.defined()) shard_.grad = at::zeros({layout_.shard_numel}, on_shard(layout_.dtypes.reduce));
-    return shard_.grad.narrow(0, bk.shard_offset, bk.slice_numel);
-}
-
-at::Tensor Engine::master_slice(Bucket &bk) {
-    join_masters();   // Note [Split master in the engine]: only with a split master
-    if (shard_.master.defined()) return shard_.master.narrow(0, bk.shard_offset, bk.slice_numel);
-    return owned_slice(bk.flat_param, bk);
-}
-
-float *Engine::master(Bucket &bk) { return master_slice(bk).data_ptr<float>(); }
-
-at::Tensor Engine::lp_slice(Bucket &bk) {
-    TORCH_CHECK(layout_.opts.stage < 3, "zero_ext: internal: stage 3 keeps no low-precision shard");
-    return owned_slice(bk.flat_param, bk);
-}
-
-// Stage 3 writes no low-precision copy: the gather casts (Note [Stage 3 parameter lifetime]).
-void *Engine::lp_out(Bucket &bk) {
-    return layout_.dtypes.low() && layout_.opts.stage < 3 ? lp_slice(bk).data_ptr() : nullptr;
 }
 
 double Engine::grad_divisor() const { return layout_.opts.stage == 0 ? 1.0 : (double)layout_.world; }

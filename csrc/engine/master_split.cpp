@@ -42,8 +42,6 @@ void MasterSplit::split(Kernels &k, int64_t b, const float *m, const uint16_t *h
                    ties_.data_ptr<uint8_t>() + tie_offset_[b] + at / 8);
 }
 
-const uint16_t *Engine::hi_bits(Bucket &bk) { return (const uint16_t *)lp_slice(bk).data_ptr(); }
-
 void Engine::enable_split_master() {
     if (shard_.split) return;
     TORCH_CHECK(layout_.opts.stage <= 2 && layout_.dtypes.param == at::kBFloat16 && !gather_.quantized() && !off_ &&
@@ -68,7 +66,7 @@ void Engine::join_masters() {
     shard_.master = at::empty({layout_.shard_numel}, on_device(at::kFloat));
     for (int64_t b = 0; b < (int64_t)buckets_.size(); b++) {
         Bucket &bk = buckets_[b];
-        shard_.split->join(*kernels_.device, b, hi_bits(bk), 0, bk.slice_numel,
+        shard_.split->join(*kernels_.device, b, view().hi_bits(bk), 0, bk.slice_numel,
                            shard_.master.data_ptr<float>() + bk.shard_offset);
     }
 }
@@ -80,8 +78,8 @@ void Engine::settle_masters() {
         Bucket &bk = buckets_[b];
         const float *m = shard_.master.data_ptr<float>() + bk.shard_offset;
         // the step's rounding
-        kernels_.device->cast_from_f32(bk.slice_numel, m, lp_slice(bk).data_ptr(), layout_.dtypes.param_zx);
-        shard_.split->split(*kernels_.device, b, m, hi_bits(bk), 0, bk.slice_numel);
+        kernels_.device->cast_from_f32(bk.slice_numel, m, view().lp(bk).data_ptr(), layout_.dtypes.param_zx);
+        shard_.split->split(*kernels_.device, b, m, view().hi_bits(bk), 0, bk.slice_numel);
     }
     shard_.master = at::Tensor();
 }

@@ -225,17 +225,17 @@ void Engine::launch(int64_t b) {
             if (layout_.opts.step_in_backward) {   // Note [Step in backward]
                 step_landed(bk, staged);
             } else if (off_) {   // Note [Optimizer offload]: added on the host as it lands
-                at::Tensor dst = host_grad_slice(bk);
+                at::Tensor dst = view().host_grad(bk);
                 off_->down(b, staged, bk.slot, [dst](const at::Tensor &v) { dst.add_(v); });
             } else {
-                grad_shard_slice(bk).add_(staged);
+                view().grad(bk).add_(staged);
             }
             release_slot(b);
         } else if (layout_.opts.step_in_backward) {   // stage 1: the bucket is its own shard, consumed
             step_landed(bk, bk.flat_grad);
             bk.flat_grad.zero_();
         } else if (off_) {   // stage 1: the bucket is its own shard; the host gets a copy
-            at::Tensor dst = host_grad_slice(bk);
+            at::Tensor dst = view().host_grad(bk);
             off_->down(b, bk.flat_grad, -1, [dst](const at::Tensor &v) { dst.copy_(v); });
         }
         return;
@@ -326,7 +326,7 @@ void GradReducer::launch_group(Communicator &comm) {
 
 void Engine::finish_reduce_group(ReduceGroup &g) {
     const Bucket &first = buckets_[g.members.front()];
-    grad_shard_slice(first);   // allocates the gradient shard at the first backward
+    view().grad(first);   // allocates the gradient shard at the first backward
     int64_t at = first.shard_offset;
     for (int64_t m : g.members) {
         TORCH_CHECK(buckets_[m].shard_offset == at, "zero_ext: internal: a reduction group's shard slices "
@@ -353,26 +353,26 @@ void Engine::complete(int64_t b) {
             const int64_t padded = bk.padded_numel, slice = bk.slice_numel;
             if (layout_.opts.step_in_backward && accumulate) {
                 // Note [Step in backward]: the step reads the reduced slice where it landed.
-                const auto land_at = [&](int64_t n) { return landing(n); };
+                const auto land_at = [&](int64_t n) { return view().landing(n); };
                 step_landed(bk, reducer_.reduced(bk.slot, padded, slice, land_at, *kernels_.device));
             } else if (off_ && accumulate) {
                 // Note [Optimizer offload]: what the collective left, finished on the host as it lands.
-                at::Tensor dst = host_grad_slice(bk);
+                at::Tensor dst = view().host_grad(bk);
                 off_->down(cur, reducer_.recv(bk.slot, padded, slice), bk.slot,
                            [this, padded, slice, dst](const at::Tensor &v) {
                                reducer_.finish(padded, slice, v, dst, true, kernels_.step());
                            });
             } else {
                 // stage 1 keeps the sum in its bucket (Note [Gradient sums in stages 1-2]); offload copies it down
-                at::Tensor dst = off_ ? owned_slice(bk.flat_grad, bk) : grad_shard_slice(bk);
+                at::Tensor dst = off_ ? view().owned(bk.flat_grad, bk) : view().grad(bk);
                 reducer_.land(bk.slot, padded, slice, dst, accumulate, *kernels_.device);
                 if (off_) {
-                    at::Tensor host = host_grad_slice(bk);
+                    at::Tensor host = view().host_grad(bk);
                     off_->down(cur, dst, -1, [host](const at::Tensor &v) { host.copy_(v); });
                 }
             }
             if (layout_.opts.stage == 1 && layout_.opts.step_in_backward) {
-                step_landed(bk, owned_slice(bk.flat_grad, bk));   // Note [Step in backward]: consumed
+                step_landed(bk, view().owned(bk.flat_grad, bk));   // Note [Step in backward]: consumed
                 bk.flat_grad.zero_();
             } else if (layout_.opts.stage == 1) {
                 // Note [Gradient sums in stages 1-2]: zero what this rank does not own.

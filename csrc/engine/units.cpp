@@ -103,7 +103,7 @@ at::Tensor Engine::gather_source(Bucket &bk, at::Tensor dst) {
     if (bk.frozen) return units_.frozen.slice(bk);
     if (off_) return units_.param_shard.narrow(0, bk.shard_offset, bk.slice_numel);   // Note [Optimizer offload]
     if (!layout_.dtypes.low()) return master_slice(bk);   // stage 3 fp32: the master is the slice
-    kernels_.device->cast_from_f32(bk.slice_numel, master(bk), dst.data_ptr(), layout_.dtypes.param_zx);
+    kernels_.device->cast_from_f32(bk.slice_numel, view().master_data(bk), dst.data_ptr(), layout_.dtypes.param_zx);
     return dst;
 }
 
@@ -116,7 +116,7 @@ void Engine::launch_gather(Bucket &bk) {
     kernels_.device->resize_storage(bk.flat_param, bytes);
     units_.meter.add(bytes);
     units_.meter.note_peak();
-    at::Tensor own = owned_slice(bk.flat_param, bk);
+    at::Tensor own = view().owned(bk.flat_param, bk);
     at::Tensor in = gather_source(bk, own);   // with a low param_dtype: cast into place
     if (layout_.world == 1) {
         if (!in.is_same(own)) own.copy_(in);
@@ -213,21 +213,21 @@ void Engine::commit_unit(int64_t u, int64_t src) {
         if (bk.full.fp32_values.defined()) {   // open_unit_fp32: full-precision values
             comm_.seq.subject(b, u);
             broadcast_tensors({bk.full.fp32_values}, src);
-            master_slice(bk).copy_(owned_slice(bk.full.fp32_values, bk));
-            if (off_) upload(bk);
+            master_slice(bk).copy_(view().owned(bk.full.fp32_values, bk));
+            if (off_) stepper().upload(bk);
             release_bucket(bk);
             continue;
         }
         TORCH_CHECK(bk.full.gathered, "zero_ext: internal: commit_unit needs unit ", u, " gathered");
         comm_.seq.subject(b, u);
         broadcast_tensors({bk.flat_param}, src);
-        const at::Tensor owned = owned_slice(bk.flat_param, bk);
+        const at::Tensor owned = view().owned(bk.flat_param, bk);
         if (layout_.dtypes.low() || gather_.quantized()) {
             absorb(master_slice(bk), owned);
         } else {
             master_slice(bk).copy_(owned);
         }
-        if (off_) upload(bk);   // Note [Optimizer offload]: what the next gathers read
+        if (off_) stepper().upload(bk);   // Note [Optimizer offload]: what the next gathers read
     }
     commit_frozen(u, src);
 }
