@@ -1,8 +1,11 @@
 // engine.cpp — the Engine facade's calls that hand the work to an owner: the optimizer
-// side goes to the Stepper (stepper.cpp, backward_step.cpp) over this rank's ShardView
+// side to the Stepper (stepper.cpp, backward_step.cpp) over this rank's ShardView
 // (shard_view.cpp), after the engine's own waits (reductions: reducer.cpp; gathers:
-// gatherer.cpp) and the split master's settling (master_split.cpp).
+// gatherer.cpp); the split master's join and settle to MasterSplit; the sequence check's
+// marks to the Communicator's Sequence; node_size's parts to Secondary.
 #include "engine/engine.h"
+
+#include <cstring>
 
 namespace zx {
 
@@ -102,6 +105,140 @@ void Engine::cast_masters(const std::vector<int64_t> &groups) {
     if (shard_.split) return settle_masters();   // the parameters hold the rounding unless a master was joined
     wait_params();
     stepper().cast_masters(Groups(groups));
+}
+
+// --- tensor-atomic parameters (atomic.cpp) ---
+
+std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Engine::owned_tensors(const std::vector<int64_t> &groups) {
+    join_masters();   // Note [Split master in the engine]: only with a split master
+    return stepper().owned_tensors(Groups(groups));
+}
+
+std::vector<int64_t> Engine::owners() const {
+    std::vector<int64_t> out(params_.size());
+    for (size_t i = 0; i < params_.size(); i++) out[i] = zx_plan_owner(layout_.plan, (int64_t)i);
+    return out;
+}
+
+AtomicStats Engine::atomic_stats() const {
+    AtomicStats st = AtomicStats::of(layout_, buckets_);
+    st.cut_params = (int64_t)cut_params().size();
+    return st;
+}
+
+// --- the step book's collective and step counts (Note [Unused parameters], unused.cpp) ---
+
+void Engine::ensure_step_tables() {
+    if (!book_.has_fragments() && !buckets_.empty())
+        book_.read_fragments(layout_.plan, (int64_t)buckets_.size(),
+                             (int32_t)(layout_.partitions > 1 ? layout_.rank : 0));
+}
+
+void Engine::begin_step(bool advance) {
+    ensure_step_tables();
+    if (units_.secondary) units_.secondary->drop_all();   // the masters change (Note [Hierarchical partitioning])
+    if (book_.agrees()) {
+        const std::vector<uint8_t> flags = book_.agreement_flags();
+        at::Tensor t = at::empty({(int64_t)flags.size()}, at::kByte);
+        std::memcpy(t.data_ptr<uint8_t>(), flags.data(), flags.size());
+        t = t.to(layout_.dev);
+        comm_.all_reduce_max_blocking(t, comm_.count.used_flags, "unused-parameter flags all-reduce");
+        t = t.cpu();
+        book_.begin(t.data_ptr<uint8_t>());
+    } else {
+        book_.begin(nullptr);
+    }
+    if (advance) advance_steps();
+}
+
+void Engine::advance_steps(const std::vector<int64_t> &groups) {
+    TORCH_CHECK(book_.begun(), "zero_ext: internal: advance_steps() without begin_step()");
+    const Groups cover(groups);
+    book_.advance([&](int64_t i) { return cover.has(layout_.group_of[i]); });
+}
+
+std::vector<int64_t> Engine::param_steps() { return book_.steps(); }
+
+void Engine::set_param_steps(const std::vector<int64_t> &steps) {
+    book_.set_steps(steps);
+}
+
+// --- the split master (Note [Split master in the engine], master_split.h) ---
+
+void Engine::enable_split_master() {
+    if (shard_.split) return;
+    TORCH_CHECK(layout_.opts.stage <= 2 && layout_.dtypes.param == at::kBFloat16 && !gather_.quantized() && !off_ &&
+                    shard_.master.defined(),
+                "zero_ext: master_remainder needs param_dtype='bf16' in stage 0, 1 or 2 without param_quant or "
+                "offload; pass master_remainder=False");
+    std::vector<int64_t> slices, offsets;
+    for (const auto &bk : buckets_) {
+        TORCH_CHECK(!bk.atomic, "zero_ext: master_remainder is for element-granular buckets (one fused "
+                    "optimizer); pass master_remainder=False");
+        slices.push_back(bk.slice_numel);
+        offsets.push_back(bk.shard_offset);
+    }
+    shard_.split = std::make_unique<MasterSplit>(slices, offsets, layout_.shard_numel, layout_.dev);
+    settle_masters();
+}
+
+// Bucket b's bf16 parameters (its owned slice of flat_param), which a split master completes.
+uint16_t *Engine::bf16_params(int64_t b) { return (uint16_t *)view().lp(buckets_[b]).data_ptr(); }
+
+void Engine::join_masters() {
+    if (!shard_.split || shard_.master.defined()) return;
+    wait_params();
+    shard_.master = at::empty({layout_.shard_numel}, on_device(at::kFloat));
+    shard_.split->join_all(*kernels_.device, [&](int64_t b) { return bf16_params(b); },
+                           shard_.master.data_ptr<float>());
+}
+
+void Engine::settle_masters() {
+    if (!shard_.split || !shard_.master.defined()) return;
+    wait_params();
+    shard_.split->settle_all(*kernels_.device, [&](int64_t b) { return bf16_params(b); },
+                             shard_.master.data_ptr<float>());
+    shard_.master = at::Tensor();
+}
+
+// --- the collective sequence check (Note [Collective sequence check], sequence.h) ---
+
+void Engine::enable_sequence_check(c10::optional<StorePtr> store, double patience_s,
+                                   c10::optional<ProcessGroupPtr> group, bool every_phase, int64_t id) {
+    if (group.has_value()) {
+        TORCH_CHECK((*group)->getSize() == layout_.world && (*group)->getRank() == layout_.rank,
+                    "zero_ext: internal: the sequence-check group must hold the engine's ranks in the same order");
+        comm_.seq.attach(*group, layout_.rank, layout_.world);
+    }
+    // Note [Parameter names in messages]: the names zeroify gave the engine
+    comm_.seq.enable(store.has_value() ? *store : StorePtr(), layout_.opts.param_names, patience_s, every_phase, id);
+}
+
+void Engine::sequence_sync() { comm_.seq.sync(); }
+
+void Engine::sequence_mark(int64_t phase) {
+    if (!comm_.seq.enabled()) return;
+    if (phase >= kUnitNeedBase) {
+        comm_.seq.unit_need(phase - kUnitNeedBase);
+        return;
+    }
+    TORCH_CHECK(phase > kPhaseNone && phase <= kPhaseLast, "zero_ext: internal: unknown sequence phase ", phase);
+    // Python collectives follow the phases after kPhaseForwardNoGrad: exchange first.
+    comm_.seq.mark(phase, FrozenSummary::of(params_, layout_.bucket_of), phase >= kPhaseModelState);
+}
+
+// --- stage 3, node_size (Note [Hierarchical partitioning], secondary.h) ---
+
+void Engine::enable_hierarchy(ProcessGroupPtr node_pg) {
+    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: node_size (hierarchical partitioning) is for stage 3; "
+                "use stage=3 or node_size=None");
+    TORCH_CHECK(!units_.secondary, "zero_ext: internal: enable_hierarchy called twice");
+    auto sec = std::make_unique<Secondary>(std::move(node_pg), layout_.world);
+    for (auto *bks : {&buckets_, &units_.frozen.buckets()})
+        for (const auto &bk : *bks)
+            TORCH_CHECK(bk.padded_numel % sec->node_size() == 0, "zero_ext: internal: bucket of ",
+                        bk.padded_numel, " elements does not split into ", sec->node_size(), " node parts");
+    units_.secondary = std::move(sec);
 }
 
 }  // namespace zx

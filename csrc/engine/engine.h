@@ -7,7 +7,8 @@
 // creates one Engine per zeroify() call and calls into it from thin hooks.
 //
 // The Engine class, one file per concern, and the owners it holds (csrc/engine/):
-//   engine.cpp       the facade's calls handed to an owner (the Stepper's, so far)
+//   engine.cpp       the facade's calls handed to an owner: the Stepper, MasterSplit, the sequence
+//                    check, Secondary (the rest still live in the topic files below)
 //   layout.cpp       the buckets, shards and views built from the plan; stats
 //   layout.h         Layout, fixed at construction: options (options.h), device and dtypes, the plan, this
 //                    rank's place, each parameter's group, shape and bucket
@@ -40,12 +41,12 @@
 //                      gathered bytes (gather_meter.h), frozen parameters (frozen_params.h), node parts (secondary.h)
 //     step_book.h      StepBook: gradients seen, the groups a step covers, step counts, runs, the backward step
 //   frozen.cpp       stage 3: frozen (requires_grad=False) parameters sharded per unit
-//   secondary.cpp    stage 3: node-local secondary parts for backward gathers (node_size)
+//   secondary.h/.cpp Secondary, stage 3: node-local secondary parts for backward gathers (node_size)
 //   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
 //                    the per-device kernel table (Note [Kernel table])
 //   offload.h/.cpp   offload="cpu": host rings, copy stream, landing worker (Note [Optimizer offload])
 //   backward_step.cpp Stepper::land: each bucket steps as its gradient lands (Note [Step in backward])
-//   master_split.h/.cpp the bf16 stage 0-2 master as a remainder (Note [Split master in the engine])
+//   master_split.h/.cpp MasterSplit: the bf16 stage 0-2 master as a remainder (Note [Split master in the engine])
 #pragma once
 
 #include <ATen/ATen.h>
@@ -267,7 +268,7 @@ public:
     double grad_divisor() const;       // what shard gradients must be divided by
     std::string isa_name() const { return zx_isa_name(kernels_.isa); }
 
-    // --- collective sequence check (Note [Collective sequence check], sequence.cpp) ---
+    // --- collective sequence check (Note [Collective sequence check], sequence.h) ---
     // store: the process group's store, for watched waits (None: checkpoints only).
     // group: the digests' own gloo group (None: the engine's); every_phase: exchange at
     // every phase (Note [Exchanges on deviation]). Parameters are named by param_names.
@@ -320,6 +321,7 @@ private:
     // Note [Split master in the engine]: an fp32 master shard joined on demand (authoritative
     // while it exists), and settled back (rounded into the parameters, split, freed).
     void settle_masters();
+    uint16_t *bf16_params(int64_t b);   // with a split master: bucket b's owned slice of flat_param, bf16 bits
     // This rank's shard seen bucket by bucket (shard_view.h), and the Stepper lent it and the
     // buckets for one call (stepper.h, Note [One fused step]); made per call, owning nothing.
     ShardView view() { return {layout_, shard_, off_.get()}; }

@@ -4,7 +4,7 @@
 // Note [Split master in the engine]
 //   With param_dtype bf16, stages 0-2, one fused optimizer (Adam/AdamW/SGD) and no
 //   param_quant or offload, zeroify() turns the master shard into a MasterSplit
-//   (Engine::enable_split_master, master_split.cpp): the owned slice of each
+//   (Engine::enable_split_master, engine.cpp): the owned slice of each
 //   bucket's flat_param already is the master's rounding, so this rank keeps only
 //   rem (2 bytes per shard element) and the tie bits (one per element, each bucket's
 //   starting on a byte) instead of 4 bytes of fp32: 16 bytes per parameter of
@@ -57,6 +57,22 @@ public:
     // (the bucket's owned slice of flat_param, bf16 bits), and back.
     void join(Kernels &k, int64_t b, const uint16_t *hi, int64_t at, int64_t n, float *out);
     void split(Kernels &k, int64_t b, const float *m, const uint16_t *hi, int64_t at, int64_t n);
+    // Every bucket's whole slice: joined into master (fp32, laid out as the shard; hi(b):
+    // bucket b's bf16 parameters), and settled back: the parameters := master's rounding (the
+    // step's), the remainders and ties := the rest.
+    template <class Hi>
+    void join_all(Kernels &k, Hi &&hi, float *master) {
+        for (int64_t b = 0; b < (int64_t)slice_numel_.size(); b++)
+            join(k, b, hi(b), 0, slice_numel_[b], master + shard_offset_[b]);
+    }
+    template <class Hi>
+    void settle_all(Kernels &k, Hi &&hi, const float *master) {
+        for (int64_t b = 0; b < (int64_t)slice_numel_.size(); b++) {
+            const float *m = master + shard_offset_[b];
+            k.cast_from_f32(slice_numel_[b], m, hi(b), ZX_BF16);
+            split(k, b, m, hi(b), 0, slice_numel_[b]);
+        }
+    }
 
     // A step over the elements [lo, lo + n) of bucket b's slice (parameters at hi, written) in
     // one call (Note [Fused split-master step]): call(total, lead, hi, rem, ties), the kernel
@@ -93,7 +109,7 @@ private:
         }
     }
 
-    std::vector<int64_t> shard_offset_, tie_offset_;   // per bucket: its rem / tie byte offset
+    std::vector<int64_t> slice_numel_, shard_offset_, tie_offset_;   // per bucket: its slice, rem and tie byte offset
     at::Tensor rem_;       // (shard_numel,) int16
     at::Tensor ties_;      // per bucket ceil(slice / 8) bytes, uint8
     at::Tensor scratch_;   // (chunk_,) fp32 once a step needed it (over())

@@ -1,24 +1,23 @@
 // secondary.cpp — see secondary.h (Note [Hierarchical partitioning]).
-#include "engine/secondary.h"
 
 #include <algorithm>
 
-#include "engine/engine.h"
+#include "engine/secondary.h"
 
 namespace zx {
 
-Secondary::Secondary(ProcessGroupPtr node_pg, int64_t world) : comm_(node_pg), world_(world) {
-    TORCH_CHECK(world_ % comm_.world() == 0, "zero_ext: node_size ", comm_.world(),
+Secondary::Secondary(ProcessGroupPtr node_pg, int64_t world) : node_comm_(node_pg), world_(world) {
+    TORCH_CHECK(world_ % node_comm_.world() == 0, "zero_ext: node_size ", node_comm_.world(),
                 " does not divide the world size ", world_, "; pass a node_size that divides it (the ranks per "
                 "node), or node_size=None");
 }
 
 void Secondary::keep(int64_t s, const at::Tensor &flat) {
-    const int64_t part = flat.numel() / comm_.world();
-    TORCH_CHECK(part * comm_.world() == flat.numel(), "zero_ext: internal: bucket of ", flat.numel(),
-                " elements does not split into ", comm_.world(), " node parts");
+    const int64_t part = flat.numel() / node_comm_.world();
+    TORCH_CHECK(part * node_comm_.world() == flat.numel(), "zero_ext: internal: bucket of ", flat.numel(),
+                " elements does not split into ", node_comm_.world(), " node parts");
     drop(s);
-    at::Tensor t = flat.narrow(0, comm_.rank() * part, part).clone();
+    at::Tensor t = flat.narrow(0, node_comm_.rank() * part, part).clone();
     bytes_ += t.nbytes();
     peak_bytes_ = std::max(peak_bytes_, bytes_);
     node_parts_[s] = std::move(t);
@@ -30,8 +29,8 @@ WorkPtr Secondary::launch(int64_t s, at::Tensor flat) {
     at::Tensor part = it->second;
     node_parts_.erase(it);
     inflight_[s] = part;
-    comm_.seq.subject(s, -1);
-    return comm_.all_gather(std::move(flat), part);
+    node_comm_.seq.subject(s, -1);
+    return node_comm_.all_gather(std::move(flat), part);
 }
 
 void Secondary::finish(int64_t s) {
@@ -73,28 +72,16 @@ static CommCounter minus(const CommCounter &a, const CommCounter &b) {
 }
 
 CommGroupStats Secondary::group_stats(const Communicator &w) const {
-    const int64_t L = comm_.world(), N = world_;
+    const int64_t L = node_comm_.world(), N = world_;
     const CommStats &all = w.count;
     CommGroupStats g;
     for (CommCounter CommStats::*kind : kCommKinds) {
         g.inter.*kind = share(all.*kind, N - L, N);
         g.intra.*kind = minus(all.*kind, g.inter.*kind);
     }
-    g.node_all_gather = comm_.count.all_gather;   // the backward gathers, all intra
+    g.node_all_gather = node_comm_.count.all_gather;   // the backward gathers, all intra
     g.node_size = L;
     return g;
-}
-
-void Engine::enable_hierarchy(ProcessGroupPtr node_pg) {
-    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: node_size (hierarchical partitioning) is for stage 3; "
-                "use stage=3 or node_size=None");
-    TORCH_CHECK(!units_.secondary, "zero_ext: internal: enable_hierarchy called twice");
-    auto sec = std::make_unique<Secondary>(std::move(node_pg), layout_.world);
-    for (auto *bks : {&buckets_, &units_.frozen.buckets()})
-        for (const auto &bk : *bks)
-            TORCH_CHECK(bk.padded_numel % sec->node_size() == 0, "zero_ext: internal: bucket of ",
-                        bk.padded_numel, " elements does not split into ", sec->node_size(), " node parts");
-    units_.secondary = std::move(sec);
 }
 
 }  // namespace zx

@@ -56,7 +56,7 @@ public:
     // node_pg: this rank's node group (L ranks); world: ranks of the whole group.
     Secondary(ProcessGroupPtr node_pg, int64_t world);
 
-    int64_t node_size() const { return comm_.world(); }
+    int64_t node_size() const { return node_comm_.world(); }
     // Keep this rank's part of subject s's gathered bucket (flat: padded_numel elements).
     void keep(int64_t s, const at::Tensor &flat);
     bool has(int64_t s) const { return node_parts_.count(s) > 0; }
@@ -73,11 +73,11 @@ public:
     // stats()["comm_groups"]: world_comm's counters split into intra and inter, and the
     // node group's (Note [Per-group byte counters]).
     CommGroupStats group_stats(const Communicator &world_comm) const;
-    const Communicator &comm() const { return comm_; }
-    Communicator &comm() { return comm_; }
+    const Communicator &comm() const { return node_comm_; }
+    Communicator &comm() { return node_comm_; }
 
 private:
-    Communicator comm_;                        // the node group; its own counters
+    Communicator node_comm_;                        // the node group; its own counters
     int64_t world_ = 1;
     std::map<int64_t, at::Tensor> node_parts_;      // subject -> (padded_numel / L,) param_dtype
     std::map<int64_t, at::Tensor> inflight_;   // parts a node all-gather is reading

@@ -9,7 +9,6 @@
 #include <thread>
 
 #include "engine/comm.h"
-#include "engine/engine.h"
 
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"   // Note [Collective entry points]
 
@@ -105,7 +104,6 @@ std::string hint_for(const std::vector<const SeqRecord *> &at) {
 // data), so that a unit one rank skips shows in the digest before the collectives
 // that follow it can pair wrongly. Python passes it as sequence_mark(kUnitNeedBase + unit).
 constexpr int64_t kSeqUnitNeed = 5;
-constexpr int64_t kUnitNeedBase = 16;
 // A mark exchanged at once (Note [Exchanges on deviation]): recorded like a collective
 // (kind 6, no data), so that a rank waiting there shows where it is.
 constexpr int64_t kSeqMark = 6;
@@ -541,37 +539,17 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
 // made by zeroify), so that a rank in a digest never pairs with a data collective
 // another rank issued (gloo aborts the process when a message exceeds the buffer
 // posted for it). Without one, they use the engine's group.
-void Engine::enable_sequence_check(c10::optional<StorePtr> store, double patience_s,
-                                   c10::optional<ProcessGroupPtr> group, bool every_phase, int64_t id) {
-    if (group.has_value()) {
-        TORCH_CHECK((*group)->getSize() == layout_.world && (*group)->getRank() == layout_.rank,
-                    "zero_ext: internal: the sequence-check group must hold the engine's ranks in the same order");
-        comm_.seq.attach(*group, layout_.rank, layout_.world);
-    }
-    // Note [Parameter names in messages]: the names zeroify gave the engine
-    comm_.seq.enable(store.has_value() ? *store : StorePtr(), layout_.opts.param_names, patience_s, every_phase, id);
-}
-
-void Engine::sequence_sync() { comm_.seq.sync(); }
-
-void Engine::sequence_mark(int64_t phase) {
-    if (!comm_.seq.enabled()) return;
-    if (phase >= kUnitNeedBase) {
-        comm_.seq.unit_need(phase - kUnitNeedBase);
-        return;
-    }
-    TORCH_CHECK(phase > kPhaseNone && phase <= kPhaseLast, "zero_ext: internal: unknown sequence phase ", phase);
+FrozenSummary FrozenSummary::of(const Params &params, const std::vector<int64_t> &bucket_of) {
     FrozenSummary f;
-    for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
-        if (params_[i].requires_grad()) continue;
+    for (int64_t i = 0; i < (int64_t)params.size(); i++) {
+        if (params[i].requires_grad()) continue;
         if (f.count++ == 0) {
             f.first = i;
-            f.first_bucket = layout_.bucket_of[i];
+            f.first_bucket = bucket_of[i];
         }
         f.hash = mix(f.hash, i);
     }
-    // Python collectives follow the phases after kPhaseForwardNoGrad: exchange first.
-    comm_.seq.mark(phase, f, phase >= kPhaseModelState);
+    return f;
 }
 
 }  // namespace zx

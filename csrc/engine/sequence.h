@@ -81,6 +81,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/params.h"   // defines: Params
+
 namespace zx {
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
@@ -99,6 +101,8 @@ enum SeqPhase : int64_t {
     kPhaseGradStats = 9,       // norms of sharded gradients (Note [Sharded gradients])
     kPhaseLast = kPhaseGradStats,
 };
+// sequence_mark(kUnitNeedBase + unit): stage-3 unit `unit` is needed (Sequence::unit_need).
+constexpr int64_t kUnitNeedBase = 16;
 
 struct SeqRecord {
     int64_t seq = 0;      // 1-based count of collectives issued
@@ -116,6 +120,9 @@ constexpr int64_t kRecordFields = 9;
 // Which trainable parameters no longer require grad (Note [Collective sequence check]).
 struct FrozenSummary {
     int64_t count = 0, first = -1, first_bucket = -1, hash = 0;
+
+    // the parameters' (bucket_of: each one's bucket) that do not require grad now
+    static FrozenSummary of(const Params &params, const std::vector<int64_t> &bucket_of);
 };
 
 // Note [Exchanges on deviation]: the keys of the marks of the last cycle, by pass,

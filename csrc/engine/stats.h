@@ -17,6 +17,11 @@
 #include <vector>
 
 namespace zx {
+struct Bucket;
+struct Layout;
+}  // namespace zx
+
+namespace zx {
 
 // Cumulative counters of one collective kind. numel/bytes are the size of the
 // collective's full (unsharded) buffer: a reduce-scatter of a bucket counts the
@@ -96,6 +101,9 @@ struct AtomicStats {
     int64_t cut_params = 0;               // Note [Cut parameters] (layout.cpp)
     std::vector<double> state_bytes_per_rank;   // planned: whole tensors' + element-granular state
     double state_balance = 1.0;
+
+    // Everything but cut_params, from the plan and its buckets (atomic.cpp).
+    static AtomicStats of(const Layout &layout, const std::vector<Bucket> &buckets);
 };
 
 // stats()["offload"] with offload="cpu" (Note [Optimizer offload], engine/offload.h): host bytes and copies.

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "core/zx_core.h"
@@ -42,6 +43,9 @@ struct Stepper {
     std::vector<at::Tensor> masters(const Groups &groups);   // the groups' buckets' master slices
     std::vector<at::Tensor> grads(const Groups &groups);     // ... and gradient slices
     std::vector<int64_t> bucket_groups(const Groups &groups) const;
+    // atomic.cpp: the groups' whole tensors this rank owns: (param index, master view, gradient
+    // view), shaped as the parameter (a split master joined first: there is none with them)
+    std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> owned_tensors(const Groups &groups);
     void scale_grads(double factor, const Groups &groups);   // cut parameters: the step tables read
     // This rank's sum of squares of the gradient shard (times scale) and inf/nan count, added in.
     void grad_sumsq(double scale, double *sumsq, int64_t *nonfinite);

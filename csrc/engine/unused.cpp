@@ -1,6 +1,7 @@
-// unused.cpp — parameters that got no gradient: which ones, agreed across
-// ranks with one small all-reduce when needed, per-parameter step counts, and the
-// runs of this rank's fragments that a fused step updates.
+// unused.cpp — StepBook (step_book.h): parameters that got no gradient, which ones,
+// agreed across ranks with one small all-reduce when needed (the engine runs it:
+// Engine::begin_step, engine.cpp), per-parameter step counts, and the runs of this
+// rank's fragments that a fused step updates.
 //
 // Note [Unused parameters]
 //   torch's optimizers skip a parameter whose .grad is None: no weight decay, no
@@ -37,14 +38,14 @@
 //       rank, so the stepped parameters are this rank's used_ flags, as at one rank
 //       (a rank that alone skipped its backward is a script bug that DDP does not
 //       catch either; the sequence check names it);
-//     - step_runs(b): the stretches of bucket b's owned slice to update. When all
+//     - Stepper::runs(bk): the stretches of bucket bk's owned slice to update. When all
 //       of the slice's parameters are stepped with one step count (the usual
 //       case) it is the whole slice, padding included, as a single kernel call;
 //       otherwise maximal runs of adjacent fragments with one step count, and
 //       the fragments of unstepped parameters are left untouched.
 //   Reductions are unchanged: every rank still reduces every bucket (unused
 //   parameters contribute zeros), so nothing hangs.
-#include "engine/engine.h"
+#include "engine/step_book.h"
 
 #include "engine/check.h"      // defines: zx_check, plan_fragments
 
@@ -158,43 +159,6 @@ std::vector<StepRun> StepBook::mixed_runs(int64_t b, const zx_plan *plan, const 
             out.push_back({f.param, f.offset, f.numel, s});
     }
     return out;
-}
-
-// --- the engine's side: the collective, the step counts ---
-
-void Engine::ensure_step_tables() {
-    if (!book_.has_fragments() && !buckets_.empty())
-        book_.read_fragments(layout_.plan, (int64_t)buckets_.size(),
-                             (int32_t)(layout_.partitions > 1 ? layout_.rank : 0));
-}
-
-void Engine::begin_step(bool advance) {
-    ensure_step_tables();
-    if (units_.secondary) units_.secondary->drop_all();   // the masters change (Note [Hierarchical partitioning])
-    if (book_.agrees()) {
-        const std::vector<uint8_t> flags = book_.agreement_flags();
-        at::Tensor t = at::empty({(int64_t)flags.size()}, at::kByte);
-        std::memcpy(t.data_ptr<uint8_t>(), flags.data(), flags.size());
-        t = t.to(layout_.dev);
-        comm_.all_reduce_max_blocking(t, comm_.count.used_flags, "unused-parameter flags all-reduce");
-        t = t.cpu();
-        book_.begin(t.data_ptr<uint8_t>());
-    } else {
-        book_.begin(nullptr);
-    }
-    if (advance) advance_steps();
-}
-
-void Engine::advance_steps(const std::vector<int64_t> &groups) {
-    TORCH_CHECK(book_.begun(), "zero_ext: internal: advance_steps() without begin_step()");
-    const Groups cover(groups);
-    book_.advance([&](int64_t i) { return cover.has(layout_.group_of[i]); });
-}
-
-std::vector<int64_t> Engine::param_steps() { return book_.steps(); }
-
-void Engine::set_param_steps(const std::vector<int64_t> &steps) {
-    book_.set_steps(steps);
 }
 
 }  // namespace zx
