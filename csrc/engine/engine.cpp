@@ -126,6 +126,14 @@ AtomicStats Engine::atomic_stats() const {
     return st;
 }
 
+std::vector<int64_t> Engine::cut_params() const { return params_.cut_list(); }
+
+std::vector<std::tuple<int64_t, int64_t, int64_t>> Engine::state_windows() const {
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+    for (const auto &bk : buckets_) out.emplace_back(bk.window.lo, bk.window.numel, bk.window.offset);
+    return out;
+}
+
 // --- the step book's collective and step counts (Note [Unused parameters], unused.cpp) ---
 
 void Engine::ensure_step_tables() {

@@ -13,7 +13,7 @@
 //   layout.h         Layout, fixed at construction: options (options.h), device and dtypes, the plan, this
 //                    rank's place, each parameter's group, shape and bucket
 //   stats.h          what stats() reports, as plain data (the binding makes the dicts)
-//   fill.cpp         atomic buckets filled with cut parameters; per-element state windows
+//   fill.h/.cpp      cut parameters copied to and from their pieces (Params::copy_cut); state windows
 //   reducer.cpp      gradient readiness, launch and landing of each bucket's reduction, zero_grad
 //   grad_reducer.h   GradReducer: backward's reductions and the reduce kind, chosen once; it holds:
 //     backward_pass.h  where a backward stands (readiness, launch order, no_sync, counters)
@@ -62,6 +62,7 @@
 #include "core/zx_core.h"
 #include "engine/bucket.h"    // defines: Bucket, BucketShape, StateWindow, FullParams, GatherGroup
 #include "engine/comm.h"      // defines: Communicator, CommCounter, ProcessGroupPtr
+#include "engine/fill.h"      // defines: plan_state_windows (Note [State windows])
 #include "engine/grad_reducer.h"   // defines: GradReducer (backward's reductions), ReduceKind
 #include "engine/groups.h"    // defines: Groups (Note [Groups as an argument])
 #include "engine/kernels.h"   // defines: Kernels, make_kernels
@@ -310,10 +311,6 @@ private:
     void absorb(at::Tensor master, const at::Tensor &lp_new);
     void launch_param_gather(int64_t b);   // bucket b's all-gather (stages 1-2)
     void ensure_step_tables();         // book_ has read this rank's fragments from the plan
-    // into_params: cut parameters := their pieces of the gathered buckets; else the
-    // pieces := the cut parameters (their edits).
-    void copy_cut_params(bool into_params);
-    void plan_state_windows();
     void commit_frozen(int64_t u, int64_t src);
     void open_frozen_fp32(int64_t u);
     void release_all_frozen();

@@ -33,7 +33,7 @@ void Engine::absorb_param_edits() {
     TORCH_CHECK(layout_.opts.stage <= 2,
                 "zero_ext: internal: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
     wait_params();
-    if (params_.any_cut()) copy_cut_params(false);   // Note [Cut parameters]: their edits live in their own storage
+    if (params_.any_cut()) params_.copy_cut(buckets_, false);   // Note [Cut parameters]: their edits live in their own storage
     if (!layout_.dtypes.low() && !gather_.quantized() && !off_) return;   // the owned slice is the master
     // Note [Split master in the engine]: without a joined master the edits already are its top halves
     if (shard_.split && !shard_.master.defined()) return;
@@ -43,7 +43,7 @@ void Engine::absorb_param_edits() {
 void Engine::all_gather_params(const std::vector<int64_t> &groups) {
     const Groups cover(groups);
     if (layout_.partitions == 1 || layout_.opts.stage == 3) {   // stage 3 gathers per unit, on demand
-        if (params_.any_cut()) copy_cut_params(true);
+        if (params_.any_cut()) params_.copy_cut(buckets_, true);
         return;
     }
     wait_params();
@@ -102,7 +102,7 @@ void Engine::wait_param_buckets(const std::vector<int64_t> &buckets) {
 
 void Engine::wait_params() {
     gather_.wait_all(comm_);
-    if (params_.stale()) copy_cut_params(true);
+    if (params_.stale()) params_.copy_cut(buckets_, true);
 }
 
 void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {

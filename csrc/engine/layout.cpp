@@ -278,8 +278,8 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                 buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel)
                     .copy_(grad.reshape(-1).narrow(0, pc.param_offset, pc.numel));
     }
-    if (params_.any_cut()) copy_cut_params(true);
-    plan_state_windows();
+    if (params_.any_cut()) params_.copy_cut(buckets_, true);
+    shard_.states.set_numel(plan_state_windows(layout_, buckets_));   // Note [State windows]
     if (opts.offload) {
         // Down: a reduce-scatter's slice, an all-to-all's whole receive buffer, or (one
         // rank) the whole bucket; up: a slice in param_dtype.

@@ -15,6 +15,8 @@
 
 namespace zx {
 
+struct Bucket;   // bucket.h
+
 class Params {
 public:
     explicit Params(std::vector<at::Tensor> tensors) : tensors_(std::move(tensors)) {}
@@ -42,10 +44,14 @@ public:
     bool cut(int64_t i) const { return pieces_[(size_t)i].size() > 1; }
     bool any_cut() const { return any_cut_; }
 
+    std::vector<int64_t> cut_list() const;   // the cut parameters' indices (fill.cpp)
+
     // A gather landed new values in the buckets: cut parameters must copy them out.
     void gathered() { stale_ = stale_ || any_cut_; }
     bool stale() const { return stale_; }
-    void copied_out() { stale_ = false; }
+    // into_params: cut parameters := their pieces in the buckets (no longer stale); else the
+    // pieces := the cut parameters (their edits). fill.cpp, Note [Cut parameters].
+    void copy_cut(std::vector<Bucket> &buckets, bool into_params);
 
 private:
     std::vector<at::Tensor> tensors_;

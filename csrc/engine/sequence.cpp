@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "engine/comm.h"
+#include "engine/params.h"   // defines: Params
 
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"   // Note [Collective entry points]
 

@@ -81,9 +81,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/params.h"   // defines: Params
-
 namespace zx {
+
+class Params;   // params.h
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
