@@ -308,7 +308,6 @@ private:
     void release_bucket(Bucket &bk);
     void mark_gathered(Bucket &bk);    // stage 3: parameters point at the full bucket again
     at::Tensor master_slice(Bucket &bk);   // the fp32 master of bk's slice, a split master joined first
-    void absorb(at::Tensor master, const at::Tensor &lp_new);
     void launch_param_gather(int64_t b);   // bucket b's all-gather (stages 1-2)
     void ensure_step_tables();         // book_ has read this rank's fragments from the plan
     void commit_frozen(int64_t u, int64_t src);

@@ -7,14 +7,6 @@
 
 namespace zx {
 
-void Engine::absorb(at::Tensor master, const at::Tensor &lp_in) {
-    // offload: the master is in host memory (Note [Optimizer offload])
-    const at::Tensor lp_new = lp_in.device() == master.device() ? lp_in : lp_in.to(master.device());
-    // Only elements whose low-precision (param_quant: dequantized) value changed take the new value.
-    at::Tensor changed = lp_new.ne(gather_.as_gathered(master, layout_.dtypes.param));
-    master.copy_(at::where(changed, lp_new.to(at::kFloat), master));
-}
-
 void Engine::publish_params() {
     wait_params();
     cast_masters();
@@ -33,11 +25,13 @@ void Engine::absorb_param_edits() {
     TORCH_CHECK(layout_.opts.stage <= 2,
                 "zero_ext: internal: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
     wait_params();
-    if (params_.any_cut()) params_.copy_cut(buckets_, false);   // Note [Cut parameters]: their edits live in their own storage
+    // Note [Cut parameters]: their edits live in their own storage
+    if (params_.any_cut()) params_.copy_cut(buckets_, false);
     if (!layout_.dtypes.low() && !gather_.quantized() && !off_) return;   // the owned slice is the master
     // Note [Split master in the engine]: without a joined master the edits already are its top halves
     if (shard_.split && !shard_.master.defined()) return;
-    for (auto &bk : buckets_) absorb(master_slice(bk), view().owned(bk.flat_param, bk));
+    for (auto &bk : buckets_)
+        gather_.absorb(master_slice(bk), view().owned(bk.flat_param, bk), layout_.dtypes.param);
 }
 
 void Engine::all_gather_params(const std::vector<int64_t> &groups) {

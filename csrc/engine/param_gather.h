@@ -69,6 +69,13 @@ public:
     at::Tensor as_gathered(const at::Tensor &master, at::ScalarType dtype) const {
         return quant_ ? quant_->roundtrip(master, dtype) : master.to(dtype);
     }
+    // Edits of gathered parameters (lp_in, in dtype) folded into their fp32 master: only the
+    // elements whose gathered value changed take the new value (offload: a host master).
+    void absorb(at::Tensor master, const at::Tensor &lp_in, at::ScalarType dtype) const {
+        const at::Tensor lp_new = lp_in.device() == master.device() ? lp_in : lp_in.to(master.device());
+        const at::Tensor changed = lp_new.ne(as_gathered(master, dtype));
+        master.copy_(at::where(changed, lp_new.to(at::kFloat), master));
+    }
 
 private:
     std::unique_ptr<QuantGather> quant_;

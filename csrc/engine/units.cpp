@@ -223,7 +223,7 @@ void Engine::commit_unit(int64_t u, int64_t src) {
         broadcast_tensors({bk.flat_param}, src);
         const at::Tensor owned = view().owned(bk.flat_param, bk);
         if (layout_.dtypes.low() || gather_.quantized()) {
-            absorb(master_slice(bk), owned);
+            gather_.absorb(master_slice(bk), owned, layout_.dtypes.param);
         } else {
             master_slice(bk).copy_(owned);
         }
