@@ -264,7 +264,6 @@ public:
     std::string describe_plan() const;
     int64_t rank() const { return layout_.rank; }
     int64_t world_size() const { return layout_.world; }
-    const char *kernels_name() const { return kernels_.device->name(); }
     int64_t partitions() const { return layout_.partitions; }
     double grad_divisor() const;       // what shard gradients must be divided by
     std::string isa_name() const { return zx_isa_name(kernels_.isa); }
