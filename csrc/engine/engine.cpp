@@ -107,6 +107,81 @@ void Engine::cast_masters(const std::vector<int64_t> &groups) {
     stepper().cast_masters(Groups(groups));
 }
 
+// --- parameters every rank computes with, stages 0-2 (which buckets: gatherer.cpp) ---
+
+void Engine::publish_params() {
+    wait_params();
+    cast_masters();
+    if (layout_.opts.stage == 3) {
+        // Gathered units hold stale values: release them; the next gather reads the shards.
+        if (units_.secondary) units_.secondary->drop_all();
+        for (auto &bk : buckets_) release_bucket(bk);
+        release_all_frozen();
+        return;
+    }
+    all_gather_params();
+    wait_params();
+}
+
+void Engine::absorb_param_edits() {
+    TORCH_CHECK(layout_.opts.stage <= 2,
+                "zero_ext: internal: absorb_param_edits is for stages 0-2 (stage 3: commit_unit)");
+    wait_params();
+    // Note [Cut parameters]: their edits live in their own storage
+    if (params_.any_cut()) params_.copy_cut(buckets_, false);
+    if (!layout_.dtypes.low() && !gather_.quantized() && !off_) return;   // the owned slice is the master
+    // Note [Split master in the engine]: without a joined master the edits already are its top halves
+    if (shard_.split && !shard_.master.defined()) return;
+    for (auto &bk : buckets_)
+        gather_.absorb(master_slice(bk), view().owned(bk.flat_param, bk), layout_.dtypes.param);
+}
+
+void Engine::all_gather_params(const std::vector<int64_t> &groups) {
+    const Groups cover(groups);
+    if (layout_.partitions == 1 || layout_.opts.stage == 3) {   // stage 3 gathers per unit, on demand
+        if (params_.any_cut()) params_.copy_cut(buckets_, true);
+        return;
+    }
+    wait_params();
+    for (int64_t b : ParamGather::due(buckets_, cover)) launch_param_gather(b);
+}
+
+void Engine::launch_param_gather(int64_t b) {
+    Bucket &bk = buckets_[b];
+    comm_.seq.subject(b, -1);
+    // in place: the owned slice of the output
+    gather_.launch(comm_, b, bk.flat_param, view().owned(bk.flat_param, bk), [&] { return master_slice(bk); });
+    params_.gathered();
+}
+
+void Engine::flush_params(bool wait) {
+    // Note [Cut parameters]: a mixed bucket some of whose optimizers did not step this
+    // iteration is gathered now, with what did step (the same buckets on every rank).
+    const std::vector<int64_t> pending = ParamGather::pending(buckets_);
+    if (!pending.empty()) {
+        wait_params();
+        for (int64_t b : pending) launch_param_gather(b);
+    }
+    if (wait) wait_params();
+}
+
+void Engine::wait_param_buckets(const std::vector<int64_t> &buckets) {
+    if (params_.any_cut()) {   // a cut parameter is copied out once all of its buckets have arrived
+        wait_params();
+        return;
+    }
+    gather_.wait(comm_, buckets);
+}
+
+void Engine::wait_params() {
+    gather_.wait_all(comm_);
+    if (params_.stale()) params_.copy_cut(buckets_, true);
+}
+
+void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {
+    for (auto &t : tensors) comm_.broadcast(t, src);
+}
+
 // --- tensor-atomic parameters (atomic.cpp) ---
 
 std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Engine::owned_tensors(const std::vector<int64_t> &groups) {

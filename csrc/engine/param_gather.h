@@ -1,8 +1,8 @@
 // param_gather.h — how parameters are all-gathered from the owned slices, one owner (its
-// callers in gatherer.cpp and units.cpp): the gather kind, exact or param_quant's int8
-// (chosen once at construction, Note [Quantized parameter gather]), and the stage 1-2
-// gathers in flight, waited for bucket by bucket (Note [Gathers waited per module]) or all
-// at once.
+// callers in engine.cpp and units.cpp): the gather kind, exact or param_quant's int8 (chosen
+// once at construction, Note [Quantized parameter gather]), the stage 1-2 gathers in
+// flight, waited for bucket by bucket (Note [Gathers waited per module]) or all at once,
+// and which stage 1-2 buckets a step leaves to gather (gatherer.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,7 +12,9 @@
 #include <utility>
 #include <vector>
 
+#include "engine/bucket.h"         // defines: Bucket
 #include "engine/comm.h"           // defines: Communicator, WorkPtr
+#include "engine/groups.h"         // defines: Groups
 #include "engine/quant_gather.h"   // defines: QuantGather
 
 namespace zx {
@@ -59,6 +61,13 @@ public:
         works_.clear();
         if (quant_ && queued_finish_) quant_->finish_all();
     }
+    // Stages 1-2, after the groups stepped: the buckets to gather now, last first (buckets fill
+    // in gradient order, so the first layers, which the next forward needs first, come first);
+    // a mixed bucket once every group inside has stepped (Note [Cut parameters]). gatherer.cpp.
+    static std::vector<int64_t> due(std::vector<Bucket> &buckets, const Groups &groups);
+    // The mixed buckets some of whose groups stepped since their last gather (flush_params
+    // gathers them with what did step); their stepped flags are cleared. gatherer.cpp.
+    static std::vector<int64_t> pending(std::vector<Bucket> &buckets);
     // At teardown: wait for what is in flight (its works hold the buffers), or drop it after a divergence.
     void drain(bool diverged) {
         if (diverged) works_.clear();
