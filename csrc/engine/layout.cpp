@@ -303,7 +303,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         reducer_.groups().configure(std::max<int64_t>(opts.coalesce_numel / layout_.partitions, 1), layout_.partitions,
                            on_device(layout_.dtypes.reduce));
     // The gradient shard and the ring are allocated at the first backward
-    // (grad_shard_slice, acquire_slot), so building the model costs no more.
+    // (ShardView::grad, acquire_slot), so building the model costs no more.
 }
 
 Engine::~Engine() {

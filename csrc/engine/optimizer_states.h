@@ -1,7 +1,7 @@
 // optimizer_states.h — the fused optimizer's per-element states (exp_avg, exp_avg_sq,
 // max_exp_avg_sq, momentum_buffer): one flat tensor per name over this rank's state
 // windows (Note [State windows], fill.cpp), each made on first use. Which dtype a state
-// has is the engine's choice (Engine::state: Note [bf16 optimizer states]).
+// has is the engine's choice (ShardView::state: Note [bf16 optimizer states]).
 #pragma once
 
 #include <ATen/ATen.h>
