@@ -265,21 +265,18 @@ void Engine::enable_split_master() {
     settle_masters();
 }
 
-// Bucket b's bf16 parameters (its owned slice of flat_param), which a split master completes.
-uint16_t *Engine::bf16_params(int64_t b) { return (uint16_t *)view().lp(buckets_[b]).data_ptr(); }
-
 void Engine::join_masters() {
     if (!shard_.split || shard_.master.defined()) return;
     wait_params();
     shard_.master = at::empty({layout_.shard_numel}, on_device(at::kFloat));
-    shard_.split->join_all(*kernels_.device, [&](int64_t b) { return bf16_params(b); },
+    shard_.split->join_all(*kernels_.device, [&](int64_t b) { return view().hi_bits(buckets_[b]); },
                            shard_.master.data_ptr<float>());
 }
 
 void Engine::settle_masters() {
     if (!shard_.split || !shard_.master.defined()) return;
     wait_params();
-    shard_.split->settle_all(*kernels_.device, [&](int64_t b) { return bf16_params(b); },
+    shard_.split->settle_all(*kernels_.device, [&](int64_t b) { return view().hi_bits(buckets_[b]); },
                              shard_.master.data_ptr<float>());
     shard_.master = at::Tensor();
 }

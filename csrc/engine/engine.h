@@ -316,7 +316,6 @@ private:
     // Note [Split master in the engine]: an fp32 master shard joined on demand (authoritative
     // while it exists), and settled back (rounded into the parameters, split, freed).
     void settle_masters();
-    uint16_t *bf16_params(int64_t b);   // with a split master: bucket b's owned slice of flat_param, bf16 bits
     // This rank's shard seen bucket by bucket (shard_view.h), and the Stepper lent it and the
     // buckets for one call (stepper.h, Note [One fused step]); made per call, owning nothing.
     ShardView view() { return {layout_, shard_, off_.get()}; }

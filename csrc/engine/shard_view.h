@@ -43,7 +43,7 @@ struct ShardView {
     // Where a step writes the low-precision copy: lp(bk) when param_dtype is low in stages 0-2;
     // else null (stage 3 casts at each gather: Note [Stage 3 parameter lifetime]).
     void *lp_out(Bucket &bk) { return layout.dtypes.low() && layout.opts.stage < 3 ? lp(bk).data_ptr() : nullptr; }
-    const uint16_t *hi_bits(Bucket &bk) { return (const uint16_t *)lp(bk).data_ptr(); }   // lp(bk), bf16 bits
+    uint16_t *hi_bits(Bucket &bk) { return (uint16_t *)lp(bk).data_ptr(); }   // lp(bk) as bf16 bits (split master)
 
     // A flat per-element optimizer state over the state windows, zero-filled when first asked for
     // (Note [State windows]; exp_avg / exp_avg_sq in bf16 with state_dtype="bf16").

@@ -17,11 +17,9 @@
 #include <vector>
 
 namespace zx {
-struct Bucket;
-struct Layout;
-}  // namespace zx
 
-namespace zx {
+struct Bucket;   // bucket.h
+struct Layout;   // layout.h
 
 // Cumulative counters of one collective kind. numel/bytes are the size of the
 // collective's full (unsharded) buffer: a reduce-scatter of a bucket counts the

@@ -154,24 +154,15 @@ std::vector<StepRun> Stepper::runs(const Bucket &bk) const {
 }
 
 std::vector<at::Tensor> Stepper::masters(const Groups &groups) {
-    std::vector<at::Tensor> out;
-    for (auto &bk : buckets)
-        if (groups.has(bk.group)) out.push_back(shard.master(bk));
-    return out;
+    return per_bucket(groups, [&](Bucket &bk) { return shard.master(bk); });
 }
 
 std::vector<at::Tensor> Stepper::grads(const Groups &groups) {
-    std::vector<at::Tensor> out;
-    for (auto &bk : buckets)
-        if (groups.has(bk.group)) out.push_back(shard.grad(bk));
-    return out;
+    return per_bucket(groups, [&](Bucket &bk) { return shard.grad(bk); });
 }
 
-std::vector<int64_t> Stepper::bucket_groups(const Groups &groups) const {
-    std::vector<int64_t> out;
-    for (const auto &bk : buckets)
-        if (groups.has(bk.group)) out.push_back(bk.group);
-    return out;
+std::vector<int64_t> Stepper::bucket_groups(const Groups &groups) {
+    return per_bucket(groups, [](Bucket &bk) { return bk.group; });
 }
 
 void Stepper::scale_grads(double factor, const Groups &groups) {

@@ -42,7 +42,7 @@ struct Stepper {
 
     std::vector<at::Tensor> masters(const Groups &groups);   // the groups' buckets' master slices
     std::vector<at::Tensor> grads(const Groups &groups);     // ... and gradient slices
-    std::vector<int64_t> bucket_groups(const Groups &groups) const;
+    std::vector<int64_t> bucket_groups(const Groups &groups);
     // atomic.cpp: the groups' whole tensors this rank owns: (param index, master view, gradient
     // view), shaped as the parameter (a split master joined first: there is none with them)
     std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> owned_tensors(const Groups &groups);
@@ -63,6 +63,14 @@ private:
     // Note [Unused parameters]: the stretches of bk's slice that step (mixed: one per parameter piece)
     std::vector<StepRun> runs(const Bucket &bk) const;
     int64_t index(const Bucket &bk) const { return &bk - buckets.data(); }
+    // f(bk) of each bucket of the groups, in bucket order (what param_shards() and its siblings list)
+    template <class F>
+    auto per_bucket(const Groups &groups, F &&f) -> std::vector<decltype(f(buckets[0]))> {
+        std::vector<decltype(f(buckets[0]))> out;
+        for (auto &bk : buckets)
+            if (groups.has(bk.group)) out.push_back(f(bk));
+        return out;
+    }
 };
 
 }  // namespace zx
