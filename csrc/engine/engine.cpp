@@ -9,6 +9,18 @@
 
 namespace zx {
 
+// --- backward: GradReducer's pass (reducer.cpp), on what backward() lends it ---
+
+void Engine::mark_ready(int64_t i) { reducer_.mark_ready(backward(), i); }
+void Engine::finalize_backward() { reducer_.finalize(backward()); }
+void Engine::wait_reductions() { reducer_.wait_all(backward()); }
+void Engine::hide_sharded_grads() { reducer_.hide_grads(backward()); }
+
+void Engine::zero_grad(bool set_to_none, const std::vector<int64_t> &groups) {
+    const Groups cover(groups);
+    if (!cover.all()) ensure_step_tables();   // one of several optimizers: its fragments
+    reducer_.zero_grad(backward(), set_to_none, cover);
+}
 void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const std::vector<int64_t> &groups,
                        const at::Tensor &ctl, const at::Tensor &steps) {
     before_step();

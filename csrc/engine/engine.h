@@ -7,15 +7,16 @@
 // creates one Engine per zeroify() call and calls into it from thin hooks.
 //
 // The Engine class, one file per concern, and the owners it holds (csrc/engine/):
-//   engine.cpp       the facade's calls handed to an owner: the Stepper, MasterSplit, the sequence
-//                    check, Secondary (the rest still live in the topic files below)
+//   engine.cpp       the facade's calls handed to an owner: GradReducer, the Stepper, MasterSplit,
+//                    the sequence check, Secondary (the rest still live in the topic files below)
 //   layout.cpp       the buckets, shards and views built from the plan; stats
 //   layout.h         Layout, fixed at construction: options (options.h), device and dtypes, the plan, this
 //                    rank's place, each parameter's group, shape and bucket
 //   stats.h          what stats() reports, as plain data (the binding makes the dicts)
 //   fill.h/.cpp      cut parameters copied to and from their pieces (Params::copy_cut); state windows
-//   reducer.cpp      gradient readiness, launch and landing of each bucket's reduction, zero_grad
-//   grad_reducer.h   GradReducer: backward's reductions and the reduce kind, chosen once; it holds:
+//   grad_reducer.h   GradReducer: backward's reductions and the reduce kind, chosen once (reducer.cpp:
+//                    gradient readiness, launch and landing of each bucket's reduction, zero_grad),
+//                    on what the engine lends it per call (Backward); it holds:
 //     backward_pass.h  where a backward stands (readiness, launch order, no_sync, counters)
 //     grad_ring.h      the gradient slots of stages 2-3
 //     reduce_groups.h  stage 3: small buckets' gradients reduced together (Note [Coalesced gradient reductions])
@@ -91,7 +92,7 @@ struct FragmentView {
     at::Tensor master;                 // (numel,) view: the fp32 master (frozen: the param_dtype shard)
 };
 
-class Engine {
+class Engine : private ReducerHooks {
 public:
     // units: stage 3 only, one unit id per parameter (0 = the root unit).
     Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std::vector<int64_t> units,
@@ -285,18 +286,10 @@ public:
 
     // "parameter 'blocks.0.attn.weight'" (or "parameter 12" without names), for
     // messages (Note [Parameter names in messages]); frozen_pname: a frozen one.
-    std::string pname(int64_t i) const;
+    std::string pname(int64_t i) const { return layout_.pname(i); }
     std::string frozen_pname(int64_t i) const;
 
 private:
-    void launch(int64_t b);
-    void finish_reduce_group(ReduceGroup &g);   // Note [Coalesced gradient reductions]: its sums into the shard
-    void complete(int64_t b);          // wait for b's reduction and post-process it
-    int64_t acquire_slot(int64_t b);
-    void release_slot(int64_t b);
-    void stage_grad(int64_t i);        // stage 2: copy param i's grad into its bucket's slot
-    void accumulate_local(int64_t i);  // stages 2-3, sync off: add param i's grad to local_grad
-    void ensure_grad_view(int64_t i);  // stage 0/1: param i's grad is its bucket view
     void wait_gather(Bucket &bk);
     void finish_group(const std::shared_ptr<GatherGroup> &g);
     void launch_gather(Bucket &bk);    // allocate flat_param; one all-gather
@@ -304,7 +297,9 @@ private:
     // master cast into dst
     at::Tensor gather_source(Bucket &bk, at::Tensor dst);
     int64_t subject_of(const Bucket &bk) const;             // its index for the sequence check
-    void release_bucket(Bucket &bk);
+    // ReducerHooks: what backward's reductions call back (grad_reducer.h)
+    void release_bucket(Bucket &bk) override;   // stage 3: free bk's full parameters (units.cpp)
+    void release_pass() override;               // stage 3, after a backward: every bucket, frozen, node parts
     void mark_gathered(Bucket &bk);    // stage 3: parameters point at the full bucket again
     at::Tensor master_slice(Bucket &bk);   // the fp32 master of bk's slice, a split master joined first
     void launch_param_gather(int64_t b);   // bucket b's all-gather (stages 1-2)
@@ -322,7 +317,9 @@ private:
     Stepper stepper() { return {buckets_, view(), kernels_, book_, units_.param_shard}; }
     void before_step();                // what a fused step waits for: reductions, gathers, a split master settled
     // step_in_backward: bucket bk's fused step on its reduced gradient slice grad (sums)
-    void step_landed(Bucket &bk, const at::Tensor &grad);
+    void step_landed(Bucket &bk, const at::Tensor &grad) override;
+    // What GradReducer is lent for one call (grad_reducer.h), as the Stepper is.
+    Backward backward() { return {buckets_, params_, sharded_grads_, comm_, kernels_, view(), book_, *this}; }
 
     Params params_;                        // the parameters' tensors and where each lies (Note [Cut parameters])
     ShardedGrads sharded_grads_;           // what .grad is: stage 0-1 views; Note [Sharded gradients]' wrappers

@@ -2,7 +2,10 @@
 // pass stands (BackwardPass), the ring of gradient slots (GradRing), the reductions in
 // flight in launch order, stage 3's coalesced groups (ReduceGroups), and the reduce kind,
 // chosen once at construction: every launch and every landing goes through it, so no
-// other code asks which collective sums the gradients.
+// other code asks which collective sums the gradients. Its pass (mark_ready, finalize,
+// wait, zero_grad) runs on what the engine lends it for one call (Backward), as DDP's
+// reducer runs on its parameters and process group; the stage-3 releases and the steps in
+// backward it reaches through ReducerHooks.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,11 +15,17 @@
 #include <utility>
 
 #include "engine/backward_pass.h"   // defines: BackwardPass
+#include "engine/bucket.h"          // defines: Bucket
 #include "engine/comm.h"            // defines: Communicator, WorkPtr
 #include "engine/grad_ring.h"       // defines: GradRing, Slot
-#include "engine/kernels.h"         // defines: Kernels
+#include "engine/groups.h"          // defines: Groups
+#include "engine/kernels.h"         // defines: Kernels, KernelTables
+#include "engine/params.h"          // defines: Params
 #include "engine/quant_reduce.h"    // defines: QuantReduce
 #include "engine/reduce_groups.h"   // defines: ReduceGroups, ReduceGroup
+#include "engine/shard_view.h"      // defines: ShardView, Layout, Offload
+#include "engine/sharded_grads.h"   // defines: ShardedGrads
+#include "engine/step_book.h"       // defines: StepBook
 
 namespace zx {
 
@@ -25,6 +34,35 @@ enum class ReduceKind {
     kReduceScatter,   // the process group's reduce-scatter (SUM)
     kAllToAll,        // Note [Reduce-scatter on gloo]: all-to-all, then the slices summed locally
     kQuantized,       // Note [Quantized gradient reduction]: two all-to-alls of codes and scales
+};
+
+// What a pass calls back into (the engine implements it): stage 3 frees a bucket's full
+// parameters when its backward is over, and frees the rest when the pass is; step_in_backward
+// steps a bucket on its reduced gradient as it lands (Note [Step in backward]).
+class ReducerHooks {
+public:
+    virtual void release_bucket(Bucket &bk) = 0;
+    virtual void release_pass() = 0;   // stage 3, the pass over: every bucket, the frozen ones, node parts
+    virtual void step_landed(Bucket &bk, const at::Tensor &grad) = 0;
+
+protected:
+    ~ReducerHooks() = default;
+};
+
+// What GradReducer is lent for one call (Engine::backward()); it owns none of it.
+struct Backward {
+    std::vector<Bucket> &buckets;
+    Params &params;
+    ShardedGrads &grads;   // what .grad shows (Note [Sharded gradients])
+    Communicator &comm;
+    KernelTables &kernels;
+    ShardView shard;       // where the sums land: the gradient shard, the host's with offload
+    StepBook &book;
+    ReducerHooks &hooks;
+
+    const Layout &layout() const { return shard.layout; }
+    Offload *off() const { return shard.offload; }
+    int64_t stage() const { return shard.layout.opts.stage; }
 };
 
 class GradReducer {
@@ -43,6 +81,15 @@ public:
     int64_t recv_numel(int64_t padded) const {
         return kind_ == ReduceKind::kAllToAll || kind_ == ReduceKind::kQuantized ? padded : padded / partitions_;
     }
+
+    // --- the pass (reducer.cpp) ---
+    void mark_ready(Backward bw, int64_t i);   // param i's gradient is final for this backward
+    void finalize(Backward bw);                // end of backward: unused params, launch the rest, wait
+    void wait_all(Backward bw);                // block until every launched reduction has landed
+    // Clear (set_to_none) or zero the groups' gradients (the caller made the step tables when
+    // groups do not cover all: its fragments).
+    void zero_grad(Backward bw, bool set_to_none, const Groups &groups);
+    void hide_grads(Backward bw);              // Note [Sharded gradients]: the plain gradients again
 
     BackwardPass &pass() { return pass_; }
     const BackwardPass &pass() const { return pass_; }
@@ -88,6 +135,15 @@ public:
     }
 
 private:
+    void ensure_grad_view(Backward &bw, int64_t i);   // stage 0/1: param i's grad is its bucket view
+    void stage_grad(Backward &bw, int64_t i);         // stage 2: param i's grad copied into its bucket's slot
+    void accumulate_local(Backward &bw, int64_t i);   // stages 2-3, sync off: into its bucket's local_grad
+    int64_t acquire_slot(Backward &bw, int64_t b);
+    void release_slot(Backward &bw, int64_t b);
+    void launch_bucket(Backward &bw, int64_t b);      // b's gradients are in: its reduction (or world 1's landing)
+    void complete(Backward &bw, int64_t b);           // wait for b's reduction (and those before) and land it
+    void finish_group(Backward &bw, ReduceGroup &g);  // Note [Coalesced gradient reductions]: sums into the shard
+
     ReduceKind kind_ = ReduceKind::kReduceScatter;
     int64_t world_ = 1, partitions_ = 1;
     at::TensorOptions reduce_;               // reduce_dtype, on the parameters' device

@@ -34,13 +34,8 @@ namespace zx {
 //   An error a user can cause names the parameter as the model does
 //   ('blocks.0.attn.weight'), never by its engine index: zeroify passes the names
 //   once (EngineOptions::param_names; add_frozen's names), and every message that
-//   names a parameter goes through pname(i) / frozen_pname(i). The sequence check
+//   names a parameter goes through Layout::pname(i) / Engine::frozen_pname(i). The sequence check
 //   reads the same names.
-std::string Engine::pname(int64_t i) const {
-    const std::vector<std::string> &names = layout_.opts.param_names;
-    if (i >= 0 && i < (int64_t)names.size()) return "parameter '" + names[i] + "'";
-    return "parameter " + std::to_string(i);
-}
 
 static std::pair<at::ScalarType, zx_dtype> parse_dtype(const std::string &name, const char *what) {
     if (name == "fp32") return {at::kFloat, ZX_F32};

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/zx_core.h"
@@ -25,6 +26,14 @@ struct Layout {
     std::vector<int64_t> group_of;              // each parameter's param group
     std::vector<int64_t> bucket_of, offset_of;  // each parameter's bucket and offset in it (its first piece)
     std::vector<std::vector<int64_t>> shapes;   // each parameter's logical shape
+
+    // "parameter 'blocks.0.attn.weight'" (or "parameter 12" without names), for messages
+    // (Note [Parameter names in messages], layout.cpp).
+    std::string pname(int64_t i) const {
+        const std::vector<std::string> &names = opts.param_names;
+        if (i >= 0 && i < (int64_t)names.size()) return "parameter '" + names[i] + "'";
+        return "parameter " + std::to_string(i);
+    }
 };
 
 }  // namespace zx

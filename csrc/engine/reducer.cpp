@@ -1,7 +1,7 @@
-// reducer.cpp — backward: gradient readiness, the stage-2 ring of staging
-// buffers, reductions launched strictly in bucket order (all-reduce in stage 0,
-// reduce-scatter or all-to-all + local sum in stages 1-3), zero_grad.
-#include "engine/engine.h"
+// reducer.cpp — GradReducer (grad_reducer.h), backward: gradient readiness, the stage-2
+// ring of staging buffers, reductions launched strictly in bucket order (all-reduce in
+// stage 0, reduce-scatter or all-to-all + local sum in stages 1-3), zero_grad.
+#include "engine/grad_reducer.h"
 
 namespace zx {
 
@@ -16,27 +16,27 @@ namespace zx {
 
 // A sparse gradient (nn.Embedding(sparse=True) after zeroify, F.embedding(sparse=True))
 // has no flat layout to shard; the message names the parameter.
-static void require_dense(const Engine &e, int64_t i, const at::Tensor &g) {
-    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: ", e.pname(i), " got a sparse gradient, which cannot "
+static void require_dense(const Layout &layout, int64_t i, const at::Tensor &g) {
+    TORCH_CHECK(!g.defined() || !g.is_sparse(), "zero_ext: ", layout.pname(i), " got a sparse gradient, which cannot "
                 "be sharded; produce a dense one: nn.Embedding(..., sparse=False), F.embedding(..., sparse=False)");
 }
 
-void Engine::ensure_grad_view(int64_t i) {
-    at::Tensor &p = params_[i];
+void GradReducer::ensure_grad_view(Backward &bw, int64_t i) {
+    at::Tensor &p = bw.params[i];
     const at::Tensor &g = p.grad();
-    const at::Tensor &view = sharded_grads_.views[i];
-    require_dense(*this, i, g);
-    if (params_.cut(i)) {
+    const at::Tensor &view = bw.grads.views[i];
+    require_dense(bw.layout(), i, g);
+    if (bw.params.cut(i)) {
         // Note [Cut parameters]: added piece by piece into each bucket's flat_grad.
         if (g.defined()) {
             const at::Tensor flat = g.reshape(-1);
-            for (const zx_piece &pc : params_.pieces(i))
-                buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
+            for (const zx_piece &pc : bw.params.pieces(i))
+                bw.buckets[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
             p.mutable_grad() = at::Tensor();
         }
         return;
     }
-    if (!sharded_grads_.views_ok) {
+    if (!bw.grads.views_ok) {
         // Note [Mixed precision]: accumulate in reduce_dtype, keep no param.grad.
         if (g.defined()) {
             view.add_(g);
@@ -51,15 +51,15 @@ void Engine::ensure_grad_view(int64_t i) {
     p.mutable_grad() = view;
 }
 
-void Engine::stage_grad(int64_t i) {
-    at::Tensor &p = params_[i];
+void GradReducer::stage_grad(Backward &bw, int64_t i) {
+    at::Tensor &p = bw.params[i];
     const at::Tensor g = p.grad();
-    require_dense(*this, i, g);
+    require_dense(bw.layout(), i, g);
     const at::Tensor flat = g.defined() ? g.reshape(-1) : at::Tensor();
-    for (const zx_piece &pc : params_.pieces(i)) {   // one piece unless cut (Note [Cut parameters])
-        Bucket &bk = buckets_[pc.bucket];
-        if (bk.slot < 0) acquire_slot(pc.bucket);
-        at::Tensor dst = reducer_.ring()[bk.slot].send.narrow(0, pc.offset, pc.numel);
+    for (const zx_piece &pc : bw.params.pieces(i)) {   // one piece unless cut (Note [Cut parameters])
+        Bucket &bk = bw.buckets[pc.bucket];
+        if (bk.slot < 0) acquire_slot(bw, pc.bucket);
+        at::Tensor dst = ring_[bk.slot].send.narrow(0, pc.offset, pc.numel);
         if (flat.defined())
             dst.copy_(flat.narrow(0, pc.param_offset, pc.numel));
         else
@@ -78,139 +78,130 @@ void Engine::stage_grad(int64_t i) {
 //   accumulate) and frees param.grad; the next reduction of the bucket sends
 //   local_grad plus that backward's gradients and frees it. Without no_sync,
 //   stages 2-3 reduce every micro-step into the shard and hold no full gradient.
-void Engine::accumulate_local(int64_t i) {
-    at::Tensor &p = params_[i];
+void GradReducer::accumulate_local(Backward &bw, int64_t i) {
+    at::Tensor &p = bw.params[i];
     const at::Tensor g = p.grad();
-    require_dense(*this, i, g);
+    require_dense(bw.layout(), i, g);
     if (!g.defined()) return;
     const at::Tensor flat = g.reshape(-1);
-    for (const zx_piece &pc : params_.pieces(i)) {
-        Bucket &bk = buckets_[pc.bucket];
+    for (const zx_piece &pc : bw.params.pieces(i)) {
+        Bucket &bk = bw.buckets[pc.bucket];
         if (!bk.local_grad.defined())
-            bk.local_grad = at::zeros({bk.padded_numel}, on_device(layout_.dtypes.reduce));
+            bk.local_grad = at::zeros({bk.padded_numel}, bw.shard.on_device(bw.layout().dtypes.reduce));
         bk.local_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
     }
     p.mutable_grad() = at::Tensor();
 }
 
-void Engine::mark_ready(int64_t i) {
-    TORCH_CHECK(i >= 0 && i < (int64_t)params_.size(), "zero_ext: internal: bad parameter index ", i);
-    book_.note_grad(i);
-    if (layout_.opts.stage <= 1) ensure_grad_view(i);
-    BackwardPass &pass = reducer_.pass();
-    const bool reduce_now = layout_.opts.stage >= 2 || pass.require_sync();
-    if (layout_.opts.stage >= 2 && !pass.require_sync()) {
-        accumulate_local(i);
-        if (layout_.opts.stage == 3) {   // its backward is over: release as a reducing pass would
-            for (const zx_piece &pc : params_.pieces(i)) {
-                Bucket &bk = buckets_[pc.bucket];
-                if (--bk.pending == 0 && bk.unit != 0) release_bucket(bk);
+void GradReducer::mark_ready(Backward bw, int64_t i) {
+    TORCH_CHECK(i >= 0 && i < (int64_t)bw.params.size(), "zero_ext: internal: bad parameter index ", i);
+    bw.book.note_grad(i);
+    if (bw.stage() <= 1) ensure_grad_view(bw, i);
+    const bool reduce_now = bw.stage() >= 2 || pass_.require_sync();
+    if (bw.stage() >= 2 && !pass_.require_sync()) {
+        accumulate_local(bw, i);
+        if (bw.stage() == 3) {   // its backward is over: release as a reducing pass would
+            for (const zx_piece &pc : bw.params.pieces(i)) {
+                Bucket &bk = bw.buckets[pc.bucket];
+                if (--bk.pending == 0 && bk.unit != 0) bw.hooks.release_bucket(bk);
             }
         }
         return;
     }
     if (!reduce_now) return;
-    if (layout_.opts.stage >= 2) stage_grad(i);
-    TORCH_CHECK(!pass.ready(i), "zero_ext: ", pname(i),
+    if (bw.stage() >= 2) stage_grad(bw, i);
+    TORCH_CHECK(!pass_.ready(i), "zero_ext: ", bw.layout().pname(i),
                 " got its gradient twice in one backward pass (its gradient was reduced already); if you "
                 "call backward() twice, call it under model.no_sync() for all but the last, or step in between");
-    pass.set_ready(i);
+    pass_.set_ready(i);
     bool done = false;
-    for (const zx_piece &pc : params_.pieces(i)) {
-        Bucket &bk = buckets_[pc.bucket];
+    for (const zx_piece &pc : bw.params.pieces(i)) {
+        Bucket &bk = bw.buckets[pc.bucket];
         if (--bk.pending > 0) continue;
         done = true;
         // Stage 3: its backward is over; the root unit waits for the end.
-        if (layout_.opts.stage == 3 && bk.unit != 0) release_bucket(bk);
+        if (bw.stage() == 3 && bk.unit != 0) bw.hooks.release_bucket(bk);
     }
     // Launch strictly in bucket order so that every rank issues the same collectives.
     if (done)
-        pass.launch_in_order((int64_t)buckets_.size(), [&](int64_t b) { return buckets_[b].pending == 0; },
-                             [&](int64_t b) { launch(b); });
+        pass_.launch_in_order((int64_t)bw.buckets.size(), [&](int64_t b) { return bw.buckets[b].pending == 0; },
+                             [&](int64_t b) { launch_bucket(bw, b); });
 }
 
-void Engine::finalize_backward() {
-    BackwardPass &pass = reducer_.pass();
-    if (!pass.require_sync()) {   // Note [Local accumulation]: nothing sent
-        if (layout_.opts.stage == 3) {
-            for (auto &bk : buckets_) {
-                release_bucket(bk);
-                bk.pending = (int64_t)bk.params.size();
-            }
-            release_all_frozen();
-            if (units_.secondary) units_.secondary->drop_all();
+void GradReducer::finalize(Backward bw) {
+    if (!pass_.require_sync()) {   // Note [Local accumulation]: nothing sent
+        if (bw.stage() == 3) {
+            bw.hooks.release_pass();
+            for (auto &bk : bw.buckets) bk.pending = (int64_t)bk.params.size();
         }
         return;
     }
     // Parameters that got no gradient this pass: their region holds zeros or
     // earlier accumulated gradients (stage 0/1), or is zero-filled (stage 2).
-    for (int64_t i = 0; i < (int64_t)params_.size(); i++) {
-        if (pass.ready(i)) continue;
-        if (layout_.opts.stage >= 2) stage_grad(i);
-        pass.set_ready(i);
-        for (const zx_piece &pc : params_.pieces(i)) buckets_[pc.bucket].pending--;
+    for (int64_t i = 0; i < (int64_t)bw.params.size(); i++) {
+        if (pass_.ready(i)) continue;
+        if (bw.stage() >= 2) stage_grad(bw, i);
+        pass_.set_ready(i);
+        for (const zx_piece &pc : bw.params.pieces(i)) bw.buckets[pc.bucket].pending--;
     }
-    pass.launch_in_order((int64_t)buckets_.size(), [](int64_t) { return true; }, [&](int64_t b) { launch(b); });
-    reducer_.launch_group(comm_);   // Note [Coalesced gradient reductions]: what is left
+    pass_.launch_in_order((int64_t)bw.buckets.size(), [](int64_t) { return true; },
+                         [&](int64_t b) { launch_bucket(bw, b); });
+    launch_group(bw.comm);   // Note [Coalesced gradient reductions]: what is left
     // Note [Reductions end with backward]
     // As DDP's reducer does, wait here.
     // The reductions overlapped the rest of backward; the step needs them next
     // anyway, and no later backward may write into a bucket (stage 0/1) or a
     // ring slot (stage 2) that a collective is still reading.
-    wait_reductions();
-    if (layout_.opts.stage == 3) {
-        for (auto &bk : buckets_) release_bucket(bk);
-        release_all_frozen();   // Note [Stage 3 frozen parameters]
-        if (units_.secondary) units_.secondary->drop_all();   // Note [Hierarchical partitioning]: the pass is over
-    }
+    wait_all(bw);
+    if (bw.stage() == 3) bw.hooks.release_pass();   // the pass is over
     // Reset readiness for the next backward.
-    for (auto &bk : buckets_) {
+    for (auto &bk : bw.buckets) {
         bk.pending = (int64_t)bk.params.size();
     }
-    pass.reduced();
-    book_.end_backward();   // Note [Step in backward]: the backward may have been one optimizer step
-    sharded_grads_.show(params_.tensors());   // Note [Sharded gradients]
+    pass_.reduced();
+    bw.book.end_backward();   // Note [Step in backward]: the backward may have been one optimizer step
+    bw.grads.show(bw.params.tensors());   // Note [Sharded gradients]
 }
 
-void Engine::hide_sharded_grads() {
-    sharded_grads_.hide(params_.tensors(), [&](int64_t i) {
+void GradReducer::hide_grads(Backward bw) {
+    bw.grads.hide(bw.params.tensors(), [&](int64_t i) {
         // stage 1: the bucket view again (its owned part holds the reduced sum, the rest zeros)
-        const bool view = layout_.opts.stage <= 1 && sharded_grads_.views_ok && !params_.cut(i);
-        return view ? sharded_grads_.views[i] : at::Tensor();
+        const bool view = bw.stage() <= 1 && bw.grads.views_ok && !bw.params.cut(i);
+        return view ? bw.grads.views[i] : at::Tensor();
     });
 }
 
-int64_t Engine::acquire_slot(int64_t b) {
-    GradRing &ring = reducer_.ring();
+int64_t GradReducer::acquire_slot(Backward &bw, int64_t b) {
+    GradRing &ring = ring_;
     int64_t s = ring.take_free(b);
     if (s < 0) {
         // All slots busy: the ring grows to grad_ring_buckets first, then finishes
         // the oldest launched reduction and takes its slot.
-        if (ring.at_size() && !reducer_.idle()) {
-            complete(reducer_.oldest());
-            return acquire_slot(b);
+        if (ring.at_size() && !idle()) {
+            complete(bw, oldest());
+            return acquire_slot(bw, b);
         }
         // Below its configured size, or every slot held by a bucket still filling
         // (gradients arrived out of bucket order): grow the ring by one; bounded by
         // the number of buckets.
         s = ring.grow(b);
     }
-    if (off_) off_->before_reuse(s);   // Note [Optimizer offload]: its last down copy is done
-    buckets_[b].slot = s;
+    if (bw.off()) bw.off()->before_reuse(s);   // Note [Optimizer offload]: its last down copy is done
+    bw.buckets[b].slot = s;
     return s;
 }
 
-void Engine::release_slot(int64_t b) {
-    Bucket &bk = buckets_[b];
-    if (bk.slot >= 0) reducer_.ring().release(bk.slot);
+void GradReducer::release_slot(Backward &bw, int64_t b) {
+    Bucket &bk = bw.buckets[b];
+    if (bk.slot >= 0) ring_.release(bk.slot);
     bk.slot = -1;
 }
 
-void Engine::launch(int64_t b) {
-    Bucket &bk = buckets_[b];
-    if (layout_.opts.stage >= 2 && bk.slot < 0) acquire_slot(b);   // bucket with no gradients at all
+void GradReducer::launch_bucket(Backward &bw, int64_t b) {
+    Bucket &bk = bw.buckets[b];
+    if (bw.stage() >= 2 && bk.slot < 0) acquire_slot(bw, b);   // bucket with no gradients at all
     // stages 2-3: the bucket's gradient, staged in its ring slot
-    const at::Tensor staged = layout_.opts.stage >= 2 ? reducer_.ring()[bk.slot].send.narrow(0, 0, bk.padded_numel)
+    const at::Tensor staged = bw.stage() >= 2 ? ring_[bk.slot].send.narrow(0, 0, bk.padded_numel)
                                                : at::Tensor();
     if (staged.defined()) {
         if (bk.local_grad.defined()) {   // Note [Local accumulation]
@@ -220,39 +211,39 @@ void Engine::launch(int64_t b) {
         // Zero the padding so it never feeds the optimizer garbage.
         for (const auto &g : bk.gaps) staged.narrow(0, g.first, g.second).zero_();
     }
-    if (layout_.world == 1) {
+    if (bw.layout().world == 1) {
         if (staged.defined()) {
-            if (layout_.opts.step_in_backward) {   // Note [Step in backward]
-                step_landed(bk, staged);
-            } else if (off_) {   // Note [Optimizer offload]: added on the host as it lands
-                at::Tensor dst = view().host_grad(bk);
-                off_->down(b, staged, bk.slot, [dst](const at::Tensor &v) { dst.add_(v); });
+            if (bw.layout().opts.step_in_backward) {   // Note [Step in backward]
+                bw.hooks.step_landed(bk, staged);
+            } else if (bw.off()) {   // Note [Optimizer offload]: added on the host as it lands
+                at::Tensor dst = bw.shard.host_grad(bk);
+                bw.off()->down(b, staged, bk.slot, [dst](const at::Tensor &v) { dst.add_(v); });
             } else {
-                view().grad(bk).add_(staged);
+                bw.shard.grad(bk).add_(staged);
             }
-            release_slot(b);
-        } else if (layout_.opts.step_in_backward) {   // stage 1: the bucket is its own shard, consumed
-            step_landed(bk, bk.flat_grad);
+            release_slot(bw, b);
+        } else if (bw.layout().opts.step_in_backward) {   // stage 1: the bucket is its own shard, consumed
+            bw.hooks.step_landed(bk, bk.flat_grad);
             bk.flat_grad.zero_();
-        } else if (off_) {   // stage 1: the bucket is its own shard; the host gets a copy
-            at::Tensor dst = view().host_grad(bk);
-            off_->down(b, bk.flat_grad, -1, [dst](const at::Tensor &v) { dst.copy_(v); });
+        } else if (bw.off()) {   // stage 1: the bucket is its own shard; the host gets a copy
+            at::Tensor dst = bw.shard.host_grad(bk);
+            bw.off()->down(b, bk.flat_grad, -1, [dst](const at::Tensor &v) { dst.copy_(v); });
         }
         return;
     }
-    ReduceGroups &groups = reducer_.groups();
+    ReduceGroups &groups = groups_;
     if (groups.enabled()) {   // Note [Coalesced gradient reductions]
         if (groups.coalesces(bk.slice_numel)) {
-            if (!groups.fits(bk.slice_numel)) reducer_.launch_group(comm_);
+            if (!groups.fits(bk.slice_numel)) launch_group(bw.comm);
             groups.add(b, bk.unit, staged, bk.slice_numel);
-            release_slot(b);
+            release_slot(bw, b);
             return;
         }
-        reducer_.launch_group(comm_);   // the small buckets before this one first: bucket order
+        launch_group(bw.comm);   // the small buckets before this one first: bucket order
     }
-    comm_.seq.subject(b, layout_.opts.stage == 3 ? bk.unit : -1);
-    if (layout_.opts.stage == 1 && bk.slot < 0) acquire_slot(b);   // its recv
-    reducer_.launch(comm_, b, staged.defined() ? staged : bk.flat_grad, bk.padded_numel, bk.slice_numel, bk.slot);
+    bw.comm.seq.subject(b, bw.stage() == 3 ? bk.unit : -1);
+    if (bw.stage() == 1 && bk.slot < 0) acquire_slot(bw, b);   // its recv
+    launch(bw.comm, b, staged.defined() ? staged : bk.flat_grad, bk.padded_numel, bk.slice_numel, bk.slot);
 }
 
 void GradReducer::launch(Communicator &comm, int64_t b, const at::Tensor &send, int64_t padded, int64_t slice,
@@ -324,63 +315,64 @@ void GradReducer::launch_group(Communicator &comm) {
     inflight_.emplace_back(last, std::move(work));
 }
 
-void Engine::finish_reduce_group(ReduceGroup &g) {
-    const Bucket &first = buckets_[g.members.front()];
-    view().grad(first);   // allocates the gradient shard at the first backward
+void GradReducer::finish_group(Backward &bw, ReduceGroup &g) {
+    const Bucket &first = bw.buckets[g.members.front()];
+    bw.shard.grad(first);   // allocates the gradient shard at the first backward
     int64_t at = first.shard_offset;
     for (int64_t m : g.members) {
-        TORCH_CHECK(buckets_[m].shard_offset == at, "zero_ext: internal: a reduction group's shard slices "
+        TORCH_CHECK(bw.buckets[m].shard_offset == at, "zero_ext: internal: a reduction group's shard slices "
                     "are not consecutive");
-        at += buckets_[m].slice_numel;
+        at += bw.buckets[m].slice_numel;
     }
-    reducer_.finish(layout_.partitions * g.numel, g.numel, g.recv, shard_.grad.narrow(0, first.shard_offset, g.numel),
-                    true, *kernels_.device);
+    finish(partitions_ * g.numel, g.numel, g.recv, bw.shard.buffers.grad.narrow(0, first.shard_offset, g.numel), true,
+           *bw.kernels.device);
 }
 
-void Engine::complete(int64_t b) {
+void GradReducer::complete(Backward &bw, int64_t b) {
     // Works finish in launch order; complete everything up to b.
-    while (!reducer_.idle()) {
-        const int64_t cur = reducer_.wait_oldest(comm_);
-        if (reducer_.groups().flying(cur)) {   // Note [Coalesced gradient reductions]
-            ReduceGroup g = reducer_.groups().land(cur);
-            finish_reduce_group(g);
+    while (!idle()) {
+        const int64_t cur = wait_oldest(bw.comm);
+        if (groups_.flying(cur)) {   // Note [Coalesced gradient reductions]
+            ReduceGroup g = groups_.land(cur);
+            finish_group(bw, g);
             if (cur == b) break;
             continue;
         }
-        Bucket &bk = buckets_[cur];
-        if (layout_.opts.stage >= 1) {
-            const bool accumulate = layout_.opts.stage >= 2;
+        Bucket &bk = bw.buckets[cur];
+        if (bw.stage() >= 1) {
+            const bool accumulate = bw.stage() >= 2;
             const int64_t padded = bk.padded_numel, slice = bk.slice_numel;
-            if (layout_.opts.step_in_backward && accumulate) {
+            if (bw.layout().opts.step_in_backward && accumulate) {
                 // Note [Step in backward]: the step reads the reduced slice where it landed.
-                const auto land_at = [&](int64_t n) { return view().landing(n); };
-                step_landed(bk, reducer_.reduced(bk.slot, padded, slice, land_at, *kernels_.device));
-            } else if (off_ && accumulate) {
+                const auto land_at = [&](int64_t n) { return bw.shard.landing(n); };
+                bw.hooks.step_landed(bk, reduced(bk.slot, padded, slice, land_at, *bw.kernels.device));
+            } else if (bw.off() && accumulate) {
                 // Note [Optimizer offload]: what the collective left, finished on the host as it lands.
-                at::Tensor dst = view().host_grad(bk);
-                off_->down(cur, reducer_.recv(bk.slot, padded, slice), bk.slot,
-                           [this, padded, slice, dst](const at::Tensor &v) {
-                               reducer_.finish(padded, slice, v, dst, true, kernels_.step());
-                           });
+                at::Tensor dst = bw.shard.host_grad(bk);
+                Kernels *host = &bw.kernels.step();   // the landing worker runs this after the call
+                bw.off()->down(cur, recv(bk.slot, padded, slice), bk.slot,
+                               [this, padded, slice, dst, host](const at::Tensor &v) {
+                                   finish(padded, slice, v, dst, true, *host);
+                               });
             } else {
                 // stage 1 keeps the sum in its bucket (Note [Gradient sums in stages 1-2]); offload copies it down
-                at::Tensor dst = off_ ? view().owned(bk.flat_grad, bk) : view().grad(bk);
-                reducer_.land(bk.slot, padded, slice, dst, accumulate, *kernels_.device);
-                if (off_) {
-                    at::Tensor host = view().host_grad(bk);
-                    off_->down(cur, dst, -1, [host](const at::Tensor &v) { host.copy_(v); });
+                at::Tensor dst = bw.off() ? bw.shard.owned(bk.flat_grad, bk) : bw.shard.grad(bk);
+                land(bk.slot, padded, slice, dst, accumulate, *bw.kernels.device);
+                if (bw.off()) {
+                    at::Tensor host = bw.shard.host_grad(bk);
+                    bw.off()->down(cur, dst, -1, [host](const at::Tensor &v) { host.copy_(v); });
                 }
             }
-            if (layout_.opts.stage == 1 && layout_.opts.step_in_backward) {
-                step_landed(bk, view().owned(bk.flat_grad, bk));   // Note [Step in backward]: consumed
+            if (bw.stage() == 1 && bw.layout().opts.step_in_backward) {
+                bw.hooks.step_landed(bk, bw.shard.owned(bk.flat_grad, bk));   // Note [Step in backward]: consumed
                 bk.flat_grad.zero_();
-            } else if (layout_.opts.stage == 1) {
+            } else if (bw.stage() == 1) {
                 // Note [Gradient sums in stages 1-2]: zero what this rank does not own.
-                const int64_t lo = layout_.rank * slice, hi = lo + slice;
+                const int64_t lo = bw.layout().rank * slice, hi = lo + slice;
                 if (lo > 0) bk.flat_grad.narrow(0, 0, lo).zero_();
                 if (hi < padded) bk.flat_grad.narrow(0, hi, padded - hi).zero_();
             }
-            release_slot(cur);
+            release_slot(bw, cur);
         }
         if (cur == b) break;
     }
@@ -410,47 +402,45 @@ void GradReducer::land(int64_t slot, int64_t padded, int64_t slice, at::Tensor d
         finish(padded, slice, ring_[slot].recv, dst, accumulate, k);
 }
 
-void Engine::wait_reductions() {
-    while (!reducer_.idle()) complete(reducer_.newest());
+void GradReducer::wait_all(Backward bw) {
+    while (!idle()) complete(bw, newest());
 }
 
-void Engine::zero_grad(bool set_to_none, const std::vector<int64_t> &groups) {
-    const Groups cover(groups);
-    wait_reductions();
-    reducer_.groups().drop_filling();   // Note [Coalesced gradient reductions]: a backward that did not end
-    if (off_) off_->drain();   // no landing writes the host shard any more
-    reducer_.pass().gradients_changed();
-    hide_sharded_grads();   // Note [Sharded gradients]: cleared, or zeroed (the plain views again)
+void GradReducer::zero_grad(Backward bw, bool set_to_none, const Groups &cover) {
+    wait_all(bw);
+    groups_.drop_filling();   // Note [Coalesced gradient reductions]: a backward that did not end
+    if (bw.off()) bw.off()->drain();   // no landing writes the host shard any more
+    pass_.gradients_changed();
+    hide_grads(bw);   // Note [Sharded gradients]: cleared, or zeroed (the plain views again)
     if (!cover.all()) {
         // One of several wrapped optimizers: only its groups' gradients, as torch's
         // zero_grad touches only its own parameters (the others may still step).
-        ensure_step_tables();
-        for (size_t i = 0; i < params_.size(); i++) {
-            if (!cover.has(layout_.group_of[i])) continue;
-            if (layout_.opts.stage <= 1)
-                for (const zx_piece &pc : params_.pieces(i))
-                    buckets_[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
+        for (size_t i = 0; i < bw.params.size(); i++) {
+            if (!cover.has(bw.layout().group_of[i])) continue;
+            if (bw.stage() <= 1)
+                for (const zx_piece &pc : bw.params.pieces(i))
+                    bw.buckets[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
             if (set_to_none) {
-                params_[i].mutable_grad() = at::Tensor();
-                book_.forget_grad((int64_t)i);   // Note [Unused parameters]
+                bw.params[i].mutable_grad() = at::Tensor();
+                bw.book.forget_grad((int64_t)i);   // Note [Unused parameters]
             }
         }
-        if (shard_.grad.defined())
-            for (size_t b = 0; b < buckets_.size(); b++)
-                for (const StepRun &f : book_.fragments((int64_t)b))
-                    if (cover.has(layout_.group_of[f.param]))
-                        shard_.grad.narrow(0, buckets_[b].shard_offset + f.offset, f.numel).zero_();
+        if (bw.shard.buffers.grad.defined())
+            for (size_t b = 0; b < bw.buckets.size(); b++)
+                for (const StepRun &f : bw.book.fragments((int64_t)b))
+                    if (cover.has(bw.layout().group_of[f.param]))
+                        bw.shard.buffers.grad.narrow(0, bw.buckets[b].shard_offset + f.offset, f.numel).zero_();
         return;
     }
-    for (auto &bk : buckets_) {
+    for (auto &bk : bw.buckets) {
         if (bk.flat_grad.defined()) bk.flat_grad.zero_();
         bk.local_grad = at::Tensor();   // Note [Local accumulation]
     }
-    if (shard_.grad.defined()) shard_.grad.zero_();
-    for (auto &p : params_) {
+    if (bw.shard.buffers.grad.defined()) bw.shard.buffers.grad.zero_();
+    for (auto &p : bw.params) {
         if (set_to_none) p.mutable_grad() = at::Tensor();
     }
-    if (set_to_none) book_.forget_grads();   // Note [Unused parameters]
+    if (set_to_none) bw.book.forget_grads();   // Note [Unused parameters]
 }
 
 }  // namespace zx

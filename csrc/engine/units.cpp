@@ -89,6 +89,12 @@ void Engine::release_bucket(Bucket &bk) {
     for (int64_t i : bk.params) (bk.frozen ? units_.frozen.param(i) : params_[i]).set_data(empty);
 }
 
+void Engine::release_pass() {
+    for (auto &bk : buckets_) release_bucket(bk);
+    release_all_frozen();   // Note [Stage 3 frozen parameters]
+    if (units_.secondary) units_.secondary->drop_all();   // Note [Hierarchical partitioning]: the pass is over
+}
+
 void Engine::mark_gathered(Bucket &bk) {
     wait_gather(bk);
     if (bk.full.gathered) return;
