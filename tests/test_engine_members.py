@@ -17,7 +17,7 @@ OWNER_LIMIT = 12
 # test_engine_members_spread_over_no_more_files: (member, file) pairs, Engine's members named
 # by Engine's functions over csrc/engine/*.cpp (12 when each member is used in one file: the
 # facade's, engine.cpp; 83 when this came, counting other classes' same-named members too)
-MEMBER_FILES = 34
+MEMBER_FILES = 24
 CLASS = re.compile(r"^(?:class|struct)\s+(\w+)[^;{]*\{", re.M)
 
 

@@ -128,7 +128,7 @@ void Engine::publish_params() {
         // Gathered units hold stale values: release them; the next gather reads the shards.
         if (units_.secondary) units_.secondary->drop_all();
         for (auto &bk : buckets_) release_bucket(bk);
-        release_all_frozen();
+        units_.release_all_frozen(unit_work());
         return;
     }
     all_gather_params();
@@ -331,6 +331,25 @@ void Engine::enable_hierarchy(ProcessGroupPtr node_pg) {
             TORCH_CHECK(bk.padded_numel % sec->node_size() == 0, "zero_ext: internal: bucket of ",
                         bk.padded_numel, " elements does not split into ", sec->node_size(), " node parts");
     units_.secondary = std::move(sec);
+}
+
+// --- stage 3: UnitStore's units (units.cpp) and frozen parameters (frozen.cpp), on unit_work() ---
+
+bool Engine::gather_unit(int64_t u, bool wait) { return units_.gather_unit(unit_work(), u, wait); }
+void Engine::gather_units(const std::vector<int64_t> &units) { units_.gather_units(unit_work(), units); }
+void Engine::release_unit(int64_t u, bool keep) { units_.release_unit(unit_work(), u, keep); }
+void Engine::commit_unit(int64_t u, int64_t src) { units_.commit_unit(unit_work(), u, src); }
+void Engine::open_unit_fp32(int64_t u) { units_.open_unit_fp32(unit_work(), u); }
+void Engine::release_frozen(int64_t u) { units_.release_frozen(unit_work(), u); }
+
+void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units, std::vector<std::string> names) {
+    units_.add_frozen(unit_work(), std::move(params), std::move(units), std::move(names));
+}
+
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::frozen_fragments(int64_t r) const {
+    TORCH_CHECK(r >= 0 && r < layout_.partitions, "zero_ext: internal: no rank ", r, " among ", layout_.partitions,
+                " partitions");
+    return units_.frozen.fragments(r);
 }
 
 }  // namespace zx

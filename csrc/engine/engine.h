@@ -6,9 +6,9 @@
 // the plan into tensors and drives the collectives. Python glue (zero_ext/)
 // creates one Engine per zeroify() call and calls into it from thin hooks.
 //
-// The Engine class, one file per concern, and the owners it holds (csrc/engine/):
-//   engine.cpp       the facade's calls handed to an owner: GradReducer, the Stepper, MasterSplit,
-//                    the sequence check, Secondary (the rest still live in the topic files below)
+// The Engine facade and the owners it holds, each in its own files (csrc/engine/):
+//   engine.cpp       the facade's calls handed to an owner: GradReducer, UnitStore, the Stepper,
+//                    MasterSplit, the sequence check, Secondary (construction and stats: layout.cpp)
 //   layout.cpp       the buckets, shards and views built from the plan; stats
 //   layout.h         Layout, fixed at construction: options (options.h), device and dtypes, the plan, this
 //                    rank's place, each parameter's group, shape and bucket
@@ -22,7 +22,6 @@
 //     reduce_groups.h  stage 3: small buckets' gradients reduced together (Note [Coalesced gradient reductions])
 //     quant_reduce.h   grad_quant's codes, scales and residuals (Note [Quantized gradient reduction])
 //   gatherer.cpp     parameter all-gather (stages 0-2)
-//   units.cpp        stage-3 units: gathered (alone or coalesced), released, opened at fp32, committed
 //   param_gather.h   ParamGather: the gather kind (exact / param_quant, chosen once), stage 1-2 gathers in flight
 //   stepper.h/.cpp   Stepper: optimizer steps (one loop, Note [One fused step]), gradient norm and
 //                    scaling, casts; lent the buckets and the shard per call, it keeps no state
@@ -39,9 +38,10 @@
 //     shard_buffers.h  ShardBuffers: this rank's gradient sums, master (master_split.h: as remainders)
 //                      and optimizer states (optimizer_states.h), step_in_backward's landing
 //     unit_store.h     UnitStore, stage 3: each unit's buckets and parameter views, offload's parameter shard,
-//                      gathered bytes (gather_meter.h), frozen parameters (frozen_params.h), node parts (secondary.h)
+//                      gathered bytes (gather_meter.h), frozen parameters (frozen_params.h), node parts (secondary.h);
+//                      units.cpp and frozen.cpp: gathered (alone or coalesced), released, opened at fp32,
+//                      committed, on what the engine lends per call (UnitWork)
 //     step_book.h      StepBook: gradients seen, the groups a step covers, step counts, runs, the backward step
-//   frozen.cpp       stage 3: frozen (requires_grad=False) parameters sharded per unit
 //   secondary.h/.cpp Secondary, stage 3: node-local secondary parts for backward gathers (node_size)
 //   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
 //                    the per-device kernel table (Note [Kernel table])
@@ -208,9 +208,11 @@ public:
     void release_unit(int64_t u, bool keep = false);
     // Stage 3, node_size: this rank's node group (L ranks); call once, right after construction.
     void enable_hierarchy(ProcessGroupPtr node_pg);
-    bool unit_gathered(int64_t u) const;
-    bool unit_requested(int64_t u) const;   // every bucket gathered or in flight
-    int64_t unit_numel(int64_t u) const;    // elements a gather of unit u brings (padded)
+    bool unit_gathered(int64_t u) const { return units_.unit_gathered(buckets_, u); }
+    // every bucket gathered or in flight
+    bool unit_requested(int64_t u) const { return units_.unit_requested(buckets_, u); }
+    // elements a gather of unit u brings (padded)
+    int64_t unit_numel(int64_t u) const { return units_.unit_numel(buckets_, u); }
     // After the gathered unit u was edited on rank src (group rank): broadcast its
     // buckets from src and write every rank's owned slice back into its shard.
     // With a low param_dtype an edit only replaces the master elements whose
@@ -231,7 +233,7 @@ public:
     // EngineOptions::param_names, for the frozen parameters (empty: by index).
     void add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units,
                     std::vector<std::string> names = {});
-    bool unit_has_frozen(int64_t u) const;
+    bool unit_has_frozen(int64_t u) const { return units_.frozen.of_unit(u) != nullptr; }
     void release_frozen(int64_t u);    // after the unit's backward: its frozen weights
     at::Tensor frozen_shard() const { return units_.frozen.shard(); }   // this rank's slices, param_dtype
     // As fragments(), over frozen_shard(): (frozen index, offset in it, offset in the shard, numel).
@@ -287,26 +289,15 @@ public:
     // "parameter 'blocks.0.attn.weight'" (or "parameter 12" without names), for
     // messages (Note [Parameter names in messages]); frozen_pname: a frozen one.
     std::string pname(int64_t i) const { return layout_.pname(i); }
-    std::string frozen_pname(int64_t i) const;
+    std::string frozen_pname(int64_t i) const { return units_.frozen.name(i); }
 
 private:
-    void wait_gather(Bucket &bk);
-    void finish_group(const std::shared_ptr<GatherGroup> &g);
-    void launch_gather(Bucket &bk);    // allocate flat_param; one all-gather
-    // this rank's slice of bk in param_dtype: its shard, or (stage 3, low param_dtype) its
-    // master cast into dst
-    at::Tensor gather_source(Bucket &bk, at::Tensor dst);
-    int64_t subject_of(const Bucket &bk) const;             // its index for the sequence check
     // ReducerHooks: what backward's reductions call back (grad_reducer.h)
-    void release_bucket(Bucket &bk) override;   // stage 3: free bk's full parameters (units.cpp)
-    void release_pass() override;               // stage 3, after a backward: every bucket, frozen, node parts
-    void mark_gathered(Bucket &bk);    // stage 3: parameters point at the full bucket again
+    void release_bucket(Bucket &bk) override { units_.release_bucket(unit_work(), bk); }   // stage 3
+    void release_pass() override { units_.release_pass(unit_work()); }   // stage 3: after a backward
     at::Tensor master_slice(Bucket &bk);   // the fp32 master of bk's slice, a split master joined first
     void launch_param_gather(int64_t b);   // bucket b's all-gather (stages 1-2)
     void ensure_step_tables();         // book_ has read this rank's fragments from the plan
-    void commit_frozen(int64_t u, int64_t src);
-    void open_frozen_fp32(int64_t u);
-    void release_all_frozen();
     at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(layout_.dev); }
     // Note [Split master in the engine]: an fp32 master shard joined on demand (authoritative
     // while it exists), and settled back (rounded into the parameters, split, freed).
@@ -320,6 +311,8 @@ private:
     void step_landed(Bucket &bk, const at::Tensor &grad) override;
     // What GradReducer is lent for one call (grad_reducer.h), as the Stepper is.
     Backward backward() { return {buckets_, params_, sharded_grads_, comm_, kernels_, view(), book_, *this}; }
+    // What UnitStore is lent for one call (unit_store.h).
+    UnitWork unit_work() { return {buckets_, params_, comm_, kernels_, gather_, stepper()}; }
 
     Params params_;                        // the parameters' tensors and where each lies (Note [Cut parameters])
     ShardedGrads sharded_grads_;           // what .grad is: stage 0-1 views; Note [Sharded gradients]' wrappers

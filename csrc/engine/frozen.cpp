@@ -1,7 +1,6 @@
 // frozen.cpp — stage 3: parameters that are not trained (requires_grad=False,
 // e.g. the base model under LoRA) sharded like trainable ones.
-#include "engine/engine.h"
-#include "engine/frozen_params.h"
+#include "engine/unit_store.h"
 
 namespace zx {
 
@@ -95,95 +94,87 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> FrozenParams::fragme
     return out;
 }
 
-// ---- the engine: checks, storage, collectives ----
+// ---- UnitStore: checks, storage, collectives ----
 
-void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units, std::vector<std::string> names) {
-    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: internal: frozen parameters are sharded in stage 3 only");
-    TORCH_CHECK(units_.frozen.empty(), "zero_ext: internal: add_frozen was already called on this engine");
+void UnitStore::add_frozen(UnitWork w, std::vector<at::Tensor> params, std::vector<int64_t> units,
+                           std::vector<std::string> names) {
+    const Layout &layout = layout;
+    TORCH_CHECK(layout.opts.stage == 3, "zero_ext: internal: frozen parameters are sharded in stage 3 only");
+    TORCH_CHECK(frozen.empty(), "zero_ext: internal: add_frozen was already called on this engine");
     TORCH_CHECK(params.size() == units.size() && (names.empty() || names.size() == params.size()),
                 "zero_ext: internal: add_frozen needs one unit id (and one name) per frozen parameter");
     if (params.empty()) return;
     for (size_t i = 0; i < params.size(); i++) {
         TORCH_CHECK(units[i] >= 0, "zero_ext: internal: frozen parameter ", i, " has unit ", units[i]);
-        TORCH_CHECK(params[i].device() == layout_.dev && params[i].is_floating_point(), "zero_ext: ",
+        TORCH_CHECK(params[i].device() == layout.dev && params[i].is_floating_point(), "zero_ext: ",
                     FrozenParams::name_in(names, (int64_t)i),
                     " is ", params[i].scalar_type(), " on ", params[i].device(), ", expected a floating-point "
-                    "tensor on ", layout_.dev, " (where the trainable parameters are); call model.to(", layout_.dev,
+                    "tensor on ", layout.dev, " (where the trainable parameters are); call model.to(", layout.dev,
                     ") before zeroify");
-        units_.ensure(units[i]);
+        ensure(units[i]);
     }
-    const auto pt = on_device(layout_.dtypes.param);
-    units_.frozen.plan(std::move(params), units, std::move(names), units_.count(), layout_.partitions,
-                 layout_.partitions * layout_.opts.align, pt);
+    const auto pt = w.shard().on_device(layout.dtypes.param);
+    frozen.plan(std::move(params), units, std::move(names), count(), layout.partitions,
+                layout.partitions * layout.opts.align, pt);
     at::NoGradGuard ng;
-    for (auto &bk : units_.frozen.buckets()) {
+    for (auto &bk : frozen.buckets()) {
         // Without values (meta build) the pages stay untouched until open_unit_fp32.
-        bk.flat_param = layout_.opts.copy_params ? at::zeros({bk.padded_numel}, pt) : at::empty({bk.padded_numel}, pt);
+        bk.flat_param = layout.opts.copy_params ? at::zeros({bk.padded_numel}, pt) : at::empty({bk.padded_numel}, pt);
         for (int64_t i : bk.params) {
-            at::Tensor &p = units_.frozen.param(i);
-            at::Tensor view = bk.flat_param.narrow(0, units_.frozen.offset(i), p.numel()).view(p.sizes());
-            if (layout_.opts.copy_params) view.copy_(p);   // rounds to param_dtype, as a replicated frozen one was
+            at::Tensor &p = frozen.param(i);
+            at::Tensor view = bk.flat_param.narrow(0, frozen.offset(i), p.numel()).view(p.sizes());
+            if (layout.opts.copy_params) view.copy_(p);   // rounds to param_dtype, as a replicated frozen one was
             p.set_data(view);
-            units_.frozen.set_home(i, view);
+            frozen.set_home(i, view);
         }
-        if (layout_.opts.copy_params) units_.frozen.slice(bk).copy_(view().owned(bk.flat_param, bk));
+        if (layout.opts.copy_params) frozen.slice(bk).copy_(w.shard().owned(bk.flat_param, bk));
         bk.full.gathered = true;
-        units_.meter.add(bk.flat_param.nbytes());
-        release_bucket(bk);
+        meter.add(bk.flat_param.nbytes());
+        release_bucket(w, bk);
     }
 }
 
-std::string Engine::frozen_pname(int64_t i) const { return units_.frozen.name(i); }
-
-bool Engine::unit_has_frozen(int64_t u) const { return units_.frozen.of_unit(u) != nullptr; }
-
-void Engine::release_frozen(int64_t u) {
-    if (Bucket *bk = units_.frozen.of_unit(u)) release_bucket(*bk);
+void UnitStore::release_frozen(UnitWork w, int64_t u) {
+    if (Bucket *bk = frozen.of_unit(u)) release_bucket(w, *bk);
 }
 
-void Engine::release_all_frozen() {
-    for (auto &bk : units_.frozen.buckets()) release_bucket(bk);
+void UnitStore::release_all_frozen(UnitWork w) {
+    for (auto &bk : frozen.buckets()) release_bucket(w, bk);
 }
 
-void Engine::commit_frozen(int64_t u, int64_t src) {
-    Bucket *bk = units_.frozen.of_unit(u);
+void UnitStore::commit_frozen(UnitWork &w, int64_t u, int64_t src) {
+    Bucket *bk = frozen.of_unit(u);
     if (bk == nullptr) return;
-    comm_.seq.subject(subject_of(*bk), u);
+    w.comm.seq.subject(subject_of(w, *bk), u);
     if (bk->full.fp32_values.defined()) {   // open_unit_fp32: full-precision values, rounded once
-        broadcast_tensors({bk->full.fp32_values}, src);
-        units_.frozen.slice(*bk).copy_(view().owned(bk->full.fp32_values, *bk));
-        release_bucket(*bk);
+        w.comm.broadcast(bk->full.fp32_values, src);
+        frozen.slice(*bk).copy_(w.shard().owned(bk->full.fp32_values, *bk));
+        release_bucket(w, *bk);
         return;
     }
     TORCH_CHECK(bk->full.gathered, "zero_ext: internal: commit_unit needs unit ", u, " gathered");
-    broadcast_tensors({bk->flat_param}, src);
-    units_.frozen.slice(*bk).copy_(view().owned(bk->flat_param, *bk));
+    w.comm.broadcast(bk->flat_param, src);
+    frozen.slice(*bk).copy_(w.shard().owned(bk->flat_param, *bk));
 }
 
-void Engine::open_frozen_fp32(int64_t u) {
-    Bucket *bk = units_.frozen.of_unit(u);
+void UnitStore::open_frozen_fp32(UnitWork &w, int64_t u) {
+    Bucket *bk = frozen.of_unit(u);
     if (bk == nullptr) return;
     // Only with a low param_dtype (open_unit_fp32 gathers fp32 units as they are).
     // As open_unit_fp32: an fp32 buffer holding the current values, so that an
     // init writes full precision and is rounded once, at commit.
-    release_bucket(*bk);
-    at::Tensor full = at::empty({bk->padded_numel}, on_device(layout_.dtypes.param));
-    if (layout_.world == 1) {
-        full.copy_(units_.frozen.slice(*bk));
+    release_bucket(w, *bk);
+    at::Tensor full = at::empty({bk->padded_numel}, w.shard().on_device(w.layout().dtypes.param));
+    if (w.layout().world == 1) {
+        full.copy_(frozen.slice(*bk));
     } else {
-        comm_.seq.subject(subject_of(*bk), u);
-        comm_.watch(comm_.all_gather(full, units_.frozen.slice(*bk)), "unit all-gather");
+        w.comm.seq.subject(subject_of(w, *bk), u);
+        w.comm.watch(w.comm.all_gather(full, frozen.slice(*bk)), "unit all-gather");
     }
     bk->full.fp32_values = full.to(at::kFloat);
-    units_.meter.add(bk->full.fp32_values.nbytes());
-    units_.meter.note_peak();
-    units_.frozen.point_at(*bk, bk->full.fp32_values);
-}
-
-std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Engine::frozen_fragments(int64_t r) const {
-    TORCH_CHECK(r >= 0 && r < layout_.partitions, "zero_ext: internal: no rank ", r, " among ", layout_.partitions,
-                " partitions");
-    return units_.frozen.fragments(r);
+    meter.add(bk->full.fp32_values.nbytes());
+    meter.note_peak();
+    frozen.point_at(*bk, bk->full.fp32_values);
 }
 
 }  // namespace zx

@@ -4,19 +4,41 @@
 // rank's slices in param_dtype that the gathers read (Note [Optimizer offload]), the bytes
 // of gathered parameters held, the frozen parameters sharded per unit (Note [Stage 3 frozen
 // parameters]) and, with node_size, the node-local parts (Note [Hierarchical partitioning]).
-// The gathers and releases themselves are the engine's (units.cpp), over members(u).
+// The gathers, releases, commits and openings run here too (units.cpp; the frozen side:
+// frozen.cpp), on what the engine lends for one call (UnitWork): the one place a unit's
+// buckets are gathered and released.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "engine/bucket.h"          // defines: Bucket, GatherGroup
+#include "engine/comm.h"            // defines: Communicator
 #include "engine/frozen_params.h"   // defines: FrozenParams
 #include "engine/gather_meter.h"    // defines: GatherMeter
+#include "engine/kernels.h"         // defines: KernelTables
+#include "engine/param_gather.h"    // defines: ParamGather
+#include "engine/params.h"          // defines: Params
 #include "engine/secondary.h"       // defines: Secondary
+#include "engine/stepper.h"         // defines: Stepper, ShardView
 
 namespace zx {
+
+// What UnitStore is lent for one call (Engine::unit_work()); it owns none of it.
+struct UnitWork {
+    std::vector<Bucket> &buckets;   // the trainable buckets (the frozen ones are the store's)
+    Params &params;
+    Communicator &comm;
+    KernelTables &kernels;
+    ParamGather &gather;            // the gather kind: param_quant's or exact
+    Stepper step;                   // its ShardView: where the slices lie; offload: upload()
+
+    ShardView &shard() { return step.shard; }
+    const Layout &layout() const { return step.shard.layout; }
+};
 
 class UnitStore {
 public:
@@ -39,6 +61,26 @@ public:
         return members_of(*this, u, all);
     }
 
+    // --- units (units.cpp; Note [Stage 3 parameter lifetime]) ---
+    // Make unit u's buckets whole: launch what is neither gathered nor in flight, and with
+    // wait block until done. True when everything had been launched already (prefetched).
+    bool gather_unit(UnitWork w, int64_t u, bool wait);
+    void gather_units(UnitWork w, const std::vector<int64_t> &units);   // Note [Coalesced unit gathers]
+    void release_unit(UnitWork w, int64_t u, bool keep);   // keep: node parts kept for a backward
+    void release_bucket(UnitWork w, Bucket &bk);   // the one place full parameters are freed
+    void release_pass(UnitWork w);   // after a backward: every bucket, the frozen ones, node parts
+    void commit_unit(UnitWork w, int64_t u, int64_t src);   // edits broadcast from src, into the shards
+    void open_unit_fp32(UnitWork w, int64_t u);   // fp32 buffers holding the unit's values
+    bool unit_gathered(const std::vector<Bucket> &all, int64_t u) const;
+    bool unit_requested(const std::vector<Bucket> &all, int64_t u) const;   // gathered or in flight
+    int64_t unit_numel(const std::vector<Bucket> &all, int64_t u) const;
+
+    // --- frozen parameters (frozen.cpp; Note [Stage 3 frozen parameters]) ---
+    void add_frozen(UnitWork w, std::vector<at::Tensor> params, std::vector<int64_t> units,
+                    std::vector<std::string> names);
+    void release_frozen(UnitWork w, int64_t u);
+    void release_all_frozen(UnitWork w);
+
     std::vector<at::Tensor> param_views;   // param i's view into its bucket's flat_param
     at::Tensor param_shard;                // offload: this rank's slices in param_dtype, on the device
     GatherMeter meter;                     // bytes of gathered parameters held, and the peak
@@ -46,6 +88,16 @@ public:
     std::unique_ptr<Secondary> secondary;  // node_size (1 <= L < world): the node-local parts, else null
 
 private:
+    void wait_gather(UnitWork &w, Bucket &bk);
+    void finish_group(UnitWork &w, const std::shared_ptr<GatherGroup> &g);   // a coalesced gather's rows out
+    void launch_gather(UnitWork &w, Bucket &bk);   // storage back; one all-gather
+    void mark_gathered(UnitWork &w, Bucket &bk);   // parameters point at the full bucket again
+    // bk's slice in param_dtype: its shard, or (low param_dtype) its master cast into dst
+    at::Tensor gather_source(UnitWork &w, Bucket &bk, at::Tensor dst);
+    int64_t subject_of(UnitWork &w, const Bucket &bk) const;   // its index for the sequence check
+    void commit_frozen(UnitWork &w, int64_t u, int64_t src);
+    void open_frozen_fp32(UnitWork &w, int64_t u);
+
     template <class Self, class Buckets>   // members(), const or not
     static auto members_of(Self &self, int64_t u, Buckets &all) -> std::vector<decltype(&all[0])> {
         std::vector<decltype(&all[0])> out;

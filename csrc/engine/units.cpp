@@ -1,7 +1,8 @@
-// units.cpp — stage 3: each unit's buckets gathered on demand (alone or coalesced with other
-// small units), released after use, opened at fp32 for initialization, edited and committed
-// back into the shards; the frozen parameters' side is frozen.cpp.
-#include "engine/engine.h"
+// units.cpp — UnitStore (unit_store.h), stage 3: each unit's buckets gathered on demand
+// (alone or coalesced with other small units), released after use, opened at fp32 for
+// initialization, edited and committed back into the shards; the frozen parameters' side is
+// frozen.cpp.
+#include "engine/unit_store.h"
 
 #include <algorithm>
 
@@ -37,129 +38,130 @@ namespace zx {
 //   Each bucket is still gathered, counted and released as before; only the
 //   collective is shared, and its staging pair is held until it completes.
 
-void Engine::finish_group(const std::shared_ptr<GatherGroup> &g) {
-    comm_.watch(g->work, "unit all-gather");
+void UnitStore::finish_group(UnitWork &w, const std::shared_ptr<GatherGroup> &g) {
+    w.comm.watch(g->work, "unit all-gather");
     g->work.reset();
     const int64_t slice = g->in.numel();
-    const at::Tensor rows = g->out.view({layout_.world, slice});
+    const at::Tensor rows = g->out.view({w.layout().world, slice});
     for (auto [m, offset] : g->members) {
         if (m->full.group != g) continue;
-        m->flat_param.view({layout_.world, m->slice_numel}).copy_(rows.narrow(1, offset, m->slice_numel));
+        m->flat_param.view({w.layout().world, m->slice_numel}).copy_(rows.narrow(1, offset, m->slice_numel));
         m->full.group.reset();
-        mark_gathered(*m);
+        mark_gathered(w, *m);
     }
-    units_.meter.sub(g->in.nbytes() + g->out.nbytes());
+    meter.sub(g->in.nbytes() + g->out.nbytes());
     g->in = at::Tensor();
     g->out = at::Tensor();
 }
 
-void Engine::wait_gather(Bucket &bk) {
-    if (bk.full.group) finish_group(std::shared_ptr<GatherGroup>(bk.full.group));
+void UnitStore::wait_gather(UnitWork &w, Bucket &bk) {
+    if (bk.full.group) finish_group(w, std::shared_ptr<GatherGroup>(bk.full.group));
     if (bk.full.work) {
         auto work = std::move(bk.full.work);
         bk.full.work.reset();
-        const int64_t s = subject_of(bk);
-        if (units_.secondary && units_.secondary->in_flight(s)) {   // Note [Hierarchical partitioning]
-            units_.secondary->comm().timed_wait(work, "node all-gather");
-            units_.secondary->finish(s);
+        const int64_t s = subject_of(w, bk);
+        if (secondary && secondary->in_flight(s)) {   // Note [Hierarchical partitioning]
+            secondary->comm().timed_wait(work, "node all-gather");
+            secondary->finish(s);
         } else {
-            comm_.watch(work, "unit all-gather");
-            if (gather_.quantized() && !bk.frozen) gather_.quant()->finish(s);
+            w.comm.watch(work, "unit all-gather");
+            if (w.gather.quantized() && !bk.frozen) w.gather.quant()->finish(s);
         }
         // A finished gather holds the full bucket, used or not: a prefetched unit that
         // the pass then skipped must still be freed (and uncounted) by release_bucket.
-        mark_gathered(bk);
+        mark_gathered(w, bk);
     }
 }
 
-void Engine::release_bucket(Bucket &bk) {
-    wait_gather(bk);
+void UnitStore::release_bucket(UnitWork w, Bucket &bk) {
+    wait_gather(w, bk);
     const bool staged = bk.full.fp32_values.defined();
     if (!staged && !bk.full.gathered) return;   // the common case after backward: nothing held
     if (staged) {
-        units_.meter.sub(bk.full.fp32_values.nbytes());
+        meter.sub(bk.full.fp32_values.nbytes());
         bk.full.fp32_values = at::Tensor();
     }
     if (bk.full.gathered) {
-        kernels_.device->resize_storage(bk.flat_param, 0);
-        units_.meter.sub(bk.flat_param.numel() * bk.flat_param.element_size());
+        w.kernels.device->resize_storage(bk.flat_param, 0);
+        meter.sub(bk.flat_param.numel() * bk.flat_param.element_size());
         bk.full.gathered = false;
     }
     const at::Tensor empty = at::empty({0}, bk.flat_param.options());
-    for (int64_t i : bk.params) (bk.frozen ? units_.frozen.param(i) : params_[i]).set_data(empty);
+    for (int64_t i : bk.params) (bk.frozen ? frozen.param(i) : w.params[i]).set_data(empty);
 }
 
-void Engine::release_pass() {
-    for (auto &bk : buckets_) release_bucket(bk);
-    release_all_frozen();   // Note [Stage 3 frozen parameters]
-    if (units_.secondary) units_.secondary->drop_all();   // Note [Hierarchical partitioning]: the pass is over
+void UnitStore::release_pass(UnitWork w) {
+    for (auto &bk : w.buckets) release_bucket(w, bk);
+    release_all_frozen(w);   // Note [Stage 3 frozen parameters]
+    if (secondary) secondary->drop_all();   // Note [Hierarchical partitioning]: the pass is over
 }
 
-void Engine::mark_gathered(Bucket &bk) {
-    wait_gather(bk);
+void UnitStore::mark_gathered(UnitWork &w, Bucket &bk) {
+    wait_gather(w, bk);
     if (bk.full.gathered) return;
     bk.full.gathered = true;
     if (bk.frozen)
-        units_.frozen.point_home(bk);
+        frozen.point_home(bk);
     else
-        for (int64_t i : bk.params) params_[i].set_data(units_.param_views[i]);
+        for (int64_t i : bk.params) w.params[i].set_data(param_views[i]);
 }
 
-at::Tensor Engine::gather_source(Bucket &bk, at::Tensor dst) {
-    if (bk.frozen) return units_.frozen.slice(bk);
-    if (off_) return units_.param_shard.narrow(0, bk.shard_offset, bk.slice_numel);   // Note [Optimizer offload]
-    if (!layout_.dtypes.low()) return master_slice(bk);   // stage 3 fp32: the master is the slice
-    kernels_.device->cast_from_f32(bk.slice_numel, view().master_data(bk), dst.data_ptr(), layout_.dtypes.param_zx);
+at::Tensor UnitStore::gather_source(UnitWork &w, Bucket &bk, at::Tensor dst) {
+    if (bk.frozen) return frozen.slice(bk);
+    if (w.shard().offload) return param_shard.narrow(0, bk.shard_offset, bk.slice_numel);   // Note [Optimizer offload]
+    if (!w.layout().dtypes.low()) return w.shard().master(bk);   // stage 3 fp32: the master is the slice
+    w.kernels.device->cast_from_f32(bk.slice_numel, w.shard().master_data(bk), dst.data_ptr(),
+                                    w.layout().dtypes.param_zx);
     return dst;
 }
 
-int64_t Engine::subject_of(const Bucket &bk) const {
-    return bk.frozen ? (int64_t)buckets_.size() + units_.frozen.index(bk) : (int64_t)(&bk - buckets_.data());
+int64_t UnitStore::subject_of(UnitWork &w, const Bucket &bk) const {
+    return bk.frozen ? (int64_t)w.buckets.size() + frozen.index(bk) : (int64_t)(&bk - w.buckets.data());
 }
 
-void Engine::launch_gather(Bucket &bk) {
+void UnitStore::launch_gather(UnitWork &w, Bucket &bk) {
     const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
-    kernels_.device->resize_storage(bk.flat_param, bytes);
-    units_.meter.add(bytes);
-    units_.meter.note_peak();
-    at::Tensor own = view().owned(bk.flat_param, bk);
-    at::Tensor in = gather_source(bk, own);   // with a low param_dtype: cast into place
-    if (layout_.world == 1) {
+    w.kernels.device->resize_storage(bk.flat_param, bytes);
+    meter.add(bytes);
+    meter.note_peak();
+    at::Tensor own = w.shard().owned(bk.flat_param, bk);
+    at::Tensor in = gather_source(w, bk, own);   // with a low param_dtype: cast into place
+    if (w.layout().world == 1) {
         if (!in.is_same(own)) own.copy_(in);
-        mark_gathered(bk);
+        mark_gathered(w, bk);
         return;
     }
-    if (units_.secondary && units_.secondary->has(subject_of(bk))) {   // Note [Hierarchical partitioning]: in the node
-        bk.full.work = units_.secondary->launch(subject_of(bk), bk.flat_param);
+    if (secondary && secondary->has(subject_of(w, bk))) {   // Note [Hierarchical partitioning]: in the node
+        bk.full.work = secondary->launch(subject_of(w, bk), bk.flat_param);
         return;
     }
-    comm_.seq.subject(subject_of(bk), bk.unit);
+    w.comm.seq.subject(subject_of(w, bk), bk.unit);
     // param_quant: trainable buckets travel quantized from the exact master (frozen
     // ones have no master and stay exact)
-    const auto master = [&] { return master_slice(bk); };
-    bk.full.work = bk.frozen ? comm_.all_gather(bk.flat_param, in)
-                               : gather_.start(comm_, subject_of(bk), bk.flat_param, in, master);
+    const auto master = [&] { return w.shard().master(bk); };
+    bk.full.work = bk.frozen ? w.comm.all_gather(bk.flat_param, in)
+                               : w.gather.start(w.comm, subject_of(w, bk), bk.flat_param, in, master);
 }
 
-bool Engine::gather_unit(int64_t u, bool wait) {
-    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: internal: gather_unit is a stage-3 operation");
+bool UnitStore::gather_unit(UnitWork w, int64_t u, bool wait) {
+    TORCH_CHECK(w.layout().opts.stage == 3, "zero_ext: internal: gather_unit is a stage-3 operation");
     bool prefetched = true;
-    for (Bucket *bk : units_.members(u, buckets_)) {
+    for (Bucket *bk : members(u, w.buckets)) {
         if (bk->full.gathered) continue;
         if (!bk->full.requested()) {
             prefetched = false;
-            launch_gather(*bk);
+            launch_gather(w, *bk);
         }
-        if (wait) mark_gathered(*bk);
+        if (wait) mark_gathered(w, *bk);
     }
     return prefetched;
 }
 
-void Engine::gather_units(const std::vector<int64_t> &units) {
-    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: internal: gather_units is a stage-3 operation");
+void UnitStore::gather_units(UnitWork w, const std::vector<int64_t> &units) {
+    TORCH_CHECK(w.layout().opts.stage == 3, "zero_ext: internal: gather_units is a stage-3 operation");
     std::vector<Bucket *> todo;
     for (int64_t u : units)
-        for (Bucket *bk : units_.members(u, buckets_))
+        for (Bucket *bk : members(u, w.buckets))
             if (!bk->full.requested() && std::find(todo.begin(), todo.end(), bk) == todo.end()) todo.push_back(bk);
     // Coalesce the buckets in the parameters' dtype; anything else goes alone (and
     // quantized gathers, which carry records rather than slices, and gathers from
@@ -167,10 +169,10 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
     auto g = std::make_shared<GatherGroup>();
     int64_t slice = 0;
     for (Bucket *bk : todo) {
-        if (layout_.world == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != layout_.dtypes.param ||
-            (gather_.quantized() && !bk->frozen) ||
-            (units_.secondary && units_.secondary->has(subject_of(*bk)))) {
-            launch_gather(*bk);
+        if (w.layout().world == 1 || todo.size() == 1 || bk->flat_param.scalar_type() != w.layout().dtypes.param ||
+            (w.gather.quantized() && !bk->frozen) ||
+            (secondary && secondary->has(subject_of(w, *bk)))) {
+            launch_gather(w, *bk);
             continue;
         }
         g->members.emplace_back(bk, slice);
@@ -178,112 +180,112 @@ void Engine::gather_units(const std::vector<int64_t> &units) {
     }
     if (g->members.empty()) return;
     if (g->members.size() == 1) {
-        launch_gather(*g->members[0].first);
+        launch_gather(w, *g->members[0].first);
         return;
     }
-    g->in = at::empty({slice}, on_device(layout_.dtypes.param));
-    g->out = at::empty({slice * layout_.world}, on_device(layout_.dtypes.param));
-    units_.meter.add(g->in.nbytes() + g->out.nbytes());
+    g->in = at::empty({slice}, w.shard().on_device(w.layout().dtypes.param));
+    g->out = at::empty({slice * w.layout().world}, w.shard().on_device(w.layout().dtypes.param));
+    meter.add(g->in.nbytes() + g->out.nbytes());
     for (auto [bk, offset] : g->members) {
         const int64_t bytes = bk->flat_param.numel() * bk->flat_param.element_size();
-        kernels_.device->resize_storage(bk->flat_param, bytes);
-        units_.meter.add(bytes);
+        w.kernels.device->resize_storage(bk->flat_param, bytes);
+        meter.add(bytes);
         at::Tensor dst = g->in.narrow(0, offset, bk->slice_numel);
-        at::Tensor src = gather_source(*bk, dst);
+        at::Tensor src = gather_source(w, *bk, dst);
         if (!src.is_same(dst)) dst.copy_(src);
         bk->full.group = g;
     }
-    units_.meter.note_peak();
+    meter.note_peak();
     const Bucket &first = *g->members[0].first;
-    comm_.seq.subject(subject_of(first), first.unit);
-    g->work = comm_.all_gather(g->out, g->in);
+    w.comm.seq.subject(subject_of(w, first), first.unit);
+    g->work = w.comm.all_gather(g->out, g->in);
 }
 
-void Engine::release_unit(int64_t u, bool keep) {
-    for (Bucket *bk : units_.members(u, buckets_)) {   // trainable, then frozen
-        if (units_.secondary) {   // Note [Hierarchical partitioning]
-            wait_gather(*bk);
+void UnitStore::release_unit(UnitWork w, int64_t u, bool keep) {
+    for (Bucket *bk : members(u, w.buckets)) {   // trainable, then frozen
+        if (secondary) {   // Note [Hierarchical partitioning]
+            wait_gather(w, *bk);
             if (!keep)
-                units_.secondary->drop(subject_of(*bk));
+                secondary->drop(subject_of(w, *bk));
             else if (bk->full.gathered)
-                units_.secondary->keep(subject_of(*bk), bk->flat_param);
+                secondary->keep(subject_of(w, *bk), bk->flat_param);
         }
-        release_bucket(*bk);
+        release_bucket(w, *bk);
     }
 }
 
-void Engine::commit_unit(int64_t u, int64_t src) {
-    if (units_.secondary) units_.secondary->drop_all();   // the masters change
-    for (int64_t b : units_.buckets(u)) {
-        Bucket &bk = buckets_[b];
+void UnitStore::commit_unit(UnitWork w, int64_t u, int64_t src) {
+    if (secondary) secondary->drop_all();   // the masters change
+    for (int64_t b : buckets(u)) {
+        Bucket &bk = w.buckets[b];
         if (bk.full.fp32_values.defined()) {   // open_unit_fp32: full-precision values
-            comm_.seq.subject(b, u);
-            broadcast_tensors({bk.full.fp32_values}, src);
-            master_slice(bk).copy_(view().owned(bk.full.fp32_values, bk));
-            if (off_) stepper().upload(bk);
-            release_bucket(bk);
+            w.comm.seq.subject(b, u);
+            w.comm.broadcast(bk.full.fp32_values, src);
+            w.shard().master(bk).copy_(w.shard().owned(bk.full.fp32_values, bk));
+            if (w.shard().offload) w.step.upload(bk);
+            release_bucket(w, bk);
             continue;
         }
         TORCH_CHECK(bk.full.gathered, "zero_ext: internal: commit_unit needs unit ", u, " gathered");
-        comm_.seq.subject(b, u);
-        broadcast_tensors({bk.flat_param}, src);
-        const at::Tensor owned = view().owned(bk.flat_param, bk);
-        if (layout_.dtypes.low() || gather_.quantized()) {
-            gather_.absorb(master_slice(bk), owned, layout_.dtypes.param);
+        w.comm.seq.subject(b, u);
+        w.comm.broadcast(bk.flat_param, src);
+        const at::Tensor owned = w.shard().owned(bk.flat_param, bk);
+        if (w.layout().dtypes.low() || w.gather.quantized()) {
+            w.gather.absorb(w.shard().master(bk), owned, w.layout().dtypes.param);
         } else {
-            master_slice(bk).copy_(owned);
+            w.shard().master(bk).copy_(owned);
         }
-        if (off_) stepper().upload(bk);   // Note [Optimizer offload]: what the next gathers read
+        if (w.shard().offload) w.step.upload(bk);   // Note [Optimizer offload]: what the next gathers read
     }
-    commit_frozen(u, src);
+    commit_frozen(w, u, src);
 }
 
-void Engine::open_unit_fp32(int64_t u) {
-    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: internal: open_unit_fp32 is a stage-3 operation");
-    units_.buckets(u);   // checks u
-    if (units_.secondary) units_.secondary->drop_all();
-    if (!layout_.dtypes.low()) {
-        gather_unit(u, true);
+void UnitStore::open_unit_fp32(UnitWork w, int64_t u) {
+    TORCH_CHECK(w.layout().opts.stage == 3, "zero_ext: internal: open_unit_fp32 is a stage-3 operation");
+    buckets(u);   // checks u
+    if (secondary) secondary->drop_all();
+    if (!w.layout().dtypes.low()) {
+        gather_unit(w, u, true);
         return;
     }
-    open_frozen_fp32(u);
-    for (int64_t b : units_.buckets(u)) {
-        Bucket &bk = buckets_[b];
-        release_bucket(bk);
+    open_frozen_fp32(w, u);
+    for (int64_t b : buckets(u)) {
+        Bucket &bk = w.buckets[b];
+        release_bucket(w, bk);
         // The current fp32 masters (zeros before the first commit), so a unit opened
         // again after a commit keeps what was written to it.
-        bk.full.fp32_values = at::empty({bk.padded_numel}, on_device(at::kFloat));
-        at::Tensor in = master_slice(bk);
-        if (in.device() != layout_.dev) in = in.to(layout_.dev);   // offload: the collective runs on the device
-        if (layout_.world == 1) {
+        bk.full.fp32_values = at::empty({bk.padded_numel}, w.shard().on_device(at::kFloat));
+        at::Tensor in = w.shard().master(bk);
+        if (in.device() != w.layout().dev) in = in.to(w.layout().dev);   // offload: the collective runs on the device
+        if (w.layout().world == 1) {
             bk.full.fp32_values.copy_(in);
         } else {
-            comm_.seq.subject(b, u);
-            comm_.watch(comm_.all_gather(bk.full.fp32_values, in), "unit all-gather");
+            w.comm.seq.subject(b, u);
+            w.comm.watch(w.comm.all_gather(bk.full.fp32_values, in), "unit all-gather");
         }
-        units_.meter.add(bk.full.fp32_values.nbytes());
-        units_.meter.note_peak();
+        meter.add(bk.full.fp32_values.nbytes());
+        meter.note_peak();
         for (int64_t i : bk.params)
-            params_[i].set_data(bk.full.fp32_values.narrow(0, layout_.offset_of[i], units_.param_views[i].numel())
-                                    .view(units_.param_views[i].sizes()));
+            w.params[i].set_data(bk.full.fp32_values.narrow(0, w.layout().offset_of[i], param_views[i].numel())
+                                    .view(param_views[i].sizes()));
     }
 }
 
-bool Engine::unit_gathered(int64_t u) const {
-    for (const Bucket *bk : units_.members(u, buckets_))
+bool UnitStore::unit_gathered(const std::vector<Bucket> &all, int64_t u) const {
+    for (const Bucket *bk : members(u, all))
         if (!bk->full.gathered) return false;
     return true;
 }
 
-bool Engine::unit_requested(int64_t u) const {
-    for (const Bucket *bk : units_.members(u, buckets_))
+bool UnitStore::unit_requested(const std::vector<Bucket> &all, int64_t u) const {
+    for (const Bucket *bk : members(u, all))
         if (!bk->full.requested()) return false;
     return true;
 }
 
-int64_t Engine::unit_numel(int64_t u) const {
+int64_t UnitStore::unit_numel(const std::vector<Bucket> &all, int64_t u) const {
     int64_t n = 0;
-    for (const Bucket *bk : units_.members(u, buckets_)) n += bk->padded_numel;
+    for (const Bucket *bk : members(u, all)) n += bk->padded_numel;
     return n;
 }
 
