@@ -117,7 +117,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("hysteresis_left", &zx_loss_scaler::hysteresis_left)
         .def_readwrite("skipped", &zx_loss_scaler::skipped);
 
-    // Note [Fragment views] (engine/layout.cpp)
+    // Note [Fragment views] (engine/build.cpp)
     py::class_<zx::FragmentView>(m, "FragmentView")
         .def_readonly("param", &zx::FragmentView::param)
         .def_readonly("param_offset", &zx::FragmentView::param_offset)

@@ -1,6 +1,6 @@
 // bucket.h — one bucket of the plan as tensors (Bucket: its fixed BucketShape and StateWindow,
 // its buffers, stage 3's FullParams), and a coalesced all-gather of several small ones in
-// flight (GatherGroup). Plain data: the engine's owners fill and read them (layout.cpp builds
+// flight (GatherGroup). Plain data: the engine's owners fill and read them (build.cpp builds
 // them from the plan).
 #pragma once
 
@@ -32,7 +32,7 @@ struct StateWindow {
     uint64_t counter = 0;              // Note [bf16 optimizer states]: the slice's element 0's rounding counter
 };
 
-// What a bucket is, fixed once the plan is turned into tensors (layout.cpp; the state
+// What a bucket is, fixed once the plan is turned into tensors (build.cpp; the state
 // window: fill.cpp).
 struct BucketShape {
     int64_t group = 0;                 // param group index

@@ -8,10 +8,11 @@
 //
 // The Engine facade and the owners it holds, each in its own files (csrc/engine/):
 //   engine.cpp       the facade's calls handed to an owner: GradReducer, UnitStore, the Stepper,
-//                    MasterSplit, the sequence check, Secondary (construction and stats: layout.cpp)
-//   layout.cpp       the buckets, shards and views built from the plan; stats
-//   layout.h         Layout, fixed at construction: options (options.h), device and dtypes, the plan, this
-//                    rank's place, each parameter's group, shape and bucket
+//                    MasterSplit, the sequence check, Secondary (construction and stats: build.cpp)
+//   build.cpp        the buckets, shards and views built from the Layout; teardown; fragment views, stats
+//   layout.h/.cpp    Layout, fixed at construction (Layout::make, no tensors, no process group): options
+//                    (options.h), device and dtypes, the plan, this rank's place, each parameter's group,
+//                    shape and bucket
 //   stats.h          what stats() reports, as plain data (the binding makes the dicts)
 //   fill.h/.cpp      cut parameters copied to and from their pieces (Params::copy_cut); state windows
 //   grad_reducer.h   GradReducer: backward's reductions and the reduce kind, chosen once (reducer.cpp:
@@ -81,7 +82,7 @@
 
 namespace zx {
 
-// Note [Fragment views] (layout.cpp): one piece of a parameter in this rank's shard, as
+// Note [Fragment views] (build.cpp): one piece of a parameter in this rank's shard, as
 // Python asks for it (checkpoints, loads, edits, the generic step).
 struct FragmentView {
     int64_t param;                     // engine parameter index (frozen: frozen index)
@@ -128,7 +129,9 @@ public:
     std::vector<int64_t> bucket_groups(const std::vector<int64_t> &groups = {});
     // Where rank r's shard holds pieces of parameters (any r, from the plan):
     // (param index, offset in the flattened parameter, offset in the flat shard, numel).
-    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const {
+        return layout_.fragments(r);
+    }
     // Note [Fragment views]: this rank's fragments of the groups' buckets, with views of the
     // master (joined first with a split master); frozen: of the stage-3 frozen shard.
     // masters=false: no master views (and no join): only where the pieces lie.
@@ -264,11 +267,11 @@ public:
     // Note [Communication delay] (comm.cpp): every collective of this engine (node group
     // included) takes at least ms longer; serialize: each is waited for at its launch.
     void set_comm_delay(double ms, bool serialize);
-    std::string describe_plan() const;
+    std::string describe_plan() const { return layout_.describe(); }
     int64_t rank() const { return layout_.rank; }
     int64_t world_size() const { return layout_.world; }
     int64_t partitions() const { return layout_.partitions; }
-    double grad_divisor() const;       // what shard gradients must be divided by
+    double grad_divisor() const { return layout_.grad_divisor(); }   // what shard gradients must be divided by
     std::string isa_name() const { return zx_isa_name(kernels_.isa); }
 
     // --- collective sequence check (Note [Collective sequence check], sequence.h) ---

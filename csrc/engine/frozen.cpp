@@ -98,7 +98,7 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> FrozenParams::fragme
 
 void UnitStore::add_frozen(UnitWork w, std::vector<at::Tensor> params, std::vector<int64_t> units,
                            std::vector<std::string> names) {
-    const Layout &layout = layout;
+    const Layout &layout = w.layout();
     TORCH_CHECK(layout.opts.stage == 3, "zero_ext: internal: frozen parameters are sharded in stage 3 only");
     TORCH_CHECK(frozen.empty(), "zero_ext: internal: add_frozen was already called on this engine");
     TORCH_CHECK(params.size() == units.size() && (names.empty() || names.size() == params.size()),

@@ -1,4 +1,4 @@
-// layout.h — what is decided once when the engine is built (layout.cpp) and never changed
+// layout.h — what is decided once when the engine is built (Layout::make, layout.cpp) and never changed
 // after: the options it was given, the parameters' device and dtypes, the C plan
 // (core/zx_plan.c: buckets, slices, fragments, state), this rank's place in the world, and
 // each parameter's group, shape and bucket. Plain data: no tensors, no communicator (the
@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/zx_core.h"
@@ -15,6 +16,12 @@
 namespace zx {
 
 struct Layout {
+    // The layout of parameters of these shapes (in the engine's order) and param groups (stage 3:
+    // units), for this rank of world: the dtypes parsed and the plan made. The caller frees plan.
+    static Layout make(const EngineOptions &opts, at::Device dev, std::vector<std::vector<int64_t>> shapes,
+                       const std::vector<int64_t> &groups, const std::vector<int64_t> &units, int64_t rank,
+                       int64_t world);
+
     EngineOptions opts;                         // as given (stage, bucket sizes, dtypes by name, ...)
     at::Device dev = at::kCPU;                  // the parameters' device: every buffer lives there
     Dtypes dtypes;                              // param_dtype and reduce_dtype (Note [Mixed precision])
@@ -26,6 +33,12 @@ struct Layout {
     std::vector<int64_t> group_of;              // each parameter's param group
     std::vector<int64_t> bucket_of, offset_of;  // each parameter's bucket and offset in it (its first piece)
     std::vector<std::vector<int64_t>> shapes;   // each parameter's logical shape
+
+    // Where rank r's shard holds pieces of parameters: (param index, offset in the flattened
+    // parameter, offset in the flat shard, numel).
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
+    std::string describe() const;   // the plan, printable
+    double grad_divisor() const { return opts.stage == 0 ? 1.0 : (double)world; }   // what shard gradients sum over
 
     // "parameter 'blocks.0.attn.weight'" (or "parameter 12" without names), for messages
     // (Note [Parameter names in messages], layout.cpp).

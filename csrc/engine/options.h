@@ -35,7 +35,7 @@ struct EngineOptions {
     // Per parameter, optimizer state bytes per element (empty: none given). With
     // tensor-atomic groups, element-granular pieces fill the atomic buckets' padding
     // so that state balances (Note [Filling atomic buckets], core/zx_core.h;
-    // Note [Cut parameters] in layout.cpp). Stages 1-2 only.
+    // Note [Cut parameters] in fill.cpp). Stages 1-2 only.
     std::vector<double> param_state;
     // Note [Unused parameters]: when the ranks agree on which parameters got a gradient:
     // 0 never (a missing gradient is the caller's error), 1 every step, 2 at the first

@@ -96,7 +96,7 @@ struct AtomicStats {
     double cost_balance = 1.0;            // max / mean (1.0 = perfect balance)
     double numel_balance = 1.0;
     int64_t filled_numel = 0;             // pieces of element-granular parameters in the padding
-    int64_t cut_params = 0;               // Note [Cut parameters] (layout.cpp)
+    int64_t cut_params = 0;               // Note [Cut parameters] (fill.cpp)
     std::vector<double> state_bytes_per_rank;   // planned: whole tensors' + element-granular state
     double state_balance = 1.0;
 
