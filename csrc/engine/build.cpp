@@ -55,7 +55,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                             : opts.grad_quant_bits != 0 ? ReduceKind::kQuantized
                             : opts.alltoall_reduce_scatter ? ReduceKind::kAllToAll
                                                             : ReduceKind::kReduceScatter;
-    reducer_.configure(kind, layout_.world, layout_.partitions, on_device(layout_.dtypes.reduce),
+    reducer_.configure(kind, layout_.world, layout_.partitions, layout_.on_device(layout_.dtypes.reduce),
                        kind == ReduceKind::kQuantized
                            ? std::make_unique<QuantReduce>((int32_t)opts.grad_quant_bits, opts.quant_block_numel,
                                                            opts.grad_quant_error_feedback, kernels_.device.get(),
@@ -81,7 +81,8 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
                     "grad_quant=None and param_quant=None with it, or offload=None");
         if (!layout_.dev.is_cpu()) kernels_.host = make_cpu_kernels(kernels_.isa, layout_.dtypes.reduce_zx);
     }
-    const auto f32 = on_device(at::kFloat), pt = on_device(layout_.dtypes.param), rt = on_device(layout_.dtypes.reduce);
+    const auto f32 = layout_.on_device(at::kFloat), pt = layout_.on_device(layout_.dtypes.param);
+    const auto rt = layout_.on_device(layout_.dtypes.reduce);
     const int64_t nb = zx_plan_num_buckets(layout_.plan);
     buckets_.resize(nb);
     // param_quant: the owned slice of flat_param holds dequantized values, so the
@@ -209,13 +210,13 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     // receives a slice (reduce-scatter) or every rank's slices (all-to-all).
     reducer_.ring().configure(opts.stage >= 2 ? layout_.max_padded : 0,
                               layout_.world > 1 ? reducer_.recv_numel(layout_.max_padded) : 0,
-                              on_device(layout_.dtypes.reduce), opts.grad_ring_buckets);
+                              layout_.on_device(layout_.dtypes.reduce), opts.grad_ring_buckets);
     book_ = StepBook(params_.size(), opts.agree_unused, layout_.world);   // Note [Unused parameters]
     // Note [Coalesced gradient reductions] (reducer.cpp): stage 3's plain reduction path only.
     if (s3 && layout_.world > 1 && !reducer_.quantized() && !off_ && !opts.step_in_backward &&
         opts.coalesce_numel > 0)
         reducer_.groups().configure(std::max<int64_t>(opts.coalesce_numel / layout_.partitions, 1), layout_.partitions,
-                           on_device(layout_.dtypes.reduce));
+                           layout_.on_device(layout_.dtypes.reduce));
     // The gradient shard and the ring are allocated at the first backward
     // (ShardView::grad, acquire_slot), so building the model costs no more.
 }

@@ -91,7 +91,7 @@ std::pair<double, int64_t> Engine::grad_sumsq(double scale) {
     stepper().grad_sumsq(scale, &sumsq, &nonfinite);
     if (layout_.partitions > 1) {
         // One small all-reduce carries both the norm and the inf/nan count.
-        at::Tensor t = at::empty({2}, on_device(at::kDouble));
+        at::Tensor t = at::empty({2}, layout_.on_device(at::kDouble));
         t[0] = sumsq;
         t[1] = (double)nonfinite;
         comm_.all_reduce_sum_blocking(t, "gradient-norm all-reduce");
@@ -280,7 +280,7 @@ void Engine::enable_split_master() {
 void Engine::join_masters() {
     if (!shard_.split || shard_.master.defined()) return;
     wait_params();
-    shard_.master = at::empty({layout_.shard_numel}, on_device(at::kFloat));
+    shard_.master = at::empty({layout_.shard_numel}, layout_.on_device(at::kFloat));
     shard_.split->join_all(*kernels_.device, [&](int64_t b) { return view().hi_bits(buckets_[b]); },
                            shard_.master.data_ptr<float>());
 }

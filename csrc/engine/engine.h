@@ -301,7 +301,6 @@ private:
     at::Tensor master_slice(Bucket &bk);   // the fp32 master of bk's slice, a split master joined first
     void launch_param_gather(int64_t b);   // bucket b's all-gather (stages 1-2)
     void ensure_step_tables();         // book_ has read this rank's fragments from the plan
-    at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(layout_.dev); }
     // Note [Split master in the engine]: an fp32 master shard joined on demand (authoritative
     // while it exists), and settled back (rounded into the parameters, split, freed).
     void settle_masters();

@@ -113,7 +113,7 @@ void UnitStore::add_frozen(UnitWork w, std::vector<at::Tensor> params, std::vect
                     ") before zeroify");
         ensure(units[i]);
     }
-    const auto pt = w.shard().on_device(layout.dtypes.param);
+    const auto pt = layout.on_device(layout.dtypes.param);
     frozen.plan(std::move(params), units, std::move(names), count(), layout.partitions,
                 layout.partitions * layout.opts.align, pt);
     at::NoGradGuard ng;
@@ -164,7 +164,7 @@ void UnitStore::open_frozen_fp32(UnitWork &w, int64_t u) {
     // As open_unit_fp32: an fp32 buffer holding the current values, so that an
     // init writes full precision and is rounded once, at commit.
     release_bucket(w, *bk);
-    at::Tensor full = at::empty({bk->padded_numel}, w.shard().on_device(w.layout().dtypes.param));
+    at::Tensor full = at::empty({bk->padded_numel}, w.layout().on_device(w.layout().dtypes.param));
     if (w.layout().world == 1) {
         full.copy_(frozen.slice(*bk));
     } else {

@@ -38,6 +38,8 @@ struct Layout {
     // parameter, offset in the flat shard, numel).
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
     std::string describe() const;   // the plan, printable
+    // A buffer on the parameters' device: every buffer of the engine lives there (offload's host ones aside).
+    at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(dev); }
     double grad_divisor() const { return opts.stage == 0 ? 1.0 : (double)world; }   // what shard gradients sum over
 
     // "parameter 'blocks.0.attn.weight'" (or "parameter 12" without names), for messages

@@ -87,7 +87,7 @@ void GradReducer::accumulate_local(Backward &bw, int64_t i) {
     for (const zx_piece &pc : bw.params.pieces(i)) {
         Bucket &bk = bw.buckets[pc.bucket];
         if (!bk.local_grad.defined())
-            bk.local_grad = at::zeros({bk.padded_numel}, bw.shard.on_device(bw.layout().dtypes.reduce));
+            bk.local_grad = at::zeros({bk.padded_numel}, bw.layout().on_device(bw.layout().dtypes.reduce));
         bk.local_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
     }
     p.mutable_grad() = at::Tensor();

@@ -10,7 +10,8 @@ at::Tensor ShardView::grad(const Bucket &bk) {
         return host_grad(bk);
     }
     if (layout.opts.stage >= 2) {
-        if (!buffers.grad.defined()) buffers.grad = at::zeros({layout.shard_numel}, on_device(layout.dtypes.reduce));
+        if (!buffers.grad.defined())
+            buffers.grad = at::zeros({layout.shard_numel}, layout.on_device(layout.dtypes.reduce));
         return buffers.grad.narrow(0, bk.shard_offset, bk.slice_numel);
     }
     return owned(bk.flat_grad, bk);
@@ -41,7 +42,7 @@ at::Tensor ShardView::state(const std::string &name) {
 at::Tensor ShardView::landing(int64_t numel) {
     at::Tensor &land = buffers.land;
     if (!land.defined() || land.numel() < numel)
-        land = at::empty({layout.max_padded / layout.partitions}, on_device(layout.dtypes.reduce));
+        land = at::empty({layout.max_padded / layout.partitions}, layout.on_device(layout.dtypes.reduce));
     return land.narrow(0, 0, numel);
 }
 

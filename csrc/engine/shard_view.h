@@ -22,9 +22,8 @@ struct ShardView {
     ShardBuffers &buffers;
     Offload *offload;   // offload="cpu" (Note [Optimizer offload]), else null
 
-    at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(layout.dev); }
     // Where the master, the states and the gradient shard live: the device, or the host with offload.
-    at::TensorOptions on_shard(at::ScalarType dt) const { return offload ? Offload::host(dt) : on_device(dt); }
+    at::TensorOptions on_shard(at::ScalarType dt) const { return offload ? Offload::host(dt) : layout.on_device(dt); }
 
     // This rank's slice of a bucket-sized buffer (flat_param, flat_grad, a gathered copy).
     at::Tensor owned(const at::Tensor &flat, const BucketShape &bk) const {

@@ -183,8 +183,8 @@ void UnitStore::gather_units(UnitWork w, const std::vector<int64_t> &units) {
         launch_gather(w, *g->members[0].first);
         return;
     }
-    g->in = at::empty({slice}, w.shard().on_device(w.layout().dtypes.param));
-    g->out = at::empty({slice * w.layout().world}, w.shard().on_device(w.layout().dtypes.param));
+    g->in = at::empty({slice}, w.layout().on_device(w.layout().dtypes.param));
+    g->out = at::empty({slice * w.layout().world}, w.layout().on_device(w.layout().dtypes.param));
     meter.add(g->in.nbytes() + g->out.nbytes());
     for (auto [bk, offset] : g->members) {
         const int64_t bytes = bk->flat_param.numel() * bk->flat_param.element_size();
@@ -254,7 +254,7 @@ void UnitStore::open_unit_fp32(UnitWork w, int64_t u) {
         release_bucket(w, bk);
         // The current fp32 masters (zeros before the first commit), so a unit opened
         // again after a commit keeps what was written to it.
-        bk.full.fp32_values = at::empty({bk.padded_numel}, w.shard().on_device(at::kFloat));
+        bk.full.fp32_values = at::empty({bk.padded_numel}, w.layout().on_device(at::kFloat));
         at::Tensor in = w.shard().master(bk);
         if (in.device() != w.layout().dev) in = in.to(w.layout().dev);   // offload: the collective runs on the device
         if (w.layout().world == 1) {
