@@ -3,6 +3,8 @@ OWNER_LIMIT data members, and Engine itself, the facade over them, no more than
 ENGINE_LIMIT. Lower ENGINE_LIMIT when an owner takes members over from it, and MEMBER_FILES
 when a member's users move into fewer files.
 
+engine.h's head maps every file of csrc/engine/ (test_engine_h_maps_every_engine_file).
+
 A data member is a declarator in a class body, counted from the header's text (comments
 and template arguments stripped): in a `class`, every one (`rank_`, and a public `meter`
 too); in a `struct` (plain data: Layout, Bucket, EngineOptions), those named with a trailing
@@ -155,3 +157,25 @@ def test_engine_members_spread_over_no_more_files():
     assert all(spread.values()), f"members no .cpp file uses (or the search broke): {spread}"
     assert total <= MEMBER_FILES, (f"Engine's members are used in {total} (member, file) pairs, more than "
                                    f"{MEMBER_FILES}: use an owner's state through the owner, in its own file")
+
+
+def file_map_names(head: str) -> set[str]:
+    """The files a comment names: `x.h`, `x.cpp`, and `x.h/.cpp` as both."""
+    names = set()
+    for stem, ext in re.findall(r"\b(\w+)\.(h/\.cpp|cpp|h)\b", head):
+        names |= {f"{stem}.h", f"{stem}.cpp"} if ext == "h/.cpp" else {f"{stem}.{ext}"}
+    return names
+
+
+def test_file_map_parser():
+    assert file_map_names("//   fill.h/.cpp  cut\n//   a.cpp b.h (c.cuh)") == {"fill.h", "fill.cpp", "a.cpp", "b.h"}
+
+
+def test_engine_h_maps_every_engine_file():
+    """engine.h's head is the file map a newcomer reads first (docs/design.md points there): it
+    names every file of csrc/engine/, and names none that is gone."""
+    head = (ENGINE_DIR / "engine.h").read_text().split("#pragma once")[0]
+    named = file_map_names(head)
+    files = {p.name for p in ENGINE_DIR.iterdir() if p.suffix in (".h", ".cpp")}
+    assert not files - named, f"engine.h's file map does not name {sorted(files - named)}: add a line for each"
+    assert not named - files, f"engine.h's file map names files that do not exist: {sorted(named - files)}"

@@ -7,9 +7,9 @@ namespace zx {
 
 // Note [Step in backward]
 //   With step_in_backward=True (stages 1-3, one fused Adam/AdamW/SGD optimizer) nothing
-//   needs the whole gradient before the step (no clipping, no loss scaling), so Engine::
-//   complete() steps each bucket right after its reduction (Engine::step_landed calls
-//   Stepper::land): the fused kernel reads the reduce-scatter's output slice (stage 2-3:
+//   needs the whole gradient before the step (no clipping, no loss scaling), so GradReducer::
+//   complete() steps each bucket right after its reduction (through ReducerHooks::step_landed,
+//   which the engine implements by calling Stepper::land): the fused kernel reads the reduce-scatter's output slice (stage 2-3:
 //   the ring slot's receive buffer, or with the all-to-all reduce-scatter the slices
 //   summed into one landing buffer; stage 1: the owned slice of the bucket) and the slot
 //   is free again. Stages 2-3 then allocate no gradient

@@ -21,15 +21,18 @@
 //     backward_pass.h  where a backward stands (readiness, launch order, no_sync, counters)
 //     grad_ring.h      the gradient slots of stages 2-3
 //     reduce_groups.h  stage 3: small buckets' gradients reduced together (Note [Coalesced gradient reductions])
-//     quant_reduce.h   grad_quant's codes, scales and residuals (Note [Quantized gradient reduction])
+//     quant_reduce.h/.cpp grad_quant's codes, scales and residuals (Note [Quantized gradient reduction])
 //   gatherer.cpp     parameter all-gather (stages 0-2)
 //   param_gather.h   ParamGather: the gather kind (exact / param_quant, chosen once), stage 1-2 gathers in flight
+//     quant_gather.h/.cpp param_quant's int8 records (Note [Quantized parameter gather])
 //   stepper.h/.cpp   Stepper: optimizer steps (one loop, Note [One fused step]), gradient norm and
 //                    scaling, casts; lent the buckets and the shard per call, it keeps no state
 //   fused_ops.h      AdamOp, SgdOp: the fused optimizers as one interface for that loop
+//   atomic.cpp       tensor-atomic parameters: the owner's whole-tensor views, their balance (AtomicStats)
 //   shard_view.h/.cpp ShardView: a bucket's slices of this rank's shard (gradient, master, low-precision copy)
 //   groups.h         Groups: the param groups a call covers (Note [Groups as an argument])
 //   comm.h/.cpp      Communicator: collectives on the process group, counters
+//   check.h          the C core's statuses as exceptions (zx_check), ISA names, the plan's fragments
 //   sequence.h/.cpp  the collective sequence check: divergent ranks named, not hung
 //   bucket.h         Bucket: one bucket of the plan as tensors (its fixed shape, buffers, stage 3's
 //                    full parameters); GatherGroup
@@ -43,6 +46,7 @@
 //                      units.cpp and frozen.cpp: gathered (alone or coalesced), released, opened at fp32,
 //                      committed, on what the engine lends per call (UnitWork)
 //     step_book.h      StepBook: gradients seen, the groups a step covers, step counts, runs, the backward step
+//                      (unused.cpp: Note [Unused parameters])
 //   secondary.h/.cpp Secondary, stage 3: node-local secondary parts for backward gathers (node_size)
 //   kernels.h, kernels_cpu.cpp, kernels_cuda.cpp
 //                    the per-device kernel table (Note [Kernel table])
@@ -140,6 +144,9 @@ public:
     // After the fp32 master shards (param_shards()) were overwritten, e.g. by a
     // checkpoint load: make the parameters every rank computes with equal them again.
     void publish_params();
+    // Stages 0-2: parameters were edited in place (gathered_parameters): fold
+    // the edits into the fp32 master (only changed elements, as commit_unit).
+    void absorb_param_edits();
     void scale_grads(double factor, const std::vector<int64_t> &groups = {});   // grad shards *= factor
     // Local sum of squares over the gradient shard (times scale) and inf/nan
     // count, all-reduced across ranks in stages 1-2. Returns (sumsq, nonfinite).
@@ -198,46 +205,23 @@ public:
     // Parameters cut into pieces to fill atomic buckets (Note [Cut parameters]).
     std::vector<int64_t> cut_params() const;
 
-    // --- stage 3 ---
-    // Make unit u's parameters whole: launch its all-gather if it is neither
-    // gathered nor in flight, and with wait=true block until it is done.
-    // Returns true when the gather had already been launched (prefetched).
-    bool gather_unit(int64_t u, bool wait);
-    // Launch the gathers of the given units' buckets that are neither gathered nor in
-    // flight, as few collectives as possible (Note [Coalesced unit gathers]).
+    // --- stage 3: UnitStore's units and frozen parameters (unit_store.h says what each does) ---
+    bool gather_unit(int64_t u, bool wait);   // true: it had been launched already (prefetched)
     void gather_units(const std::vector<int64_t> &units);
-    // Free the full parameters (storage resized to 0). keep: a backward follows, so
-    // with node_size each rank first keeps its node part (Note [Hierarchical partitioning]).
     void release_unit(int64_t u, bool keep = false);
+    void commit_unit(int64_t u, int64_t src);   // src: the group rank whose edits every rank takes
+    void open_unit_fp32(int64_t u);
+    bool unit_gathered(int64_t u) const { return units_.unit_gathered(buckets_, u); }
+    bool unit_requested(int64_t u) const { return units_.unit_requested(buckets_, u); }
+    int64_t unit_numel(int64_t u) const { return units_.unit_numel(buckets_, u); }
+    int64_t num_units() const { return units_.count(); }
     // Stage 3, node_size: this rank's node group (L ranks); call once, right after construction.
     void enable_hierarchy(ProcessGroupPtr node_pg);
-    bool unit_gathered(int64_t u) const { return units_.unit_gathered(buckets_, u); }
-    // every bucket gathered or in flight
-    bool unit_requested(int64_t u) const { return units_.unit_requested(buckets_, u); }
-    // elements a gather of unit u brings (padded)
-    int64_t unit_numel(int64_t u) const { return units_.unit_numel(buckets_, u); }
-    // After the gathered unit u was edited on rank src (group rank): broadcast its
-    // buckets from src and write every rank's owned slice back into its shard.
-    // With a low param_dtype an edit only replaces the master elements whose
-    // low-precision value changed, so untouched ones keep their fp32 bits.
-    void commit_unit(int64_t u, int64_t src);
-    // Stage 3 initialization: point unit u's parameters at fp32 buffers holding the
-    // unit's current fp32 values (full precision even when param_dtype is low; the
-    // masters are all-gathered); commit_unit then shards them.
-    void open_unit_fp32(int64_t u);
-    // Stages 0-2: parameters were edited in place (gathered_parameters): fold
-    // the edits into the fp32 master (only changed elements, as commit_unit).
-    void absorb_param_edits();
-    int64_t num_units() const { return units_.count(); }
-
-    // --- stage-3 frozen parameters (frozen.cpp, Note [Stage 3 frozen parameters]) ---
-    // Shard these requires_grad=False parameters, one bucket per unit, gathered
-    // and released with the unit; call once, right after construction. names: as
-    // EngineOptions::param_names, for the frozen parameters (empty: by index).
+    // Note [Stage 3 frozen parameters]; add_frozen: once, right after construction.
     void add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units,
                     std::vector<std::string> names = {});
     bool unit_has_frozen(int64_t u) const { return units_.frozen.of_unit(u) != nullptr; }
-    void release_frozen(int64_t u);    // after the unit's backward: its frozen weights
+    void release_frozen(int64_t u);
     at::Tensor frozen_shard() const { return units_.frozen.shard(); }   // this rank's slices, param_dtype
     // As fragments(), over frozen_shard(): (frozen index, offset in it, offset in the shard, numel).
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> frozen_fragments(int64_t r) const;

@@ -44,7 +44,7 @@ public:
     at::Tensor shard() const { return shard_; }   // this rank's slices, param_dtype
     at::Tensor slice(const Bucket &bk) const { return shard_.narrow(0, bk.shard_offset, bk.slice_numel); }
     int64_t shard_bytes() const { return shard_.defined() ? (int64_t)shard_.nbytes() : 0; }
-    // As Engine::fragments(r): (frozen index, offset in it, offset in the shard, numel).
+    // As Layout::fragments(r): (frozen index, offset in it, offset in the shard, numel).
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
 
 private:

@@ -8,7 +8,7 @@
 //   forward and backward use: the parameters in param_dtype (stage 3: this rank's
 //   shard of them, UnitStore::param_shard, which the unit gathers read), stage 1's gradient
 //   buckets, the gradient ring. Per bucket, in bucket order:
-//     down  as the bucket's reduction lands (Engine::complete), its slice (reduce_dtype)
+//     down  as the bucket's reduction lands (GradReducer::complete), its slice (reduce_dtype)
 //           is copied into a pinned slot of the down ring on a copy stream; the
 //           worker thread waits for that copy alone, adds (stage 2) or copies (stage 1)
 //           the slot into the host gradient shard and frees the slot, while backward

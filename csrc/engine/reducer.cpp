@@ -287,7 +287,7 @@ int64_t GradReducer::wait_oldest(Communicator &comm) {
 //   would pay one reduction per unit and step (benchmarks/bench_units.py: 300).
 //   As the gathers of small units are coalesced (Note [Coalesced unit gathers]), a
 //   bucket whose slice is below coalesce_numel / N elements does not launch its own
-//   reduction: launch() copies its gradient into the group being filled (row r
+//   reduction: launch_bucket() copies its gradient into the group being filled (row r
 //   holds every member's slice r) and frees its ring slot. The group is reduced by
 //   one reduce-scatter (or all-to-all) of the rows when the next member would not
 //   fit, when a larger bucket launches (so collectives stay in bucket order), and

@@ -62,23 +62,37 @@ public:
     }
 
     // --- units (units.cpp; Note [Stage 3 parameter lifetime]) ---
-    // Make unit u's buckets whole: launch what is neither gathered nor in flight, and with
-    // wait block until done. True when everything had been launched already (prefetched).
+    // Make unit u's parameters whole: launch its all-gather if it is neither gathered nor in
+    // flight, and with wait block until it is done. Returns true when the gather had already
+    // been launched (prefetched).
     bool gather_unit(UnitWork w, int64_t u, bool wait);
-    void gather_units(UnitWork w, const std::vector<int64_t> &units);   // Note [Coalesced unit gathers]
-    void release_unit(UnitWork w, int64_t u, bool keep);   // keep: node parts kept for a backward
+    // Launch the gathers of the given units' buckets that are neither gathered nor in flight,
+    // as few collectives as possible (Note [Coalesced unit gathers]).
+    void gather_units(UnitWork w, const std::vector<int64_t> &units);
+    // Free the unit's full parameters (storage resized to 0). keep: a backward follows, so with
+    // node_size each rank first keeps its node part (Note [Hierarchical partitioning]).
+    void release_unit(UnitWork w, int64_t u, bool keep);
     void release_bucket(UnitWork w, Bucket &bk);   // the one place full parameters are freed
     void release_pass(UnitWork w);   // after a backward: every bucket, the frozen ones, node parts
-    void commit_unit(UnitWork w, int64_t u, int64_t src);   // edits broadcast from src, into the shards
-    void open_unit_fp32(UnitWork w, int64_t u);   // fp32 buffers holding the unit's values
+    // After the gathered unit u was edited on rank src (group rank): broadcast its buckets from
+    // src and write every rank's owned slice back into its shard. With a low param_dtype an edit
+    // only replaces the master elements whose low-precision value changed, so untouched ones
+    // keep their fp32 bits.
+    void commit_unit(UnitWork w, int64_t u, int64_t src);
+    // Initialization: point unit u's parameters at fp32 buffers holding the unit's current fp32
+    // values (full precision even when param_dtype is low; the masters are all-gathered);
+    // commit_unit then shards them.
+    void open_unit_fp32(UnitWork w, int64_t u);
     bool unit_gathered(const std::vector<Bucket> &all, int64_t u) const;
-    bool unit_requested(const std::vector<Bucket> &all, int64_t u) const;   // gathered or in flight
-    int64_t unit_numel(const std::vector<Bucket> &all, int64_t u) const;
+    bool unit_requested(const std::vector<Bucket> &all, int64_t u) const;   // every bucket gathered or in flight
+    int64_t unit_numel(const std::vector<Bucket> &all, int64_t u) const;    // elements a gather brings (padded)
 
     // --- frozen parameters (frozen.cpp; Note [Stage 3 frozen parameters]) ---
+    // Shard these requires_grad=False parameters, one bucket per unit, gathered and released
+    // with the unit. names: as EngineOptions::param_names, for the frozen ones (empty: by index).
     void add_frozen(UnitWork w, std::vector<at::Tensor> params, std::vector<int64_t> units,
                     std::vector<std::string> names);
-    void release_frozen(UnitWork w, int64_t u);
+    void release_frozen(UnitWork w, int64_t u);   // after the unit's backward: its frozen weights
     void release_all_frozen(UnitWork w);
 
     std::vector<at::Tensor> param_views;   // param i's view into its bucket's flat_param
