@@ -7,15 +7,16 @@ namespace zx {
 
 // Note [Step in backward]
 //   With step_in_backward=True (stages 1-3, one fused Adam/AdamW/SGD optimizer) nothing
-//   needs the whole gradient before the step (no clipping, no loss scaling), so GradReducer::
-//   complete() steps each bucket right after its reduction (through ReducerHooks::step_landed,
-//   which the engine implements by calling Stepper::land): the fused kernel reads the reduce-scatter's output slice (stage 2-3:
-//   the ring slot's receive buffer, or with the all-to-all reduce-scatter the slices
-//   summed into one landing buffer; stage 1: the owned slice of the bucket) and the slot
-//   is free again. Stages 2-3 then allocate no gradient
-//   shard: model state is 4 (master) + 8 (Adam) bytes per sharded element (stage 3: 12
-//   B/param; FSDP2 16), the gradient exists only one ring slot at a time. Stage 1 zeroes the
-//   bucket after its step (its gradient is consumed, as in stages 2-3).
+//   needs the whole gradient before the step (no clipping, no loss scaling), so
+//   GradReducer::complete() steps each bucket right after its reduction (through
+//   ReducerHooks::step_landed, which the engine implements by calling Stepper::land): the
+//   fused kernel reads the reduce-scatter's output slice (stage 2-3: the ring slot's
+//   receive buffer, or with the all-to-all reduce-scatter the slices summed into one
+//   landing buffer; stage 1: the owned slice of the bucket) and the slot is free again.
+//   Stages 2-3 then allocate no gradient shard: model state is 4 (master) + 8 (Adam) bytes
+//   per sharded element (stage 3: 12 B/param; FSDP2 16), the gradient exists only one ring
+//   slot at a time. Stage 1 zeroes the bucket after its step (its gradient is consumed, as
+//   in stages 2-3).
 //   The hyperparameters are the optimizer's param groups as they are when the backward
 //   starts (ZeroModel's first gradient hook arms them: a scheduler's step() after the last
 //   opt.step() is seen), one step count for every parameter (backward_steps() + 1): a

@@ -149,46 +149,11 @@ void Engine::absorb_param_edits() {
 }
 
 void Engine::all_gather_params(const std::vector<int64_t> &groups) {
-    const Groups cover(groups);
-    if (layout_.partitions == 1 || layout_.opts.stage == 3) {   // stage 3 gathers per unit, on demand
-        if (params_.any_cut()) params_.copy_cut(buckets_, true);
-        return;
-    }
-    wait_params();
-    for (int64_t b : ParamGather::due(buckets_, cover)) launch_param_gather(b);
+    gather_.gather_stepped(gather_work(), Groups(groups));
 }
-
-void Engine::launch_param_gather(int64_t b) {
-    Bucket &bk = buckets_[b];
-    comm_.seq.subject(b, -1);
-    // in place: the owned slice of the output
-    gather_.launch(comm_, b, bk.flat_param, view().owned(bk.flat_param, bk), [&] { return master_slice(bk); });
-    params_.gathered();
-}
-
-void Engine::flush_params(bool wait) {
-    // Note [Cut parameters]: a mixed bucket some of whose optimizers did not step this
-    // iteration is gathered now, with what did step (the same buckets on every rank).
-    const std::vector<int64_t> pending = ParamGather::pending(buckets_);
-    if (!pending.empty()) {
-        wait_params();
-        for (int64_t b : pending) launch_param_gather(b);
-    }
-    if (wait) wait_params();
-}
-
-void Engine::wait_param_buckets(const std::vector<int64_t> &buckets) {
-    if (params_.any_cut()) {   // a cut parameter is copied out once all of its buckets have arrived
-        wait_params();
-        return;
-    }
-    gather_.wait(comm_, buckets);
-}
-
-void Engine::wait_params() {
-    gather_.wait_all(comm_);
-    if (params_.stale()) params_.copy_cut(buckets_, true);
-}
+void Engine::flush_params(bool wait) { gather_.flush(gather_work(), wait); }
+void Engine::wait_param_buckets(const std::vector<int64_t> &buckets) { gather_.wait_buckets(gather_work(), buckets); }
+void Engine::wait_params() { gather_.wait_params(gather_work()); }
 
 void Engine::broadcast_tensors(std::vector<at::Tensor> tensors, int64_t src) {
     for (auto &t : tensors) comm_.broadcast(t, src);

@@ -22,8 +22,8 @@
 //     grad_ring.h      the gradient slots of stages 2-3
 //     reduce_groups.h  stage 3: small buckets' gradients reduced together (Note [Coalesced gradient reductions])
 //     quant_reduce.h/.cpp grad_quant's codes, scales and residuals (Note [Quantized gradient reduction])
-//   gatherer.cpp     parameter all-gather (stages 0-2)
-//   param_gather.h   ParamGather: the gather kind (exact / param_quant, chosen once), stage 1-2 gathers in flight
+//   param_gather.h   ParamGather: the gather kind (exact / param_quant, chosen once); gatherer.cpp: stages
+//                    1-2's gathers (which buckets, launched, waited for), on what the engine lends (GatherWork)
 //     quant_gather.h/.cpp param_quant's int8 records (Note [Quantized parameter gather])
 //   stepper.h/.cpp   Stepper: optimizer steps (one loop, Note [One fused step]), gradient norm and
 //                    scaling, casts; lent the buckets and the shard per call, it keeps no state
@@ -283,7 +283,6 @@ private:
     void release_bucket(Bucket &bk) override { units_.release_bucket(unit_work(), bk); }   // stage 3
     void release_pass() override { units_.release_pass(unit_work()); }   // stage 3: after a backward
     at::Tensor master_slice(Bucket &bk);   // the fp32 master of bk's slice, a split master joined first
-    void launch_param_gather(int64_t b);   // bucket b's all-gather (stages 1-2)
     void ensure_step_tables();         // book_ has read this rank's fragments from the plan
     // Note [Split master in the engine]: an fp32 master shard joined on demand (authoritative
     // while it exists), and settled back (rounded into the parameters, split, freed).
@@ -297,7 +296,8 @@ private:
     void step_landed(Bucket &bk, const at::Tensor &grad) override;
     // What GradReducer is lent for one call (grad_reducer.h), as the Stepper is.
     Backward backward() { return {buckets_, params_, sharded_grads_, comm_, kernels_, view(), book_, *this}; }
-    // What UnitStore is lent for one call (unit_store.h).
+    // What ParamGather (stages 1-2) and UnitStore are lent for one call (param_gather.h, unit_store.h).
+    GatherWork gather_work() { return {buckets_, params_, comm_, view()}; }
     UnitWork unit_work() { return {buckets_, params_, comm_, kernels_, gather_, stepper()}; }
 
     Params params_;                        // the parameters' tensors and where each lies (Note [Cut parameters])

@@ -1,8 +1,9 @@
-// param_gather.h — how parameters are all-gathered from the owned slices, one owner (its
-// callers in engine.cpp and units.cpp): the gather kind, exact or param_quant's int8 (chosen
-// once at construction, Note [Quantized parameter gather]), the stage 1-2 gathers in
-// flight, waited for bucket by bucket (Note [Gathers waited per module]) or all at once,
-// and which stage 1-2 buckets a step leaves to gather (gatherer.cpp).
+// param_gather.h — how parameters are all-gathered from the owned slices, one owner: the
+// gather kind, exact or param_quant's int8 (chosen once at construction, Note [Quantized
+// parameter gather]; stage 3's UnitStore starts its gathers through it too), and stages 1-2's
+// gathers (gatherer.cpp): which buckets a step leaves to gather, launched in place, in flight,
+// waited for bucket by bucket (Note [Gathers waited per module]) or all at once, on what the
+// engine lends for one call (GatherWork).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,9 +16,19 @@
 #include "engine/bucket.h"         // defines: Bucket
 #include "engine/comm.h"           // defines: Communicator, WorkPtr
 #include "engine/groups.h"         // defines: Groups
+#include "engine/params.h"         // defines: Params
 #include "engine/quant_gather.h"   // defines: QuantGather
+#include "engine/shard_view.h"     // defines: ShardView
 
 namespace zx {
+
+// What ParamGather is lent for one stage 1-2 call (Engine::gather_work()); it owns none of it.
+struct GatherWork {
+    std::vector<Bucket> &buckets;
+    Params &params;        // cut parameters are copied out of the buckets once their gathers land
+    Communicator &comm;
+    ShardView shard;       // the owned slices; the exact master a quantized gather sends
+};
 
 class ParamGather {
 public:
@@ -37,37 +48,17 @@ public:
                   Master &&master) {
         return quant_ ? quant_->launch(comm, subject, master(), full) : comm.all_gather(full, owned);
     }
-    // Stages 1-2: bucket b's gather, started and queued.
-    template <class Master>
-    void launch(Communicator &comm, int64_t b, const at::Tensor &full, const at::Tensor &owned, Master &&master) {
-        works_.emplace_back(b, start(comm, b, full, owned, master));
-    }
-    // Stages 1-2: wait for the queued gathers of these buckets only, or for all of them.
-    void wait(Communicator &comm, const std::vector<int64_t> &buckets) {
-        for (size_t k = 0; k < works_.size();) {
-            const int64_t b = works_[k].first;
-            if (std::find(buckets.begin(), buckets.end(), b) == buckets.end()) {
-                k++;
-                continue;
-            }
-            WorkPtr work = std::move(works_[k].second);
-            works_.erase(works_.begin() + (std::ptrdiff_t)k);
-            comm.watch(work, "parameter all-gather");
-            if (quant_ && queued_finish_) quant_->finish(b);
-        }
-    }
-    void wait_all(Communicator &comm) {
-        for (auto &w : works_) comm.watch(w.second, "parameter all-gather");
-        works_.clear();
-        if (quant_ && queued_finish_) quant_->finish_all();
-    }
-    // Stages 1-2, after the groups stepped: the buckets to gather now, last first (buckets fill
-    // in gradient order, so the first layers, which the next forward needs first, come first);
-    // a mixed bucket once every group inside has stepped (Note [Cut parameters]). gatherer.cpp.
-    static std::vector<int64_t> due(std::vector<Bucket> &buckets, const Groups &groups);
-    // The mixed buckets some of whose groups stepped since their last gather (flush_params
-    // gathers them with what did step); their stepped flags are cleared. gatherer.cpp.
-    static std::vector<int64_t> pending(std::vector<Bucket> &buckets);
+
+    // --- stages 1-2 (gatherer.cpp) ---
+    // After the groups stepped: launch the gathers of the buckets they leave to gather (all the
+    // groups' but mixed buckets some of whose groups have not stepped yet: Note [Cut parameters]).
+    void gather_stepped(GatherWork w, const Groups &groups);
+    // Parameters are needed now: launch the gathers of mixed buckets some of whose groups
+    // stepped, with what did step; then wait for every gather unless wait is false.
+    void flush(GatherWork w, bool wait);
+    // Wait for these buckets' gathers only (all of them when some parameter is cut).
+    void wait_buckets(GatherWork w, const std::vector<int64_t> &buckets);
+    void wait_params(GatherWork w);   // every gather in flight; cut parameters copied out
     // At teardown: wait for what is in flight (its works hold the buffers), or drop it after a divergence.
     void drain(bool diverged) {
         if (diverged) works_.clear();
@@ -87,6 +78,17 @@ public:
     }
 
 private:
+    void launch(GatherWork &w, int64_t b);   // bucket b's gather, in place, queued
+    void wait(Communicator &comm, const std::vector<int64_t> &buckets);
+    void wait_all(Communicator &comm);
+    // The buckets to gather now, last first (buckets fill in gradient order, so the first
+    // layers, which the next forward needs first, come first); a mixed bucket once every
+    // group inside has stepped (Note [Cut parameters]).
+    static std::vector<int64_t> due(std::vector<Bucket> &buckets, const Groups &groups);
+    // The mixed buckets some of whose groups stepped since their last gather; their stepped
+    // flags are cleared.
+    static std::vector<int64_t> pending(std::vector<Bucket> &buckets);
+
     std::unique_ptr<QuantGather> quant_;
     bool queued_finish_ = true;
     std::vector<std::pair<int64_t, WorkPtr>> works_;   // stages 1-2: (bucket, its gather in flight)
