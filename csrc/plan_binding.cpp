@@ -1,51 +1,42 @@
-// plan_binding.cpp — the C planner (core/zx_plan.c) callable from Python without
-// an Engine, so that zero_ext.estimate_memory pads buckets exactly as a run
-// would. The order and caps mirror the Engine constructor (engine.cpp: "Plan:").
+// plan_binding.cpp — the planner callable from Python without an Engine, through the
+// engine's own Layout::make (csrc/engine/layout.cpp), so that zero_ext.estimate_memory pads
+// buckets exactly as a run would and the fill balance is the one the engine gets: no process
+// group and no tensors, the rank and world size are numbers.
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <climits>
 #include <tuple>
 #include <vector>
 
 #include "core/zx_core.h"
-#include "engine/check.h"   // defines: zx_check
+#include "engine/check.h"    // defines: zx_check
+#include "engine/layout.h"   // defines: Layout
 
 namespace {
 
-// The planner's inputs as the Engine constructor builds them (engine.cpp: "Plan:").
-struct PlanInputs {
-    std::vector<int64_t> order;
-    std::vector<int32_t> dtype, group, unit;
-    zx_plan_params pp{};
-};
-
-void plan_inputs(PlanInputs &in, const std::vector<int64_t> &numel, const std::vector<int64_t> &groups,
-                 const std::vector<int64_t> &units, int64_t stage, int64_t partitions, int64_t bucket_bytes,
-                 int64_t first_bucket_bytes, int64_t align, int64_t param_dtype) {
-    const int64_t n = (int64_t)numel.size();
+// The options and shapes Layout::make needs, from the planner's arguments (shapes: one per
+// parameter, as the engine reads them: rows x cols, or numel alone).
+zx::Layout make_layout(std::vector<std::vector<int64_t>> shapes, const std::vector<int64_t> &groups,
+                       const std::vector<int64_t> &units, int64_t stage, int64_t partitions, int64_t bucket_bytes,
+                       int64_t first_bucket_bytes, int64_t align, int64_t param_dtype,
+                       std::vector<int64_t> group_update_kind = {}, std::vector<double> param_state = {}) {
+    const int64_t n = (int64_t)shapes.size();
     TORCH_CHECK(n > 0, "zero_ext: internal: plan_layout needs at least one parameter");
     TORCH_CHECK((int64_t)groups.size() == n, "zero_ext: internal: plan_layout: one group per parameter expected");
     TORCH_CHECK(stage >= 0 && stage <= 3, "zero_ext: internal: stage must be 0-3, got ", stage);
     TORCH_CHECK(param_dtype >= ZX_F32 && param_dtype <= ZX_F16, "zero_ext: internal: bad param dtype ", param_dtype);
-    const bool s3 = stage == 3;
-    TORCH_CHECK(!s3 || (int64_t)units.size() == n,
+    TORCH_CHECK(stage != 3 || (int64_t)units.size() == n,
                 "zero_ext: internal: plan_layout: stage 3 needs one unit per parameter");
-    in.order.resize(n);
-    in.dtype.assign(n, (int32_t)param_dtype);
-    in.group.resize(n);
-    in.unit.assign(n, 0);
-    for (int64_t i = 0; i < n; i++) {
-        in.group[i] = (int32_t)groups[i];
-        in.order[i] = n - 1 - i;
-        if (s3) in.unit[i] = (int32_t)units[i];
-    }
-    auto &unit = in.unit;
-    if (s3) std::stable_sort(in.order.begin(), in.order.end(), [&](int64_t a, int64_t b) { return unit[a] > unit[b]; });
-    const int64_t cap = s3 ? INT64_MAX / 4 : bucket_bytes;
-    const int64_t first_cap = s3 ? INT64_MAX / 4 : first_bucket_bytes;
-    in.pp = zx_plan_params{(size_t)n, numel.data(), in.dtype.data(), in.group.data(), s3 ? in.unit.data() : nullptr,
-                           in.order.data(), (int32_t)partitions, cap, first_cap, align, nullptr, nullptr};
+    zx::EngineOptions opts;
+    opts.stage = stage;
+    opts.bucket_bytes = bucket_bytes;
+    opts.first_bucket_bytes = first_bucket_bytes;
+    opts.align = align;
+    opts.param_dtype = param_dtype == ZX_F32 ? "fp32" : param_dtype == ZX_BF16 ? "bf16" : "fp16";
+    opts.group_update_kind = std::move(group_update_kind);
+    opts.param_state = std::move(param_state);
+    // stage 0 has one partition whatever the world size
+    return zx::Layout::make(opts, at::kCPU, std::move(shapes), groups, units, 0, stage == 0 ? 1 : partitions);
 }
 
 // (group, unit, numel, padded_numel, slice_numel) per bucket, in bucket order.
@@ -55,22 +46,22 @@ std::vector<BucketRow> plan_layout(const std::vector<int64_t> &numel, const std:
                                    const std::vector<int64_t> &units, int64_t stage, int64_t partitions,
                                    int64_t bucket_bytes, int64_t first_bucket_bytes, int64_t align,
                                    int64_t param_dtype) {
-    PlanInputs in;
-    plan_inputs(in, numel, groups, units, stage, partitions, bucket_bytes, first_bucket_bytes, align, param_dtype);
-    zx_plan *plan = nullptr;
-    zx_check(zx_plan_create(&in.pp, &plan), "planning the bucket layout");
+    std::vector<std::vector<int64_t>> shapes;
+    for (int64_t k : numel) shapes.push_back({k});
+    const zx::Layout layout = make_layout(std::move(shapes), groups, units, stage, partitions, bucket_bytes,
+                                          first_bucket_bytes, align, param_dtype);
     std::vector<BucketRow> rows;
-    const int64_t nb = zx_plan_num_buckets(plan);
+    const int64_t nb = zx_plan_num_buckets(layout.plan);
     for (int64_t b = 0; b < nb; b++) {
         zx_bucket_info bi;
-        zx_status st = zx_plan_bucket(plan, b, &bi);
+        zx_status st = zx_plan_bucket(layout.plan, b, &bi);
         if (st != ZX_OK) {
-            zx_plan_free(plan);
+            zx_plan_free(layout.plan);
             zx_check(st, "reading the plan");
         }
         rows.emplace_back(bi.group, bi.unit, bi.numel, bi.padded_numel, bi.slice_numel);
     }
-    zx_plan_free(plan);
+    zx_plan_free(layout.plan);
     return rows;
 }
 
@@ -83,25 +74,26 @@ py::dict plan_balance(const std::vector<int64_t> &rows, const std::vector<int64_
                       int64_t partitions, int64_t bucket_bytes, int64_t first_bucket_bytes, int64_t align,
                       int64_t param_dtype, bool fill) {
     const size_t n = rows.size();
-    TORCH_CHECK(cols.size() == n && kinds.size() == n && state.size() == n,
-                "zero_ext: internal: plan_balance: rows, cols, kinds and state need one entry per parameter");
-    std::vector<int64_t> numel(n);
-    std::vector<double> cost(n, 0.0);
-    bool any_atomic = false;
+    TORCH_CHECK(cols.size() == n && kinds.size() == n && state.size() == n && groups.size() == n,
+                "zero_ext: internal: plan_balance: rows, cols, kinds, state and groups need one entry per parameter");
+    // The engine takes the update kind per param group: one optimizer per group.
+    std::vector<int64_t> group_kind;
+    std::vector<std::vector<int64_t>> shapes;
     for (size_t i = 0; i < n; i++) {
-        numel[i] = rows[i] * cols[i];
-        if (kinds[i] != 0) {
-            cost[i] = zx_update_cost((zx_update_kind)kinds[i], rows[i], cols[i]);
-            TORCH_CHECK(cost[i] > 0, "zero_ext: internal: plan_balance: unknown update kind ", kinds[i]);
-            any_atomic = true;
-        }
+        const size_t g = (size_t)groups[i];
+        if (group_kind.size() <= g) group_kind.resize(g + 1, -1);
+        TORCH_CHECK(group_kind[g] < 0 || group_kind[g] == kinds[i],
+                    "zero_ext: internal: plan_balance: param group ", g, " mixes update kinds");
+        group_kind[g] = kinds[i];
+        shapes.push_back({rows[i], cols[i]});
     }
-    PlanInputs in;
-    plan_inputs(in, numel, groups, units, stage, partitions, bucket_bytes, first_bucket_bytes, align, param_dtype);
-    in.pp.cost = any_atomic ? cost.data() : nullptr;
-    in.pp.state = fill ? state.data() : nullptr;   // no fill: today's layout, its state counted below
-    zx_plan *plan = nullptr;
-    zx_check(zx_plan_create(&in.pp, &plan), "planning the bucket layout");
+    for (int64_t &k : group_kind) k = std::max<int64_t>(k, 0);
+    // fill: the state per element lets element-granular parameters fill the atomic buckets'
+    // padding, as the engine does in stages 1-2; without it, today's layout, its state counted below
+    const zx::Layout layout = make_layout(std::move(shapes), groups, units, stage, partitions, bucket_bytes,
+                                          first_bucket_bytes, align, param_dtype, group_kind,
+                                          fill ? state : std::vector<double>{});
+    zx_plan *plan = layout.plan;
     py::list state_per_rank, whole_per_rank, cost_per_rank;
     int64_t padding = 0, atomic_padding = 0, total = 0;
     for (int64_t b = 0; b < zx_plan_num_buckets(plan); b++) {
