@@ -9,17 +9,17 @@
 
 namespace zx {
 
-// --- backward: GradReducer's pass (reducer.cpp), on what backward() lends it ---
+// --- backward: GradReducer's pass (reducer.cpp), on what reduce_work() lends it ---
 
-void Engine::mark_ready(int64_t i) { reducer_.mark_ready(backward(), i); }
-void Engine::finalize_backward() { reducer_.finalize(backward()); }
-void Engine::wait_reductions() { reducer_.wait_all(backward()); }
-void Engine::hide_sharded_grads() { reducer_.hide_grads(backward()); }
+void Engine::mark_ready(int64_t i) { reducer_.mark_ready(reduce_work(), i); }
+void Engine::finalize_backward() { reducer_.finalize(reduce_work()); }
+void Engine::wait_reductions() { reducer_.wait_all(reduce_work()); }
+void Engine::hide_sharded_grads() { reducer_.hide_grads(reduce_work()); }
 
 void Engine::zero_grad(bool set_to_none, const std::vector<int64_t> &groups) {
     const Groups cover(groups);
     if (!cover.all()) ensure_step_tables();   // one of several optimizers: its fragments
-    reducer_.zero_grad(backward(), set_to_none, cover);
+    reducer_.zero_grad(reduce_work(), set_to_none, cover);
 }
 void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const std::vector<int64_t> &groups,
                        const at::Tensor &ctl, const at::Tensor &steps) {

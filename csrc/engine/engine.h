@@ -17,7 +17,7 @@
 //   fill.h/.cpp      cut parameters copied to and from their pieces (Params::copy_cut); state windows
 //   grad_reducer.h   GradReducer: backward's reductions and the reduce kind, chosen once (reducer.cpp:
 //                    gradient readiness, launch and landing of each bucket's reduction, zero_grad),
-//                    on what the engine lends it per call (Backward); it holds:
+//                    on what the engine lends it per call (ReduceWork); it holds:
 //     backward_pass.h  where a backward stands (readiness, launch order, no_sync, counters)
 //     grad_ring.h      the gradient slots of stages 2-3
 //     reduce_groups.h  stage 3: small buckets' gradients reduced together (Note [Coalesced gradient reductions])
@@ -295,7 +295,7 @@ private:
     // step_in_backward: bucket bk's fused step on its reduced gradient slice grad (sums)
     void step_landed(Bucket &bk, const at::Tensor &grad) override;
     // What GradReducer is lent for one call (grad_reducer.h), as the Stepper is.
-    Backward backward() { return {buckets_, params_, sharded_grads_, comm_, kernels_, view(), book_, *this}; }
+    ReduceWork reduce_work() { return {buckets_, params_, sharded_grads_, comm_, kernels_, view(), book_, *this}; }
     // What ParamGather (stages 1-2) and UnitStore are lent for one call (param_gather.h, unit_store.h).
     GatherWork gather_work() { return {buckets_, params_, comm_, view()}; }
     UnitWork unit_work() { return {buckets_, params_, comm_, kernels_, gather_, stepper()}; }

@@ -3,7 +3,7 @@
 // flight in launch order, stage 3's coalesced groups (ReduceGroups), and the reduce kind,
 // chosen once at construction: every launch and every landing goes through it, so no
 // other code asks which collective sums the gradients. Its pass (mark_ready, finalize,
-// wait, zero_grad) runs on what the engine lends it for one call (Backward), as DDP's
+// wait, zero_grad) runs on what the engine lends it for one call (ReduceWork), as DDP's
 // reducer runs on its parameters and process group; the stage-3 releases and the steps in
 // backward it reaches through ReducerHooks.
 #pragma once
@@ -49,8 +49,8 @@ protected:
     ~ReducerHooks() = default;
 };
 
-// What GradReducer is lent for one call (Engine::backward()); it owns none of it.
-struct Backward {
+// What GradReducer is lent for one call (Engine::reduce_work()); it owns none of it.
+struct ReduceWork {
     std::vector<Bucket> &buckets;
     Params &params;
     ShardedGrads &grads;   // what .grad shows (Note [Sharded gradients])
@@ -83,13 +83,13 @@ public:
     }
 
     // --- the pass (reducer.cpp) ---
-    void mark_ready(Backward bw, int64_t i);   // param i's gradient is final for this backward
-    void finalize(Backward bw);                // end of backward: unused params, launch the rest, wait
-    void wait_all(Backward bw);                // block until every launched reduction has landed
+    void mark_ready(ReduceWork w, int64_t i);   // param i's gradient is final for this backward
+    void finalize(ReduceWork w);                // end of backward: unused params, launch the rest, wait
+    void wait_all(ReduceWork w);                // block until every launched reduction has landed
     // Clear (set_to_none) or zero the groups' gradients (the caller made the step tables when
     // groups do not cover all: its fragments).
-    void zero_grad(Backward bw, bool set_to_none, const Groups &groups);
-    void hide_grads(Backward bw);              // Note [Sharded gradients]: the plain gradients again
+    void zero_grad(ReduceWork w, bool set_to_none, const Groups &groups);
+    void hide_grads(ReduceWork w);              // Note [Sharded gradients]: the plain gradients again
 
     BackwardPass &pass() { return pass_; }
     const BackwardPass &pass() const { return pass_; }
@@ -135,14 +135,14 @@ public:
     }
 
 private:
-    void ensure_grad_view(Backward &bw, int64_t i);   // stage 0/1: param i's grad is its bucket view
-    void stage_grad(Backward &bw, int64_t i);         // stage 2: param i's grad copied into its bucket's slot
-    void accumulate_local(Backward &bw, int64_t i);   // stages 2-3, sync off: into its bucket's local_grad
-    int64_t acquire_slot(Backward &bw, int64_t b);
-    void release_slot(Backward &bw, int64_t b);
-    void launch_bucket(Backward &bw, int64_t b);      // b's gradients are in: its reduction (or world 1's landing)
-    void complete(Backward &bw, int64_t b);           // wait for b's reduction (and those before) and land it
-    void finish_group(Backward &bw, ReduceGroup &g);  // Note [Coalesced gradient reductions]: sums into the shard
+    void ensure_grad_view(ReduceWork &w, int64_t i);   // stage 0/1: param i's grad is its bucket view
+    void stage_grad(ReduceWork &w, int64_t i);         // stage 2: param i's grad copied into its bucket's slot
+    void accumulate_local(ReduceWork &w, int64_t i);   // stages 2-3, sync off: into its bucket's local_grad
+    int64_t acquire_slot(ReduceWork &w, int64_t b);
+    void release_slot(ReduceWork &w, int64_t b);
+    void launch_bucket(ReduceWork &w, int64_t b);      // b's gradients are in: its reduction (or world 1's landing)
+    void complete(ReduceWork &w, int64_t b);           // wait for b's reduction (and those before) and land it
+    void finish_group(ReduceWork &w, ReduceGroup &g);  // Note [Coalesced gradient reductions]: sums into the shard
 
     ReduceKind kind_ = ReduceKind::kReduceScatter;
     int64_t world_ = 1, partitions_ = 1;

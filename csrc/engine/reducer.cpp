@@ -21,22 +21,22 @@ static void require_dense(const Layout &layout, int64_t i, const at::Tensor &g) 
                 "be sharded; produce a dense one: nn.Embedding(..., sparse=False), F.embedding(..., sparse=False)");
 }
 
-void GradReducer::ensure_grad_view(Backward &bw, int64_t i) {
-    at::Tensor &p = bw.params[i];
+void GradReducer::ensure_grad_view(ReduceWork &w, int64_t i) {
+    at::Tensor &p = w.params[i];
     const at::Tensor &g = p.grad();
-    const at::Tensor &view = bw.grads.views[i];
-    require_dense(bw.layout(), i, g);
-    if (bw.params.cut(i)) {
+    const at::Tensor &view = w.grads.views[i];
+    require_dense(w.layout(), i, g);
+    if (w.params.cut(i)) {
         // Note [Cut parameters]: added piece by piece into each bucket's flat_grad.
         if (g.defined()) {
             const at::Tensor flat = g.reshape(-1);
-            for (const zx_piece &pc : bw.params.pieces(i))
-                bw.buckets[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
+            for (const zx_piece &pc : w.params.pieces(i))
+                w.buckets[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
             p.mutable_grad() = at::Tensor();
         }
         return;
     }
-    if (!bw.grads.views_ok) {
+    if (!w.grads.views_ok) {
         // Note [Mixed precision]: accumulate in reduce_dtype, keep no param.grad.
         if (g.defined()) {
             view.add_(g);
@@ -51,14 +51,14 @@ void GradReducer::ensure_grad_view(Backward &bw, int64_t i) {
     p.mutable_grad() = view;
 }
 
-void GradReducer::stage_grad(Backward &bw, int64_t i) {
-    at::Tensor &p = bw.params[i];
+void GradReducer::stage_grad(ReduceWork &w, int64_t i) {
+    at::Tensor &p = w.params[i];
     const at::Tensor g = p.grad();
-    require_dense(bw.layout(), i, g);
+    require_dense(w.layout(), i, g);
     const at::Tensor flat = g.defined() ? g.reshape(-1) : at::Tensor();
-    for (const zx_piece &pc : bw.params.pieces(i)) {   // one piece unless cut (Note [Cut parameters])
-        Bucket &bk = bw.buckets[pc.bucket];
-        if (bk.slot < 0) acquire_slot(bw, pc.bucket);
+    for (const zx_piece &pc : w.params.pieces(i)) {   // one piece unless cut (Note [Cut parameters])
+        Bucket &bk = w.buckets[pc.bucket];
+        if (bk.slot < 0) acquire_slot(w, pc.bucket);
         at::Tensor dst = ring_[bk.slot].send.narrow(0, pc.offset, pc.numel);
         if (flat.defined())
             dst.copy_(flat.narrow(0, pc.param_offset, pc.numel));
@@ -78,130 +78,130 @@ void GradReducer::stage_grad(Backward &bw, int64_t i) {
 //   accumulate) and frees param.grad; the next reduction of the bucket sends
 //   local_grad plus that backward's gradients and frees it. Without no_sync,
 //   stages 2-3 reduce every micro-step into the shard and hold no full gradient.
-void GradReducer::accumulate_local(Backward &bw, int64_t i) {
-    at::Tensor &p = bw.params[i];
+void GradReducer::accumulate_local(ReduceWork &w, int64_t i) {
+    at::Tensor &p = w.params[i];
     const at::Tensor g = p.grad();
-    require_dense(bw.layout(), i, g);
+    require_dense(w.layout(), i, g);
     if (!g.defined()) return;
     const at::Tensor flat = g.reshape(-1);
-    for (const zx_piece &pc : bw.params.pieces(i)) {
-        Bucket &bk = bw.buckets[pc.bucket];
+    for (const zx_piece &pc : w.params.pieces(i)) {
+        Bucket &bk = w.buckets[pc.bucket];
         if (!bk.local_grad.defined())
-            bk.local_grad = at::zeros({bk.padded_numel}, bw.layout().on_device(bw.layout().dtypes.reduce));
+            bk.local_grad = at::zeros({bk.padded_numel}, w.layout().on_device(w.layout().dtypes.reduce));
         bk.local_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
     }
     p.mutable_grad() = at::Tensor();
 }
 
-void GradReducer::mark_ready(Backward bw, int64_t i) {
-    TORCH_CHECK(i >= 0 && i < (int64_t)bw.params.size(), "zero_ext: internal: bad parameter index ", i);
-    bw.book.note_grad(i);
-    if (bw.stage() <= 1) ensure_grad_view(bw, i);
-    const bool reduce_now = bw.stage() >= 2 || pass_.require_sync();
-    if (bw.stage() >= 2 && !pass_.require_sync()) {
-        accumulate_local(bw, i);
-        if (bw.stage() == 3) {   // its backward is over: release as a reducing pass would
-            for (const zx_piece &pc : bw.params.pieces(i)) {
-                Bucket &bk = bw.buckets[pc.bucket];
-                if (--bk.pending == 0 && bk.unit != 0) bw.hooks.release_bucket(bk);
+void GradReducer::mark_ready(ReduceWork w, int64_t i) {
+    TORCH_CHECK(i >= 0 && i < (int64_t)w.params.size(), "zero_ext: internal: bad parameter index ", i);
+    w.book.note_grad(i);
+    if (w.stage() <= 1) ensure_grad_view(w, i);
+    const bool reduce_now = w.stage() >= 2 || pass_.require_sync();
+    if (w.stage() >= 2 && !pass_.require_sync()) {
+        accumulate_local(w, i);
+        if (w.stage() == 3) {   // its backward is over: release as a reducing pass would
+            for (const zx_piece &pc : w.params.pieces(i)) {
+                Bucket &bk = w.buckets[pc.bucket];
+                if (--bk.pending == 0 && bk.unit != 0) w.hooks.release_bucket(bk);
             }
         }
         return;
     }
     if (!reduce_now) return;
-    if (bw.stage() >= 2) stage_grad(bw, i);
-    TORCH_CHECK(!pass_.ready(i), "zero_ext: ", bw.layout().pname(i),
+    if (w.stage() >= 2) stage_grad(w, i);
+    TORCH_CHECK(!pass_.ready(i), "zero_ext: ", w.layout().pname(i),
                 " got its gradient twice in one backward pass (its gradient was reduced already); if you "
                 "call backward() twice, call it under model.no_sync() for all but the last, or step in between");
     pass_.set_ready(i);
     bool done = false;
-    for (const zx_piece &pc : bw.params.pieces(i)) {
-        Bucket &bk = bw.buckets[pc.bucket];
+    for (const zx_piece &pc : w.params.pieces(i)) {
+        Bucket &bk = w.buckets[pc.bucket];
         if (--bk.pending > 0) continue;
         done = true;
         // Stage 3: its backward is over; the root unit waits for the end.
-        if (bw.stage() == 3 && bk.unit != 0) bw.hooks.release_bucket(bk);
+        if (w.stage() == 3 && bk.unit != 0) w.hooks.release_bucket(bk);
     }
     // Launch strictly in bucket order so that every rank issues the same collectives.
     if (done)
-        pass_.launch_in_order((int64_t)bw.buckets.size(), [&](int64_t b) { return bw.buckets[b].pending == 0; },
-                             [&](int64_t b) { launch_bucket(bw, b); });
+        pass_.launch_in_order((int64_t)w.buckets.size(), [&](int64_t b) { return w.buckets[b].pending == 0; },
+                             [&](int64_t b) { launch_bucket(w, b); });
 }
 
-void GradReducer::finalize(Backward bw) {
+void GradReducer::finalize(ReduceWork w) {
     if (!pass_.require_sync()) {   // Note [Local accumulation]: nothing sent
-        if (bw.stage() == 3) {
-            bw.hooks.release_pass();
-            for (auto &bk : bw.buckets) bk.pending = (int64_t)bk.params.size();
+        if (w.stage() == 3) {
+            w.hooks.release_pass();
+            for (auto &bk : w.buckets) bk.pending = (int64_t)bk.params.size();
         }
         return;
     }
     // Parameters that got no gradient this pass: their region holds zeros or
     // earlier accumulated gradients (stage 0/1), or is zero-filled (stage 2).
-    for (int64_t i = 0; i < (int64_t)bw.params.size(); i++) {
+    for (int64_t i = 0; i < (int64_t)w.params.size(); i++) {
         if (pass_.ready(i)) continue;
-        if (bw.stage() >= 2) stage_grad(bw, i);
+        if (w.stage() >= 2) stage_grad(w, i);
         pass_.set_ready(i);
-        for (const zx_piece &pc : bw.params.pieces(i)) bw.buckets[pc.bucket].pending--;
+        for (const zx_piece &pc : w.params.pieces(i)) w.buckets[pc.bucket].pending--;
     }
-    pass_.launch_in_order((int64_t)bw.buckets.size(), [](int64_t) { return true; },
-                         [&](int64_t b) { launch_bucket(bw, b); });
-    launch_group(bw.comm);   // Note [Coalesced gradient reductions]: what is left
+    pass_.launch_in_order((int64_t)w.buckets.size(), [](int64_t) { return true; },
+                         [&](int64_t b) { launch_bucket(w, b); });
+    launch_group(w.comm);   // Note [Coalesced gradient reductions]: what is left
     // Note [Reductions end with backward]
     // As DDP's reducer does, wait here.
     // The reductions overlapped the rest of backward; the step needs them next
     // anyway, and no later backward may write into a bucket (stage 0/1) or a
     // ring slot (stage 2) that a collective is still reading.
-    wait_all(bw);
-    if (bw.stage() == 3) bw.hooks.release_pass();   // the pass is over
+    wait_all(w);
+    if (w.stage() == 3) w.hooks.release_pass();   // the pass is over
     // Reset readiness for the next backward.
-    for (auto &bk : bw.buckets) {
+    for (auto &bk : w.buckets) {
         bk.pending = (int64_t)bk.params.size();
     }
     pass_.reduced();
-    bw.book.end_backward();   // Note [Step in backward]: the backward may have been one optimizer step
-    bw.grads.show(bw.params.tensors());   // Note [Sharded gradients]
+    w.book.end_backward();   // Note [Step in backward]: the backward may have been one optimizer step
+    w.grads.show(w.params.tensors());   // Note [Sharded gradients]
 }
 
-void GradReducer::hide_grads(Backward bw) {
-    bw.grads.hide(bw.params.tensors(), [&](int64_t i) {
+void GradReducer::hide_grads(ReduceWork w) {
+    w.grads.hide(w.params.tensors(), [&](int64_t i) {
         // stage 1: the bucket view again (its owned part holds the reduced sum, the rest zeros)
-        const bool view = bw.stage() <= 1 && bw.grads.views_ok && !bw.params.cut(i);
-        return view ? bw.grads.views[i] : at::Tensor();
+        const bool view = w.stage() <= 1 && w.grads.views_ok && !w.params.cut(i);
+        return view ? w.grads.views[i] : at::Tensor();
     });
 }
 
-int64_t GradReducer::acquire_slot(Backward &bw, int64_t b) {
+int64_t GradReducer::acquire_slot(ReduceWork &w, int64_t b) {
     GradRing &ring = ring_;
     int64_t s = ring.take_free(b);
     if (s < 0) {
         // All slots busy: the ring grows to grad_ring_buckets first, then finishes
         // the oldest launched reduction and takes its slot.
         if (ring.at_size() && !idle()) {
-            complete(bw, oldest());
-            return acquire_slot(bw, b);
+            complete(w, oldest());
+            return acquire_slot(w, b);
         }
         // Below its configured size, or every slot held by a bucket still filling
         // (gradients arrived out of bucket order): grow the ring by one; bounded by
         // the number of buckets.
         s = ring.grow(b);
     }
-    if (bw.off()) bw.off()->before_reuse(s);   // Note [Optimizer offload]: its last down copy is done
-    bw.buckets[b].slot = s;
+    if (w.off()) w.off()->before_reuse(s);   // Note [Optimizer offload]: its last down copy is done
+    w.buckets[b].slot = s;
     return s;
 }
 
-void GradReducer::release_slot(Backward &bw, int64_t b) {
-    Bucket &bk = bw.buckets[b];
+void GradReducer::release_slot(ReduceWork &w, int64_t b) {
+    Bucket &bk = w.buckets[b];
     if (bk.slot >= 0) ring_.release(bk.slot);
     bk.slot = -1;
 }
 
-void GradReducer::launch_bucket(Backward &bw, int64_t b) {
-    Bucket &bk = bw.buckets[b];
-    if (bw.stage() >= 2 && bk.slot < 0) acquire_slot(bw, b);   // bucket with no gradients at all
+void GradReducer::launch_bucket(ReduceWork &w, int64_t b) {
+    Bucket &bk = w.buckets[b];
+    if (w.stage() >= 2 && bk.slot < 0) acquire_slot(w, b);   // bucket with no gradients at all
     // stages 2-3: the bucket's gradient, staged in its ring slot
-    const at::Tensor staged = bw.stage() >= 2 ? ring_[bk.slot].send.narrow(0, 0, bk.padded_numel)
+    const at::Tensor staged = w.stage() >= 2 ? ring_[bk.slot].send.narrow(0, 0, bk.padded_numel)
                                                : at::Tensor();
     if (staged.defined()) {
         if (bk.local_grad.defined()) {   // Note [Local accumulation]
@@ -211,39 +211,39 @@ void GradReducer::launch_bucket(Backward &bw, int64_t b) {
         // Zero the padding so it never feeds the optimizer garbage.
         for (const auto &g : bk.gaps) staged.narrow(0, g.first, g.second).zero_();
     }
-    if (bw.layout().world == 1) {
+    if (w.layout().world == 1) {
         if (staged.defined()) {
-            if (bw.layout().opts.step_in_backward) {   // Note [Step in backward]
-                bw.hooks.step_landed(bk, staged);
-            } else if (bw.off()) {   // Note [Optimizer offload]: added on the host as it lands
-                at::Tensor dst = bw.shard.host_grad(bk);
-                bw.off()->down(b, staged, bk.slot, [dst](const at::Tensor &v) { dst.add_(v); });
+            if (w.layout().opts.step_in_backward) {   // Note [Step in backward]
+                w.hooks.step_landed(bk, staged);
+            } else if (w.off()) {   // Note [Optimizer offload]: added on the host as it lands
+                at::Tensor dst = w.shard.host_grad(bk);
+                w.off()->down(b, staged, bk.slot, [dst](const at::Tensor &v) { dst.add_(v); });
             } else {
-                bw.shard.grad(bk).add_(staged);
+                w.shard.grad(bk).add_(staged);
             }
-            release_slot(bw, b);
-        } else if (bw.layout().opts.step_in_backward) {   // stage 1: the bucket is its own shard, consumed
-            bw.hooks.step_landed(bk, bk.flat_grad);
+            release_slot(w, b);
+        } else if (w.layout().opts.step_in_backward) {   // stage 1: the bucket is its own shard, consumed
+            w.hooks.step_landed(bk, bk.flat_grad);
             bk.flat_grad.zero_();
-        } else if (bw.off()) {   // stage 1: the bucket is its own shard; the host gets a copy
-            at::Tensor dst = bw.shard.host_grad(bk);
-            bw.off()->down(b, bk.flat_grad, -1, [dst](const at::Tensor &v) { dst.copy_(v); });
+        } else if (w.off()) {   // stage 1: the bucket is its own shard; the host gets a copy
+            at::Tensor dst = w.shard.host_grad(bk);
+            w.off()->down(b, bk.flat_grad, -1, [dst](const at::Tensor &v) { dst.copy_(v); });
         }
         return;
     }
     ReduceGroups &groups = groups_;
     if (groups.enabled()) {   // Note [Coalesced gradient reductions]
         if (groups.coalesces(bk.slice_numel)) {
-            if (!groups.fits(bk.slice_numel)) launch_group(bw.comm);
+            if (!groups.fits(bk.slice_numel)) launch_group(w.comm);
             groups.add(b, bk.unit, staged, bk.slice_numel);
-            release_slot(bw, b);
+            release_slot(w, b);
             return;
         }
-        launch_group(bw.comm);   // the small buckets before this one first: bucket order
+        launch_group(w.comm);   // the small buckets before this one first: bucket order
     }
-    bw.comm.seq.subject(b, bw.stage() == 3 ? bk.unit : -1);
-    if (bw.stage() == 1 && bk.slot < 0) acquire_slot(bw, b);   // its recv
-    launch(bw.comm, b, staged.defined() ? staged : bk.flat_grad, bk.padded_numel, bk.slice_numel, bk.slot);
+    w.comm.seq.subject(b, w.stage() == 3 ? bk.unit : -1);
+    if (w.stage() == 1 && bk.slot < 0) acquire_slot(w, b);   // its recv
+    launch(w.comm, b, staged.defined() ? staged : bk.flat_grad, bk.padded_numel, bk.slice_numel, bk.slot);
 }
 
 void GradReducer::launch(Communicator &comm, int64_t b, const at::Tensor &send, int64_t padded, int64_t slice,
@@ -315,64 +315,64 @@ void GradReducer::launch_group(Communicator &comm) {
     inflight_.emplace_back(last, std::move(work));
 }
 
-void GradReducer::finish_group(Backward &bw, ReduceGroup &g) {
-    const Bucket &first = bw.buckets[g.members.front()];
-    bw.shard.grad(first);   // allocates the gradient shard at the first backward
+void GradReducer::finish_group(ReduceWork &w, ReduceGroup &g) {
+    const Bucket &first = w.buckets[g.members.front()];
+    w.shard.grad(first);   // allocates the gradient shard at the first backward
     int64_t at = first.shard_offset;
     for (int64_t m : g.members) {
-        TORCH_CHECK(bw.buckets[m].shard_offset == at, "zero_ext: internal: a reduction group's shard slices "
+        TORCH_CHECK(w.buckets[m].shard_offset == at, "zero_ext: internal: a reduction group's shard slices "
                     "are not consecutive");
-        at += bw.buckets[m].slice_numel;
+        at += w.buckets[m].slice_numel;
     }
-    finish(partitions_ * g.numel, g.numel, g.recv, bw.shard.buffers.grad.narrow(0, first.shard_offset, g.numel), true,
-           *bw.kernels.device);
+    finish(partitions_ * g.numel, g.numel, g.recv, w.shard.buffers.grad.narrow(0, first.shard_offset, g.numel), true,
+           *w.kernels.device);
 }
 
-void GradReducer::complete(Backward &bw, int64_t b) {
+void GradReducer::complete(ReduceWork &w, int64_t b) {
     // Works finish in launch order; complete everything up to b.
     while (!idle()) {
-        const int64_t cur = wait_oldest(bw.comm);
+        const int64_t cur = wait_oldest(w.comm);
         if (groups_.flying(cur)) {   // Note [Coalesced gradient reductions]
             ReduceGroup g = groups_.land(cur);
-            finish_group(bw, g);
+            finish_group(w, g);
             if (cur == b) break;
             continue;
         }
-        Bucket &bk = bw.buckets[cur];
-        if (bw.stage() >= 1) {
-            const bool accumulate = bw.stage() >= 2;
+        Bucket &bk = w.buckets[cur];
+        if (w.stage() >= 1) {
+            const bool accumulate = w.stage() >= 2;
             const int64_t padded = bk.padded_numel, slice = bk.slice_numel;
-            if (bw.layout().opts.step_in_backward && accumulate) {
+            if (w.layout().opts.step_in_backward && accumulate) {
                 // Note [Step in backward]: the step reads the reduced slice where it landed.
-                const auto land_at = [&](int64_t n) { return bw.shard.landing(n); };
-                bw.hooks.step_landed(bk, reduced(bk.slot, padded, slice, land_at, *bw.kernels.device));
-            } else if (bw.off() && accumulate) {
+                const auto land_at = [&](int64_t n) { return w.shard.landing(n); };
+                w.hooks.step_landed(bk, reduced(bk.slot, padded, slice, land_at, *w.kernels.device));
+            } else if (w.off() && accumulate) {
                 // Note [Optimizer offload]: what the collective left, finished on the host as it lands.
-                at::Tensor dst = bw.shard.host_grad(bk);
-                Kernels *host = &bw.kernels.step();   // the landing worker runs this after the call
-                bw.off()->down(cur, recv(bk.slot, padded, slice), bk.slot,
+                at::Tensor dst = w.shard.host_grad(bk);
+                Kernels *host = &w.kernels.step();   // the landing worker runs this after the call
+                w.off()->down(cur, recv(bk.slot, padded, slice), bk.slot,
                                [this, padded, slice, dst, host](const at::Tensor &v) {
                                    finish(padded, slice, v, dst, true, *host);
                                });
             } else {
                 // stage 1 keeps the sum in its bucket (Note [Gradient sums in stages 1-2]); offload copies it down
-                at::Tensor dst = bw.off() ? bw.shard.owned(bk.flat_grad, bk) : bw.shard.grad(bk);
-                land(bk.slot, padded, slice, dst, accumulate, *bw.kernels.device);
-                if (bw.off()) {
-                    at::Tensor host = bw.shard.host_grad(bk);
-                    bw.off()->down(cur, dst, -1, [host](const at::Tensor &v) { host.copy_(v); });
+                at::Tensor dst = w.off() ? w.shard.owned(bk.flat_grad, bk) : w.shard.grad(bk);
+                land(bk.slot, padded, slice, dst, accumulate, *w.kernels.device);
+                if (w.off()) {
+                    at::Tensor host = w.shard.host_grad(bk);
+                    w.off()->down(cur, dst, -1, [host](const at::Tensor &v) { host.copy_(v); });
                 }
             }
-            if (bw.stage() == 1 && bw.layout().opts.step_in_backward) {
-                bw.hooks.step_landed(bk, bw.shard.owned(bk.flat_grad, bk));   // Note [Step in backward]: consumed
+            if (w.stage() == 1 && w.layout().opts.step_in_backward) {
+                w.hooks.step_landed(bk, w.shard.owned(bk.flat_grad, bk));   // Note [Step in backward]: consumed
                 bk.flat_grad.zero_();
-            } else if (bw.stage() == 1) {
+            } else if (w.stage() == 1) {
                 // Note [Gradient sums in stages 1-2]: zero what this rank does not own.
-                const int64_t lo = bw.layout().rank * slice, hi = lo + slice;
+                const int64_t lo = w.layout().rank * slice, hi = lo + slice;
                 if (lo > 0) bk.flat_grad.narrow(0, 0, lo).zero_();
                 if (hi < padded) bk.flat_grad.narrow(0, hi, padded - hi).zero_();
             }
-            release_slot(bw, cur);
+            release_slot(w, cur);
         }
         if (cur == b) break;
     }
@@ -402,45 +402,45 @@ void GradReducer::land(int64_t slot, int64_t padded, int64_t slice, at::Tensor d
         finish(padded, slice, ring_[slot].recv, dst, accumulate, k);
 }
 
-void GradReducer::wait_all(Backward bw) {
-    while (!idle()) complete(bw, newest());
+void GradReducer::wait_all(ReduceWork w) {
+    while (!idle()) complete(w, newest());
 }
 
-void GradReducer::zero_grad(Backward bw, bool set_to_none, const Groups &cover) {
-    wait_all(bw);
+void GradReducer::zero_grad(ReduceWork w, bool set_to_none, const Groups &cover) {
+    wait_all(w);
     groups_.drop_filling();   // Note [Coalesced gradient reductions]: a backward that did not end
-    if (bw.off()) bw.off()->drain();   // no landing writes the host shard any more
+    if (w.off()) w.off()->drain();   // no landing writes the host shard any more
     pass_.gradients_changed();
-    hide_grads(bw);   // Note [Sharded gradients]: cleared, or zeroed (the plain views again)
+    hide_grads(w);   // Note [Sharded gradients]: cleared, or zeroed (the plain views again)
     if (!cover.all()) {
         // One of several wrapped optimizers: only its groups' gradients, as torch's
         // zero_grad touches only its own parameters (the others may still step).
-        for (size_t i = 0; i < bw.params.size(); i++) {
-            if (!cover.has(bw.layout().group_of[i])) continue;
-            if (bw.stage() <= 1)
-                for (const zx_piece &pc : bw.params.pieces(i))
-                    bw.buckets[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
+        for (size_t i = 0; i < w.params.size(); i++) {
+            if (!cover.has(w.layout().group_of[i])) continue;
+            if (w.stage() <= 1)
+                for (const zx_piece &pc : w.params.pieces(i))
+                    w.buckets[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
             if (set_to_none) {
-                bw.params[i].mutable_grad() = at::Tensor();
-                bw.book.forget_grad((int64_t)i);   // Note [Unused parameters]
+                w.params[i].mutable_grad() = at::Tensor();
+                w.book.forget_grad((int64_t)i);   // Note [Unused parameters]
             }
         }
-        if (bw.shard.buffers.grad.defined())
-            for (size_t b = 0; b < bw.buckets.size(); b++)
-                for (const StepRun &f : bw.book.fragments((int64_t)b))
-                    if (cover.has(bw.layout().group_of[f.param]))
-                        bw.shard.buffers.grad.narrow(0, bw.buckets[b].shard_offset + f.offset, f.numel).zero_();
+        if (w.shard.buffers.grad.defined())
+            for (size_t b = 0; b < w.buckets.size(); b++)
+                for (const StepRun &f : w.book.fragments((int64_t)b))
+                    if (cover.has(w.layout().group_of[f.param]))
+                        w.shard.buffers.grad.narrow(0, w.buckets[b].shard_offset + f.offset, f.numel).zero_();
         return;
     }
-    for (auto &bk : bw.buckets) {
+    for (auto &bk : w.buckets) {
         if (bk.flat_grad.defined()) bk.flat_grad.zero_();
         bk.local_grad = at::Tensor();   // Note [Local accumulation]
     }
-    if (bw.shard.buffers.grad.defined()) bw.shard.buffers.grad.zero_();
-    for (auto &p : bw.params) {
+    if (w.shard.buffers.grad.defined()) w.shard.buffers.grad.zero_();
+    for (auto &p : w.params) {
         if (set_to_none) p.mutable_grad() = at::Tensor();
     }
-    if (set_to_none) bw.book.forget_grads();   // Note [Unused parameters]
+    if (set_to_none) w.book.forget_grads();   // Note [Unused parameters]
 }
 
 }  // namespace zx
