@@ -21,6 +21,9 @@ void Engine::zero_grad(bool set_to_none, const std::vector<int64_t> &groups) {
     if (!cover.all()) ensure_step_tables();   // one of several optimizers: its fragments
     reducer_.zero_grad(reduce_work(), set_to_none, cover);
 }
+
+// --- optimizer: the Stepper (stepper.cpp), after the engine's own waits ---
+
 void Engine::step_adam(const std::vector<zx_adam_hparams> &hps, const std::vector<int64_t> &groups,
                        const at::Tensor &ctl, const at::Tensor &steps) {
     before_step();
