@@ -128,10 +128,9 @@ void Engine::publish_params() {
     wait_params();
     cast_masters();
     if (layout_.opts.stage == 3) {
-        // Gathered units hold stale values: release them; the next gather reads the shards.
-        if (units_.secondary) units_.secondary->drop_all();
-        for (auto &bk : buckets_) release_bucket(bk);
-        units_.release_all_frozen(unit_work());
+        // Gathered units hold stale values (node parts too): release them; the next gather
+        // reads the shards.
+        units_.release_pass(unit_work());
         return;
     }
     all_gather_params();
