@@ -14,12 +14,13 @@ import pathlib
 import re
 
 ENGINE_DIR = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "engine"
-ENGINE_LIMIT = 12
+ENGINE_LIMIT = 11
 OWNER_LIMIT = 12
 # test_engine_members_spread_over_no_more_files: (member, file) pairs, Engine's members named
-# by Engine's functions over csrc/engine/*.cpp (12 when each member is used in one file: the
-# facade's, engine.cpp; 83 when this came, counting other classes' same-named members too)
-MEMBER_FILES = 24
+# by Engine's functions over csrc/engine/*.cpp (ENGINE_LIMIT when each member is used in one
+# file; 22 = each in two, the facade's engine.cpp and the construction's build.cpp; 83 when
+# this came, counting other classes' same-named members too)
+MEMBER_FILES = 22
 CLASS = re.compile(r"^(?:class|struct)\s+(\w+)[^;{]*\{", re.M)
 
 

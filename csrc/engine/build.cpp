@@ -40,7 +40,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
         shapes.push_back(p.sizes().vec());
     }
     layout_ = Layout::make(opts, dev, std::move(shapes), groups, units, comm_.rank(), comm_.world());
-    sharded_grads_.views_ok = layout_.dtypes.reduce == layout_.dtypes.param;
+    reducer_.grads().views_ok = layout_.dtypes.reduce == layout_.dtypes.param;
     params_.read_pieces(layout_.plan);
 
     // Buckets as tensors; parameters (and stage 0/1 gradients) become views.
@@ -89,7 +89,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
     // master is a shard of its own (Note [Quantized parameter gather]); so does offload.
     if (s3 || layout_.dtypes.low() || gather_.quantized() || opts.offload)
         shard_.master = at::zeros({layout_.shard_numel}, view().on_shard(at::kFloat));
-    sharded_grads_.views.resize(n);
+    reducer_.grads().views.resize(n);
     if (s3) units_.param_views.resize(n);
     reducer_.pass().resize(n);
     for (int64_t b = 0; b < nb; b++) {
@@ -138,7 +138,7 @@ Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std:
             p.set_data(view);
             if (s3) units_.param_views[i] = view;
             if (opts.stage <= 1) {
-                at::Tensor &gv = sharded_grads_.views[i];
+                at::Tensor &gv = reducer_.grads().views[i];
                 gv = bk.flat_grad.narrow(0, loc.offset, loc.numel).view(p.sizes());
                 if (p.grad().defined()) gv.copy_(p.grad());
                 p.mutable_grad() = at::Tensor();

@@ -18,6 +18,7 @@
 //   grad_reducer.h   GradReducer: backward's reductions and the reduce kind, chosen once (reducer.cpp:
 //                    gradient readiness, launch and landing of each bucket's reduction, zero_grad),
 //                    on what the engine lends it per call (ReduceWork); it holds:
+//     sharded_grads.h  what .grad shows: stage 0-1 views, the wrappers after backward (Note [Sharded gradients])
 //     backward_pass.h  where a backward stands (readiness, launch order, no_sync, counters)
 //     grad_ring.h      the gradient slots of stages 2-3
 //     reduce_groups.h  stage 3: small buckets' gradients reduced together (Note [Coalesced gradient reductions])
@@ -38,7 +39,6 @@
 //                    full parameters); GatherGroup
 //   owners of one piece of state each, used by the files above:
 //     params.h         the parameters: their tensors, where each lies; cut parameters (Note [Cut parameters])
-//     sharded_grads.h  what .grad shows: stage 0-1 views, the wrappers after backward (Note [Sharded gradients])
 //     shard_buffers.h  ShardBuffers: this rank's gradient sums, master (master_split.h: as remainders)
 //                      and optimizer states (optimizer_states.h), step_in_backward's landing
 //     unit_store.h     UnitStore, stage 3: each unit's buckets and parameter views, offload's parameter shard,
@@ -79,7 +79,6 @@
 #include "engine/stepper.h"        // defines: Stepper (Note [One fused step]); AdamOp, SgdOp, kStateSeed
 #include "engine/params.h"        // defines: Params (the tensors; Note [Cut parameters])
 #include "engine/param_gather.h"   // defines: ParamGather (the gather kind, stage 1-2 gathers in flight)
-#include "engine/sharded_grads.h"  // defines: ShardedGrads (what .grad is; Note [Sharded gradients])
 #include "engine/step_book.h"      // defines: StepBook, StepRun (Note [Unused parameters])
 #include "engine/unit_store.h"     // defines: UnitStore (stage 3: also FrozenParams, GatherMeter, Secondary)
 #include "engine/stats.h"          // defines: EngineStats, AtomicStats, OffloadStats (Note [Engine stats])
@@ -110,7 +109,7 @@ public:
     // Note [Sharded gradients] (zero_ext/sharded_grad.py): stages 1-3 show each
     // parameter's gradient as a storage-less tensor that knows it is sharded, from the
     // end of a reducing backward until the next forward (hide) or zero_grad.
-    void set_grad_wrappers(std::vector<at::Tensor> wrappers) { sharded_grads_.set(std::move(wrappers)); }
+    void set_grad_wrappers(std::vector<at::Tensor> wrappers) { reducer_.grads().set(std::move(wrappers)); }
     void hide_sharded_grads();
     int64_t grad_generation() const { return reducer_.pass().generation(); }   // changes when the gradients do
     void wait_reductions();            // block until every launched reduction is done
@@ -295,19 +294,18 @@ private:
     // step_in_backward: bucket bk's fused step on its reduced gradient slice grad (sums)
     void step_landed(Bucket &bk, const at::Tensor &grad) override;
     // What GradReducer is lent for one call (grad_reducer.h), as the Stepper is.
-    ReduceWork reduce_work() { return {buckets_, params_, sharded_grads_, comm_, kernels_, view(), book_, *this}; }
+    ReduceWork reduce_work() { return {buckets_, params_, comm_, kernels_, view(), book_, *this}; }
     // What ParamGather (stages 1-2) and UnitStore are lent for one call (param_gather.h, unit_store.h).
     GatherWork gather_work() { return {buckets_, params_, comm_, view()}; }
     UnitWork unit_work() { return {buckets_, params_, comm_, kernels_, gather_, stepper()}; }
 
     Params params_;                        // the parameters' tensors and where each lies (Note [Cut parameters])
-    ShardedGrads sharded_grads_;           // what .grad is: stage 0-1 views; Note [Sharded gradients]' wrappers
     std::vector<Bucket> buckets_;
     Layout layout_;                        // fixed at construction: options, device, dtypes, the plan, this rank
     Communicator comm_;
     KernelTables kernels_;                 // Note [Kernel table]: the device's, and the host's with offload
     std::unique_ptr<Offload> off_;          // offload="cpu" (Note [Optimizer offload]), else null
-    GradReducer reducer_;                  // backward's reductions: the pass, the ring, what is in flight
+    GradReducer reducer_;                  // backward's reductions: what .grad shows, the pass, the ring, in flight
     ShardBuffers shard_;                   // this rank's gradient sums, master (or remainders) and states
     UnitStore units_;                      // stage 3: units' buckets and views, frozen parameters, node parts
     StepBook book_;                        // gradients seen, steps, runs (Note [Unused parameters])

@@ -1,5 +1,5 @@
-// grad_reducer.h — backward's reductions, one owner (its code in reducer.cpp): where the
-// pass stands (BackwardPass), the ring of gradient slots (GradRing), the reductions in
+// grad_reducer.h — backward's reductions, one owner (its code in reducer.cpp): what .grad
+// shows (ShardedGrads), where the pass stands (BackwardPass), the ring of gradient slots (GradRing), the reductions in
 // flight in launch order, stage 3's coalesced groups (ReduceGroups), and the reduce kind,
 // chosen once at construction: every launch and every landing goes through it, so no
 // other code asks which collective sums the gradients. Its pass (mark_ready, finalize,
@@ -53,7 +53,6 @@ protected:
 struct ReduceWork {
     std::vector<Bucket> &buckets;
     Params &params;
-    ShardedGrads &grads;   // what .grad shows (Note [Sharded gradients])
     Communicator &comm;
     KernelTables &kernels;
     ShardView shard;       // where the sums land: the gradient shard, the host's with offload
@@ -91,6 +90,7 @@ public:
     void zero_grad(ReduceWork w, bool set_to_none, const Groups &groups);
     void hide_grads(ReduceWork w);              // Note [Sharded gradients]: the plain gradients again
 
+    ShardedGrads &grads() { return grads_; }   // what .grad shows (Note [Sharded gradients])
     BackwardPass &pass() { return pass_; }
     const BackwardPass &pass() const { return pass_; }
     GradRing &ring() { return ring_; }
@@ -148,6 +148,7 @@ private:
     int64_t world_ = 1, partitions_ = 1;
     at::TensorOptions reduce_;               // reduce_dtype, on the parameters' device
     std::unique_ptr<QuantReduce> quant_;     // kQuantized: the codes, scales and residuals
+    ShardedGrads grads_;   // what .grad shows: stage 0-1 views, the wrappers after a reducing backward
     BackwardPass pass_;
     GradRing ring_;
     ReduceGroups groups_;

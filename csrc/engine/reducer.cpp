@@ -24,7 +24,7 @@ static void require_dense(const Layout &layout, int64_t i, const at::Tensor &g) 
 void GradReducer::ensure_grad_view(ReduceWork &w, int64_t i) {
     at::Tensor &p = w.params[i];
     const at::Tensor &g = p.grad();
-    const at::Tensor &view = w.grads.views[i];
+    const at::Tensor &view = grads_.views[i];
     require_dense(w.layout(), i, g);
     if (w.params.cut(i)) {
         // Note [Cut parameters]: added piece by piece into each bucket's flat_grad.
@@ -36,7 +36,7 @@ void GradReducer::ensure_grad_view(ReduceWork &w, int64_t i) {
         }
         return;
     }
-    if (!w.grads.views_ok) {
+    if (!grads_.views_ok) {
         // Note [Mixed precision]: accumulate in reduce_dtype, keep no param.grad.
         if (g.defined()) {
             view.add_(g);
@@ -160,14 +160,14 @@ void GradReducer::finalize(ReduceWork w) {
     }
     pass_.reduced();
     w.book.end_backward();   // Note [Step in backward]: the backward may have been one optimizer step
-    w.grads.show(w.params.tensors());   // Note [Sharded gradients]
+    grads_.show(w.params.tensors());   // Note [Sharded gradients]
 }
 
 void GradReducer::hide_grads(ReduceWork w) {
-    w.grads.hide(w.params.tensors(), [&](int64_t i) {
+    grads_.hide(w.params.tensors(), [&](int64_t i) {
         // stage 1: the bucket view again (its owned part holds the reduced sum, the rest zeros)
-        const bool view = w.stage() <= 1 && w.grads.views_ok && !w.params.cut(i);
-        return view ? w.grads.views[i] : at::Tensor();
+        const bool view = w.stage() <= 1 && grads_.views_ok && !w.params.cut(i);
+        return view ? grads_.views[i] : at::Tensor();
     });
 }
 
