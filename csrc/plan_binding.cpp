@@ -35,8 +35,8 @@ zx::Layout make_layout(std::vector<std::vector<int64_t>> shapes, const std::vect
     opts.param_dtype = param_dtype == ZX_F32 ? "fp32" : param_dtype == ZX_BF16 ? "bf16" : "fp16";
     opts.group_update_kind = std::move(group_update_kind);
     opts.param_state = std::move(param_state);
-    // stage 0 has one partition whatever the world size
-    return zx::Layout::make(opts, at::kCPU, std::move(shapes), groups, units, 0, stage == 0 ? 1 : partitions);
+    // the world is the partitions (stage 0 has one whatever the world size)
+    return zx::Layout::make(opts, at::kCPU, std::move(shapes), groups, units, 0, partitions);
 }
 
 // (group, unit, numel, padded_numel, slice_numel) per bucket, in bucket order.

@@ -3,6 +3,7 @@
 //   zx_check(s, what)    throws a c10::Error (Python RuntimeError) for a non-OK zx_status
 //   parse_isa(name)      "scalar" / "avx2" / "avx512" -> zx_isa (throws otherwise)
 //   plan_fragments(plan, b, r)  rank r's fragments of bucket b, as the plan lists them
+//   plan_pieces(plan, i)        parameter i's pieces (one, or several when it is cut)
 #pragma once
 
 #include <c10/util/Exception.h>   // TORCH_CHECK
@@ -35,4 +36,13 @@ inline std::vector<zx_fragment> plan_fragments(const zx_plan *plan, int64_t b, i
     std::vector<zx_fragment> fr((size_t)count);
     zx_check(zx_plan_fragments(plan, b, r, fr.data(), count, &count), "reading the plan");
     return fr;
+}
+
+// Parameter i's pieces in bucket order (zx_plan_param_pieces: count, then fill).
+inline std::vector<zx_piece> plan_pieces(const zx_plan *plan, int64_t i) {
+    int64_t count = 0;
+    zx_plan_param_pieces(plan, i, nullptr, 0, &count);
+    std::vector<zx_piece> pieces((size_t)count);
+    zx_check(zx_plan_param_pieces(plan, i, pieces.data(), count, &count), "reading the plan");
+    return pieces;
 }

@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "engine/check.h"   // defines: zx_check, plan_fragments
+#include "engine/check.h"   // defines: zx_check, plan_fragments, plan_pieces
 
 namespace zx {
 
@@ -108,14 +108,11 @@ Layout Layout::make(const EngineOptions &opts, at::Device dev, std::vector<std::
     l.bucket_of.assign(n, -1);
     l.offset_of.assign(n, 0);
     for (int64_t i = 0; i < n; i++) {
-        int64_t count = 0;
-        zx_plan_param_pieces(l.plan, i, nullptr, 0, &count);
-        if (count == 0) continue;
-        std::vector<zx_piece> pieces((size_t)count);
-        zx_check(zx_plan_param_pieces(l.plan, i, pieces.data(), count, &count), "reading the plan");
+        const std::vector<zx_piece> pieces = plan_pieces(l.plan, i);
+        if (pieces.empty()) continue;
         l.bucket_of[i] = pieces[0].bucket;
         l.offset_of[i] = pieces[0].offset;
-        if (count == 1) {
+        if (pieces.size() == 1) {
             zx_param_loc loc;
             zx_check(zx_plan_param(l.plan, i, &loc), "reading the plan");
             l.offset_of[i] = loc.offset;

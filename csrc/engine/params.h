@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "core/zx_core.h"
-#include "engine/check.h"   // defines: zx_check
+#include "engine/check.h"   // defines: plan_pieces
 
 namespace zx {
 
@@ -33,11 +33,8 @@ public:
     void read_pieces(const zx_plan *plan) {
         pieces_.assign(tensors_.size(), {});
         for (size_t i = 0; i < tensors_.size(); i++) {
-            int64_t count = 0;
-            zx_plan_param_pieces(plan, (int64_t)i, nullptr, 0, &count);
-            pieces_[i].resize((size_t)count);
-            zx_check(zx_plan_param_pieces(plan, (int64_t)i, pieces_[i].data(), count, &count), "reading the plan");
-            any_cut_ = any_cut_ || count > 1;
+            pieces_[i] = plan_pieces(plan, (int64_t)i);
+            any_cut_ = any_cut_ || pieces_[i].size() > 1;
         }
     }
     const std::vector<zx_piece> &pieces(int64_t i) const { return pieces_[(size_t)i]; }
