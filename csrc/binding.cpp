@@ -117,7 +117,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("hysteresis_left", &zx_loss_scaler::hysteresis_left)
         .def_readwrite("skipped", &zx_loss_scaler::skipped);
 
-    // Note [Fragment views] (engine/build.cpp)
+    // Note [Fragment views] (engine/fragment_view.h)
     py::class_<zx::FragmentView>(m, "FragmentView")
         .def_readonly("param", &zx::FragmentView::param)
         .def_readonly("param_offset", &zx::FragmentView::param_offset)
@@ -171,12 +171,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("commit_unit", &zx::Engine::commit_unit, py::call_guard<py::gil_scoped_release>())
         .def("add_frozen", &zx::Engine::add_frozen, py::arg("params"), py::arg("units"),
              py::arg("names") = std::vector<std::string>())
-        .def("unit_has_frozen", &zx::Engine::unit_has_frozen)
+        .def("unit_has_frozen", [](const zx::Engine &e, int64_t u) { return e.units().frozen.of_unit(u) != nullptr; })
         .def("release_frozen", &zx::Engine::release_frozen, py::call_guard<py::gil_scoped_release>())
-        .def("frozen_shard", &zx::Engine::frozen_shard)
+        .def("frozen_shard", [](const zx::Engine &e) { return e.units().frozen.shard(); })   // param_dtype
         .def("frozen_fragments", &zx::Engine::frozen_fragments, py::arg("rank"))
-        .def_property_readonly("frozen_shard_bytes", &zx::Engine::frozen_shard_bytes)
-        .def_property_readonly("num_units", &zx::Engine::num_units)
+        .def_property_readonly("frozen_shard_bytes", [](const zx::Engine &e) { return e.units().frozen.shard_bytes(); })
+        .def_property_readonly("num_units", [](const zx::Engine &e) { return e.units().count(); })
         .def("mark_ready", &zx::Engine::mark_ready, py::call_guard<py::gil_scoped_release>())
         .def("finalize_backward", &zx::Engine::finalize_backward, py::call_guard<py::gil_scoped_release>())
         .def("wait_reductions", &zx::Engine::wait_reductions, py::call_guard<py::gil_scoped_release>())
@@ -212,19 +212,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             std::vector<int64_t> steps(param_groups.size(), 1);
             e.set_backward_step_sgd(sgd_from_groups(param_groups, groups, steps, scale));
         }, py::arg("param_groups"), py::arg("groups"), py::arg("scale"))
-        .def_property_readonly("backward_steps", &zx::Engine::backward_steps)
+        .def_property_readonly("backward_steps", [](const zx::Engine &e) { return e.book().backward.steps; })
         .def("grad_sumsq_into", &zx::Engine::grad_sumsq_into, py::call_guard<py::gil_scoped_release>())
         .def("param_shards", &zx::Engine::param_shards, all_groups)
         .def("grad_shards", &zx::Engine::grad_shards, all_groups,
              py::call_guard<py::gil_scoped_release>())   // offload: waits
         .def("bucket_groups", &zx::Engine::bucket_groups, all_groups)
-        .def("fragments", &zx::Engine::fragments, py::arg("rank"))
+        // Where rank r's shard holds pieces of parameters (any r, from the plan):
+        // (param index, offset in the flattened parameter, offset in the flat shard, numel).
+        .def("fragments", [](const zx::Engine &e, int64_t r) { return e.layout().fragments(r); }, py::arg("rank"))
         .def("fragment_views", &zx::Engine::fragment_views, py::arg("masters") = true, all_groups)
-        .def("frozen_fragment_views", &zx::Engine::frozen_fragment_views)
+        .def("frozen_fragment_views", [](const zx::Engine &e) {
+            return e.units().frozen.fragment_views(e.layout().part());
+        })
         .def("owned_tensors", &zx::Engine::owned_tensors, all_groups,
              py::call_guard<py::gil_scoped_release>())   // the same
         .def("cut_params", &zx::Engine::cut_params)
-        .def("owners", &zx::Engine::owners)
+        .def("owners", [](const zx::Engine &e) { return e.layout().owners(); })   // -1: element-granular
         .def("atomic_stats", [](const zx::Engine &e) { return zx_atomic_stats_dict(e.atomic_stats()); })
         .def("publish_params", &zx::Engine::publish_params, py::call_guard<py::gil_scoped_release>())
         .def("cast_masters", &zx::Engine::cast_masters, all_groups, py::call_guard<py::gil_scoped_release>())
@@ -243,14 +247,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::call_guard<py::gil_scoped_release>())
         .def("wait_param_buckets", &zx::Engine::wait_param_buckets, py::arg("buckets"),
              py::call_guard<py::gil_scoped_release>())
-        .def_property_readonly("bucket_of_params", &zx::Engine::bucket_of_params)
+        .def_property_readonly("bucket_of_params", [](const zx::Engine &e) { return e.layout().bucket_of; })
         .def("begin_step", &zx::Engine::begin_step, py::arg("advance") = true, py::call_guard<py::gil_scoped_release>())
         .def("advance_steps", &zx::Engine::advance_steps, all_groups, py::call_guard<py::gil_scoped_release>())
-        .def_property_readonly("agrees_unused", &zx::Engine::agrees_unused)
-        .def("locally_unused", &zx::Engine::locally_unused)
-        .def_property_readonly("grads_since_step", &zx::Engine::grads_since_step)
-        .def("stepped_params", &zx::Engine::stepped_params)
-        .def("param_steps", &zx::Engine::param_steps)
+        // Note [Unused parameters]: whether the next begin_step() agrees across ranks on which
+        // parameters got a gradient; if not, every one must have one: locally_unused() names those that have none.
+        .def_property_readonly("agrees_unused", [](const zx::Engine &e) { return e.book().agrees(); })
+        .def("locally_unused", [](const zx::Engine &e) { return e.book().locally_unused(); })
+        .def_property_readonly("grads_since_step", [](const zx::Engine &e) { return e.book().grads_since_step(); })
+        .def("stepped_params", [](const zx::Engine &e) { return e.book().stepped_params(); })
+        .def("param_steps", [](const zx::Engine &e) { return e.book().steps(); })
         .def("set_param_steps", &zx::Engine::set_param_steps)
         .def("zero_grad", &zx::Engine::zero_grad, py::arg("set_to_none"), all_groups,
              py::call_guard<py::gil_scoped_release>())
@@ -279,10 +285,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         })
         .def("stats", [](const zx::Engine &e) { return zx_stats_dict(e.stats()); })
         .def("set_comm_delay", &zx::Engine::set_comm_delay, py::arg("ms"), py::arg("serialize") = false)
-        .def("describe_plan", &zx::Engine::describe_plan)
-        .def("grad_divisor", &zx::Engine::grad_divisor)
-        .def_property_readonly("rank", &zx::Engine::rank)
-        .def_property_readonly("world_size", &zx::Engine::world_size)
-        .def_property_readonly("partitions", &zx::Engine::partitions)
+        .def("describe_plan", [](const zx::Engine &e) { return e.layout().describe(); })
+        .def("grad_divisor", [](const zx::Engine &e) { return e.layout().grad_divisor(); })
+        .def_property_readonly("rank", [](const zx::Engine &e) { return e.layout().rank; })
+        .def_property_readonly("world_size", [](const zx::Engine &e) { return e.layout().world; })
+        .def_property_readonly("partitions", [](const zx::Engine &e) { return e.layout().partitions; })
         .def_property_readonly("isa", &zx::Engine::isa_name);
 }

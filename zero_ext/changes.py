@@ -203,7 +203,7 @@ class ModelGuard:
     def _master_pieces(self, engine) -> list:
         """Per engine parameter: [(offset in the flattened parameter, view of this
         rank's fp32 master shard)] for the fragments this rank owns (Note [Fragment
-        views] in csrc/engine/build.cpp); stage-3 frozen ones: their param_dtype slices."""
+        views] in csrc/engine/fragment_view.h); stage-3 frozen ones: their param_dtype slices."""
         if self._pieces is None:
             pieces: list = [[] for _ in self.params]
             for f in engine.fragment_views():

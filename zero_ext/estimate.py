@@ -6,7 +6,7 @@
     python -m zero_ext.estimate --params 7.5e9 --world 64 --param-dtype bf16 --reduce-dtype bf16
 
 The estimate follows what the engine allocates, byte for byte (csrc/engine/layout.cpp:
-Note [Mixed precision]; Engine::stats() in csrc/engine/build.cpp), with the bucket padding
+Note [Mixed precision]; EngineStats::of in csrc/engine/stats.cpp), with the bucket padding
 computed by the engine's own planning (zero_ext._C.plan_layout: Layout::make, without a
 process group), so it is what `opt.stats()` reports after
 the first step of a run with the same model, world size, stage and options:

@@ -89,7 +89,7 @@ class GradStats:
         acc = torch.zeros(n_params, dtype=torch.float64)
         if kind in ("max", "min") or (kind == "norm" and math.isinf(p)):
             acc.fill_(-math.inf if (kind == "max" or p > 0) else math.inf)
-        for f in eng.fragment_views(masters=False):   # Note [Fragment views] (csrc/engine/build.cpp)
+        for f in eng.fragment_views(masters=False):   # Note [Fragment views] (csrc/engine/fragment_view.h)
             i = f.param
             v = shards[f.bucket].narrow(0, f.slice_offset, f.numel).to(torch.float64).cpu() * scale
             for op in ops:

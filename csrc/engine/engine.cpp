@@ -1,13 +1,59 @@
-// engine.cpp — the Engine facade's calls that hand the work to an owner: the optimizer
-// side to the Stepper (stepper.cpp, backward_step.cpp) over this rank's ShardView
-// (shard_view.cpp), after the engine's own waits (reductions: reducer.cpp; gathers:
-// gatherer.cpp); the split master's join and settle to MasterSplit; the sequence check's
-// marks to the Communicator's Sequence; node_size's parts to Secondary.
+// engine.cpp — the Engine facade (engine.h): built (the steps in build.h) and torn down, and
+// each call handed to the owner that does it, lent what it needs for the call: the backward to
+// GradReducer (reducer.cpp), the optimizer side to the Stepper (stepper.cpp, backward_step.cpp)
+// after the engine's own waits, stages 1-2's gathers to ParamGather (gatherer.cpp), stage 3 to
+// UnitStore (units.cpp, frozen.cpp); the split master's join and settle to MasterSplit, the
+// sequence check's marks to the Communicator's Sequence, node_size's parts to Secondary, the
+// report to EngineStats::of (stats.cpp).
 #include "engine/engine.h"
 
 #include <cstring>
 
+#include "engine/build.h"   // defines: plan_engine, make_kernel_tables, build_buckets, make_offload
+
 namespace zx {
+
+Engine::Engine(std::vector<at::Tensor> params, std::vector<int64_t> groups, std::vector<int64_t> units,
+               c10::optional<ProcessGroupPtr> pg, EngineOptions opts)
+    : params_(std::move(params)), comm_(std::move(pg)) {
+    layout_ = plan_engine(params_, groups, units, opts, comm_.rank(), comm_.world());   // every input checked
+    kernels_ = make_kernel_tables(layout_);
+    params_.read_pieces(layout_.plan);
+    reducer_.configure(layout_, kernels_.device.get());   // the reduce kind, chosen once
+    gather_.configure(layout_, kernels_.device.get());    // the gather kind
+    book_ = StepBook(params_.size(), layout_.opts.agree_unused, layout_.world);   // Note [Unused parameters]
+    build_buckets(unit_work(), units_, reducer_.grads());
+    if (layout_.opts.offload) {   // Note [Optimizer offload]
+        off_ = make_offload(layout_, (int64_t)buckets_.size());
+        if (layout_.opts.stage == 3) upload_unit_shard(unit_work(), units_);
+    }
+}
+
+Engine::~Engine() {
+    // Outstanding collectives must finish before their buffers go away (after a
+    // divergence they never will; their works hold the buffers).
+    off_.reset();   // its worker's queued finishes use the engine's kernels
+    try {
+        reducer_.drain(comm_.seq.diverged());
+        gather_.drain(comm_.seq.diverged());
+        for (auto *bks : {&buckets_, &units_.frozen.buckets()})
+            for (auto &bk : *bks)
+                if (bk.full.work && !comm_.seq.diverged()) bk.full.work->wait();
+    } catch (...) {
+    }
+    zx_plan_free(layout_.plan);
+}
+
+EngineStats Engine::stats() const {
+    return EngineStats::of(
+        {layout_, buckets_, params_, shard_, off_.get(), reducer_, gather_, units_, kernels_, comm_});
+}
+
+void Engine::set_comm_delay(double ms, bool serialize) {
+    Kernels *device = layout_.dev.is_cuda() ? kernels_.device.get() : nullptr;
+    comm_.set_delay(ms, serialize, device);
+    if (units_.secondary) units_.secondary->comm().set_delay(ms, serialize, device);
+}
 
 // --- backward: GradReducer's pass (reducer.cpp), on what reduce_work() lends it ---
 
@@ -71,6 +117,11 @@ std::vector<at::Tensor> Engine::grad_shards(const std::vector<int64_t> &groups) 
 
 std::vector<int64_t> Engine::bucket_groups(const std::vector<int64_t> &groups) {
     return stepper().bucket_groups(Groups(groups));
+}
+
+std::vector<FragmentView> Engine::fragment_views(bool masters, const std::vector<int64_t> &groups) {
+    if (masters) join_masters();   // Note [Split master in the engine]: only with a split master
+    return stepper().fragment_views(masters, Groups(groups));
 }
 
 at::Tensor Engine::master_slice(Bucket &bk) {
@@ -168,17 +219,7 @@ std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Engine::owned_tensors(c
     return stepper().owned_tensors(Groups(groups));
 }
 
-std::vector<int64_t> Engine::owners() const {
-    std::vector<int64_t> out(params_.size());
-    for (size_t i = 0; i < params_.size(); i++) out[i] = zx_plan_owner(layout_.plan, (int64_t)i);
-    return out;
-}
-
-AtomicStats Engine::atomic_stats() const {
-    AtomicStats st = AtomicStats::of(layout_, buckets_);
-    st.cut_params = (int64_t)cut_params().size();
-    return st;
-}
+AtomicStats Engine::atomic_stats() const { return stats().atomic; }
 
 std::vector<int64_t> Engine::cut_params() const { return params_.cut_list(); }
 
@@ -192,8 +233,7 @@ std::vector<std::tuple<int64_t, int64_t, int64_t>> Engine::state_windows() const
 
 void Engine::ensure_step_tables() {
     if (!book_.has_fragments() && !buckets_.empty())
-        book_.read_fragments(layout_.plan, (int64_t)buckets_.size(),
-                             (int32_t)(layout_.partitions > 1 ? layout_.rank : 0));
+        book_.read_fragments(layout_.plan, (int64_t)buckets_.size(), (int32_t)layout_.part());
 }
 
 void Engine::begin_step(bool advance) {
@@ -218,8 +258,6 @@ void Engine::advance_steps(const std::vector<int64_t> &groups) {
     const Groups cover(groups);
     book_.advance([&](int64_t i) { return cover.has(layout_.group_of[i]); });
 }
-
-std::vector<int64_t> Engine::param_steps() { return book_.steps(); }
 
 void Engine::set_param_steps(const std::vector<int64_t> &steps) {
     book_.set_steps(steps);

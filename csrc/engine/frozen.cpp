@@ -94,6 +94,13 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> FrozenParams::fragme
     return out;
 }
 
+std::vector<FragmentView> FrozenParams::fragment_views(int64_t r) const {
+    std::vector<FragmentView> out;
+    for (const auto &[i, poff, soff, n] : fragments(r))
+        out.push_back({i, poff, -1, soff, n, shard_.narrow(0, soff, n)});
+    return out;
+}
+
 // ---- UnitStore: checks, storage, collectives ----
 
 void UnitStore::add_frozen(UnitWork w, std::vector<at::Tensor> params, std::vector<int64_t> units,

@@ -10,7 +10,8 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/bucket.h"   // defines: Bucket
+#include "engine/bucket.h"          // defines: Bucket
+#include "engine/fragment_view.h"   // defines: FragmentView
 
 namespace zx {
 
@@ -46,6 +47,7 @@ public:
     int64_t shard_bytes() const { return shard_.defined() ? (int64_t)shard_.nbytes() : 0; }
     // As Layout::fragments(r): (frozen index, offset in it, offset in the shard, numel).
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
+    std::vector<FragmentView> fragment_views(int64_t r) const;   // the same, over views of shard()
 
 private:
     std::vector<at::Tensor> params_, views_;   // the parameters; their views of their bucket

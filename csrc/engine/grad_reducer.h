@@ -66,13 +66,9 @@ struct ReduceWork {
 
 class GradReducer {
 public:
-    // quant: grad_quant's reducer, exactly when kind is kQuantized.
-    // reduce: reduce_dtype on the parameters' device, what the groups' receive buffers are.
-    void configure(ReduceKind kind, int64_t world, int64_t partitions, at::TensorOptions reduce,
-                   std::unique_ptr<QuantReduce> quant) {
-        kind_ = kind, world_ = world, partitions_ = partitions, reduce_ = reduce;
-        quant_ = std::move(quant);
-    }
+    // The reduce kind, chosen once from the options, and what it needs: grad_quant's reducer
+    // (device: its kernels), the ring's slots, stage 3's coalesced groups (build.cpp).
+    void configure(const Layout &layout, Kernels *device);
     ReduceKind kind() const { return kind_; }
     bool quantized() const { return kind_ == ReduceKind::kQuantized; }
     const QuantReduce *quant() const { return quant_.get(); }

@@ -36,7 +36,7 @@ namespace zx {
 //   An error a user can cause names the parameter as the model does
 //   ('blocks.0.attn.weight'), never by its engine index: zeroify passes the names
 //   once (EngineOptions::param_names; add_frozen's names), and every message that
-//   names a parameter goes through Layout::pname(i) / Engine::frozen_pname(i). The sequence check
+//   names a parameter goes through Layout::pname(i) / FrozenParams::name(i). The sequence check
 //   reads the same names.
 
 static std::pair<at::ScalarType, zx_dtype> parse_dtype(const std::string &name, const char *what) {
@@ -119,6 +119,12 @@ Layout Layout::make(const EngineOptions &opts, at::Device dev, std::vector<std::
         }
     }
     return l;
+}
+
+std::vector<int64_t> Layout::owners() const {
+    std::vector<int64_t> out(shapes.size());
+    for (size_t i = 0; i < shapes.size(); i++) out[i] = zx_plan_owner(plan, (int64_t)i);
+    return out;
 }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Layout::fragments(int64_t r) const {

@@ -38,8 +38,10 @@ struct Layout {
     // parameter, offset in the flat shard, numel).
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
     std::string describe() const;   // the plan, printable
+    std::vector<int64_t> owners() const;   // each parameter's owner rank (-1: element-granular)
     // A buffer on the parameters' device: every buffer of the engine lives there (offload's host ones aside).
     at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(dev); }
+    int64_t part() const { return partitions > 1 ? rank : 0; }   // this rank's partition (stage 0: the one)
     double grad_divisor() const { return opts.stage == 0 ? 1.0 : (double)world; }   // what shard gradients sum over
 
     // "parameter 'blocks.0.attn.weight'" (or "parameter 12" without names), for messages

@@ -32,12 +32,9 @@ struct GatherWork {
 
 class ParamGather {
 public:
-    // quant: param_quant's gather (world > 1), else null. queued_finish: stages 1-2, where the
-    // waits below finish the quantized gathers (stage 3 finishes each unit's as it waits).
-    void configure(std::unique_ptr<QuantGather> quant, bool queued_finish) {
-        quant_ = std::move(quant);
-        queued_finish_ = queued_finish;
-    }
+    // The gather kind, chosen once from the options: param_quant's (world > 1; device: its
+    // kernels) or exact (build.cpp).
+    void configure(const Layout &layout, Kernels *device);
     bool quantized() const { return quant_ != nullptr; }
     QuantGather *quant() const { return quant_.get(); }
 

@@ -22,8 +22,11 @@ struct ShardView {
     ShardBuffers &buffers;
     Offload *offload;   // offload="cpu" (Note [Optimizer offload]), else null
 
-    // Where the master, the states and the gradient shard live: the device, or the host with offload.
-    at::TensorOptions on_shard(at::ScalarType dt) const { return offload ? Offload::host(dt) : layout.on_device(dt); }
+    // Where the master, the states and the gradient shard live: the device, or the host with offload
+    // (asked of the options: the construction makes the master before the Offload's rings).
+    at::TensorOptions on_shard(at::ScalarType dt) const {
+        return layout.opts.offload ? Offload::host(dt) : layout.on_device(dt);
+    }
 
     // This rank's slice of a bucket-sized buffer (flat_param, flat_grad, a gathered copy).
     at::Tensor owned(const at::Tensor &flat, const BucketShape &bk) const {

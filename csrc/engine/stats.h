@@ -20,6 +20,15 @@ namespace zx {
 
 struct Bucket;   // bucket.h
 struct Layout;   // layout.h
+// the engine's owners, which EngineStats::of reads (stats.cpp)
+class Communicator;
+class GradReducer;
+struct KernelTables;
+class Offload;
+class ParamGather;
+class Params;
+struct ShardBuffers;
+class UnitStore;
 
 // Cumulative counters of one collective kind. numel/bytes are the size of the
 // collective's full (unsharded) buffer: a reduce-scatter of a bucket counts the
@@ -147,6 +156,21 @@ struct EngineStats {
     int64_t frozen_shard_bytes = 0;       // stage 3: this rank's slices of frozen parameters
     AtomicStats atomic;
     std::optional<OffloadStats> offload;  // offload="cpu" only (an empty dict without)
+
+    // What the engine's owners report (stats.cpp); Engine::stats() lends them.
+    struct Sources {
+        const Layout &layout;
+        const std::vector<Bucket> &buckets;
+        const Params &params;
+        const ShardBuffers &shard;
+        const Offload *offload;   // offload="cpu", else null
+        const GradReducer &reducer;
+        const ParamGather &gather;
+        const UnitStore &units;
+        const KernelTables &kernels;
+        const Communicator &comm;
+    };
+    static EngineStats of(const Sources &s);
 };
 
 }  // namespace zx

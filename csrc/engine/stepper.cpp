@@ -4,6 +4,8 @@
 // of the master.
 #include "engine/stepper.h"
 
+#include "engine/check.h"   // defines: plan_fragments
+
 #include "core/zx_step_control.h"   // defines: ZX_CTL_SIZE
 
 namespace zx {
@@ -163,6 +165,24 @@ std::vector<at::Tensor> Stepper::grads(const Groups &groups) {
 
 std::vector<int64_t> Stepper::bucket_groups(const Groups &groups) {
     return per_bucket(groups, [](Bucket &bk) { return bk.group; });
+}
+
+std::vector<FragmentView> Stepper::fragment_views(bool masters, const Groups &groups) {
+    const Layout &layout = shard.layout;
+    const int32_t r = (int32_t)layout.part();
+    std::vector<FragmentView> out;
+    int64_t index = 0;   // among the covered buckets
+    for (int64_t b = 0; b < (int64_t)buckets.size(); b++) {
+        Bucket &bk = buckets[b];
+        if (!groups.has(bk.group)) continue;
+        const std::vector<zx_fragment> fr = plan_fragments(layout.plan, b, r);
+        const at::Tensor m = !fr.empty() && masters ? shard.master(bk) : at::Tensor();
+        for (const auto &f : fr)
+            out.push_back({f.param, f.param_offset, index, f.slice_offset, f.numel,
+                           m.defined() ? m.narrow(0, f.slice_offset, f.numel) : at::Tensor()});
+        index++;
+    }
+    return out;
 }
 
 void Stepper::scale_grads(double factor, const Groups &groups) {

@@ -15,6 +15,7 @@
 
 #include "core/zx_core.h"
 #include "engine/bucket.h"       // defines: Bucket
+#include "engine/fragment_view.h"   // defines: FragmentView
 #include "engine/fused_ops.h"    // defines: AdamOp, SgdOp
 #include "engine/groups.h"       // defines: Groups
 #include "engine/kernels.h"      // defines: Kernels, KernelTables
@@ -43,6 +44,9 @@ struct Stepper {
     std::vector<at::Tensor> masters(const Groups &groups);   // the groups' buckets' master slices
     std::vector<at::Tensor> grads(const Groups &groups);     // ... and gradient slices
     std::vector<int64_t> bucket_groups(const Groups &groups);
+    // Note [Fragment views]: this rank's fragments of the groups' buckets, with views of the
+    // master unless masters is false (a split master joined first).
+    std::vector<FragmentView> fragment_views(bool masters, const Groups &groups);
     // atomic.cpp: the groups' whole tensors this rank owns: (param index, master view, gradient
     // view), shaped as the parameter (a split master joined first: there is none with them)
     std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> owned_tensors(const Groups &groups);

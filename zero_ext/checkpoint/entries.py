@@ -5,7 +5,7 @@ holds, and the DCP entries (ShardedTensors) that hand them to a save or a load
 Where a piece lies is the engine's answer, not recomputed here:
 - engine.fragment_views(): this rank's fragments, each with its bucket, its offset in
   that bucket's slice and a view of the master over it (Note [Fragment views] in
-  csrc/engine/build.cpp);
+  csrc/engine/fragment_view.h);
 - engine.state_windows(): where in each bucket's slice the per-element state lies
   (Note [State windows] in csrc/engine/fill.cpp);
 - engine.fragments(r): any rank's fragments, for the pieces the other ranks write.
