@@ -194,3 +194,50 @@ def test_readme_maps_every_engine_file():
     files = {p.name for p in ENGINE_DIR.iterdir() if p.suffix in (".h", ".cpp")}
     assert not files - named, f"README.md's file map does not name {sorted(files - named)}: add a line for each"
     assert not named - files, f"README.md's file map names files that do not exist: {sorted(named - files)}"
+
+
+def mutable_globals(text: str) -> list[str]:
+    """Variables in a C++ text that outlive every call and no object owns: at namespace scope,
+    or `static` anywhere (a function's or a class's), unless const or constexpr."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
+    text = re.sub(r"^\s*#[^\n]*", "", text, flags=re.M)
+    found = [m.group(1) for m in re.finditer(
+        r"\bstatic\s+(?!constexpr\b|const\b|inline\b)(?:thread_local\s+)?[\w:<>,\s*&]*?\b(\w+)\s*(?:=|;|\{|\[)", text)
+        if not re.match(r"(?:constexpr|const)\b", m.group(0).split("static", 1)[1].strip())]
+    stack, stmt = [], ""
+    for ch in text:
+        if ch == "{":
+            s = " ".join(stmt.split())
+            if all(k == "ns" for k in stack) and re.fullmatch(r"[\w:<>,\s*&]+\s(\w+)", s) and not re.match(
+                    r"(?:template|typedef|struct|class|enum|union|namespace|(?:static\s+|inline\s+)*(?:constexpr|const)\b)", s):
+                found.append(s.split()[-1])   # a variable initialized with braces
+            stack.append("ns" if re.search(r'\b(?:namespace\s*\w*|extern\s*"")\s*$', stmt)
+                         else "typedef" if s.startswith("typedef") else "block")
+            stmt = ""
+        elif ch == "}":
+            stmt = "typedef " if stack.pop() == "typedef" else ""   # its declarators name types
+        elif ch == ";":
+            s = " ".join(stmt.split())
+            if all(k == "ns" for k in stack) and s and "(" not in s.split("=")[0] and not re.match(
+                    r"(?:using|typedef|template|struct|class|enum|union|extern|static_assert|friend|"
+                    r"(?:static\s+|inline\s+)*(?:constexpr|const)\b)", s):
+                found.append(re.search(r"(\w+)\s*(?:=.*|\[.*\])?$", s).group(1))
+            stmt = ""
+        else:
+            stmt += ch
+    return sorted(set(found))
+
+
+def test_the_globals_finder_finds():
+    text = ('namespace zx {\nint64_t g_next_group = 0;\nconstexpr int kA = 1;\nstruct B { int b; };\n'
+            'static const char *kName = "x{";\nvoid f() { static int calls = 0; int local = 1; }\n'
+            'class C { static int count_; static C of(int x); };\nstd::atomic<int> live{0};\n}')
+    assert mutable_globals(text) == ["calls", "count_", "g_next_group", "live"], mutable_globals(text)
+
+
+def test_engine_keeps_no_globals():
+    """No hidden globals: whatever the engine keeps between calls is a member of an owner (an
+    argument that a global carried once is an argument again: Note [Groups as an argument])."""
+    found = {p.name: g for p in sorted(ENGINE_DIR.glob("*.[ch]*")) if (g := mutable_globals(p.read_text()))}
+    assert not found, f"mutable globals in csrc/engine/ (make them an owner's members or arguments): {found}"

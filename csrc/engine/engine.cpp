@@ -2,9 +2,9 @@
 // each call handed to the owner that does it, lent what it needs for the call: the backward to
 // GradReducer (reducer.cpp), the optimizer side to the Stepper (stepper.cpp, backward_step.cpp)
 // after the engine's own waits, stages 1-2's gathers to ParamGather (gatherer.cpp), stage 3 to
-// UnitStore (units.cpp, frozen.cpp); the split master's join and settle to MasterSplit, the
-// sequence check's marks to the Communicator's Sequence, node_size's parts to Secondary, the
-// report to EngineStats::of (stats.cpp).
+// UnitStore (units.cpp, frozen.cpp, node_size's parts too); the split master's join and settle
+// to MasterSplit, the sequence check's marks to the Communicator's Sequence, the report to
+// EngineStats::of (stats.cpp).
 #include "engine/engine.h"
 
 #include <cstring>
@@ -324,20 +324,6 @@ void Engine::sequence_mark(int64_t phase) {
     comm_.seq.mark(phase, FrozenSummary::of(params_, layout_.bucket_of), phase >= kPhaseModelState);
 }
 
-// --- stage 3, node_size (Note [Hierarchical partitioning], secondary.h) ---
-
-void Engine::enable_hierarchy(ProcessGroupPtr node_pg) {
-    TORCH_CHECK(layout_.opts.stage == 3, "zero_ext: node_size (hierarchical partitioning) is for stage 3; "
-                "use stage=3 or node_size=None");
-    TORCH_CHECK(!units_.secondary, "zero_ext: internal: enable_hierarchy called twice");
-    auto sec = std::make_unique<Secondary>(std::move(node_pg), layout_.world);
-    for (auto *bks : {&buckets_, &units_.frozen.buckets()})
-        for (const auto &bk : *bks)
-            TORCH_CHECK(bk.padded_numel % sec->node_size() == 0, "zero_ext: internal: bucket of ",
-                        bk.padded_numel, " elements does not split into ", sec->node_size(), " node parts");
-    units_.secondary = std::move(sec);
-}
-
 // --- stage 3: UnitStore's units (units.cpp) and frozen parameters (frozen.cpp), on unit_work() ---
 
 bool Engine::gather_unit(int64_t u, bool wait) { return units_.gather_unit(unit_work(), u, wait); }
@@ -346,6 +332,7 @@ void Engine::release_unit(int64_t u, bool keep) { units_.release_unit(unit_work(
 void Engine::commit_unit(int64_t u, int64_t src) { units_.commit_unit(unit_work(), u, src); }
 void Engine::open_unit_fp32(int64_t u) { units_.open_unit_fp32(unit_work(), u); }
 void Engine::release_frozen(int64_t u) { units_.release_frozen(unit_work(), u); }
+void Engine::enable_hierarchy(ProcessGroupPtr node_pg) { units_.enable_hierarchy(unit_work(), std::move(node_pg)); }
 
 void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units, std::vector<std::string> names) {
     units_.add_frozen(unit_work(), std::move(params), std::move(units), std::move(names));

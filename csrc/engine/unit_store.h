@@ -73,6 +73,9 @@ public:
     // node_size each rank first keeps its node part (Note [Hierarchical partitioning]).
     void release_unit(UnitWork w, int64_t u, bool keep);
     void release_bucket(UnitWork w, Bucket &bk);   // the one place full parameters are freed
+    // Note [Hierarchical partitioning] (node_size): node_pg, this rank's node group, keeps parts
+    // for backward gathers (secondary); once, right after construction.
+    void enable_hierarchy(UnitWork w, ProcessGroupPtr node_pg);
     void release_pass(UnitWork w);   // every bucket, the frozen ones, node parts (after a backward, a load)
     // After the gathered unit u was edited on rank src (group rank): broadcast its buckets from
     // src and write every rank's owned slice back into its shard. With a low param_dtype an edit

@@ -8,6 +8,18 @@
 
 namespace zx {
 
+void UnitStore::enable_hierarchy(UnitWork w, ProcessGroupPtr node_pg) {
+    TORCH_CHECK(w.layout().opts.stage == 3, "zero_ext: node_size (hierarchical partitioning) is for stage 3; "
+                "use stage=3 or node_size=None");
+    TORCH_CHECK(!secondary, "zero_ext: internal: enable_hierarchy called twice");
+    auto sec = std::make_unique<Secondary>(std::move(node_pg), w.layout().world);
+    for (auto *bks : {&w.buckets, &frozen.buckets()})
+        for (const auto &bk : *bks)
+            TORCH_CHECK(bk.padded_numel % sec->node_size() == 0, "zero_ext: internal: bucket of ",
+                        bk.padded_numel, " elements does not split into ", sec->node_size(), " node parts");
+    secondary = std::move(sec);
+}
+
 // Note [Stage 3 parameter lifetime]
 //   Only shard_.master (this rank's slices, fp32) persists: with a low
 //   param_dtype a gather casts the slice into its own place in flat_param and
