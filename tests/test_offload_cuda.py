@@ -61,6 +61,11 @@ def test_offload_on_cuda_matches_the_device_step(stage, pdt):
     ref = _train("cuda", stage, None, **opts)
     off = _train("cuda", stage, "cpu", **opts)
     assert off[2]["offload"]["down_copies"] > 0 and off[2]["offload"]["up_copies"] > 0, off[2]["offload"]
+    # the master, the states and the gradient shard live in host memory (the master was once
+    # made on the device: ShardView::on_shard asked the Offload before it existed)
+    engine = off[3][1]._engine
+    held = engine.param_shards() + engine.grad_shards() + list(engine.states().values())
+    assert held and all(t.device.type == "cpu" for t in held), sorted({str(t.device) for t in held})
     tol = 1e-5 if pdt == "fp32" else 2 ** -7
     for i, (a, b) in enumerate(zip(ref[1], off[1])):
         rel = ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
