@@ -14,13 +14,13 @@
 #include <vector>
 
 #include "core/zx_core.h"
-#include "engine/bucket.h"       // defines: Bucket
+#include "engine/bucket.h"          // defines: Bucket
 #include "engine/fragment_view.h"   // defines: FragmentView
-#include "engine/fused_ops.h"    // defines: AdamOp, SgdOp
-#include "engine/groups.h"       // defines: Groups
-#include "engine/kernels.h"      // defines: Kernels, KernelTables
-#include "engine/shard_view.h"   // defines: ShardView
-#include "engine/step_book.h"    // defines: StepBook, StepRun, BackwardStep
+#include "engine/fused_ops.h"       // defines: AdamOp, SgdOp
+#include "engine/groups.h"          // defines: Groups
+#include "engine/kernels.h"         // defines: Kernels, KernelTables
+#include "engine/shard_view.h"      // defines: ShardView
+#include "engine/step_book.h"       // defines: StepBook, StepRun, BackwardStep
 
 namespace zx {
 
