@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "core/zx_core.h"
-#include "engine/check.h"    // defines: zx_check
+#include "engine/check.h"    // defines: zx_check, plan_fragments
 #include "engine/layout.h"   // defines: Layout
 
 namespace {
@@ -54,14 +54,9 @@ std::vector<BucketRow> plan_layout(const std::vector<int64_t> &numel, const std:
     const int64_t nb = zx_plan_num_buckets(layout.plan);
     for (int64_t b = 0; b < nb; b++) {
         zx_bucket_info bi;
-        zx_status st = zx_plan_bucket(layout.plan, b, &bi);
-        if (st != ZX_OK) {
-            zx_plan_free(layout.plan);
-            zx_check(st, "reading the plan");
-        }
+        zx_check(zx_plan_bucket(layout.plan, b, &bi), "reading the plan");
         rows.emplace_back(bi.group, bi.unit, bi.numel, bi.padded_numel, bi.slice_numel);
     }
-    zx_plan_free(layout.plan);
     return rows;
 }
 
@@ -108,13 +103,8 @@ py::dict plan_balance(const std::vector<int64_t> &rows, const std::vector<int64_
         int64_t m = 0;
         zx_plan_rank_state(plan, (int32_t)r, &s, &w);
         if (!fill) {
-            std::vector<zx_fragment> fr;
             for (int64_t b = 0; b < zx_plan_num_buckets(plan); b++) {
-                int64_t count = 0;
-                zx_plan_fragments(plan, b, (int32_t)r, nullptr, 0, &count);
-                fr.resize((size_t)count);
-                zx_plan_fragments(plan, b, (int32_t)r, fr.data(), count, &count);
-                for (const auto &f : fr) {
+                for (const auto &f : plan_fragments(plan, b, (int32_t)r)) {
                     s += (double)f.numel * state[f.param];
                     if (kinds[f.param] != 0) w += (double)f.numel * state[f.param];
                 }
@@ -133,7 +123,6 @@ py::dict plan_balance(const std::vector<int64_t> &rows, const std::vector<int64_
     d["atomic_padding"] = atomic_padding;
     d["numel"] = total;
     d["fill_level"] = zx_plan_fill_level(plan);
-    zx_plan_free(plan);
     return d;
 }
 

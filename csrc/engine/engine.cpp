@@ -41,7 +41,6 @@ Engine::~Engine() {
                 if (bk.full.work && !comm_.seq.diverged()) bk.full.work->wait();
     } catch (...) {
     }
-    zx_plan_free(layout_.plan);
 }
 
 EngineStats Engine::stats() const {

@@ -97,6 +97,7 @@ Layout Layout::make(const EngineOptions &opts, at::Device dev, std::vector<std::
                       order.data(), (int32_t)l.partitions, cap, first_cap, opts.align,
                       any_atomic ? cost.data() : nullptr, fill ? opts.param_state.data() : nullptr};
     zx_check(zx_plan_create(&pp, &l.plan), "planning the bucket layout");
+    l.plan_owner.reset(l.plan, zx_plan_free);
     l.shard_numel = zx_plan_shard_numel(l.plan);
     l.group_of = groups;
     for (int64_t b = 0; b < zx_plan_num_buckets(l.plan); b++) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -17,7 +18,7 @@ namespace zx {
 
 struct Layout {
     // The layout of parameters of these shapes (in the engine's order) and param groups (stage 3:
-    // units), for this rank of world: the dtypes parsed and the plan made. The caller frees plan.
+    // units), for this rank of world: the dtypes parsed and the plan made.
     static Layout make(const EngineOptions &opts, at::Device dev, std::vector<std::vector<int64_t>> shapes,
                        const std::vector<int64_t> &groups, const std::vector<int64_t> &units, int64_t rank,
                        int64_t world);
@@ -25,7 +26,8 @@ struct Layout {
     EngineOptions opts;                         // as given (stage, bucket sizes, dtypes by name, ...)
     at::Device dev = at::kCPU;                  // the parameters' device: every buffer lives there
     Dtypes dtypes;                              // param_dtype and reduce_dtype (Note [Mixed precision])
-    zx_plan *plan = nullptr;                    // the engine's plan (zx_plan_free in ~Engine)
+    zx_plan *plan = nullptr;                    // the engine's plan, freed with the last copy of this Layout:
+    std::shared_ptr<zx_plan> plan_owner;        //   (a constructor that throws leaks none)
     int64_t rank = 0, world = 1;                // this rank of world
     int64_t partitions = 1;                     // ranks a bucket is sharded over: world, or 1 (stage 0)
     int64_t shard_numel = 0;                    // elements of this rank's shard (its slices together)
