@@ -6,6 +6,7 @@
 // optimizer), and the balance figures for stats() (AtomicStats::of).
 #include "engine/check.h"      // defines: zx_check
 #include "engine/layout.h"     // defines: Layout
+#include "engine/params.h"     // defines: Params
 #include "engine/stats.h"      // defines: AtomicStats
 #include "engine/stepper.h"    // defines: Stepper
 
@@ -30,7 +31,7 @@ std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Stepper::owned_tensors(
     return out;
 }
 
-AtomicStats AtomicStats::of(const Layout &layout, const std::vector<Bucket> &buckets) {
+AtomicStats AtomicStats::of(const Layout &layout, const std::vector<Bucket> &buckets, const Params &params) {
     // Per rank: update cost and elements of its whole tensors; max/mean of each
     // (1.0 = perfect balance); the padding of the atomic buckets in elements.
     AtomicStats st;
@@ -76,6 +77,7 @@ AtomicStats AtomicStats::of(const Layout &layout, const std::vector<Bucket> &buc
     st.numel_balance = nsum > 0 ? (double)nmax / ((double)nsum / (double)layout.partitions) : 1.0;
     st.filled_numel = filled - st.numel;   // pieces of element-granular parameters in the padding
     st.state_balance = ssum > 0 ? smax / (ssum / (double)layout.partitions) : 1.0;
+    st.cut_params = (int64_t)params.cut_list().size();   // Note [Cut parameters]
     return st;
 }
 

@@ -34,16 +34,15 @@ Layout plan_engine(const Params &params, const std::vector<int64_t> &groups, con
                 "zero_ext: internal: stage 3 needs one unit id per parameter");
     TORCH_CHECK(zx_cpu_supports(isa_of(opts)), "zero_ext: this CPU cannot run isa='", opts.isa,
                 "'; pass isa='auto' (the best ISA this CPU has)");
-    Layout named;   // for pname() until the Layout is made
-    named.opts.param_names = opts.param_names;
+    const auto pname = [&](int64_t i) { return Layout::pname_in(opts.param_names, i); };
     const at::Device dev = params[0].device();
     std::vector<std::vector<int64_t>> shapes;
     for (int64_t i = 0; i < n; i++) {
         const at::Tensor &p = params[i];
-        TORCH_CHECK(p.scalar_type() == at::kFloat, "zero_ext: ", named.pname(i), " is ", p.scalar_type(),
+        TORCH_CHECK(p.scalar_type() == at::kFloat, "zero_ext: ", pname(i), " is ", p.scalar_type(),
                     ", expected float32 (the fp32 master weights are taken from it); call model.float() before "
                     "zeroify and choose the compute precision with param_dtype='bf16' or 'fp16'");
-        TORCH_CHECK(p.device() == dev, "zero_ext: ", named.pname(i), " is on ", p.device(), " but ", named.pname(0),
+        TORCH_CHECK(p.device() == dev, "zero_ext: ", pname(i), " is on ", p.device(), " but ", pname(0),
                     " is on ", dev, "; every trainable parameter must be on one device: call model.to(device) "
                     "before zeroify");
         shapes.push_back(p.sizes().vec());
@@ -112,15 +111,11 @@ void ParamGather::configure(const Layout &layout, Kernels *device) {
     queued_finish_ = opts.stage < 3;
 }
 
-// Where bucket b's parameters lie in it (plan order), and the padding between and after them
-// (atomic buckets pad every slice).
-static std::vector<std::pair<int64_t, int64_t>> gaps_of(const zx_plan *plan, int64_t b, const zx_bucket_info &bi) {
-    std::vector<std::pair<int64_t, int64_t>> spans, gaps;
-    for (int64_t k = 0; k < bi.num_params; k++) {
-        zx_piece pc;
-        zx_check(zx_plan_bucket_piece(plan, b, k, &pc), "reading the plan");
-        spans.emplace_back(pc.offset, pc.numel);
-    }
+// The padding between and after a bucket's pieces, spans (offset, numel) (atomic buckets pad
+// every slice).
+static std::vector<std::pair<int64_t, int64_t>> gaps_of(std::vector<std::pair<int64_t, int64_t>> spans,
+                                                        const zx_bucket_info &bi) {
+    std::vector<std::pair<int64_t, int64_t>> gaps;
     std::sort(spans.begin(), spans.end());
     int64_t at = 0;
     for (const auto &sp : spans) {
@@ -165,9 +160,11 @@ void build_buckets(UnitWork w, UnitStore &units, ShardedGrads &grads) {
         if (opts.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, rt);
         // Low precision: the fp32 values, from which the master is taken.
         at::Tensor src32 = low && opts.copy_params ? at::zeros({bi.padded_numel}, f32) : at::Tensor();
+        std::vector<std::pair<int64_t, int64_t>> spans;   // where the pieces lie
         for (int64_t k = 0; k < bi.num_params; k++) {
             zx_piece pc;
             zx_check(zx_plan_bucket_piece(layout.plan, b, k, &pc), "reading the plan");
+            spans.emplace_back(pc.offset, pc.numel);
             const int64_t i = pc.param;
             bk.params.push_back(i);
             at::Tensor &p = params[i];
@@ -204,7 +201,7 @@ void build_buckets(UnitWork w, UnitStore &units, ShardedGrads &grads) {
                     bk.groups.push_back(layout.group_of[i]);
             bk.stepped.assign(bk.groups.size(), 0);
         }
-        bk.gaps = gaps_of(layout.plan, b, bi);
+        bk.gaps = gaps_of(std::move(spans), bi);
         if (opts.copy_params && low) {
             bk.flat_param.copy_(src32);                            // rounds to param_dtype
             view.master(bk).copy_(view.owned(src32, bk));

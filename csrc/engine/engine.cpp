@@ -218,7 +218,7 @@ std::vector<std::tuple<int64_t, at::Tensor, at::Tensor>> Engine::owned_tensors(c
     return stepper().owned_tensors(Groups(groups));
 }
 
-AtomicStats Engine::atomic_stats() const { return stats().atomic; }
+AtomicStats Engine::atomic_stats() const { return AtomicStats::of(layout_, buckets_, params_); }
 
 std::vector<int64_t> Engine::cut_params() const { return params_.cut_list(); }
 

@@ -96,8 +96,9 @@ Layout Layout::make(const EngineOptions &opts, at::Device dev, std::vector<std::
     zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), s3 ? unit.data() : nullptr,
                       order.data(), (int32_t)l.partitions, cap, first_cap, opts.align,
                       any_atomic ? cost.data() : nullptr, fill ? opts.param_state.data() : nullptr};
-    zx_check(zx_plan_create(&pp, &l.plan), "planning the bucket layout");
-    l.plan_owner.reset(l.plan, zx_plan_free);
+    zx_plan *plan = nullptr;
+    zx_check(zx_plan_create(&pp, &plan), "planning the bucket layout");
+    l.plan.owner.reset(plan, zx_plan_free);
     l.shard_numel = zx_plan_shard_numel(l.plan);
     l.group_of = groups;
     for (int64_t b = 0; b < zx_plan_num_buckets(l.plan); b++) {

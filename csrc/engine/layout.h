@@ -16,6 +16,13 @@
 
 namespace zx {
 
+// The C plan, freed with the last Layout holding it (an Engine whose constructor throws leaks
+// none); it reads as the zx_plan * the C core's calls take.
+struct Plan {
+    std::shared_ptr<zx_plan> owner;
+    operator zx_plan *() const { return owner.get(); }
+};
+
 struct Layout {
     // The layout of parameters of these shapes (in the engine's order) and param groups (stage 3:
     // units), for this rank of world: the dtypes parsed and the plan made.
@@ -26,8 +33,7 @@ struct Layout {
     EngineOptions opts;                         // as given (stage, bucket sizes, dtypes by name, ...)
     at::Device dev = at::kCPU;                  // the parameters' device: every buffer lives there
     Dtypes dtypes;                              // param_dtype and reduce_dtype (Note [Mixed precision])
-    zx_plan *plan = nullptr;                    // the engine's plan, freed with the last copy of this Layout:
-    std::shared_ptr<zx_plan> plan_owner;        //   (a constructor that throws leaks none)
+    Plan plan;                                  // the engine's plan
     int64_t rank = 0, world = 1;                // this rank of world
     int64_t partitions = 1;                     // ranks a bucket is sharded over: world, or 1 (stage 0)
     int64_t shard_numel = 0;                    // elements of this rank's shard (its slices together)
@@ -48,8 +54,8 @@ struct Layout {
 
     // "parameter 'blocks.0.attn.weight'" (or "parameter 12" without names), for messages
     // (Note [Parameter names in messages], layout.cpp).
-    std::string pname(int64_t i) const {
-        const std::vector<std::string> &names = opts.param_names;
+    std::string pname(int64_t i) const { return pname_in(opts.param_names, i); }
+    static std::string pname_in(const std::vector<std::string> &names, int64_t i) {   // before a Layout exists
         if (i >= 0 && i < (int64_t)names.size()) return "parameter '" + names[i] + "'";
         return "parameter " + std::to_string(i);
     }

@@ -96,8 +96,7 @@ EngineStats EngineStats::of(const Sources &s) {
     st.reductions = s.reducer.pass().reductions();
     st.num_units = s.units.count();
     st.frozen_shard_bytes = s.units.frozen.shard_bytes();
-    st.atomic = AtomicStats::of(layout, s.buckets);
-    st.atomic.cut_params = (int64_t)s.params.cut_list().size();
+    st.atomic = AtomicStats::of(layout, s.buckets, s.params);
     st.offload = offload_stats(s);
     return st;
 }

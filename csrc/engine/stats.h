@@ -109,8 +109,8 @@ struct AtomicStats {
     std::vector<double> state_bytes_per_rank;   // planned: whole tensors' + element-granular state
     double state_balance = 1.0;
 
-    // Everything but cut_params, from the plan and its buckets (atomic.cpp).
-    static AtomicStats of(const Layout &layout, const std::vector<Bucket> &buckets);
+    // From the plan, its buckets and the parameters (atomic.cpp).
+    static AtomicStats of(const Layout &layout, const std::vector<Bucket> &buckets, const Params &params);
 };
 
 // stats()["offload"] with offload="cpu" (Note [Optimizer offload], engine/offload.h): host bytes and copies.
