@@ -246,3 +246,99 @@ def test_stage3_accumulation_sends_nothing_until_the_last_micro_step(attr):
     for rank, r in enumerate(run_world(_no_sync_worker, 2, attr, reuse=True)):
         assert all((b > 0) == last for last, b in r["sent"]), (rank, r["sent"])
         assert r["rel"] <= 1e-5, f"rank {rank}: differs from DDP by {r['rel']:.3g} (relative)"
+
+
+
+# A large tied embedding beside narrow blocks: the blocks' nn.ModuleList holds under a
+# quarter of the model (the automatic unit size), as with GPT-2's vocabulary (50304)
+# and n_embd=256. The position embedding (1024 elements) is a unit too, so the
+# sequence learned from the first step holds a unit (the hooks' order replaces the
+# registration-order guess, which prefetched every unit).
+WIDE_VOCAB_GPT = dict(vocab_size=4096, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=False)
+
+
+def _wide_vocab_worker(rank, world):
+    import copy
+
+    import torch
+
+    import zero_ext
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**WIDE_VOCAB_GPT))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    zm, zo = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=3)
+    losses, ref_losses = [], []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        xs = [torch.randint(0, WIDE_VOCAB_GPT["vocab_size"], (2, 16), generator=g) for _ in range(world)]
+        loss = zm(xs[rank], xs[rank])[1]
+        loss.backward()
+        zo.step()
+        zo.zero_grad()
+        losses.append(loss.item())
+        # the same step on one replica: the mean of every rank's loss
+        per_rank = [ref(x, x)[1] for x in xs]
+        ref_losses.append(per_rank[rank].item())
+        (sum(per_rank) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ours = zm.state_dict()
+    rel = max(((ours[n] - p.detach()).norm() / p.detach().norm()).item() for n, p in ref.named_parameters())
+    return {"losses": losses, "ref_losses": ref_losses, "rel": rel, "stats": zo.stats()}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_stage3_wide_vocab_automatic_units(world):
+    """Note [Units are called modules] (zero_ext/units.py): with automatic units, a GPT
+    whose tied embedding is most of the model made the blocks' nn.ModuleList a unit. A
+    ModuleList is never called, so its hooks never fired: the first step passed on the
+    registration-order prefetch, the second read released (empty) LayerNorm weights. Each
+    block is a unit now, and 3 steps match plain torch AdamW."""
+    for rank, r in enumerate(run_world(_wide_vocab_worker, world, reuse=True)):
+        name = f"world {world} rank {rank}"
+        assert r["stats"]["num_units"] == 4, f"{name}: root, wpe and one unit per block, got {r['stats']['num_units']}"
+        for step, (a, b) in enumerate(zip(r["losses"], r["ref_losses"])):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: loss {a} vs torch {b}"
+        assert r["rel"] <= 1e-5, f"{name}: parameters differ from torch AdamW by {r['rel']:.3g} (relative)"
+
+
+def test_never_called_containers_are_not_units():
+    """A container without a forward (nn.ModuleList, nn.ParameterList) cannot be a unit:
+    automatic selection takes its elements, a ParameterList's parameters stay with the module
+    that reads them, and unit_modules naming one is refused."""
+    import torch
+    from torch import nn
+
+    from zero_ext.units import assign_units
+
+    class Scaled(nn.Module):   # reads its ParameterList directly: stays whole
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(40, 40)
+            self.scales = nn.ParameterList([nn.Parameter(torch.ones(40))])
+
+        def forward(self, x):
+            return self.lin(x) * self.scales[0]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(1000, 40)
+            self.layers = nn.ModuleList([Scaled(), Scaled()])
+
+        def forward(self, x):
+            x = self.emb(x)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    net = Net()
+    params = list(net.parameters())
+    ids, units, _ = assign_units(net, params, None, None, 0)
+    assert [type(m).__name__ for m in units] == ["Net", "Embedding", "Scaled", "Scaled"]
+    assert ids == [1, 2, 2, 2, 3, 3, 3]
+    with pytest.raises(ValueError, match="ModuleList"):
+        assign_units(net, params, ["ModuleList"], None, 0)

@@ -66,6 +66,7 @@ class ZeroConfig:
     log_plan: print the bucket plan on rank 0.
     unit_modules: stage 3: module class names whose instances form units (e.g.
         ["Block"]); None = automatic, by parameter count along module boundaries.
+        Units are modules that are called (not an nn.ModuleList: name its elements).
     unit_numel: stage 3, automatic units: most trainable elements in one unit
         (None = a quarter of the model).
     min_unit_numel: stage 3: smaller units join the root unit, which stays

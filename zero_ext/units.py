@@ -24,6 +24,22 @@ def frozen_to_shard(frozen: list, stage, param_dtype: str) -> list:
             and (param_dtype != "fp32" or p.dtype == torch.float32)]
 
 
+# Note [Units are called modules]
+#   A unit is gathered by hooks on its module's forward (model.py's _UnitHooks), so
+#   only a module that is called can be one. Containers without a forward of their
+#   own (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict) never are:
+#   the module holding them calls their elements or reads their parameters. A
+#   ModuleList chosen as a unit (a GPT's blocks are under a quarter of the model
+#   when a large tied embedding is most of it) had its storage released after its
+#   first backward and never gathered again; the first step only passed because the
+#   registration-order guess prefetched it. Automatic selection therefore walks
+#   through such a container to its elements, and counts a never-called child's
+#   parameters as its holder's own; unit_modules naming one is refused.
+def called(m: nn.Module) -> bool:
+    """Whether m has a forward of its own (hooks on it can fire)."""
+    return type(m).forward is not nn.Module.forward
+
+
 def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_unit_numel: int):
     """Returns (unit id per parameter of `params` (trainable ones and the frozen ones
     stage 3 shards alike), unit modules with index 0 the model,
@@ -33,12 +49,19 @@ def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_u
         walking down from the root, a child holding at most `unit_numel` trainable
         elements (default: a quarter of them) becomes a unit, a larger one is split
         into its children unless it holds parameters of its own (then it stays whole).
-        Units under min_unit_numel elements join the root.
+        Units under min_unit_numel elements join the root. A module that is never
+        called (Note [Units are called modules]) is never a unit.
     """
     trainable = {id(p) for p in params}
 
     def numel(m):
         return sum(p.numel() for p in m.parameters() if id(p) in trainable)
+
+    def direct(m):
+        """The trainable parameters m's forward may read without calling a submodule:
+        its own and those of its never-called children (an nn.ParameterList), at any depth."""
+        return [p for p in m.parameters(recurse=False) if id(p) in trainable] + [
+            p for c in m.children() if not called(c) for p in direct(c)]
 
     total = sum(p.numel() for p in params)
     cap = unit_numel if unit_numel is not None else max(total // 4, 1)
@@ -55,14 +78,24 @@ def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_u
                 continue
             if names is not None:
                 if type(child).__name__ in names:
+                    if not called(child):
+                        raise ValueError(
+                            f"zero_ext: unit_modules names {type(child).__name__}, a container without a "
+                            f"forward of its own: it is never called, so its parameters could not be gathered "
+                            f"before use; name the class of its elements instead (e.g. the transformer block)")
                     units.append(child)
                 else:
                     visit(child)
                 continue
+            if not called(child):
+                # Note [Units are called modules]: its elements are units of their own;
+                # its direct parameters belong to the module that holds it.
+                visit(child)
+                continue
             # A module holding parameters of its own is not split: its forward may read
             # its children's parameters directly (nn.MultiheadAttention uses
             # out_proj.weight without calling out_proj), so they must be gathered with it.
-            own = any(id(p) in trainable for p in child.parameters(recurse=False))
+            own = bool(direct(child))
             has_sub = any(numel(c) for c in child.children())
             if n <= cap or not has_sub or own:
                 if n >= min_unit_numel:
