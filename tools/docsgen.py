@@ -101,14 +101,76 @@ def gen_perf_headline(arg: str = "") -> str:
              "zero2_fp32master": "zero_ext stage 2, fp32 master (`master_remainder=False`)"}
     rows = []
     for key, s in d["systems"].items():
-        rows.append([names.get(key, key), f"{s['median_ms']:.1f}", f"{s['vs_torch']:.2f}x", f"{s['vs_fsdp2']:.2f}x",
-                     f"{s['peak_bytes'] / 2**30:.1f}"])
+        rows.append([names.get(key, key), f"{s['median_ms']:.1f}", f"{s['vs_torch']:.2f}x", f"{s['vs_fsdp2']:.2f}x"])
+    # no peak column: the systems ran one after another in one process (Note [GPU tiers]);
+    # peak memory comes from bench_peak_gpu.py, each system alone (gen_perf_peak_gpu)
     text = (f"One training step of a {d['meta']['numel'] / 1e9:.2f}B-parameter bf16 GPT ({a['layers']} layers, "
             f"width {a['width']}, batch {a['batch']} x {a['seq']} tokens) at world size 1: nothing is sharded "
             f"across ranks here, so this is the engine's overhead against the peers (median of {a['reps']} "
-            f"repetitions).\n\n")
-    text += table(["system", "ms / step", "time vs plain torch", "time vs FSDP2", "peak GiB"], rows)
+            f"repetitions). Peak memory, each system measured alone: the Performance page.\n\n")
+    text += table(["system", "ms / step", "time vs plain torch", "time vs FSDP2"], rows)
     return text + "\n" + source_line(rel)
+
+
+H100 = "h100-80gb-hbm3"
+
+
+def gen_perf_peak_gpu(arg: str = "") -> str:
+    """Peak device memory of the 1.31B GPT, each system in a process of its own (bench_peak_gpu.py)."""
+    rel = f"{H100}/bench_peak_gpu.json"
+    d = ref(rel)
+    a, systems = d["meta"]["args"], d["systems"]
+    names = {"torch": "plain torch (autocast bf16, fused AdamW)", "fsdp2": "FSDP2 `fully_shard`",
+             "fsdp2_offload": "FSDP2, `CPUOffloadPolicy`", "zero1": "zero_ext stage 1", "zero2": "zero_ext stage 2",
+             "zero3": "zero_ext stage 3", "zero1_offload": "zero_ext stage 1, `offload=\"cpu\"`",
+             "zero2_offload": "zero_ext stage 2, `offload=\"cpu\"`", "zero3_offload": "zero_ext stage 3, `offload=\"cpu\"`",
+             "zero1_2ranks": "zero_ext stage 1, 2 ranks (`cuda:gloo`)", "zero2_2ranks": "zero_ext stage 2, 2 ranks",
+             "zero3_2ranks": "zero_ext stage 3, 2 ranks (`cuda:gloo`)"}
+    g = lambda v: f"{v / 2**30:.2f}"   # noqa: E731
+    rows, left = [], []
+    for key, r in systems.items():
+        if "did_not_run" in r:
+            left.append(f"{names.get(key, key)} ({r['did_not_run']})")
+            continue
+        z = r.get("zero_ext") or {}
+        msb, buf = z.get("model_state_bytes") or {}, z.get("buffer_bytes") or {}
+        per_rank = f" ({g(r['device_per_rank'])} a rank)" if r["world"] > 1 else ""
+        rows.append([names.get(key, key), g(r["allocated"]), g(r["reserved"]), g(r["device"]) + per_rank,
+                     g(msb["total"]) if msb else "-", g(buf.get("grad_ring", 0) + buf.get("peak_gathered_params", 0))
+                     if buf else "-"])
+    text = (f"Peak device memory of the same GPT ({a['layers']} layers, width {a['width']}, batch {a['batch']} x "
+            f"{a['seq']} tokens; the 2-rank runs take half the batch each), bf16 compute with fp32 masters and "
+            f"AdamW states, {a['steps']} training steps, each system in a process of its own with the GPU to "
+            f"itself, measured after wrapping (a model built on the meta device skips the build's copy). "
+            f"*allocated*: `torch.cuda.max_memory_allocated`; *reserved*: `max_memory_reserved`; *device*: total "
+            f"minus free of `torch.cuda.mem_get_info` after each step, what `nvidia-smi` shows (the CUDA context "
+            f"included; at 2 ranks both processes); *model states*: what zero_ext's `stats()` says it keeps on "
+            f"the device; *ring + gathered*: its gradient ring and gathered units at their peak.\n\n")
+    text += table(["system", "allocated GiB", "reserved GiB", "device GiB", "model states GiB",
+                   "ring + gathered GiB"], rows)
+    ok = lambda k: k in systems and "did_not_run" not in systems[k]   # noqa: E731
+    notes = []
+    if ok("zero3") and ok("fsdp2"):
+        z, f = systems["zero3"], systems["fsdp2"]
+        notes.append(f"Stage 3 against FSDP2: {g(z['device'])} against {g(f['device'])} GiB on the device, "
+                     f"{g(z['allocated'])} against {g(f['allocated'])} GiB allocated. Both keep the same "
+                     f"model states (fp32 parameter, gradient and two Adam states a parameter); what zero_ext "
+                     f"holds beyond them is not its ring or gathered units, whose sum is in the table, and "
+                     f"is open (runs.md of this machine).")
+    if ok("zero3_offload") and ok("fsdp2_offload"):
+        z, f = systems["zero3_offload"], systems["fsdp2_offload"]
+        msb = z["zero_ext"]["model_state_bytes"]
+        notes.append(f"With offload: {g(z['device'])} against FSDP2's {g(f['device'])} GiB on the device; "
+                     f"zero_ext keeps the bf16 parameter shard on the device ({g(msb['total'])} GiB), FSDP2 "
+                     f"moves its parameters to the host too (zero_ext has no parameter offload yet).")
+    if ok("zero3_offload") and ok("zero3"):
+        moved = sum(systems["zero3_offload"]["zero_ext"]["offload"].get(k, 0) for k in ("master_weights", "optimizer_states"))
+        saved = systems["zero3"]["allocated"] - systems["zero3_offload"]["allocated"]
+        notes.append(f"Offload takes {g(saved)} GiB off the device in stage 3, the {g(moved)} GiB of masters "
+                     f"and states it moves to the host and the gradient shard.")
+    if left:
+        notes.append("Not measured: " + "; ".join(left) + ".")
+    return text + "\n" + " ".join(notes) + "\n\n" + source_line(rel)
 
 
 def gen_perf_optimizer_gpu(arg: str = "") -> str:
@@ -383,14 +445,15 @@ STATUS = [
     ("Stages 0-3 on CPU (gloo), fp32, against DDP + the same torch optimizer, 1-4 ranks",
      ["tests/test_parity.py", "tests/test_unused.py"], ["tests_multirank"], []),
     ("Mixed precision: bf16/fp16 parameters, fp32 masters, dynamic loss scaling",
-     ["tests/test_mixed_precision.py"], ["tests_engine", "tests_multirank"], []),
+     ["tests/test_mixed_precision.py"], ["tests_engine", "tests_multirank_curves"], []),
     ("Fused CPU kernels (scalar, AVX2, AVX-512) on torch's intra-op threads",
      ["tests/test_kernels.py", "tests/test_threads.py"], [], [f"{EPYC}/bench_optimizer.json"]),
     ("CUDA optimizer kernels against the C reference; compute-sanitizer",
      ["tests/test_cuda_compile.py"], ["tests_kernels", "memcheck", "racecheck"], [f"{H200}/bench_optimizer_gpu.json"]),
     ("The engine on CUDA tensors (world size 1, NCCL), no host synchronization in a step",
      [], ["tests_engine", "cuda_sanitizer"], [f"{H200}/bench_step_gpu.json"]),
-    ("Several ranks on one GPU (`cuda:gloo`) against DDP", [], ["tests_multirank"], []),
+    ("Several ranks on one GPU (`cuda:gloo`) against DDP", [],
+     ["tests_multirank", "tests_multirank_curves", "tests_multirank_4", "tests_multirank_4b"], []),
     ("Several GPUs over NCCL", [], [], []),
     ("Stage 3: units, prefetch, coalesced gathers and reductions, meta-device builds, frozen parameters",
      ["tests/test_stage3.py", "tests/test_prefetch.py", "tests/test_coalesced_reduce.py", "tests/test_meta_init.py",
@@ -481,20 +544,22 @@ def gen_status(arg: str = "") -> str:
         cpu = ", ".join(f"`{pathlib.Path(t).name}`" for t in tests) if tests else "none"
         gpu, missing = [], []
         for step in steps:
-            for rel, check in checks:
-                hit = next((s for s in check.get("steps", []) if s["name"] == step), None)
-                if hit:
-                    t = hit.get("tests")
-                    counts = f", {t['tests'] - t['skipped']} of {t['tests']} tests ran" if isinstance(t, dict) else ""
-                    rerun = reruns(rel).get(step)
-                    again = (f"; re-run after {rerun['why']}: {rerun['result']} ({rerun['commit'][:7]})"
-                             if rerun else "")
-                    commit = hit.get("commit") or check.get("commit", "")   # a merged file: per step
-                    gpu.append(f"`{step}` {hit['status']} on {check.get('gpu')} "
-                               f"({str(commit)[:7]}{counts}{again})")
-                    break
-            else:
+            found = [(rel, check, s) for rel, check in checks for s in check.get("steps", []) if s["name"] == step]
+            if not found:
                 missing.append(f"`{step}`")
+                continue
+            rel, check, hit = found[0]                       # the newest result file that ran it
+            t = hit.get("tests")
+            counts = f", {t['tests'] - t['skipped']} of {t['tests']} tests ran" if isinstance(t, dict) else ""
+            rerun = reruns(rel).get(step)
+            again = f"; re-run after {rerun['why']}: {rerun['result']} ({rerun['commit'][:7]})" if rerun else ""
+            commit = hit.get("commit") or check.get("commit", "")   # a merged file: per step
+            last = ""
+            if hit["status"] != "passed":                    # the commit the GPU last passed it on
+                passed = [(c, s) for _, c, s in found[1:] if s["status"] == "passed"]
+                last = (f"; last passed on {passed[0][0].get('gpu')} at {str(passed[0][1].get('commit') or passed[0][0].get('commit'))[:7]}"
+                        if passed else "; never passed")
+            gpu.append(f"`{step}` {hit['status']} on {check.get('gpu')} ({str(commit)[:7]}{counts}{again}{last})")
         if missing:
             gpu.append("no result yet: " + ", ".join(missing))
         if not steps:
@@ -735,13 +800,14 @@ GENERATORS = {
     "perf-headline": gen_perf_headline, "perf-optimizer-gpu": gen_perf_optimizer_gpu,
     "perf-optimizer-cpu": gen_perf_optimizer_cpu, "perf-units": gen_perf_units, "perf-comm": gen_perf_comm,
     "perf-comm-hier": gen_perf_comm_hier, "perf-whole": gen_perf_whole, "perf-memory": gen_perf_memory,
-    "perf-sequence": gen_perf_sequence, "perf-offload": gen_perf_offload,
+    "perf-sequence": gen_perf_sequence, "perf-offload": gen_perf_offload, "perf-peak-gpu": gen_perf_peak_gpu,
     "status": gen_status,
     "notes": gen_notes, "options": gen_options, "deepspeed-keys": gen_deepspeed_keys, "errors": gen_errors,
 }
 # Generators whose text states figures read from benchmarks/reference/ (exempt from the stray-figure scan).
 FROM_REFERENCE = {"perf-headline", "perf-optimizer-gpu", "perf-optimizer-cpu", "perf-units", "perf-comm",
-                  "perf-comm-hier", "perf-whole", "perf-memory", "perf-sequence", "perf-offload", "status"}
+                  "perf-comm-hier", "perf-whole", "perf-memory", "perf-sequence", "perf-offload", "perf-peak-gpu",
+                  "status"}
 
 
 def generate(name: str, arg: str | None = None) -> str:
