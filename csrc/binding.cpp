@@ -169,6 +169,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("unit_requested", &zx::Engine::unit_requested)
         .def("unit_numel", &zx::Engine::unit_numel)
         .def("commit_unit", &zx::Engine::commit_unit, py::call_guard<py::gil_scoped_release>())
+        .def("unit_part", &zx::Engine::unit_part, py::call_guard<py::gil_scoped_release>())
+        .def("install_unit", &zx::Engine::install_unit, py::call_guard<py::gil_scoped_release>())
         .def("add_frozen", &zx::Engine::add_frozen, py::arg("params"), py::arg("units"),
              py::arg("names") = std::vector<std::string>())
         .def("unit_has_frozen", [](const zx::Engine &e, int64_t u) { return e.units().frozen.of_unit(u) != nullptr; })
@@ -270,7 +272,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  e.enable_sequence_check(st, patience_s, g, every_phase, id);
              },
              py::arg("store"), py::arg("patience_s"), py::arg("group"), py::arg("every_phase"), py::arg("id"))
-        .def("sequence_mark", &zx::Engine::sequence_mark, py::call_guard<py::gil_scoped_release>())
+        .def("sequence_mark", &zx::Engine::sequence_mark, py::arg("phase"), py::arg("servable") = false,
+             py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("sequence_away", &zx::Engine::sequence_away)
         .def_property_readonly("sequence_exchanges", &zx::Engine::sequence_exchanges)
         .def("sequence_sync", &zx::Engine::sequence_sync, py::call_guard<py::gil_scoped_release>())
         .def("set_grad_wrappers", &zx::Engine::set_grad_wrappers)

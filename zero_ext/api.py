@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C
+from . import _C, shard_server
 from .auto import choose_stage, free_memory
 from .changes import ModelGuard, ZeroUsageError, retire_optimizer
 from .comm import Comm, check_device, device_backend
@@ -265,7 +265,7 @@ def _side_group(pg):
 _SEQUENCE_IDS = itertools.count()
 
 
-def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> None:
+def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> int:
     """Note [Collective sequence check] (csrc/engine/sequence.h): digests exchanged where
     a rank leaves its pattern (Note [Exchanges on deviation]), and waits that compare
     positions through the group's store when they run longer than sequence_timeout.
@@ -278,8 +278,10 @@ def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> None:
         except (AttributeError, KeyError, IndexError, TypeError):
             store = None                 # digests at every phase only
     side = _side_group(pg)
+    engine_id = next(_SEQUENCE_IDS)
     engine.enable_sequence_check(store, float(cfg.sequence_timeout), side,
-                                 store is None or cfg.check_sequence == "every_phase", next(_SEQUENCE_IDS))
+                                 store is None or cfg.check_sequence == "every_phase", engine_id)
+    return engine_id
 
 
 def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | str | None = None,
@@ -449,7 +451,9 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     if cfg.stage >= 1 and not cfg.step_in_backward:   # Note [Sharded gradients]: p.grad answers as DDP's
         install_sharded_grads(wrapped, zopt, {id(p): n for n, p in model.named_parameters()})
     if world > 1 and cfg.check_sequence is not False and backend != "fake":   # fake moves no data
-        _enable_sequence_check(engine, pg, cfg, gloo)
+        engine_id = _enable_sequence_check(engine, pg, cfg, gloo)
+        if cfg.stage >= 1:   # Note [Shard server]: a rank reading alone is served the others' pieces
+            shard_server.start(pg, engine, zopt, engine_id, comm.device)
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)
     if isinstance(optimizer, (list, tuple)):

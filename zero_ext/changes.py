@@ -136,28 +136,28 @@ class ModelGuard:
     # ------------------------------------------------------------------ edits
     def _released_state_hook(self):
         """Stage 3: model.module.state_dict() outside a gather would hold the released
-        parameters as empty tensors, so a checkpoint written from it holds no weights.
-        It raises instead, naming the calls that gather. (zero_ext's own reads use
-        keep_vars=True, whose values are the Parameters, and are let through.)"""
+        parameters as empty tensors, so a checkpoint written from it would hold no
+        weights (a Hugging Face save_pretrained too). Their entries are filled with the
+        full values instead, gathered unit by unit as model.state_dict() does (collective,
+        or served to a rank that calls it alone: Note [Reading alone] in csrc/engine/away.h).
+        zero_ext's own reads use keep_vars=True, whose values are the Parameters, and are
+        let through."""
         ref = weakref.ref(self)
 
         def hook(module, state_dict, prefix, local_metadata):
             guard = ref()
-            if guard is None:
+            wrapper = guard._wrapper() if guard is not None else None
+            if wrapper is None:
                 return
             if guard._released is None:
                 guard._released = _released_names(guard, module)
-            empty = [prefix + n for n, shape in guard._released.items()
+            empty = [n for n in guard._released
                      if (t := state_dict.get(prefix + n)) is not None and not isinstance(t, nn.Parameter)
                      and t.numel() == 0]
             if empty:
-                more = f" and {len(empty) - 3} more" if len(empty) > 3 else ""
-                raise ZeroUsageError(
-                    f"zero_ext: stage 3: module.state_dict() would hold {', '.join(empty[:3])}{more} as empty "
-                    f"tensors: between forwards each rank keeps only its shard. Call model.state_dict() on the "
-                    f"model zeroify() returned, on every rank (it gathers unit by unit; rank 0 may then save it), "
-                    f"or zero_ext.save(path, model, optimizer) (sharded, every rank); or read it inside "
-                    f"`with zero_ext.gathered_parameters(model):`")
+                full = wrapper._units.full_state_dict()
+                for n in empty:
+                    state_dict[prefix + n] = full[n]
 
         return hook
 

@@ -15,6 +15,9 @@ Note [One communication layer]
   device from the group's `_device_types`, which the check below makes agree with ours.
   tests/test_comm_layer.py spies on torch.distributed and fails on a collective that
   bypasses this module or carries a tensor of another device.
+  One side channel carries CPU tensors by design: the shard servers' requests and replies
+  (Note [Shard server] in zero_ext/shard_server.py), point to point on a gloo group of
+  their own that zeroify makes for them (SideChannel below), never on the engine's group.
 """
 from __future__ import annotations
 
@@ -182,3 +185,21 @@ def delay_collectives(model_or_optimizer, ms: float, serialize: bool = False) ->
 def comm_of(optimizer) -> Comm:
     """The Comm of a zeroified (core) optimizer."""
     return optimizer._comm
+
+
+class SideChannel:
+    """Point-to-point messages on a gloo group of its own (host memory), beside the
+    engine's group: the shard servers' (Note [Shard server] in zero_ext/shard_server.py).
+    Ranks are the group's."""
+
+    def __init__(self, ranks: list):
+        self.group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        self.rank = dist.get_rank(self.group)
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        dist.send(tensor, group_dst=peer, group=self.group, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, tag: int, peer: int | None = None):
+        """A receive from `peer`, or from any rank (then work._source_rank() says which)."""
+        return dist.irecv(tensor, group=self.group, group_src=peer, tag=tag)
+

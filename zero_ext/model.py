@@ -10,7 +10,7 @@ import weakref
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
-from . import prefetch
+from . import prefetch, shard_server
 
 
 def cast_buffers(model: nn.Module, low: torch.dtype, which) -> None:
@@ -78,13 +78,18 @@ class ZeroModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._engine.hide_sharded_grads()   # Note [Sharded gradients]: autograd accumulates into plain ones
-        self._engine.sequence_mark(forward_phase())
+        # Note [Reading alone] (csrc/engine/away.h): a forward that communicates (stage 3's
+        # gathers, the buffers' broadcast) is settled before it does: this rank may read alone
+        broadcast = self._config.broadcast_buffers and self._buffers_to_sync and self._engine.world_size > 1
+        away = self._engine.sequence_mark(forward_phase(), servable=self._units is not None or bool(broadcast))
+        if self._units is not None:
+            self._units.marked = True
         waits = self._param_waits
         if waits is not None:
             waits.before_forward()   # Note [Gathers waited per module] (zero_ext/param_waits.py)
         else:
             self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/fill.cpp)
-        if self._config.broadcast_buffers and self._buffers_to_sync and self._engine.world_size > 1:
+        if broadcast and not away:   # a rank reading alone keeps the buffers it has
             self._engine.broadcast_tensors(self._buffers_to_sync, 0)
         if self._compute_dtype is not None:
             # As FSDP's MixedPrecision(cast_forward_inputs=True): floating-point inputs
@@ -225,6 +230,7 @@ class _UnitHooks:
         self.out_of_order = 0
         self.fetches = 0
         self.in_root = False                            # inside the root module's forward
+        self.marked = False                             # the wrapper marked this forward already
         # The root's hooks run whichever way the model is entered: the wrapper,
         # model.module(...) or a method such as generate() that calls it.
         unit_modules[0].register_forward_pre_hook(self._root_pre_forward)
@@ -244,11 +250,19 @@ class _UnitHooks:
     def _upcoming(self, k: int, budget: int = 0, phase: bool = False) -> list:
         return prefetch.upcoming(self.order, self.cursor, k, self.depth, self.numel, budget, phase)
 
+    def _gather(self, k: int, wait: bool = True) -> bool:
+        """engine.gather_unit, or the shard servers' parts on a rank that reads alone
+        (Note [Shard server]); whether it had been prefetched."""
+        return shard_server.gather_unit(self.wrapper._optimizer(), k, wait)
+
     def _prefetch(self, k: int) -> None:
         """Gather the units ahead of k (zero_ext/prefetch.py): small ones in one
         collective (Note [Coalesced unit gathers], csrc/engine/units.cpp), the
         window reaching coalesce_numel elements ahead within this phase, so a unit
-        done with its forward is not fetched back for its backward early."""
+        done with its forward is not fetched back for its backward early. A rank
+        reading alone fetches each unit when it is needed."""
+        if self.engine.sequence_away:
+            return
         window = self._upcoming(k, self.coalesce, _in_backward())
         missing = [u for u in window if not self.engine.unit_requested(u)]
         together, launch = prefetch.to_fetch(window, missing, self.depth, self.numel, self.coalesce)
@@ -281,7 +295,7 @@ class _UnitHooks:
                 break
         self.fetches += 1
         self.engine.sequence_mark(UNIT_NEED_BASE + k)
-        if not self.engine.unit_gathered(k) and not self.engine.gather_unit(k, True):
+        if not self.engine.unit_gathered(k) and not self._gather(k):
             self.out_of_order += 1
         self._prefetch(k)
 
@@ -293,11 +307,13 @@ class _UnitHooks:
             self.learned[self.grad_pass] = self.recorded   # the previous pass is complete
         self.grad_pass = torch.is_grad_enabled()
         self.engine.hide_sharded_grads()   # entered as model.module(...) too
-        self.engine.sequence_mark(forward_phase())
+        if not self.marked:                # Note [Reading alone]: settled before its gathers
+            self.engine.sequence_mark(forward_phase(), servable=True)
+        self.marked = False
         known = self.learned.get(self.grad_pass)
         self.order = known if known is not None else self._guess()
         self.recorded, self.cursor, self.recording, self.in_root = [], 0, True, True
-        self.engine.gather_unit(0, True)
+        self._gather(0)
         self._prefetch(0)
 
     def _guess(self) -> list:
@@ -327,7 +343,7 @@ class _UnitHooks:
         if not self.engine.unit_gathered(0):
             self.fetches += 1
             self.out_of_order += 1
-            self.engine.gather_unit(0, True)
+            self._gather(0)
 
     def _holder_post_forward(self, module, args, output):
         if not self.in_root and not _in_backward() and not torch.is_grad_enabled():
@@ -372,15 +388,23 @@ class _UnitHooks:
         return None
 
     def full_state_dict(self, *args, **kwargs):
-        """The plain module's state_dict, gathered one unit at a time (clones). Collective:
-        a rank calling it alone is named (Note [Collective sequence check])."""
-        self.engine.sequence_mark(PHASE_MODEL_STATE)
-        out = {}
+        """The plain module's state_dict, gathered one unit at a time (clones; a tensor under
+        several names, a tied weight, is one clone). Collective, or served to a rank that
+        calls it alone (Note [Reading alone] in csrc/engine/away.h)."""
+        if self.engine.sequence_mark(PHASE_MODEL_STATE, servable=True):
+            low = self.wrapper._compute_dtype is not None
+            shard_server.check_fits(sum(s.numel() for s in self.wrapper._guard.shapes) * (2 if low else 4),
+                                    "model.state_dict()")
+        out, clones = {}, {}
         for k in range(self.engine.num_units):
-            self.engine.gather_unit(k, True)
+            was = self.engine.unit_gathered(k)
+            self._gather(k)
             for name, t in self.wrapper.module.state_dict(*args, keep_vars=True, **kwargs).items():
                 if name not in out and t.untyped_storage().nbytes() > 0:
-                    out[name] = t.detach().clone()
-            self._release(k)
-        sd = self.wrapper.module.state_dict(keep_vars=True)
+                    if id(t) not in clones:
+                        clones[id(t)] = t.detach().clone()
+                    out[name] = clones[id(t)]
+            if not was:
+                self._release(k)
+        sd = self.wrapper.module.state_dict(*args, keep_vars=True, **kwargs)
         return {name: out[name] for name in sd}

@@ -231,12 +231,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         torch._C._set_grad_enabled(False)
         try:
             if self._config.step_in_backward:
-                return self._step_published(closure)
-            if self._ctl is not None:
-                return self._step_controlled(closure)
-            return self._step_parts(range(len(self._parts)), closure)
+                out = self._step_published(closure)
+            elif self._ctl is not None:
+                out = self._step_controlled(closure)
+            else:
+                out = self._step_parts(range(len(self._parts)), closure)
         finally:
             torch._C._set_grad_enabled(grad)
+        if self._server is not None:   # Note [Shard server]: what it serves is as of this step now
+            self._server[0].step_done(self._server[1])
+        return out
 
     _hooked_step = torch.optim.Optimizer.profile_hook_step(_step)   # Note [Step hooks]
 
@@ -659,6 +663,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return s
 
     _engine = None
+    _server = None         # (ShardServer, this model's id there): Note [Shard server]
     _guard = None          # the model's ModelGuard (changes.py)
     _frozen_bytes = 0
     _units = None          # stage 3: the model's unit hooks (fetch counters)

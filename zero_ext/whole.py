@@ -118,7 +118,10 @@ class ZeroOptimizerPart(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        return self._core._step_parts([self._index], closure)
+        out = self._core._step_parts([self._index], closure)
+        if self._core._server is not None:   # Note [Shard server]
+            self._core._server[0].step_done(self._core._server[1])
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """This optimizer's gradients only, as torch's zero_grad (the other parts'

@@ -312,15 +312,15 @@ void Engine::enable_sequence_check(c10::optional<StorePtr> store, double patienc
 
 void Engine::sequence_sync() { comm_.seq.sync(); }
 
-void Engine::sequence_mark(int64_t phase) {
-    if (!comm_.seq.enabled()) return;
+bool Engine::sequence_mark(int64_t phase, bool servable) {
+    if (!comm_.seq.enabled()) return false;
     if (phase >= kUnitNeedBase) {
         comm_.seq.unit_need(phase - kUnitNeedBase);
-        return;
+        return comm_.seq.away();
     }
     TORCH_CHECK(phase > kPhaseNone && phase <= kPhaseLast, "zero_ext: internal: unknown sequence phase ", phase);
     // Python collectives follow the phases after kPhaseForwardNoGrad: exchange first.
-    comm_.seq.mark(phase, FrozenSummary::of(params_, layout_.bucket_of), phase >= kPhaseModelState);
+    return comm_.seq.mark(phase, FrozenSummary::of(params_, layout_.bucket_of), phase >= kPhaseModelState, servable);
 }
 
 // --- stage 3: UnitStore's units (units.cpp) and frozen parameters (frozen.cpp), on unit_work() ---
@@ -331,6 +331,10 @@ void Engine::release_unit(int64_t u, bool keep) { units_.release_unit(unit_work(
 void Engine::commit_unit(int64_t u, int64_t src) { units_.commit_unit(unit_work(), u, src); }
 void Engine::open_unit_fp32(int64_t u) { units_.open_unit_fp32(unit_work(), u); }
 void Engine::release_frozen(int64_t u) { units_.release_frozen(unit_work(), u); }
+std::vector<at::Tensor> Engine::unit_part(int64_t u) { return units_.unit_part(unit_work(), u); }
+void Engine::install_unit(int64_t u, const std::vector<std::vector<at::Tensor>> &parts) {
+    units_.install_unit(unit_work(), u, parts);
+}
 void Engine::enable_hierarchy(ProcessGroupPtr node_pg) { units_.enable_hierarchy(unit_work(), std::move(node_pg)); }
 
 void Engine::add_frozen(std::vector<at::Tensor> params, std::vector<int64_t> units, std::vector<std::string> names) {

@@ -117,6 +117,8 @@ public:
     void release_unit(int64_t u, bool keep = false);
     void commit_unit(int64_t u, int64_t src);   // src: the group rank whose edits every rank takes
     void open_unit_fp32(int64_t u);
+    std::vector<at::Tensor> unit_part(int64_t u);   // Note [Reading alone]: what this rank serves of u
+    void install_unit(int64_t u, const std::vector<std::vector<at::Tensor>> &parts);   // u from served parts
     bool unit_gathered(int64_t u) const { return units_.unit_gathered(buckets_, u); }
     bool unit_requested(int64_t u) const { return units_.unit_requested(buckets_, u); }
     int64_t unit_numel(int64_t u) const { return units_.unit_numel(buckets_, u); }
@@ -141,7 +143,9 @@ public:
     // --- Note [Collective sequence check] (sequence.h) ---
     void enable_sequence_check(c10::optional<StorePtr> store, double patience_s,
                                c10::optional<ProcessGroupPtr> group, bool every_phase, int64_t id);
-    void sequence_mark(int64_t phase);   // a SeqPhase, or kUnitNeedBase + unit
+    // A SeqPhase, or kUnitNeedBase + unit; servable: Note [Reading alone]. Whether this rank is away.
+    bool sequence_mark(int64_t phase, bool servable = false);
+    bool sequence_away() const { return comm_.seq.away(); }
     int64_t sequence_exchanges() const { return comm_.seq.exchanges(); }
     void sequence_sync();                // exchange digests now (before a rank raises)
 

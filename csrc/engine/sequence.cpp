@@ -101,13 +101,6 @@ std::string hint_for(const std::vector<const SeqRecord *> &at) {
     return kHint;
 }
 
-// A stage-3 unit needed by the unit hooks: recorded like a collective (kind 5, no
-// data), so that a unit one rank skips shows in the digest before the collectives
-// that follow it can pair wrongly. Python passes it as sequence_mark(kUnitNeedBase + unit).
-constexpr int64_t kSeqUnitNeed = 5;
-// A mark exchanged at once (Note [Exchanges on deviation]): recorded like a collective
-// (kind 6, no data), so that a rank waiting there shows where it is.
-constexpr int64_t kSeqMark = 6;
 
 // What a record is, without when (step, micro-step, count): equal in every cycle that
 // issues the same collective.
@@ -165,6 +158,15 @@ bool Pattern::next(int64_t key, bool pass_start) {
     return ref_ && p < ref_->size() && (*ref_)[p] == key;
 }
 
+bool Pattern::peek(int64_t key, bool pass_start) const {
+    if (pass_start || !in_pass_) {
+        const size_t at = pass_ + (in_pass_ ? 1 : 0);   // next() finishes the running pass first
+        return at < learned_.size() && learned_[at].kind == key;
+    }
+    const size_t p = cur_.keys.size();
+    return ref_ && p < ref_->size() && (*ref_)[p] == key;
+}
+
 void Pattern::end_cycle() {
     if (in_pass_) finish_pass();
     learned_.swap(cycle_);
@@ -174,7 +176,7 @@ void Pattern::end_cycle() {
     ref_ = nullptr;
 }
 
-void Sequence::mark(int64_t phase, const FrozenSummary &frozen, bool now) {
+bool Sequence::mark(int64_t phase, const FrozenSummary &frozen, bool now, bool servable) {
     if (phase == kPhaseStep) {
         pos_.step++;
         pos_.micro = 0;
@@ -183,33 +185,59 @@ void Sequence::mark(int64_t phase, const FrozenSummary &frozen, bool now) {
     }
     pos_.phase = phase;
     pos_.frozen = frozen;
-    if (!enabled_) return;
+    if (!enabled_) return false;
     sched_.pending = true;
     sched_.pending_now = now;
+    sched_.servable = servable;
     // A step counts even without a collective (a rank that skips it differs there);
-    // Python collectives follow `now`. Other marks wait for their first collective.
-    if (phase == kPhaseStep || now) commit();
+    // Python collectives follow `now`; a servable mark is settled before its reads
+    // (Note [Reading alone]). Other marks wait for their first collective.
+    if (phase == kPhaseStep || now || servable) commit();
+    return away_.on;
 }
 
 void Sequence::commit() {
     if (!sched_.pending) return;
     sched_.pending = false;
+    const bool servable = sched_.servable;
+    sched_.servable = false;
     int64_t key = 0;
     for (int64_t v : {pos_.phase, pos_.frozen.count, pos_.frozen.hash, sched_.since_mark}) key = mix(key, v);
-    sched_.since_mark = 0;
     const int64_t ph = pos_.phase;
     const bool pass_start = ph == kPhaseForward || ph == kPhaseForwardNoGrad || ph >= kPhaseModelState;
-    const bool known = sched_.pattern.next(key, pass_start);
+    if (away_.on && settle_away(key, pass_start, servable)) return;   // away.cpp
+    const bool known = sched_.pattern.peek(key, pass_start);
     const bool learning = sched_.every_phase || sched_.cycles < kLearnCycles;
-    if (pos_.phase == kPhaseStep) {
+    sched_.flags = (servable ? kFlagServable : 0) | (known ? kFlagKnown : 0);
+    // Note [Reading alone]: a servable deviation meets the others in the store first
+    if (servable && !learning && !known && !together(key)) {
+        away_.on = true;
+        return;
+    }
+    // Exchanged now: a deviation, Python collectives, or a servable mark in the schedules
+    // that exchange every phase. Before the pattern learns the mark: a rank that goes away
+    // in the exchange leaves no trace.
+    const bool now = sched_.pending_now || !known || (servable && learning);
+    if (now && (!learning || sched_.pending_now || servable) && !sched_.recording) {
+        const SeqRecord r = next_record(kSeqMark, 0);
+        const SeqRecord last = pos_.last, slot = pos_.ring[r.seq % kRing];
+        pos_.bucket = pos_.unit = -1;
+        record(r);
+        sched_.armed = false;
+        if (exchange(r)) {   // this rank reads alone: the mark and its record are undone
+            pos_.last = last;
+            pos_.ring[r.seq % kRing] = slot;
+            away_.on = true;
+            return;
+        }
+    } else if (learning || now) {
+        sched_.armed = true;          // exchanged before the phase's next collective (if it has one)
+    }
+    sched_.since_mark = 0;
+    sched_.pattern.next(key, pass_start);
+    if (ph == kPhaseStep) {
         sched_.pattern.end_cycle();
         sched_.cycles++;
-    }
-    if (learning && !sched_.pending_now) {
-        sched_.armed = true;          // exchanged before the phase's next collective (if it has one)
-    } else if (sched_.pending_now || !known) {
-        sched_.armed = true;          // a deviation, or Python collectives follow: exchange now
-        if (!sched_.recording) before(kSeqMark, 0);
     }
 }
 
@@ -221,6 +249,7 @@ void Sequence::sync() {
 }
 
 void Sequence::unit_need(int64_t unit) {
+    if (away_.on) return;   // served: nothing recorded (Note [Reading alone])
     subject(-1, unit);
     if (enabled_) {
         commit();
@@ -239,6 +268,17 @@ void Sequence::before(int64_t kind, int64_t numel) {
         commit();
         sched_.recording = false;
     }
+    const SeqRecord r = next_record(kind, numel);
+    pos_.bucket = pos_.unit = -1;
+    if (away_.on && enabled_ && rejoin_at(r)) return;   // away.cpp: where the others wait, or alone
+    record(r);
+    if (sched_.armed && enabled_) {
+        sched_.armed = false;
+        exchange(r);
+    }
+}
+
+SeqRecord Sequence::next_record(int64_t kind, int64_t numel) const {
     SeqRecord r;
     r.seq = pos_.last.seq + 1;
     r.step = pos_.step, r.micro = pos_.micro, r.phase = pos_.phase, r.kind = kind;
@@ -246,14 +286,13 @@ void Sequence::before(int64_t kind, int64_t numel) {
     int64_t h = pos_.last.hash;
     for (int64_t v : {r.step, r.micro, r.phase, r.kind, r.bucket, r.unit, r.numel}) h = mix(h, v);
     r.hash = h;
-    pos_.bucket = pos_.unit = -1;
+    return r;
+}
+
+void Sequence::record(const SeqRecord &r) {
     pos_.ring[r.seq % kRing] = r;
     pos_.last = r;
-    if (kind != kSeqUnitNeed && kind != kSeqMark) sched_.since_mark = mix(sched_.since_mark, content(r));
-    if (sched_.armed && enabled_) {
-        sched_.armed = false;
-        exchange(r);
-    }
+    if (r.kind != kSeqUnitNeed && r.kind != kSeqMark) sched_.since_mark = mix(sched_.since_mark, content(r));
 }
 
 std::string Sequence::describe(const SeqRecord &r, bool full) const {
@@ -348,21 +387,30 @@ std::string Sequence::diagnose(const std::vector<std::vector<SeqRecord>> &rings,
     return "";
 }
 
-void Sequence::exchange(const SeqRecord &next) {
+std::vector<int64_t> Sequence::digest(const SeqRecord &r) const {
+    std::vector<int64_t> d(kDigest);
+    put(r, d.data());   // r.hash covers this record and every earlier one
+    const FrozenSummary &f = pos_.frozen;
+    d[9] = f.count, d[10] = f.first, d[11] = f.first_bucket, d[12] = f.hash;
+    d[13] = sched_.flags;
+    return d;
+}
+
+bool Sequence::exchange(const SeqRecord &next) {
     sched_.exchanges++;
-    constexpr int64_t D = kRecordFields + 4;
+    constexpr int64_t D = kDigest;
     const auto i64 = at::TensorOptions().dtype(at::kLong);
-    at::Tensor mine = at::empty({D}, i64);
-    int64_t *m = mine.data_ptr<int64_t>();
-    put(next, m);
-    // next.hash covers this record and every earlier one
-    m[9] = pos_.frozen.count, m[10] = pos_.frozen.first, m[11] = pos_.frozen.first_bucket, m[12] = pos_.frozen.hash;
+    const std::vector<int64_t> dg = digest(next);
+    at::Tensor mine = at::from_blob((void *)dg.data(), {D}, i64).clone();
+    const int64_t *m = dg.data();
     at::Tensor all = at::empty({world_ * D}, i64);
     watch((*pg_)->_allgather_base(all, mine), "sequence check");
     const int64_t *a = all.data_ptr<int64_t>();
     bool same = true;
     for (int64_t r = 0; r < world_ && same; r++) same = std::memcmp(a + r * D, m, D * sizeof(int64_t)) == 0;
-    if (same) return;
+    if (same) return false;
+    // Note [Reading alone]: some ranks read alone while the others go on
+    if (const int verdict = away_verdict(a); verdict >= 0) return verdict == 1;
 
     std::vector<FrozenSummary> fs(world_);
     for (int64_t r = 0; r < world_; r++) {
@@ -502,6 +550,7 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
                 // give the others time to publish: a divergence explains the failure better
                 fail_deadline = clock::now() + 2 * std::chrono::milliseconds((int64_t)(waits_.patience_s * 1000));
                 deadline_set = true;
+                waits_.store->set(key(rank_) + "/failed", std::vector<uint8_t>{1});   // alive, and failing
             }
             std::vector<std::string> whats;
             std::vector<int64_t> ids;
@@ -525,13 +574,33 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
             std::this_thread::sleep_for(std::chrono::milliseconds(250));
         }
     }
+    std::string gone;
     if (published) {
         try {
+            if (failed) gone = silent_ranks();
             waits_.store->set(key(rank_), std::vector<uint8_t>{});
         } catch (const std::exception &) {
         }
     }
+    if (!gone.empty()) {   // the collective failed because those ranks left: say so
+        try {
+            Communicator::wait(work, what);
+        } catch (const std::exception &e) {
+            fail("zero_ext: " + gone + " stopped answering (left the job or crashed) while this rank waited in " +
+                 what + ". What this rank saw: " + e.what());
+        }
+    }
     Communicator::wait(work, what);   // returns at once, or raises the collective's own failure
+}
+
+std::string Sequence::silent_ranks() const {
+    std::vector<int64_t> silent;
+    for (int64_t r = 0; r < world_; r++) {
+        const bool failing = waits_.store->check({key(r) + "/failed"});
+        const bool waiting = waits_.store->check({key(r)}) && !waits_.store->get(key(r)).empty();
+        if (!failing && !waiting) silent.push_back(r);
+    }
+    return silent.empty() ? std::string() : ranks_text(silent);
 }
 
 // ---- the engine's side

@@ -89,7 +89,16 @@ using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
 
-enum SeqKind : int64_t { kSeqAllReduce = 1, kSeqReduceScatter = 2, kSeqAllGather = 3, kSeqBroadcast = 4 };
+enum SeqKind : int64_t {
+    kSeqAllReduce = 1, kSeqReduceScatter = 2, kSeqAllGather = 3, kSeqBroadcast = 4,
+    // A stage-3 unit needed by the unit hooks: recorded like a collective (no data), so that
+    // a unit one rank skips shows in the digest before the collectives that follow it can
+    // pair wrongly. Python passes it as sequence_mark(kUnitNeedBase + unit).
+    kSeqUnitNeed = 5,
+    // A mark exchanged at once (Note [Exchanges on deviation]): recorded like a collective
+    // (no data), so that a rank waiting there shows where it is.
+    kSeqMark = 6,
+};
 // Marked by the Python glue (zero_ext/model.py, optim.py use the same numbers).
 enum SeqPhase : int64_t {
     kPhaseNone = 0, kPhaseForward = 1, kPhaseBackward = 2, kPhaseClip = 3, kPhaseStep = 4,
@@ -101,6 +110,9 @@ enum SeqPhase : int64_t {
     kPhaseGradStats = 9,       // norms of sharded gradients (Note [Sharded gradients])
     kPhaseLast = kPhaseGradStats,
 };
+// The phases that only read (Note [Reading alone]): a rank in one alone goes away whatever
+// its pattern says; a servable forward (stage 3) only where it leaves its pattern.
+inline bool reads_only(int64_t phase) { return phase >= kPhaseForwardNoGrad && phase <= kPhaseCheckpoint; }
 // sequence_mark(kUnitNeedBase + unit): stage-3 unit `unit` is needed (Sequence::unit_need).
 constexpr int64_t kUnitNeedBase = 16;
 
@@ -116,6 +128,9 @@ struct SeqRecord {
     int64_t hash = 0;     // running hash of this and every earlier record
 };
 constexpr int64_t kRecordFields = 9;
+// An exchanged digest: the record, the frozen summary (4), the mark's flags (1).
+constexpr int64_t kDigest = kRecordFields + 5;
+constexpr int64_t kFlagServable = 1, kFlagKnown = 2;   // the mark could be served; its pattern expected it
 
 // Which trainable parameters no longer require grad (Note [Collective sequence check]).
 struct FrozenSummary {
@@ -134,6 +149,8 @@ class Pattern {
 public:
     // Records mark `key` (the first of a pass when pass_start); whether it is expected.
     bool next(int64_t key, bool pass_start);
+    // Whether next(key, pass_start) would find it expected, recording nothing.
+    bool peek(int64_t key, bool pass_start) const;
     void end_cycle();   // step(): this cycle is the pattern of the next
 
 private:
@@ -167,8 +184,13 @@ public:
 
     void subject(int64_t bucket, int64_t unit) { pos_.bucket = bucket; pos_.unit = unit; }
     // A phase begins. The exchange runs before the next collective, or at once when
-    // `now` or on a deviation (Note [Exchanges on deviation]).
-    void mark(int64_t phase, const FrozenSummary &frozen, bool now = false);
+    // `now` or on a deviation (Note [Exchanges on deviation]). servable: the phase only
+    // reads what other ranks hold, so a rank in it alone may be served (Note [Reading
+    // alone], away.h): it is settled at once. Returns whether this rank is away.
+    bool mark(int64_t phase, const FrozenSummary &frozen, bool now = false, bool servable = false);
+    // This rank reads alone: its reads go to the other ranks' shard servers, and its
+    // sequence records nothing until it is back where the others wait (away.h).
+    bool away() const { return away_.on; }
     // Stage 3: unit `unit` is needed (recorded, no data; exchanged on a deviation).
     void unit_need(int64_t unit);
     // Exchange digests now (every rank that runs the same program calls it here).
@@ -181,7 +203,24 @@ public:
 
 private:
     [[noreturn]] void fail(const std::string &msg);
-    void exchange(const SeqRecord &next);
+    // Exchanges digests with `next`; a mismatch where some ranks are in servable phases sends
+    // them away instead of failing (away_verdict). Returns whether this rank went away.
+    bool exchange(const SeqRecord &next);
+    // --- reading alone (away.cpp, Note [Reading alone]) ---
+    // The mark just committed (key, pass_start) of a rank that is away: true while it stays
+    // away (nothing of the mark is recorded), false once it is back (a mark as any).
+    bool settle_away(int64_t key, bool pass_start, bool servable);
+    bool together(int64_t key);                 // pattern schedule: are all ranks at this deviation?
+    [[noreturn]] void fail_alone(const SeqRecord &attempt);   // a collective this rank cannot make alone
+    // Away, at record r of a collective (or of a mark exchanged at once): back where the others
+    // wait, or fail_alone. Returns true when r is dealt with (recorded, no exchange).
+    bool rejoin_at(const SeqRecord &r);
+    // A mismatched exchange's table (world x kDigest): 1 this rank goes away, 0 it stays while
+    // others go, -1 a divergence.
+    int away_verdict(const int64_t *table);
+    std::vector<int64_t> digest(const SeqRecord &r) const;   // what exchange() sends for r
+    SeqRecord next_record(int64_t kind, int64_t numel) const;   // the record a collective would get
+    void record(const SeqRecord &r);
     std::vector<uint8_t> blob(const char *what) const;
     // Every rank's published records, or empty when not all have published.
     std::vector<std::vector<SeqRecord>> read_all(std::vector<std::string> *whats, std::vector<int64_t> *ids,
@@ -191,6 +230,7 @@ private:
     std::string diagnose(const std::vector<std::vector<SeqRecord>> &rings, const std::vector<std::string> &whats) const;
     std::string describe(const SeqRecord &r, bool full = true) const;
     std::string key(int64_t r) const;
+    std::string silent_ranks() const;   // "rank 0": ranks neither waiting nor failing in a watched wait
 
     c10::optional<ProcessGroupPtr> pg_;
     std::vector<std::string> names_;
@@ -211,6 +251,8 @@ private:
     void commit();
     struct Schedule {
         bool pending = false, pending_now = false, recording = false;
+        bool servable = false;            // the pending mark's phase may be served (mark())
+        int64_t flags = 0;                // the last committed mark's kFlag* (exchanged digests)
         bool every_phase = true;
         bool armed = false;               // exchange before the next collective
         int64_t exchanges = 0;
@@ -226,6 +268,13 @@ private:
         int64_t id = 0, published = 0;
         double patience_s = 3.0;
     } waits_;
+    // Note [Reading alone] (away.h): whether this rank is away, and what the ranks that stayed
+    // exchanged when it left (every-phase schedule), where it rejoins them.
+    struct Away {
+        bool on = false;
+        std::vector<int64_t> stayers;     // their digest; empty: every rank went away, or the pattern schedule
+        int64_t step = -1, meetings = 0;  // the pattern schedule's store meetings at this step
+    } away_;
 };
 
 }  // namespace zx

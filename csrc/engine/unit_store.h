@@ -86,6 +86,12 @@ public:
     // values (full precision even when param_dtype is low; the masters are all-gathered);
     // commit_unit then shards them.
     void open_unit_fp32(UnitWork w, int64_t u);
+    // Note [Reading alone]: this rank's part of unit u's gather (each member bucket's slice in
+    // the dtype it travels), in tensors of its own, for the shard server to send.
+    std::vector<at::Tensor> unit_part(UnitWork w, int64_t u);
+    // Unit u made whole from every rank's part (parts[r][m]: rank r's part of member bucket m),
+    // without a collective: the gather of a rank that reads alone.
+    void install_unit(UnitWork w, int64_t u, const std::vector<std::vector<at::Tensor>> &parts);
     bool unit_gathered(const std::vector<Bucket> &all, int64_t u) const;
     bool unit_requested(const std::vector<Bucket> &all, int64_t u) const;   // every bucket gathered or in flight
     int64_t unit_numel(const std::vector<Bucket> &all, int64_t u) const;    // elements a gather brings (padded)

@@ -283,6 +283,38 @@ void UnitStore::open_unit_fp32(UnitWork w, int64_t u) {
     }
 }
 
+std::vector<at::Tensor> UnitStore::unit_part(UnitWork w, int64_t u) {
+    std::vector<at::Tensor> out;
+    for (Bucket *bk : members(u, w.buckets)) {
+        at::Tensor dst = at::empty({bk->slice_numel}, bk->flat_param.options());
+        at::Tensor in = gather_source(w, *bk, dst);
+        out.push_back(in.is_same(dst) ? dst : in.clone());   // a snapshot, not a view of the shard
+    }
+    return out;
+}
+
+void UnitStore::install_unit(UnitWork w, int64_t u, const std::vector<std::vector<at::Tensor>> &parts) {
+    const int64_t world = w.layout().world;
+    const auto mem = members(u, w.buckets);
+    TORCH_CHECK((int64_t)parts.size() == world, "zero_ext: internal: install_unit takes every rank's part");
+    for (size_t m = 0; m < mem.size(); m++) {
+        Bucket &bk = *mem[m];
+        wait_gather(w, bk);
+        if (bk.full.gathered) continue;
+        const int64_t bytes = bk.flat_param.numel() * bk.flat_param.element_size();
+        w.kernels.device->resize_storage(bk.flat_param, bytes);
+        meter.add(bytes);
+        meter.note_peak();
+        const at::Tensor rows = bk.flat_param.view({world, bk.slice_numel});
+        for (int64_t r = 0; r < world; r++) {
+            TORCH_CHECK(m < parts[r].size() && parts[r][m].numel() == bk.slice_numel,
+                        "zero_ext: internal: rank ", r, "'s part of unit ", u, " does not fit its bucket");
+            rows[r].copy_(parts[r][m]);
+        }
+        mark_gathered(w, bk);
+    }
+}
+
 bool UnitStore::unit_gathered(const std::vector<Bucket> &all, int64_t u) const {
     for (const Bucket *bk : members(u, all))
         if (!bk->full.gathered) return false;

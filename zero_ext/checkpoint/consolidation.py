@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from .. import shard_server
 from ..model import PHASE_CHECKPOINT
 from .entries import LocalShard
 from .format import (_EARLIER, OBJECTS, CheckpointError, _objects, _quiet, _steps_of, _whole_entries, read_manifest,
@@ -139,8 +140,12 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     optimizer = core_optimizer(optimizer)
     engine = optimizer._engine
     rank, parts = engine.rank, engine.partitions
-    # stage 0 and one rank hold everything: no collective, so any rank may call it alone
-    engine, comm, layout = _settle(model, optimizer, phase if parts > 1 else None)
+    # stage 0 and one rank hold everything: no collective, so any rank may call it alone;
+    # a rank that calls it alone otherwise reads from the others' shard servers (Note [Shard server])
+    engine, comm, layout = _settle(model, optimizer, phase if parts > 1 else None, servable=True)
+    away = parts > 1 and engine.sequence_away
+    if away and to is not None and to != rank:
+        return None   # nothing to assemble here, and nobody to send it to
     shard = LocalShard(optimizer)
     states = shard.states()
     kinds = {**({"model": shard.masters} if model_state else {}), **{f"optim/{s}": p for s, p in states.items()}}
@@ -149,6 +154,8 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     out = None
     if receiving:
         numel = [math.prod(layout["params"][name]["shape"]) for name in names]
+        if away:
+            shard_server.check_fits(4 * sum(numel) * len(kinds), "the full model and optimizer state")
         out = {k: [torch.zeros(n) for n in numel] for k in kinds}
 
     def place(kind, pieces, src):
@@ -163,15 +170,20 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     else:
         # rank -> bucket -> the pieces of its slice, for the receiving rank to place
         slices = _slices_of_every_rank(engine, [m.numel() for m in shard.masters]) if receiving else None
-        # each rank's slice of bucket b, from its owner (a broadcast: Note [One communication layer])
+        # each rank's slice of bucket b, from its owner (a broadcast: Note [One communication layer]),
+        # or, read alone, from its owner's shard server
         buf = torch.empty(max(m.numel() for m in shard.masters), device=comm.device)
         for b, m in enumerate(shard.masters):
             n_b = m.numel()
+            served = {r: shard_server.bucket(optimizer, shard, r, b) for r in range(parts) if r != rank} if away else {}
             for kind, pieces in kinds.items():
                 for r in range(parts):
-                    if r == to:
+                    if r == to or (away and r == rank):
                         if receiving:
                             place(kind, slices[r][b], shard.full(pieces, b))
+                        continue
+                    if away:
+                        place(kind, slices[r][b], served[r][kind])
                         continue
                     got = comm.broadcast_from(shard.full(pieces, b) if rank == r else None, buf[:n_b], r)
                     if receiving:
@@ -181,7 +193,12 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     mine = {name: {k: t.detach().cpu().clone() if torch.is_tensor(t) else t for k, t in opt.state.get(view, {}).items()}
             for name, opt, view in _whole_tensors(optimizer, layout)}
     whole = mine
-    if parts > 1:
+    if away:
+        whole = dict(mine)
+        for r in range(parts):
+            if r != rank:
+                whole.update(shard_server.whole(optimizer, r))
+    elif parts > 1:
         got = comm.gather_object(mine, dst=to)
         whole = {n: st for d in (got or []) for n, st in d.items()}
     frozen = _gather_frozen(model, keep=receiving) if model_state else {}

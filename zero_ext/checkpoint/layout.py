@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import shard_server
 from ..gather import OWNER_ATTR
 from ..model import PHASE_CHECKPOINT, ZeroModel
 
@@ -72,14 +73,16 @@ def _engine_names(optimizer, layout) -> list:
     return list(layout["params"])                         # engine order (dicts keep it)
 
 
-def _settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT):
+def _settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT, servable: bool = False):
     """(engine, its Comm, layout), once every outstanding collective is done and every
-    rank is here (a rank calling alone is named: Note [Collective sequence check])."""
+    rank is here (a rank calling alone is named: Note [Collective sequence check]), or,
+    servable, once this rank knows whether it reads alone (Note [Reading alone] in
+    csrc/engine/away.h; then engine.sequence_away)."""
     _require_pair(model, optimizer)
     optimizer = core_optimizer(optimizer)
     engine = optimizer._engine
     if phase is not None:
-        engine.sequence_mark(phase)
+        engine.sequence_mark(phase, servable=servable)
     engine.wait_reductions()
     engine.flush_params()
     return engine, optimizer._comm, _layout(model, optimizer)
@@ -131,7 +134,7 @@ def _gather_frozen(model, keep: bool) -> dict:
     unit_of = {id(p): getattr(p, OWNER_ATTR)[1] for p in _frozen_in_engine(model)}
     for u in sorted(set(unit_of.values())):
         was = engine.unit_gathered(u)
-        engine.gather_unit(u, True)
+        shard_server.gather_unit(model._optimizer(), u)   # Note [Shard server]: served on a rank reading alone
         if keep:
             out.update({id(p): p.detach().clone() for p in _frozen_in_engine(model) if unit_of[id(p)] == u})
         if not was:

@@ -1,0 +1,51 @@
+// away.h — a rank that reads alone: the sequence check's side of the shard server
+// (zero_ext/shard_server.py serves; away.cpp decides when a rank is away and when it is back).
+//
+// Note [Reading alone]
+//   DDP scripts read on rank 0 alone: `if rank == 0: torch.save({"model": ...,
+//   "optimizer": optimizer.state_dict()})`, an evaluation or generation loop, a
+//   save_pretrained. Under ZeRO these read pieces other ranks hold. They are only reads,
+//   and the state cannot change while one rank is away: no rank finishes a reduction,
+//   a gather or a step of the next iteration without it. So the other ranks' shard
+//   servers (threads on a gloo group of their own, zero_ext/shard_server.py) answer the
+//   reader "as of step k" once their own step k is done, while their main threads block
+//   in their next collective until the reader comes back. What the reader gets is what
+//   the collective path computes from the same pieces, bit for bit.
+//   Which marks may be served: the phases that only read (reads_only: a forward without
+//   autograd, model.state_dict(), optimizer.state_dict(), consolidated_state_dict) and,
+//   in stage 3, a forward with autograd (an evaluation that never calls backward looks
+//   like a training forward until it ends). The Python glue marks them servable
+//   (Engine::sequence_mark), which settles them at once, before any collective:
+//   - Pattern schedule (gloo, Note [Exchanges on deviation]): a servable mark the rank's
+//     pattern expects runs as before (the training forward: nothing changes on the step
+//     path). One it does not expect meets the other ranks in the store (together()):
+//     if every rank arrives at the same deviation within a short window, they exchange
+//     digests and run the collectives as before (all ranks evaluate); otherwise the
+//     first to give up writes "away" and every rank arriving there reads it and goes away.
+//   - Every-phase schedule (NCCL, and the first cycles everywhere): the ranks meet in the
+//     digest exchange anyway. Where digests differ, the ranks in a servable phase that
+//     read only, or that left their pattern, go away, provided the others (the stayers)
+//     agree among themselves; the ones away keep the stayers' digest and rejoin at the
+//     mark whose record equals it (the stayers' exchange of that mark already happened).
+//   While away nothing is recorded: no record, no pattern key, no exchange, so the
+//   excursion leaves no trace and the rank's pattern stays the others'. It is back
+//   (pattern schedule) at the first mark that cannot be served or that its pattern
+//   expects: where the pattern expects no exchange the others make none either, and a
+//   deviation exchanges as usual (the others deviate there too; a rank that now trains
+//   alone waits in that exchange and is named as any divergence). In the every-phase
+//   schedule it is back at the record whose digest equals the stayers'; any other
+//   collective it begins (backward() or step() alone) fails (fail_alone): the rank
+//   publishes its records with the attempted one, as a watched wait does, and every rank
+//   raises the same divergence message. So does a collective zero_ext did not route to
+//   the servers. The others are never blamed for a long absence: their watched waits
+//   publish after the patience, and a rank that is away publishes nothing, so the
+//   comparison never completes and they keep waiting.
+#pragma once
+
+namespace zx {
+
+// How long a rank that left its pattern in a servable phase waits in the store for the
+// others to arrive at the same deviation before it reads alone (Note [Reading alone]).
+constexpr double kAwayJoinS = 0.25;
+
+}  // namespace zx

@@ -1,0 +1,265 @@
+"""shard_server.py — what a rank that reads alone is served by the others (Note [Reading
+alone] in csrc/engine/away.h says when a rank is away; this file serves it).
+
+Note [Shard server]
+  Each process runs one server thread per process group zeroify used, on a gloo group of
+  its own (a side channel: the engine's group may be NCCL, and its collectives wait for
+  the rank that is away). It answers point-to-point requests from any rank:
+    unit u       this rank's part of stage-3 unit u's gather (UnitStore::unit_part),
+    bucket b     this rank's slice of bucket b of the fp32 masters and of every
+                 per-element optimizer state (what consolidated_state_dict broadcasts),
+    whole        the states of the whole tensors this rank owns (Muon, Adafactor),
+  each "as of step k": the reader sends the number of step() calls it has finished, and
+  the server waits until its own rank has finished as many. No rank can finish more,
+  because the next step needs the reader's collectives. What the reader then assembles
+  is what the collective path assembles from the same pieces, computed by the same code
+  (LocalShard, unit_part = the gather's source), so the two agree bit for bit.
+  Why a Python thread: every piece it serves is computed by the Python and C++ code the
+  collective path uses, generic torch optimizers' states and whole-tensor states
+  included, so nothing is computed twice; and a rank is only asked while its main thread
+  waits in a collective or a barrier, which releases the GIL (the engine's waits do,
+  torch's do), as gloo's send and receive do. On a GPU the server copies on a CUDA stream
+  of its own, after an event its rank recorded at the end of the step, so no copy is
+  queued behind a collective that waits for the reader.
+  Requests and replies: a 6-integer header (op, engine, steps done, a, b, 0) with tag
+  TAG_REQUEST to the server; the reply with TAG_REPLY: a 2-integer head (0 or 1 for an
+  error, bytes) then the bytes (the payload, or the error's message).
+"""
+from __future__ import annotations
+
+import io
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .comm import SideChannel
+
+TAG_REQUEST, TAG_REPLY = 7_340_001, 7_340_002
+OP_UNIT, OP_BUCKET, OP_WHOLE = 1, 2, 3
+_SERVERS: dict = {}                      # id(process group) -> (group, its ShardServer)
+
+
+class _Engine:
+    """What a server knows of one zeroified model: its optimizer and step() calls done."""
+
+    def __init__(self, optimizer, device: torch.device):
+        self.optimizer = weakref.ref(optimizer)   # Note [No cycles through C++] (model.py)
+        self.device = device
+        self.done = 0
+        self.event = None                         # CUDA: recorded at the end of the last step
+
+
+class ShardServer:
+    """One per process group: serves this rank's pieces of every model zeroified on it."""
+
+    def __init__(self, channel):
+        self.channel = channel           # comm.SideChannel: a gloo group of the server's own
+        self.rank = channel.rank
+        self.engines: dict[int, _Engine] = {}
+        self.cond = threading.Condition()
+        self.stream = None
+        self.thread = threading.Thread(target=self._serve, name="zero_ext shard server", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ the serving rank
+    def add(self, engine_id: int, optimizer, device: torch.device) -> None:
+        with self.cond:
+            self.engines[engine_id] = _Engine(optimizer, device)
+
+    def step_done(self, engine_id: int) -> None:
+        """The end of a step() call on this rank: what it serves is as of this step now."""
+        with self.cond:
+            e = self.engines[engine_id]
+            if e.device.type == "cuda":
+                e.event = torch.cuda.current_stream(e.device).record_event()
+            e.done += 1
+            self.cond.notify_all()
+
+    def _serve(self) -> None:
+        head = torch.empty(6, dtype=torch.long)
+        work = self.channel.irecv(head, TAG_REQUEST)
+        while True:
+            try:
+                work.wait()   # no timeout: gloo closes the pair when a receive times out
+            except RuntimeError:
+                return        # the group was destroyed, or the job is ending
+            src, req = work._source_rank(), head.clone()
+            work = self.channel.irecv(head, TAG_REQUEST)
+            try:
+                payload, status = self._answer(req.tolist())
+            except Exception as e:  # noqa: BLE001 - the reader raises it, naming this rank
+                payload, status = torch.frombuffer(bytearray(f"{type(e).__name__}: {e}".encode()),
+                                                   dtype=torch.uint8), 1
+            try:
+                self.channel.send(torch.tensor([status, payload.numel()]), src, TAG_REPLY)
+                self.channel.send(payload, src, TAG_REPLY)
+            except RuntimeError:
+                return                         # the reader is gone: so is the job
+
+    def _answer(self, req: list) -> tuple[torch.Tensor, int]:
+        """(payload, status): 0 the piece; 2 this rank finished more step() calls than the
+        reader (payload: how many): the state it asks for is gone."""
+        op, engine_id, steps, a, _, _ = req
+        with self.cond:
+            e = self.engines.get(engine_id)
+            if e is None or e.optimizer() is None:
+                raise RuntimeError(f"no model {engine_id} here")
+            if not self.cond.wait_for(lambda: e.done >= steps, timeout=None):
+                raise RuntimeError("interrupted")
+            if e.done > steps:
+                return torch.tensor([e.done]).view(torch.uint8), 2
+            event = e.event
+        opt = e.optimizer()
+        if e.device.type == "cuda":
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(e.device)
+            with torch.cuda.stream(self.stream):
+                if event is not None:
+                    self.stream.wait_event(event)
+                out = self._piece(opt, op, a)
+                host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+                host.copy_(out, non_blocking=True)
+            self.stream.synchronize()
+            return host, 0
+        return self._piece(opt, op, a), 0
+
+    def _piece(self, opt, op: int, a: int) -> torch.Tensor:
+        """This rank's piece, as bytes (uint8)."""
+        if op == OP_UNIT:
+            return _as_bytes(opt._engine.unit_part(a))
+        if op == OP_BUCKET:
+            shard = _local_shard(opt)
+            return _as_bytes([shard.full(pieces, a) for pieces in _kinds(shard).values()])
+        if op == OP_WHOLE:
+            from .checkpoint.layout import _layout, _whole_tensors
+            model = opt._guard._wrapper() if opt._guard is not None else None
+            mine = {name: {k: t.detach().cpu().clone() if torch.is_tensor(t) else t
+                           for k, t in o.state.get(view, {}).items()}
+                    for name, o, view in _whole_tensors(opt, _layout(model, opt))}
+            buf = io.BytesIO()
+            torch.save(mine, buf)
+            return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        raise RuntimeError(f"unknown request {op}")
+
+    # ------------------------------------------------------------------ the reading rank
+    def ask(self, engine_id: int, r: int, op: int, a: int = 0) -> torch.Tensor:
+        """Rank r's piece `op`/`a` of model `engine_id` as of this rank's step() calls (bytes)."""
+        e = self.engines[engine_id]
+        self.channel.send(torch.tensor([op, engine_id, e.done, a, 0, 0]), r, TAG_REQUEST)
+        head = torch.empty(2, dtype=torch.long)
+        self._recv(head, r)
+        payload = torch.empty(int(head[1]), dtype=torch.uint8)
+        self._recv(payload, r)
+        if int(head[0]) == 2:   # rank r stepped without this rank: this rank trained alone
+            theirs = int(payload.view(torch.long)[0])
+            raise RuntimeError(
+                f"zero_ext: collective sequence diverged: rank {self.rank} reads alone as of {e.done} step() calls, "
+                f"but rank {r} has finished {theirs}: a backward() or step() that rank {self.rank} ran alone took "
+                f"part in the other ranks' training. A rank may evaluate, generate or call state_dict() alone, but "
+                f"not train alone: run backward() and step() on every rank, then restart from the last checkpoint.")
+        if int(head[0]) != 0:
+            raise RuntimeError(f"zero_ext: rank {r} could not serve this rank, which reads alone: "
+                               f"{bytes(payload.tolist()).decode(errors='replace')}")
+        return payload
+
+    def _recv(self, t: torch.Tensor, r: int) -> None:
+        work = self.channel.irecv(t, TAG_REPLY, r)
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise RuntimeError(f"zero_ext: rank {r} stopped answering while this rank read alone from it "
+                               f"(its process ended?): {e}") from e
+
+
+def _as_bytes(tensors: list) -> torch.Tensor:
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]) if tensors \
+        else torch.empty(0, dtype=torch.uint8)
+
+
+def _local_shard(opt):
+    from .checkpoint.entries import LocalShard
+    return LocalShard(opt)
+
+
+def _kinds(shard) -> dict:
+    """name -> per-bucket pieces, in the order both sides use: the masters, then each state."""
+    states = shard.states()
+    return {"model": shard.masters, **{f"optim/{s}": states[s] for s in sorted(states)}}
+
+
+# ---------------------------------------------------------------------- the reader's side
+def start(pg, engine, optimizer, engine_id: int, device: torch.device) -> None:
+    """zeroify: serve this model's pieces (one server thread per process group)."""
+    known = _SERVERS.get(id(pg))
+    if known is None or known[0] is not pg:
+        known = _SERVERS[id(pg)] = (pg, ShardServer(SideChannel(dist.get_process_group_ranks(pg))))
+    server = known[1]
+    server.add(engine_id, optimizer, device)
+    optimizer._server = (server, engine_id)
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    """A rank reading alone assembles `what` (nbytes) in its host memory: refuse before
+    fetching anything when that would not fit."""
+    from .changes import ZeroUsageError
+    from .offload import available_host_bytes
+    have = available_host_bytes()
+    if have is not None and nbytes > have:
+        raise ZeroUsageError(
+            f"zero_ext: {what} on this rank alone would assemble {nbytes / 2**30:.2f} GiB in its host memory, "
+            f"{have / 2**30:.2f} GiB are available; checkpoint with zero_ext.save(path, model, optimizer) on every "
+            f"rank instead (each rank writes its shard; `python -m zero_ext.consolidate` makes one file of it "
+            f"offline)")
+
+
+def gather_unit(optimizer, u: int, wait: bool = True) -> bool:
+    """Stage 3: engine.gather_unit, or, on a rank that reads alone (engine.sequence_away),
+    the unit made whole from every rank's part at once. Returns whether it was prefetched."""
+    engine = optimizer._engine
+    if not engine.sequence_away:
+        return engine.gather_unit(u, wait)
+    if not engine.unit_gathered(u):
+        _served_unit(optimizer, u)
+    return False
+
+
+def _served_unit(optimizer, u: int) -> None:
+    """Unit u made whole from every rank's part (Note [Shard server])."""
+    server, engine_id = optimizer._server
+    engine = optimizer._engine
+    if optimizer._config.param_quant is not None:
+        raise RuntimeError("zero_ext: a rank that reads alone is served exact parameters, but this model gathers "
+                           "them quantized (param_quant), so it would compute with other values than the others; "
+                           "read on every rank, or zeroify without param_quant")
+    own = engine.unit_part(u)
+    parts = []
+    for r in range(engine.world_size):
+        if r == engine.rank:
+            parts.append(own)
+            continue
+        raw, got, at = server.ask(engine_id, r, OP_UNIT, u), [], 0
+        for t in own:
+            n = t.numel() * t.element_size()
+            got.append(raw[at:at + n].view(t.dtype).to(t.device))
+            at += n
+        parts.append(got)
+    engine.install_unit(u, parts)
+
+
+def bucket(optimizer, shard, r: int, b: int) -> dict:
+    """Rank r's slice of bucket b of the masters and of each state ("model", "optim/<state>"),
+    fp32, as this rank's LocalShard `shard` names them."""
+    server, engine_id = optimizer._server
+    raw = server.ask(engine_id, r, OP_BUCKET, b).view(torch.float32)
+    names = list(_kinds(shard))
+    n = raw.numel() // len(names)
+    return {k: raw[i * n:(i + 1) * n] for i, k in enumerate(names)}
+
+
+def whole(optimizer, r: int) -> dict:
+    """The whole-tensor states rank r owns."""
+    server, engine_id = optimizer._server
+    raw = server.ask(engine_id, r, OP_WHOLE)
+    return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=False)
