@@ -264,14 +264,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::call_guard<py::gil_scoped_release>())
         .def("broadcast_tensors", &zx::Engine::broadcast_tensors, py::call_guard<py::gil_scoped_release>())
         .def("enable_sequence_check", [](zx::Engine &e, py::object store, double patience_s, py::object group,
-                                         bool every_phase, int64_t id) {
-                 c10::optional<zx::StorePtr> st;
-                 if (!store.is_none()) st = store.cast<zx::StorePtr>();
+                                         bool every_phase, int64_t id, py::object meet) {
+                 const auto as_store = [](py::object o) {
+                     c10::optional<zx::StorePtr> st;
+                     if (!o.is_none()) st = o.cast<zx::StorePtr>();
+                     return st;
+                 };
                  c10::optional<zx::ProcessGroupPtr> g;
                  if (!group.is_none()) g = group.cast<zx::ProcessGroupPtr>();
-                 e.enable_sequence_check(st, patience_s, g, every_phase, id);
+                 e.enable_sequence_check(as_store(store), patience_s, g, every_phase, id, as_store(meet));
              },
-             py::arg("store"), py::arg("patience_s"), py::arg("group"), py::arg("every_phase"), py::arg("id"))
+             py::arg("store"), py::arg("patience_s"), py::arg("group"), py::arg("every_phase"), py::arg("id"),
+             py::arg("meet") = py::none())
         .def("sequence_mark", &zx::Engine::sequence_mark, py::arg("phase"), py::arg("servable") = false,
              py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("sequence_away", &zx::Engine::sequence_away)

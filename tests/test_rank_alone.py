@@ -11,7 +11,8 @@ zero_ext/shard_server.py).
   makes them (the files compared tensor by tensor; a tied weight is still one storage), and
   training after the excursion is the same bits: the state did not move while it was away.
   Also with the every-phase exchange schedule (what NCCL uses).
-- Two ranks away at once, one of them for longer than the divergence watch's patience;
+- Two ranks away at once, one of them for longer than the divergence watch's patience (an
+  evaluation with autograd and no backward among what they read);
   `if rank == 0: save(...)` followed by `dist.barrier()`; a full state that would not fit
   rank 0's host memory is refused before anything is fetched, naming zero_ext.save.
 - What cannot be served is named on every rank: rank 0 training alone after reading alone,
@@ -192,6 +193,7 @@ def _away_worker(rank, world, path, readers, sleep_s):
             if rank == 1:
                 time.sleep(sleep_s)
             evals += _estimate_loss(zm)
+            evals.append(loss_of("gpt", zm, *batch("gpt", 0, 2000, 0)).item())   # with autograd, no backward
             states = sorted(_flat_states(zo.state_dict()).items())
         if it == 3:
             if rank == 0:
@@ -287,3 +289,118 @@ def test_what_cannot_be_served_is_named_on_every_rank(what):
         print(f"rank {rank}: {msg}\n")
         assert "zero_ext:" in msg and "rank 0" in msg, msg
     assert took < 60, f"{what}: the ranks were named only after {took:.0f} s"
+
+
+def _optimizers_worker(rank, world, alone):
+    """optimizer.state_dict() on rank 0 alone with the optimizers that are not zero_ext's fused
+    ones: Muon + AdamW (whole tensors, the Muon recipe) and Adagrad (a torch optimizer over
+    the shard), stage 2; and stage 3's Hugging Face save_pretrained on rank 0 alone."""
+    import transformers as tf
+
+    import zero_ext
+    from cases import batch, build_model, loss_of
+    from whole_cases import make_optimizers
+    out = {}
+    for name in ("muon", "adagrad"):
+        torch.manual_seed(0)
+        model = build_model("gpt")
+        opts = make_optimizers("muon", model) if name == "muon" else torch.optim.Adagrad(model.parameters(), lr=1e-2)
+        zm, zos = zero_ext.zeroify(model, opts, stage=2)
+        zos = zos if isinstance(zos, list) else [zos]
+        for it in range(3):
+            loss_of("gpt", zm, *batch("gpt", rank, it, 0)).backward()
+            for o in zos:
+                o.step()
+                o.zero_grad()
+            if it == 1 and (rank == 0 or not alone):
+                out[name] = [sorted(_flat_states(o.state_dict()).items()) for o in zos]
+    torch.manual_seed(0)
+    hf = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=32))
+    zm, zo = zero_ext.zeroify(hf, torch.optim.AdamW(hf.parameters(), lr=1e-3), stage=3)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
+    zm(input_ids=ids, labels=ids).loss.backward()
+    zo.step()
+    if rank == 0 or not alone:
+        zm.module.save_pretrained(os.path.join(_TMP[0], "alone" if alone else "all"), is_main_process=rank == 0)
+    torch.distributed.barrier()   # the DDP idiom: the others wait outside zero_ext while rank 0 saves
+    return out if rank == 0 else None
+
+
+_TMP = [None]
+
+
+def _optimizers_entry(rank, world, tmp, alone):
+    _TMP[0] = tmp
+    return _optimizers_worker(rank, world, alone)
+
+
+def test_other_optimizers_and_save_pretrained_alone(tmp_path):
+    from safetensors.torch import load_file
+    alone = run_world(_optimizers_entry, 2, str(tmp_path), True, timeout_s=180)[0]
+    every = run_world(_optimizers_entry, 2, str(tmp_path), False, timeout_s=180)[0]
+    for name in ("muon", "adagrad"):
+        for a, e in zip(alone[name], every[name]):
+            assert [k for k, _ in a] == [k for k, _ in e] and a, name
+            assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a, e)), name
+    fa, fe = load_file(tmp_path / "alone" / "model.safetensors"), load_file(tmp_path / "all" / "model.safetensors")
+    assert fa.keys() == fe.keys() and fa
+    assert all(torch.equal(fa[k], fe[k]) for k in fe)
+
+
+END_OF_SCRIPT = '''
+"""A DDP script's end, with the DDP line replaced: rank 0 writes the final checkpoint while
+the others return from main() and destroy the process group (torchrun)."""
+import os, sys, time
+import torch, torch.distributed as dist
+import zero_ext
+from cases import batch, build_model, loss_of
+
+
+def main(out):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = build_model("gpt")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = zero_ext.zeroify(model, opt, stage=int(os.environ["STAGE"]))
+    for it in range(4):
+        loss_of("gpt", model, *batch("gpt", rank, it, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    every = {"model": model.module.state_dict(), "optimizer": opt.state_dict()}   # every rank: the reference
+    if rank == 0:
+        torch.save(every, os.path.join(out, "every.pt"))
+        time.sleep(1.0)                      # the others are gone from main() by now
+        torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict()},
+                   os.path.join(out, "alone.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+'''
+
+
+def test_rank0_saves_at_the_end_of_a_torchrun_script(tmp_path, stage=3):
+    """The other ranks return from main() (their model and optimizer are gone from it) and
+    destroy the process group; they serve until every rank is at its exit."""
+    import subprocess
+    import sys
+    from dist_harness import ROOT
+    script = tmp_path / "train.py"
+    script.write_text(END_OF_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env.update(STAGE=str(stage), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(script),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    a = torch.load(tmp_path / "alone.pt", weights_only=False)
+    e = torch.load(tmp_path / "every.pt", weights_only=False)
+    assert a["model"].keys() == e["model"].keys()
+    assert all(torch.equal(a["model"][k], t) for k, t in e["model"].items())
+    sa, se = _flat_states(a["optimizer"]), _flat_states(e["optimizer"])
+    assert sa.keys() == se.keys() and sa
+    assert all(torch.equal(sa[k], t) for k, t in se.items())

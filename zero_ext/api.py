@@ -271,16 +271,15 @@ def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> int:
     positions through the group's store when they run longer than sequence_timeout.
     Where waits cannot be watched (NCCL: a wait orders streams, the host does not block)
     the digests are exchanged at every phase instead."""
-    store = None
-    if gloo:
-        try:
-            store = dist.distributed_c10d._world.pg_map[pg][1]
-        except (AttributeError, KeyError, IndexError, TypeError):
-            store = None                 # digests at every phase only
+    try:
+        meet = dist.distributed_c10d._world.pg_map[pg][1]   # Note [Reading alone] (csrc/engine/away.h)
+    except (AttributeError, KeyError, IndexError, TypeError):
+        meet = None
+    store = meet if gloo else None       # without one: digests at every phase only
     side = _side_group(pg)
     engine_id = next(_SEQUENCE_IDS)
     engine.enable_sequence_check(store, float(cfg.sequence_timeout), side,
-                                 store is None or cfg.check_sequence == "every_phase", engine_id)
+                                 store is None or cfg.check_sequence == "every_phase", engine_id, meet)
     return engine_id
 
 

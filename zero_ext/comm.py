@@ -21,6 +21,8 @@ Note [One communication layer]
 """
 from __future__ import annotations
 
+import datetime
+import itertools
 import pickle
 import time
 
@@ -190,16 +192,21 @@ def comm_of(optimizer) -> Comm:
 class SideChannel:
     """Point-to-point messages on a gloo group of its own (host memory), beside the
     engine's group: the shard servers' (Note [Shard server] in zero_ext/shard_server.py).
-    Ranks are the group's."""
+    The group is made directly, not registered with torch.distributed, so that a rank's
+    destroy_process_group() at the end of its script leaves it serving the ranks still
+    reading; its timeout is long because a receive that times out closes gloo's pair."""
 
-    def __init__(self, ranks: list):
-        self.group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-        self.rank = dist.get_rank(self.group)
+    _made = itertools.count()   # every rank makes its side channels in the same order
+
+    def __init__(self, pg):
+        self.world, self.rank = pg.size(), pg.rank()
+        store = dist.distributed_c10d._world.pg_map[pg][1]
+        self.store = dist.PrefixStore(f"zero_ext/side/{next(SideChannel._made)}/", store)
+        self.group = dist.ProcessGroupGloo(self.store, self.rank, self.world, datetime.timedelta(days=365))
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        dist.send(tensor, group_dst=peer, group=self.group, tag=tag)
+        self.group.send([tensor], peer, tag).wait()
 
     def irecv(self, tensor: torch.Tensor, tag: int, peer: int | None = None):
         """A receive from `peer`, or from any rank (then work._source_rank() says which)."""
-        return dist.irecv(tensor, group=self.group, group_src=peer, tag=tag)
-
+        return self.group.recv_anysource([tensor], tag) if peer is None else self.group.recv([tensor], peer, tag)

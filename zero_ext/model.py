@@ -260,13 +260,14 @@ class _UnitHooks:
         collective (Note [Coalesced unit gathers], csrc/engine/units.cpp), the
         window reaching coalesce_numel elements ahead within this phase, so a unit
         done with its forward is not fetched back for its backward early. A rank
-        reading alone fetches each unit when it is needed."""
-        if self.engine.sequence_away:
-            return
+        reading alone fetches the same units from the shard servers.""" 
         window = self._upcoming(k, self.coalesce, _in_backward())
         missing = [u for u in window if not self.engine.unit_requested(u)]
         together, launch = prefetch.to_fetch(window, missing, self.depth, self.numel, self.coalesce)
-        if together:
+        if self.engine.sequence_away:    # the same units, from the shard servers (Note [Shard server])
+            for u in launch:
+                self._gather(u)
+        elif together:
             self.engine.gather_units(launch)
         else:
             for u in launch:
@@ -303,8 +304,11 @@ class _UnitHooks:
     def _root_pre_forward(self, module, args):
         if _in_backward():
             return
-        if self.recording and self.recorded:
-            self.learned[self.grad_pass] = self.recorded   # the previous pass is complete
+        # The previous pass is complete. One with autograd whose backward never came (an
+        # evaluation) is not learned: it would predict no backward (Note [Reading alone]:
+        # a rank evaluating alone keeps the others' prediction).
+        if self.recording and self.recorded and (not self.grad_pass or any(b for _, b in self.recorded)):
+            self.learned[self.grad_pass] = self.recorded
         self.grad_pass = torch.is_grad_enabled()
         self.engine.hide_sharded_grads()   # entered as model.module(...) too
         if not self.marked:                # Note [Reading alone]: settled before its gathers
@@ -327,16 +331,20 @@ class _UnitHooks:
         self.in_root = False
         backward_follows = torch.is_grad_enabled() and any(
             t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        if backward_follows or torch.is_grad_enabled():
+            # A forward with autograd issues the gathers that start its backward, even one
+            # that no backward follows (an evaluation): so a rank that runs one alone while
+            # the others train makes their forward's collectives, one for one (Note [Reading
+            # alone] in csrc/engine/away.h).
+            if self.grad_pass not in self.learned:
+                # first pass of its kind: backward is guessed as this forward reversed
+                self.order = self.recorded + [(k, True) for k, _ in reversed(self.recorded)]
+                self.cursor = len(self.recorded)
+            self._prefetch(0)         # backward starts with these: fetch them now
         if not backward_follows:
             self.recording = False
             for k in range(self.engine.num_units):   # no backward follows: free everything
                 self._release(k)
-            return
-        if self.grad_pass not in self.learned:
-            # first pass of its kind: backward is guessed as this forward reversed
-            self.order = self.recorded + [(k, True) for k, _ in reversed(self.recorded)]
-            self.cursor = len(self.recorded)
-        self._prefetch(0)             # backward starts with these: fetch them now
 
     # -- module hooks
     def _holder_pre_forward(self, module, args):

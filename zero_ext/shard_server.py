@@ -27,8 +27,11 @@ Note [Shard server]
 """
 from __future__ import annotations
 
+import atexit
 import io
+import sys
 import threading
+import time
 import weakref
 
 import torch
@@ -59,6 +62,7 @@ class ShardServer:
         self.rank = channel.rank
         self.engines: dict[int, _Engine] = {}
         self.cond = threading.Condition()
+        self.keep = None                 # (optimizer, model) of the newest model: add()
         self.stream = None
         self.thread = threading.Thread(target=self._serve, name="zero_ext shard server", daemon=True)
         self.thread.start()
@@ -67,6 +71,9 @@ class ShardServer:
     def add(self, engine_id: int, optimizer, device: torch.device) -> None:
         with self.cond:
             self.engines[engine_id] = _Engine(optimizer, device)
+            # The newest model stays alive until every rank is at its exit: a script's main()
+            # may return (its locals gone) while rank 0 still saves what this rank holds.
+            self.keep = (optimizer, optimizer._guard._wrapper() if optimizer._guard is not None else None)
 
     def step_done(self, engine_id: int) -> None:
         """The end of a step() call on this rank: what it serves is as of this step now."""
@@ -189,12 +196,41 @@ def _kinds(shard) -> dict:
     return {"model": shard.masters, **{f"optim/{s}": states[s] for s in sorted(states)}}
 
 
+# ---------------------------------------------------------------------- the end of a script
+LINGER_S = 1800.0   # how long a rank at its exit waits for the others (the process group's default timeout)
+
+
+def _linger() -> None:
+    """At a rank's clean exit: serve until every rank has come to its exit too, so that a
+    rank that reads alone at the end of a script (`if rank == 0: model.save_pretrained(...)`)
+    still finds the others' pieces (Note [Shard server]). A rank that ends with an
+    unhandled exception leaves at once: its peers are told by their collectives."""
+    if getattr(sys, "last_value", None) is not None:
+        return
+    for _, server in list(_SERVERS.values()):
+        server.channel.store.add("exit", 1)
+    start, told = time.monotonic(), False
+    for _, server in list(_SERVERS.values()):
+        while int(server.channel.store.add("exit", 0)) < server.channel.world:
+            if time.monotonic() - start > LINGER_S:
+                return
+            if not told and time.monotonic() - start > 10:
+                print(f"zero_ext: rank {server.rank} waits at its exit until every rank has finished reading "
+                      f"(a rank-0 checkpoint or evaluation reads this rank's shard)", file=sys.stderr, flush=True)
+                told = True
+            time.sleep(0.05)
+    for _, server in list(_SERVERS.values()):
+        server.keep = None
+
+
 # ---------------------------------------------------------------------- the reader's side
 def start(pg, engine, optimizer, engine_id: int, device: torch.device) -> None:
     """zeroify: serve this model's pieces (one server thread per process group)."""
     known = _SERVERS.get(id(pg))
     if known is None or known[0] is not pg:
-        known = _SERVERS[id(pg)] = (pg, ShardServer(SideChannel(dist.get_process_group_ranks(pg))))
+        known = _SERVERS[id(pg)] = (pg, ShardServer(SideChannel(pg)))
+        if len(_SERVERS) == 1:
+            atexit.register(_linger)
     server = known[1]
     server.add(engine_id, optimizer, device)
     optimizer._server = (server, engine_id)

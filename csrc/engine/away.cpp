@@ -23,13 +23,13 @@ bool same_place(const std::vector<int64_t> &a, const std::vector<int64_t> &b) {
 }  // namespace
 
 bool Sequence::settle_away(int64_t key, bool pass_start, bool servable) {
-    const bool learning = sched_.every_phase || sched_.cycles < kLearnCycles;
     const bool known = sched_.pattern.peek(key, pass_start);
-    if (!learning) {
-        // The pattern schedule: back at a mark that is not servable or that the pattern
-        // expects. The pattern is the others' (the excursion left none of it), so where it
-        // expects no exchange, neither do they, and a deviation exchanges as usual; a rank
-        // that now trains alone waits in that exchange and is named as any divergence.
+    if (!away_.by_exchange) {
+        // Away after a store meeting: back at a mark that is not servable or that the
+        // pattern expects. The pattern is the others' (the excursion left none of it), so
+        // where it expects no exchange, neither do they, and an exchange (a deviation, or
+        // every phase) meets theirs; a rank that now trains alone waits in that exchange
+        // and is named as any divergence.
         if (!known && servable) return true;   // still reading alone
         away_.on = false;
         return false;
@@ -42,7 +42,7 @@ bool Sequence::settle_away(int64_t key, bool pass_start, bool servable) {
     // record goes in without one), or, when every rank went away, at a mark the pattern
     // expects, where they meet in the exchange as usual.
     const bool exchanged = !away_.stayers.empty();
-    away_.on = false;
+    away_.on = away_.by_exchange = false;
     away_.stayers.clear();
     if (!exchanged) return false;
     record(r);
@@ -53,23 +53,22 @@ bool Sequence::settle_away(int64_t key, bool pass_start, bool servable) {
 }
 
 bool Sequence::rejoin_at(const SeqRecord &r) {
-    const bool learning = sched_.every_phase || sched_.cycles < kLearnCycles;
-    if (learning && away_.stayers.empty()) {   // every rank went away: they meet in the exchange
-        away_.on = false;
+    if (away_.by_exchange && away_.stayers.empty()) {   // every rank went away: they meet in the exchange
+        away_.on = away_.by_exchange = false;
         return false;
     }
-    if (learning && same_place(digest(r), away_.stayers)) {   // where the stayers exchanged
-        away_.on = false;
+    if (away_.by_exchange && same_place(digest(r), away_.stayers)) {   // where the stayers exchanged
+        away_.on = away_.by_exchange = false;
         away_.stayers.clear();
         record(r);
         sched_.armed = false;
         return true;
     }
-    fail_alone(r);
+    fail_alone(r);   // a collective without a mark while away: not routed to the servers
 }
 
 bool Sequence::together(int64_t key) {
-    if (!waits_.store) return true;   // no store: the exchange decides
+    const StorePtr &store = away_.store;
     if (away_.step != pos_.step) {
         away_.step = pos_.step;
         away_.meetings = 0;
@@ -79,25 +78,25 @@ bool Sequence::together(int64_t key) {
                              std::to_string(away_.meetings++);
     const std::string mine = std::to_string(key), decided = base + "/d";
     const auto as_bytes = [](const std::string &t) { return std::vector<uint8_t>(t.begin(), t.end()); };
-    waits_.store->set(base + "/" + std::to_string(rank_), as_bytes(mine));
-    if (waits_.store->add(base + "/n", 1) == world_) {   // the last to arrive: are all at the same mark?
+    store->set(base + "/" + std::to_string(rank_), as_bytes(mine));
+    if (store->add(base + "/n", 1) == world_) {   // the last to arrive: are all at the same mark?
         bool same = true;
         for (int64_t q = 0; q < world_ && same; q++) {
-            const auto v = waits_.store->get(base + "/" + std::to_string(q));
+            const auto v = store->get(base + "/" + std::to_string(q));
             same = std::string(v.begin(), v.end()) == mine;
         }
-        waits_.store->compareSet(decided, {}, as_bytes(same ? "T" : "A"));
+        store->compareSet(decided, {}, as_bytes(same ? "T" : "A"));
     } else {
         using clock = std::chrono::steady_clock;
         const auto until = clock::now() + std::chrono::milliseconds((int64_t)(kAwayJoinS * 1000));
         auto nap = std::chrono::milliseconds(1);
-        while (!waits_.store->check({decided}) && clock::now() < until) {
+        while (!store->check({decided}) && clock::now() < until) {
             std::this_thread::sleep_for(nap);
             nap = std::min(nap * 2, std::chrono::milliseconds(20));
         }
-        waits_.store->compareSet(decided, {}, as_bytes("A"));   // the first to give up decides
+        store->compareSet(decided, {}, as_bytes("A"));   // the first to give up decides
     }
-    const auto v = waits_.store->get(decided);
+    const auto v = store->get(decided);
     return std::string(v.begin(), v.end()) == "T";
 }
 

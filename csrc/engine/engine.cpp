@@ -300,14 +300,16 @@ void Engine::settle_masters() {
 // --- the collective sequence check (Note [Collective sequence check], sequence.h) ---
 
 void Engine::enable_sequence_check(c10::optional<StorePtr> store, double patience_s,
-                                   c10::optional<ProcessGroupPtr> group, bool every_phase, int64_t id) {
+                                   c10::optional<ProcessGroupPtr> group, bool every_phase, int64_t id,
+                                   c10::optional<StorePtr> meet) {
     if (group.has_value()) {
         TORCH_CHECK((*group)->getSize() == layout_.world && (*group)->getRank() == layout_.rank,
                     "zero_ext: internal: the sequence-check group must hold the engine's ranks in the same order");
         comm_.seq.attach(*group, layout_.rank, layout_.world);
     }
     // Note [Parameter names in messages]: the names zeroify gave the engine
-    comm_.seq.enable(store.has_value() ? *store : StorePtr(), layout_.opts.param_names, patience_s, every_phase, id);
+    comm_.seq.enable(store.has_value() ? *store : StorePtr(), layout_.opts.param_names, patience_s, every_phase, id,
+                     meet.has_value() ? *meet : StorePtr());
 }
 
 void Engine::sequence_sync() { comm_.seq.sync(); }

@@ -142,7 +142,8 @@ public:
 
     // --- Note [Collective sequence check] (sequence.h) ---
     void enable_sequence_check(c10::optional<StorePtr> store, double patience_s,
-                               c10::optional<ProcessGroupPtr> group, bool every_phase, int64_t id);
+                               c10::optional<ProcessGroupPtr> group, bool every_phase, int64_t id,
+                               c10::optional<StorePtr> meet = c10::nullopt);
     // A SeqPhase, or kUnitNeedBase + unit; servable: Note [Reading alone]. Whether this rank is away.
     bool sequence_mark(int64_t phase, bool servable = false);
     bool sequence_away() const { return comm_.seq.away(); }

@@ -125,7 +125,8 @@ void Sequence::attach(c10::optional<ProcessGroupPtr> pg, int64_t rank, int64_t w
 }
 
 void Sequence::enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase,
-                      int64_t id) {
+                      int64_t id, StorePtr meet) {
+    away_.store = meet ? std::move(meet) : store;
     waits_.store = std::move(store);
     names_ = std::move(names);
     waits_.patience_s = patience_s;
@@ -209,8 +210,10 @@ void Sequence::commit() {
     const bool known = sched_.pattern.peek(key, pass_start);
     const bool learning = sched_.every_phase || sched_.cycles < kLearnCycles;
     sched_.flags = (servable ? kFlagServable : 0) | (known ? kFlagKnown : 0);
-    // Note [Reading alone]: a servable deviation meets the others in the store first
-    if (servable && !learning && !known && !together(key)) {
+    // Note [Reading alone]: a servable mark the pattern does not expect (or any, while it is
+    // learned) meets the others in the store first
+    const bool meet = servable && away_.store && (!known || sched_.cycles < kLearnCycles || reads_only(ph));
+    if (meet && !together(key)) {
         away_.on = true;
         return;
     }
@@ -227,7 +230,7 @@ void Sequence::commit() {
         if (exchange(r)) {   // this rank reads alone: the mark and its record are undone
             pos_.last = last;
             pos_.ring[r.seq % kRing] = slot;
-            away_.on = true;
+            away_.on = away_.by_exchange = true;
             return;
         }
     } else if (learning || now) {
@@ -249,7 +252,8 @@ void Sequence::sync() {
 }
 
 void Sequence::unit_need(int64_t unit) {
-    if (away_.on) return;   // served: nothing recorded (Note [Reading alone])
+    if (enabled_) commit();   // a pending mark first: it may be where a rank that was away is back
+    if (away_.on) return;     // served: nothing recorded (Note [Reading alone])
     subject(-1, unit);
     if (enabled_) {
         commit();

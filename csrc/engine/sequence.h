@@ -176,7 +176,11 @@ public:
     // runs before the ranks compare positions.
     // every_phase: exchange at every phase (waits cannot be watched, e.g. NCCL). id: this
     // engine's among the process's, the same on every rank (it keys the store's records).
-    void enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase, int64_t id);
+    // meet: the group's store, also where waits cannot be watched (NCCL): ranks that leave
+    // their pattern in a servable phase meet there (Note [Reading alone]); null: they meet
+    // in the digest exchange.
+    void enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase, int64_t id,
+                StorePtr meet = StorePtr());
     int64_t exchanges() const { return sched_.exchanges; }
     bool enabled() const { return enabled_; }
     // A divergence was reported: collectives in flight will never complete.
@@ -272,8 +276,10 @@ private:
     // exchanged when it left (every-phase schedule), where it rejoins them.
     struct Away {
         bool on = false;
-        std::vector<int64_t> stayers;     // their digest; empty: every rank went away, or the pattern schedule
-        int64_t step = -1, meetings = 0;  // the pattern schedule's store meetings at this step
+        bool by_exchange = false;         // decided in a digest exchange (no store to meet in)
+        std::vector<int64_t> stayers;     // then: their digest; empty: every rank went away
+        StorePtr store;                   // where ranks meet; null: they meet in the exchange
+        int64_t step = -1, meetings = 0;  // store meetings at this step
     } away_;
 };
 
