@@ -22,8 +22,9 @@ names tied to one embedding).
 * A plain nn.Module: nothing the checkpoint fills is initialized first (reset_parameters
   calls counted), a "model." prefix is found, an allowed missing head is initialized
   once, from rank 0's draw.
-* Round trip: trained, save_pretrained (sharded, with index), then from_pretrained and
-  zeroify(weights=) in another stage equal the trained weights bit for bit.
+* Round trip: trained, save_pretrained (sharded, with index; rank 0 gathering windows far
+  smaller than a unit), then from_pretrained and zeroify(weights=) in another stage equal
+  the trained weights bit for bit.
 * Bad checkpoints raise zero_ext.CheckpointError on every rank, naming the problem,
   before any training collective: a missing key, a wrong shape, an unexpected key, a
   truncated file, a file missing on one rank only (the other ranks name that rank and the
@@ -160,16 +161,22 @@ def _parity_worker(rank, world, ckpts, cases):
         _train(name, zm, zo, rank)
         trained = _full(zm, zo)
         names = [n for n, _ in ref.named_parameters()]
-        twin = copy.deepcopy(ref)         # from_pretrained + zeroify, the same stage
-        tm, to = zero_ext.zeroify(twin, torch.optim.AdamW(twin.parameters(), **OPT), stage=stage, param_dtype=dtype)
-        _train(name, tm, to, rank)
-        r["twin_differ"] = _differ(trained, _full(tm, to), names)
         if world <= 2 and dtype == "fp32":
             r["ddp_differ"] = _differ(trained, _ddp(name, copy.deepcopy(ref), rank), names)
+        else:                             # from_pretrained + zeroify in the same stage
+            twin = copy.deepcopy(ref)
+            tm, to = zero_ext.zeroify(twin, torch.optim.AdamW(twin.parameters(), **OPT), stage=stage, param_dtype=dtype)
+            _train(name, tm, to, rank)
+            r["twin_differ"] = _differ(trained, _full(tm, to), names)
         r["moved"] = sum((trained[n] - ref_sd[n]).abs().sum().item() for n in names)
         if stage in (1, 3) and dtype == "fp32":   # round trip: sharded files, then two ways back in
             path = os.path.join(ckpts["root"], f"rt-{name}-{world}-{stage}")
-            zero_ext.save_pretrained(zm, path, max_shard_size="30KB")
+            from zero_ext.pretrained import save as saving
+            window, saving.WINDOW_BYTES = saving.WINDOW_BYTES, 4000   # many windows, across fragments' ends
+            try:
+                zero_ext.save_pretrained(zm, path, max_shard_size="30KB")
+            finally:
+                saving.WINDOW_BYTES = window
             back = cls.from_pretrained(path, dtype=torch.float32)
             r["rt_files"] = sorted(os.listdir(path))
             r["rt_hf_differ"] = _differ(back.state_dict(), trained)
@@ -201,13 +208,14 @@ def test_sharded_load_equals_from_pretrained_and_trains_like_ddp(ckpts, world):
         for rank, out in enumerate(outs):
             r = out[case]
             where = f"rank {rank}/{world}, {name} stage {stage} {dtype}"
-            assert r["load_differ"] == [], f"{where}: not bit-equal to from_pretrained after the load: {r['load_differ']}"
+            assert r["load_differ"] == [], f"{where}: not bit-equal to from_pretrained when loaded: {r['load_differ']}"
             assert r["bufs_differ"] == [], f"{where}: buffers differ from from_pretrained's: {r['bufs_differ']}"
             assert r["ties"], f"{where}: ties differ from from_pretrained's"
             assert r["moved"] > 0, f"{where}: nothing trained"
-            assert r["twin_differ"] == [], f"{where}: differs from zeroify(from_pretrained): {r['twin_differ']}"
             if "ddp_differ" in r:
                 assert r["ddp_differ"] == [], f"{where}: differs from from_pretrained + DDP: {r['ddp_differ']}"
+            else:
+                assert r["twin_differ"] == [], f"{where}: differs from zeroify(from_pretrained): {r['twin_differ']}"
             if "rt_files" in r:
                 assert "model.safetensors.index.json" in r["rt_files"] and "config.json" in r["rt_files"], r["rt_files"]
                 assert r["rt_hf_differ"] == [], f"{where}: from_pretrained(saved) != trained: {r['rt_hf_differ']}"
@@ -326,7 +334,7 @@ def _plain_worker(rank, world, root, stage):
         torch.manual_seed(1000 + rank)    # each rank draws other values: rank 0's must reach every rank
         zm, zo = zero_ext.zeroify(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage, weights=weights)
         full = _full(zm, zo)
-        out[new] = {"resets": list(RESETS), "differ": _differ(full, src.state_dict()), "head2": full.get("head2.weight")}
+        out[new] = {"resets": list(RESETS), "differ": _differ(full, src.state_dict())}
         if new:
             torch.manual_seed(1000)       # what rank 0 drew: one Linear's reset_parameters()
             out[new]["rank0_draw"] = torch.equal(full["head2.weight"], nn.Linear(32, 96).weight.detach())
@@ -495,7 +503,8 @@ def test_bad_checkpoints_fail_on_every_rank(ckpts):
         if rank != 1:
             assert "rank(s) [1]" in out["one_rank"], (where, out["one_rank"])
         assert out["load_weights"] is not None and gone in out["load_weights"], (where, out["load_weights"])
-        assert out["buffer"] is not None and "'freq'" in out["buffer"] and "uninitialized" in out["buffer"], out["buffer"]
+        assert out["buffer"] is not None and "'freq'" in out["buffer"], out["buffer"]
+        assert "uninitialized" in out["buffer"], out["buffer"]
 
 
 def test_killed_rank_leaves_the_old_files(ckpts):

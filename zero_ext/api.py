@@ -216,8 +216,8 @@ def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, 
         kind, note = notes[failed[0]]
         cls = CheckpointError if kind == CheckpointError.__name__ else ZeroInputError
         raise cls(f"zero_ext: rank(s) {failed} rejected their zeroify() inputs; no training collective was started "
-                  f"on any rank. Rank {failed[0]} raised {kind}: {note.rstrip('.')}. Fix the error those ranks raised (it is in "
-                  f"their own log too) and run again")
+                  f"on any rank. Rank {failed[0]} raised {kind}: {note.rstrip('.')}. Fix the error those ranks raised "
+                  f"(it is in their own log too) and run again")
     differ = [r for r in range(world) if everyone[r, 1] != fingerprint]
     if len(set(everyone[:, 1].tolist())) > 1:      # every rank sees it, so every rank exchanges
         descs = comm.gather_object(desc, dst=None)

@@ -62,8 +62,11 @@ def _here() -> str:
 def checkpoint_files(path: str) -> tuple[list[str], dict | None]:
     """(the safetensors files of checkpoint `path`, the index's weight_map or None).
     `path`: a directory (its model.safetensors.index.json, else model.safetensors, else
-    its only *.safetensors file), a .safetensors file or an index .json file."""
+    its only *.safetensors file), a .safetensors file or an index .json file; <path>.old
+    when a save_pretrained was interrupted between its renames (Note [Streaming save_pretrained])."""
     path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(path) and os.path.isdir(path + ".old"):
+        path += ".old"
     if path.endswith((".bin", ".pt", ".pth", ".ckpt")) or (os.path.isdir(path) and not _safetensors_in(path)
                                                           and _pickles_in(path)):
         raise CheckpointError(
@@ -116,14 +119,15 @@ def read_header(file: str) -> dict[str, Entry]:
         raise CheckpointError(f"zero_ext: checkpoint file {file!r} is missing{_here()}; copy it there (every rank "
                               f"reads its own part of every file) or pass a complete checkpoint")
     size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < n <= min(HEADER_LIMIT, size - 8):
+            raise CheckpointError(f"zero_ext: checkpoint file {file!r} is truncated or not safetensors "
+                                  f"({size} bytes, header length {n}){_here()}")
+        text = f.read(n)
     try:
-        with open(file, "rb") as f:
-            head = f.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            if not 0 < n <= min(HEADER_LIMIT, size - 8):
-                raise CheckpointError(f"zero_ext: checkpoint file {file!r} is truncated or not safetensors "
-                                      f"({size} bytes, header length {n}){_here()}")
-            header = json.loads(f.read(n))
+        header = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"zero_ext: checkpoint file {file!r} has a corrupt header ({e}){_here()}") from None
     out, end = {}, 0
@@ -149,7 +153,16 @@ def read_header(file: str) -> dict[str, Entry]:
 
 
 def read_entries(path: str) -> tuple[list[str], dict[str, Entry]]:
-    """(files, name -> Entry) of checkpoint `path`: every file's header read and checked."""
+    """(files, name -> Entry) of checkpoint `path`: every file's header read and checked.
+    Every failure is a CheckpointError (the ranks exchange it: Note [Pretrained weights into shards])."""
+    try:
+        return _read_entries(path)
+    except OSError as e:
+        raise CheckpointError(f"zero_ext: cannot read the checkpoint {os.fspath(path)!r} ({type(e).__name__}: "
+                              f"{e}){_here()}") from e
+
+
+def _read_entries(path: str) -> tuple[list[str], dict[str, Entry]]:
     files, weight_map = checkpoint_files(path)
     entries: dict[str, Entry] = {}
     for file in files:

@@ -9,12 +9,13 @@ Note [Streaming save_pretrained]
   casts every floating-point one), cut into files as save_pretrained cuts them
   (model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json
   past max_shard_size). Rank 0 writes every file's header first (files.py), then:
-  - trainable parameters, bucket by bucket: each rank's slice of the bucket's fp32 master
-    is gathered to rank 0 (Comm.gather_to, one collective per bucket), which writes every
-    fragment (engine.fragments(r): parameter, element range, place in the slice) at its
-    byte offset in its file; a stage-3 bucket is one unit, a stage 1-2 bucket is at most
-    bucket_bytes, so rank 0 holds one unit (or bucket) in fp32 and the other ranks
-    nothing beyond their shard;
+  - trainable parameters, bucket by bucket and window by window: the same window of
+    every rank's slice of the bucket's fp32 master (at most WINDOW_BYTES over all ranks;
+    the slices are equally long on every rank) is gathered to rank 0 (Comm.gather_to),
+    which writes the part of every fragment (engine.fragments(r): parameter, element range,
+    place in the slice) that lies in it at its byte offset in its file. So rank 0 holds a
+    fixed buffer, however large a unit or bucket is (a root unit holding both embeddings),
+    and the other ranks nothing beyond their shard;
   - frozen parameters stage 3 shards, unit by unit (gathered in param_dtype, then released);
   - buffers and frozen parameters every rank holds whole, from rank 0's own.
   A PEFT model saves its adapter the PEFT way: the trainable parameters are gathered the
@@ -55,6 +56,7 @@ from .files import INDEX, SHARD, WEIGHTS, Writer, numel, parse_size, plan_files
 from .load import comm_of, is_peft
 
 ADAPTER = "adapter_model.safetensors"
+WINDOW_BYTES = 32 << 20       # what rank 0 gathers at once, over all ranks (fp32)
 
 
 def _stale(name: str) -> bool:
@@ -135,17 +137,20 @@ def _stream(model: ZeroModel, comm, saved: list, sink) -> None:
     wanted = {i: name for name, _, i, _, _ in saved if i is not None and i < model._guard.n_trainable}
     masters = engine.param_shards()
     slices = _slices_of_every_rank(engine, [m.numel() for m in masters]) if rank == 0 else None
-    buf = (torch.empty(parts * max((m.numel() for m in masters), default=0), device=comm.device)
-           if rank == 0 and parts > 1 else None)
+    window = max(1, WINDOW_BYTES // 4 // parts)
+    buf = torch.empty(parts * window, device=comm.device) if rank == 0 and parts > 1 else None
     for b, m in enumerate(masters):
         n = m.numel()
-        full = m if parts == 1 else comm.gather_to(m, buf[:parts * n] if buf is not None else None, dst=0)
-        if sink is None:
-            continue
-        for r in range(parts):
-            for i, poff, off, k in slices[r][b]:
-                if i in wanted:
-                    sink.put(wanted[i], poff, full[r * n + off:r * n + off + k])
+        for a in range(0, n, window) if parts > 1 else [0]:
+            w = min(window, n - a) if parts > 1 else n
+            got = m if parts == 1 else comm.gather_to(m.narrow(0, a, w), buf[:parts * w] if buf is not None else None)
+            if sink is None:
+                continue
+            for r in range(parts):   # each fragment's part in [a, a + w) of rank r's slice
+                for i, poff, off, k in slices[r][b]:
+                    lo, hi = max(off, a), min(off + k, a + w)
+                    if i in wanted and lo < hi:
+                        sink.put(wanted[i], poff + lo - off, got[r * w + lo - a:r * w + hi - a])
     del buf
     frozen = {id(t): name for name, t, i, _, _ in saved if i is not None and i >= model._guard.n_trainable}
     if model._guard.stage3 and model._guard.params[model._guard.n_trainable:]:
