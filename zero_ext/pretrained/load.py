@@ -136,7 +136,11 @@ def _patterns(allow) -> list:
         return [re.compile("")]
     if isinstance(allow, str):
         allow = [allow]
-    return [re.compile(p) for p in (allow or ())]
+    try:
+        return [re.compile(p) for p in (allow or ())]
+    except (re.error, TypeError) as e:
+        raise ValueError(f"zero_ext: Weights(allow_missing=..., allow_unexpected=...) take regular expressions "
+                         f"(or True), got {allow!r}: {e}") from None
 
 
 def _head(names) -> str:
@@ -438,4 +442,5 @@ def load_weights(model, weights, **options) -> WeightsReport:
     except CheckpointError as e:
         error = e
     agree(comm, error, plan.digest if plan is not None else 0)
-    return fill(model, plan, comm)
+    model.weights_report = fill(model, plan, comm)
+    return model.weights_report
