@@ -35,10 +35,10 @@ import dist_harness  # noqa: E402
 
 
 # Note [Test workers]: the longest files first (seconds in one process on a 2-core machine:
-# 87, 77, 63, 55, 51, 45, 35, 35, 33, 31, 30, 29, 27, 26), so that the workers end together
+# 87, 77, 63, 55, 51, 51, 45, 35, 35, 33, 31, 30, 29, 27, 26), so that the workers end together
 # instead of one finishing a long file alone; the other files follow in their usual order.
 LONGEST_FIRST = ("test_elastic.py", "test_mixed_precision.py", "test_parity.py", "test_stage3.py",
-                 "test_examples.py", "test_diverge.py", "test_notebook.py", "test_whole_tensor.py",
+                 "test_pretrained.py", "test_examples.py", "test_diverge.py", "test_notebook.py", "test_whole_tensor.py",
                  "test_ddp_checkpoint.py", "test_cuda_compile.py", "test_offload.py", "test_checkpoint.py",
                  "test_hf_models.py", "test_state_dtype.py")
 

@@ -6,8 +6,8 @@ collective on a CPU tensor that works on gloo kills the multi-GPU launch. This m
 has no GPU, so the guard is a spy: every torch.distributed collective a rank calls
 while it exercises each feature (zeroify's checks and broadcast, the meta-device build,
 the inf- and 2-norms, fp16 loss scaling, stage="auto", the sequence check, gathered
-parameters, save / load at another world size / consolidation, whole-tensor optimizers,
-stats, the estimator) is recorded with the first frame outside torch that called it.
+parameters, save / load at another world size / consolidation, pretrained weights in and
+out, whole-tensor optimizers, stats, the estimator) is recorded with the first frame outside torch that called it.
 A call from zero_ext anywhere but zero_ext/comm.py, or one that carries a tensor of
 another device than the engine's, fails the test. torch.distributed.checkpoint (DCP)
 is torch's own layer: it picks its device from the group's backends, which zeroify
@@ -122,6 +122,14 @@ class Net(nn.Module):
         return self.head(h).logsumexp(-1).mean()
 
 
+class NetPlus(Net):
+    """Net and a module that no checkpoint of Net has."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(24, 24)
+
+
 def _steps(zm, zo, rank, n=2, clip=None):
     for k in range(n):
         x = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(10 * k + rank))
@@ -149,6 +157,14 @@ def _features(rank, world, tmp):
         zero_ext.consolidated_state_dict(zm, zo, to=world - 1)
         with zero_ext.gathered_parameters(zm.module.head, modifier_rank=0):
             pass
+        # pretrained weights: streamed out to rank 0, a meta build filled from them (a new module initialized
+        # from rank 0's draw), a load into a zeroified model
+        zero_ext.save_pretrained(zm, os.path.join(tmp, "hf"))
+        with torch.device("meta"):
+            mw = NetPlus()
+        zmw, _ = zero_ext.zeroify(mw, torch.optim.AdamW(mw.parameters()), stage=3,
+                                  weights=zero_ext.Weights(os.path.join(tmp, "hf"), allow_missing=["extra"]))
+        zero_ext.load_weights(zmw, os.path.join(tmp, "hf"), allow_missing=["extra"])
         # stage 3 built on the meta device (the build's verdict), loading the stage-2 checkpoint
         with zero_ext.meta_parameters():
             m3 = Net()

@@ -88,6 +88,7 @@ def spread(d: dict, fmt: str = ".2f", unit: str = "x") -> str:
 H200 = "h200"
 EPYC = "epyc-avx2-2026-11-23"
 XEON = "xeon-avx512-2026-11-25"
+ZEN5 = "epyc-avx512-2026-11-27"
 
 
 def gen_perf_headline(arg: str = "") -> str:
@@ -370,6 +371,41 @@ def gen_perf_offload(arg: str = "") -> str:
     return text + "\n" + source_line(grel)
 
 
+def gen_perf_pretrained(arg: str = "") -> str:
+    """A ~0.5B Llama loaded into stage 3 and saved back: zero_ext beside every rank's
+    from_pretrained and FSDP2 with torch's Hugging Face reader and writer."""
+    rel = f"{ZEN5}/bench_pretrained.json"
+    d = ref(rel)
+    m, a, mib = d["meta"], d["meta"]["args"], 2 ** 20
+    names = {"from_pretrained": "every rank `from_pretrained`, then zeroify stage 3; save: gathered on rank 0, "
+                                "`save_file`",
+             "zero_ext": "zero_ext: meta build, `zeroify(weights=...)`; save: `zero_ext.save_pretrained`",
+             "fsdp2": "FSDP2: meta build, `fully_shard`, DCP `HuggingFaceStorageReader`; save: "
+                      "`HuggingFaceStorageWriter`"}
+    base = d["systems"]["from_pretrained"]
+    rows = []
+    for key, s in d["systems"].items():
+        load, save = s["load"], s["save"]
+        rows.append([names.get(key, key), f"{load['seconds']:.1f}", f"{load['seconds'] / base['load']['seconds']:.2f}x",
+                     f"{load['peak_bytes'] / mib:,.0f}", f"{load['peak_over_bound_bytes'] / mib:+,.0f}",
+                     f"{save['seconds']:.1f}", f"{save['seconds'] / base['save']['seconds']:.2f}x",
+                     f"{save['peak_bytes'] / mib:,.0f}", f"{save['peak_over_bound_bytes'] / mib:+,.0f}",
+                     "yes" if s["saved_equal"] else "NO"])
+    text = (f"A {m['numel'] / 1e9:.2f}B-parameter Llama-shaped model ({a['layers']} layers, width {a['hidden']}, "
+            f"vocabulary {a['vocab']}, random weights) saved by transformers in bf16 "
+            f"({m['checkpoint_bytes'] / 2 ** 30:.2f} GiB, one file), loaded on {a['world']} gloo ranks of one "
+            f"thread each and saved back. Peak: the largest rank's resident set during the phase (VmHWM, reset "
+            f"before it), MiB; bound: that rank's resident set after the load + the largest tensor in fp32 "
+            f"({m['largest_numel'] * 4 / mib:,.0f} MiB) + 64 MiB, so a peak at or under it (a figure at or below "
+            f"zero) holds no more than one tensor beyond what the rank keeps. Times: the slowest rank, seconds, "
+            f"median of {a['reps']} run(s); saves include the fsync that makes them durable (the gather-on-rank-0 "
+            f"save's own fsync: {base['save']['fsync_seconds']:.1f} s). Saved: the files hold the checkpoint's "
+            f"values, tensor by tensor.\n\n")
+    text += table(["system", "load s", "vs from_pretrained", "load peak", "peak - bound", "save s",
+                   "vs gather on rank 0", "save peak", "peak - bound", "saved"], rows)
+    return text + "\n" + source_line(rel)
+
+
 def gen_perf_sequence(arg: str = "") -> str:
     """The divergence check's cost: step time with the default check and the every-phase mode vs off."""
     rel = f"{XEON}/bench_sequence.json"
@@ -474,6 +510,8 @@ STATUS = [
      ["tests/test_whole_tensor.py", "tests/test_fill_engine.py", "tests/test_whole_tensor_checkpoint.py"], [],
      [f"{EPYC}/bench_whole.json"]),
     ("Hugging Face transformers and PEFT models", ["tests/test_hf_models.py"], [], []),
+    ("Pretrained safetensors loaded straight into shards (`zeroify(weights=...)`), streamed `save_pretrained`",
+     ["tests/test_pretrained.py"], [], [f"{ZEN5}/bench_pretrained.json"]),
     ("Trainers: Lightning, Hugging Face Trainer, Accelerate", ["tests/test_integrations.py"], [], []),
     ("Memory estimator and `stage=\"auto\"`", ["tests/test_estimate.py", "tests/test_auto_stage.py",
                                                "tests/test_memory.py"], [], []),
@@ -801,13 +839,14 @@ GENERATORS = {
     "perf-optimizer-cpu": gen_perf_optimizer_cpu, "perf-units": gen_perf_units, "perf-comm": gen_perf_comm,
     "perf-comm-hier": gen_perf_comm_hier, "perf-whole": gen_perf_whole, "perf-memory": gen_perf_memory,
     "perf-sequence": gen_perf_sequence, "perf-offload": gen_perf_offload, "perf-peak-gpu": gen_perf_peak_gpu,
+    "perf-pretrained": gen_perf_pretrained,
     "status": gen_status,
     "notes": gen_notes, "options": gen_options, "deepspeed-keys": gen_deepspeed_keys, "errors": gen_errors,
 }
 # Generators whose text states figures read from benchmarks/reference/ (exempt from the stray-figure scan).
 FROM_REFERENCE = {"perf-headline", "perf-optimizer-gpu", "perf-optimizer-cpu", "perf-units", "perf-comm",
                   "perf-comm-hier", "perf-whole", "perf-memory", "perf-sequence", "perf-offload", "perf-peak-gpu",
-                  "status"}
+                  "perf-pretrained", "status"}
 
 
 def generate(name: str, arg: str | None = None) -> str:

@@ -17,13 +17,15 @@ from .from_deepspeed import config_from_deepspeed
 from .materialize import meta_parameters
 from .model import ZeroModel
 from .optim import ZeroOptimizer
+from .pretrained import Weights, WeightsReport, load_weights, save_pretrained
 from .torch_utils import install as _install_torch_utils
 
 _install_torch_utils()   # Note [torch's clipping utilities]: torch's clip_grad_* right on zeroified models
 
 __all__ = ["zeroify", "ZeroConfig", "ZeroModel", "ZeroOptimizer", "ZeroInputError", "ZeroUsageError",
            "gathered_parameters", "meta_parameters", "save", "load", "consolidated_state_dict", "CheckpointError",
-           "estimate_memory", "delay_collectives", "config_from_deepspeed"]
+           "estimate_memory", "delay_collectives", "config_from_deepspeed", "Weights", "WeightsReport",
+           "load_weights", "save_pretrained"]
 __version__ = "0.1.0"
 
 

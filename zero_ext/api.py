@@ -14,6 +14,7 @@ from torch import nn
 from . import _C, shard_server
 from .auto import choose_stage, free_memory
 from .changes import ModelGuard, ZeroUsageError, retire_optimizer
+from .checkpoint.format import CheckpointError
 from .comm import Comm, check_device, device_backend
 from .config import ZeroConfig, make_config
 from .gather import OWNER_ATTR
@@ -23,6 +24,7 @@ from .nodes import node_group, resolve_node_size
 from .offload import check_host_memory, warn_unfused
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, _Part
 from .param_waits import ParamWaits
+from .pretrained import load as pretrained
 from .sharded_grad import install as install_sharded_grads
 from .units import assign_units, frozen_to_shard
 from .whole import WHOLE, ZeroOptimizerPart, fill_state_sizes, update_kind
@@ -50,7 +52,7 @@ def _resolve_group(pg):
     return pg, pg.rank(), pg.size()
 
 
-def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
+def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool, weights: bool = False):
     """Rank-local checks. Returns (trainable params, their group ids, frozen params,
     fused?, what the fingerprint hashes (a tuple, see _first_difference), the parts:
     one _Part per torch optimizer)."""
@@ -143,9 +145,9 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
     if len(devices) > 1:
         _fail(f"the model's parameters are on different device types {sorted(devices)}; move the "
               f"whole model to one device (model.to(device)) first")
-    if meta and cfg.stage not in (3, "auto"):
+    if meta and cfg.stage not in (3, "auto") and not weights:
         _fail(f"the model is on the meta device; building it sharded needs stage=3 (got stage={cfg.stage}), "
-              f"or build it on the CPU")
+              f"pretrained weights to fill it (weights=...), or build it on the CPU")
     for p in params:
         if p.device.type == "cuda" and not hasattr(_C, "cuda_adam_step"):
             _fail(f"parameter {names[id(p)]!r} is on {p.device}, but this build of zero_ext has no CUDA "
@@ -154,7 +156,7 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool):
         if p.device.type not in ("cpu", "cuda", "meta"):
             _fail(f"parameter {names[id(p)]!r} is on {p.device}; zero_ext runs on CPU and CUDA tensors: move "
                   f"the model with model.to('cpu') or model.to('cuda') before zeroify")
-        if p.dtype != torch.float32:
+        if p.dtype != torch.float32 and not (weights and p.is_meta):   # (filled as fp32: replace_meta)
             _fail(f"parameter {names[id(p)]!r} is {p.dtype}; give zeroify() the model in float32 "
                   f"(model.float()) and choose the compute precision with param_dtype='bf16' or 'fp16': "
                   f"the fp32 master weights are taken from it")
@@ -178,6 +180,9 @@ def _first_difference(mine: tuple, theirs: tuple, r: int) -> str:
     if opts:
         k = opts[0]
         return f"option {k}={mine[1][k]!r} here, {k}={theirs[1].get(k)!r} on rank {r}"
+    if mine[4:] != theirs[4:]:
+        return (f"the pretrained weights (weights=...) hold other tensors (names, shapes or dtypes) here than on rank "
+                f"{r}; give every rank the same checkpoint files")
     here, there = {n: rest for n, *rest in mine[2]}, {n: rest for n, *rest in theirs[2]}
     for n, (shape, dtype, gi) in here.items():
         if n not in there:
@@ -202,14 +207,17 @@ def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, 
     Returns the least `free` over the ranks (stage="auto"'s memory budget; -1 when
     not asked)."""
     everyone = comm.all_gather_int64([0 if error is None else 1, fingerprint, free])
-    if error is not None:
-        raise error
     world, rank = comm.world, comm.rank
     failed = [r for r in range(world) if everyone[r, 0] != 0]
-    if failed:
-        raise ZeroInputError(f"zero_ext: rank(s) {failed} rejected their zeroify() inputs; no training "
-                             f"collective was started on any rank. Fix the error those ranks raised (it is in "
-                             f"their own log) and run again")
+    if failed:   # every rank exchanges the messages, so each names the first failing rank's
+        notes = comm.gather_object(None if error is None else (type(error).__name__, str(error)), dst=None)
+        if error is not None:
+            raise error
+        kind, note = notes[failed[0]]
+        cls = CheckpointError if kind == CheckpointError.__name__ else ZeroInputError
+        raise cls(f"zero_ext: rank(s) {failed} rejected their zeroify() inputs; no training collective was started "
+                  f"on any rank. Rank {failed[0]} raised {kind}: {note.rstrip('.')}. Fix the error those ranks raised "
+                  f"(it is in their own log too) and run again")
     differ = [r for r in range(world) if everyone[r, 1] != fingerprint]
     if len(set(everyone[:, 1].tolist())) > 1:      # every rank sees it, so every rank exchanges
         descs = comm.gather_object(desc, dst=None)
@@ -284,7 +292,7 @@ def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> int:
 
 
 def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | str | None = None,
-            config: ZeroConfig | dict | str | None = None, init_fn=None, **options):
+            config: ZeroConfig | dict | str | None = None, init_fn=None, weights=None, **options):
     """Wrap `model` and `optimizer` for ZeRO data parallelism; returns (model, optimizer).
 
     optimizer: a torch optimizer, or a list of them over disjoint parameters (the Muon
@@ -300,6 +308,15 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         model.apply order) after each module's reset_parameters() to initialize it
         (for a Hugging Face model: init_fn=model._init_weights); anything left
         uninitialized raises.
+    weights: pretrained weights to fill the model with, a safetensors checkpoint path or
+        zero_ext.Weights(path, allow_missing=..., allow_unexpected=..., prefix=...): checked on
+        every rank before any collective (a mismatch raises zero_ext.CheckpointError on every
+        rank), then each rank reads only its own fragments (stage 3) or the whole tensors it
+        holds (stages 0-2). On a model built on the meta device (any stage) nothing the
+        checkpoint fills is initialized first; what it leaves out (allow_missing) is
+        initialized by reset_parameters() and init_fn (default: a Hugging Face model's
+        _init_weights) and named in a warning. The model's weights_report says what was read
+        (Note [Pretrained weights into shards]).
     Every rank of the process group must call zeroify with the same model and options.
     """
     error = None
@@ -321,12 +338,15 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     free = None
     if auto:
         error = _auto_stage_error(optimizer)
-    params = groups = frozen = parts = desc = None
+    params = groups = frozen = parts = desc = plan = None
     fused = False
     if error is None:
         try:
             meta = isinstance(model, nn.Module) and is_meta(model)
-            params, groups, frozen, fused, desc, parts = _inspect(model, optimizer, cfg, meta)
+            params, groups, frozen, fused, desc, parts = _inspect(model, optimizer, cfg, meta, weights is not None)
+            if weights is not None:   # Note [Pretrained weights into shards]: checked here, agreed on below
+                plan = pretrained.make_plan(model, pretrained.as_weights(weights))
+                desc = desc + (plan.digest,)
             if auto and cfg.memory_budget is None:
                 free = free_memory(model)
             if cfg.offload is not None:   # Note [Optimizer offload] (csrc/engine/offload.h)
@@ -383,12 +403,15 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     meta = is_meta(model)
     born: set = set()
     if meta:
-        born = replace_meta(model, optimizers)   # untouched CPU storage, same ties
+        # untouched CPU storage, same ties; with weights, parameters as fp32 whatever dtype the build gave them
+        # (a config's dtype: bf16): they hold no values yet, and the checkpoint's are read into fp32 masters
+        born = replace_meta(model, optimizers, torch.float32 if plan is not None else None)
         params = [p for o in optimizers for g in o.param_groups for p in g["params"] if p.requires_grad]
         frozen = [p for p in model.parameters() if not p.requires_grad]
         opts.copy_params = False
-    elif world > 1:
-        comm.broadcast_(list(model.parameters()) + list(model.buffers()))   # as DDP: rank 0's values
+    elif world > 1:   # as DDP: rank 0's values (of what the checkpoint will not fill)
+        filled = plan.filled(model) if plan is not None else set()
+        comm.broadcast_([t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in filled])
     units, unit_modules, root_holders = [], [model], []
     sharded_frozen, frozen_units = frozen_to_shard(frozen, cfg.stage, cfg.param_dtype), []
     if cfg.stage == 3:
@@ -416,7 +439,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         engine.enable_hierarchy(node_group(pg, node_size))
     in_engine = {id(p) for p in sharded_frozen}
     replicated = [p for p in frozen if id(p) not in in_engine]
-    if meta:
+    if meta and plan is None:   # (with weights: pretrained.fill below initializes what they leave out)
         unit_of = {id(p): u for p, u in zip(params + sharded_frozen, units + frozen_units)}
         initialize_by_unit(model, engine, unit_of, comm, init_fn, born)
         comm.broadcast_(replicated + list(model.buffers()))
@@ -447,6 +470,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     waits = (ParamWaits(wrapped, model, engine, params)
              if cfg.overlap_param_gather and cfg.stage in (1, 2) and world > 1 else None)
     wrapped.attach(guard, zopt, waits)   # Note [torch's clipping utilities] (torch_utils.py): the optimizer
+    if plan is not None:                 # Note [Pretrained weights into shards]
+        wrapped.weights_report = pretrained.fill(wrapped, plan, comm, init_fn, initialize=meta)
     if cfg.stage >= 1 and not cfg.step_in_backward:   # Note [Sharded gradients]: p.grad answers as DDP's
         install_sharded_grads(wrapped, zopt, {id(p): n for n, p in model.named_parameters()})
     if world > 1 and cfg.check_sequence is not False and backend != "fake":   # fake moves no data

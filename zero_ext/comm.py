@@ -134,6 +134,19 @@ class Comm:
             self._delayed()
         return buf
 
+    def gather_to(self, tensor: torch.Tensor, out: torch.Tensor | None, dst: int = 0) -> torch.Tensor | None:
+        """Every rank's `tensor` (1-D, the same numel on every rank), in rank order, in `out`
+        (world * numel elements of the engine's device, given on `dst` only) on rank `dst`;
+        None elsewhere. Streams a bucket's slices to one writing rank (save_pretrained)."""
+        mine = tensor.reshape(-1).to(self.device).contiguous()
+        if self.world == 1:
+            out.copy_(mine)
+            return out
+        rows = list(out.view(self.world, -1).unbind(0)) if self.rank == dst else None
+        dist.gather(mine, gather_list=rows, dst=self._global(dst), group=self.pg)
+        self._delayed()
+        return out if self.rank == dst else None
+
     # ---- objects (pickled into uint8 tensors on the engine's device)
     def _bytes_of(self, obj) -> torch.Tensor:
         return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)

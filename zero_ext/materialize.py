@@ -77,10 +77,11 @@ def meta_parameters():
         handle.remove()
 
 
-def replace_meta(model: nn.Module, optimizer) -> set:
+def replace_meta(model: nn.Module, optimizer, float_dtype: torch.dtype | None = None) -> set:
     """Swap every meta parameter/buffer for an uninitialized CPU one (pages not yet
     touched, so no memory is resident), keeping ties and the references of the
-    optimizer (or of each optimizer of a list).
+    optimizer (or of each optimizer of a list); float_dtype: the dtype of the new
+    floating-point parameters (None: each one's own).
     Returns the ids of the new tensors (what initialize_by_unit must see written)."""
     new: dict[int, nn.Parameter] = {}
     born: set = set()
@@ -88,7 +89,8 @@ def replace_meta(model: nn.Module, optimizer) -> set:
         for name, p in list(m._parameters.items()):
             if p is not None and p.is_meta:
                 if id(p) not in new:
-                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                    dtype = float_dtype if float_dtype is not None and p.is_floating_point() else p.dtype
+                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad)
                 m._parameters[name] = new[id(p)]
                 born.add(id(new[id(p)]))
         for name, b in list(m._buffers.items()):
@@ -112,10 +114,14 @@ def _post_order(m: nn.Module):
 class _Units:
     """Which units are whole while initializing, and what is still unset."""
 
-    def __init__(self, engine, unit_of: dict, members: dict):
+    def __init__(self, engine, unit_of: dict, members: dict, only: set | None = None, pieces: dict | None = None,
+                 comm=None):
         self.engine = engine
         self.unit_of = unit_of          # id(parameter) -> unit
         self.members = members          # unit -> its parameters
+        self.only = only                # ids of the parameters to initialize (None: all)
+        self.pieces = pieces            # with only: id -> [(offset in it, this rank's shard view)]
+        self.comm = comm
         self.whole: set = set()
         self.in_call: set = set()       # units the running call touched
         self.opened: set = set()        # units opened at least once
@@ -132,10 +138,13 @@ class _Units:
             self.engine.open_unit_fp32(u)
         self.whole.add(u)
         for p in self.members.get(u, ()):
-            if u not in self.opened:
+            if u not in self.opened and self.wanted(p):
                 p.data.view(torch.int32).fill_(_UNSET_BITS)
             self.views[id(p)] = p.data_ptr()
         self.opened.add(u)
+
+    def wanted(self, p) -> bool:
+        return self.only is None or id(p) in self.only
 
     def close(self, u: int) -> None:
         for p in self.members.get(u, ()):
@@ -143,9 +152,18 @@ class _Units:
                 raise RuntimeError(f"zero_ext: an init replaced the tensor of a parameter of shape "
                                    f"{tuple(p.shape)} (p.data = ... or a new nn.Parameter); initialize "
                                    f"parameters in place (p.copy_(...), nn.init.*)")
-            self.unset[id(p)] = bool((p.data.view(torch.int32) == _UNSET_BITS).any())
+            if self.wanted(p):
+                self.unset[id(p)] = bool((p.data.view(torch.int32) == _UNSET_BITS).any())
         with _disable_current_modes():
-            self.engine.commit_unit(u, 0)
+            if self.only is None:
+                self.engine.commit_unit(u, 0)
+            else:   # Note [Pretrained weights into shards]: rank 0's values of the initialized ones only
+                mine = [p for p in self.members.get(u, ()) if id(p) in self.only]
+                self.comm.broadcast_(mine)
+                for p in mine:
+                    flat = p.detach().reshape(-1)
+                    for poff, view in self.pieces[id(p)]:
+                        view.copy_(flat[poff:poff + view.numel()])
             self.engine.release_unit(u)
         self.whole.discard(u)
 
@@ -189,6 +207,17 @@ class _WriteLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _own_tensors(m: nn.Module, params: bool = False) -> list:
+    own = list(m._parameters.values()) + ([] if params else list(m._buffers.values()))
+    return [t for t in own if t is not None]
+
+
+def _ancestors(model: nn.Module, path: str) -> list:
+    """The module at `path` and every module above it."""
+    parts = path.split(".") if path else []
+    return [model.get_submodule(".".join(parts[:k])) for k in range(len(parts) + 1)]
+
+
 def _qualified(model: nn.Module) -> dict:
     """id(parameter or buffer) -> "name (ModuleClass)" for messages."""
     out = {}
@@ -203,7 +232,7 @@ def _qualified(model: nn.Module) -> dict:
 
 @torch.no_grad()
 def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=None,
-                       born: set = frozenset()) -> None:
+                       born: set = frozenset(), only: set | None = None, pieces: dict | None = None) -> None:
     """Replays what building the model on the CPU and then calling
     model.apply(init_fn) does: (1) each module's reset_parameters(), as its
     constructor ran it, where a parameter tied to an earlier module keeps that
@@ -212,12 +241,19 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
     unit_of: id(parameter) -> unit for every parameter the engine manages; born:
     ids of the plain tensors replace_meta created. Raises (on every rank) if
     anything was left uninitialized (Note [Meta builds lose nothing]); comm: the
-    zero_ext/comm.py Comm that carries that verdict."""
+    zero_ext/comm.py Comm that carries that verdict.
+    only: the ids of the parameters and buffers to initialize, all else being filled
+    otherwise (Note [Pretrained weights into shards]): (1) runs on the modules holding
+    them, (2) on those and their ancestors; a unit is not committed but its `only`
+    members are broadcast from rank 0 and copied into `pieces` (id -> [(offset, this
+    rank's shard view)]); the tensors outside the engine in `only` are what `born` is."""
     members: dict = {}
     for p in {id(p): p for p in model.parameters()}.values():
         if id(p) in unit_of:
             members.setdefault(unit_of[id(p)], []).append(p)
-    units = _Units(engine, unit_of, members)
+    units = _Units(engine, unit_of, members, only, pieces, comm)
+    if only is not None:
+        born = only
     plain = [t for t in list(model.parameters()) + list(model.buffers())
              if id(t) in born and id(t) not in unit_of and t.numel() > 0]
     log = _WriteLog({t.untyped_storage().data_ptr(): id(t) for t in plain})
@@ -235,24 +271,31 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
                 p.copy_(keep[id(p)])
             done.add(id(p))
 
-    def run(fn):
+    holders = None if only is None else {id(m) for m in model.modules()
+                                         if any(id(t) in only for t in _own_tensors(m, params=True))}
+    with_ancestors = None if only is None else {id(a) for path, m in model.named_modules()
+                                                if any(id(t) in only for t in _own_tensors(m))
+                                                for a in _ancestors(model, path)}
+
+    def run(fn, modules):
         seen = set()
         for m in _post_order(model):
-            if id(m) in seen:
+            if id(m) in seen or (modules is not None and id(m) not in modules):
                 continue
             seen.add(id(m))
             units.in_call = set()
             for p in m.parameters(recurse=False):
-                if id(p) in unit_of:
+                if id(p) in unit_of and units.wanted(p):
                     units.need(unit_of[id(p)])
             with _OpenOnTouch(units), log:
                 fn(m)
         units.in_call = set()
 
-    units.need(0)
-    run(reset)
+    if only is None:
+        units.need(0)
+    run(reset, holders)
     if init_fn is not None:
-        run(init_fn)
+        run(init_fn, with_ancestors)
     for u in sorted(units.whole):
         units.close(u)
 

@@ -69,6 +69,7 @@ class ZeroModel(nn.Module):
         self._param_waits = None   # stages 1-2, overlap_param_gather (param_waits.py): attach()
         self._guard = None         # the ModelGuard (changes.py): attach()
         self._optimizer = None     # weakref to the ZeroOptimizer (Note [torch's clipping utilities]): attach()
+        self.weights_report = None  # zeroify(weights=...): what was read (zero_ext.WeightsReport)
 
     def attach(self, guard, optimizer, param_waits=None) -> None:
         """zeroify's last step: the collaborators built after this wrapper (each needs it)."""

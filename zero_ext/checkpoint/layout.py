@@ -126,19 +126,27 @@ def _frozen_in_engine(model) -> list:
     return guard.params[guard.n_trainable:]
 
 
+def frozen_units(model):
+    """Yields, unit by unit, the frozen parameters stage 3 shards in that unit, gathered
+    whole on every rank until the next one is asked for (every rank iterates it all)."""
+    engine, frozen = model._engine, _frozen_in_engine(model)
+    unit_of = {id(p): getattr(p, OWNER_ATTR)[1] for p in frozen}
+    for u in sorted(set(unit_of.values())):
+        was = engine.unit_gathered(u)
+        shard_server.gather_unit(model._optimizer(), u)   # Note [Shard server]: served on a rank reading alone
+        yield [p for p in frozen if unit_of[id(p)] == u]
+        if not was:
+            engine.release_unit(u)
+
+
 @torch.no_grad()
 def _gather_frozen(model, keep: bool) -> dict:
     """id -> whole clone of every frozen parameter stage 3 shards (held only where
     keep); every rank calls it: one unit gathered at a time."""
-    engine, out = model._engine, {}
-    unit_of = {id(p): getattr(p, OWNER_ATTR)[1] for p in _frozen_in_engine(model)}
-    for u in sorted(set(unit_of.values())):
-        was = engine.unit_gathered(u)
-        shard_server.gather_unit(model._optimizer(), u)   # Note [Shard server]: served on a rank reading alone
+    out = {}
+    for params in frozen_units(model):
         if keep:
-            out.update({id(p): p.detach().clone() for p in _frozen_in_engine(model) if unit_of[id(p)] == u})
-        if not was:
-            engine.release_unit(u)
+            out.update({id(p): p.detach().clone() for p in params})
     return out
 
 

@@ -15,7 +15,7 @@
             scheduler.step()
             optimizer.zero_grad()
     accelerator.save_state("ckpt")            # every rank; accelerator.load_state("ckpt") to resume
-    save_model(accelerator, model, "final")   # every rank: the full model, final/model.safetensors
+    save_model(accelerator, model, "final")   # every rank: zero_ext.save_pretrained, streamed out of the shards
 
 prepare() moves the model to accelerator.device, calls zero_ext.zeroify(model,
 optimizer, stage=..., **options) and hands everything else (data loaders, LR
@@ -36,8 +36,10 @@ accumulation micro-steps as usual. So:
   data loader positions, RNG states); it writes no model.safetensors or optimizer.bin
   for the zeroified pair.
 - The full model for from_pretrained/load_state_dict: save_model(accelerator, model, dir)
-  below, on every rank. Not accelerator.save_model(model, dir): it drops, with a
-  warning, tensors that share a storage, and in stages 0-2 every parameter is a view
+  below, on every rank: zero_ext.save_pretrained (rank 0 writes model.safetensors, or
+  shards and an index, and a Hugging Face model's config, streamed bucket by bucket: no
+  process holds the whole model). Not accelerator.save_model(model, dir): it drops, with
+  a warning, tensors that share a storage, and in stages 0-2 every parameter is a view
   of a flat bucket, so it would write one tensor per bucket.
 
 Precision: fp32 parameters; mixed_precision="bf16" (autocast) works, "fp16" (a
@@ -76,16 +78,12 @@ def prepare(accelerator, model: nn.Module, optimizer, *others, stage: int | str 
     return (zmodel, wrapped, *rest)
 
 
-def save_model(accelerator, model, save_directory, filename: str = "model.safetensors") -> None:
-    """Write the zeroified `model`'s full state dict to save_directory/filename
-    (safetensors), as accelerator.save_model would for a plain model; every rank calls
-    it (stage 3 gathers the parameters unit by unit), the main process writes."""
-    from safetensors.torch import save_file
-
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}   # own storages
-    if accelerator.is_main_process:
-        os.makedirs(save_directory, exist_ok=True)
-        save_file(state, os.path.join(save_directory, filename), metadata={"format": "pt"})
+def save_model(accelerator, model, save_directory, max_shard_size: int | str = "10GB") -> None:
+    """As accelerator.save_model for the zeroified `model` (every rank calls it):
+    zero_ext.save_pretrained, which streams the weights out of the shards (rank 0 writes
+    save_directory/model.safetensors, or shards with an index past max_shard_size, and a
+    Hugging Face model's config)."""
+    zero_ext.save_pretrained(model, save_directory, max_shard_size=max_shard_size)
     accelerator.wait_for_everyone()
 
 

@@ -20,8 +20,9 @@ and Accelerate only wraps the returned optimizer. Then:
   which is the zeroified model's no_sync().
 - Checkpoints (save_steps / save_strategy, resume_from_checkpoint): each
   checkpoint-N/ holds what the Trainer writes (the full model as save_pretrained
-  files, written by rank 0 from model.state_dict(), which every rank builds: stage 3
-  gathers it unit by unit; trainer_state.json, RNG states) and, instead of the
+  files, written by zero_ext.save_pretrained: streamed out of the shards bucket by
+  bucket, rank 0 writing, no process holding the whole model; trainer_state.json, RNG
+  states) and, instead of the
   Trainer's rank-0 optimizer.pt/scheduler.pt, the directory checkpoint-N/zero_ext:
   zero_ext.save() from every rank (each rank's shard of the fp32 masters and
   optimizer states, and the LR scheduler's state). Resuming loads it with
@@ -35,7 +36,9 @@ from __future__ import annotations
 
 import os
 
+import torch
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 
 import zero_ext
 from zero_ext.config import make_config
@@ -84,12 +87,17 @@ class ZeroTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """As Trainer.save_model (call it on every rank): the full model, written by rank 0."""
+        """As Trainer.save_model (call it on every rank): zero_ext.save_pretrained (the model
+        streamed out of the shards, rank 0 writing; a PEFT model's adapter), then, on the
+        main process, the processing class and the training arguments beside it."""
         if self.zero_model is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.zero_model.state_dict()     # every rank: stage 3 gathers unit by unit
-        self._save(output_dir, state_dict=_tied(self.model, state_dict))
+        zero_ext.save_pretrained(self.zero_model, output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -110,16 +118,6 @@ class ZeroTrainer(Trainer):
                              f"without resume_from_checkpoint")
         zero_ext.load(path, self.zero_model, self.zero_optimizer, scheduler=self.lr_scheduler)
 
-
-def _tied(module, state_dict: dict) -> dict:
-    """state_dict with tied parameters (GPT-2's lm_head and wte) as one tensor again, as
-    save_pretrained expects to find them (stage 3 gathers each name into its own copy)."""
-    first = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        first.setdefault(id(p), name)
-        if name in state_dict and first[id(p)] != name and first[id(p)] in state_dict:
-            state_dict[name] = state_dict[first[id(p)]]
-    return state_dict
 
 
 __all__ = ["ZeroTrainer", "ZERO_DIR"]

@@ -1,0 +1,446 @@
+"""Pretrained weights into shards: the plan (which checkpoint tensor fills which model
+tensor, checked rank-locally), the ranks' agreement on it, the model's init for what the
+checkpoint leaves out, and the reads (Note [Pretrained weights into shards]).
+
+Note [Pretrained weights into shards]
+  zeroify(model, opt, weights=...) on a model built on the meta device, or
+  load_weights(model, ...) on a zeroified one:
+  1. Plan, on each rank alone: read every file's header (files.py), match the model's
+     state-dict names to the checkpoint's (tied parameters are one tensor under several
+     names, any of which may be in the file; a prefix such as Hugging Face's
+     base_model_prefix "model." on either side is found by trying the candidates and
+     keeping the one that matches most names; a PEFT model's names lose
+     "base_model.model." and ".base_layer"), and check shapes, missing and unexpected
+     names and truncated files. Anything wrong is one CheckpointError naming it all.
+  2. Agree, before any other collective: zeroify carries the plan's verdict and digest
+     (names, shapes, dtypes) in its own agreement all-gather (api.py); load_weights in one
+     of its own. A rank whose files are missing or different makes every rank raise, each
+     naming the failing rank and its message, so none is left waiting in a collective.
+  3. Initialize only what the checkpoint leaves out and the caller allowed (allow_missing),
+     plus non-persistent buffers a meta build left empty (RoPE's inv_freq), with the
+     model's own init (init_fn; by default a Hugging Face model's _init_weights, with
+     PEFT's LoRA init on LoRA layers), as from_pretrained does: reset_parameters() on the
+     modules holding them, init_fn on those and their ancestors (a parent may initialize
+     a child: HF's GPT-2, PEFT's LoRA layers). Every other tensor carries Hugging Face's
+     `_is_hf_initialized` flag meanwhile, so transformers' init functions skip it; stage 3
+     opens the units an init touches (Note [Meta builds lose nothing]) but, instead of
+     committing whole units, broadcasts rank 0's values of the initialized tensors alone
+     and writes this rank's pieces of them. Stages 0-2 initialize them in fp32 tensors of
+     their own, broadcast, then write them as a load does.
+  4. Read: each rank reads, for every engine parameter, the element ranges of its own
+     fragments (ModelGuard's master pieces: the fp32 master, or a stage-3 frozen
+     parameter's param_dtype shard) straight from the files (Note [Safetensors by byte
+     range]), and the whole tensor where it holds one whole (stages 0-2, buffers,
+     frozen parameters outside the engine); reads are sorted by file and offset. Then,
+     as after load_state_dict (Note [Loading into a zeroified model]), the masters are
+     cast into what is gathered next. One last all-reduce of a failure flag: a read that
+     fails on one rank (a file changed after the check) raises on every rank.
+  Peak memory on top of what the stage holds: the conversion chunk, and in step 3 the
+  initialized tensors (stage 3: the units an init touches).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..checkpoint.format import CheckpointError
+from ..gather import OWNER_ATTR
+from ..materialize import initialize_by_unit
+from ..model import PHASE_CHECKPOINT, ZeroModel
+from .files import Reader, read_entries
+
+HF_FLAG = "_is_hf_initialized"   # transformers' init functions skip a tensor that has it
+
+
+@dataclasses.dataclass
+class Weights:
+    """Pretrained weights for zeroify(weights=...) and load_weights(): a safetensors
+    checkpoint (a directory save_pretrained() wrote, one .safetensors file, or an index
+    .json with its files) and how its names meet the model's.
+
+    Args:
+        path: the checkpoint.
+        allow_missing: regular expressions (re.search) of model tensor names the checkpoint
+            may lack (a new head, LoRA weights), or True for any; zeroify() initializes them
+            with the model's init and warns naming them; load_weights() leaves them as they are.
+        allow_unexpected: regular expressions of checkpoint names the model may lack (a
+            causal-LM head when loading into a classifier), or True for any; they are not read.
+        prefix: a prefix the checkpoint's names carry and the model's do not ("model."),
+            stripped from them; None finds one (Note [Pretrained weights into shards]).
+    """
+    path: str
+    allow_missing: object = ()
+    allow_unexpected: object = ()
+    prefix: str | None = None
+
+
+@dataclasses.dataclass
+class WeightsReport:
+    """What a load did, on this rank (ZeroModel.weights_report after zeroify(weights=...))."""
+    path: str
+    files: list
+    loaded: int               # model tensors filled from the checkpoint
+    missing: list             # model names the checkpoint lacks (allowed): initialized, or kept by load_weights
+    ignored: list             # checkpoint names not read (allowed unexpected)
+    bytes_read: int           # by this rank
+    seconds: float
+
+
+def as_weights(weights, **options) -> Weights:
+    if isinstance(weights, Weights):
+        return dataclasses.replace(weights, **options) if options else weights
+    if isinstance(weights, (str, bytes)) or hasattr(weights, "__fspath__"):
+        return Weights(str(weights), **options)
+    raise TypeError(f"zero_ext: weights must be a checkpoint path or zero_ext.Weights(path, ...), got "
+                    f"{type(weights).__name__}")
+
+
+# --------------------------------------------------------------------------- plan
+@dataclasses.dataclass
+class Plan:
+    """Which checkpoint tensor fills which model tensor (names: the model's state-dict
+    names, one per tensor: the first of a tied group)."""
+    weights: Weights
+    files: list
+    entries: dict             # checkpoint name -> Entry
+    keys: dict                # model name -> checkpoint name
+    initialize: list          # model names to initialize: allowed missing, then meta non-persistent buffers
+    missing: list             # the allowed missing ones (state-dict names the checkpoint lacks)
+    ignored: list             # checkpoint names left unread
+    matched: str              # how the names met, for messages
+    digest: int               # of what every rank must read alike
+
+    def filled(self, module: nn.Module) -> set:
+        """ids of the tensors of `module` the checkpoint fills."""
+        return {id(tensor_of(module, n)) for n in self.keys}
+
+
+def is_peft(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("peft") and hasattr(module, "peft_config")
+
+
+def _peft_name(name: str) -> str:
+    """A PEFT model's name as the base model's checkpoint has it."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def _patterns(allow) -> list:
+    if allow is True:
+        return [re.compile("")]
+    if isinstance(allow, str):
+        allow = [allow]
+    try:
+        return [re.compile(p) for p in (allow or ())]
+    except (re.error, TypeError) as e:
+        raise ValueError(f"zero_ext: Weights(allow_missing=..., allow_unexpected=...) take regular expressions "
+                         f"(or True), got {allow!r}: {e}") from None
+
+
+def _head(names) -> str:
+    """The first name component every name shares ("model."), or ""."""
+    heads = {n.split(".", 1)[0] + "." if "." in n else "" for n in names}
+    return heads.pop() if len(heads) == 1 else ""
+
+
+def _match(model_names: set, ckpt: list, base_prefix: str, prefix: str | None) -> tuple[dict, str]:
+    """(model name -> checkpoint name, how): the prefix rule that matches the most names."""
+    if prefix is not None:
+        rules = [(prefix, "")]
+    else:
+        rules = [("", "")]
+        if base_prefix:
+            rules += [(base_prefix + ".", ""), ("", base_prefix + ".")]
+        rules += [(h, "") for h in [_head(ckpt)] if h] + [("", h) for h in [_head(model_names)] if h]
+    best, how = {}, ""
+    for strip, add in rules:
+        mapped = {add + k[len(strip):]: k for k in ckpt if k.startswith(strip)}
+        if len(model_names & mapped.keys()) > len(model_names & best.keys()):
+            best = mapped
+            how = (f"stripping {strip!r} from the checkpoint's names" if strip else
+                   f"adding {add!r} to the checkpoint's names" if add else "as they are")
+    return best, how or "as they are"
+
+
+def _hf_lists(module: nn.Module) -> tuple[list, list]:
+    """Hugging Face's own missing/unexpected names to ignore (from_pretrained ignores them too)."""
+    return ([re.compile(p) for p in getattr(module, "_keys_to_ignore_on_load_missing", None) or ()],
+            [re.compile(p) for p in getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()])
+
+
+def _conversions(module: nn.Module) -> str:
+    """How transformers rewrites this model's checkpoints while loading, or ""."""
+    if not type(module).__module__.startswith("transformers"):
+        return ""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+        found = [c for c in get_model_conversion_mapping(module, add_legacy=False) if not isinstance(c, PrefixChange)]
+    except Exception:  # noqa: BLE001 - an older or newer transformers: no hint
+        return ""
+    return "; ".join(str(c) for c in found[:2])
+
+
+def make_plan(module: nn.Module, weights: Weights, shape_of=None) -> Plan:
+    """The plan for `module` (rank-local, no collective). shape_of(name, tensor): the logical
+    shape (stage 3 parameters are empty outside a gather). Raises CheckpointError."""
+    files, entries = read_entries(weights.path)
+    base = module.get_base_model() if is_peft(module) else module
+    norm = _peft_name if is_peft(module) else (lambda n: n)
+    state = module.state_dict(keep_vars=True)
+    groups: dict[int, list] = {}
+    for name, t in state.items():
+        groups.setdefault(id(t), []).append(name)
+    mapped, how = _match({norm(n) for n in state}, list(entries), getattr(base, "base_model_prefix", ""),
+                         weights.prefix)
+    allow_missing, allow_unexpected = _patterns(weights.allow_missing), _patterns(weights.allow_unexpected)
+    hf_missing, hf_unexpected = _hf_lists(base)
+    keys, initialize, missing, shapes, used = {}, [], [], [], set()
+    for names in groups.values():
+        t = state[names[0]]
+        found = [mapped[norm(n)] for n in names if norm(n) in mapped]
+        used.update(found)
+        if not found:
+            if any(p.search(n) for p in allow_missing + hf_missing for n in names):
+                initialize.append(names[0])
+            else:
+                missing.append(names[0])
+            continue
+        e = entries[found[0]]
+        shape = tuple(shape_of(names[0], t) if shape_of is not None else t.shape)
+        if e.shape != shape or e.dtype.is_floating_point != t.dtype.is_floating_point:
+            shapes.append(f"{names[0]}: {list(e.shape)} {e.dtype} in the checkpoint, {list(shape)} {t.dtype} in the "
+                          f"model")
+            continue
+        keys[names[0]] = found[0]
+    unexpected, ignored = [], []
+    for k in entries:
+        if k not in used:
+            (ignored if any(p.search(k) for p in allow_unexpected + hf_unexpected) else unexpected).append(k)
+    if missing or unexpected or shapes:
+        raise CheckpointError(_mismatch_message(weights.path, module, missing, unexpected, shapes, how))
+    text = repr(sorted((n, k, str(entries[k].dtype), entries[k].shape) for n, k in keys.items()))
+    text += repr((sorted(initialize), sorted(ignored)))
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+    allowed = list(initialize)
+    for name, b in module.named_buffers():   # not checkpoint names: the model's init computes them, silently
+        if b.is_meta and name not in state:
+            initialize.append(name)
+    return Plan(weights, files, entries, keys, initialize, allowed, ignored, how, digest)
+
+
+def _listed(names: list) -> str:
+    more = f" and {len(names) - 6} more" if len(names) > 6 else ""
+    return ", ".join(names[:6]) + more
+
+
+def _mismatch_message(path, module, missing, unexpected, shapes, how) -> str:
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) of the model are not in the checkpoint: {_listed(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensor(s) of the checkpoint are not in the model: {_listed(unexpected)}")
+    if shapes:
+        parts.append(f"shapes differ: {'; '.join(shapes[:4])}{' ...' if len(shapes) > 4 else ''}")
+    hint = _conversions(module)
+    hint = (f" transformers converts this model's checkpoints while loading ({hint}), which zero_ext does not: "
+            f"pass a checkpoint in the model's own names and shapes (zero_ext.save_pretrained writes one)." if hint
+            else "")
+    return (f"zero_ext: the checkpoint {path!r} does not fit {type(module).__name__} (names compared {how}): "
+            f"{'; '.join(parts)}.{hint} Let the model's init fill tensors the checkpoint lacks with "
+            f"Weights(path, allow_missing=[patterns]) (a new head, LoRA weights: allow_missing=['lora_']), skip "
+            f"checkpoint tensors with allow_unexpected=[patterns], or pass prefix='...' when the names differ by a "
+            f"prefix")
+
+
+# --------------------------------------------------------------------------- agreement
+def agree(comm, error: Exception | None, digest: int) -> None:
+    """One small all-gather: every rank learns whether every rank's plan succeeded and reads
+    the same tensors; raises on every rank otherwise, naming the failing rank's message."""
+    everyone = comm.all_gather_int64([0 if error is None else 1, digest])
+    failed = [r for r in range(comm.world) if everyone[r, 0] != 0]
+    if failed:
+        notes = comm.gather_object(None if error is None else str(error), dst=None)   # every rank exchanges
+        if error is not None:
+            raise error
+        raise CheckpointError(f"zero_ext: rank(s) {failed} cannot read the pretrained weights; nothing was read "
+                              f"on any rank. Rank {failed[0]}: {notes[failed[0]]}")
+    differ = [r for r in range(comm.world) if everyone[r, 1] != everyone[0, 1]]
+    if differ:
+        raise CheckpointError(f"zero_ext: rank(s) {differ} would read other tensors (names, shapes or dtypes) from "
+                              f"their checkpoint files than rank 0; give every rank the same files")
+
+
+# --------------------------------------------------------------------------- init and read
+def tensor_of(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer `name` of `module` as it is now."""
+    owner, _, attr = name.rpartition(".")
+    m = module.get_submodule(owner)
+    return m._parameters[attr] if attr in m._parameters else m._buffers[attr]
+
+
+def default_init(module: nn.Module):
+    """The model's own init for what a checkpoint leaves out: a Hugging Face model's
+    _init_weights (what from_pretrained runs on missing keys); in a PEFT model, LoRA
+    layers get PEFT's own init (B zero); otherwise None (reset_parameters() only)."""
+    base = module.get_base_model() if is_peft(module) else module
+    hf = getattr(base, "_init_weights", None) if hasattr(base, "config") else None
+    if not is_peft(module):
+        return hf
+    configs = module.peft_config
+
+    def init(m):
+        if hasattr(m, "reset_lora_parameters") and hasattr(m, "lora_A"):
+            for name in list(m.lora_A.keys()) + list(m.lora_embedding_A.keys()):
+                m.reset_lora_parameters(name, configs[name].init_lora_weights if name in configs else True)
+        elif hf is not None:
+            hf(m)
+    return init
+
+
+@torch.no_grad()
+def _initialize(model: ZeroModel, plan: Plan, comm, init_fn) -> None:
+    """Step 3 of Note [Pretrained weights into shards]."""
+    module, guard, engine = model.module, model._guard, model._engine
+    targets = [tensor_of(module, n) for n in plan.initialize]
+    only = {id(t) for t in targets}
+    init_fn = init_fn if init_fn is not None else default_init(module)
+    flagged = [t for t in list(module.parameters()) + list(module.buffers())
+               if id(t) not in only and not hasattr(t, HF_FLAG)]
+    for t in flagged:
+        setattr(t, HF_FLAG, True)
+    try:
+        if guard.stage3:
+            unit_of = {id(p): getattr(p, OWNER_ATTR)[1] for p in guard.params}
+            pieces = guard._master_pieces(engine)
+            initialize_by_unit(module, engine, unit_of, comm, init_fn, only=only,
+                               pieces={id(p): pieces[i] for i, p in enumerate(guard.params) if id(p) in only})
+            comm.broadcast_([t for t in targets if id(t) not in unit_of])    # buffers, replicated frozen ones
+            return
+        # stages 0-2: fp32 tensors of their own (parameters are views of bf16 or shared buckets)
+        homes = {}
+        for t in targets:
+            if isinstance(t, nn.Parameter):
+                homes[id(t)] = t.data
+                t.data = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+        try:
+            initialize_by_unit(module, None, {}, comm, init_fn, only=only)
+            comm.broadcast_(targets)                                       # rank 0's draws
+        finally:
+            values = {i: t.data for t in targets if (i := id(t)) in homes}
+            for t in targets:
+                if id(t) in homes:
+                    t.data = homes[id(t)]
+        for t in targets:
+            if id(t) in values:
+                if id(t) in guard.index:
+                    guard.write(engine, guard.index[id(t)], t, values[id(t)])
+                else:
+                    t.data.copy_(values[id(t)])
+    finally:
+        for t in flagged:
+            delattr(t, HF_FLAG)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@torch.no_grad()
+def _read(model: ZeroModel, plan: Plan, comm) -> tuple[int, int]:
+    """Step 4 of Note [Pretrained weights into shards]: (tensors filled, bytes this rank read)."""
+    module, guard, engine = model.module, model._guard, model._engine
+    if engine.split_master:          # a master joined for this load (Note [Split master in the engine])
+        guard._pieces = None
+    pieces = guard._master_pieces(engine)
+    reads = []
+    for name, key in plan.keys.items():
+        t, e = tensor_of(module, name), plan.entries[key]
+        i = guard.index.get(id(t))
+        if i is None:
+            reads.append((e, 0, t.data))
+            continue
+        whole = t.numel() == guard.shapes[i].numel()
+        reads += [(e, poff, view) for poff, view in pieces[i] if not (whole and _same_storage(view, t))]
+        if whole:
+            reads.append((e, 0, t.data))
+    reads.sort(key=lambda r: (r[0].file, r[0].offset + r[1] * r[0].dtype.itemsize))
+    reader, error = Reader(), None
+    try:
+        for e, first, out in reads:
+            reader.read(e, first, out)
+    except (OSError, CheckpointError) as ex:
+        error = ex
+    finally:
+        reader.close()
+    if comm.all_reduce([1.0 if error is not None else 0.0], op=dist.ReduceOp.MAX)[0]:
+        if error is not None:
+            raise CheckpointError(f"zero_ext: reading {plan.weights.path!r} failed: {error}; the model is partly "
+                                  f"loaded: load again") from error
+        raise CheckpointError(f"zero_ext: reading {plan.weights.path!r} failed on another rank (its error names the "
+                              f"file); the model is partly loaded: load again")
+    # what is gathered next (Note [Loading into a zeroified model]); stage 3: no unit keeps stale values
+    if guard.stage3:
+        engine.publish_params()
+    else:
+        engine.cast_masters()
+    guard.accept()
+    return len(plan.keys), reader.bytes_read
+
+
+def fill(model: ZeroModel, plan: Plan, comm, init_fn=None, initialize: bool = False) -> WeightsReport:
+    """Steps 3 (when `initialize`: a meta build) and 4; every rank calls it."""
+    t0 = time.perf_counter()
+    if initialize and plan.initialize:
+        _initialize(model, plan, comm, init_fn)
+        if comm.rank == 0 and plan.missing:
+            warnings.warn(f"zero_ext: {len(plan.missing)} tensor(s) of the model are not in the checkpoint "
+                          f"{plan.weights.path!r} and were initialized by the model's init: {_listed(plan.missing)}",
+                          stacklevel=3)
+    loaded, nbytes = _read(model, plan, comm)
+    return WeightsReport(plan.weights.path, plan.files, loaded, list(plan.missing), list(plan.ignored), nbytes,
+                         time.perf_counter() - t0)
+
+
+def comm_of(model: ZeroModel):
+    opt = model._optimizer() if model._optimizer is not None else None
+    if opt is None:
+        raise RuntimeError("zero_ext: the optimizer zeroify() returned with this model no longer exists; keep a "
+                           "reference to it while you load or save the model")
+    return opt._comm
+
+
+def load_weights(model, weights, **options) -> WeightsReport:
+    """Load pretrained weights (a safetensors checkpoint) into a zeroified model; every rank
+    calls it. `weights`: a path, or zero_ext.Weights(path, allow_missing=..., ...) (options
+    given here override its fields). Each rank reads only the byte ranges of its own
+    fragments (stage 3) or the whole tensors it holds (stages 0-2), straight into the fp32
+    master shards (Note [Pretrained weights into shards]); the checkpoint is checked on
+    every rank first and any mismatch raises the same CheckpointError on every rank before
+    anything is read. Tensors the checkpoint lacks (allow_missing) keep their values; to
+    initialize them instead, build on the meta device and pass weights= to zeroify().
+    Returns this rank's WeightsReport."""
+    if not isinstance(model, ZeroModel):
+        raise TypeError(f"zero_ext: load_weights takes the model zeroify() returned, got {type(model).__name__}; "
+                        f"to load before wrapping, pass weights= to zeroify()")
+    spec = as_weights(weights, **options)
+    engine, guard, comm = model._engine, model._guard, comm_of(model)
+    engine.sequence_mark(PHASE_CHECKPOINT)   # collective: a rank calling it alone is named
+    engine.wait_reductions()
+    engine.flush_params()
+    guard.check_edits()                      # earlier edits reach the master before the load
+    shapes = {id(p): guard.shapes[i] for i, p in enumerate(guard.params)}
+    error, plan = None, None
+    try:
+        plan = make_plan(model.module, spec, lambda name, t: shapes.get(id(t), t.shape))
+    except CheckpointError as e:
+        error = e
+    agree(comm, error, plan.digest if plan is not None else 0)
+    model.weights_report = fill(model, plan, comm)
+    return model.weights_report

@@ -1,0 +1,275 @@
+"""save_pretrained(): a zeroified model out of its shards into Hugging Face-format
+safetensors, streamed (Note [Streaming save_pretrained]).
+
+Note [Streaming save_pretrained]
+  Every rank calls it; rank 0 writes. What is written is known on every rank before any
+  byte moves: the module's state-dict names, one per tensor (of tied names, the one
+  Hugging Face keeps: not a key of any `_tied_weights_keys`), each with its logical shape
+  and its dtype (trainable parameters: fp32, their masters; others their own; `dtype=`
+  casts every floating-point one), cut into files as save_pretrained cuts them
+  (model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json
+  past max_shard_size). Rank 0 writes every file's header first (files.py), then:
+  - trainable parameters, bucket by bucket and window by window: the same window of
+    every rank's slice of the bucket's fp32 master (at most WINDOW_BYTES over all ranks;
+    the slices are equally long on every rank) is gathered to rank 0 (Comm.gather_to),
+    which writes the part of every fragment (engine.fragments(r): parameter, element range,
+    place in the slice) that lies in it at its byte offset in its file. So rank 0 holds a
+    fixed buffer, however large a unit or bucket is (a root unit holding both embeddings),
+    and the other ranks nothing beyond their shard;
+  - frozen parameters stage 3 shards, unit by unit (gathered in param_dtype, then released);
+  - buffers and frozen parameters every rank holds whole, from rank 0's own.
+  A PEFT model saves its adapter the PEFT way: the trainable parameters are gathered the
+  same way into whole tensors on rank 0 (an adapter is small) and PeftModel.save_pretrained
+  writes adapter_model.safetensors and adapter_config.json from them. Otherwise the
+  model's config (dtype and architectures set as save_pretrained sets them) and
+  generation config are written beside the weights.
+  Atomic (as Note [Atomic save]): everything goes into <dir>.tmp; rank 0 hard-links into it
+  the files of an existing <dir> that this save does not replace (tokenizer files,
+  training arguments; not its old weights), renames <dir> to <dir>.old, <dir>.tmp to <dir>,
+  and removes <dir>.old; a crash between the two renames leaves a complete <dir>.old,
+  which load_weights falls back to. A <dir> holding directories (a Trainer's output_dir
+  with its checkpoint-N/) is not moved: the new files are renamed into it one by one,
+  the weights before the index, and weights files of the previous save that this one does
+  not write are removed after. A write that fails on rank 0 (a full disk) keeps rank 0 in
+  the collectives and is raised on every rank at the end; a rank that dies makes the
+  others' next collective fail, raised as a CheckpointError naming the directory, which
+  is untouched.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+
+import torch
+from torch import nn
+
+from ..checkpoint.consolidation import _slices_of_every_rank
+from ..checkpoint.format import CheckpointError
+from ..checkpoint.layout import frozen_units
+from ..checkpoint.saving import _decide, _fsync_dir, _replace
+from ..gather import OWNER_ATTR
+from ..model import PHASE_CHECKPOINT, ZeroModel
+from .files import INDEX, SHARD, WEIGHTS, Writer, numel, parse_size, plan_files
+from .load import comm_of, is_peft
+
+ADAPTER = "adapter_model.safetensors"
+WINDOW_BYTES = 32 << 20       # what rank 0 gathers at once, over all ranks (fp32)
+
+
+def _stale(name: str) -> bool:
+    """A weights file of an earlier save (replaced or dropped by this one)."""
+    return name in (WEIGHTS, INDEX, ADAPTER) or SHARD.fullmatch(name) is not None
+
+
+def _tie_targets(module: nn.Module) -> set:
+    """Names Hugging Face drops from a save because they are tied to another (its
+    `_tied_weights_keys`, on every submodule: {target: source} or a list of targets)."""
+    out = set()
+    for path, m in module.named_modules():
+        keys = getattr(m, "_tied_weights_keys", None) or ()
+        for k in (keys.keys() if isinstance(keys, dict) else keys):
+            out.add(f"{path}.{k}" if path else k)
+    return out
+
+
+def _saved(model: ZeroModel, adapter_only: bool, dtype) -> list:
+    """[(name, tensor, engine index or None, out dtype, shape)] in state-dict order (Note
+    [Streaming save_pretrained])."""
+    module, guard = model.module, model._guard
+    state = module.state_dict(keep_vars=True)
+    groups: dict[int, list] = {}
+    for name, t in state.items():
+        groups.setdefault(id(t), []).append(name)
+    targets = _tie_targets(module)
+    ignore = [re.compile(p) for p in getattr(module, "_keys_to_ignore_on_save", None) or ()]
+    out = []
+    for names in groups.values():
+        name = next((n for n in names if n not in targets), names[0])
+        t, i = state[name], guard.index.get(id(state[name]))
+        if any(p.search(name) for p in ignore) or (adapter_only and (i is None or i >= guard.n_trainable)):
+            continue
+        shape = tuple(guard.shapes[i]) if i is not None else tuple(t.shape)
+        own = torch.float32 if i is not None and i < guard.n_trainable else t.dtype
+        out.append((name, t, i, dtype if dtype is not None and own.is_floating_point else own, shape))
+    return out
+
+
+class _Whole:
+    """A sink of whole tensors on rank 0 (a PEFT adapter)."""
+
+    def __init__(self, tensors: list):
+        self.out = {name: torch.empty(shape, dtype=dt) for name, dt, shape in tensors}
+
+    def put(self, name: str, first: int, values: torch.Tensor) -> None:
+        flat = self.out[name].view(-1)
+        flat[first:first + values.numel()].copy_(values.reshape(-1))
+
+    def close(self) -> None:
+        pass
+
+
+class _Guarded:
+    """Rank 0's sink: a failed write is kept, not raised, so that rank 0 stays in the collectives."""
+
+    def __init__(self, make):
+        self.error, self.sink = None, None
+        try:
+            self.sink = make()
+        except OSError as e:
+            self.error = e
+
+    def put(self, name, first, values) -> None:
+        if self.error is None:
+            try:
+                self.sink.put(name, first, values)
+            except OSError as e:
+                self.error = e
+
+
+@torch.no_grad()
+def _stream(model: ZeroModel, comm, saved: list, sink) -> None:
+    """Every rank: the gathers of Note [Streaming save_pretrained]; `sink` on rank 0 only."""
+    engine = model._engine
+    rank, parts = engine.rank, engine.partitions
+    wanted = {i: name for name, _, i, _, _ in saved if i is not None and i < model._guard.n_trainable}
+    masters = engine.param_shards()
+    slices = _slices_of_every_rank(engine, [m.numel() for m in masters]) if rank == 0 else None
+    window = max(1, WINDOW_BYTES // 4 // parts)
+    buf = torch.empty(parts * window, device=comm.device) if rank == 0 and parts > 1 else None
+    for b, m in enumerate(masters):
+        n = m.numel()
+        for a in range(0, n, window) if parts > 1 else [0]:
+            w = min(window, n - a) if parts > 1 else n
+            got = m if parts == 1 else comm.gather_to(m.narrow(0, a, w), buf[:parts * w] if buf is not None else None)
+            if sink is None:
+                continue
+            for r in range(parts):   # each fragment's part in [a, a + w) of rank r's slice
+                for i, poff, off, k in slices[r][b]:
+                    lo, hi = max(off, a), min(off + k, a + w)
+                    if i in wanted and lo < hi:
+                        sink.put(wanted[i], poff + lo - off, got[r * w + lo - a:r * w + hi - a])
+    del buf
+    frozen = {id(t): name for name, t, i, _, _ in saved if i is not None and i >= model._guard.n_trainable}
+    if model._guard.stage3 and model._guard.params[model._guard.n_trainable:]:
+        for params in frozen_units(model):
+            for p in params:
+                if sink is not None and id(p) in frozen:
+                    sink.put(frozen[id(p)], 0, p.detach())
+    if sink is not None:
+        for name, t, i, _, _ in saved:
+            if i is None:
+                sink.put(name, 0, t.detach())
+
+
+def _write_config(base: nn.Module, directory: str, dtype) -> list:
+    """The config and generation config as save_pretrained writes them; the files written."""
+    config = getattr(base, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return []
+    config = copy.deepcopy(config)
+    config.dtype = str(dtype or torch.float32).split(".")[1]
+    config.architectures = [type(base).__name__]
+    config.save_pretrained(directory)
+    gen = getattr(base, "generation_config", None)
+    can = getattr(base, "can_generate", None)
+    if gen is not None and callable(can) and can():
+        gen.save_pretrained(directory)
+    return sorted(os.listdir(directory))
+
+
+def _commit(tmp: str, path: str, weights_last: list) -> None:
+    """Note [Streaming save_pretrained]: <dir>.tmp into <dir>."""
+    made = set(os.listdir(tmp))
+    if not os.path.isdir(path) or not any(os.path.isdir(os.path.join(path, f)) for f in os.listdir(path)):
+        for f in os.listdir(path) if os.path.isdir(path) else ():
+            if f not in made and not _stale(f):
+                try:
+                    os.link(os.path.join(path, f), os.path.join(tmp, f))
+                except OSError:
+                    shutil.copy2(os.path.join(path, f), os.path.join(tmp, f))
+        _fsync_dir(tmp)
+        _replace(tmp, path)
+        return
+    order = sorted(made - set(weights_last)) + [f for f in weights_last if f in made]
+    for f in order:
+        os.replace(os.path.join(tmp, f), os.path.join(path, f))
+    for f in os.listdir(path):
+        if _stale(f) and f not in made:
+            os.remove(os.path.join(path, f))
+    _fsync_dir(path)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_pretrained(model, save_directory, *, max_shard_size: int | str = "5GB", dtype=None) -> None:
+    """Write a zeroified model as a Hugging Face-format checkpoint that from_pretrained
+    (or zero_ext.load_weights) loads; every rank calls it, rank 0 writes.
+
+    The weights are streamed out of the shards (Note [Streaming save_pretrained]):
+    trainable parameters as their fp32 masters (dtype=torch.bfloat16 casts every
+    floating-point tensor), bucket by bucket, so no process holds more than one unit or
+    bucket beside its shard; tied parameters once, under the name Hugging Face keeps;
+    model.safetensors, or model-0000k-of-0000n.safetensors and model.safetensors.index.json
+    beyond max_shard_size; the config and generation config of a Hugging Face model. A PEFT
+    model writes its adapter (adapter_model.safetensors, adapter_config.json), which
+    PeftModel.from_pretrained loads. Atomic: a save that fails or dies part-way leaves
+    `save_directory` as it was and raises zero_ext.CheckpointError on the surviving ranks."""
+    if not isinstance(model, ZeroModel):
+        raise TypeError(f"zero_ext: save_pretrained takes the model zeroify() returned, got {type(model).__name__}; "
+                        f"a plain model saves with its own save_pretrained()")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"zero_ext: save_pretrained(dtype={dtype!r}); pass a floating-point torch dtype "
+                         f"(torch.bfloat16) or None (fp32 masters, every other tensor in its own dtype)")
+    limit = parse_size(max_shard_size)
+    path = os.path.abspath(os.fspath(save_directory))
+    engine, comm = model._engine, comm_of(model)
+    engine.sequence_mark(PHASE_CHECKPOINT)   # collective: a rank calling it alone is named
+    engine.wait_reductions()
+    engine.flush_params()
+    peft = is_peft(model.module)
+    saved = _saved(model, peft, dtype)
+    files = plan_files([(name, dt, shape) for name, _, _, dt, shape in saved], limit) if not peft else None
+    tmp = path + ".tmp"
+    error = None
+    if engine.rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"zero_ext: cannot create {tmp!r} to save into: {e}; save to a directory you can write to"
+    _decide(comm, error)
+    sink = None
+    if engine.rank == 0:
+        sink = _Guarded(lambda: _Whole([(n, dt, s) for n, _, _, dt, s in saved]) if peft else Writer(tmp, files))
+    try:
+        _stream(model, comm, saved, sink)
+    except RuntimeError as e:   # a collective failed: another rank died
+        raise CheckpointError(f"zero_ext: save_pretrained({path!r}) failed on rank {engine.rank} ({type(e).__name__}: "
+                              f"{e}); another rank may have died. {path!r} is untouched; fix what the first failing "
+                              f"rank's log names and save again") from e
+    error = None
+    if engine.rank == 0:
+        try:
+            if sink.error is not None:
+                raise sink.error
+            sink.sink.close()
+            if peft:
+                model.module.save_pretrained(tmp, state_dict=sink.sink.out, safe_serialization=True)
+                weights_last = [ADAPTER]
+            else:
+                _write_config(model.module, tmp, dtype)
+                weights_last = list(files)
+                if len(files) > 1:
+                    total = sum(dt.itemsize * numel(s) for _, _, _, dt, s in saved)
+                    index = {"metadata": {"total_size": total, "total_parameters": sum(numel(s) for *_, s in saved)},
+                             "weight_map": {n: f for f, ts in files.items() for n, _, _ in ts}}
+                    with open(os.path.join(tmp, INDEX), "w") as f:
+                        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+                    weights_last.append(INDEX)
+            _commit(tmp, path, weights_last)
+        except OSError as e:
+            error = (f"zero_ext: save_pretrained({path!r}) failed on rank 0: {e}; free disk space or fix the "
+                     f"permissions, then save again ({path!r} is untouched)")
+    _decide(comm, error)
