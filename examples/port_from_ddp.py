@@ -1,6 +1,6 @@
 """A DDP training script as people write them (nanoGPT's shape): character-level GPT on
 tinyshakespeare, gradient accumulation with require_backward_grad_sync, torch's
-clip_grad_norm_, evaluation and a checkpoint at the end.
+clip_grad_norm_, and at the end evaluation and a checkpoint on rank 0 alone.
 
 This file is the "before" of docs/porting.md; tests/test_porting.py applies the guide's
 diff to it and checks that the zero_ext version trains as this DDP one does.
@@ -69,9 +69,9 @@ def main():
         if rank == 0:
             print(f"step {step} loss {loss.item():.4f} grad norm {float(norm):.4f}")
 
-    val = evaluate(model, data, rank, world)
-    state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
-    if rank == 0:
+    if rank == 0:   # the master process alone evaluates and writes the checkpoint
+        val = evaluate(model, data, rank, world)
+        state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
         torch.save(state, args.out.with_suffix(".pt"))
         moments = {f"{i}.{k}": v.norm().item() for i, st in state["optimizer"]["state"].items()
                    for k, v in st.items() if v.dim() > 0}

@@ -535,7 +535,10 @@ STATUS = [
      ["tests/test_split_master.py", "tests/test_master_split_kernels.py"],
      ["tests_engine", "tests_master_split_cuda", "memcheck_master_split"], [f"{XEON}/bench_memory_peers.json"]),
     ("Parameter offload (to host memory or NVMe)", "not implemented", [], []),
-    ("`torch.compile` of a zeroified model", "not tested", [], []),
+    ("`torch.compile` of a zeroified model (compile then zeroify, and zeroify then compile), stages 0-3",
+     ["tests/test_compile.py"], [], []),
+    ("A rank that reads alone (rank-0 evaluation, `state_dict()`, `save_pretrained`) served by the others",
+     ["tests/test_rank_alone.py"], [], []),
 ]
 
 

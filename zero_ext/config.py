@@ -163,9 +163,9 @@ class ZeroConfig:
         paths then keeps the element's old remainder under the edited bf16 value (a
         difference below half a bf16 ulp). False keeps the fp32 master shard.
     check_sequence: True (default; "auto" is the same) or False: ranks whose collectives
-        diverge (evaluation or model.state_dict() on rank 0 alone in stage 3, a skipped
-        backward, an extra micro-step, a stage-3 unit skipped, step() on some ranks only,
-        requires_grad changed on some ranks) raise on every rank naming each rank's step,
+        diverge (a skipped backward, an extra micro-step, a stage-3 unit skipped, step()
+        or backward() on some ranks only, requires_grad changed on some ranks) raise on
+        every rank naming each rank's step,
         phase and bucket/unit and the fix, instead of hanging or pairing the wrong
         collectives (Note [Collective sequence check] in csrc/engine/sequence.h). On
         gloo it costs nothing in a step that repeats the last one (the ranks compare
@@ -173,6 +173,9 @@ class ZeroConfig:
         benchmarks/bench_sequence.py measures it); on NCCL one small CPU all-gather per
         phase, which the host runs ahead of the device. "every_phase": that all-gather at
         every phase on gloo too (the check before it learned patterns; for benchmarks).
+        The check also tells a rank that reads alone (rank-0 evaluation, state_dict() on
+        rank 0) that it is alone, so the other ranks serve it (Note [Reading alone] in
+        csrc/engine/away.h); with False nothing is served and such a rank waits.
     sequence_timeout: seconds an engine collective may wait before the ranks compare
         their positions through the process group's store (check_sequence); a divergence
         is named within about twice this.

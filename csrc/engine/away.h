@@ -16,30 +16,40 @@
 //   in stage 3, a forward with autograd (an evaluation that never calls backward looks
 //   like a training forward until it ends). The Python glue marks them servable
 //   (Engine::sequence_mark), which settles them at once, before any collective:
-//   - Pattern schedule (gloo, Note [Exchanges on deviation]): a servable mark the rank's
-//     pattern expects runs as before (the training forward: nothing changes on the step
-//     path). One it does not expect meets the other ranks in the store (together()):
-//     if every rank arrives at the same deviation within a short window, they exchange
-//     digests and run the collectives as before (all ranks evaluate); otherwise the
-//     first to give up writes "away" and every rank arriving there reads it and goes away.
-//   - Every-phase schedule (NCCL, and the first cycles everywhere): the ranks meet in the
-//     digest exchange anyway. Where digests differ, the ranks in a servable phase that
-//     read only, or that left their pattern, go away, provided the others (the stayers)
-//     agree among themselves; the ones away keep the stayers' digest and rejoin at the
-//     mark whose record equals it (the stayers' exchange of that mark already happened).
+//   - A servable mark the rank's pattern expects runs as before (the training forward:
+//     nothing changes on the step path). One it does not expect, one that only reads, and
+//     any while the pattern is learned meet the other ranks in the process group's store
+//     (together()): if every rank arrives at the same mark within kAwayJoinS, they go on
+//     as before (all ranks evaluate: the exchange, the collectives); otherwise the first
+//     to give up writes "away", and every rank arriving there reads it and goes away.
+//   - Without a store the ranks meet in the digest exchange (every phase): where digests
+//     differ, the ranks in a servable phase that read only, or that left their pattern,
+//     go away, provided the others (the stayers) agree among themselves; they keep the
+//     stayers' digest and rejoin at the record that equals it (the stayers' exchange of
+//     that mark already happened; rejoin_at), and any other collective fails.
 //   While away nothing is recorded: no record, no pattern key, no exchange, so the
-//   excursion leaves no trace and the rank's pattern stays the others'. It is back
-//   (pattern schedule) at the first mark that cannot be served or that its pattern
-//   expects: where the pattern expects no exchange the others make none either, and a
-//   deviation exchanges as usual (the others deviate there too; a rank that now trains
-//   alone waits in that exchange and is named as any divergence). In the every-phase
-//   schedule it is back at the record whose digest equals the stayers'; any other
-//   collective it begins (backward() or step() alone) fails (fail_alone): the rank
-//   publishes its records with the attempted one, as a watched wait does, and every rank
-//   raises the same divergence message. So does a collective zero_ext did not route to
-//   the servers. The others are never blamed for a long absence: their watched waits
-//   publish after the patience, and a rank that is away publishes nothing, so the
+//   excursion leaves no trace and the rank's pattern stays the others'. It is back at the
+//   first mark that cannot be served or that its pattern expects: where the pattern
+//   expects no exchange the others make none either, and an exchange (a deviation, or
+//   every phase) meets the one the others wait in; a rank that now trains alone waits in
+//   that exchange and is named as any divergence. A collective without a mark while away
+//   (not routed to the servers) fails at once (fail_alone): the rank publishes its records
+//   with the attempted one, as a watched wait does, and every rank raises the same
+//   divergence message. The others are never blamed for a long absence: their watched
+//   waits publish after the patience, and a rank that is away publishes nothing, so the
 //   comparison never completes and they keep waiting.
+//   A grad-enabled evaluation that rank 0 runs alone is not away at first (its forward is
+//   expected): it makes the others' training-forward collectives one for one, the gathers
+//   that start a backward included (zero_ext/model.py), and is not learned as a pass;
+//   rank 0's real training forward then deviates and is served, and its backward meets
+//   theirs.
+//   On NCCL the same holds, with nothing of the engine's group involved: the ranks meet in
+//   the group's store (the TCPStore torchrun or init_process_group made), the servers'
+//   gloo group carries host copies that a server makes on a CUDA stream of its own after
+//   the event its rank recorded at the end of the step (so no copy waits behind an NCCL
+//   collective that waits for the reader), and the every-phase exchange resumes when the
+//   reader is back, meeting the exchange the others wait in. Tested on gloo in both
+//   schedules and on "cuda:gloo" (make gpu-check); not yet on NCCL.
 #pragma once
 
 namespace zx {
