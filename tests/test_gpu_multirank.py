@@ -38,6 +38,9 @@ CPU tests':
    stage 3 and rank-0 optimizer.state_dict() served by the other ranks, as the run where every
    rank reads; the complete optimizer.state_dict() saved by rank 0 and loaded on every rank at
    another stage.
+11. torch's GradScaler with fp16 autocast (test_ddp_scripts.py), stages 0-3 with the step
+   control CUDA turns on: an inf in one rank's gradient and a run whose first steps overflow
+   skip the same steps on every rank with DDP's scales; losses and weights within 1e-2.
 
 Without CUDA every test skips, saying why, except a 10-second smoke test of the plumbing
 on 2 CPU ranks. ZX_GPU_SUITE_DEVICE=cpu runs every body on CPU ranks over plain gloo (NCCL
@@ -1175,3 +1178,32 @@ def test_ddp_style_checkpoint_on_cuda_gloo(tmp_path):
     for r in _world(_ddp_style_checkpoint, 2, str(tmp_path / "ckpt.pt"), timeout_s=300):
         for pair, v in r.items():
             assert v["same"] and v["complete"] == v["params"], (pair, v)
+
+
+# ----------------------------------------------------------------------------- 11. torch's GradScaler
+def _grad_scaler_scripts(rank, world, device):
+    """tests/test_ddp_scripts.py's GradScaler runs on `device`: DDP, then zeroify at stages 0-3."""
+    import ddp_scripts
+
+    out = {}
+    for tag, how in (("ddp", None), ("s0", dict(stage=0)), ("s1", dict(stage=1)), ("s2", dict(stage=2)),
+                     ("s3", dict(stage=3))):
+        out[(tag, "poison")] = ddp_scripts.tutorial(rank, how, steps=6, amp=True, scaler_kw=dict(growth_interval=2),
+                                                    poison=(1, 3), device=device)
+        out[(tag, "huge")] = ddp_scripts.gpt(rank, how, max_iters=6, amp=True, scaler_kw=ddp_scripts.HUGE_SCALE,
+                                             device=device)
+    return out
+
+
+def test_grad_scaler_scripts_match_ddp():
+    from ddp_scripts import worst_loss_rel, worst_weight_rel
+    for rank, res in enumerate(_world(_grad_scaler_scripts, 2, timeout_s=300)):
+        for key in ("poison", "huge"):
+            ref = res[("ddp", key)]
+            scales = [s for _, s in ref["log"]]
+            assert len(set(scales)) > 1, f"rank {rank} {key}: DDP's scale never moved: {scales}"
+            for tag in ("s0", "s1", "s2", "s3"):
+                got = res[(tag, key)]
+                assert [s for _, s in got["log"]] == scales, (rank, tag, key, got["log"], ref["log"])
+                assert worst_loss_rel(got["log"], ref["log"]) <= 1e-2, (rank, tag, key, got["log"], ref["log"])
+                assert worst_weight_rel(got["weights"], ref["weights"]) <= 1e-2, (rank, tag, key)

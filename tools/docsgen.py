@@ -520,6 +520,8 @@ STATUS = [
     ("Divergent ranks named instead of a hang (`check_sequence`, on by default)",
      ["tests/test_diverge.py", "tests/test_failure.py", "tests/test_ddp_checkpoint.py"], ["tests_multirank"], []),
     ("torch's `clip_grad_norm_` on a zeroified model", ["tests/test_torch_clip.py"], [], []),
+    ("DDP scripts as written: torch's GradScaler (fp16 autocast, skipped steps), optimizer state loaded "
+     "before or after `zeroify`", ["tests/test_ddp_scripts.py"], [], []),
     ("The README's multi-GPU launch, run as written", ["tests/test_readme_launch.py"], ["tests_readme"], []),
     ("Porting guides: DDP and FSDP2 scripts, DeepSpeed configs",
      ["tests/test_porting.py", "tests/test_from_deepspeed.py"], [], []),

@@ -25,6 +25,8 @@ from .offload import check_host_memory, warn_unfused
 from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, _Part
 from .param_waits import ParamWaits
 from .pretrained import load as pretrained
+from .prior_state import capture as capture_prior_state, describe as describe_prior_state
+from .prior_state import restore as restore_prior_state
 from .sharded_grad import install as install_sharded_grads
 from .units import assign_units, frozen_to_shard
 from .whole import WHOLE, ZeroOptimizerPart, fill_state_sizes, update_kind
@@ -171,6 +173,16 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool, weights: bool = Fals
     return params, groups, frozen, fused, desc, parts
 
 
+PRIOR_STATE = "optimizer state given to zeroify"   # tags the summary the ranks also agree on (last item)
+
+
+def _prior_summary(desc: tuple) -> tuple:
+    """Note [State given to zeroify] (zero_ext/prior_state.py): the summary of the optimizer
+    state this rank carries, from what the ranks agree on (() when there is none)."""
+    last = desc[-1] if len(desc) > 4 else None
+    return last[1] if isinstance(last, tuple) and len(last) == 2 and last[0] == PRIOR_STATE else ()
+
+
 def _first_difference(mine: tuple, theirs: tuple, r: int) -> str:
     """What differs between this rank's zeroify() inputs and rank r's (the tuples
     _inspect fingerprints), named: the option, the parameter, the optimizer."""
@@ -180,6 +192,12 @@ def _first_difference(mine: tuple, theirs: tuple, r: int) -> str:
     if opts:
         k = opts[0]
         return f"option {k}={mine[1][k]!r} here, {k}={theirs[1].get(k)!r} on rank {r}"
+    state, state_there = _prior_summary(mine), _prior_summary(theirs)
+    if state != state_there:   # Note [State given to zeroify] (zero_ext/prior_state.py)
+        return (f"the torch optimizer state given to zeroify() is {describe_prior_state(state)} here, "
+                f"{describe_prior_state(state_there)} on rank {r}; zeroify() carries each rank's optimizer state "
+                f"into its shard, so load the same state on every rank before zeroify() (as every rank of a DDP "
+                f"job does), or after it with optimizer.load_state_dict(...) on every rank")
     if mine[4:] != theirs[4:]:
         return (f"the pretrained weights (weights=...) hold other tensors (names, shapes or dtypes) here than on rank "
                 f"{r}; give every rank the same checkpoint files")
@@ -222,7 +240,8 @@ def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, 
     if len(set(everyone[:, 1].tolist())) > 1:      # every rank sees it, so every rank exchanges
         descs = comm.gather_object(desc, dst=None)
         raise ZeroInputError(f"zero_ext: rank(s) {differ} wrap different parameters, param groups, optimizer "
-                             f"or config than rank {rank}: {_first_difference(desc, descs[differ[0]], differ[0])}; "
+                             f"(or optimizer state) or config than rank {rank}: "
+                             f"{_first_difference(desc, descs[differ[0]], differ[0])}; "
                              f"every rank must build the same model and call zeroify() with the same options")
     return int(everyone[:, 2].min())
 
@@ -340,6 +359,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         error = _auto_stage_error(optimizer)
     params = groups = frozen = parts = desc = plan = None
     fused = False
+    prior, prior_summary = [], ()
     if error is None:
         try:
             meta = isinstance(model, nn.Module) and is_meta(model)
@@ -347,6 +367,10 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
             if weights is not None:   # Note [Pretrained weights into shards]: checked here, agreed on below
                 plan = pretrained.make_plan(model, pretrained.as_weights(weights))
                 desc = desc + (plan.digest,)
+            # Note [State given to zeroify] (zero_ext/prior_state.py): a state loaded before wrapping
+            prior, prior_summary = capture_prior_state(
+                list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer], parts, params,
+                {id(p): n for n, p in model.named_parameters()})
             if auto and cfg.memory_budget is None:
                 free = free_memory(model)
             if cfg.offload is not None:   # Note [Optimizer offload] (csrc/engine/offload.h)
@@ -360,6 +384,11 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
             error = e
     text = repr(desc) if desc is not None else ""
     fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+    agreement, shown = fingerprint, desc   # the ranks also agree on the optimizer state they carry
+    if prior_summary:
+        text += repr(prior_summary)
+        agreement = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+        shown = desc + ((PRIOR_STATE, prior_summary),)
     verify = cfg.verify_across_ranks if cfg is not None else True
     node_size = None
     if error is None:
@@ -368,7 +397,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         except ValueError as e:
             error = e
     if world > 1 and verify and backend != "fake":   # fake moves no data
-        least = _verify_across_ranks(comm, fingerprint, error, free[0] if free else -1, desc)
+        least = _verify_across_ranks(comm, agreement, error, free[0] if free else -1, shown)
         if free is not None:   # every rank budgets with the least free memory, so all choose one stage
             free = (least, f"{free[1]}, the least over {world} ranks")
     elif error is not None:
@@ -472,6 +501,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     wrapped.attach(guard, zopt, waits)   # Note [torch's clipping utilities] (torch_utils.py): the optimizer
     if plan is not None:                 # Note [Pretrained weights into shards]
         wrapped.weights_report = pretrained.fill(wrapped, plan, comm, init_fn, initialize=meta)
+    restore_prior_state(zopt, optimizers, prior)   # Note [State given to zeroify]: no collective
     if cfg.stage >= 1 and not cfg.step_in_backward:   # Note [Sharded gradients]: p.grad answers as DDP's
         install_sharded_grads(wrapped, zopt, {id(p): n for n, p in model.named_parameters()})
     if world > 1 and cfg.check_sequence is not False and backend != "fake":   # fake moves no data

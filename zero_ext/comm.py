@@ -103,6 +103,13 @@ class Comm:
             self._delayed()
         return t.cpu().tolist()
 
+    def all_reduce_(self, t: torch.Tensor, op=dist.ReduceOp.MAX) -> torch.Tensor:
+        """All-reduce `t` (a tensor on the engine's device) in place; nothing is read back."""
+        if self.world > 1:
+            dist.all_reduce(t, op=op, group=self.pg)
+            self._delayed()
+        return t
+
     def broadcast_(self, tensors, src: int = 0) -> None:
         """Overwrite every tensor with rank `src`'s (one coalesced broadcast per dtype);
         tensors on another device than the engine's are staged through it."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.optim.optimizer as _optim_module
 
 from . import _C
+from .amp import check_scaler
 from .changes import ADD_GROUP_FIX, ZeroUsageError
 from .comm import Comm
 from .model import PHASE_CLIP, PHASE_STEP
@@ -58,7 +59,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         what this rank holds of frozen parameters; guard: the model's ModelGuard (changes.py)."""
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         groups = [g for o in optimizers for g in o.param_groups]
-        torch.optim.Optimizer.__init__(self, groups, optimizers[0].defaults)
+        # copies: torch's __init__ would set the first optimizer's defaults into every group (Muon's
+        # momentum into AdamW's) and its own into the defaults; the groups are the user's, set below
+        torch.optim.Optimizer.__init__(self, [dict(g) for g in groups], dict(optimizers[0].defaults))
         # the user's own dicts: live (one optimizer: its very list)
         self.param_groups = optimizers[0].param_groups if len(optimizers) == 1 else groups
         self.state = defaultdict(dict)                  # per-parameter state lives in the engine
@@ -83,7 +86,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._fingerprint = fingerprint
         self._comm = comm if comm is not None else Comm(None, torch.device("cpu"))   # Note [One communication layer]
         self._host_steps = [0] * len(self.param_groups)  # optimizer steps taken, per group
-        self._clip_coef = 1.0                           # folded into the next step
+        self._clip_coef = 1.0                           # folded into the next step (while the gradients last)
         self._shard_opt = None
         self._shard_group_ids: list[int] = []
         self._found_inf = None                          # this step's inf/nan verdict, once known
@@ -128,6 +131,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not fused_only or want is False or (want == "auto" and device.type != "cuda"):
             return None
         return StepControl(self._engine, len(self.param_groups), self.loss_scaler, device)
+
+    @property
+    def _clip_coef(self) -> float:
+        """The clip factor pending for the next step. It belongs to the gradients it was
+        computed from: once they change (zero_grad, a new backward) it is 1 again, as after
+        a step GradScaler skipped (Note [GradScaler on sharded gradients] in zero_ext/amp.py)."""
+        return self._clip_value if self._clip_at == self._engine.grad_generation else 1.0
+
+    @_clip_coef.setter
+    def _clip_coef(self, coef: float) -> None:
+        self._clip_value, self._clip_at = float(coef), self._engine.grad_generation
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """What torch's GradScaler.step reads first: False (it unscales p.grad, which answers
+        it in stages 1-3), or a ZeroUsageError naming the options a GradScaler cannot drive
+        (Note [GradScaler on sharded gradients] in zero_ext/amp.py)."""
+        check_scaler(self._config)
+        return False
 
     @property
     def _steps(self) -> list[int]:

@@ -102,6 +102,9 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
     index = _numbering(layout, groups)
     by_name: dict = {}
     shapes = {n: tuple(info["shape"]) for n, info in layout["params"].items()}
+    # whole tensors (Muon, Adafactor) keep their torch optimizer's own state, of any shape
+    whole_groups = {gi for p in optimizer._parts if p.kind == "whole" for gi in p.groups}
+    flat = {n for n, info in layout["params"].items() if info["group"] not in whole_groups}
     for k, st in sd["state"].items():
         k = int(k)
         if k not in index:
@@ -112,7 +115,7 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
         if name not in shapes:
             continue                                        # frozen here: no state, as torch skips it
         for key, t in st.items():
-            if torch.is_tensor(t) and t.dim() > 0 and tuple(t.shape) != shapes[name]:
+            if name in flat and torch.is_tensor(t) and t.dim() > 0 and tuple(t.shape) != shapes[name]:
                 raise ValueError(f"zero_ext: state {key!r} of parameter {name!r} has shape {tuple(t.shape)}, "
                                  f"the parameter {shapes[name]}; the state dict is of another model: load one "
                                  f"saved from this model (the same shapes), or build the model that was saved")
@@ -123,13 +126,15 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
     shard = LocalShard(optimizer)
 
     # per-element states: every rank copies its fragments; no state (never stepped) is zero
-    per_elem = sorted({key for n, st in by_name.items() for key, t in st.items()
+    per_elem = sorted({key for n, st in by_name.items() if n in flat for key, t in st.items()
                        if torch.is_tensor(t) and t.dim() > 0})
     whole_kind = {i for i, a in enumerate(shard.atomic) if a}
-    if shard.views is None:
-        for flat in engine.states().values():
-            flat.zero_()
-    states = _prepare_states(optimizer, shard, per_elem) if per_elem else {}
+    states = {}
+    if any(gi not in whole_groups for gi in groups):   # a whole-tensor part alone leaves the flat states be
+        if shard.views is None:
+            for t in engine.states().values():
+                t.zero_()
+        states = _prepare_states(optimizer, shard, per_elem) if per_elem else {}
     with torch.no_grad():
         for f in shard.fragments:
             name = names[f.param]

@@ -19,6 +19,9 @@ Note [Sharded gradients]
     (one small all-reduce, preceded by the sequence check's exchange, so a rank calling
     it alone is named, Note [Collective sequence check]); later calls for other
     parameters read the result.
+  - torch._amp_foreach_non_finite_check_and_unscale_, which GradScaler.unscale_ calls:
+    the shards are unscaled in place and the inf/nan verdict is made global
+    (Note [GradScaler on sharded gradients] in zero_ext/amp.py).
   - metadata (shape, dtype, device, numel), .data, .detach(), .float(), zero_()
     (the gradients are zeroed by zero_grad; nothing to do), requires_grad_(False).
   Anything else (indexing, arithmetic, copying the values out) raises ZeroUsageError
@@ -58,11 +61,19 @@ class GradStats:
         self._cache: dict = {}
         self._generation = None
 
-    def result(self, index: int, ops: tuple, reduce: tuple) -> torch.Tensor:
+    def optimizer(self):
         opt = self._opt()
         if opt is None:
             raise ZeroUsageError("zero_ext: the optimizer of this zeroified model no longer exists, so its sharded "
                                  "gradients cannot be read")
+        return opt
+
+    def invalidate(self) -> None:
+        """The shards changed in place (GradScaler's unscale): computed reductions are stale."""
+        self._cache, self._generation = {}, None
+
+    def result(self, index: int, ops: tuple, reduce: tuple) -> torch.Tensor:
+        opt = self.optimizer()
         eng = opt._engine
         key_state = (eng.grad_generation, float(opt._clip_coef), opt._grad_scale())
         if key_state != self._generation:
@@ -145,6 +156,9 @@ class ShardedGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:   # GradScaler.unscale_
+            from .amp import unscale_sharded_   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
+            return unscale_sharded_(*args, **kwargs)
         if func is torch._foreach_norm:
             tensors, p = args[0], _norm_p(args, kwargs, 1)
             return [t._reduce("norm", p) if isinstance(t, ShardedGrad) else torch.linalg.vector_norm(t, p)

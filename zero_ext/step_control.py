@@ -28,11 +28,23 @@ class StepControl:
         self.scaler = scaler.to_bytes().to(device) if scaler is not None else None
         self.scale = torch.tensor(scaler.scale if scaler is not None else 1.0, dtype=torch.float32, device=device)
         self._found_known = False
+        self._clip_at = None        # the gradients' generation a pending clip factor was computed from
 
     # ------------------------------------------------------------------ per step
+    def _drop_stale(self) -> None:
+        """A pending clip factor and verdict belong to the gradients they were computed
+        from: once those changed (a step GradScaler skipped), they are dropped (Note
+        [GradScaler on sharded gradients] in zero_ext/amp.py)."""
+        if self._clip_at is not None and self._clip_at != self._engine.grad_generation:
+            self.ctl[_C.CTL_CLIP] = 1.0
+            self.ctl[_C.CTL_FOUND] = 0.0
+            self._found_known = False
+        self._clip_at = self._engine.grad_generation
+
     def clip(self, max_norm: float) -> torch.Tensor:
         """The global 2-norm of the averaged unscaled gradients (a 0-dim tensor on the
         device); its clip factor is folded into the next step."""
+        self._drop_stale()
         self._engine.grad_sumsq_into(self.out2)
         self._clip(self.ctl, self.out2, self._engine.grad_divisor(), self.scaler, float(max_norm), self.norm)
         self._found_known = True
@@ -40,6 +52,7 @@ class StepControl:
 
     def clip_by(self, coef: float, found: bool) -> None:
         """A clip factor and verdict the host computed (the inf-norm path)."""
+        self._drop_stale()
         if coef < 1.0:
             self.ctl[_C.CTL_CLIP:_C.CTL_CLIP + 1].mul_(coef)
         self.ctl[_C.CTL_FOUND] = 1.0 if found else 0.0
@@ -48,6 +61,8 @@ class StepControl:
     def before_step(self) -> None:
         """The multiplier, the skip verdict, the loss-scale update and the step counts,
         in device memory; the fused kernels then read them (step_adam/step_sgd ctl=)."""
+        self._drop_stale()
+        self._clip_at = None
         out2 = None
         if self.scaler is not None and not self._found_known:
             self._engine.grad_sumsq_into(self.out2)   # the inf/nan scan (and its all-reduce)

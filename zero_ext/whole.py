@@ -105,7 +105,8 @@ class ZeroOptimizerPart(torch.optim.Optimizer):
 
     def __init__(self, core, optimizer: torch.optim.Optimizer, index: int):
         self._core = None
-        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        # copies, as ZeroOptimizer's: the user's groups and defaults stay as they were
+        torch.optim.Optimizer.__init__(self, [dict(g) for g in optimizer.param_groups], dict(optimizer.defaults))
         self.param_groups = optimizer.param_groups
         self._core = core
         self._index = index
@@ -130,6 +131,10 @@ class ZeroOptimizerPart(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return self._core.clip_grad_norm_(max_norm, norm_type)
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
+        return self._core._step_supports_amp_scaling
 
     def state_dict(self) -> dict:
         """This optimizer's complete state in torch's format, on every rank (collective;

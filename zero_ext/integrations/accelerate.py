@@ -42,17 +42,24 @@ accumulation micro-steps as usual. So:
   a warning, tensors that share a storage, and in stages 0-2 every parameter is a view
   of a flat bucket, so it would write one tensor per bucket.
 
-Precision: fp32 parameters; mixed_precision="bf16" (autocast) works, "fp16" (a
-GradScaler over p.grad) is refused: use param_dtype="fp16" (zero_ext scales the loss).
+Precision: fp32 parameters; mixed_precision="bf16" and "fp16" run the model's forward
+under autocast as accelerator.prepare() would (with "fp16", Accelerate's GradScaler scales
+the loss, and accelerator.clip_grad_norm_ and the optimizer's step unscale the sharded
+gradients: Note [GradScaler on sharded gradients] in zero_ext/amp.py). Or keep
+mixed_precision="no" and compute in bf16/fp16 with zero_ext's own param_dtype (then
+Accelerate's "fp16" is refused: zero_ext scales the loss itself).
 """
 from __future__ import annotations
 
 import os
+from types import MethodType
 
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 import zero_ext
+from zero_ext.amp import scaler_conflict
+from zero_ext.config import make_config
 
 ZERO_DIR = "zero_ext"    # <save_state dir>/zero_ext (zero_ext_1, ... for further prepared models)
 
@@ -60,18 +67,21 @@ ZERO_DIR = "zero_ext"    # <save_state dir>/zero_ext (zero_ext_1, ... for furthe
 def prepare(accelerator, model: nn.Module, optimizer, *others, stage: int | str = 2, config=None, **zero_options):
     """(model, optimizer, *others) ready for training: the zeroified model, its optimizer
     wrapped in an AcceleratedOptimizer, and accelerator.prepare(*others) in order."""
-    if accelerator.scaler is not None:
-        raise ValueError("zero_ext: Accelerator(mixed_precision='fp16') uses a GradScaler over p.grad, which ZeRO "
-                         "shards; use mixed_precision='no' or 'bf16', and compute in fp16 with "
-                         "prepare(..., param_dtype='fp16') (zero_ext scales the loss itself)")
+    if accelerator.scaler is not None:   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
+        why = scaler_conflict(make_config(config, stage, dict(zero_options)))
+        if why is not None:
+            raise ValueError(f"zero_ext: Accelerator(mixed_precision='fp16') steps through a torch GradScaler, which "
+                             f"cannot drive this zeroified optimizer: {why}")
     if not isinstance(model, nn.Module) or isinstance(model, zero_ext.ZeroModel):
         raise TypeError(f"zero_ext: prepare(accelerator, model, optimizer, ...) takes the plain module first and "
                         f"the plain torch optimizer second, got a {type(model).__name__} as the model; pass the "
                         f"nn.Module itself (not one that prepare() or zeroify() returned)")
     model = model.to(accelerator.device)
+    autocast_forward(accelerator, model)
     zmodel, zopt = zero_ext.zeroify(model, optimizer, stage=stage, config=config, **zero_options)
-    wrapped = AcceleratedOptimizer(zopt, device_placement=False)
+    wrapped = AcceleratedOptimizer(zopt, device_placement=False, scaler=accelerator.scaler)
     _register_checkpoint_hooks(accelerator, zmodel, zopt)
+    _unscale_in_clipping(accelerator)
     rest = accelerator.prepare(*others) if others else ()
     if len(others) == 1:
         rest = (rest,)
@@ -85,6 +95,41 @@ def save_model(accelerator, model, save_directory, max_shard_size: int | str = "
     Hugging Face model's config)."""
     zero_ext.save_pretrained(model, save_directory, max_shard_size=max_shard_size)
     accelerator.wait_for_everyone()
+
+
+def autocast_forward(accelerator, model: nn.Module) -> None:
+    """What accelerator.prepare() does to a model under mixed_precision "bf16"/"fp16" before
+    wrapping it in DDP: its forward runs under autocast and returns fp32 outputs (the model
+    zeroify() wraps is not given to Accelerate, so nothing else would; ZeroTrainer too)."""
+    if not accelerator.native_amp:
+        return
+    from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+    autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+    model._original_forward = model.forward
+    if hasattr(model.forward, "__func__"):
+        model.forward = MethodType(convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    else:
+        model.forward = convert_outputs_to_fp32(autocast(model.forward))
+
+
+def _unscale_in_clipping(accelerator) -> None:
+    """accelerator.clip_grad_norm_ first unscales (GradScaler.unscale_) the optimizers that
+    accelerator.prepare() registered; a zeroified one is not registered (its checkpoint is
+    zero_ext.save's, not optimizer.bin), so unscale_gradients() also unscales those prepare()
+    made, as it would under DDP (Note [GradScaler on sharded gradients] in zero_ext/amp.py)."""
+    if accelerator.scaler is None or getattr(accelerator, "_zero_ext_unscales", False):
+        return
+    original = accelerator.unscale_gradients
+
+    def unscale_gradients(optimizer=None):
+        original(optimizer)
+        if optimizer is None:
+            for _, zopt in accelerator._zero_ext_pairs:
+                accelerator.scaler.unscale_(zopt)
+
+    accelerator.unscale_gradients = unscale_gradients
+    accelerator._zero_ext_unscales = True
 
 
 def _register_checkpoint_hooks(accelerator, zmodel, zopt) -> None:

@@ -29,8 +29,11 @@ and Accelerate only wraps the returned optimizer. Then:
   zero_ext.load() on every rank, at any world size or stage.
 
 Precision: keep the model in fp32 and choose the compute dtype with zero_ext's own
-option, ZeroTrainer(..., zero_options={"param_dtype": "bf16"}); bf16=True (autocast)
-works too. fp16=True is refused (its GradScaler unscales p.grad, which ZeRO shards).
+option, ZeroTrainer(..., zero_options={"param_dtype": "bf16"}); bf16=True works too (the
+model's forward runs under autocast, as accelerator.prepare(model) would make it), and so
+does fp16=True (autocast with Accelerate's GradScaler, which unscales
+the sharded gradients: Note [GradScaler on sharded gradients] in zero_ext/amp.py), except
+together with zero_ext's own loss scaling (param_dtype "fp16") or step_in_backward.
 """
 from __future__ import annotations
 
@@ -41,7 +44,9 @@ from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
 import zero_ext
+from zero_ext.amp import scaler_conflict
 from zero_ext.config import make_config
+from zero_ext.integrations.accelerate import autocast_forward
 
 ZERO_DIR = "zero_ext"    # checkpoint-N/zero_ext: the zero_ext.save directory
 
@@ -53,12 +58,12 @@ class ZeroTrainer(Trainer):
 
     def __init__(self, *args, zero_stage: int | str = 2, zero_config=None, zero_options: dict | None = None,
                  **kwargs):
-        make_config(zero_config, zero_stage, dict(zero_options or {}))   # a typo'd option fails here
+        cfg = make_config(zero_config, zero_stage, dict(zero_options or {}))   # a typo'd option fails here
         super().__init__(*args, **kwargs)
-        if self.args.fp16:
-            raise ValueError("zero_ext: ZeroTrainer does not support TrainingArguments(fp16=True) (its GradScaler "
-                             "unscales p.grad, which ZeRO shards); train in fp32 or bf16=True, or compute in fp16 "
-                             "with zero_options={'param_dtype': 'fp16'} (zero_ext scales the loss itself)")
+        why = scaler_conflict(cfg) if self.args.fp16 else None   # Note [GradScaler on sharded gradients]
+        if why is not None:
+            raise ValueError(f"zero_ext: TrainingArguments(fp16=True) steps through a torch GradScaler, which cannot "
+                             f"drive this ZeroTrainer's optimizer: {why} (for the Trainer: fp16=False)")
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("zero_ext: ZeroTrainer replaces DeepSpeed/FSDP; drop deepspeed=/fsdp= from "
                              "TrainingArguments")
@@ -80,6 +85,7 @@ class ZeroTrainer(Trainer):
         if isinstance(self.optimizer, (zero_ext.ZeroOptimizer, list)):
             raise RuntimeError("zero_ext: the Trainer's optimizer is already a zero_ext optimizer; pass the plain "
                                "torch optimizer (or none) to ZeroTrainer")
+        autocast_forward(self.accelerator, self.model)   # bf16=True / fp16=True: as accelerator.prepare(model)
         self.zero_model, self.zero_optimizer = zero_ext.zeroify(self.model, self.optimizer, stage=self.zero_stage,
                                                                 config=self.zero_config, **self.zero_options)
         self.optimizer = self.zero_optimizer   # Accelerate wraps this one; the model is not given to Accelerate

@@ -23,8 +23,10 @@ What Lightning does around the step then lands on zero_ext's public API:
 
 Precision: train in fp32 ("32-true", the default) and choose the compute dtype with
 zero_ext's own param_dtype="bf16"/"fp16" (exact fp32 masters); "bf16-mixed"
-(autocast) also works. Lightning's fp16 GradScaler ("16-mixed") and "*-true" half
-precisions are refused at setup, naming this fix.
+(autocast) and "16-mixed" (autocast with Lightning's GradScaler: Note [GradScaler on
+sharded gradients] in zero_ext/amp.py) also work. "16-mixed" together with zero_ext's own
+loss scaling (param_dtype="fp16") or step_in_backward, and the "*-true" half precisions,
+are refused at setup, naming the fix.
 
 Note [Lightning checkpoints]
   trainer.save_checkpoint(path) (ModelCheckpoint included) writes `path` as a zero_ext
@@ -60,6 +62,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 import zero_ext
+from zero_ext.amp import scaler_conflict
 from zero_ext.checkpoint import MANIFEST, consolidate, resolve
 from zero_ext.config import make_config
 
@@ -135,13 +138,17 @@ class ZeroStrategy(DDPStrategy):
 
     def _check_precision(self) -> None:
         plugin = self.precision_plugin
-        scaled = isinstance(plugin, MixedPrecision) and plugin.scaler is not None
-        if scaled or type(plugin) not in (Precision, MixedPrecision):
-            name = type(plugin).__name__ + (" with a GradScaler" if scaled else "")
+        if type(plugin) not in (Precision, MixedPrecision):
             raise ValueError(f"zero_ext: ZeroStrategy trains fp32 parameters and does not support Lightning's "
-                             f"{name}; use Trainer(precision='32-true') (or 'bf16-mixed') and choose the compute "
-                             f"precision with ZeroStrategy(param_dtype='bf16' or 'fp16'), whose loss scaling is "
-                             f"zero_ext's own")
+                             f"{type(plugin).__name__}; use Trainer(precision='32-true', 'bf16-mixed' or "
+                             f"'16-mixed') and choose the compute precision with ZeroStrategy(param_dtype='bf16' "
+                             f"or 'fp16'), whose loss scaling is zero_ext's own")
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
+            why = scaler_conflict(make_config(self.zero_config, self.stage, dict(self.zero_options)))
+            if why is not None:
+                raise ValueError(f"zero_ext: Lightning's '{plugin.precision}' precision steps through a torch "
+                                 f"GradScaler, which cannot drive this ZeroStrategy's optimizer: {why}")
 
     def _broadcast_module_states(self) -> None:
         if self.world_size > 1 and dist.is_initialized():

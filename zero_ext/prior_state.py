@@ -1,0 +1,142 @@
+"""prior_state.py — the state a torch optimizer already holds when zeroify() wraps it.
+
+Note [State given to zeroify]
+  A DDP script that resumes often loads its checkpoint into the bare model and the torch
+  optimizer first and wraps afterwards (nanoGPT: optimizer.load_state_dict(checkpoint[
+  'optimizer']), then model = DDP(model)). DDP keeps the optimizer as it is; zeroify()
+  replaces its state with sharded buffers, so the loaded step counts and moments would be
+  lost without a word. So zeroify() carries them:
+  - capture(), in zeroify's rank-local checks (before any collective): each torch
+    optimizer's state_dict(), when it holds any state, after checking that zero_ext can
+    hold it exactly; otherwise a ValueError naming the fix, raised on every rank by the
+    agreement check, never a silently dropped state. What can be held: the fused
+    Adam/AdamW/SGD keep only their own states (step, exp_avg, exp_avg_sq, max_exp_avg_sq;
+    momentum_buffer) per parameter, with per-parameter step counts; an elementwise torch
+    optimizer run over shard views ('shard') keeps one scalar state (its "step", NAdam's
+    mu_product, ...) per bucket view, so the parameters of a param group must all hold
+    state, with equal scalars; per-element states have the parameter's shape. Whole-tensor
+    optimizers (Muon, Adafactor) keep each parameter's state as it is, with its owner.
+  - A summary (parameters with state, least and largest step) joins zeroify's agreement
+    check, so ranks that loaded different states (rank 0 alone loading the checkpoint)
+    are named before anything is built; it is not part of the fingerprint that sharded
+    state dicts carry.
+  - restore(), once the ZeroOptimizer exists: each captured state goes through the
+    optimizer's load_state_dict path for a torch-format state (Note [Complete optimizer
+    state] in zero_ext/optim_state.py): each rank copies its own fragments, no collective,
+    in every stage, with offload, low-precision masters and several optimizers (one part
+    each). The torch optimizer's own state is then cleared: it is retired (changes.py) and
+    would otherwise keep full-size moments on every rank. Per-group hyperparameters need
+    no carrying: the returned optimizer shares the torch optimizer's param_groups.
+"""
+from __future__ import annotations
+
+import torch
+
+# what the fused kernels keep per parameter (zero_ext/optim.py, FUSED)
+FUSED_STATES = {True: {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, False: {"momentum_buffer"}}
+
+
+def _step_of(st: dict):
+    s = st.get("step")
+    return None if s is None else int(s.item() if torch.is_tensor(s) else s)
+
+
+def _per_element(t) -> bool:
+    return torch.is_tensor(t) and t.dim() > 0
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    return a == b
+
+
+def _check(optimizer, part, trainable: set, names: dict) -> None:
+    """Raise ValueError when zero_ext cannot hold `optimizer`'s state exactly."""
+    cls = type(optimizer).__name__
+    per_param = (f"use Adam, AdamW or SGD (zero_ext keeps their step counts per parameter), or build {cls} afresh "
+                 f"(without the loaded state) before zeroify()")
+    for gi, g in enumerate(optimizer.param_groups):
+        held = [(p, optimizer.state.get(p)) for p in g["params"] if id(p) in trainable]
+        with_state = [(p, st) for p, st in held if st]
+        if part.kind == "whole" or not with_state:
+            continue                          # whole tensors keep their optimizer's own state, as it is
+        for p, st in with_state:
+            name = names.get(id(p), f"of shape {tuple(p.shape)}")
+            for key, t in st.items():
+                if _per_element(t) and tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"zero_ext: {cls} holds state {key!r} of shape {tuple(t.shape)} for parameter "
+                                     f"{name!r} of shape {tuple(p.shape)}: zero_ext shards per-element states by the "
+                                     f"parameter's elements, so it cannot carry this one into its shards; load a "
+                                     f"state saved from this model, or build {cls} afresh before zeroify()")
+            if part.kind == "fused":
+                unknown = sorted(k for k, t in st.items() if t is not None and k not in FUSED_STATES[part.adam])
+                if unknown:
+                    raise ValueError(f"zero_ext: {cls} holds state {unknown} for parameter {name!r}, which zero_ext's "
+                                     f"fused {'Adam' if part.adam else 'SGD'} kernel does not keep (it keeps "
+                                     f"{sorted(FUSED_STATES[part.adam])}), so zeroify() cannot carry it; zeroify "
+                                     f"with fused='never' ({cls} then runs as a torch optimizer over shard views, "
+                                     f"keeping its own states), or use the torch class itself")
+        if part.kind != "shard":
+            continue
+        # Note [State given to zeroify]: one scalar state per bucket view, so per param group
+        if len(with_state) != len(held):
+            bare = next(p for p, st in held if not st)
+            raise ValueError(f"zero_ext: {cls} holds state for {len(with_state)} of the {len(held)} trainable "
+                             f"parameters of param group {gi} ({names.get(id(bare), 'one')!r} has none): zero_ext "
+                             f"runs {cls} over flat shard views that keep one step count per param group, so it "
+                             f"cannot carry this state exactly; {per_param}")
+        first_p, first = with_state[0]
+        for p, st in with_state[1:]:
+            for key, t in st.items():
+                if not _per_element(t) and not _same(t, first.get(key)):
+                    raise ValueError(f"zero_ext: {cls}'s scalar state {key!r} differs between parameters "
+                                     f"{names.get(id(first_p))!r} ({first.get(key)!r}) and {names.get(id(p))!r} "
+                                     f"({t!r}) of param group {gi}: zero_ext runs {cls} over flat shard views that "
+                                     f"keep one per param group, so it cannot carry this state exactly; {per_param}")
+
+
+def capture(optimizers: list, parts: list, params: list, names: dict) -> tuple[list, tuple]:
+    """Rank-local, before any collective: ([each optimizer's state_dict(), or None where it
+    holds no state], a summary for the agreement check). Raises ValueError for a state
+    zero_ext cannot hold exactly."""
+    trainable = {id(p) for p in params}
+    states, summary = [], []
+    for optimizer, part in zip(optimizers, parts):
+        if not any(optimizer.state.values()):
+            states.append(None)
+            summary.append(None)
+            continue
+        _check(optimizer, part, trainable, names)
+        steps = [_step_of(st) for st in optimizer.state.values() if st]
+        steps = [s for s in steps if s is not None] or [0]
+        states.append(optimizer.state_dict())
+        summary.append((sum(1 for st in optimizer.state.values() if st), min(steps), max(steps)))
+    return states, tuple(summary) if any(s is not None for s in summary) else ()
+
+
+def describe(summary) -> str:
+    """One rank's summary, for the agreement check's message."""
+    def one(s):
+        if s is None:
+            return "no state"
+        return f"state for {s[0]} parameters (step {s[1]})" if s[1] == s[2] else \
+            f"state for {s[0]} parameters (steps {s[1]} to {s[2]})"
+    if not summary:
+        return "no state"
+    if len(summary) == 1:
+        return one(summary[0])
+    return ", ".join(f"optimizer {k}: {one(s)}" for k, s in enumerate(summary))
+
+
+def restore(zopt, optimizers: list, states: list) -> None:
+    """Load each captured state into the ZeroOptimizer's shards (no collective), then clear
+    the retired torch optimizers' own state."""
+    from . import optim_state
+
+    several = len(optimizers) > 1
+    for k, (optimizer, sd) in enumerate(zip(optimizers, states)):
+        if sd is None:
+            continue
+        optim_state.load_state_dict(zopt, sd, k if several else None)
+        optimizer.state.clear()
