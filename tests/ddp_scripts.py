@@ -13,10 +13,7 @@ with the DDP line replaced by zeroify (tests/test_ddp_scripts.py compares them):
   checkpoint; resumes by loading model, optimizer, scheduler (and scaler) state *after*
   the wrapper line.
 
-Each checkpoints the DDP way: state_dict() on every rank, rank 0 saves. The only other
-difference from the DDP script: gpt() reads the model state for its checkpoint from the
-wrapper zeroify returned (model.state_dict(): the bare module's keys), where nanoGPT reads
-DDP's model.module.state_dict() (stage 3 refuses that one: its parameters are sharded).
+Each checkpoints the DDP way: state_dict() on every rank, rank 0 saves.
 Each returns what it logged per step, (loss, GradScaler scale or None), and the final weights;
 tutorial() and gpt() run on `device` (tests/test_gpu_multirank.py runs them on a GPU).
 """
@@ -39,8 +36,9 @@ def wrap(model, optimizer, how):
     return zero_ext.zeroify(model, optimizer, **how)
 
 
-def model_state(model, how) -> dict:
-    return model.module.state_dict() if how is None else model.state_dict()
+def model_state(model) -> dict:
+    """nanoGPT's raw_model.state_dict(), raw_model = model.module (DDP's and zeroify's alike)."""
+    return model.module.state_dict()
 
 
 def save(obj, path: str) -> None:
@@ -70,7 +68,7 @@ def _scale(scaler):
 
 
 def _result(log: list, model, how) -> dict:
-    return {"log": log, "weights": {k: v.detach().cpu().clone() for k, v in model_state(model, how).items()}}
+    return {"log": log, "weights": {k: v.detach().cpu().clone() for k, v in model_state(model).items()}}
 
 
 # ------------------------------------------------------------------ the DDP tutorial, AMP recipe
@@ -169,7 +167,7 @@ def gpt(rank, how, max_iters: int, amp: bool, ckpt: str | None = None, save_at: 
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr
         if ckpt is not None and save_at is not None and iter_num == save_at:
-            checkpoint = {"model": model_state(model, how), "optimizer": optimizer.state_dict(),
+            checkpoint = {"model": model_state(model), "optimizer": optimizer.state_dict(),
                           "iter_num": iter_num}
             save(checkpoint, ckpt)
         for micro_step in range(gradient_accumulation_steps):
