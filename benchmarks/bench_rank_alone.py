@@ -9,7 +9,7 @@ against DDP, where rank 0 holds everything.
 2 steps; then rank 0 alone, as a DDP script's `if master_process:` does:
   checkpoint  torch.save({"model": model.module.state_dict(), "optimizer":
               optimizer.state_dict()}) to a file (then deleted);
-  evaluate    --eval-batches forwards under torch.no_grad() (batch 8 x 64 tokens);
+  evaluate    --eval-batches forwards under torch.no_grad() (batch 2 x 64 tokens);
 while the other ranks go on to their next step and wait there, as they would in a script.
 Times are rank 0's wall clock; each repetition runs every system once (the first rotating);
 reported: median [min, max] over repetitions and the ratio to DDP within a repetition.
@@ -37,7 +37,7 @@ from machine import cpu_model, spread  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "bench_rank_alone.json"
 SYSTEMS = ("ddp", "zero1", "zero2", "zero3")
-BATCH, BLOCK, VOCAB = 8, 64, 50304
+BATCH, BLOCK, VOCAB = 2, 64, 50304
 
 
 def build(system, args):
@@ -115,7 +115,8 @@ def main():
             got = torch.load(out)
             for s in SYSTEMS:
                 rows[s].append(got[s])
-            print(f"repetition {rep + 1}/{args.reps} done", flush=True)
+            print(f"repetition {rep + 1}/{args.reps}: " + ", ".join(
+                f"{s} {got[s]['checkpoint_s']:.2f} s + {got[s]['evaluate_s']:.2f} s" for s in SYSTEMS), flush=True)
     from gpt import GPT, GPTConfig
     numel = sum(p.numel() for p in GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=args.layers,
                                                  n_head=max(1, args.embd // 64), n_embd=args.embd,

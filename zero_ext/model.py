@@ -232,6 +232,8 @@ class _UnitHooks:
         self.fetches = 0
         self.in_root = False                            # inside the root module's forward
         self.marked = False                             # the wrapper marked this forward already
+        self.kept: set = set()                          # units kept while reading alone (_keeping)
+        self.keep_fits = None                           # whether the whole model may be kept
         # The root's hooks run whichever way the model is entered: the wrapper,
         # model.module(...) or a method such as generate() that calls it.
         unit_modules[0].register_forward_pre_hook(self._root_pre_forward)
@@ -275,9 +277,35 @@ class _UnitHooks:
                 self.engine.gather_unit(u, False)
 
     def _release(self, k: int, keep: bool = False) -> None:
-        """Release unit k unless gathered_parameters() holds it whole."""
-        if not self.wrapper._pinned[k]:
-            self.engine.release_unit(k, keep)
+        """Release unit k unless gathered_parameters() holds it whole, or a rank reading
+        alone without autograd keeps it (_keeping)."""
+        if self.wrapper._pinned[k] or k in self.kept:
+            return
+        if self._keeping():
+            self.kept.add(k)
+            return
+        self.engine.release_unit(k, keep)
+
+    def _keeping(self) -> bool:
+        """Note [Shard server]: what a rank away reads cannot change until it is back, so
+        while it evaluates alone without autograd the units it fetched stay gathered
+        (an evaluation of many batches fetches the model once), if the whole model in
+        param_dtype takes at most a quarter of the memory its device has free."""
+        if not self.engine.sequence_away or torch.is_grad_enabled():
+            return False
+        if self.keep_fits is None:
+            from .offload import available_host_bytes
+            need = sum(self.numel) * (2 if self.wrapper._compute_dtype is not None else 4)
+            dev = self.wrapper._optimizer()._comm.device
+            have = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else available_host_bytes()
+            self.keep_fits = have is not None and 4 * need <= have
+        return self.keep_fits
+
+    def _drop_kept(self) -> None:
+        """The units kept while reading alone, released: the rank is back (or trains)."""
+        kept, self.kept = self.kept, set()
+        for k in sorted(kept):
+            self._release(k)
 
     def _need(self, k: int) -> None:
         """Unit k is needed now: record it, resynchronize the cursor on it, make it
@@ -315,6 +343,8 @@ class _UnitHooks:
         if not self.marked:                # Note [Reading alone]: settled before its gathers
             self.engine.sequence_mark(forward_phase(), servable=True)
         self.marked = False
+        if self.kept and (self.grad_pass or not self.engine.sequence_away):
+            self._drop_kept()              # back with the others, or training: as they hold units
         known = self.learned.get(self.grad_pass)
         self.order = known if known is not None else self._guess()
         self.recorded, self.cursor, self.recording, self.in_root = [], 0, True, True

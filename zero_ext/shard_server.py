@@ -153,8 +153,15 @@ class ShardServer:
     # ------------------------------------------------------------------ the reading rank
     def ask(self, engine_id: int, r: int, op: int, a: int = 0) -> torch.Tensor:
         """Rank r's piece `op`/`a` of model `engine_id` as of this rank's step() calls (bytes)."""
+        self.request(engine_id, r, op, a)
+        return self.reply(engine_id, r)
+
+    def request(self, engine_id: int, r: int, op: int, a: int = 0) -> None:
+        """Ask rank r for a piece; reply() takes it (asking several ranks first lets them work at once)."""
+        self.channel.send(torch.tensor([op, engine_id, self.engines[engine_id].done, a, 0, 0]), r, TAG_REQUEST)
+
+    def reply(self, engine_id: int, r: int) -> torch.Tensor:
         e = self.engines[engine_id]
-        self.channel.send(torch.tensor([op, engine_id, e.done, a, 0, 0]), r, TAG_REQUEST)
         head = torch.empty(2, dtype=torch.long)
         self._recv(head, r)
         payload = torch.empty(int(head[1]), dtype=torch.uint8)
@@ -269,13 +276,16 @@ def _served_unit(optimizer, u: int) -> None:
         raise RuntimeError("zero_ext: a rank that reads alone is served exact parameters, but this model gathers "
                            "them quantized (param_quant), so it would compute with other values than the others; "
                            "read on every rank, or zeroify without param_quant")
+    others = [r for r in range(engine.world_size) if r != engine.rank]
+    for r in others:
+        server.request(engine_id, r, OP_UNIT, u)
     own = engine.unit_part(u)
     parts = []
     for r in range(engine.world_size):
         if r == engine.rank:
             parts.append(own)
             continue
-        raw, got, at = server.ask(engine_id, r, OP_UNIT, u), [], 0
+        raw, got, at = server.reply(engine_id, r), [], 0
         for t in own:
             n = t.numel() * t.element_size()
             got.append(raw[at:at + n].view(t.dtype).to(t.device))
