@@ -371,6 +371,27 @@ def gen_perf_offload(arg: str = "") -> str:
     return text + "\n" + source_line(grel)
 
 
+def gen_perf_rank_alone(arg: str = "") -> str:
+    """Rank 0's checkpoint and evaluation alone, served by the others, beside DDP (bench_rank_alone.py)."""
+    rel = f"{ZEN5}/bench_rank_alone.json"
+    d = ref(rel)
+    names = {"ddp": "DDP (rank 0 holds everything)", "zero1": "zero_ext stage 1", "zero2": "zero_ext stage 2",
+             "zero3": "zero_ext stage 3"}
+    rows = []
+    for key, e in d["systems"].items():
+        c, cr, v, vr = e["checkpoint_s"], e["checkpoint_vs_ddp"], e["evaluate_s"], e["evaluate_vs_ddp"]
+        rows.append([names.get(key, key), f"{c['median']:.2f}", f"{cr['median']:.2f}x [{cr['min']:.2f}, {cr['max']:.2f}]",
+                     f"{v['median']:.2f}", f"{vr['median']:.2f}x [{vr['min']:.2f}, {vr['max']:.2f}]"])
+    text = (f"A DDP script's `if rank == 0:` habits on a {d['numel'] / 1e6:.0f}M-parameter GPT at {d['ranks']} gloo "
+            f"ranks: rank 0 alone writes the checkpoint (`model.module.state_dict()` and `optimizer.state_dict()`, "
+            f"torch.save) and evaluates {d['eval_batches']} batches without autograd, while the other ranks wait in "
+            f"their next step; in zero_ext's stages their shard servers send what rank 0 reads "
+            f"([Stage 3](guide/stage3.md#evaluation-and-other-code-that-runs-on-some-ranks-only)). Seconds on rank "
+            f"0, median of {d['reps']} repetitions; the ratio to DDP within a repetition, median [min, max].\n\n")
+    text += table(["system", "checkpoint s", "vs DDP", "evaluation s", "vs DDP"], rows)
+    return text + "\n" + source_line(rel)
+
+
 def gen_perf_pretrained(arg: str = "") -> str:
     """A ~0.5B Llama loaded into stage 3 and saved back: zero_ext beside every rank's
     from_pretrained and FSDP2 with torch's Hugging Face reader and writer."""
@@ -844,13 +865,14 @@ GENERATORS = {
     "perf-optimizer-cpu": gen_perf_optimizer_cpu, "perf-units": gen_perf_units, "perf-comm": gen_perf_comm,
     "perf-comm-hier": gen_perf_comm_hier, "perf-whole": gen_perf_whole, "perf-memory": gen_perf_memory,
     "perf-sequence": gen_perf_sequence, "perf-offload": gen_perf_offload, "perf-peak-gpu": gen_perf_peak_gpu,
+    "perf-rank-alone": gen_perf_rank_alone,
     "perf-pretrained": gen_perf_pretrained,
     "status": gen_status,
     "notes": gen_notes, "options": gen_options, "deepspeed-keys": gen_deepspeed_keys, "errors": gen_errors,
 }
 # Generators whose text states figures read from benchmarks/reference/ (exempt from the stray-figure scan).
 FROM_REFERENCE = {"perf-headline", "perf-optimizer-gpu", "perf-optimizer-cpu", "perf-units", "perf-comm",
-                  "perf-comm-hier", "perf-whole", "perf-memory", "perf-sequence", "perf-offload", "perf-peak-gpu",
+                  "perf-comm-hier", "perf-whole", "perf-memory", "perf-sequence", "perf-offload", "perf-peak-gpu", "perf-rank-alone",
                   "perf-pretrained", "status"}
 
 
