@@ -279,6 +279,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("sequence_mark", &zx::Engine::sequence_mark, py::arg("phase"), py::arg("servable") = false,
              py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("sequence_away", &zx::Engine::sequence_away)
+        .def_property_readonly("sequence_diverged", &zx::Engine::sequence_diverged)
         .def_property_readonly("sequence_exchanges", &zx::Engine::sequence_exchanges)
         .def("sequence_sync", &zx::Engine::sequence_sync, py::call_guard<py::gil_scoped_release>())
         .def("set_grad_wrappers", &zx::Engine::set_grad_wrappers)

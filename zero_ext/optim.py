@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as _optim_module
 
-from . import _C
+from . import _C, shard_server
 from .amp import check_scaler
 from .changes import ADD_GROUP_FIX, ZeroUsageError
 from .comm import Comm
@@ -683,6 +683,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             s["unit_fetches"] = self._units.fetches
             s["out_of_order_fetches"] = self._units.out_of_order
         return s
+
+    def __del__(self):
+        # Note [Shard server]: the other ranks may still read this rank's shard
+        if self._server is not None:
+            shard_server.teardown(self)
 
     _engine = None
     _server = None         # (ShardServer, this model's id there): Note [Shard server]

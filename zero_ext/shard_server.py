@@ -21,6 +21,17 @@ Note [Shard server]
   torch's do), as gloo's send and receive do. On a GPU the server copies on a CUDA stream
   of its own, after an event its rank recorded at the end of the step, so no copy is
   queued behind a collective that waits for the reader.
+  The end of a script: the other ranks leave the training loop, return from main() and
+  exit while rank 0 still writes its final checkpoint. So a model's end is a meeting
+  (teardown: ZeroOptimizer.__del__, or the clean exit): each rank serves until every rank
+  has come to it, unless the ranks diverged, a collective or a read failed, or nobody has
+  asked for QUIET_S. A rank reading alone marks in the store the step it reads as of; a
+  rank at its model's end waits past ARRIVE_S only for such a reader of its last step, so
+  a rank that leaves the job while the others train (an error) lets them fail at once.
+  __del__ may run on any thread (a garbage collection), the server's own included: only
+  the main thread waits; elsewhere a thread of its own does, holding the optimizer, and
+  the clean exit joins it. The side channel is not registered with torch.distributed, so
+  a script's destroy_process_group() before that leaves it serving.
   Requests and replies: a 6-integer header (op, engine, steps done, a, b, 0) with tag
   TAG_REQUEST to the server; the reply with TAG_REPLY: a 2-integer head (0 or 1 for an
   error, bytes) then the bytes (the payload, or the error's message).
@@ -50,6 +61,9 @@ class _Engine:
     def __init__(self, optimizer, device: torch.device):
         self.optimizer = weakref.ref(optimizer)   # Note [No cycles through C++] (model.py)
         self.device = device
+        self.held = None                          # the optimizer, while its end waits (teardown)
+        self.failed = False                       # a read of it failed here: the ranks parted
+        self.reads_at = -1                        # the steps done when this rank last read alone
         self.done = 0
         self.event = None                         # CUDA: recorded at the end of the last step
 
@@ -62,7 +76,7 @@ class ShardServer:
         self.rank = channel.rank
         self.engines: dict[int, _Engine] = {}
         self.cond = threading.Condition()
-        self.keep = None                 # (optimizer, model) of the newest model: add()
+        self.last_request = 0.0          # time.monotonic() of the last request served
         self.stream = None
         self.thread = threading.Thread(target=self._serve, name="zero_ext shard server", daemon=True)
         self.thread.start()
@@ -71,9 +85,7 @@ class ShardServer:
     def add(self, engine_id: int, optimizer, device: torch.device) -> None:
         with self.cond:
             self.engines[engine_id] = _Engine(optimizer, device)
-            # The newest model stays alive until every rank is at its exit: a script's main()
-            # may return (its locals gone) while rank 0 still saves what this rank holds.
-            self.keep = (optimizer, optimizer._guard._wrapper() if optimizer._guard is not None else None)
+            self.cond.notify_all()
 
     def step_done(self, engine_id: int) -> None:
         """The end of a step() call on this rank: what it serves is as of this step now."""
@@ -94,6 +106,7 @@ class ShardServer:
                 return        # the group was destroyed, or the job is ending
             src, req = work._source_rank(), head.clone()
             work = self.channel.irecv(head, TAG_REQUEST)
+            self.last_request = time.monotonic()
             try:
                 payload, status = self._answer(req.tolist())
             except Exception as e:  # noqa: BLE001 - the reader raises it, naming this rank
@@ -110,15 +123,18 @@ class ShardServer:
         reader (payload: how many): the state it asks for is gone."""
         op, engine_id, steps, a, _, _ = req
         with self.cond:
-            e = self.engines.get(engine_id)
-            if e is None or e.optimizer() is None:
-                raise RuntimeError(f"no model {engine_id} here")
+            # a fast reader may ask before this rank's zeroify registered the model
+            if not self.cond.wait_for(lambda: engine_id in self.engines, timeout=LINGER_S):
+                raise RuntimeError(f"no model {engine_id} here after {LINGER_S:.0f} s")
+            e = self.engines[engine_id]
+            opt = e.held if e.held is not None else e.optimizer()
+            if opt is None:
+                raise RuntimeError(f"model {engine_id} was deleted here")
             if not self.cond.wait_for(lambda: e.done >= steps, timeout=None):
                 raise RuntimeError("interrupted")
             if e.done > steps:
                 return torch.tensor([e.done]).view(torch.uint8), 2
             event = e.event
-        opt = e.optimizer()
         if e.device.type == "cuda":
             if self.stream is None:
                 self.stream = torch.cuda.Stream(e.device)
@@ -158,14 +174,20 @@ class ShardServer:
 
     def request(self, engine_id: int, r: int, op: int, a: int = 0) -> None:
         """Ask rank r for a piece; reply() takes it (asking several ranks first lets them work at once)."""
-        self.channel.send(torch.tensor([op, engine_id, self.engines[engine_id].done, a, 0, 0]), r, TAG_REQUEST)
+        e = self.engines[engine_id]
+        if e.reads_at != e.done:   # the ranks that end this model wait for a reader (_wait_for_all)
+            self.channel.store.set(f"away/{engine_id}/{self.rank}", str(e.done))
+            e.reads_at = e.done
+        self.channel.send(torch.tensor([op, engine_id, e.done, a, 0, 0]), r, TAG_REQUEST)
 
     def reply(self, engine_id: int, r: int) -> torch.Tensor:
         e = self.engines[engine_id]
+        e.failed = True   # until the reply is read whole and is no error
         head = torch.empty(2, dtype=torch.long)
         self._recv(head, r)
         payload = torch.empty(int(head[1]), dtype=torch.uint8)
         self._recv(payload, r)
+        e.failed = int(head[0]) != 0
         if int(head[0]) == 2:   # rank r stepped without this rank: this rank trained alone
             theirs = int(payload.view(torch.long)[0])
             raise RuntimeError(
@@ -203,31 +225,87 @@ def _kinds(shard) -> dict:
     return {"model": shard.masters, **{f"optim/{s}": states[s] for s in sorted(states)}}
 
 
-# ---------------------------------------------------------------------- the end of a script
-LINGER_S = 1800.0   # how long a rank at its exit waits for the others (the process group's default timeout)
+# ---------------------------------------------------------------------- the end of a model
+LINGER_S = 1800.0   # the longest a rank serves at a model's end (the process group's default timeout)
+QUIET_S = 60.0      # ... or until no rank has asked it anything for this long
+ARRIVE_S = 20.0     # ... or, when no rank reads alone as of its last step, this long
+_ENDING: list = []  # the threads that wait at the end of a model deleted off the main thread
 
 
-def _linger() -> None:
-    """At a rank's clean exit: serve until every rank has come to its exit too, so that a
-    rank that reads alone at the end of a script (`if rank == 0: model.save_pretrained(...)`)
-    still finds the others' pieces (Note [Shard server]). A rank that ends with an
-    unhandled exception leaves at once: its peers are told by their collectives."""
+def teardown(optimizer) -> None:
+    """A model's end on this rank (ZeroOptimizer.__del__, or the script's clean exit): serve
+    until every rank has come to the same model's end, so that a rank that reads alone at
+    the end of a script (`if rank == 0: torch.save(...)` after the loop, while the others
+    return from main() and exit) still finds their pieces (Note [Shard server]). Not when
+    the ranks diverged, a collective failed or a read from a server did (a peer is gone or
+    the ranks parted: nobody will come), nor at interpreter shutdown; and at most QUIET_S
+    after the last request this rank served.
+    The optimizer is held meanwhile (the garbage collector clears weak references before
+    it calls __del__). Only the main thread waits here: a collection can run __del__ on
+    any thread, the server's own included, so elsewhere a thread of its own waits."""
+    entry = getattr(optimizer, "_server", None)
+    if entry is None or getattr(optimizer, "_torn_down", False) or sys.is_finalizing():
+        return
+    optimizer._torn_down = True
+    engine = optimizer._engine
+    if engine is None or engine.sequence_diverged:
+        return
+    server, engine_id = entry
+    with server.cond:
+        e = server.engines[engine_id]
+        if e.failed:
+            return
+        e.held = optimizer
+    if threading.current_thread() is threading.main_thread():
+        _wait_for_all(server, engine_id)
+    else:
+        t = threading.Thread(target=_wait_for_all, args=(server, engine_id), daemon=True,
+                             name="zero_ext model end")
+        _ENDING.append(t)
+        t.start()
+
+
+def _wait_for_all(server, engine_id: int) -> None:
+    """Until every rank is at this model's end; or, after ARRIVE_S, as long as a rank reads
+    alone as of this rank's last step (a reader at the end of the script) and asks within
+    QUIET_S. A rank that leaves the job while the others train waits ARRIVE_S: nobody reads."""
+    store, world = server.channel.store, server.channel.world
+    done = server.engines[engine_id].done
+    readers = [f"away/{engine_id}/{q}" for q in range(world) if q != server.rank]
+    key = f"gone/{engine_id}"
+    store.add(key, 1)
+    start, told = time.monotonic(), False
+    try:
+        while int(store.add(key, 0)) < world:
+            now = time.monotonic()
+            if now - start > LINGER_S or now - max(start, server.last_request) > QUIET_S:
+                return
+            if now - start > ARRIVE_S and not any(
+                    store.check([k]) and int(store.get(k)) == done for k in readers):
+                return
+            if not told and now - start > 10:
+                print(f"zero_ext: rank {server.rank} waits at the end of its model until every rank is there (a "
+                      f"rank reading alone, such as a rank-0 checkpoint, reads this rank's shard)",
+                      file=sys.stderr, flush=True)
+                told = True
+            time.sleep(0.05)
+    finally:
+        with server.cond:
+            server.engines[engine_id].held = None   # the optimizer may go now
+
+
+def _at_exit() -> None:
+    """The script's clean exit: the end of every model still alive. A rank that ends with
+    an unhandled exception leaves at once: its peers are told by their collectives."""
     if getattr(sys, "last_value", None) is not None:
         return
     for _, server in list(_SERVERS.values()):
-        server.channel.store.add("exit", 1)
-    start, told = time.monotonic(), False
-    for _, server in list(_SERVERS.values()):
-        while int(server.channel.store.add("exit", 0)) < server.channel.world:
-            if time.monotonic() - start > LINGER_S:
-                return
-            if not told and time.monotonic() - start > 10:
-                print(f"zero_ext: rank {server.rank} waits at its exit until every rank has finished reading "
-                      f"(a rank-0 checkpoint or evaluation reads this rank's shard)", file=sys.stderr, flush=True)
-                told = True
-            time.sleep(0.05)
-    for _, server in list(_SERVERS.values()):
-        server.keep = None
+        for e in list(server.engines.values()):
+            opt = e.optimizer()
+            if opt is not None:
+                teardown(opt)
+    for t in _ENDING:
+        t.join()
 
 
 # ---------------------------------------------------------------------- the reader's side
@@ -237,7 +315,7 @@ def start(pg, engine, optimizer, engine_id: int, device: torch.device) -> None:
     if known is None or known[0] is not pg:
         known = _SERVERS[id(pg)] = (pg, ShardServer(SideChannel(pg)))
         if len(_SERVERS) == 1:
-            atexit.register(_linger)
+            atexit.register(_at_exit)
     server = known[1]
     server.add(engine_id, optimizer, device)
     optimizer._server = (server, engine_id)

@@ -30,7 +30,8 @@ bool Sequence::settle_away(int64_t key, bool pass_start, bool servable) {
         // where it expects no exchange, neither do they, and an exchange (a deviation, or
         // every phase) meets theirs; a rank that now trains alone waits in that exchange
         // and is named as any divergence.
-        if (!known && servable) return true;   // still reading alone
+        if (servable && !known && (reads_only(pos_.phase) || sched_.cycles >= kLearnCycles))
+            return true;   // still reading alone (a forward with autograd, while the pattern is learned, exchanges)
         away_.on = false;
         return false;
     }
@@ -101,11 +102,23 @@ bool Sequence::together(int64_t key) {
 }
 
 int Sequence::away_verdict(const int64_t *a) {
-    const auto candidate = [&](int64_t q) {
+    // A rank that only reads may go away, and one in a forward with autograd that left its
+    // pattern, unless only readers would stay: then these train (a pattern still learned).
+    const auto reads = [&](int64_t q) {
         const int64_t *d = a + q * kDigest;
-        const int64_t flags = d[kDigest - 1], phase = d[3];
-        return (flags & kFlagServable) && (reads_only(phase) || !(flags & kFlagKnown));
+        return (d[kDigest - 1] & kFlagServable) && reads_only(d[3]);
     };
+    const auto leaves = [&](int64_t q) {
+        const int64_t *d = a + q * kDigest;
+        return (d[kDigest - 1] & kFlagServable) && !(d[kDigest - 1] & kFlagKnown);
+    };
+    int64_t readers = 0, leavers = 0;
+    for (int64_t q = 0; q < world_; q++) {
+        readers += reads(q);
+        leavers += !reads(q) && leaves(q);
+    }
+    const bool leavers_stay = readers > 0 && readers + leavers == world_;
+    const auto candidate = [&](int64_t q) { return reads(q) || (leaves(q) && !leavers_stay); };
     int64_t stayer = -1, candidates = 0;
     for (int64_t q = 0; q < world_; q++) {
         if (candidate(q)) {

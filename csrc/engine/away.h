@@ -21,10 +21,16 @@
 //     any while the pattern is learned meet the other ranks in the process group's store
 //     (together()): if every rank arrives at the same mark within kAwayJoinS, they go on
 //     as before (all ranks evaluate: the exchange, the collectives); otherwise the first
-//     to give up writes "away", and every rank arriving there reads it and goes away.
+//     to give up writes "away", and every rank arriving there reads it and goes away;
+//     except, while the pattern is learned (every rank exchanges at its servable marks
+//     then), a forward with autograd: it goes to the exchange, which decides without a
+//     deadline. So a rank that is merely late to its first training forward (under load,
+//     by more than kAwayJoinS) is never taken for one that reads alone.
 //   - Without a store the ranks meet in the digest exchange (every phase): where digests
 //     differ, the ranks in a servable phase that read only, or that left their pattern,
-//     go away, provided the others (the stayers) agree among themselves; they keep the
+//     go away, provided the others (the stayers) agree among themselves (where every rank
+//     reads or left its pattern, as while it is learned, the readers go away and the
+//     forwards with autograd stay); they keep the
 //     stayers' digest and rejoin at the record that equals it (the stayers' exchange of
 //     that mark already happened; rejoin_at), and any other collective fails.
 //   While away nothing is recorded: no record, no pattern key, no exchange, so the

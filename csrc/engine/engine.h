@@ -147,6 +147,7 @@ public:
     // A SeqPhase, or kUnitNeedBase + unit; servable: Note [Reading alone]. Whether this rank is away.
     bool sequence_mark(int64_t phase, bool servable = false);
     bool sequence_away() const { return comm_.seq.away(); }
+    bool sequence_diverged() const { return comm_.seq.diverged(); }
     int64_t sequence_exchanges() const { return comm_.seq.exchanges(); }
     void sequence_sync();                // exchange digests now (before a rank raises)
 

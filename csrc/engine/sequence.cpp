@@ -213,7 +213,10 @@ void Sequence::commit() {
     // Note [Reading alone]: a servable mark the pattern does not expect (or any, while it is
     // learned) meets the others in the store first
     const bool meet = servable && away_.store && (!known || sched_.cycles < kLearnCycles || reads_only(ph));
-    if (meet && !together(key)) {
+    // While the pattern is learned every rank exchanges at its servable marks, so there a
+    // forward with autograd that met no one goes to the exchange, which decides without a
+    // deadline (away_verdict): a late rank is not taken for one that trains elsewhere.
+    if (meet && !together(key) && (reads_only(ph) || sched_.cycles >= kLearnCycles)) {
         away_.on = true;
         return;
     }
@@ -586,6 +589,7 @@ void Sequence::watch(const WorkPtr &work, const char *what) {
         } catch (const std::exception &) {
         }
     }
+    if (failed) diverged_ = true;   // collectives in flight will never complete either
     if (!gone.empty()) {   // the collective failed because those ranks left: say so
         try {
             Communicator::wait(work, what);

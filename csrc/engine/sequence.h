@@ -183,7 +183,8 @@ public:
                 StorePtr meet = StorePtr());
     int64_t exchanges() const { return sched_.exchanges; }
     bool enabled() const { return enabled_; }
-    // A divergence was reported: collectives in flight will never complete.
+    // A divergence was reported, or a watched collective failed: collectives in flight
+    // will never complete.
     bool diverged() const { return diverged_; }
 
     void subject(int64_t bucket, int64_t unit) { pos_.bucket = bucket; pos_.unit = unit; }
