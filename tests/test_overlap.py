@@ -244,7 +244,8 @@ def _teardown_worker(rank, world):
     time.sleep(0.02)
     start = time.monotonic()
     del zm, zo, model
-    gc.collect()   # the engine goes with the last reference to it
+    gc.collect()
+    zero_ext.shard_server.join_ended()   # the engine goes with the last reference to it (Note [Shard server])
     end = time.monotonic()
     stop.set()
     thread.join()

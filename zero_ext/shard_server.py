@@ -28,9 +28,9 @@ Note [Shard server]
   asked for QUIET_S. A rank reading alone marks in the store the step it reads as of; a
   rank at its model's end waits past ARRIVE_S only for such a reader of its last step, so
   a rank that leaves the job while the others train (an error) lets them fail at once.
-  __del__ may run on any thread (a garbage collection), the server's own included: only
-  the main thread waits; elsewhere a thread of its own does, holding the optimizer, and
-  the clean exit joins it. The side channel is not registered with torch.distributed, so
+  The wait runs on a thread of its own, holding the optimizer, so no rank stops at a
+  model's end (__del__ may run on any thread, the server's own included); the clean exit
+  joins it. The side channel is not registered with torch.distributed, so
   a script's destroy_process_group() before that leaves it serving.
   Requests and replies: a 6-integer header (op, engine, steps done, a, b, 0) with tag
   TAG_REQUEST to the server; the reply with TAG_REPLY: a 2-integer head (0 or 1 for an
@@ -229,7 +229,7 @@ def _kinds(shard) -> dict:
 LINGER_S = 1800.0   # the longest a rank serves at a model's end (the process group's default timeout)
 QUIET_S = 60.0      # ... or until no rank has asked it anything for this long
 ARRIVE_S = 20.0     # ... or, when no rank reads alone as of its last step, this long
-_ENDING: list = []  # the threads that wait at the end of a model deleted off the main thread
+_ENDING: list = []  # the threads that wait at the end of a dropped model (teardown)
 
 
 def teardown(optimizer) -> None:
@@ -240,9 +240,10 @@ def teardown(optimizer) -> None:
     the ranks diverged, a collective failed or a read from a server did (a peer is gone or
     the ranks parted: nobody will come), nor at interpreter shutdown; and at most QUIET_S
     after the last request this rank served.
-    The optimizer is held meanwhile (the garbage collector clears weak references before
-    it calls __del__). Only the main thread waits here: a collection can run __del__ on
-    any thread, the server's own included, so elsewhere a thread of its own waits."""
+    A thread of its own waits, holding the optimizer (the garbage collector clears weak
+    references before it calls __del__): the rank goes on at once (a script that builds
+    one model after another, a collection that runs __del__ on any thread, the server's
+    own included), and its clean exit joins that thread."""
     entry = getattr(optimizer, "_server", None)
     if entry is None or getattr(optimizer, "_torn_down", False) or sys.is_finalizing():
         return
@@ -256,13 +257,15 @@ def teardown(optimizer) -> None:
         if e.failed:
             return
         e.held = optimizer
-    if threading.current_thread() is threading.main_thread():
-        _wait_for_all(server, engine_id)
-    else:
-        t = threading.Thread(target=_wait_for_all, args=(server, engine_id), daemon=True,
-                             name="zero_ext model end")
-        _ENDING.append(t)
-        t.start()
+    t = threading.Thread(target=_wait_for_all, args=(server, engine_id), daemon=True, name="zero_ext model end")
+    _ENDING.append(t)
+    t.start()
+
+
+def join_ended() -> None:
+    """Wait until every model this process dropped has ended (its optimizer released)."""
+    while _ENDING:
+        _ENDING.pop(0).join()
 
 
 def _wait_for_all(server, engine_id: int) -> None:
@@ -291,7 +294,9 @@ def _wait_for_all(server, engine_id: int) -> None:
             time.sleep(0.05)
     finally:
         with server.cond:
-            server.engines[engine_id].held = None   # the optimizer may go now
+            e = server.engines[engine_id]
+            held, e.held = e.held, None
+        del held   # the optimizer may go now (outside the lock: its engine may wait for its gathers)
 
 
 def _at_exit() -> None:
@@ -304,8 +309,7 @@ def _at_exit() -> None:
             opt = e.optimizer()
             if opt is not None:
                 teardown(opt)
-    for t in _ENDING:
-        t.join()
+    join_ended()
 
 
 # ---------------------------------------------------------------------- the reader's side
