@@ -27,7 +27,7 @@ Note [Shard server]
   has come to it, unless the ranks diverged, a collective or a read failed, or nobody has
   asked for QUIET_S. A rank reading alone marks in the store the step it reads as of; a
   rank at its model's end waits past ARRIVE_S only for such a reader of its last step, so
-  a rank that leaves the job while the others train (an error) lets them fail at once.
+  a rank that leaves the job while the others train (an error) lets them fail after it.
   The wait runs on a thread of its own, holding the optimizer, so no rank stops at a
   model's end (__del__ may run on any thread, the server's own included); the clean exit
   joins it. The side channel is not registered with torch.distributed, so

@@ -30,8 +30,7 @@ bool Sequence::settle_away(int64_t key, bool pass_start, bool servable) {
         // where it expects no exchange, neither do they, and an exchange (a deviation, or
         // every phase) meets theirs; a rank that now trains alone waits in that exchange
         // and is named as any divergence.
-        if (servable && !known && (reads_only(pos_.phase) || sched_.cycles >= kLearnCycles))
-            return true;   // still reading alone (a forward with autograd, while the pattern is learned, exchanges)
+        if (servable && !known && alone_at(pos_.phase)) return true;   // still reading alone
         away_.on = false;
         return false;
     }

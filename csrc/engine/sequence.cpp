@@ -208,15 +208,15 @@ void Sequence::commit() {
     const bool pass_start = ph == kPhaseForward || ph == kPhaseForwardNoGrad || ph >= kPhaseModelState;
     if (away_.on && settle_away(key, pass_start, servable)) return;   // away.cpp
     const bool known = sched_.pattern.peek(key, pass_start);
-    const bool learning = sched_.every_phase || sched_.cycles < kLearnCycles;
+    const bool learning = sched_.every_phase || !learned();
     sched_.flags = (servable ? kFlagServable : 0) | (known ? kFlagKnown : 0);
     // Note [Reading alone]: a servable mark the pattern does not expect (or any, while it is
     // learned) meets the others in the store first
-    const bool meet = servable && away_.store && (!known || sched_.cycles < kLearnCycles || reads_only(ph));
+    const bool meet = servable && away_.store && (!known || !learned() || reads_only(ph));
     // While the pattern is learned every rank exchanges at its servable marks, so there a
     // forward with autograd that met no one goes to the exchange, which decides without a
     // deadline (away_verdict): a late rank is not taken for one that trains elsewhere.
-    if (meet && !together(key) && (reads_only(ph) || sched_.cycles >= kLearnCycles)) {
+    if (meet && !together(key) && alone_at(ph)) {
         away_.on = true;
         return;
     }
@@ -264,7 +264,7 @@ void Sequence::unit_need(int64_t unit) {
             sched_.pattern.next(mix(mix(kUnitNeedBase + unit, sched_.since_mark), kSeqUnitNeed), false);
         sched_.since_mark = 0;
         // exchanged just below
-        if (!known && !sched_.every_phase && sched_.cycles >= kLearnCycles) sched_.armed = true;
+        if (!known && !sched_.every_phase && learned()) sched_.armed = true;
     }
     before(kSeqUnitNeed, 0);
 }

@@ -266,6 +266,10 @@ private:
         Pattern pattern;
     } sched_;
     static constexpr int64_t kLearnCycles = 2;
+    bool learned() const { return sched_.cycles >= kLearnCycles; }
+    // Whether a rank that met no one at a servable mark of this phase reads alone: one that
+    // only reads, or any once the pattern is learned (before, every rank exchanges there).
+    bool alone_at(int64_t phase) const { return reads_only(phase) || learned(); }
     // Watched waits (Note [Collective sequence check], 2.): the store the records are
     // published to, this engine's id in its keys, records published, patience.
     struct Waits {
