@@ -44,6 +44,23 @@ Note [Forked ranks]
   each rank takes the parent's at its entry (an environment variable read when torch is
   imported keeps the server's value). Worlds on a backend that carries CUDA tensors
   keep "spawn"; ZX_TEST_START=spawn brings it back for every world.
+
+Note [Frozen heap]
+  A full garbage collection walks every object the interpreter tracks: ~170k once
+  torch is imported, 70 ms; in a rank forked from the server, the first walk also
+  writes to every page that holds them (copy on write), 200+ ms. A standing world
+  collects twice between two functions (Note [Standing worlds]), hundreds of times
+  in a suite. So what exists when this module is imported (torch, zero_ext: the
+  server's preload, and the pytest process's imports), and what survives a standing
+  world's reset (modules a function imported), is moved out of the collector's sight
+  with gc.freeze(): a collection walks only what the last function made, which is
+  what it is there for. Frozen objects are never collected as cycles, so the reset
+  first lets the models the function dropped end (their optimizers are held until
+  every rank is at their end: zero_ext/shard_server.py) and collects them; what is
+  frozen then is the interpreter's modules and their caches, alive until exit anyway.
+  Measured on 3 files of standing worlds (test_after_zeroify, test_offload,
+  test_parity, one process): the resets' first collections 13.6 s -> 1.8 s, the
+  machine's CPU time 180 s -> 152 s.
 """
 from __future__ import annotations
 
@@ -209,6 +226,7 @@ def _standing_entry(rank, world, store_path, conn, state):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    gc.freeze()   # Note [Frozen heap]
     default_pg = dist.group.WORLD
     seed = torch.initial_seed()
     env, cwd = dict(os.environ), os.getcwd()
@@ -246,7 +264,11 @@ def _reset(default_pg, env, cwd):
     if not dist.is_initialized() or dist.group.WORLD is not default_pg:
         raise RuntimeError("the function destroyed or replaced the default process group: run it with reuse=False")
     dist.barrier()   # every rank is done with the last function's collectives
+    if "zero_ext.shard_server" in sys.modules:
+        # the models the function dropped end once every rank is here: let them go
+        sys.modules["zero_ext.shard_server"].join_ended()
     gc.collect()
+    gc.freeze()   # what survived lives on: later collections skip it (Note [Frozen heap])
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -349,3 +371,6 @@ def end_standing_worlds() -> None:
 
 
 atexit.register(end_standing_worlds)
+# Note [Frozen heap]: torch's and zero_ext's objects, imported by now (in the fork server,
+# its whole preload), are left out of every later collection here and in forked ranks.
+gc.freeze()
