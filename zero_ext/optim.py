@@ -691,6 +691,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     _engine = None
     _server = None         # (ShardServer, this model's id there): Note [Shard server]
+    _torn_down = False     # its end began (shard_server.teardown)
     _guard = None          # the model's ModelGuard (changes.py)
     _frozen_bytes = 0
     _units = None          # stage 3: the model's unit hooks (fetch counters)

@@ -244,8 +244,8 @@ def teardown(optimizer) -> None:
     references before it calls __del__): the rank goes on at once (a script that builds
     one model after another, a collection that runs __del__ on any thread, the server's
     own included), and its clean exit joins that thread."""
-    entry = getattr(optimizer, "_server", None)
-    if entry is None or getattr(optimizer, "_torn_down", False) or sys.is_finalizing():
+    entry = optimizer._server
+    if entry is None or optimizer._torn_down or sys.is_finalizing():
         return
     optimizer._torn_down = True
     engine = optimizer._engine
