@@ -8,6 +8,8 @@ with the DDP line replaced by zeroify (tests/test_ddp_scripts.py compares them):
   require_backward_grad_sync, GradScaler with unscale_ + torch's clip_grad_norm_;
   resumes by loading the checkpoint into the bare model and the torch optimizer
   *before* the wrapper line.
+- built_after(): the DDP tutorial's and FSDP2's order: the model is wrapped first and the
+  optimizer (any of OPTIMIZERS) is built over what the wrapper returned, then its scheduler.
 - imagenet(): pytorch/examples' ImageNet main.py: SGD with momentum and weight decay,
   StepLR per epoch, cross-entropy, an optional GradScaler whose state rides in the
   checkpoint; resumes by loading model, optimizer, scheduler (and scaler) state *after*
@@ -29,10 +31,15 @@ FP16 = torch.float16
 
 
 def wrap(model, optimizer, how):
-    """The wrapper line: DDP for how=None, else zeroify(model, optimizer, **how)."""
+    """The wrapper line: DDP for how=None, else zeroify(model, optimizer, **how); with
+    how["optimizer"] == "unpassed", `model = zeroify(model, **rest)`: the script goes on
+    stepping the optimizer it built, which zeroify was never given (Note [Adopted optimizers])."""
     if how is None:
         return nn.parallel.DistributedDataParallel(model), optimizer
     import zero_ext
+    how = dict(how)
+    if how.pop("optimizer", None) == "unpassed":
+        return zero_ext.zeroify(model, **how), optimizer
     return zero_ext.zeroify(model, optimizer, **how)
 
 
@@ -113,6 +120,66 @@ def tutorial(rank, how, steps: int, amp: bool, scaler_kw: dict | None = None, po
         scaler.update()
         log.append((loss.item(), _scale(scaler)))
     return _result(log, ddp_model, how)
+
+
+# ------------------------------------------------------------------ the optimizer built after the wrapper
+def _decay_groups(model, **kw):
+    """nanoGPT's weight decay on the matrices only, over what the wrapper returned."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _muon_recipe(model) -> list:
+    """Muon over the first matrix (hidden), AdamW over the rest: two optimizers."""
+    hidden = next(p for p in model.parameters() if p.dim() == 2)
+    return [torch.optim.Muon([hidden], lr=2e-2),
+            torch.optim.AdamW([p for p in model.parameters() if p is not hidden], lr=1e-2)]
+
+
+OPTIMIZERS = {
+    "adamw-groups": lambda m: [torch.optim.AdamW(_decay_groups(m), lr=1e-2)],
+    "sgd-nesterov": lambda m: [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                                               weight_decay=1e-4)],
+    "adagrad": lambda m: [torch.optim.Adagrad(m.parameters(), lr=0.05)],
+    "rmsprop": lambda m: [torch.optim.RMSprop(m.parameters(), lr=1e-2, momentum=0.5)],
+    "muon+adamw": lambda m: _muon_recipe(m),
+}
+
+
+def built_after(rank, how, optimizer: str, steps: int = 5, device: str = "cpu") -> dict:
+    """how=None: DDP; else `model = zeroify(model, **how)` (no optimizer given), or with
+    how["optimizer"] == "passed" the same optimizer built first and given to zeroify."""
+    torch.manual_seed(0)
+    model = ToyModel().to(device)
+    how = dict(how) if how is not None else None
+    if how is not None and how.pop("optimizer", None) == "passed":
+        import zero_ext
+        opts = OPTIMIZERS[optimizer](model)
+        model, opts = zero_ext.zeroify(model, opts if len(opts) > 1 else opts[0], **how)
+        opts = opts if isinstance(opts, list) else [opts]
+    else:
+        if how is None:
+            model = nn.parallel.DistributedDataParallel(model)
+        else:
+            import zero_ext
+            model = zero_ext.zeroify(model, **how)
+        opts = OPTIMIZERS[optimizer](model)
+    schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=steps) for o in opts]
+    log = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, labels = torch.randn(20, 10, generator=g).to(device), torch.randn(20, 5, generator=g).to(device)
+        for o in opts:
+            o.zero_grad()
+        loss = nn.functional.mse_loss(model(x), labels)
+        loss.backward()
+        for o, s in zip(opts, schedulers):
+            o.step()
+            s.step()
+        log.append((loss.item(), None))
+    out = _result(log, model, how)
+    out["types"] = [type(o).__name__ for o in opts] + [type(model).__name__]
+    return out
 
 
 # ------------------------------------------------------------------ nanoGPT's train.py

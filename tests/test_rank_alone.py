@@ -16,7 +16,9 @@ zero_ext/shard_server.py).
   `if rank == 0: save(...)` followed by `dist.barrier()`; a full state that would not fit
   rank 0's host memory is refused before anything is fetched, naming zero_ext.save.
 - What cannot be served is named on every rank: rank 0 training alone after reading alone,
-  rank 0 leaving the job for good.
+  rank 0 leaving the job for good, a serving rank whose process ends at once (os._exit).
+- The end of a script, stages 1-3: rank 0 reads while the others have dropped the model
+  (keeping the optimizer), dropped both, or passed a barrier with it and left.
 """
 import os
 
@@ -384,18 +386,7 @@ if __name__ == "__main__":
 def test_rank0_saves_at_the_end_of_a_torchrun_script(tmp_path, stage=3):
     """The other ranks return from main() (their model and optimizer are gone from it) and
     destroy the process group; they serve until every rank is at its exit."""
-    import subprocess
-    import sys
-    from dist_harness import ROOT
-    script = tmp_path / "train.py"
-    script.write_text(END_OF_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
-    env.update(STAGE=str(stage), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(script),
-           str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = _torchrun(tmp_path, END_OF_SCRIPT, 3, STAGE=str(stage))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     a = torch.load(tmp_path / "alone.pt", weights_only=False)
     e = torch.load(tmp_path / "every.pt", weights_only=False)
@@ -404,3 +395,129 @@ def test_rank0_saves_at_the_end_of_a_torchrun_script(tmp_path, stage=3):
     sa, se = _flat_states(a["optimizer"]), _flat_states(e["optimizer"])
     assert sa.keys() == se.keys() and sa
     assert all(torch.equal(sa[k], t) for k, t in se.items())
+
+
+AFTER_THE_OTHERS_LEFT = '''
+"""Rank 0 reads alone after the other ranks let go of the model (issue 51's image-model
+script: rank 0 writes its last checkpoint while rank 1 returns from main()). For each
+stage 1-3: the serving rank drops the model but keeps the optimizer; drops both (a
+function returns); or passes a dist.barrier() with rank 0 and then drops both. The last
+model lives to the end of the script: the others exit while rank 0 saves."""
+import gc, os, sys
+import torch, torch.distributed as dist
+import zero_ext
+from cases import batch, build_model, loss_of
+
+
+def train(stage, rank):
+    torch.manual_seed(0)
+    model = build_model("gpt")
+    model, opt = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=stage)
+    for it in range(3):
+        loss_of("gpt", model, *batch("gpt", rank, it, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt, {"model": model.module.state_dict(), "optimizer": opt.state_dict()}   # every rank
+
+
+def read_alone(model, opt, store, key):
+    store.wait([key])     # the serving rank has let go
+    return {"model": model.module.state_dict(), "optimizer": opt.state_dict()}
+
+
+def main(out):
+    dist.init_process_group("gloo")
+    rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
+    kept = []
+    for stage in (1, 2, 3):
+        for how in ("model", "both", "barrier"):
+            key = f"{stage}/{how}"
+            model, opt, every = train(stage, rank)
+            if how == "barrier":
+                dist.barrier()
+            if rank == 0:
+                alone = read_alone(model, opt, store, key)
+                torch.save({"every": every, "alone": alone}, os.path.join(out, key.replace("/", "-") + ".pt"))
+            else:
+                del model, every
+                if how != "model":
+                    del opt
+                else:
+                    kept.append(opt)      # the optimizer outlives its model here
+                gc.collect()
+                store.set(key, "1")
+            model = opt = None
+            kept.clear() if how != "model" else None
+    model, opt, every = train(2, rank)
+    if rank == 0:
+        torch.save({"every": every, "alone": read_alone(model, opt, store, "end")}, os.path.join(out, "end.pt"))
+    else:
+        store.set("end", "1")          # and leaves main(): its process exits
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+'''
+
+
+def _torchrun(tmp_path, script: str, nproc: int, timeout: float = 240, **env_extra):
+    import subprocess
+    import sys
+    from dist_harness import ROOT
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", **env_extra,
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "examples")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(path),
+           str(tmp_path)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_rank0_reads_after_the_others_let_go_in_every_stage(tmp_path):
+    proc = _torchrun(tmp_path, AFTER_THE_OTHERS_LEFT, 2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    names = [f"{s}-{h}" for s in (1, 2, 3) for h in ("model", "both", "barrier")] + ["end"]
+    for name in names:
+        got = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        a, e = got["alone"], got["every"]
+        assert a["model"].keys() == e["model"].keys() and a["model"], name
+        assert all(torch.equal(a["model"][k], t) for k, t in e["model"].items()), name
+        sa, se = _flat_states(a["optimizer"]), _flat_states(e["optimizer"])
+        assert sa.keys() == se.keys() and sa, name
+        assert all(torch.equal(sa[k], t) for k, t in se.items()), name
+
+
+def _exits_at_once(rank, world):
+    """The serving rank ends its process with os._exit() (no clean exit): rank 0's read names it."""
+    import time
+    import zero_ext
+    from cases import batch, build_model, loss_of
+    store = torch.distributed.distributed_c10d._get_default_store()
+    torch.manual_seed(0)
+    model = build_model("gpt")
+    model, opt = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=2)
+    for it in range(2):
+        loss_of("gpt", model, *batch("gpt", rank, it, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    if rank == 1:
+        store.set("exiting", "1")
+        os._exit(0)
+    store.wait(["exiting"])
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    try:
+        opt.state_dict()
+    except RuntimeError as e:
+        return {"error": str(e), "took": time.monotonic() - t0}
+    return {"error": None}
+
+
+def test_a_serving_rank_that_exits_at_once_is_named():
+    outs = run_world(_exits_at_once, 2, timeout_s=120, expect_errors=True)
+    got = outs[0]["result"]
+    print(got)
+    assert got["error"] and "rank 1 is gone" in got["error"] and "os._exit" in got["error"], got
+    assert got["took"] < 30, got

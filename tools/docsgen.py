@@ -543,6 +543,8 @@ STATUS = [
     ("torch's `clip_grad_norm_` on a zeroified model", ["tests/test_torch_clip.py"], [], []),
     ("DDP scripts as written: torch's GradScaler (fp16 autocast, skipped steps), optimizer state loaded "
      "before or after `zeroify`", ["tests/test_ddp_scripts.py"], [], []),
+    ("The optimizer built after `zeroify(model)` or never given to it, adopted at the first forward",
+     ["tests/test_optimizer_apart.py"], [], []),
     ("The README's multi-GPU launch, run as written", ["tests/test_readme_launch.py"], ["tests_readme"], []),
     ("Porting guides: DDP and FSDP2 scripts, DeepSpeed configs",
      ["tests/test_porting.py", "tests/test_from_deepspeed.py"], [], []),

@@ -3,6 +3,7 @@ checks once that all ranks agree, then builds the C++ engine, the module
 wrapper and the optimizer wrapper."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import weakref
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C, shard_server
+from .adopt import PendingModel, become, install_step_guard
 from .auto import choose_stage, free_memory
 from .changes import ModelGuard, ZeroUsageError, retire_optimizer
 from .checkpoint.format import CheckpointError
@@ -119,7 +121,7 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool, weights: bool = Fals
     for n, p in model.named_parameters():
         owner = getattr(p, OWNER_ATTR, None)
         wrapper = owner[0]() if owner is not None else None
-        if wrapper is not None and wrapper._guard.owns(p):      # (not a deep copy of one)
+        if wrapper is not None and wrapper.owns_parameter(p):      # (not a deep copy of one)
             _fail(f"the model was already zeroified (parameter {n!r} lives in a zero_ext model's buckets); use "
                   f"the model and optimizer that the first zeroify() returned")
     for m in model.modules():
@@ -310,7 +312,7 @@ def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> int:
     return engine_id
 
 
-def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | str | None = None,
+def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, stage: int | str | None = None,
             config: ZeroConfig | dict | str | None = None, init_fn=None, weights=None, **options):
     """Wrap `model` and `optimizer` for ZeRO data parallelism; returns (model, optimizer).
 
@@ -318,6 +320,10 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         recipe: [Muon(hidden matrices), AdamW(the rest)]); then a list of optimizers
         comes back, one per given one. Muon and Adafactor run on whole tensors, each
         owned by one rank (zero_ext/whole.py).
+        None: zeroify returns the model alone, and the torch optimizer(s) over its
+        parameters, built before or after this call, become zero_ext's at the model's first
+        forward with autograd (`model = zeroify(model, stage=2)`, then
+        `opt = torch.optim.AdamW(model.parameters())`: Note [Adopted optimizers]).
 
     stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded),
         3 (+ parameters sharded, gathered per unit), or "auto" (the stage that fits
@@ -338,12 +344,26 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
         (Note [Pretrained weights into shards]).
     Every rank of the process group must call zeroify with the same model and options.
     """
-    error = None
+    if optimizer is None:
+        make_config(config, stage, dict(options))   # a bad option is named now, before any collective
+        if not isinstance(model, nn.Module):
+            _fail(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        return PendingModel(model, functools.partial(_build, stage=stage, config=config, init_fn=init_fn,
+                                                     weights=weights, **options))
+    return _build(model, optimizer, None, None, stage=stage, config=config, init_fn=init_fn, weights=weights,
+                  **options)
+
+
+def _build(model, optimizer, into, problem: str | None, *, stage=None, config=None, init_fn=None, weights=None,
+           **options):
+    """zeroify's work. into: (PendingModel, the user's optimizers) to turn in place into what
+    it returns (Note [Adopted optimizers]); problem: why adoption failed, raised on every rank."""
+    error = None if problem is None else ZeroInputError("zero_ext: " + problem)
     cfg = None
     try:
         cfg = make_config(config, stage, options)
     except (ValueError, TypeError) as e:
-        error = e
+        error = error or e
     pg_arg = cfg.process_group if cfg is not None else options.get("process_group")
     pg, rank, world = _resolve_group(pg_arg)
     backend = dist.get_backend(pg) if pg is not None else "none"
@@ -482,7 +502,7 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
                 p.data = p.data.to(low)
         cast_buffers(model, low, cfg.cast_buffers)
     buffers = [b for b in model.buffers() if b.numel() > 0]
-    wrapped = ZeroModel(model, engine, cfg, buffers, unit_modules, root_holders)
+    wrapped = _made(ZeroModel, into and into[0], model, engine, cfg, buffers, unit_modules, root_holders)
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), units[i] if units else 0))
@@ -491,9 +511,9 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
     guard = ModelGuard(wrapped, model, params, shapes, sharded_frozen, frozen_shapes)
     # what this rank holds for frozen parameters: whole ones, and its stage-3 slices
     frozen_bytes = sum(p.numel() * p.element_size() for p in replicated) + engine.frozen_shard_bytes
-    zopt = ZeroOptimizer(optimizers, engine, cfg, fused, fingerprint, comm, parts=parts, param_groups_of=groups,
-                         params=params, param_shapes=shapes, units=wrapped._units, frozen_bytes=frozen_bytes,
-                         guard=guard)
+    zopt = _made(ZeroOptimizer, into[1][0] if into and len(optimizers) == 1 else None,
+                 optimizers, engine, cfg, fused, fingerprint, comm, parts=parts, param_groups_of=groups,
+                 params=params, param_shapes=shapes, units=wrapped._units, frozen_bytes=frozen_bytes, guard=guard)
     for o in optimizers:
         retire_optimizer(o)
     waits = (ParamWaits(wrapped, model, engine, params)
@@ -510,7 +530,13 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | 
             shard_server.start(pg, engine, zopt, engine_id, comm.device)
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)
+    install_step_guard()   # Note [Adopted optimizers]: a torch optimizer zeroify was not given is named
     if isinstance(optimizer, (list, tuple)):
         # One returned optimizer per given one, stepping its own groups (zero_ext/whole.py).
-        return wrapped, [ZeroOptimizerPart(zopt, o, k) for k, o in enumerate(optimizers)]
+        return wrapped, [_made(ZeroOptimizerPart, into and into[1][k], zopt, o, k) for k, o in enumerate(optimizers)]
     return wrapped, zopt
+
+
+def _made(cls, into, *args, **kwargs):
+    """cls(*args, **kwargs), or `into` turned into it in place (Note [Adopted optimizers])."""
+    return cls(*args, **kwargs) if into is None else become(into, cls, *args, **kwargs)

@@ -77,6 +77,10 @@ class ZeroModel(nn.Module):
         self._optimizer = weakref.ref(optimizer)
         self._param_waits = param_waits
 
+    def owns_parameter(self, p: torch.Tensor) -> bool:
+        """Whether p is one of the parameters this model keeps in its buckets (not a copy of one)."""
+        return self._guard is not None and self._guard.owns(p)
+
     def forward(self, *args, **kwargs):
         self._engine.hide_sharded_grads()   # Note [Sharded gradients]: autograd accumulates into plain ones
         # Note [Reading alone] (csrc/engine/away.h): a forward that communicates (stage 3's

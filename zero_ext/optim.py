@@ -691,6 +691,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     _engine = None
     _server = None         # (ShardServer, this model's id there): Note [Shard server]
+    managed_by_zero_ext = True   # the step guard lets it through (Note [Adopted optimizers])
     _torn_down = False     # its end began (shard_server.teardown)
     _guard = None          # the model's ModelGuard (changes.py)
     _frozen_bytes = 0

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import SideChannel
+from .whole import owned_states
 
 TAG_REQUEST, TAG_REPLY = 7_340_001, 7_340_002
 OP_UNIT, OP_BUCKET, OP_WHOLE = 1, 2, 3
@@ -129,7 +130,8 @@ class ShardServer:
             e = self.engines[engine_id]
             opt = e.held if e.held is not None else e.optimizer()
             if opt is None:
-                raise RuntimeError(f"model {engine_id} was deleted here")
+                raise RuntimeError(f"rank {self.rank} has released this model (its optimizer was freed before every "
+                                   f"rank came to the model's end)")
             if not self.cond.wait_for(lambda: e.done >= steps, timeout=None):
                 raise RuntimeError("interrupted")
             if e.done > steps:
@@ -156,13 +158,8 @@ class ShardServer:
             shard = _local_shard(opt)
             return _as_bytes([shard.full(pieces, a) for pieces in _kinds(shard).values()])
         if op == OP_WHOLE:
-            from .checkpoint.layout import _layout, _whole_tensors
-            model = opt._guard._wrapper() if opt._guard is not None else None
-            mine = {name: {k: t.detach().cpu().clone() if torch.is_tensor(t) else t
-                           for k, t in o.state.get(view, {}).items()}
-                    for name, o, view in _whole_tensors(opt, _layout(model, opt))}
             buf = io.BytesIO()
-            torch.save(mine, buf)
+            torch.save(owned_states(opt), buf)
             return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         raise RuntimeError(f"unknown request {op}")
 
@@ -178,7 +175,10 @@ class ShardServer:
         if e.reads_at != e.done:   # the ranks that end this model wait for a reader (_wait_for_all)
             self.channel.store.set(f"away/{engine_id}/{self.rank}", str(e.done))
             e.reads_at = e.done
-        self.channel.send(torch.tensor([op, engine_id, e.done, a, 0, 0]), r, TAG_REQUEST)
+        try:
+            self.channel.send(torch.tensor([op, engine_id, e.done, a, 0, 0]), r, TAG_REQUEST)
+        except RuntimeError as ex:
+            raise RuntimeError(_gone(r, ex)) from ex
 
     def reply(self, engine_id: int, r: int) -> torch.Tensor:
         e = self.engines[engine_id]
@@ -205,8 +205,13 @@ class ShardServer:
         try:
             work.wait()
         except RuntimeError as e:
-            raise RuntimeError(f"zero_ext: rank {r} stopped answering while this rank read alone from it "
-                               f"(its process ended?): {e}") from e
+            raise RuntimeError(_gone(r, e)) from e
+
+
+def _gone(r: int, error: Exception) -> str:
+    return (f"zero_ext: rank {r} is gone: its process ended while this rank read alone from it (a crash, or an "
+            f"exit that skips the wait at a clean exit, such as os._exit()), so its shard cannot be read; let every "
+            f"rank's script end normally, or read on every rank ({error})")
 
 
 def _as_bytes(tensors: list) -> torch.Tensor:
@@ -387,7 +392,7 @@ def bucket(optimizer, shard, r: int, b: int) -> dict:
 
 
 def whole(optimizer, r: int) -> dict:
-    """The whole-tensor states rank r owns."""
+    """The whole-tensor states rank r owns, by engine parameter index (whole.owned_states)."""
     server, engine_id = optimizer._server
     raw = server.ask(engine_id, r, OP_WHOLE)
     return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=False)

@@ -82,6 +82,14 @@ def fill_state_sizes(parts, group_dicts: list, params: list, groups: list, stage
                                     p.shape) for p, g in zip(params, groups)]
 
 
+def owned_states(zopt) -> dict:
+    """engine parameter index -> a CPU copy of the state of each whole tensor this rank owns.
+    Keyed by index, not name: a rank serving it may have dropped its model already."""
+    return {i: {k: t.detach().cpu().clone() if torch.is_tensor(t) else t
+                for k, t in part.opt.state.get(view, {}).items()}
+            for part in zopt._parts if part.kind == "whole" for i, view in part.owned}
+
+
 def build_whole_optimizer(zopt, part, owned: list) -> None:
     """The inner torch optimizer of a 'whole' part: the part's class over this
     rank's whole tensors (owned: the engine's owned_tensors() of the part's groups,
@@ -102,6 +110,8 @@ class ZeroOptimizerPart(torch.optim.Optimizer):
     param_groups (the user's dicts, live for LR schedulers), step() over its own
     groups; zero_grad, clip_grad_norm_ (one global norm over every part), stats()
     and the state dicts are the shared ZeroOptimizer's."""
+
+    managed_by_zero_ext = True   # the step guard lets it through (Note [Adopted optimizers])
 
     def __init__(self, core, optimizer: torch.optim.Optimizer, index: int):
         self._core = None

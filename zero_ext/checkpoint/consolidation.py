@@ -12,11 +12,11 @@ import torch
 
 from .. import shard_server
 from ..model import PHASE_CHECKPOINT
+from ..whole import owned_states
 from .entries import LocalShard
 from .format import (_EARLIER, OBJECTS, CheckpointError, _objects, _quiet, _steps_of, _whole_entries, read_manifest,
                      resolve)
-from .layout import (_engine_names, _gather_frozen, _param_steps, _plain_tensors, _settle, _whole_tensors,
-                     core_optimizer)
+from .layout import _engine_names, _gather_frozen, _param_steps, _plain_tensors, _settle, core_optimizer
 
 _ADAM_FAMILY = ("Adam", "AdamW")
 
@@ -190,14 +190,13 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
                         place(kind, slices[r][b], got)
         del buf
     # whole-tensor states: each owner's, to rank `to` (they are per tensor, not per element)
-    mine = {name: {k: t.detach().cpu().clone() if torch.is_tensor(t) else t for k, t in opt.state.get(view, {}).items()}
-            for name, opt, view in _whole_tensors(optimizer, layout)}
+    mine = {names[i]: st for i, st in owned_states(optimizer).items()}
     whole = mine
     if away:
         whole = dict(mine)
         for r in range(parts):
             if r != rank:
-                whole.update(shard_server.whole(optimizer, r))
+                whole.update({names[i]: st for i, st in shard_server.whole(optimizer, r).items()})
     elif parts > 1:
         got = comm.gather_object(mine, dst=to)
         whole = {n: st for d in (got or []) for n, st in d.items()}

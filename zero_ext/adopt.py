@@ -1,0 +1,195 @@
+"""An optimizer that zeroify() was not given: `model = zeroify(model, stage=S)` followed by
+`opt = torch.optim.AdamW(model.parameters())` (FSDP2's and the DDP tutorial's order), or
+an optimizer built before the wrapper line and never passed to it. Also the guard that
+names any other torch optimizer stepping a zeroified model's parameters.
+
+Note [Adopted optimizers]
+  Pending model: what zeroify(model) returns without an optimizer. It holds the module
+  whole and unwrapped until the first forward with autograd (no rank trains before it).
+  Adoption: at that forward every rank looks for the torch optimizers over the module's
+  parameters (the garbage collector's list of live objects, once per model) and runs
+  zeroify(module, them) with the options it was given. The pending model becomes the
+  ZeroModel and each user optimizer becomes its ZeroOptimizer in place (same objects:
+  the script, its LR scheduler and its GradScaler keep their references). zeroify reads
+  a shallow copy of each user optimizer: its param groups and its state are the user's.
+  A forward without autograd before that (an evaluation) runs the plain module.
+  Step guard: a torch optimizer that steps a zeroified model's parameters without
+  zero_ext knowing it would change a view of a bucket or an empty stage-3 tensor. A
+  global step pre-hook refuses it by name; zero_ext's own optimizers pass at once.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .changes import ZeroUsageError
+from .gather import OWNER_ATTR
+
+PENDING_ATTR = "_zero_ext_pending"   # on the module's parameters: a weak reference to its PendingModel
+MANAGED_ATTR = "managed_by_zero_ext"  # class attribute of the optimizers zeroify returns
+
+
+class PendingModel(nn.Module):
+    """zeroify(model) without an optimizer, until its first forward with autograd."""
+
+    def __init__(self, module: nn.Module, build):
+        super().__init__()
+        self.module = module
+        self._build = build   # build(module, optimizers, into, error): zeroify with the options given
+        self._sync = True     # require_backward_grad_sync set before adoption
+        ref = weakref.ref(self)
+        for p in module.parameters():
+            setattr(p, PENDING_ATTR, ref)
+        install_step_guard()
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)   # an evaluation before training: nothing is sharded yet
+        _adopt(self)
+        return type(self).forward(self, *args, **kwargs)   # ZeroModel's now
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old   # (the ZeroModel's setter, once adopted inside)
+
+
+def _optimizers_over(module: nn.Module) -> tuple[list, str | None]:
+    """The live torch optimizers over the module's parameters, in the order of their first
+    parameter in module.parameters() (the same on every rank), and what is wrong with them."""
+    order = {id(p): i for i, p in enumerate(module.parameters())}
+    gc.collect()   # an optimizer the script dropped is not a candidate
+    found = []
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.optim.Optimizer) and not getattr(type(o), MANAGED_ATTR, False) \
+                and not getattr(o, "_zero_ext_wrapped", False):
+            at = [order[id(p)] for g in o.param_groups for p in g["params"] if id(p) in order]
+            if at:
+                found.append((min(at), o))
+    found.sort(key=lambda t: t[0])
+    optimizers = [o for _, o in found]
+    if not optimizers:
+        return [], ("zeroify(model) was given no optimizer, and no torch optimizer over model.parameters() exists "
+                    "at the model's first forward with autograd; build it before training: "
+                    "`model = zero_ext.zeroify(model, stage=S)`, then `opt = torch.optim.AdamW(model.parameters())`, "
+                    "or pass it: `model, opt = zero_ext.zeroify(model, opt, stage=S)`")
+    seen: dict = {}
+    for k, o in enumerate(optimizers):
+        for g in o.param_groups:
+            for p in g["params"]:
+                if seen.setdefault(id(p), k) != k:
+                    return [], (f"{len(optimizers)} torch optimizers ({', '.join(type(x).__name__ for x in optimizers)}) "
+                                f"hold the same parameter (shape {tuple(p.shape)}), so zero_ext cannot tell which one "
+                                f"trains it; drop the one you do not step before the first forward, or pass the one "
+                                f"you step to zeroify(model, opt, stage=S)")
+    return optimizers, None
+
+
+@torch.compiler.disable
+def _adopt(pending: PendingModel) -> None:
+    """Every rank, at the first forward with autograd: zeroify the module with the optimizers
+    found, turning the pending model and each optimizer into what zeroify returns."""
+    module, build, sync, training = pending.module, pending._build, pending._sync, pending.training
+    optimizers, error = _optimizers_over(module)
+    for p in module.parameters():
+        if getattr(p, PENDING_ATTR, None) is not None:
+            delattr(p, PENDING_ATTR)
+    # zeroify reads shallow copies (the user's param groups and state); error: raised on every rank
+    copies = [_shallow_copy(o) for o in optimizers]
+    build(module, copies if len(copies) != 1 else (copies[0] if copies else None),
+          (pending, optimizers), error)
+    pending.train(training)
+    pending.require_backward_grad_sync = sync
+
+
+def _shallow_copy(optimizer):
+    clone = type(optimizer).__new__(type(optimizer))
+    torch.optim.Optimizer.__setstate__(clone, {"defaults": optimizer.defaults, "state": optimizer.state,
+                                               "param_groups": optimizer.param_groups})
+    return clone
+
+
+def become(obj, cls, *args, **kwargs):
+    """obj turned, in place, into cls(*args, **kwargs): the script's references to it stay
+    good. Its other instance attributes are kept; an LR scheduler's step wrapper is renewed."""
+    old = dict(obj.__dict__)
+    obj.__dict__.clear()
+    obj.__class__ = cls
+    cls.__init__(obj, *args, **kwargs)
+    for k, v in old.items():
+        if k == "step":
+            if getattr(v, "_wrapped_by_lr_sched", False):   # torch's LRScheduler counts the steps so
+                obj.step = _counted_step(obj)
+        elif k in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks") and k in obj.__dict__:
+            obj.__dict__[k].update(v)
+        elif k not in obj.__dict__ and k not in ("_build", "_sync"):
+            obj.__dict__[k] = v
+    return obj
+
+
+def _counted_step(opt):
+    ref = weakref.ref(opt)
+
+    def step(*args, **kwargs):
+        o = ref()
+        o._opt_called = True
+        return type(o).step(o, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    return step
+
+
+# ---------------------------------------------------------------------- the step guard
+_GUARD = []
+
+
+def install_step_guard() -> None:
+    if not _GUARD:
+        _GUARD.append(register_optimizer_step_pre_hook(_check_step))
+
+
+def _check_step(optimizer, args, kwargs) -> None:
+    if getattr(type(optimizer), MANAGED_ATTR, False):
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            owner = getattr(p, OWNER_ATTR, None)
+            wrapper = owner[0]() if owner is not None else None
+            if wrapper is not None and wrapper.owns_parameter(p):
+                raise ZeroUsageError(
+                    f"zero_ext: this {type(optimizer).__name__} steps parameters of a zeroified model (shape "
+                    f"{tuple(p.shape)}) that zero_ext keeps in its shards, but zeroify() was not given it, so its "
+                    f"step would be lost. Step the optimizer zeroify() returned; or build this one before the "
+                    f"model's first forward: `model = zero_ext.zeroify(model, stage=S)`, then "
+                    f"`opt = torch.optim.{type(optimizer).__name__}(model.parameters(), ...)`; or pass it: "
+                    f"`model, opt = zero_ext.zeroify(model, opt, stage=S)`")
+            pending = getattr(p, PENDING_ATTR, None)
+            if pending is not None and pending() is not None:
+                raise ZeroUsageError(
+                    f"zero_ext: this {type(optimizer).__name__} steps parameters of a model given to zeroify() "
+                    f"that has not run a forward with autograd yet, so zero_ext has not reduced their gradients; "
+                    f"run the forward through the model zeroify() returned (`model = zero_ext.zeroify(model, ...)`; "
+                    f"`loss = model(x)`), not through the module inside it")
