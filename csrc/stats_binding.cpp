@@ -120,6 +120,10 @@ py::dict zx_stats_dict(const zx::EngineStats &s) {
     d["param_gather_impl"] = s.param_gather_impl;
     d["model_state_bytes"] = model_state_dict(s.model_state_bytes);
     d["buffer_bytes"] = buffer_dict(s.buffer_bytes);
+    py::dict held;   // Note [Gradient shard lifetime]
+    held["gradients"] = s.held_bytes.gradients;
+    held["grad_ring"] = s.held_bytes.grad_ring;
+    d["held_bytes"] = held;
     d["comm"] = comm_dict(s.comm);
     d["comm_wait_s"] = s.comm_wait_s;
     d["comm_delay_ms"] = s.comm_delay_ms;

@@ -49,10 +49,20 @@ public:
         if (recv_numel_ > 0) sl.recv = at::zeros({recv_numel_}, options_);
         sl.owner = b;
         slots_.push_back(std::move(sl));
+        step_bytes_ = std::max(step_bytes_, bytes());
         return (int64_t)slots_.size() - 1;
     }
     void release(int64_t s) { slots_[s].owner = -1; }
+    // zero_grad(set_to_none=True), nothing in flight: the slots go, to grow again at the next reduce
+    void release_all() {
+        for (const auto &s : slots_)
+            if (s.owner >= 0) return;
+        slots_.clear();
+    }
 
+    // The most the ring held at once (what a step needs: it is released between steps).
+    int64_t step_bytes() const { return step_bytes_; }
+    // What it holds now.
     int64_t bytes() const {
         int64_t n = 0;
         for (const auto &s : slots_)
@@ -62,7 +72,7 @@ public:
 
 private:
     std::vector<Slot> slots_;
-    int64_t send_numel_ = 0, recv_numel_ = 0, size_ = 1;
+    int64_t send_numel_ = 0, recv_numel_ = 0, size_ = 1, step_bytes_ = 0;
     at::TensorOptions options_;
 };
 

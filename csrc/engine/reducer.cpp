@@ -317,9 +317,9 @@ void GradReducer::launch_group(Communicator &comm) {
 
 void GradReducer::finish_group(ReduceWork &w, ReduceGroup &g) {
     const Bucket &first = w.buckets[g.members.front()];
-    w.shard.grad(first);   // allocates the gradient shard at the first backward
     int64_t at = first.shard_offset;
     for (int64_t m : g.members) {
+        w.shard.grad(w.buckets[m]);   // made (zeroed) at its first use (Note [Gradient shard lifetime])
         TORCH_CHECK(w.buckets[m].shard_offset == at, "zero_ext: internal: a reduction group's shard slices "
                     "are not consecutive");
         at += w.buckets[m].slice_numel;
@@ -425,7 +425,7 @@ void GradReducer::zero_grad(ReduceWork w, bool set_to_none, const Groups &cover)
                 w.book.forget_grad((int64_t)i);   // Note [Unused parameters]
             }
         }
-        if (w.shard.buffers.grad.defined())
+        if (grad_shard_held(w.shard.buffers))
             for (size_t b = 0; b < w.buckets.size(); b++)
                 for (const StepRun &f : w.book.fragments((int64_t)b))
                     if (cover.has(w.layout().group_of[f.param]))
@@ -436,7 +436,16 @@ void GradReducer::zero_grad(ReduceWork w, bool set_to_none, const Groups &cover)
         if (bk.flat_grad.defined()) bk.flat_grad.zero_();
         bk.local_grad = at::Tensor();   // Note [Local accumulation]
     }
-    if (w.shard.buffers.grad.defined()) w.shard.buffers.grad.zero_();
+    // Note [Gradient shard lifetime] (shard_view.cpp): set_to_none frees the shard and the ring
+    // (offload keeps its host shard, step_in_backward its landing: they have no gradient shard to free)
+    const bool release = set_to_none && !w.off() && !w.layout().opts.step_in_backward;
+    if (release) {
+        release_grad_shard(w.shard.buffers);
+        ring_.release_all();
+    } else if (grad_shard_held(w.shard.buffers)) {
+        w.shard.buffers.grad.zero_();
+        w.shard.buffers.grad_lazy = false;
+    }
     for (auto &p : w.params) {
         if (set_to_none) p.mutable_grad() = at::Tensor();
     }

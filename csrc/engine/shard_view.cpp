@@ -4,20 +4,58 @@
 
 namespace zx {
 
+// Note [Gradient shard lifetime]
+//   Stages 2-3 hold the gradient shard from the first reduce of a step until
+//   zero_grad(set_to_none=True), as FSDP2 holds its gradients; no longer. Releasing frees
+//   the storage's bytes but keeps the tensor and every view of it (the torch optimizers'
+//   .grad over shard views, a whole tensor's .grad): views read their storage's pointer
+//   when used. The next reader through ShardView::grad (a reduce, a step, a norm) gives the
+//   storage new bytes, unwritten, and each bucket's slice is zeroed when first read, so the
+//   values are those zero_() gave before. The pages of a slice are touched when its bucket
+//   first reduces: on the CPU a step's resident gradient grows bucket by bucket, as FSDP2's
+//   per-unit gradients do (a GPU's caching allocator counts the whole block at once).
+//   Python code that reads those views directly goes through the engine first
+//   (scale_grads, grad_shards).
+static bool released(const at::Tensor &t) { return t.defined() && t.numel() > 0 && t.storage().nbytes() == 0; }
+
+bool grad_shard_held(const ShardBuffers &buffers) { return buffers.grad.defined() && !released(buffers.grad); }
+
+void release_grad_shard(ShardBuffers &buffers) {
+    if (!grad_shard_held(buffers)) return;
+    c10::StorageImpl *s = buffers.grad.storage().unsafeGetStorageImpl();
+    s->set_data_ptr_noswap(at::DataPtr(nullptr, buffers.grad.device()));
+    s->set_nbytes(0);
+}
+
+// The shard, its bytes given (back) where it has none; its slice at `offset` zeroed when first read.
+static at::Tensor grad_slice(ShardBuffers &b, int64_t numel, at::TensorOptions options, int64_t offset, int64_t n) {
+    if (!b.grad.defined()) {
+        b.grad = at::empty({numel}, options);
+        b.grad_lazy = true, b.grad_zeroed.clear();
+    } else if (released(b.grad)) {
+        c10::StorageImpl *s = b.grad.storage().unsafeGetStorageImpl();
+        const size_t nbytes = (size_t)b.grad.numel() * b.grad.element_size();
+        s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+        s->set_nbytes(nbytes);
+        b.grad_lazy = true, b.grad_zeroed.clear();
+    }
+    at::Tensor slice = b.grad.narrow(0, offset, n);
+    if (b.grad_lazy && b.grad_zeroed.insert(offset).second) slice.zero_();
+    return slice;
+}
+
 at::Tensor ShardView::grad(const Bucket &bk) {
     if (offload) {   // every landing done: readers see the whole host shard
         offload->drain();
         return host_grad(bk);
     }
-    if (layout.opts.stage >= 2) {
-        if (!buffers.grad.defined())
-            buffers.grad = at::zeros({layout.shard_numel}, layout.on_device(layout.dtypes.reduce));
-        return buffers.grad.narrow(0, bk.shard_offset, bk.slice_numel);
-    }
+    if (layout.opts.stage >= 2)
+        return grad_slice(buffers, layout.shard_numel, layout.on_device(layout.dtypes.reduce), bk.shard_offset,
+                          bk.slice_numel);
     return owned(bk.flat_grad, bk);
 }
 
-at::Tensor ShardView::host_grad(const BucketShape &bk) {
+at::Tensor ShardView::host_grad(const BucketShape &bk) {   // (offload: never released, Note [Optimizer offload])
     if (!buffers.grad.defined()) buffers.grad = at::zeros({layout.shard_numel}, on_shard(layout.dtypes.reduce));
     return buffers.grad.narrow(0, bk.shard_offset, bk.slice_numel);
 }

@@ -41,7 +41,11 @@ EngineStats EngineStats::of(const Sources &s) {
         numel += bk.numel;
         padded += bk.padded_numel;
     }
-    if (shard.grad.defined() && !off) grad_bytes += shard.grad.nbytes();   // offload: in offload_stats()
+    int64_t held = grad_bytes;
+    if (shard.grad.defined() && !off) {   // offload: in offload_stats()
+        grad_bytes += shard.grad.nbytes();
+        held += (int64_t)shard.grad.storage().nbytes();   // Note [Gradient shard lifetime]
+    }
     int64_t master_bytes = 0;
     // stage 3: the fp32 master is the parameter shard; with a low param_dtype the gather
     // casts it, so no low-precision copy persists (it is counted as master weights)
@@ -56,8 +60,10 @@ EngineStats EngineStats::of(const Sources &s) {
     msb.master_weights = master_bytes;
     msb.optimizer_states = state_bytes;
     msb.total = param_bytes + grad_bytes + master_bytes + state_bytes;
+    st.held_bytes.gradients = held;
+    st.held_bytes.grad_ring = s.reducer.ring().bytes();
     BufferBytes &buf = st.buffer_bytes;
-    buf.grad_ring = s.reducer.ring().bytes();
+    buf.grad_ring = s.reducer.ring().step_bytes();
     buf.grad_landing = shard.land.defined() ? shard.land.nbytes() : 0;
     buf.ring_slots = s.reducer.ring().slots();
     buf.gathered_params = s.units.meter.now();

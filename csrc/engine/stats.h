@@ -75,6 +75,13 @@ struct ModelStateBytes {
     int64_t total = 0;
 };
 
+// stats()["held_bytes"]: what of the step's gradients and ring this rank holds now: both go at
+// zero_grad(set_to_none=True) and come back at the next reduce (Note [Gradient shard lifetime]).
+struct HeldBytes {
+    int64_t gradients = 0;                // model_state_bytes' gradients, as held now
+    int64_t grad_ring = 0;                // buffer_bytes' grad_ring, as held now
+};
+
 // stats()["buffer_bytes"]: working buffers, now and at peak.
 struct BufferBytes {
     int64_t grad_ring = 0;
@@ -145,6 +152,7 @@ struct EngineStats {
     std::string param_gather_impl;        // allgather, allgather-int8
     ModelStateBytes model_state_bytes;
     BufferBytes buffer_bytes;
+    HeldBytes held_bytes;
     CommStats comm;
     // Seconds the host was blocked waiting for collectives (exposed communication on the
     // CPU; on CUDA the waits are stream waits and this stays near 0).
