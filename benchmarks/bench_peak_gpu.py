@@ -24,6 +24,12 @@ zero_ext systems also report what opt.stats() says they hold (model states, ring
 units), which names what makes a difference to FSDP2. On CPU the one figure is the peak
 resident memory of the process (ru_maxrss), build included.
 
+--snapshot DIR (rank 0 of each system): the last step runs under torch.cuda.memory's history;
+DIR/<system>.pickle.gz keeps both snapshots (memory_viz reads the "end" one), DIR/<system>.json
+the live blocks at the step's peak by owner and the largest of them (benchmarks/peak_snapshot.py,
+Note [The live set at the peak]); DIR/summary.txt all systems' reports. On CPU a stand-in
+records instead (the code runs, nothing is measured).
+
 Goals (issue 47): zero3 <= fsdp2; zero3_offload <= fsdp2_offload, and zero3_offload below
 zero3 by at least the master and state bytes moved to the host.
 JSON: benchmarks/results/bench_peak_gpu.json (--json).
@@ -64,19 +70,28 @@ def build(args, device):
         return GPT(cfg)
 
 
+def no_mark(phase):
+    pass
+
+
 def wrap(system, model, device):
-    """(step function, zero_ext optimizer or None) for `system`."""
+    """(step function, zero_ext optimizer or None, the torch optimizer) for `system`; the step
+    calls mark(phase) as it enters forward, backward, the step and zero_grad (--snapshot)."""
     import torch
     if system == "torch":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
-        def step(x, y):
+        def step(x, y, mark=no_mark):
+            mark("forward")
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = model(x, y)[1]
+            mark("backward")
             loss.backward()
+            mark("step")
             opt.step()
+            mark("zero_grad")
             opt.zero_grad(set_to_none=True)
-        return step, None
+        return step, None, opt
     if system.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -89,22 +104,75 @@ def wrap(system, model, device):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
                                 fused=device.type == "cuda" and not system.endswith("_offload"))
 
-        def step(x, y):
-            model(x, y)[1].backward()
+        def step(x, y, mark=no_mark):
+            mark("forward")
+            loss = model(x, y)[1]
+            mark("backward")
+            loss.backward()
+            mark("step")
             opt.step()
+            mark("zero_grad")
             opt.zero_grad(set_to_none=True)
-        return step, None
+        return step, None, opt
     import zero_ext
     stage = int(system[4])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="bf16",
                               offload="cpu" if "_offload" in system else None)
 
-    def step(x, y):
-        zm(x, y)[1].backward()
+    def step(x, y, mark=no_mark):
+        mark("forward")
+        loss = zm(x, y)[1]
+        mark("backward")
+        loss.backward()
+        mark("step")
         zo.step()
+        mark("zero_grad")
         zo.zero_grad()
-    return step, zo
+    return step, zo, opt
+
+
+def held_tensors(model, zo, opt):
+    """What a system holds across steps, by owner: the snapshot's blocks recorded before the
+    history began are named by the tensors inside them (Note [The live set at the peak])."""
+    import torch
+    states = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if zo is None:
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        name = "masters (fp32 parameters)" if hasattr(next(model.parameters()), "to_local") else "parameters (fp32)"
+        return {name: [t.detach() for t in local], "optimizer states": [t.to_local() if hasattr(t, "to_local") else t
+                                                                          for t in states]}
+    eng = zo._engine
+    out = {"masters (zero_ext shard)": list(eng.param_shards()), "optimizer states": list(eng.states().values()),
+           "gradient shard (zero_ext)": list(eng.grad_shards())}
+    if zo.stats()["stage"] < 3:
+        out["parameters (zero_ext buckets)"] = [p.detach() for p in model.parameters()]
+    return out
+
+
+def buffer_sizes(zo):
+    """zero_ext buffers recognised by their size when nothing else names them: a ring slot."""
+    if zo is None:
+        return {}
+    buf = zo.stats()["buffer_bytes"]
+    return {"ring slot (zero_ext)": buf["grad_ring"] // buf["ring_slots"] if buf.get("ring_slots") else 0}
+
+
+def snapshot_step(args, step, x, y, device, model, zo, opt):
+    """The last step under the allocator's history; DIR/<system>.json and .pickle.gz (rank 0)."""
+    import peak_snapshot as ps
+    rec = ps.recorder(device)
+    rec.begin()
+    step(x, y, mark=rec.phase)
+    snap = rec.end()
+    out = pathlib.Path(args.snapshot)
+    out.mkdir(parents=True, exist_ok=True)
+    s = ps.summarize(snap, ps.held(held_tensors(model, zo, opt)), buffer_sizes(zo))
+    name = args.system + ("_2ranks" if int(os.environ["WORLD_SIZE"]) == 2 else "")
+    s["text"] = ps.lines(name, s)
+    (out / f"{name}.json").write_text(json.dumps(s, indent=1) + "\n")
+    ps.save(snap, out / f"{name}.pickle.gz")
+    return s
 
 
 def rank_main(args):
@@ -124,7 +192,7 @@ def rank_main(args):
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     model = build(args, device)
     numel = sum(p.numel() for p in model.parameters())
-    step, zo = wrap(args.system, model, device)
+    step, zo, opt = wrap(args.system, model, device)
     gc.collect()
     out = {"rank": rank, "world": world, "numel": numel}
     if cuda:
@@ -135,10 +203,13 @@ def rank_main(args):
     batch = args.batch // world
     g = torch.Generator(device=device).manual_seed(1 + rank)
     used = []
-    for _ in range(args.steps):
+    for i in range(args.steps):
         x = torch.randint(0, 50304, (batch, args.seq), device=device, generator=g)
         y = torch.randint(0, 50304, (batch, args.seq), device=device, generator=g)
-        step(x, y)
+        if args.snapshot and rank == 0 and i == args.steps - 1:
+            out["snapshot"] = snapshot_step(args, step, x, y, device, model, zo, opt)["by_owner"]
+        else:
+            step(x, y)
         if cuda:
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info()
@@ -171,6 +242,8 @@ def run_system(system, args):
         cmd = [sys.executable, __file__, "--rank-of", system.replace("_2ranks", ""), "--device", args.device,
                "--layers", str(args.layers), "--width", str(args.width), "--seq", str(args.seq),
                "--batch", str(args.batch), "--steps", str(args.steps)]
+        if args.snapshot:
+            cmd += ["--snapshot", args.snapshot]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     results, logs = [], []
     for p in procs:
@@ -197,6 +270,8 @@ def run_system(system, args):
         r["device_per_rank"] = r["device"] / world
     if "zero_ext" in results[0]:
         r["zero_ext"] = results[0]["zero_ext"]
+    if "snapshot" in results[0]:
+        r["snapshot_by_owner"] = results[0]["snapshot"]   # rank 0's (Note [The live set at the peak])
     return r
 
 
@@ -219,6 +294,8 @@ def main():
     ap.add_argument("--budget", type=int, default=0, help="seconds for all systems (0: no limit); "
                     "a system that would start later than that is left out, saying so")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_peak_gpu.json"))
+    ap.add_argument("--snapshot", default=None, help="a folder: the last step's allocator history of each "
+                    "system (rank 0) and its live blocks at the peak by owner (benchmarks/peak_snapshot.py)")
     ap.add_argument("--rank-of", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_of:
@@ -275,7 +352,23 @@ def main():
             "met": rows["zero3"][key] - rows["zero3_offload"][key] >= moved}
     print("goals:", json.dumps(goals))
     print(f"wrote {write(args, rows, goals)}")
+    if args.snapshot:
+        report_snapshots(args, rows)
     return 0
+
+
+def report_snapshots(args, rows):
+    """DIR/summary.txt: each system's live blocks at its peak by owner, one after another."""
+    folder = pathlib.Path(args.snapshot)
+    text = []
+    for system in rows:
+        f = folder / f"{system}.json"
+        if f.exists():
+            text += json.loads(f.read_text())["text"] + [""]
+        else:
+            text += [f"{system}: no snapshot ({rows[system].get('did_not_run', 'not written')})", ""]
+    (folder / "summary.txt").write_text("\n".join(text))
+    print("\n".join(text))
 
 
 def write(args, rows, goals):

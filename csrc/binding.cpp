@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("bucket_bytes", &zx::EngineOptions::bucket_bytes)
         .def_readwrite("first_bucket_bytes", &zx::EngineOptions::first_bucket_bytes)
         .def_readwrite("align", &zx::EngineOptions::align)
+        .def_readwrite("param_align_bytes", &zx::EngineOptions::param_align_bytes)
         .def_readwrite("alltoall_reduce_scatter", &zx::EngineOptions::alltoall_reduce_scatter)
         .def_readwrite("grad_quant_bits", &zx::EngineOptions::grad_quant_bits)
         .def_readwrite("grad_quant_error_feedback", &zx::EngineOptions::grad_quant_error_feedback)

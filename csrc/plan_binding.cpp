@@ -19,7 +19,8 @@ namespace {
 zx::Layout make_layout(std::vector<std::vector<int64_t>> shapes, const std::vector<int64_t> &groups,
                        const std::vector<int64_t> &units, int64_t stage, int64_t partitions, int64_t bucket_bytes,
                        int64_t first_bucket_bytes, int64_t align, int64_t param_dtype,
-                       std::vector<int64_t> group_update_kind = {}, std::vector<double> param_state = {}) {
+                       std::vector<int64_t> group_update_kind = {}, std::vector<double> param_state = {},
+                       int64_t param_align_bytes = zx::EngineOptions().param_align_bytes) {
     const int64_t n = (int64_t)shapes.size();
     TORCH_CHECK(n > 0, "zero_ext: internal: plan_layout needs at least one parameter");
     TORCH_CHECK((int64_t)groups.size() == n, "zero_ext: internal: plan_layout: one group per parameter expected");
@@ -32,6 +33,7 @@ zx::Layout make_layout(std::vector<std::vector<int64_t>> shapes, const std::vect
     opts.bucket_bytes = bucket_bytes;
     opts.first_bucket_bytes = first_bucket_bytes;
     opts.align = align;
+    opts.param_align_bytes = param_align_bytes;
     opts.param_dtype = param_dtype == ZX_F32 ? "fp32" : param_dtype == ZX_BF16 ? "bf16" : "fp16";
     opts.group_update_kind = std::move(group_update_kind);
     opts.param_state = std::move(param_state);
@@ -45,11 +47,11 @@ using BucketRow = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>;
 std::vector<BucketRow> plan_layout(const std::vector<int64_t> &numel, const std::vector<int64_t> &groups,
                                    const std::vector<int64_t> &units, int64_t stage, int64_t partitions,
                                    int64_t bucket_bytes, int64_t first_bucket_bytes, int64_t align,
-                                   int64_t param_dtype) {
+                                   int64_t param_dtype, int64_t param_align_bytes) {
     std::vector<std::vector<int64_t>> shapes;
     for (int64_t k : numel) shapes.push_back({k});
     const zx::Layout layout = make_layout(std::move(shapes), groups, units, stage, partitions, bucket_bytes,
-                                          first_bucket_bytes, align, param_dtype);
+                                          first_bucket_bytes, align, param_dtype, {}, {}, param_align_bytes);
     std::vector<BucketRow> rows;
     const int64_t nb = zx_plan_num_buckets(layout.plan);
     for (int64_t b = 0; b < nb; b++) {
@@ -131,10 +133,22 @@ py::dict plan_balance(const std::vector<int64_t> &rows, const std::vector<int64_
 void zx_bind_plan(pybind11::module_ &m) {
     m.def("plan_layout", &plan_layout, py::arg("numel"), py::arg("groups"), py::arg("units"), py::arg("stage"),
           py::arg("partitions"), py::arg("bucket_bytes"), py::arg("first_bucket_bytes"), py::arg("align"),
-          py::arg("param_dtype"),
+          py::arg("param_dtype"), py::arg("param_align_bytes") = zx::EngineOptions().param_align_bytes,
           "The planner's buckets for parameters of these sizes, as the engine would lay them out: "
           "[(group, unit, numel, padded_numel, slice_numel)] in bucket order. param_dtype: 0 fp32, "
-          "1 bf16, 2 fp16 (bucket caps are in bytes of it); partitions: 1 in stage 0, else the world size.");
+          "1 bf16, 2 fp16 (bucket caps are in bytes of it); partitions: 1 in stage 0, else the world size; "
+          "param_align_bytes: each parameter's start (Note [Aligned pieces]; 0 packs them tight).");
+    // Note [Aligned pieces]: the rule the engine's frozen buckets follow too (frozen.cpp)
+    m.def("plan_alignments", [](int64_t align, int64_t param_dtype) {
+              const int64_t bytes = zx::EngineOptions().param_align_bytes;
+              const int64_t piece = zx_plan_piece_align(bytes, (zx_dtype)param_dtype);
+              const int64_t slice = zx_plan_slice_align(align, bytes);
+              TORCH_CHECK(piece > 0 && slice > 0, "zero_ext: internal: no alignment for align ", align, ", dtype ",
+                          param_dtype);
+              return std::make_pair(piece, slice);
+          }, py::arg("align"), py::arg("param_dtype"),
+          "(piece_align, slice_align) in elements: every parameter starts at a multiple of piece_align inside "
+          "its bucket, every slice is a multiple of slice_align (Note [Aligned pieces]).");
     m.def("plan_balance", &plan_balance, py::arg("rows"), py::arg("cols"), py::arg("kinds"), py::arg("state"),
           py::arg("groups"), py::arg("units"), py::arg("stage"), py::arg("partitions"), py::arg("bucket_bytes"),
           py::arg("first_bucket_bytes"), py::arg("align"), py::arg("param_dtype"), py::arg("fill"),

@@ -112,6 +112,7 @@ py::dict zx_stats_dict(const zx::EngineStats &s) {
     d["kernels"] = s.kernels;
     d["num_params"] = s.num_params;
     d["padded_numel"] = s.padded_numel;
+    d["alignment_padding_numel"] = s.alignment_padding_numel;
     d["shard_numel"] = s.shard_numel;
     d["num_buckets"] = s.num_buckets;
     d["param_dtype"] = s.param_dtype;

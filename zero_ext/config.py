@@ -51,7 +51,8 @@ class ZeroConfig:
     first_bucket_bytes: size of the first bucket (small, so communication starts early).
     align: slice alignment in elements (each bucket is padded to world_size*align);
         "auto" = 16 (64-byte slices) up to 64 ranks, 1 beyond, so that padding stays
-        negligible at large N.
+        negligible at large N. Whatever it is, every parameter and every slice starts
+        16-byte aligned (Note [Aligned pieces] in csrc/core/zx_core.h).
     reduce_scatter: "auto" (all-to-all + local sum on gloo, native otherwise),
         "native" (the backend's reduce_scatter), or "alltoall".
     grad_ring_buckets: stage 2: how many bucket-sized staging buffers the gradient ring holds.

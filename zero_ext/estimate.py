@@ -252,11 +252,13 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     recv = ((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0
     ring = slots * (send + recv)
     buf = {"grad_ring": ring, "ring_slots": slots, "grad_landing": landing, "split_master_scratch": split_scratch}
-    # Stage 3, frozen parameters: one bucket per unit, padded to parts * align (frozen.cpp).
-    quantum = parts * cfg.resolved_align(world_size)
+    # Stage 3, frozen parameters: one bucket per unit, each parameter at an aligned start,
+    # padded to parts * the slice alignment (frozen.cpp, Note [Aligned pieces]).
+    piece, slice_align = _alignments(cfg, world_size)
+    quantum = parts * slice_align
     frozen_padded: dict = {}
     for u, n in frozen_units:
-        frozen_padded[u] = frozen_padded.get(u, 0) + n
+        frozen_padded[u] = frozen_padded.get(u, 0) + -(-n // piece) * piece
     frozen_padded = {u: max(1, -(-n // quantum)) * quantum for u, n in frozen_padded.items()}
     if s == 3:
         unit_numel: dict = dict(frozen_padded)
@@ -311,6 +313,12 @@ def _device_type(model) -> str:
 
 def _on_meta(model) -> bool:
     return isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters())
+
+
+def _alignments(cfg: ZeroConfig, world_size: int):
+    """(piece, slice) alignment in elements, the planner's (Note [Aligned pieces])."""
+    from . import _C
+    return _C.plan_alignments(cfg.resolved_align(world_size), _ZX_DTYPE[cfg.param_dtype])
 
 
 def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int, parts: int):

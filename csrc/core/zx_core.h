@@ -64,9 +64,10 @@ int zx_cpu_has_avx512_bf16(void);
  * bucket of the whole plan uses first_bucket_bytes, later ones bucket_bytes),
  * or when the caller forces a split (`unit` changes, stage 3). A parameter
  * larger than the cap gets a bucket of its own; parameters never split across
- * buckets. Inside a bucket parameters are packed tight (element-granular). Each
- * bucket is padded to a multiple of world_size*align elements and split into
- * world_size equal contiguous slices; rank r owns slice r of every bucket.
+ * buckets. Inside a bucket parameters follow each other element-granular, each
+ * starting at the next aligned element (Note [Aligned pieces]). Each bucket is
+ * padded to a multiple of world_size*align elements and split into world_size
+ * equal contiguous slices; rank r owns slice r of every bucket.
  * Buckets are numbered by the position in `order` of their first parameter.
  */
 typedef struct zx_plan_params {
@@ -90,7 +91,32 @@ typedef struct zx_plan_params {
                                     of each parameter (0: no state). With cost, element-
                                     granular parameters fill the atomic buckets' padding so
                                     that state bytes balance (Note [Filling atomic buckets]) */
+    int64_t param_align_bytes;   /* every piece starts at a multiple of this many bytes inside
+                                    its bucket (Note [Aligned pieces]); a power of two up to
+                                    ZX_MAX_PARAM_ALIGN_BYTES, or 0: packed tight */
 } zx_plan_params;
+
+/* Note [Aligned pieces]
+ * A parameter packed right after the previous one starts wherever that one ended:
+ * a bf16 [768] norm weight leaves the next matrix 2-byte aligned, and cuBLAS and
+ * vectorized kernels then take other code paths (other rounding) than for the
+ * same matrix alone. So every piece starts at a multiple of param_align_bytes:
+ * pa = param_align_bytes / element size elements (zx_plan_piece_align; 1 when the
+ * element is as large), and every slice is a multiple of lcm(align, pa of a 2-byte
+ * element) (zx_plan_slice_align), so slice starts, shard offsets and every
+ * fragment's start are aligned too, in each dtype a shard is kept in (fp32 master
+ * and states, bf16 or fp32 gradients). Buffers are allocated one per bucket, so a
+ * parameter view's address is aligned when its offset is. The elements skipped
+ * before a piece are padding like the tail (zero, never read by an optimizer):
+ * zx_bucket_info.gap_numel counts them. Tensor-atomic bins count each tensor at
+ * its size rounded up to pa. 16 bytes costs under pa elements per parameter. */
+#define ZX_MAX_PARAM_ALIGN_BYTES 4096
+/* Elements a piece of `dtype` starts at a multiple of (Note [Aligned pieces]); 0 when
+ * param_align_bytes or dtype is invalid. */
+int64_t zx_plan_piece_align(int64_t param_align_bytes, zx_dtype dtype);
+/* lcm(align, zx_plan_piece_align of a 2-byte element): what every slice is a multiple
+ * of; 0 when an argument is invalid. */
+int64_t zx_plan_slice_align(int64_t align, int64_t param_align_bytes);
 
 /* Note [Tensor-atomic buckets]
  * Tensor-atomic parameters (cost[p] > 0): parameters with an atomic key fill a bucket
@@ -100,8 +126,9 @@ typedef struct zx_plan_params {
  * bins then go to ranks, costliest bin to the rank with the least update cost so
  * far (over every atomic bucket planned before), so that update cost is balanced
  * across the whole model while each bucket keeps equal slices. The slice is the
- * largest bin rounded up to align; rank r's tensors sit whole at the start of
- * slice r, the rest of the slice is padding (zero, never read by an optimizer). */
+ * largest bin rounded up to the slice alignment (Note [Aligned pieces]); rank r's
+ * tensors sit whole at the start of slice r, each at an aligned element, the rest
+ * of the slice is padding (zero, never read by an optimizer). */
 
 /* Note [Filling atomic buckets]
  * Whole tensors alone cannot balance when ranks are
@@ -147,9 +174,12 @@ typedef struct zx_bucket_info {
                                     filled atomic bucket also holds pieces of element-granular
                                     parameters (Note [Filling atomic buckets]) */
     int64_t numel;               /* sum of piece numels (unpadded) */
-    int64_t padded_numel;        /* numel rounded up to a multiple of world_size*align */
+    int64_t padded_numel;        /* world_size * slice_numel: element-granular, numel + gap_numel
+                                    rounded up to world_size * zx_plan_slice_align */
     int64_t slice_numel;         /* padded_numel / world_size */
     int32_t atomic;              /* 1: tensor-atomic, rank r's slice holds whole tensors */
+    int64_t gap_numel;           /* padding between pieces of one slice, left so that each
+                                    piece starts aligned (Note [Aligned pieces]) */
 } zx_bucket_info;
 
 typedef struct zx_param_loc {

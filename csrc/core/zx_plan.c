@@ -36,6 +36,7 @@ struct zx_plan {
     int64_t *shard_offsets;     /* (num_buckets,) offset of bucket b's slice in a shard */
     int64_t shard_numel;        /* sum of slice_numel */
     double fill_level;          /* Note [Filling atomic buckets]: the state level, 0 if unfilled */
+    int64_t param_align_bytes;  /* Note [Aligned pieces], as given */
 };
 
 /* Scratch state while assembling (Note [Bucket assembly]). */
@@ -47,6 +48,34 @@ typedef struct zx_open_bucket {
 static int zx_add_overflows(int64_t a, int64_t b) { return b > 0 && a > INT64_MAX - b; }
 
 static int zx_is_atomic(const zx_plan_params *p, int64_t q) { return p->cost && p->cost[q] > 0.0; }
+
+/* x rounded up to a multiple of a (a >= 1; the callers have checked it fits). */
+static int64_t zx_round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+static int64_t zx_gcd(int64_t a, int64_t b) {
+    while (b) { const int64_t t = a % b; a = b; b = t; }
+    return a;
+}
+
+int64_t zx_plan_piece_align(int64_t param_align_bytes, zx_dtype dtype) {
+    const int64_t esize = (int64_t)zx_dtype_size(dtype);
+    if (esize == 0 || param_align_bytes < 0 || param_align_bytes > ZX_MAX_PARAM_ALIGN_BYTES ||
+        (param_align_bytes & (param_align_bytes - 1)) != 0)
+        return 0;
+    return param_align_bytes > esize ? param_align_bytes / esize : 1;   /* both powers of two */
+}
+
+int64_t zx_plan_slice_align(int64_t align, int64_t param_align_bytes) {
+    const int64_t pa = zx_plan_piece_align(param_align_bytes, ZX_BF16);   /* the smallest element */
+    if (pa == 0 || align < 1 || align / zx_gcd(align, pa) > INT64_MAX / pa) return 0;
+    return align / zx_gcd(align, pa) * pa;
+}
+
+/* Note [Aligned pieces], for parameter q's dtype (validated). */
+static int64_t zx_piece_align_of(const zx_plan_params *p, int64_t q) {
+    return zx_plan_piece_align(p->param_align_bytes, (zx_dtype)p->dtype[q]);
+}
+static int64_t zx_slice_align_of(const zx_plan_params *p) { return zx_plan_slice_align(p->align, p->param_align_bytes); }
 
 double zx_update_cost(zx_update_kind kind, int64_t rows, int64_t cols) {
     if (rows <= 0 || cols <= 0) return 0.0;
@@ -63,7 +92,10 @@ static zx_status zx_validate(const zx_plan_params *p) {
     if (p->num_params == 0 || p->num_params > (size_t)INT64_MAX / 8) return ZX_ERR_INVALID_ARG;
     if (p->world_size < 1 || p->bucket_bytes <= 0 || p->first_bucket_bytes <= 0 || p->align < 1)
         return ZX_ERR_INVALID_ARG;
-    if ((int64_t)p->world_size > INT64_MAX / p->align) return ZX_ERR_OVERFLOW;
+    if (zx_plan_piece_align(p->param_align_bytes, ZX_F32) == 0) return ZX_ERR_INVALID_ARG;
+    /* the largest slice quantum: world_size * align * (param_align_bytes / 2) (Note [Aligned pieces]) */
+    const int64_t max_pa = p->param_align_bytes > 2 ? p->param_align_bytes / 2 : 1;
+    if ((int64_t)p->world_size > INT64_MAX / p->align / max_pa) return ZX_ERR_OVERFLOW;
     for (size_t i = 0; i < p->num_params; i++) {
         if (p->numel[i] <= 0 || p->group[i] < 0) return ZX_ERR_INVALID_ARG;
         if (zx_dtype_size((zx_dtype)p->dtype[i]) == 0) return ZX_ERR_INVALID_ARG;
@@ -106,7 +138,7 @@ static int64_t zx_bin_atomic(const zx_plan_params *p, const int64_t *params, int
         for (int32_t r = 1; r < nr; r++)
             if (bin_numel[r] < bin_numel[best] ||
                 (bin_numel[r] == bin_numel[best] && bin_cost[r] < bin_cost[best])) best = r;
-        bin_numel[best] += p->numel[q];
+        bin_numel[best] += zx_round_up(p->numel[q], zx_piece_align_of(p, q));   /* Note [Aligned pieces] */
         bin_cost[best] += p->cost[q];
         owner[q] = best;                          /* a bin for now; a rank below */
     }
@@ -153,8 +185,9 @@ static zx_status zx_bin_buckets(const zx_plan_params *p, zx_plan *plan, int64_t 
         int64_t *bp = members + bi->first_param;
         const int64_t biggest = zx_bin_atomic(p, bp, bi->num_params, plan->owner, rank_cost, idx, bin_numel,
                                               bin_cost, bin_rank, rank_of, rank_for_bin);
-        if (biggest > INT64_MAX / nr - p->align) { st = ZX_ERR_OVERFLOW; break; }
-        bi->slice_numel = (biggest + p->align - 1) / p->align * p->align;
+        const int64_t a_slice = zx_slice_align_of(p);
+        if (biggest > INT64_MAX / nr - a_slice) { st = ZX_ERR_OVERFLOW; break; }
+        bi->slice_numel = zx_round_up(biggest, a_slice);
         bi->padded_numel = bi->slice_numel * nr;
         /* layout order: by rank, then by `order` (stable insertion sort by owner) */
         for (int64_t j = 1; j < bi->num_params; j++) {
@@ -165,7 +198,8 @@ static zx_status zx_bin_buckets(const zx_plan_params *p, zx_plan *plan, int64_t 
         }
         int64_t *u = used + a++ * nr;
         for (int32_t r = 0; r < nr; r++) u[r] = 0;
-        for (int64_t j = 0; j < bi->num_params; j++) u[plan->owner[bp[j]]] += p->numel[bp[j]];
+        for (int64_t j = 0; j < bi->num_params; j++)
+            u[plan->owner[bp[j]]] += zx_round_up(p->numel[bp[j]], zx_piece_align_of(p, bp[j]));
     }
     free(idx); free(bin_numel); free(bin_cost); free(rank_cost); free(bin_rank); free(rank_of); free(rank_for_bin);
     return st;
@@ -244,11 +278,12 @@ static zx_status zx_fill_buckets(const zx_plan_params *p, zx_plan *plan, const i
         fill_first[b] = *num_fill;
         if (!bi->atomic) continue;
         const int64_t *u = used + --a * nr;
+        const int64_t pa = zx_plan_piece_align(p->param_align_bytes, (zx_dtype)bi->dtype);
         int64_t i = n - 1;                         /* position in `order` of the next candidate */
         for (int32_t r = 0; r < nr && st == ZX_OK; r++) {
             int64_t at = (int64_t)r * bi->slice_numel + u[r];
             const int64_t end = (int64_t)(r + 1) * bi->slice_numel;
-            while (at < end && level[r] < top) {
+            while (level[r] < top && (at = zx_round_up(at, pa)) < end) {   /* Note [Aligned pieces] */
                 while (i >= 0 && !zx_can_fill(p, bi, p->order[i], taken)) i--;
                 if (i < 0) break;
                 const int64_t q = p->order[i], avail = p->numel[q] - taken[q];
@@ -286,7 +321,7 @@ static zx_status zx_assemble(const zx_plan_params *p, zx_plan *plan, const int64
                              const zx_piece *fill, int64_t num_fill, const int64_t *fill_first,
                              const int64_t *fill_count) {
     const int32_t nr = plan->world_size;
-    const int64_t n = plan->num_params, quantum = (int64_t)nr * p->align;
+    const int64_t n = plan->num_params;
     int64_t total = num_fill;
     for (int64_t q = 0; q < n; q++) total += taken[q] < p->numel[q];
     plan->pieces = malloc((size_t)(total ? total : 1) * sizeof *plan->pieces);
@@ -295,6 +330,7 @@ static zx_status zx_assemble(const zx_plan_params *p, zx_plan *plan, const int64
     for (int64_t b = 0; b < plan->num_buckets; b++) {
         zx_bucket_info bi = plan->buckets[b];      /* a copy: buckets compact in place, nb <= b */
         const int64_t *bp = members + bi.first_param, first = at;
+        const int64_t pa = zx_plan_piece_align(p->param_align_bytes, (zx_dtype)bi.dtype);   /* Note [Aligned pieces] */
         if (bi.atomic) {
             int64_t j = 0, f = fill_first[b];
             const int64_t fe = f + fill_count[b];
@@ -302,7 +338,7 @@ static zx_status zx_assemble(const zx_plan_params *p, zx_plan *plan, const int64
                 int64_t off = (int64_t)r * bi.slice_numel;
                 for (; j < bi.num_params && plan->owner[bp[j]] == r; j++) {
                     plan->pieces[at++] = (zx_piece){bp[j], nb, off, 0, p->numel[bp[j]]};
-                    off += p->numel[bp[j]];
+                    off += zx_round_up(p->numel[bp[j]], pa);
                 }
                 for (; f < fe && fill[f].offset < (int64_t)(r + 1) * bi.slice_numel; f++) {
                     plan->pieces[at] = fill[f];
@@ -310,18 +346,30 @@ static zx_status zx_assemble(const zx_plan_params *p, zx_plan *plan, const int64
                 }
             }
         } else {
-            int64_t off = 0;
+            const int64_t quantum = (int64_t)nr * zx_slice_align_of(p);
+            int64_t off = 0, sum = 0;
             for (int64_t j = 0; j < bi.num_params; j++) {
-                const int64_t q = bp[j];
-                if (taken[q] == p->numel[q]) continue;
-                plan->pieces[at++] = (zx_piece){q, nb, off, taken[q], p->numel[q] - taken[q]};
-                off += p->numel[q] - taken[q];
+                const int64_t q = bp[j], k = p->numel[q] - taken[q];
+                if (k == 0) continue;
+                if (off > INT64_MAX - pa) return ZX_ERR_OVERFLOW;
+                off = zx_round_up(off, pa);
+                plan->pieces[at++] = (zx_piece){q, nb, off, taken[q], k};
+                if (zx_add_overflows(off, k)) return ZX_ERR_OVERFLOW;
+                off += k;
+                sum += k;
             }
             if (off == 0) continue;                /* every piece went to fill atomic buckets */
             if (off > INT64_MAX - quantum) return ZX_ERR_OVERFLOW;
-            bi.numel = off;
-            bi.padded_numel = (off + quantum - 1) / quantum * quantum;
+            bi.numel = sum;
+            bi.padded_numel = zx_round_up(off, quantum);
             bi.slice_numel = bi.padded_numel / nr;
+        }
+        /* Note [Aligned pieces]: the padding before each piece that follows another in its slice */
+        bi.gap_numel = 0;
+        for (int64_t k = first + 1; k < at; k++) {
+            const int64_t prev_end = plan->pieces[k - 1].offset + plan->pieces[k - 1].numel;
+            const int64_t slice_lo = plan->pieces[k].offset / bi.slice_numel * bi.slice_numel;
+            if (prev_end > slice_lo || !bi.atomic) bi.gap_numel += plan->pieces[k].offset - prev_end;
         }
         bi.first_param = first;
         bi.num_params = at - first;
@@ -374,6 +422,7 @@ zx_status zx_plan_create(const zx_plan_params *p, zx_plan **out) {
     }
     plan->world_size = nr;
     plan->num_params = n;
+    plan->param_align_bytes = p->param_align_bytes;
     for (int64_t q = 0; q < n; q++) {
         plan->owner[q] = -1;
         if (zx_is_atomic(p, q)) plan->cost[q] = p->cost[q];
@@ -614,14 +663,21 @@ zx_status zx_plan_describe(const zx_plan *plan, char *buf, size_t cap, size_t *n
     zx_append(buf, cap, &len, "zx_plan: %lld params, %lld buckets, world_size %d, shard %lld elements\n",
               (long long)plan->num_params, (long long)plan->num_buckets, plan->world_size,
               (long long)plan->shard_numel);
-    zx_append(buf, cap, &len, "%6s %5s %4s %5s %7s %12s %12s %12s\n", "bucket", "group", "unit",
-              "dtype", "params", "numel", "padded", "slice");
+    zx_append(buf, cap, &len, "%6s %5s %4s %5s %7s %12s %8s %12s %12s\n", "bucket", "group", "unit",
+              "dtype", "params", "numel", "gaps", "padded", "slice");
+    int64_t gaps = 0, padding = 0;
     for (int64_t b = 0; b < plan->num_buckets; b++) {
         const zx_bucket_info *bi = &plan->buckets[b];
-        zx_append(buf, cap, &len, "%6lld %5d %4d %5s %7lld %12lld %12lld %12lld\n", (long long)b,
+        zx_append(buf, cap, &len, "%6lld %5d %4d %5s %7lld %12lld %8lld %12lld %12lld\n", (long long)b,
                   bi->group, bi->unit, dtype_names[bi->dtype], (long long)bi->num_params,
-                  (long long)bi->numel, (long long)bi->padded_numel, (long long)bi->slice_numel);
+                  (long long)bi->numel, (long long)bi->gap_numel, (long long)bi->padded_numel,
+                  (long long)bi->slice_numel);
+        gaps += bi->gap_numel;
+        padding += bi->padded_numel - bi->numel;
     }
+    /* Note [Aligned pieces]: what the alignment of piece starts costs, within all the padding */
+    zx_append(buf, cap, &len, "padding %lld elements, of which %lld between pieces (starts aligned to %lld bytes)\n",
+              (long long)padding, (long long)gaps, (long long)plan->param_align_bytes);
     *needed = len;
     return len < cap ? ZX_OK : ZX_ERR_BUFFER_TOO_SMALL;
 }

@@ -38,6 +38,7 @@ struct BucketShape {
     int64_t group = 0;                 // param group index
     std::vector<int64_t> params;       // engine parameter index of each piece, layout order
     int64_t numel = 0;                 // elements of parameters (unpadded)
+    int64_t gap_numel = 0;             // padding between parameters (Note [Aligned pieces], core/zx_core.h)
     int64_t padded_numel = 0;          // numel padded to partitions*align
     int64_t slice_numel = 0;           // padded_numel / partitions: one rank's share
     int64_t shard_offset = 0;          // where this bucket's slice sits in a shard

@@ -148,6 +148,7 @@ void build_buckets(UnitWork w, UnitStore &units, ShardedGrads &grads) {
         Bucket &bk = w.buckets[b];
         bk.group = bi.group;
         bk.numel = bi.numel;
+        bk.gap_numel = bi.gap_numel;
         bk.padded_numel = bi.padded_numel;
         bk.slice_numel = bi.slice_numel;
         bk.shard_offset = zx_plan_shard_offset(layout.plan, b);

@@ -8,7 +8,7 @@ namespace zx {
 //   add_frozen() gives each unit one more bucket (Bucket::frozen) holding that
 //   unit's frozen parameters, in param_dtype, outside the plan: no gradient, no
 //   ring slot, no master, no optimizer state, nothing the reducer or the steps
-//   visit. Its padded size is a multiple of partitions * align; this rank's
+//   visit. Its padded size is a multiple of partitions * zx_plan_slice_align; this rank's
 //   slice lives in FrozenParams' shard (param_dtype), the only persistent copy. The
 //   bucket is gathered and released with its unit (gather_unit and gather_units
 //   take it through UnitStore::members; release_unit, commit_unit and
@@ -19,7 +19,8 @@ namespace zx {
 //   (a frozen linear's input gradient), so Python releases the frozen bucket
 //   when the gradients of the unit's inputs are complete (release_frozen), and
 //   finalize_backward releases whatever is left. Layout: parameters in the
-//   order given, contiguous; frozen_fragments(r) says where rank r's slice holds
+//   order given, each at its next aligned element (Note [Aligned pieces],
+//   core/zx_core.h); frozen_fragments(r) says where rank r's slice holds
 //   which piece, as fragments() does for trainable parameters. The state is
 //   FrozenParams' (frozen_params.h); the engine drives the collectives.
 
@@ -27,7 +28,7 @@ namespace zx {
 
 void FrozenParams::plan(std::vector<at::Tensor> params, const std::vector<int64_t> &units,
                         std::vector<std::string> names, int64_t unit_count, int64_t parts, int64_t quantum,
-                        const at::TensorOptions &options) {
+                        int64_t piece_align, const at::TensorOptions &options) {
     names_ = std::move(names);
     params_ = std::move(params);
     const int64_t n = (int64_t)params_.size();
@@ -45,12 +46,15 @@ void FrozenParams::plan(std::vector<at::Tensor> params, const std::vector<int64_
         }
         Bucket &bk = buckets_[of_unit_[u]];
         bk.params.push_back(i);
-        offset_[i] = bk.numel;
-        bk.numel += params_[i].numel();
+        // Note [Aligned pieces] (core/zx_core.h): numel runs to the parameter's end, gaps included
+        offset_[i] = (bk.numel + piece_align - 1) / piece_align * piece_align;
+        bk.gap_numel += offset_[i] - bk.numel;
+        bk.numel = offset_[i] + params_[i].numel();
     }
     int64_t shard = 0;
     for (auto &bk : buckets_) {
-        bk.padded_numel = std::max<int64_t>(1, (bk.numel + quantum - 1) / quantum) * quantum;
+        bk.numel -= bk.gap_numel;   // the parameters' elements, as a trainable bucket counts them
+        bk.padded_numel = std::max<int64_t>(1, (bk.numel + bk.gap_numel + quantum - 1) / quantum) * quantum;
         bk.slice_numel = bk.padded_numel / parts;
         bk.shard_offset = shard;
         shard += bk.slice_numel;
@@ -121,8 +125,13 @@ void UnitStore::add_frozen(UnitWork w, std::vector<at::Tensor> params, std::vect
         ensure(units[i]);
     }
     const auto pt = layout.on_device(layout.dtypes.param);
+    // Note [Aligned pieces] (core/zx_core.h): the planner's rule for trainable buckets
+    const int64_t slice_align = zx_plan_slice_align(layout.opts.align, layout.opts.param_align_bytes);
+    const int64_t piece_align = zx_plan_piece_align(layout.opts.param_align_bytes, layout.dtypes.param_zx);
+    TORCH_CHECK(slice_align > 0 && piece_align > 0, "zero_ext: internal: alignments ", layout.opts.align, ", ",
+                layout.opts.param_align_bytes, " bytes");
     frozen.plan(std::move(params), units, std::move(names), count(), layout.partitions,
-                layout.partitions * layout.opts.align, pt);
+                layout.partitions * slice_align, piece_align, pt);
     at::NoGradGuard ng;
     for (auto &bk : frozen.buckets()) {
         // Without values (meta build) the pages stay untouched until open_unit_fp32.

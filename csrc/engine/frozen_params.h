@@ -18,10 +18,12 @@ namespace zx {
 class FrozenParams {
 public:
     // Groups params by unit (units[i] of params[i], each below unit_count), in the order
-    // given, one bucket per unit, each padded to a multiple of quantum and cut into parts
-    // slices; allocates this rank's slices (zeros, `options`). Once per engine.
+    // given, one bucket per unit, each parameter at a multiple of piece_align elements, each
+    // bucket padded to a multiple of quantum and cut into parts slices; allocates this rank's
+    // slices (zeros, `options`). Once per engine.
     void plan(std::vector<at::Tensor> params, const std::vector<int64_t> &units, std::vector<std::string> names,
-              int64_t unit_count, int64_t parts, int64_t quantum, const at::TensorOptions &options);
+              int64_t unit_count, int64_t parts, int64_t quantum, int64_t piece_align,
+              const at::TensorOptions &options);
 
     bool empty() const { return params_.empty(); }
     int64_t size() const { return (int64_t)params_.size(); }

@@ -17,6 +17,7 @@ struct EngineOptions {
     int64_t bucket_bytes = 16 << 20;   // cap per bucket
     int64_t first_bucket_bytes = 1 << 20;
     int64_t align = 16;                // slice alignment, elements
+    int64_t param_align_bytes = 16;    // each parameter's start in its bucket (Note [Aligned pieces], core/zx_core.h)
     bool alltoall_reduce_scatter = false;  // reduce-scatter = all-to-all + local sum (gloo)
     int64_t grad_ring_buckets = 2;     // stage 2: staging buffers in the ring
     std::string isa = "auto";          // kernel ISA: auto/scalar/avx2/avx512

@@ -34,12 +34,13 @@ EngineStats EngineStats::of(const Sources &s) {
     const bool off = s.offload != nullptr;
     const Secondary *sec = s.units.secondary.get();
     EngineStats st;
-    int64_t param_bytes = 0, grad_bytes = 0, numel = 0, padded = 0;
+    int64_t param_bytes = 0, grad_bytes = 0, numel = 0, padded = 0, gaps = 0;
     for (const auto &bk : s.buckets) {
         if (o.stage < 3) param_bytes += bk.flat_param.nbytes();
         if (bk.flat_grad.defined()) grad_bytes += bk.flat_grad.nbytes();
         numel += bk.numel;
         padded += bk.padded_numel;
+        gaps += bk.gap_numel;
     }
     int64_t held = grad_bytes;
     if (shard.grad.defined() && !off) {   // offload: in offload_stats()
@@ -88,6 +89,7 @@ EngineStats EngineStats::of(const Sources &s) {
     st.kernels = s.kernels.device->name();
     st.num_params = numel;
     st.padded_numel = padded;
+    st.alignment_padding_numel = gaps;
     st.shard_numel = layout.shard_numel;
     st.num_buckets = (int64_t)s.buckets.size();
     st.param_dtype = o.param_dtype;

@@ -144,6 +144,7 @@ struct EngineStats {
     std::string kernels;
     int64_t num_params = 0;
     int64_t padded_numel = 0;
+    int64_t alignment_padding_numel = 0;  // of padded_numel - num_params: between parameters (Note [Aligned pieces])
     int64_t shard_numel = 0;
     int64_t num_buckets = 0;
     std::string param_dtype;

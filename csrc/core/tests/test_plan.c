@@ -14,6 +14,12 @@ static uint64_t rnd(void) { /* xorshift64* */
     return rng_state * 2685821657736338717ull;
 }
 static int64_t rnd_range(int64_t lo, int64_t hi) { return lo + (int64_t)(rnd() % (uint64_t)(hi - lo + 1)); }
+static int64_t round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+/* Note [Aligned pieces]: packed tight (0), at most the element (2, 4) or wider (16, 64) */
+static int64_t rnd_param_align(void) {
+    static const int64_t choices[] = {0, 2, 4, 16, 16, 16, 64};
+    return choices[rnd() % (sizeof choices / sizeof choices[0])];
+}
 
 /* Checks every invariant of the layout (README, "How it works") on one random problem. */
 static void check_random_plan(int trial) {
@@ -33,7 +39,8 @@ static void check_random_plan(int trial) {
     int32_t u = 0;
     for (size_t i = 0; i < n; i++) { if (rnd() % 5 == 0) u++; unit[order[i]] = u; }
     zx_plan_params pp = {n, numel, dtype, group, use_units ? unit : NULL, order,
-                         (int32_t)rnd_range(1, 9), rnd_range(64, 40000), rnd_range(64, 8000), rnd_range(1, 32), NULL, NULL};
+                         (int32_t)rnd_range(1, 9), rnd_range(64, 40000), rnd_range(64, 8000), rnd_range(1, 32), NULL, NULL,
+                         rnd_param_align()};
     zx_plan *plan = NULL;
     zx_status st = zx_plan_create(&pp, &plan);
     CHECK(st == ZX_OK && plan, "trial %d: create -> %s", trial, zx_status_string(st));
@@ -49,14 +56,20 @@ static void check_random_plan(int trial) {
     for (int64_t b = 0; b < nb; b++) {
         zx_bucket_info bi;
         CHECK(zx_plan_bucket(plan, b, &bi) == ZX_OK, "bucket %lld", (long long)b);
-        const int64_t q = N * pp.align;
-        CHECK(bi.padded_numel % q == 0 && bi.padded_numel >= bi.numel && bi.padded_numel - bi.numel < q,
+        /* Note [Aligned pieces]: piece starts at pa elements, slices at lcm(align, pa) */
+        const int64_t pa = zx_plan_piece_align(pp.param_align_bytes, (zx_dtype)bi.dtype);
+        const int64_t sa = zx_plan_slice_align(pp.align, pp.param_align_bytes);
+        const int64_t esize = (int64_t)zx_dtype_size((zx_dtype)bi.dtype), q = N * sa;
+        CHECK(pa >= 1 && sa % pa == 0 && sa % pp.align == 0 && (pp.param_align_bytes <= esize || pa * esize == pp.param_align_bytes),
+              "trial %d: alignments %lld %lld", trial, (long long)pa, (long long)sa);
+        const int64_t used = bi.numel + bi.gap_numel;
+        CHECK(bi.padded_numel % q == 0 && bi.padded_numel >= used && bi.padded_numel - used < q,
               "trial %d bucket %lld padding %lld of %lld", trial, (long long)b, (long long)bi.padded_numel, (long long)bi.numel);
-        CHECK(bi.slice_numel * N == bi.padded_numel && bi.slice_numel % pp.align == 0, "slices");
-        CHECK(zx_plan_shard_offset(plan, b) == shard, "shard offset of bucket %lld", (long long)b);
+        CHECK(bi.slice_numel * N == bi.padded_numel && bi.slice_numel % sa == 0, "slices");
+        CHECK(zx_plan_shard_offset(plan, b) == shard && shard % sa == 0, "shard offset of bucket %lld", (long long)b);
         shard += bi.slice_numel;
-        /* parameters: same key, tight packing in layout order, cap respected */
-        int64_t off = 0, bytes = 0, first_pos = -1;
+        /* parameters: same key, packed in layout order each at its next aligned element, cap respected */
+        int64_t off = 0, bytes = 0, first_pos = -1, sum = 0;
         for (int64_t k = 0; k < bi.num_params; k++) {
             int64_t p = -1;
             CHECK(zx_plan_bucket_param(plan, b, k, &p) == ZX_OK && p >= 0 && p < (int64_t)n, "bucket param");
@@ -64,22 +77,29 @@ static void check_random_plan(int trial) {
             seen[p]++;
             zx_param_loc loc;
             CHECK(zx_plan_param(plan, p, &loc) == ZX_OK, "param loc");
+            off = round_up(off, pa);
             CHECK(loc.bucket == b && loc.offset == off && loc.numel == numel[p], "trial %d: param %lld at %lld, expected %lld",
                   trial, (long long)p, (long long)loc.offset, (long long)off);
+            CHECK(pp.param_align_bytes == 0 || (loc.offset * esize) % pp.param_align_bytes == 0 ||
+                  pp.param_align_bytes < esize, "trial %d: param %lld starts unaligned", trial, (long long)p);
             CHECK(group[p] == bi.group && dtype[p] == bi.dtype, "key of param %lld", (long long)p);
             if (use_units) CHECK(unit[p] == bi.unit, "unit of param %lld", (long long)p);
             if (k == 0) first_pos = pos[p];
             CHECK(pos[p] >= first_pos, "layout follows order");
             off += numel[p];
+            sum += numel[p];
             bytes += numel[p] * (int64_t)zx_dtype_size((zx_dtype)dtype[p]);
         }
-        CHECK(off == bi.numel, "numel sum");
+        CHECK(sum == bi.numel && off == bi.numel + bi.gap_numel, "trial %d: numel sum and gaps", trial);
+        if (pp.param_align_bytes <= esize) CHECK(bi.gap_numel == 0, "no gaps when elements are aligned already");
         const int64_t cap = b == 0 ? pp.first_bucket_bytes : pp.bucket_bytes;
         CHECK(bi.num_params == 1 || bytes <= cap, "trial %d bucket %lld: %lld bytes over cap %lld", trial,
               (long long)b, (long long)bytes, (long long)cap);
         CHECK(first_pos > prev_first_pos, "buckets numbered by their first parameter");
         prev_first_pos = first_pos;
-        /* fragments: each rank's pieces tile its slice's data part; all ranks cover each param once */
+        /* fragments: each rank's pieces follow each other in its slice, each aligned (the slice
+         * start is: a fragment that begins inside a parameter begins at it); all ranks cover each
+         * param once */
         int64_t covered = 0;
         for (int32_t r = 0; r < N; r++) {
             int64_t count = 0;
@@ -91,13 +111,15 @@ static void check_random_plan(int trial) {
             for (int64_t k = 0; k < count; k++) {
                 zx_param_loc loc;
                 zx_plan_param(plan, fr[k].param, &loc);
-                CHECK(fr[k].slice_offset == at, "fragments are contiguous in the slice");
+                CHECK(fr[k].slice_offset >= at && fr[k].slice_offset - at < pa && fr[k].slice_offset % pa == 0,
+                      "trial %d: fragments follow each other in the slice, each aligned", trial);
+                at = fr[k].slice_offset;
                 CHECK(loc.offset + fr[k].param_offset == (int64_t)r * bi.slice_numel + fr[k].slice_offset,
                       "fragment maps to the right element");
                 CHECK(fr[k].param_offset + fr[k].numel <= loc.numel && fr[k].numel > 0, "fragment inside param");
                 at += fr[k].numel;
+                covered += fr[k].numel;
             }
-            covered += at;
             free(fr);
         }
         CHECK(covered == bi.numel, "fragments cover the bucket exactly: %lld vs %lld", (long long)covered, (long long)bi.numel);
@@ -123,7 +145,7 @@ done:
 static void check_errors(void) {
     int64_t numel[2] = {3, 4}, order[2] = {1, 0}, bad_order[2] = {1, 1};
     int32_t dtype[2] = {0, 0}, group[2] = {0, 0};
-    zx_plan_params pp = {2, numel, dtype, group, NULL, order, 2, 1024, 256, 4, NULL, NULL};
+    zx_plan_params pp = {2, numel, dtype, group, NULL, order, 2, 1024, 256, 4, NULL, NULL, 0};   /* packed tight */
     zx_plan *plan = (zx_plan *)0x1;
     CHECK(zx_plan_create(NULL, &plan) == ZX_ERR_INVALID_ARG && plan == NULL, "NULL params");
     CHECK(zx_plan_create(&pp, NULL) == ZX_ERR_INVALID_ARG, "NULL out");
@@ -156,6 +178,39 @@ static void check_errors(void) {
     CHECK(zx_plan_fragments(plan, 0, 1, fr, 0, &count) == ZX_ERR_BUFFER_TOO_SMALL && count == 1, "too small");
     zx_plan_free(plan);
     zx_plan_free(NULL);
+    /* Note [Aligned pieces]: a power of two up to ZX_MAX_PARAM_ALIGN_BYTES, or 0 */
+    const int64_t bad_align[] = {-16, 3, 24, 2 * ZX_MAX_PARAM_ALIGN_BYTES};
+    for (size_t k = 0; k < sizeof bad_align / sizeof bad_align[0]; k++) {
+        q = pp; q.param_align_bytes = bad_align[k];
+        plan = (zx_plan *)0x1;
+        CHECK(zx_plan_create(&q, &plan) == ZX_ERR_INVALID_ARG && plan == NULL, "param_align_bytes %lld refused",
+              (long long)bad_align[k]);
+    }
+    CHECK(zx_plan_piece_align(16, ZX_F32) == 4 && zx_plan_piece_align(16, ZX_BF16) == 8 &&
+          zx_plan_piece_align(2, ZX_F32) == 1 && zx_plan_piece_align(0, ZX_F16) == 1 &&
+          zx_plan_piece_align(12, ZX_F32) == 0 && zx_plan_piece_align(16, (zx_dtype)7) == 0, "piece alignments");
+    CHECK(zx_plan_slice_align(16, 16) == 16 && zx_plan_slice_align(1, 16) == 8 && zx_plan_slice_align(12, 16) == 24 &&
+          zx_plan_slice_align(6, 0) == 6 && zx_plan_slice_align(3, 4) == 6 && zx_plan_slice_align(0, 16) == 0,
+          "slice alignments: lcm(align, pa of a 2-byte element)");
+    q = pp; q.world_size = 1 << 20; q.align = INT64_MAX >> 22; q.param_align_bytes = 16;
+    CHECK(zx_plan_create(&q, &plan) == ZX_ERR_OVERFLOW, "slice quantum overflow");
+    /* bf16 [4] then [3], 16-byte starts: the second at element 8 (4 gap elements); slices are
+     * multiples of lcm(4, 8) = 8, so the bucket pads 11 to 16 and each rank holds one parameter */
+    int32_t bf16[2] = {ZX_BF16, ZX_BF16};
+    q = pp; q.dtype = bf16; q.param_align_bytes = 16;
+    CHECK(zx_plan_create(&q, &plan) == ZX_OK, "aligned plan");
+    zx_param_loc loc;
+    CHECK(zx_plan_param(plan, 0, &loc) == ZX_OK && loc.offset == 8 && zx_plan_bucket(plan, 0, &bi) == ZX_OK &&
+          bi.numel == 7 && bi.gap_numel == 4 && bi.padded_numel == 16 && bi.slice_numel == 8, "aligned worked example");
+    CHECK(zx_plan_fragments(plan, 0, 1, fr, 2, &count) == ZX_OK && count == 1 && fr[0].param == 0 &&
+          fr[0].slice_offset == 0 && fr[0].numel == 3, "rank 1 holds param 0 from its slice start");
+    size_t need = 0;
+    zx_plan_describe(plan, NULL, 0, &need);
+    char *txt = malloc(need + 1);
+    CHECK(zx_plan_describe(plan, txt, need + 1, &need) == ZX_OK && strstr(txt, "of which 4 between pieces"),
+          "describe reports the gaps");
+    free(txt);
+    zx_plan_free(plan);
 }
 
 /* Note [Tensor-atomic buckets]: random mixes of atomic and element-granular
@@ -170,14 +225,17 @@ static void check_atomic_plan(int trial) {
     for (size_t i = 0; i < n; i++) {
         const int64_t rows = rnd_range(1, 64), cols = rnd_range(1, 64);
         numel[i] = rows * cols;
-        dtype[i] = 0;
+        dtype[i] = rnd() % 2 ? ZX_BF16 : ZX_F32;   /* one dtype per run, below */
         group[i] = (int32_t)(rnd() % 2);        /* group 0 atomic (Muon), group 1 elementwise */
         cost[i] = group[i] == 0 ? zx_update_cost(ZX_UPDATE_ORTHOGONALIZED, rows, cols) : 0.0;
         order[i] = (int64_t)(n - 1 - i);
     }
+    for (size_t i = 0; i < n; i++) dtype[i] = dtype[0];
     const int32_t N = (int32_t)rnd_range(1, 9);
     zx_plan_params pp = {n, numel, dtype, group, NULL, order, N, rnd_range(64, 40000), rnd_range(64, 8000),
-                         rnd_range(1, 16), cost, NULL};
+                         rnd_range(1, 16), cost, NULL, rnd_param_align()};
+    const int64_t pa = zx_plan_piece_align(pp.param_align_bytes, (zx_dtype)dtype[0]);
+    const int64_t sa = zx_plan_slice_align(pp.align, pp.param_align_bytes);
     zx_plan *plan = NULL;
     CHECK(zx_plan_create(&pp, &plan) == ZX_OK && plan, "trial %d: atomic create", trial);
     if (!plan) goto done;
@@ -186,10 +244,10 @@ static void check_atomic_plan(int trial) {
     for (int64_t b = 0; b < zx_plan_num_buckets(plan); b++) {
         zx_bucket_info bi;
         zx_plan_bucket(plan, b, &bi);
-        CHECK(bi.slice_numel * N == bi.padded_numel && bi.slice_numel % pp.align == 0, "atomic slices");
+        CHECK(bi.slice_numel * N == bi.padded_numel && bi.slice_numel % sa == 0, "atomic slices");
         CHECK(bi.atomic == (bi.group == 0), "bucket %lld atomic flag", (long long)b);
         if (!bi.atomic) continue;
-        int64_t biggest = 0, count_frag = 0;
+        int64_t biggest = 0, count_frag = 0, rounded = 0;   /* sizes rounded up to pa (Note [Aligned pieces]) */
         for (int64_t k = 0; k < bi.num_params; k++) {
             int64_t q;
             zx_plan_bucket_param(plan, b, k, &q);
@@ -199,7 +257,9 @@ static void check_atomic_plan(int trial) {
             CHECK(r >= 0 && r < N, "owner of %lld", (long long)q);
             CHECK(loc.offset >= (int64_t)r * bi.slice_numel &&
                   loc.offset + loc.numel <= (int64_t)(r + 1) * bi.slice_numel, "param %lld whole in slice %d", (long long)q, r);
-            biggest = numel[q] > biggest ? numel[q] : biggest;
+            CHECK(loc.offset % pa == 0, "trial %d: atomic param %lld starts aligned", trial, (long long)q);
+            biggest = round_up(numel[q], pa) > biggest ? round_up(numel[q], pa) : biggest;
+            rounded += round_up(numel[q], pa);
             total_cost += cost[q];
             total_numel += numel[q];
         }
@@ -215,8 +275,8 @@ static void check_atomic_plan(int trial) {
             free(fr);
         }
         CHECK(count_frag == bi.num_params, "each atomic param is one fragment");
-        const int64_t mean = (bi.numel + N - 1) / N;
-        CHECK(bi.slice_numel <= mean + biggest + pp.align, "trial %d: slice %lld over mean %lld + largest %lld", trial,
+        const int64_t mean = (rounded + N - 1) / N;
+        CHECK(bi.slice_numel <= mean + biggest + sa, "trial %d: slice %lld over mean %lld + largest %lld", trial,
               (long long)bi.slice_numel, (long long)mean, (long long)biggest);
     }
     double c = 0.0;
@@ -246,7 +306,7 @@ static void check_atomic_balance(void) {
         numel[i] = 64 * 64; dtype[i] = 0; group[i] = 0; order[i] = i;
         cost[i] = zx_update_cost(ZX_UPDATE_ORTHOGONALIZED, 64, 64);
     }
-    zx_plan_params pp = {n, numel, dtype, group, NULL, order, 4, 1 << 30, 1 << 30, 16, cost, NULL};
+    zx_plan_params pp = {n, numel, dtype, group, NULL, order, 4, 1 << 30, 1 << 30, 16, cost, NULL, 16};
     zx_plan *plan = NULL;
     CHECK(zx_plan_create(&pp, &plan) == ZX_OK, "balance create");
     zx_bucket_info bi;

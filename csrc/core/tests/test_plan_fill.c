@@ -19,6 +19,7 @@ static uint64_t next_u64(void) { /* splitmix64 */
     return z ^ (z >> 31);
 }
 static int64_t between(int64_t lo, int64_t hi) { return lo + (int64_t)(next_u64() % (uint64_t)(hi - lo + 1)); }
+static int64_t round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 static int by_param_offset(const void *a, const void *b) {
     const zx_piece *x = a, *y = b;
@@ -51,12 +52,13 @@ static double max_whole(const zx_plan *plan, int32_t N) {
  * whole tensors sit in their owner's slice, fillers are element-granular pieces of
  * compatible parameters inside one slice, state adds up, no rank is filled past the
  * level by more than one element, and a rank below it has no gap left (or nothing
- * left to fill with). */
+ * left to fill with). Every piece starts aligned (Note [Aligned pieces]). */
 static void check_filled(const problem *pr, const zx_plan_params *pp, const zx_plan *plan, int trial) {
     const int32_t N = pp->world_size;
     int one_dtype = 1;
     for (size_t q = 0; q < pr->n; q++) one_dtype &= pr->dtype[q] == pr->dtype[0];
-    const int64_t nb = zx_plan_num_buckets(plan), quantum = (int64_t)N * pp->align;
+    const int64_t sa = zx_plan_slice_align(pp->align, pp->param_align_bytes);
+    const int64_t nb = zx_plan_num_buckets(plan), quantum = (int64_t)N * sa;
     double max_state = 0.0;
     for (size_t q = 0; q < pr->n; q++) max_state = pr->state[q] > max_state ? pr->state[q] : max_state;
     /* parameters: pieces cover [0, numel) once, the loc is the first piece */
@@ -88,16 +90,19 @@ static void check_filled(const problem *pr, const zx_plan_params *pp, const zx_p
     for (int64_t b = 0; b < nb; b++) {
         zx_bucket_info bi;
         zx_plan_bucket(plan, b, &bi);
-        CHECK(bi.num_params > 0 && bi.slice_numel * N == bi.padded_numel && bi.slice_numel % pp->align == 0, "slices");
+        CHECK(bi.num_params > 0 && bi.slice_numel * N == bi.padded_numel && bi.slice_numel % sa == 0, "slices");
         CHECK(zx_plan_shard_offset(plan, b) == shard, "shard offset");
         shard += bi.slice_numel;
-        int64_t end = 0, sum = 0;
+        const int64_t pa = zx_plan_piece_align(pp->param_align_bytes, (zx_dtype)bi.dtype);
+        int64_t end = 0, sum = 0, gaps = 0;
         for (int64_t k = 0; k < bi.num_params; k++) {
             zx_piece pc;
             CHECK(zx_plan_bucket_piece(plan, b, k, &pc) == ZX_OK && pc.bucket == b, "piece");
             CHECK(pc.offset >= end && pc.offset + pc.numel <= bi.padded_numel, "trial %d: pieces in offset order",
                   trial);
-            if (!bi.atomic) CHECK(pc.offset == end, "element-granular buckets are tight");
+            CHECK(pc.offset % pa == 0, "trial %d: piece starts aligned", trial);
+            if (!bi.atomic) CHECK(pc.offset == round_up(end, pa), "element-granular pieces follow each other");
+            if (!bi.atomic || (end > 0 && pc.offset / bi.slice_numel == (end - 1) / bi.slice_numel)) gaps += pc.offset - end;
             const int64_t q = pc.param;
             CHECK(pr->dtype[q] == bi.dtype, "dtype of every piece");
             if (pp->unit) CHECK(pr->unit[q] == bi.unit, "unit of every piece");
@@ -117,7 +122,9 @@ static void check_filled(const problem *pr, const zx_plan_params *pp, const zx_p
             sum += pc.numel;
         }
         CHECK(sum == bi.numel, "bucket numel = its pieces");
-        if (!bi.atomic) CHECK(bi.padded_numel - bi.numel < quantum, "element-granular padding");
+        CHECK(gaps == bi.gap_numel, "trial %d: bucket %lld gaps %lld, planner says %lld", trial, (long long)b,
+              (long long)gaps, (long long)bi.gap_numel);
+        if (!bi.atomic) CHECK(bi.padded_numel - bi.numel - bi.gap_numel < quantum, "element-granular padding");
         else {
             /* a rank's gap = the slice past its last piece; track whether any is left */
             for (int32_t r = 0; r < N; r++) {
@@ -128,7 +135,7 @@ static void check_filled(const problem *pr, const zx_plan_params *pp, const zx_p
                 zx_plan_fragments(plan, b, r, fr, count + 1, &count);
                 for (int64_t k = 0; k < count; k++)
                     last = (int64_t)r * bi.slice_numel + fr[k].slice_offset + fr[k].numel;
-                if (last < (int64_t)(r + 1) * bi.slice_numel) full[r] = 0;
+                if (round_up(last, pa) < (int64_t)(r + 1) * bi.slice_numel) full[r] = 0;   /* a gap under pa is none */
                 free(fr);
             }
         }
@@ -211,7 +218,8 @@ static void random_filled_plan(int trial) {
         pr.unit[i] = (int32_t)((n - 1 - i) / 7);   /* non-decreasing along order */
     }
     zx_plan_params pp = {n, pr.numel, pr.dtype, pr.group, use_units ? pr.unit : NULL, pr.order, (int32_t)between(1, 12),
-                         between(256, 60000), between(256, 20000), between(1, 16), pr.cost, pr.state};
+                         between(256, 60000), between(256, 20000), between(1, 16), pr.cost, pr.state,
+                         next_u64() % 4 ? 16 : 0};
     zx_plan *plan = NULL;
     CHECK(zx_plan_create(&pp, &plan) == ZX_OK && plan, "trial %d: filled create", trial);
     if (plan) check_filled(&pr, &pp, plan, trial);
@@ -232,7 +240,7 @@ static void state_alone_changes_nothing(void) {
     }
     for (int variant = 0; variant < 2; variant++) {
         zx_plan_params a = {n, numel, dtype, group, NULL, order, variant ? 1 : 5, 20000, 4000, 4,
-                            variant ? cost : NULL, NULL};
+                            variant ? cost : NULL, NULL, 16};
         zx_plan_params b = a;
         b.state = state;
         zx_plan *pa = NULL, *pb = NULL;
@@ -252,7 +260,7 @@ static void state_alone_changes_nothing(void) {
     double bad[n];
     memcpy(bad, state, sizeof bad);
     bad[3] = -1.0;
-    zx_plan_params c = {n, numel, dtype, group, NULL, order, 2, 20000, 4000, 4, cost, bad};
+    zx_plan_params c = {n, numel, dtype, group, NULL, order, 2, 20000, 4000, 4, cost, bad, 16};
     zx_plan *pc = NULL;
     CHECK(zx_plan_create(&c, &pc) == ZX_ERR_INVALID_ARG && pc == NULL, "negative state refused");
 }
@@ -295,7 +303,7 @@ static figures plan_figures(problem *pr, int32_t N, int fill) {
     int64_t cap = bytes / 8;
     cap = cap < (1 << 20) ? (1 << 20) : cap > (16 << 20) ? (16 << 20) : cap;
     zx_plan_params pp = {pr->n, pr->numel, pr->dtype, pr->group, NULL, pr->order, N, cap, 1 << 20, 16, pr->cost,
-                         pr->state};
+                         pr->state, 16};
     figures f = {0, 0, 0};
     zx_plan *plan = NULL;
     /* without filling: plan the same, then count state from the planner's own view */
