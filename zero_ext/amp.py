@@ -26,7 +26,7 @@ Note [GradScaler on sharded gradients]
     check's mark for reductions of sharded gradients, so a rank that calls unscale_ alone
     is named, not hung (Note [Collective sequence check] in csrc/engine/sequence.h). A
     GradScaler step so costs two small collectives that DDP's does not have: that mark's
-    digest exchange (one 13-integer all-gather on the side group; NCCL exchanges at
+    digest exchange (one kDigest-integer (14) all-gather on the side group; NCCL exchanges at
     every phase anyway) and the verdict's one-float all-reduce.
   - Nothing is folded: once unscaled, the shards are what the step, clip_grad_norm_
     and p.grad's reductions read. GradScaler.step skips optimizer.step() after an

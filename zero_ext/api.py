@@ -527,7 +527,7 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
     if world > 1 and cfg.check_sequence is not False and backend != "fake":   # fake moves no data
         engine_id = _enable_sequence_check(engine, pg, cfg, gloo)
         if cfg.stage >= 1:   # Note [Shard server]: a rank reading alone is served the others' pieces
-            shard_server.start(pg, engine, zopt, engine_id, comm.device)
+            shard_server.start(pg, zopt, engine_id, comm.device)
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)
     install_step_guard()   # Note [Adopted optimizers]: a torch optimizer zeroify was not given is named

@@ -56,7 +56,7 @@ OP_UNIT, OP_BUCKET, OP_WHOLE = 1, 2, 3
 _SERVERS: dict = {}                      # id(process group) -> (group, its ShardServer)
 
 
-class _Engine:
+class _Served:
     """What a server knows of one zeroified model: its optimizer and step() calls done."""
 
     def __init__(self, optimizer, device: torch.device):
@@ -75,7 +75,7 @@ class ShardServer:
     def __init__(self, channel):
         self.channel = channel           # comm.SideChannel: a gloo group of the server's own
         self.rank = channel.rank
-        self.engines: dict[int, _Engine] = {}
+        self.engines: dict[int, _Served] = {}   # by model id (the same on every rank)
         self.cond = threading.Condition()
         self.last_request = 0.0          # time.monotonic() of the last request served
         self.stream = None
@@ -85,7 +85,7 @@ class ShardServer:
     # ------------------------------------------------------------------ the serving rank
     def add(self, engine_id: int, optimizer, device: torch.device) -> None:
         with self.cond:
-            self.engines[engine_id] = _Engine(optimizer, device)
+            self.engines[engine_id] = _Served(optimizer, device)
             self.cond.notify_all()
 
     def step_done(self, engine_id: int) -> None:
@@ -318,7 +318,7 @@ def _at_exit() -> None:
 
 
 # ---------------------------------------------------------------------- the reader's side
-def start(pg, engine, optimizer, engine_id: int, device: torch.device) -> None:
+def start(pg, optimizer, engine_id: int, device: torch.device) -> None:
     """zeroify: serve this model's pieces (one server thread per process group)."""
     known = _SERVERS.get(id(pg))
     if known is None or known[0] is not pg:

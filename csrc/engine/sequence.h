@@ -10,7 +10,7 @@
 //   wrong collectives silently. Two mechanisms catch it:
 //   1. Checkpoints. The Python glue marks phases (forward, backward, clip,
 //      step). Before the first collective after a mark, every rank all-gathers
-//      a 13-integer digest: its record of that collective (optimizer step,
+//      a kDigest-integer (14) digest: its record of that collective (optimizer step,
 //      backward passes since the last step, phase, kind, bucket, unit, numel,
 //      collective count and a running hash of all its earlier records) and a
 //      summary of which trainable parameters no longer require grad. Digests

@@ -1,0 +1,187 @@
+"""Memory per process as a user sees it: each system alone in its own torchrun launch, the
+peak resident memory during training steps and what stays between steps, on a GPT built on
+the meta device (examples/gpt.py), AdamW, gloo ranks on the CPU.
+
+    python benchmarks/bench_peak_process.py                       # 12 layers x 768 (~98M), 2 ranks
+    python benchmarks/bench_peak_process.py --layers 6 --worlds 2,4 --systems zero3,fsdp2
+
+Per rank, in MiB above the resident memory right after init_process_group: `steady` after
+the steps (gc'd), `peak` the most resident during steps 2..N (VmHWM, reset after the first
+step). glibc's mmap threshold is fixed at 64 KiB so that freed tensors go back to the
+kernel. For zero_ext also its own accounting at the end (opt.stats(): model state, the
+gradients and ring held now) and `other` = steady minus that accounting (torch's own
+allocations, which every system has: compare with DDP's and FSDP2's steady minus their
+model state). Each row is the rank with the highest peak.
+
+Systems: ddp; fsdp2 (fully_shard on each block, then the root; fp32), fsdp2-bf16
+(MixedPrecisionPolicy bf16 params, fp32 reduce); zero1, zero2, zero3 (unit_modules=["Block"]),
+zero3-bf16 (param_dtype="bf16"); zero3-offload (offload="cpu").
+Writes benchmarks/results/bench_peak_process.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from machine import cpu_model
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results" / "bench_peak_process.json"
+SYSTEMS = ["ddp", "fsdp2", "fsdp2-bf16", "zero1", "zero2", "zero3", "zero3-bf16", "zero3-offload"]
+MiB = 2 ** 20
+
+
+def _status(key: str) -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def worker(system: str, layers: int, steps: int, out: str) -> None:
+    import ctypes
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, str(REPO / "examples"))
+    from gpt import GPT, GPTConfig
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)   # M_MMAP_THRESHOLD: freed tensors leave the process
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    base = _status("VmRSS")
+    cfg = GPTConfig(vocab_size=8192, block_size=256, n_layer=layers, n_head=12, n_embd=768, bias=False)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n = sum(p.numel() for p in model.parameters())
+
+    def init(m):
+        for p in m.parameters(recurse=False):
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+
+    def materialize(m):
+        m.to_empty(device="cpu")
+        m.apply(init)
+
+    zopt = None
+    if system.startswith("zero"):
+        import zero_ext
+        stage = int(system[4])
+        options = {"zero3-bf16": dict(param_dtype="bf16"), "zero3-offload": dict(offload="cpu")}.get(system, {})
+        if stage == 3:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            model, opt = zero_ext.zeroify(model, opt, stage=3, unit_modules=["Block"], init_fn=init, **options)
+        else:
+            materialize(model)
+            model, opt = zero_ext.zeroify(model, torch.optim.AdamW(model.parameters(), lr=1e-4), stage=stage,
+                                          **options)
+        zopt = opt
+    elif system.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if system == "fsdp2-bf16" else MixedPrecisionPolicy()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        materialize(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        materialize(model)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    row = {"system": system, "rank": rank, "world": world, "params": n}
+    for it in range(steps):
+        if it == 1:
+            gc.collect()
+            open("/proc/self/clear_refs", "w").write("5")   # VmHWM := VmRSS
+        x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1), generator=g)
+        _, loss = model(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    gc.collect()
+    row["steady"] = _status("VmRSS") - base
+    row["peak"] = _status("VmHWM") - base
+    if zopt is not None:
+        s = zopt.stats()
+        msb, held, buf = s["model_state_bytes"], s["held_bytes"], s["buffer_bytes"]
+        row["engine"] = {"parameters": msb["parameters"] / MiB, "master_weights": msb["master_weights"] / MiB,
+                         "optimizer_states": msb["optimizer_states"] / MiB, "gradients_held": held["gradients"] / MiB,
+                         "grad_ring_held": held["grad_ring"] / MiB, "gathered_now": buf["gathered_params"] / MiB,
+                         "step_gradients": msb["gradients"] / MiB, "step_grad_ring": buf["grad_ring"] / MiB,
+                         "peak_gathered": buf["peak_gathered_params"] / MiB}
+        if s["offload"]:
+            row["engine"]["offload_host"] = s["offload"]["total"] / MiB
+        e = row["engine"]
+        row["accounted"] = sum(e[k] for k in ("parameters", "master_weights", "optimizer_states", "gradients_held",
+                                              "grad_ring_held", "gathered_now", "offload_host") if k in e)
+        row["other"] = row["steady"] - row["accounted"]
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(row, f)
+    dist.destroy_process_group()
+
+
+def run(system: str, world: int, layers: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "examples")]))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__,
+               "--worker", system, "--layers", str(layers), "--steps", str(steps), "--out", tmp]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            return {"system": system, "world": world, "error": proc.stderr[-2000:]}
+        rows = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+    top = max(rows, key=lambda r: r["peak"])
+    return {**top, "ranks": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker")
+    ap.add_argument("--out")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--worlds", default="2")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--json", default=str(RESULTS))
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a.worker, a.layers, a.steps, a.out)
+    import torch
+    results = []
+    print(f"{'world':>5} {'system':<14} {'steady MiB':>10} {'peak MiB':>9} {'peak/FSDP2':>10} {'peak/DDP':>9} "
+          f"{'engine MiB':>10} {'other MiB':>9}")
+    for world in [int(w) for w in a.worlds.split(",")]:
+        rows = {s: run(s, world, a.layers, a.steps) for s in a.systems.split(",")}
+        for s, r in rows.items():
+            if "error" in r:
+                print(f"{world:>5} {s:<14} failed: {r['error'][-300:]}")
+                continue
+            fsdp = rows.get("fsdp2-bf16" if s.endswith("bf16") else "fsdp2", {}).get("peak")
+            ddp = rows.get("ddp", {}).get("peak")
+            ratio = lambda ref: f"{r['peak'] / ref:.2f}x" if ref else "-"   # noqa: E731
+            acc = f"{r['accounted']:.0f}" if "accounted" in r else "-"
+            other = f"{r['other']:.0f}" if "other" in r else "-"
+            print(f"{world:>5} {s:<14} {r['steady']:>10.0f} {r['peak']:>9.0f} {ratio(fsdp):>10} {ratio(ddp):>9} "
+                  f"{acc:>10} {other:>9}")
+            results.append(r)
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    out.write_text(json.dumps({"machine": cpu_model(), "torch": torch.__version__, "commit": commit,
+                               "layers": a.layers, "steps": a.steps, "results": results}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
