@@ -43,6 +43,20 @@ def wrap(model, optimizer, how):
     return zero_ext.zeroify(model, optimizer, **how)
 
 
+def run_scripts(rank, tmp: str, hows: dict, runs: list) -> dict:
+    """(tag, key) -> what each script logged: every (key, script, kwargs) of `runs` under every
+    wrapper line `hows[tag]`, each with checkpoint files of its own under tmp."""
+    import os
+    out = {}
+    for tag, how in hows.items():
+        for key, script, kw in runs:
+            kw = dict(kw)
+            if "ckpt" in kw:
+                kw["ckpt"] = os.path.join(tmp, f"{tag}-{kw['ckpt']}")
+            out[(tag, key)] = globals()[script](rank, how, **kw)
+    return out
+
+
 def model_state(model) -> dict:
     """nanoGPT's raw_model.state_dict(), raw_model = model.module (DDP's and zeroify's alike)."""
     return model.module.state_dict()

@@ -22,7 +22,6 @@ DDP's in fp32 and 1e-2 under fp16 autocast, and GradScaler's scale identical at 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -56,15 +55,7 @@ def _script_runs(world: int) -> list:
 
 def _run_scripts(rank, world, tmp, hows: dict, runs: list) -> dict:
     import ddp_scripts
-
-    out = {}
-    for tag, how in hows.items():
-        for key, script, kw in runs:
-            kw = dict(kw)
-            if "ckpt" in kw:
-                kw["ckpt"] = os.path.join(tmp, f"{tag}-{kw['ckpt']}")
-            out[(tag, key)] = getattr(ddp_scripts, script)(rank, how, **kw)
-    return out
+    return ddp_scripts.run_scripts(rank, tmp, hows, runs)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -16,8 +16,6 @@ in the two orders users write, each against DDP on the same script at 2 and 3 gl
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -45,12 +43,8 @@ def _runs(rank, world, tmp, optimizers: list, scripts: list) -> dict:
         for s in STAGES:
             out[(s, name)] = ddp_scripts.built_after(rank, dict(stage=s), name)
             out[(s, name, "passed")] = ddp_scripts.built_after(rank, dict(stage=s, optimizer="passed"), name)
-    for tag, how in [("ddp", None)] + [(s, dict(stage=s, optimizer="unpassed")) for s in STAGES]:
-        for key, script, kw in scripts:
-            kw = dict(kw)
-            if "ckpt" in kw:
-                kw["ckpt"] = os.path.join(tmp, f"{tag}-{kw['ckpt']}")
-            out[(tag, key)] = getattr(ddp_scripts, script)(rank, how, **kw)
+    hows = {"ddp": None, **{s: dict(stage=s, optimizer="unpassed") for s in STAGES}}
+    out.update(ddp_scripts.run_scripts(rank, tmp, hows, scripts))
     return out
 
 
