@@ -89,6 +89,7 @@ H200 = "h200"
 EPYC = "epyc-avx2-2026-11-23"
 XEON = "xeon-avx512-2026-11-25"
 ZEN5 = "epyc-avx512-2026-11-27"
+XEON_0528 = "xeon-avx512-2026-11-28"
 
 
 def gen_perf_headline(arg: str = "") -> str:
@@ -326,6 +327,30 @@ def gen_perf_memory(arg: str = "") -> str:
     text += table(["N", "system", "parameters", "gradients", "master", "Adam states", "total",
                    "stats() = estimate"], rows)
     return text + "\n" + source_line(rel)
+
+
+def gen_perf_peak_process(arg: str = "") -> str:
+    """Memory per process (resident, steady and peak): zero_ext's stages beside DDP and FSDP2."""
+    rels = [f"{XEON_0528}/{name}" for name in ("bench_peak_process.json", "bench_peak_process_w4.json")
+            if (REFERENCE / XEON_0528 / name).exists()]
+    rows, model = [], None
+    for rel in rels:
+        d = ref(rel)
+        by = {r["system"]: r for r in d["results"] if "peak" in r}
+        for name, r in by.items():
+            peer = by.get("fsdp2-bf16" if name.endswith("bf16") else "fsdp2")
+            ratio = f"{r['peak'] / peer['peak']:.2f}x" if peer and name.startswith("zero") else "-"
+            rows.append([str(r["world"]), name, f"{r['steady']:.0f}", f"{r['peak']:.0f}", ratio,
+                         f"{r['accounted']:.0f}" if "accounted" in r else "-"])
+            model = r["params"]
+    text = (f"Resident memory of one rank (the one with the highest peak), MiB above what the process held after "
+            f"init_process_group: steady between steps, and the peak over training steps 2-4; a "
+            f"{model / 1e6:.0f}M-parameter GPT (`examples/gpt.py`, 12 layers, width 768, vocab 8192) built on the "
+            f"meta device, AdamW, batch 4 x 256 per rank, each system alone in its own torchrun launch "
+            f"(`benchmarks/bench_peak_process.py`). The last column is zero_ext's own accounting of what it holds "
+            f"between steps (`opt.stats()`: model state, `held_bytes`); the rest of each process is torch's.\n\n")
+    text += table(["N", "system", "steady", "peak", "peak / FSDP2's", "zero_ext's accounting"], rows)
+    return text + "\n" + source_line(*rels)
 
 
 def gen_perf_offload(arg: str = "") -> str:
@@ -868,14 +893,14 @@ GENERATORS = {
     "perf-comm-hier": gen_perf_comm_hier, "perf-whole": gen_perf_whole, "perf-memory": gen_perf_memory,
     "perf-sequence": gen_perf_sequence, "perf-offload": gen_perf_offload, "perf-peak-gpu": gen_perf_peak_gpu,
     "perf-rank-alone": gen_perf_rank_alone,
-    "perf-pretrained": gen_perf_pretrained,
+    "perf-pretrained": gen_perf_pretrained, "perf-peak-process": gen_perf_peak_process,
     "status": gen_status,
     "notes": gen_notes, "options": gen_options, "deepspeed-keys": gen_deepspeed_keys, "errors": gen_errors,
 }
 # Generators whose text states figures read from benchmarks/reference/ (exempt from the stray-figure scan).
 FROM_REFERENCE = {"perf-headline", "perf-optimizer-gpu", "perf-optimizer-cpu", "perf-units", "perf-comm",
                   "perf-comm-hier", "perf-whole", "perf-memory", "perf-sequence", "perf-offload", "perf-peak-gpu", "perf-rank-alone",
-                  "perf-pretrained", "status"}
+                  "perf-pretrained", "perf-peak-process", "status"}
 
 
 def generate(name: str, arg: str | None = None) -> str:
