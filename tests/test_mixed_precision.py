@@ -226,7 +226,8 @@ def test_bf16_reduce_world3():
                 assert abs(full - mine) <= 2e-2 * full, f"stage {stage}: clip norm {mine} vs {full}"
             for k in range(0, steps, w):
                 m16, m32 = statistics.fmean(r["losses"][k:k + w]), statistics.fmean(r["losses32"][k:k + w])
-                assert abs(m16 - m32) <= LOSS_TOLERANCE, f"stage {stage}: steps {k}-{k + w}: bf16-reduce {m16:.4f} vs fp32 {m32:.4f}"
+                assert abs(m16 - m32) <= LOSS_TOLERANCE, \
+                    f"stage {stage}: steps {k}-{k + w}: bf16-reduce {m16:.4f} vs fp32 {m32:.4f}"
             assert statistics.fmean(r["losses"][-w:]) < statistics.fmean(r["losses"][:w]) - 0.2, "it should learn"
 
 
