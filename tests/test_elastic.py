@@ -13,8 +13,8 @@ worker torch and zero_ext), not training (~13 ms a step). The agent that joins a
 reference's agents are started ahead of time, imported and held (HELD): the world-2 segment
 then lasts about a second after the join is let go instead of an agent's start-up, so STEPS
 = 300 leaves the job at world 2 a wide margin (it went back to world 4 from step 50 and 90
-in two runs), where 600 steps covered a cold start. The test took 62-70 s on a loaded 2-core
-machine, 122-272 s before.
+in two runs), where 600 steps covered a cold start. Alone on a 2-core machine the test took
+62-70 s; beside another pytest worker, on a machine other jobs loaded too, 122-155 s.
 """
 import json
 import os
