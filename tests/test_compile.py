@@ -37,9 +37,24 @@ def _train(model, opt, rank):
     return losses
 
 
+def _own_inductor_cache():
+    """Inductor's compile cache, one per ATen CPU capability. torch 2.13's cache does not key
+    on it: on an AVX-512 machine, kernels cached by a run under ATEN_CPU_CAPABILITY=avx2 (the
+    suite run as on an AVX2-only machine, docs/install.md) made a later run at the native
+    capability abort ("malloc(): unaligned tcache chunk detected"), every time, until the
+    cache was removed; each capability in a fresh cache passes."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    sub = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+    if os.path.basename(cache_dir()) != sub:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), sub)
+
+
 def _compiled(rank, world):
     import zero_ext
     from torch.nn.parallel import DistributedDataParallel as DDP
+    _own_inductor_cache()
     torch._dynamo.reset()
     out = {}
     net = _net()

@@ -7,7 +7,16 @@ world size 4, resuming again. The final parameters must equal those of a run tha
 follows the same world-size schedule from the same checkpoints without interruption
 (one plain torchrun job per segment), every resume must come from the last checkpoint
 saved before the interruption, and the final checkpoint must verify and hold the last step.
+
+Most of the test's time is processes starting (an agent imports torch.distributed.run, each
+worker torch and zero_ext), not training (~13 ms a step). The agent that joins and the
+reference's agents are started ahead of time, imported and held (HELD): the world-2 segment
+then lasts about a second after the join is let go instead of an agent's start-up, so STEPS
+= 300 leaves the job at world 2 a wide margin (it went back to world 4 from step 50 and 90
+in two runs), where 600 steps covered a cold start. Alone on a 2-core machine the test took
+62-70 s; beside another pytest worker, on a machine other jobs loaded too, 122-155 s.
 """
+import json
 import os
 import re
 import shutil
@@ -24,7 +33,7 @@ import torch
 from dist_harness import ROOT
 
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
-STEPS, EVERY = 600, 10
+STEPS, EVERY = 300, 10
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
          "--stage", "2", "--threads", "1", "--warmup", "0", "--eval-iters", "1", "--sample-chars", "0",
          "--log-every", "100000", "--lr", "1e-3",
@@ -73,16 +82,31 @@ def _descendants(pid):
     return out
 
 
-class Agent:
-    """One torchrun agent in its own session; its output lines, timestamped."""
+# A torchrun agent started ahead of its time: torch.distributed.run imported (most of an
+# agent's start-up), then held until its arguments come as a line of JSON on its stdin.
+HELD = "import json, sys, torch.distributed.run as run; run.main(json.loads(sys.stdin.readline()))"
 
-    def __init__(self, name, args, log):
-        self.name, self.log = name, log
-        self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT, env=_env(),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+
+def _held(**kw):
+    return subprocess.Popen([sys.executable, "-c", HELD], cwd=ROOT, env=_env(), stdin=subprocess.PIPE, text=True,
+                            **kw)
+
+
+class Agent:
+    """One torchrun agent in its own session; its output lines, timestamped. `held`: it
+    imports torch.distributed.run, then waits for go() (HELD)."""
+
+    def __init__(self, name, args, log, held=False):
+        self.name, self.log, self.args = name, log, args
+        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = _held(**kw) if held else subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT, env=_env(), text=True, **kw)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
+
+    def go(self):
+        self.proc.stdin.write(json.dumps(self.args) + "\n")
+        self.proc.stdin.close()
 
     def _read(self):
         for line in self.proc.stdout:
@@ -144,12 +168,24 @@ def _saves(log):
             for m in [re.search(r"saved .* at step (\d+)", line)] if m]
 
 
-def _standalone(nproc, steps, ckpt):
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                          SCRIPT, *MODEL, "--steps", str(steps), "--save-every", str(EVERY), "--checkpoint", ckpt],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+def _drop(held):
+    """End the _held() agents that were not used (they wait on their stdin)."""
+    for p in held:
+        p.kill()
+        p.communicate()
+
+
+def _standalone(nproc, steps, ckpt, agent):
+    """One plain torchrun job on `agent`, a _held() process with pipes."""
+    args = ["--standalone", f"--nproc_per_node={nproc}",
+            SCRIPT, *MODEL, "--steps", str(steps), "--save-every", str(EVERY), "--checkpoint", ckpt]
+    try:
+        out, err = agent.communicate(json.dumps(args) + "\n", timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        raise
+    assert agent.returncode == 0, out[-3000:] + err[-3000:]
+    return out
 
 
 def test_elastic_shrink_and_grow(tmp_path):
@@ -173,51 +209,64 @@ def test_elastic_shrink_and_grow(tmp_path):
     a = Agent("A", agent_args(True), log)
     time.sleep(0.5)
     b = Agent("B", agent_args(False), log)
+    b2, refs = None, []
     try:
         _wait_for(log, r"\| world size 4 \|", deadline)
+        # B2, the agent that joins the world-2 job, imports while the others train, so that
+        # it joins within a second of its go(): the world-2 segment need not outlast its start
+        b2 = Agent("B2", agent_args(False), log, held=True)
         _wait_for(log, rf"saved .* at step {2 * EVERY} ", deadline)
         killed_at = time.monotonic()
         b.kill()
         log.append((killed_at, "test", "killed agent B and its workers"))
         t2, _ = _wait_for(log, r"resumed from .* now world size 2", deadline, after=killed_at)
-        b = Agent("B2", agent_args(False), log)
-        log.append((time.monotonic(), "test", "started agent B2"))
+        b2.go()
+        log.append((time.monotonic(), "test", "let agent B2 join"))
         _wait_for(log, r"resumed from .* now world size 4", deadline, after=t2)
+        # the reference's agents (one per segment, usually 3) import while the job ends
+        refs = [_held(stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
         assert a.wait(deadline) == 0, "agent A failed"
-        assert b.wait(deadline) == 0, "agent B2 failed"
+        assert b2.wait(deadline) == 0, "agent B2 failed"
+    except BaseException:
+        _drop(refs)
+        raise
     finally:
-        for agent in (a, b):
-            if agent.proc.poll() is None:
+        for agent in (a, b, b2):
+            if agent is not None and agent.proc.poll() is None:
                 os.killpg(agent.proc.pid, signal.SIGKILL)
     text = "\n".join(f"[{t:9.2f}] {n}: {l}" for t, n, l in sorted(log))
     print(text)
 
-    runs = _segments(log)
-    saves = _saves(log)
-    worlds = [w for _, _, w in runs]
-    assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4, text
-    i2 = worlds.index(2)
-    assert 4 in worlds[i2:], text
-    # every resume came from the last checkpoint completed before it started: the last one
-    # logged, or the next one, when the agent stopped the workers after that save completed
-    # but before its line reached the log (seen once: resumed at 150, last line at 140)
-    for t, start, _ in runs[1:]:
-        before = [s for ts, s in saves if ts < t]
-        assert before and start in (before[-1], before[-1] + EVERY), \
-            f"resumed at {start}, last save before it {before[-1:]}\n{text}"
-    assert runs[i2][1] >= 2 * EVERY
-    # the final checkpoint verifies (sizes, CRCs) and holds the last step
-    final = consolidate(ckpt)
-    assert final["extra"]["step"] == STEPS and final["extra"]["samples"] > 0, final["extra"]
-    assert read_manifest(ckpt)
+    try:
+        runs = _segments(log)
+        saves = _saves(log)
+        worlds = [w for _, _, w in runs]
+        assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4, text
+        i2 = worlds.index(2)
+        assert 4 in worlds[i2:], text
+        # every resume came from the last checkpoint completed before it started: the last one
+        # logged, or the next one, when the agent stopped the workers after that save completed
+        # but before its line reached the log (seen once: resumed at 150, last line at 140)
+        for t, start, _ in runs[1:]:
+            before = [s for ts, s in saves if ts < t]
+            assert before and start in (before[-1], before[-1] + EVERY), \
+                f"resumed at {start}, last save before it {before[-1:]}\n{text}"
+        assert runs[i2][1] >= 2 * EVERY
+        # the final checkpoint verifies (sizes, CRCs) and holds the last step
+        final = consolidate(ckpt)
+        assert final["extra"]["step"] == STEPS and final["extra"]["samples"] > 0, final["extra"]
+        assert read_manifest(ckpt)
 
-    # the same world-size schedule from the same checkpoints, uninterrupted
-    ref = str(tmp_path / "ref")
-    bounds = [(start, w) for _, start, w in runs]
-    for k, (start, w) in enumerate(bounds):
-        end = bounds[k + 1][0] if k + 1 < len(bounds) else STEPS
-        if end > start:
-            _standalone(w, end, ref)
+        # the same world-size schedule from the same checkpoints, uninterrupted
+        ref = str(tmp_path / "ref")
+        bounds = [(start, w) for _, start, w in runs]
+        for k, (start, w) in enumerate(bounds):
+            end = bounds[k + 1][0] if k + 1 < len(bounds) else STEPS
+            if end > start:
+                agent = refs.pop(0) if refs else _held(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                _standalone(w, end, ref, agent)
+    finally:
+        _drop(refs)
     expect = consolidate(ref)
     assert expect["extra"] == final["extra"] | {"world_size": expect["extra"]["world_size"]}
     for name, tensor in expect["model"].items():

@@ -381,10 +381,23 @@ def test_hf_trainer_bf16_autocast_matches_ddp(hf_runs, stage):
     ref, got, fp32 = hf_runs[0][("bf16", None)], hf_runs[0][("bf16", stage)], hf_runs[0][None]["logged"]
     as_tensor = lambda logged: torch.tensor([v[1:] for v in logged], dtype=torch.float64)   # noqa: E731
     assert [s for s, _, _ in got] == [s for s, _, _ in ref] == [1, 2, 3, 4, 5, 6]
-    off = float((as_tensor(ref) - as_tensor(fp32)).abs().max())
-    assert off > 1e-4, "the Trainer's reference did not compute in bf16"
-    torch.testing.assert_close(as_tensor(got), as_tensor(ref), rtol=1e-2, atol=1e-5)
-    assert float((as_tensor(got) - as_tensor(ref)).abs().max()) < 0.1 * off, (got, ref, fp32)
+    ref, got, fp32 = as_tensor(ref), as_tensor(got), as_tensor(fp32)
+    _first_step_in_bf16_as_ref(got[0], ref[0], fp32[0])
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-5)
+
+
+def _first_step_in_bf16_as_ref(got, ref, fp32):
+    """The first optimizer step's figures (losses, grad norm) of bf16-autocast runs from the
+    same weights and batches: zero_ext's are the reference's (1e-6) and the reference's are
+    not fp32's (the Trainer's grad norm is 1e-4 relative off fp32's). Only the first step:
+    from the second on, the two AdamW updates differ in the last bit of some fp32 weight,
+    which can flip a bf16 rounding, and the runs drift apart by as much as the fp32 run is
+    away (seen: steps 1-3 bit-equal to the Trainer's, then 2.5e-4 apart in the 6th step's
+    grad norm on an Intel Xeon with AMX, where fp32's was 7.4e-4), so the later steps are
+    held to rtol 1e-2 only."""
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+    assert float(((ref - fp32).abs() / fp32.abs()).max()) > 1e-5, \
+        f"the reference's first step is fp32's, not bf16's: {ref.tolist()} vs {fp32.tolist()}"
 
 
 @pytest.mark.dist
@@ -500,11 +513,12 @@ def test_accelerate_bf16_autocast_matches_ddp(accelerate_runs, stage):
     for r in range(WORLD):
         ref, got = accelerate_runs[r][("bf16", None)]["first"], accelerate_runs[r][("bf16", stage)]["first"]
         fp32 = accelerate_runs[r][None]["first"]
-        assert (ref["losses"] - fp32["losses"]).abs().max() > 1e-4, "the DDP reference did not compute in bf16"
+        # the first optimizer step: its 2 micro-steps' losses (gradient_accumulation_steps=2), its norm
+        first = [torch.tensor([*run["losses"][:2].tolist(), run["norms"][0]], dtype=torch.float64)
+                 for run in (got, ref, fp32)]
+        _first_step_in_bf16_as_ref(*first)
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-2, atol=1e-5)
         torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-2, atol=1e-5)
-        worst = float((got["losses"] - ref["losses"]).abs().max())
-        assert worst < 0.1 * float((ref["losses"] - fp32["losses"]).abs().max()), (worst, "as close as fp32's")
 
 
 @pytest.mark.dist

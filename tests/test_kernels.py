@@ -355,3 +355,24 @@ def test_bad_arguments_raise():
             with pytest.raises(RuntimeError, match="cannot run"):
                 C.adam_step(name, p, g, m, s, None, None, *args)
     assert C.best_isa() in ISAS and C.isa_supported(C.best_isa())
+
+
+def test_isa_cap_from_the_environment(monkeypatch):
+    """ZX_ISA caps the ISAs this CPU is said to run (Note [ISA cap] in csrc/core/zx_cpu.c), so
+    the suite can run as on an AVX2-only machine; it never adds one the CPU lacks. The core
+    reads it on every call, so setting it here is seen at once."""
+    def answer():
+        return C.best_isa(), [C.isa_supported(i) for i in ISAS]
+
+    monkeypatch.delenv("ZX_ISA", raising=False)    # the CPU's own answer (the suite may run under a cap)
+    _, native = answer()
+    assert native[0]
+    for cap, allowed in (("scalar", 1), ("avx2", 2), ("avx512", 3), ("", 3), ("sse", 3)):
+        monkeypatch.setenv("ZX_ISA", cap)
+        best, supported = answer()
+        want = [s and k < allowed for k, s in enumerate(native)]
+        assert supported == want, (cap, supported, native)
+        assert best == ISAS[max(k for k, s in enumerate(want) if s)], (cap, best)
+        if not want[-1]:
+            with pytest.raises(RuntimeError, match="cannot run"):
+                C.grad_sumsq("avx512", torch.ones(8), 1.0)

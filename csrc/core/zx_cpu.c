@@ -3,10 +3,32 @@
  * Asks the CPU (through the compiler's __builtin_cpu_supports, which also checks
  * that the OS saves the wide registers) every time; there is no cached state. The
  * caller keeps the chosen zx_isa in its handle (STYLE: no globals).
+ *
+ * Note [ISA cap]
+ *   ZX_ISA=scalar|avx2|avx512 in the environment caps what this CPU is said to
+ *   support, as ATEN_CPU_CAPABILITY does for torch: with ZX_ISA=avx2 an AVX-512
+ *   machine runs every kernel (isa="auto", best_isa(), isa_supported()) as an
+ *   AVX2-only one would, so the suite can be run as on such a machine:
+ *     ATEN_CPU_CAPABILITY=avx2 ZX_ISA=avx2 python -m pytest tests
+ *   Unset, empty or any other value: no cap. It is read on every call (no cached
+ *   state); a cap never adds an ISA the CPU lacks.
  */
 #include "zx_kernels_internal.h"
 
+#include <stdlib.h>
+#include <string.h>
+
+/* The widest ISA ZX_ISA allows (Note [ISA cap]); ZX_ISA_AVX512 when unset. */
+static zx_isa isa_cap(void) {
+    const char *env = getenv("ZX_ISA");
+    if (env == NULL) return ZX_ISA_AVX512;
+    if (strcmp(env, "scalar") == 0) return ZX_ISA_SCALAR;
+    if (strcmp(env, "avx2") == 0) return ZX_ISA_AVX2;
+    return ZX_ISA_AVX512;
+}
+
 int zx_cpu_supports(zx_isa isa) {
+    if ((int)isa > (int)isa_cap()) return 0;
     switch (isa) {
     case ZX_ISA_SCALAR:
         return 1;
