@@ -140,7 +140,9 @@ void zx_bind_plan(pybind11::module_ &m) {
           "param_align_bytes: each parameter's start (Note [Aligned pieces]; 0 packs them tight).");
     // Note [Aligned pieces]: the rule the engine's frozen buckets follow too (frozen.cpp)
     m.def("plan_alignments", [](int64_t align, int64_t param_dtype) {
-              const int64_t bytes = zx::EngineOptions().param_align_bytes;
+              zx::EngineOptions opts;
+              opts.align = align;
+              const int64_t bytes = opts.piece_align_bytes();
               const int64_t piece = zx_plan_piece_align(bytes, (zx_dtype)param_dtype);
               const int64_t slice = zx_plan_slice_align(align, bytes);
               TORCH_CHECK(piece > 0 && slice > 0, "zero_ext: internal: no alignment for align ", align, ", dtype ",

@@ -126,10 +126,10 @@ void UnitStore::add_frozen(UnitWork w, std::vector<at::Tensor> params, std::vect
     }
     const auto pt = layout.on_device(layout.dtypes.param);
     // Note [Aligned pieces] (core/zx_core.h): the planner's rule for trainable buckets
-    const int64_t slice_align = zx_plan_slice_align(layout.opts.align, layout.opts.param_align_bytes);
-    const int64_t piece_align = zx_plan_piece_align(layout.opts.param_align_bytes, layout.dtypes.param_zx);
+    const int64_t slice_align = zx_plan_slice_align(layout.opts.align, layout.opts.piece_align_bytes());
+    const int64_t piece_align = zx_plan_piece_align(layout.opts.piece_align_bytes(), layout.dtypes.param_zx);
     TORCH_CHECK(slice_align > 0 && piece_align > 0, "zero_ext: internal: alignments ", layout.opts.align, ", ",
-                layout.opts.param_align_bytes, " bytes");
+                layout.opts.piece_align_bytes(), " bytes");
     frozen.plan(std::move(params), units, std::move(names), count(), layout.partitions,
                 layout.partitions * slice_align, piece_align, pt);
     at::NoGradGuard ng;

@@ -96,7 +96,7 @@ Layout Layout::make(const EngineOptions &opts, at::Device dev, std::vector<std::
     zx_plan_params pp{(size_t)n, numel.data(), dtype.data(), group.data(), s3 ? unit.data() : nullptr,
                       order.data(), (int32_t)l.partitions, cap, first_cap, opts.align,
                       any_atomic ? cost.data() : nullptr, fill ? opts.param_state.data() : nullptr,
-                      opts.param_align_bytes};
+                      opts.piece_align_bytes()};
     zx_plan *plan = nullptr;
     zx_check(zx_plan_create(&pp, &plan), "planning the bucket layout");
     l.plan.owner.reset(plan, zx_plan_free);

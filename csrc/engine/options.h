@@ -18,6 +18,9 @@ struct EngineOptions {
     int64_t first_bucket_bytes = 1 << 20;
     int64_t align = 16;                // slice alignment, elements
     int64_t param_align_bytes = 16;    // each parameter's start in its bucket (Note [Aligned pieces], core/zx_core.h)
+    // What the planner is given: with align = 1 (the default beyond 64 ranks) pieces pack tight,
+    // since aligned slices would pad every bucket by world_size x 8 elements.
+    int64_t piece_align_bytes() const { return align > 1 ? param_align_bytes : 0; }
     bool alltoall_reduce_scatter = false;  // reduce-scatter = all-to-all + local sum (gloo)
     int64_t grad_ring_buckets = 2;     // stage 2: staging buffers in the ring
     std::string isa = "auto";          // kernel ISA: auto/scalar/avx2/avx512

@@ -40,7 +40,7 @@ static at::Tensor grad_slice(ShardBuffers &b, int64_t numel, at::TensorOptions o
         b.grad_lazy = true, b.grad_zeroed.clear();
     }
     at::Tensor slice = b.grad.narrow(0, offset, n);
-    if (b.grad_lazy && b.grad_zeroed.insert(offset).second) slice.zero_();
+    if (n > 0 && b.grad_lazy && b.grad_zeroed.insert(offset).second) slice.zero_();   // (slices are disjoint)
     return slice;
 }
 
