@@ -35,6 +35,7 @@ zero3 by at least the master and state bytes moved to the host.
 JSON: benchmarks/results/bench_peak_gpu.json (--json).
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -81,17 +82,7 @@ def wrap(system, model, device):
     if system == "torch":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
-        def step(x, y, mark=no_mark):
-            mark("forward")
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(x, y)[1]
-            mark("backward")
-            loss.backward()
-            mark("step")
-            opt.step()
-            mark("zero_grad")
-            opt.zero_grad(set_to_none=True)
-        return step, None, opt
+        return _step_fn(model, opt, lambda: torch.autocast(device.type, dtype=torch.bfloat16)), None, opt
     if system.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -103,33 +94,28 @@ def wrap(system, model, device):
         fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
                                 fused=device.type == "cuda" and not system.endswith("_offload"))
-
-        def step(x, y, mark=no_mark):
-            mark("forward")
-            loss = model(x, y)[1]
-            mark("backward")
-            loss.backward()
-            mark("step")
-            opt.step()
-            mark("zero_grad")
-            opt.zero_grad(set_to_none=True)
-        return step, None, opt
+        return _step_fn(model, opt), None, opt
     import zero_ext
     stage = int(system[4])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="bf16",
                               offload="cpu" if "_offload" in system else None)
+    return _step_fn(zm, zo), zo, opt
 
+
+def _step_fn(model, opt, autocast=contextlib.nullcontext):
+    """One training step of `model` and `opt`, each phase marked (Note [The live set at the peak])."""
     def step(x, y, mark=no_mark):
         mark("forward")
-        loss = zm(x, y)[1]
+        with autocast():
+            loss = model(x, y)[1]
         mark("backward")
         loss.backward()
         mark("step")
-        zo.step()
+        opt.step()
         mark("zero_grad")
-        zo.zero_grad()
-    return step, zo, opt
+        opt.zero_grad(set_to_none=True)
+    return step
 
 
 def held_tensors(model, zo, opt):

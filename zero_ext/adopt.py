@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .changes import ZeroUsageError
+from .changes import ZeroUsageError, is_retired
 from .gather import OWNER_ATTR
 
 PENDING_ATTR = "_zero_ext_pending"   # on the module's parameters: a weak reference to its PendingModel
@@ -85,7 +85,7 @@ def _optimizers_over(module: nn.Module) -> tuple[list, str | None]:
     found = []
     for o in gc.get_objects():
         if issubclass(type(o), torch.optim.Optimizer) and not getattr(type(o), MANAGED_ATTR, False) \
-                and not getattr(o, "_zero_ext_wrapped", False):
+                and not is_retired(o):
             at = [order[id(p)] for g in o.param_groups for p in g["params"] if id(p) in order]
             if at:
                 found.append((min(at), o))
@@ -113,6 +113,7 @@ def _adopt(pending: PendingModel) -> None:
     """Every rank, at the first forward with autograd: zeroify the module with the optimizers
     found, turning the pending model and each optimizer into what zeroify returns."""
     module, build, sync, training = pending.module, pending._build, pending._sync, pending.training
+    del pending._build, pending._sync   # not carried into the ZeroModel (become)
     optimizers, error = _optimizers_over(module)
     for p in module.parameters():
         if getattr(p, PENDING_ATTR, None) is not None:
@@ -145,7 +146,7 @@ def become(obj, cls, *args, **kwargs):
                 obj.step = _counted_step(obj)
         elif k in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks") and k in obj.__dict__:
             obj.__dict__[k].update(v)
-        elif k not in obj.__dict__ and k not in ("_build", "_sync"):
+        elif k not in obj.__dict__:
             obj.__dict__[k] = v
     return obj
 

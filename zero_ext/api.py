@@ -15,7 +15,7 @@ from torch import nn
 from . import _C, shard_server
 from .adopt import PendingModel, become, install_step_guard
 from .auto import choose_stage, free_memory
-from .changes import ModelGuard, ZeroUsageError, retire_optimizer
+from .changes import ModelGuard, ZeroUsageError, is_retired, retire_optimizer
 from .checkpoint.format import CheckpointError
 from .comm import Comm, check_device, device_backend
 from .config import ZeroConfig, make_config
@@ -114,7 +114,7 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool, weights: bool = Fals
     cls_names = "+".join(type(o).__name__ for o in optimizers)
 
     for o in optimizers:
-        if getattr(o, "_zero_ext_wrapped", False):
+        if is_retired(o):
             _fail(f"this torch optimizer ({type(o).__name__}) was already wrapped by zeroify(); use the optimizer "
                   f"that zeroify() returned")
     names = {id(p): n for n, p in model.named_parameters()}

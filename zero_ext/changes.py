@@ -361,5 +361,10 @@ def retire_optimizer(optimizer: torch.optim.Optimizer) -> None:
     optimizer._zero_ext_wrapped = True
 
 
+def is_retired(optimizer) -> bool:
+    """Whether zeroify() wrapped this torch optimizer (retire_optimizer)."""
+    return getattr(optimizer, "_zero_ext_wrapped", False)
+
+
 ADD_GROUP_FIX = ("put every param group in the torch optimizer before calling zeroify() (a group can start "
                  "with lr=0 until it should train, and an LR scheduler can raise it later)")
