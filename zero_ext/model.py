@@ -268,7 +268,8 @@ class _UnitHooks:
         window reaching coalesce_numel elements ahead within this phase, so a unit
         done with its forward is not fetched back for its backward early. A rank
         reading alone fetches the same units from the shard servers.""" 
-        window = self._upcoming(k, self.coalesce, _in_backward())
+        window = prefetch.upcoming(self.order, self.cursor, k, self.depth, self.numel, self.coalesce,
+                                   _in_backward(), into_backward=False)
         missing = [u for u in window if not self.engine.unit_requested(u)]
         together, launch = prefetch.to_fetch(window, missing, self.depth, self.numel, self.coalesce)
         if self.engine.sequence_away:    # the same units, from the shard servers (Note [Shard server])
@@ -366,16 +367,12 @@ class _UnitHooks:
         self.in_root = False
         backward_follows = torch.is_grad_enabled() and any(
             t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-        if backward_follows or torch.is_grad_enabled():
-            # A forward with autograd issues the gathers that start its backward, even one
-            # that no backward follows (an evaluation): so a rank that runs one alone while
-            # the others train makes their forward's collectives, one for one (Note [Reading
-            # alone] in csrc/engine/away.h).
-            if self.grad_pass not in self.learned:
-                # first pass of its kind: backward is guessed as this forward reversed
-                self.order = self.recorded + [(k, True) for k, _ in reversed(self.recorded)]
-                self.cursor = len(self.recorded)
-            self._prefetch(0)         # backward starts with these: fetch them now
+        if torch.is_grad_enabled() and self.grad_pass not in self.learned:
+            # first pass of its kind: backward is guessed as this forward reversed. Its
+            # gathers start in backward (prefetch.upcoming: not at the loss, the activations'
+            # peak), so an evaluation with autograd makes the same collectives as training.
+            self.order = self.recorded + [(k, True) for k, _ in reversed(self.recorded)]
+            self.cursor = len(self.recorded)
         if not backward_follows:
             self.recording = False
             for k in range(self.engine.num_units):   # no backward follows: free everything
