@@ -26,7 +26,7 @@ Note [GradScaler on sharded gradients]
     check's mark for reductions of sharded gradients, so a rank that calls unscale_ alone
     is named, not hung (Note [Collective sequence check] in csrc/engine/sequence.h). A
     GradScaler step so costs two small collectives that DDP's does not have: that mark's
-    digest exchange (one kDigest-integer (14) all-gather on the side group; NCCL exchanges at
+    digest exchange (one all-gather of kDigest integers on the side group; NCCL exchanges at
     every phase anyway) and the verdict's one-float all-reduce.
   - Nothing is folded: once unscaled, the shards are what the step, clip_grad_norm_
     and p.grad's reductions read. GradScaler.step skips optimizer.step() after an
@@ -55,8 +55,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._C import PHASE_GRAD_STATS
 from .changes import ZeroUsageError
-from .sharded_grad import PHASE_GRAD_STATS, ShardedGrad
 
 
 def scaler_conflict(config) -> str | None:
@@ -89,8 +89,8 @@ def unscale_sharded_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tens
     grads = list(grads)
     if not grads:
         return
-    stats = grads[0]._zx_stats if isinstance(grads[0], ShardedGrad) else None
-    if stats is None or any(not isinstance(g, ShardedGrad) or g._zx_stats is not stats for g in grads):
+    stats = getattr(grads[0], "_zx_stats", None)   # a ShardedGrad's model (zero_ext/sharded_grad.py)
+    if stats is None or any(getattr(g, "_zx_stats", None) is not stats for g in grads):
         raise ZeroUsageError("zero_ext: torch._amp_foreach_non_finite_check_and_unscale_ over gradients of "
                              "several zeroified models, or of a zeroified model and plain tensors: each model's "
                              "gradients are sharded on their own; unscale with GradScaler.unscale_(optimizer), "

@@ -16,7 +16,7 @@ Note [One communication layer]
   tests/test_comm_layer.py spies on torch.distributed and fails on a collective that
   bypasses this module or carries a tensor of another device.
   One side channel carries CPU tensors by design: the shard servers' requests and replies
-  (Note [Shard server] in zero_ext/shard_server.py), point to point on a gloo group of
+  (Note [Shard server] in zero_ext/alone/serving.py), point to point on a gloo group of
   their own that zeroify makes for them (SideChannel below), never on the engine's group.
 """
 from __future__ import annotations
@@ -211,7 +211,7 @@ def comm_of(optimizer) -> Comm:
 
 class SideChannel:
     """Point-to-point messages on a gloo group of its own (host memory), beside the
-    engine's group: the shard servers' (Note [Shard server] in zero_ext/shard_server.py).
+    engine's group: the shard servers' (Note [Shard server] in zero_ext/alone/serving.py).
     The group is made directly, not registered with torch.distributed, so that a rank's
     destroy_process_group() at the end of its script leaves it serving the ranks still
     reading; its timeout is long because a receive that times out closes gloo's pair."""

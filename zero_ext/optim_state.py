@@ -30,9 +30,10 @@ from __future__ import annotations
 import torch
 
 from .checkpoint import consolidated_state_dict
-from .checkpoint.entries import LocalShard, _prepare_states, _restore_scalars
+from .checkpoint.entries import _prepare_states, _restore_scalars
 from .checkpoint.layout import _layout, _whole_tensors
-from .model import PHASE_OPTIM_STATE
+from ._C import PHASE_OPTIM_STATE
+from .local_shard import LocalShard
 
 EXTRA = "zero_ext_complete"
 

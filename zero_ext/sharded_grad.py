@@ -37,9 +37,9 @@ import weakref
 
 import torch
 
+from ._C import PHASE_GRAD_STATS
+from .amp import unscale_sharded_
 from .changes import ZeroUsageError
-
-PHASE_GRAD_STATS = 9       # SeqPhase kPhaseGradStats (csrc/engine/sequence.h)
 
 _ELEMENTWISE = {"abs", "square", "pow"}
 _REDUCE = {"sum", "mean", "max", "min", "norm"}
@@ -157,8 +157,7 @@ class ShardedGrad(torch.Tensor):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         if func is torch._amp_foreach_non_finite_check_and_unscale_:   # GradScaler.unscale_
-            from .amp import unscale_sharded_   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
-            return unscale_sharded_(*args, **kwargs)
+            return unscale_sharded_(*args, **kwargs)   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
         if func is torch._foreach_norm:
             tensors, p = args[0], _norm_p(args, kwargs, 1)
             return [t._reduce("norm", p) if isinstance(t, ShardedGrad) else torch.linalg.vector_norm(t, p)

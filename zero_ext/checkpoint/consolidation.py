@@ -10,10 +10,9 @@ import math
 
 import torch
 
-from .. import shard_server
-from ..model import PHASE_CHECKPOINT
-from ..whole import owned_states
-from .entries import LocalShard
+from .._C import PHASE_CHECKPOINT
+from ..alone import source
+from ..local_shard import LocalShard
 from .format import (_EARLIER, OBJECTS, CheckpointError, _objects, _quiet, _steps_of, _whole_entries, read_manifest,
                      resolve)
 from .layout import _engine_names, _gather_frozen, _param_steps, _plain_tensors, _settle, core_optimizer
@@ -138,14 +137,13 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     bounded by a bucket, not the model) and the senders send views of their shards.
     model_state=False: the optimizer's state only ({"optimizer"})."""
     optimizer = core_optimizer(optimizer)
-    engine = optimizer._engine
-    rank, parts = engine.rank, engine.partitions
+    rank, parts = optimizer.engine.rank, optimizer.engine.partitions
     # stage 0 and one rank hold everything: no collective, so any rank may call it alone;
     # a rank that calls it alone otherwise reads from the others' shard servers (Note [Shard server])
     engine, comm, layout = _settle(model, optimizer, phase if parts > 1 else None, servable=True)
-    away = parts > 1 and engine.sequence_away
-    if away and to is not None and to != rank:
-        return None   # nothing to assemble here, and nobody to send it to
+    src = source(parts > 1 and engine.sequence_away)
+    if src.reads_alone and to is not None and to != rank:
+        return None   # read alone: nothing to assemble here, and nobody to send it to
     shard = LocalShard(optimizer)
     states = shard.states()
     kinds = {**({"model": shard.masters} if model_state else {}), **{f"optim/{s}": p for s, p in states.items()}}
@@ -154,8 +152,7 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     out = None
     if receiving:
         numel = [math.prod(layout["params"][name]["shape"]) for name in names]
-        if away:
-            shard_server.check_fits(4 * sum(numel) * len(kinds), "the full model and optimizer state")
+        src.fits(4 * sum(numel) * len(kinds), "the full model and optimizer state")
         out = {k: [torch.zeros(n) for n in numel] for k in kinds}
 
     def place(kind, pieces, src):
@@ -170,36 +167,18 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     else:
         # rank -> bucket -> the pieces of its slice, for the receiving rank to place
         slices = _slices_of_every_rank(engine, [m.numel() for m in shard.masters]) if receiving else None
-        # each rank's slice of bucket b, from its owner (a broadcast: Note [One communication layer]),
-        # or, read alone, from its owner's shard server
+        # each rank's slice of bucket b, from its owner (src: a broadcast, or its shard server)
         buf = torch.empty(max(m.numel() for m in shard.masters), device=comm.device)
-        for b, m in enumerate(shard.masters):
-            n_b = m.numel()
-            served = {r: shard_server.bucket(optimizer, shard, r, b) for r in range(parts) if r != rank} if away else {}
-            for kind, pieces in kinds.items():
-                for r in range(parts):
-                    if r == to or (away and r == rank):
-                        if receiving:
-                            place(kind, slices[r][b], shard.full(pieces, b))
-                        continue
-                    if away:
-                        place(kind, slices[r][b], served[r][kind])
-                        continue
-                    got = comm.broadcast_from(shard.full(pieces, b) if rank == r else None, buf[:n_b], r)
-                    if receiving:
-                        place(kind, slices[r][b], got)
+        for b in range(len(shard.masters)):
+            own = {kind: shard.full(pieces, b) for kind, pieces in kinds.items()}
+            for kind, r, got in src.bucket_slices(optimizer, own, b, to, buf):
+                place(kind, slices[r][b], got)
         del buf
     # whole-tensor states: each owner's, to rank `to` (they are per tensor, not per element)
-    mine = {names[i]: st for i, st in owned_states(optimizer).items()}
-    whole = mine
-    if away:
-        whole = dict(mine)
-        for r in range(parts):
-            if r != rank:
-                whole.update({names[i]: st for i, st in shard_server.whole(optimizer, r).items()})
-    elif parts > 1:
-        got = comm.gather_object(mine, dst=to)
-        whole = {n: st for d in (got or []) for n, st in d.items()}
+    whole = optimizer.whole_states()
+    if parts > 1:
+        whole = src.whole_states(optimizer, whole, to)
+    whole = {names[i]: st for i, st in whole.items()}
     frozen = _gather_frozen(model, keep=receiving) if model_state else {}
     if not receiving:
         return None

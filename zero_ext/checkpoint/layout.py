@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import shard_server
+from .._C import PHASE_CHECKPOINT
+from ..alone import source
 from ..gather import OWNER_ATTR
-from ..model import PHASE_CHECKPOINT, ZeroModel
+from ..model import ZeroModel
 
 
 def core_optimizer(optimizer):
@@ -80,12 +81,12 @@ def _settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT, servable: bo
     csrc/engine/away.h; then engine.sequence_away)."""
     _require_pair(model, optimizer)
     optimizer = core_optimizer(optimizer)
-    engine = optimizer._engine
+    engine = optimizer.engine
     if phase is not None:
         engine.sequence_mark(phase, servable=servable)
     engine.wait_reductions()
     engine.flush_params()
-    return engine, optimizer._comm, _layout(model, optimizer)
+    return engine, optimizer.comm, _layout(model, optimizer)
 
 
 def _param_steps(optimizer, names) -> dict:
@@ -131,9 +132,10 @@ def frozen_units(model):
     whole on every rank until the next one is asked for (every rank iterates it all)."""
     engine, frozen = model._engine, _frozen_in_engine(model)
     unit_of = {id(p): getattr(p, OWNER_ATTR)[1] for p in frozen}
+    src = source(engine.sequence_away)   # as the call's mark settled it (Note [Shard server])
     for u in sorted(set(unit_of.values())):
         was = engine.unit_gathered(u)
-        shard_server.gather_unit(model._optimizer(), u)   # Note [Shard server]: served on a rank reading alone
+        src.unit(model._optimizer(), u)
         yield [p for p in frozen if unit_of[id(p)] == u]
         if not was:
             engine.release_unit(u)
