@@ -183,7 +183,7 @@ class ZeroModel(nn.Module):
                 ref = getattr(self, "_optimizer", None)
                 opt = ref() if ref is not None else None
                 if opt is not None:
-                    opt._arm_backward_step()
+                    opt.arm_backward_step()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:

@@ -152,12 +152,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return False
 
     @property
-    def _steps(self) -> list[int]:
+    def group_steps(self) -> list[int]:
         """Optimizer steps taken, per group (read from the device under step control)."""
         return self._ctl.host_steps() if self._ctl is not None else self._host_steps
 
-    @_steps.setter
-    def _steps(self, steps) -> None:
+    @group_steps.setter
+    def group_steps(self, steps) -> None:
         if self._ctl is not None:
             self._ctl.load_steps(steps)
         else:
@@ -197,9 +197,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """scale_loss(loss).backward(**kwargs): use it in place of loss.backward()."""
         self.scale_loss(loss).backward(**kwargs)
 
-    def _grad_scale(self) -> float:
+    def grad_scale(self) -> float:
         """What shard gradients are multiplied by to become the averaged unscaled ones."""
         return 1.0 / (self._engine.grad_divisor() * self.loss_scale)
+
+    def grad_multiplier(self) -> float:
+        """grad_scale() times the clip factor pending for the next step: what makes the
+        shard gradients DDP's p.grad after clipping (the next step's multiplier)."""
+        return self._clip_coef * self.grad_scale()
 
     # ------------------------------------------------------------------ step
     def _build_shard_optimizer(self, part: _Part) -> None:
@@ -269,7 +274,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.serving is not None:   # Note [Shard server]: what it serves is as of this step now
             self.serving.step_done()
 
-    def _arm_backward_step(self) -> None:
+    def arm_backward_step(self) -> None:
         """Note [Step in backward] (csrc/engine/backward_step.cpp): the step each bucket of
         this backward takes as its gradient lands, with the param groups as they are now."""
         part = self._parts[0]
@@ -321,7 +326,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The first step() after a backward: one clipping factor and one inf/nan
         verdict for every part of this iteration."""
         self._done = set()
-        self._iter_scale = self._clip_coef * self._grad_scale()
+        self._iter_scale = self.grad_multiplier()
         self._clip_coef = 1.0
         self._iter_skip = False
         if self.loss_scaler is not None:
@@ -490,12 +495,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if norm_type == 2.0 and self._ctl is not None:
             return self._ctl.clip(max_norm)   # a device tensor: nothing read back
         if norm_type == 2.0:
-            sumsq, nonfinite = self._engine.grad_sumsq(self._grad_scale())
+            sumsq, nonfinite = self._engine.grad_sumsq(self.grad_scale())
             total = math.sqrt(sumsq) if nonfinite == 0 else math.inf
         elif norm_type == math.inf:
             self._engine.wait_reductions()
             local = max((g.abs().max().item() for g in self._engine.grad_shards() if g.numel()), default=0.0)
-            total = local * self._grad_scale()
+            total = local * self.grad_scale()
             if self._engine.partitions > 1:
                 total = self._comm.all_reduce([total], op=dist.ReduceOp.MAX)[0]
             nonfinite = 0 if math.isfinite(total) else 1
@@ -527,7 +532,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  "step_control=False")
         self._engine.sequence_mark(PHASE_CLIP)
         self._engine.wait_reductions()
-        bound = float(clip_value) / self._grad_scale()
+        bound = float(clip_value) / self.grad_scale()
         with torch.no_grad():
             for g in self._engine.grad_shards():
                 if g.numel():
@@ -563,7 +568,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "rank": self._engine.rank,
                 "fingerprint": self._fingerprint,
                 "optimizer": self.wrapped_class.__name__,
-                "steps": list(self._steps),
+                "steps": list(self.group_steps),
                 "param_steps": self.param_step_counts(),
                 "flat_state": {k: v.clone() for k, v in self._engine.states().items()},
                 "shard_optimizer": self._shard_opt.state_dict() if self._shard_opt is not None else None,
@@ -614,7 +619,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             g.update({k: v for k, v in saved.items() if k != "params"})
         for name, t in z["flat_state"].items():
             self._engine.state(name).copy_(t)
-        self._steps = list(z["steps"])
+        self.group_steps = list(z["steps"])
         if "param_steps" in z:
             self._engine.set_param_steps(list(z["param_steps"]))
         else:                                   # saved before per-parameter step counts
@@ -628,7 +633,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.skipped_steps = int(z.get("skipped_steps", 0))
 
     def _group_steps_per_param(self) -> list[int]:
-        steps = self._steps
+        steps = self.group_steps
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         return [steps[group_of[id(p)]] for p in self._params]
 
@@ -662,7 +667,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         s["fused"] = self._fused
         s["loss_scale"] = self.loss_scale if self.loss_scaler is not None else None
         s["skipped_steps"] = self.skipped_steps
-        s["steps"] = max(self._steps) if self._steps else 0
+        s["steps"] = max(self.group_steps) if self.group_steps else 0
         comm = s["comm"]
         # Ring-cost equivalent: an all-reduce moves as much as reduce-scatter + all-gather.
         s["comm_bytes"] = (comm["reduce_scatter"]["bytes"] + comm["all_gather"]["bytes"]
@@ -689,10 +694,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """engine parameter index -> a CPU copy of the state of each whole tensor this rank owns."""
         return owned_states(self._parts)
 
-    # What the rest of the package reads (zero_ext/checkpoint/, zero_ext/alone/, ...).
+    # What the rest of the package reads (zero_ext/checkpoint/, zero_ext/alone/, ...), read-only.
     engine = property(lambda self: self._engine, doc="the C++ engine (zero_ext._C.Engine)")
     comm = property(lambda self: self._comm, doc="the Python-side collectives (zero_ext/comm.py)")
     config = property(lambda self: self._config, doc="the ZeroConfig zeroify resolved")
+    guard = property(lambda self: self._guard, doc="the model's ModelGuard (changes.py), or None")
+    parts = property(lambda self: self._parts, doc="the wrapped torch optimizers (_Part), in the order given")
+    engine_params = property(lambda self: self._params, doc="engine parameter i (the model's trainable ones)")
+    param_shapes = property(lambda self: self._param_shapes, doc="engine parameter i's logical shape")
+    param_group_of = property(lambda self: self._param_group_of, doc="engine parameter i's param group")
+    step_control = property(lambda self: self._ctl, doc="Note [Step control]'s StepControl, or None")
     shard_optimizer = property(lambda self: self._shard_opt,
                                doc="the torch optimizer over 1-D shard views (a 'shard' part), or None")
 

@@ -1,18 +1,12 @@
 """Optimizers that need whole tensors (torch.optim.Muon, torch.optim.Adafactor).
 
-Their update of an element depends on the whole tensor (Newton-Schulz on a
-matrix, factored second moments), so an element-granular shard cannot run them.
-The planner gives each of their tensors whole to one rank (Note [Tensor-atomic
-buckets] in csrc/core/zx_core.h), balanced by update cost, inside equal bucket
-slices: gradients still arrive by one reduce-scatter and parameters leave by one
-all-gather per bucket. The owner runs the user's torch optimizer class over
-its whole tensors (fp32 master views shaped as the parameters); the state exists
-only there.
-
-Several torch optimizers given to zeroify() together (the Muon recipe: Muon
-over the hidden matrices, AdamW over the rest) share one engine; zeroify returns
-one ZeroOptimizerPart (zero_ext/optim.py) per optimizer, each stepping its own
-param groups.
+Their update of an element depends on the whole tensor (Newton-Schulz, factored
+second moments), so the planner gives each tensor whole to one rank
+(Note [Tensor-atomic buckets] in csrc/core/zx_core.h), balanced by update cost, inside
+equal bucket slices: one reduce-scatter and one all-gather per bucket still. The owner runs
+the user's torch optimizer over its fp32 master views; the state exists only there.
+Several torch optimizers given together (Muon + AdamW) share one engine: zeroify
+returns a ZeroOptimizerPart (zero_ext/optim.py) for each.
 """
 from __future__ import annotations
 

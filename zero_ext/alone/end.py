@@ -1,20 +1,4 @@
-"""The end of a model on a rank that serves: it keeps serving until every rank is there.
-
-Note [Model's end]
-  A script's ranks leave the training loop and exit while rank 0 may still write its final
-  checkpoint, reading their shards alone. So a model's end (ZeroOptimizer.__del__, or the
-  script's clean exit) is a meeting: each rank serves until every rank has come to it.
-  It does not wait when the ranks diverged, a collective failed, or a read of this model
-  failed (a peer is gone: nobody will come), nor at interpreter shutdown. It stops after
-  QUIET_S without a request, and after ARRIVE_S unless a rank reads alone as of its last
-  step (a reader marks in the store the step it reads as of): a rank that leaves the job
-  while the others train (an error) lets them fail after it.
-  The wait runs on a thread of its own, holding the optimizer (the garbage collector
-  clears weak references before __del__), so no rank stops at a model's end; __del__
-  may run on any thread, the server's own included. The clean exit joins the threads.
-  The side channel is not registered with torch.distributed: a script's
-  destroy_process_group() before that leaves it serving.
-"""
+"""The end of a model on a rank that serves: it keeps serving until every rank is there."""
 from __future__ import annotations
 
 import sys
@@ -23,8 +7,23 @@ import time
 
 from .serving import LINGER_S, SERVERS
 
-QUIET_S = 60.0      # ... or until no rank has asked this one anything for this long
-ARRIVE_S = 20.0     # ... or, when no rank reads alone as of its last step, this long
+# Note [Model's end]
+#   A script's ranks leave the training loop and exit while rank 0 may still write its final
+#   checkpoint, reading their shards alone. So a model's end (ZeroOptimizer.__del__, or the
+#   script's clean exit) is a meeting: each rank serves until every rank has come to it.
+#   It does not wait when the ranks diverged, a collective failed, or a read of this model
+#   failed (a peer is gone: nobody will come), nor at interpreter shutdown. It stops after
+#   QUIET_S without a request, and after ARRIVE_S unless a rank reads alone as of its last
+#   step (a reader marks in the store the step it reads as of): a rank that leaves the job
+#   while the others train (an error) lets them fail after it.
+#   The wait runs on a thread of its own, holding the optimizer (the garbage collector
+#   clears weak references before __del__), so no rank stops at a model's end; __del__
+#   may run on any thread, the server's own included. The clean exit joins the threads.
+#   The side channel is not registered with torch.distributed: a script's
+#   destroy_process_group() before that leaves it serving.
+
+QUIET_S = 60.0      # a model's end stops after this long without a request
+ARRIVE_S = 20.0     # ... or after this long, when no rank reads alone as of its last step
 _ENDING: list = []  # the threads that wait at the end of a dropped model
 
 

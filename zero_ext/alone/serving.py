@@ -1,22 +1,5 @@
 """What a rank serves to one that reads alone: one ShardServer thread per process group,
 answering requests for this rank's pieces of every model zeroified on that group.
-
-Note [Shard server]
-  A rank reading alone (Note [Reading alone] in csrc/engine/away.h) asks each other
-  rank's server for that rank's piece of
-    unit u     stage-3 unit u's gather (UnitStore::unit_part),
-    bucket b   bucket b of the fp32 masters and of each per-element state (LocalShard),
-    whole      the states of the whole tensors it owns (Muon, Adafactor),
-  as of step k: the reader sends the step() calls it has finished, and the server waits
-  until its rank has finished as many. No rank can finish more: its next step needs the
-  reader's collectives. The pieces are computed by the code the collective path uses,
-  so the reader assembles what the collectives would have, bit for bit.
-  Why a Python thread: it reuses that code (torch optimizers' states included), and a
-  rank is only asked while its main thread waits in a collective or a barrier, which
-  releases the GIL, as gloo's send and receive do.
-  On a GPU the server copies on a CUDA stream of its own, after an event its rank
-  recorded at the end of the step: no copy waits behind a collective that waits for the
-  reader. The transport: zero_ext/alone/channel.py. A model's end: Note [Model's end].
 """
 from __future__ import annotations
 
@@ -27,11 +10,28 @@ import weakref
 
 import torch
 
-from ..comm import SideChannel
 from ..local_shard import LocalShard
 from . import channel as wire
+from .channel import SideChannel
 
-LINGER_S = 1800.0   # the longest a rank serves at a model's end (the process group's default timeout)
+# Note [Shard server]
+#   A rank reading alone (Note [Reading alone] in csrc/engine/away.h) asks each other
+#   rank's server for that rank's piece of
+#     unit u     stage-3 unit u's gather (UnitStore::unit_part),
+#     bucket b   bucket b of the fp32 masters and of each per-element state (LocalShard),
+#     whole      the states of the whole tensors it owns (Muon, Adafactor),
+#   as of step k: the reader sends the step() calls it has finished, and the server waits
+#   until its rank has finished as many. No rank can finish more: its next step needs the
+#   reader's collectives. The pieces are computed by the code the collective path uses,
+#   so the reader assembles what the collectives would have, bit for bit.
+#   Why a Python thread: it reuses that code (torch optimizers' states included), and a
+#   rank is only asked while its main thread waits in a collective or a barrier, which
+#   releases the GIL, as gloo's send and receive do.
+#   On a GPU the server copies on a CUDA stream of its own, after an event its rank
+#   recorded at the end of the step: no copy waits behind a collective that waits for the
+#   reader. The transport: zero_ext/alone/channel.py. A model's end: Note [Model's end].
+
+LINGER_S = 1800.0   # the longest a rank waits for a model, or serves at its end (torch's default timeout)
 SERVERS: dict = {}  # id(process group) -> (group, its ShardServer)
 
 
@@ -71,7 +71,7 @@ class ShardServer:
     """One per process group: serves this rank's pieces of every model zeroified on it."""
 
     def __init__(self, side):
-        self.channel = side              # comm.SideChannel: a gloo group of the server's own
+        self.channel = side              # a gloo group of the server's own
         self.rank = side.rank
         self.models: dict[int, ServedModel] = {}
         self.cond = threading.Condition()
@@ -87,14 +87,14 @@ class ShardServer:
         return m
 
     def _serve(self) -> None:
-        work, head = wire.listen(self.channel)
+        work, head = self.channel.listen()
         while True:
             try:
                 work.wait()   # no timeout: gloo closes the pair when a receive times out
             except RuntimeError:
                 return        # the group was destroyed, or the job is ending
             src, req = work._source_rank(), head.clone()
-            work, head = wire.listen(self.channel)
+            work, head = self.channel.listen()
             self.last_request = time.monotonic()
             try:
                 payload, status = self._answer(req.tolist())
@@ -102,7 +102,7 @@ class ShardServer:
                 payload, status = torch.frombuffer(bytearray(f"{type(e).__name__}: {e}".encode()),
                                                    dtype=torch.uint8), wire.FAILED
             try:
-                wire.answer(self.channel, src, payload, status)
+                self.channel.answer(src, payload, status)
             except RuntimeError:
                 return                         # the reader is gone: so is the job
 

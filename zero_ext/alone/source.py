@@ -1,9 +1,8 @@
 """Where a call's pieces come from, decided once per call: source(away) is COLLECTIVE
 (every rank is here: the engine's and Comm's collectives) or SERVED (this rank reads
-alone: the other ranks' shard servers, Note [Shard server]). Both have the same methods,
-so the callers (zero_ext/model.py's unit hooks, zero_ext/checkpoint/) do not branch.
-`away` is what Engine.sequence_mark(..., servable=True) answered (Note [Reading alone]
-in csrc/engine/away.h). The served side also holds the reader's memory rule (fits).
+alone: the others' shard servers, Note [Shard server]), with the same methods, so
+model.py's unit hooks and zero_ext/checkpoint/ do not branch. `away` is what
+Engine.sequence_mark(..., servable=True) answered (Note [Reading alone], away.h).
 """
 from __future__ import annotations
 
@@ -11,8 +10,8 @@ import io
 
 import torch
 
-from ..changes import ZeroUsageError
 from .. import offload
+from ..changes import ZeroUsageError
 from . import channel as wire
 
 
@@ -41,23 +40,21 @@ class Collective:
 
     def bucket_slices(self, opt, own: dict, b: int, to: int | None, buf: torch.Tensor):
         """Yields (kind, rank r, r's slice of bucket b of kind) on the receiving rank (`to`;
-        None: every rank); own[kind]: this rank's slice. One broadcast per rank and kind
-        (Note [One communication layer] in zero_ext/comm.py): one slice held at a time."""
-        comm, rank = opt.comm, opt.engine.rank
+        None: every rank), own[kind] being this rank's. One broadcast per rank and kind:
+        one slice held at a time."""
+        rank = opt.engine.rank
         for kind, mine in own.items():
             for r in range(opt.engine.partitions):
-                if r == to:                        # the receiving rank has its own
-                    if rank == to:
-                        yield kind, r, mine
-                    continue
-                got = comm.broadcast_from(mine if rank == r else None, buf[:mine.numel()], r)
-                if to is None or rank == to:
-                    yield kind, r, got
+                if r != to:
+                    got = opt.comm.broadcast_from(mine if rank == r else None, buf[:mine.numel()], r)
+                    if to is None or rank == to:
+                        yield kind, r, got
+                elif rank == to:                   # the receiving rank has its own
+                    yield kind, r, mine
 
     def whole_states(self, opt, mine: dict, to: int | None) -> dict:
         """Every rank's whole-tensor states by engine index, on rank `to` ({} elsewhere)."""
-        got = opt.comm.gather_object(mine, dst=to)
-        return {i: st for d in (got or []) for i, st in d.items()}
+        return {i: st for d in (opt.comm.gather_object(mine, dst=to) or []) for i, st in d.items()}
 
 
 class Served(Collective):
@@ -66,8 +63,7 @@ class Served(Collective):
     reads_alone = True    # nothing it reads can change until it is back (model.py keeps units)
 
     def fits(self, nbytes: int, what: str) -> None:
-        """Assembling `what` (nbytes) in this rank's host memory: refused before anything is
-        fetched when it would not fit."""
+        """Refuse, before fetching anything, to assemble `what` where host memory is short."""
         have = offload.available_host_bytes()
         if have is not None and nbytes > have:
             raise ZeroUsageError(
@@ -87,21 +83,17 @@ class Served(Collective):
             raise RuntimeError("zero_ext: a rank that reads alone is served exact parameters, but this model gathers "
                                "them quantized (param_quant), so it would compute with other values than the "
                                "others; read on every rank, or zeroify without param_quant")
-        others = [r for r in range(engine.world_size) if r != engine.rank]
-        for r in others:                           # every rank works on its part at once
+        for r in _others(engine):                  # every rank works on its part at once
             _request(opt.serving, r, wire.OP_UNIT, u)
         own = engine.unit_part(u)
-        parts = []
-        for r in range(engine.world_size):
-            if r == engine.rank:
-                parts.append(own)
-                continue
-            raw, got, at = _reply(opt.serving, r), [], 0
+        parts = [own] * engine.world_size
+        for r in _others(engine):
+            raw, at = _reply(opt.serving, r), 0
+            parts[r] = []
             for t in own:
                 n = t.numel() * t.element_size()
-                got.append(raw[at:at + n].view(t.dtype).to(t.device))
+                parts[r].append(raw[at:at + n].view(t.dtype).to(t.device))
                 at += n
-            parts.append(got)
         engine.install_unit(u, parts)
         return False
 
@@ -110,24 +102,20 @@ class Served(Collective):
             self.unit(opt, u)
 
     def bucket_slices(self, opt, own: dict, b: int, to: int | None, buf: torch.Tensor):
-        rank = opt.engine.rank
-        sent = ["model"] + sorted(k for k in own if k != "model")   # every kind, as LocalShard.kinds() orders them
+        sent = ["model"] + sorted(k for k in own if k != "model")   # every kind, in LocalShard.kinds() order
         theirs = {}
-        for r in range(opt.engine.partitions):
-            if r != rank:
-                raw = _ask(opt.serving, r, wire.OP_BUCKET, b).view(torch.float32)
-                n = raw.numel() // len(sent)
-                theirs[r] = {k: raw[i * n:(i + 1) * n] for i, k in enumerate(sent)}
+        for r in _others(opt.engine):
+            raw = _ask(opt.serving, r, wire.OP_BUCKET, b).view(torch.float32)
+            theirs[r] = dict(zip(sent, raw.view(len(sent), -1)))
         for kind, mine in own.items():
             for r in range(opt.engine.partitions):
-                yield kind, r, mine if r == rank else theirs[r][kind]
+                yield kind, r, theirs[r][kind] if r in theirs else mine
 
     def whole_states(self, opt, mine: dict, to: int | None) -> dict:
         out = dict(mine)
-        for r in range(opt.engine.partitions):
-            if r != opt.engine.rank:
-                raw = _ask(opt.serving, r, wire.OP_WHOLE)
-                out.update(torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=False))
+        for r in _others(opt.engine):
+            raw = _ask(opt.serving, r, wire.OP_WHOLE)
+            out.update(torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=False))
         return out
 
 
@@ -139,34 +127,37 @@ def source(away: bool) -> Collective:
     return SERVED if away else COLLECTIVE
 
 
+def _others(engine) -> list:
+    return [r for r in range(engine.world_size) if r != engine.rank]
+
+
 def _ask(served, r: int, op: int, a: int = 0) -> torch.Tensor:
     _request(served, r, op, a)
     return _reply(served, r)
 
 
 def _request(served, r: int, op: int, a: int = 0) -> None:
-    """Ask rank r for a piece as of this rank's step() calls; _reply takes it (asking several
-    ranks first lets them work at once). The store learns the step read as of: the ranks
-    at their model's end wait for such a reader (Note [Model's end])."""
+    """Ask rank r for a piece as of this rank's step() calls, marking in the store the step
+    this rank reads as of (the ranks at their model's end wait for it: Note [Model's end])."""
     server = served.server
     if served.reads_at != served.done:
         server.channel.store.set(f"away/{served.model_id}/{server.rank}", str(served.done))
         served.reads_at = served.done
-    wire.ask(server.channel, r, op, served.model_id, served.done, a)
+    server.channel.ask(r, op, served.model_id, served.done, a)
 
 
 def _reply(served, r: int) -> torch.Tensor:
     rank = served.server.rank
     served.failed = True   # until the reply is read whole and is no error
-    status, payload = wire.receive(served.server.channel, r)
+    status, payload = served.server.channel.receive(r)
     served.failed = status != wire.OK
     if status == wire.AHEAD:   # rank r stepped without this rank: this rank trained alone
-        theirs = int(payload.view(torch.long)[0])
         raise RuntimeError(
             f"zero_ext: collective sequence diverged: rank {rank} reads alone as of {served.done} step() calls, "
-            f"but rank {r} has finished {theirs}: a backward() or step() that rank {rank} ran alone took "
-            f"part in the other ranks' training. A rank may evaluate, generate or call state_dict() alone, but "
-            f"not train alone: run backward() and step() on every rank, then restart from the last checkpoint.")
+            f"but rank {r} has finished {int(payload.view(torch.long)[0])}: a backward() or step() that rank {rank} "
+            f"ran alone took part in the other ranks' training. A rank may evaluate, generate or call state_dict() "
+            f"alone, but not train alone: run backward() and step() on every rank, then restart from the last "
+            f"checkpoint.")
     if status != wire.OK:
         raise RuntimeError(f"zero_ext: rank {r} could not serve this rank, which reads alone: "
                            f"{bytes(payload.tolist()).decode(errors='replace')}")

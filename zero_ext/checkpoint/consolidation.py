@@ -15,7 +15,7 @@ from ..alone import source
 from ..local_shard import LocalShard
 from .format import (_EARLIER, OBJECTS, CheckpointError, _objects, _quiet, _steps_of, _whole_entries, read_manifest,
                      resolve)
-from .layout import _engine_names, _gather_frozen, _param_steps, _plain_tensors, _settle, core_optimizer
+from .layout import _gather_frozen, _param_steps, _plain_tensors, _settle, core_optimizer
 
 _ADAM_FAMILY = ("Adam", "AdamW")
 
@@ -31,13 +31,7 @@ def optimizer_state_dict(layout: dict, tensors: dict, objects: dict, whole: dict
     if len(parts) > 1 or (parts and parts[0]["kind"] == "whole"):
         out = [_part_state_dict(layout, part, tensors, whole or {}, objects) for part in parts]
         return out if len(out) > 1 else out[0]
-    index, groups = {}, []
-    for gi, names in enumerate(layout["groups"]):
-        ids = []
-        for n in names:
-            index[n] = len(index)
-            ids.append(index[n])
-        groups.append(dict(objects["param_groups"][gi], params=ids))
+    index, groups = _numbered(layout, range(len(layout["groups"])), objects)
     state = {}
     for name, info in layout["params"].items():
         gi = info["group"]
@@ -55,15 +49,17 @@ def optimizer_state_dict(layout: dict, tensors: dict, objects: dict, whole: dict
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
+def _numbered(layout: dict, group_ids, objects: dict) -> tuple:
+    """(name -> index, param groups): these groups' parameters numbered in order, as torch does."""
+    index: dict = {}
+    groups = [dict(objects["param_groups"][gi], params=[index.setdefault(n, len(index)) for n in layout["groups"][gi]])
+              for gi in group_ids]
+    return index, groups
+
+
 def _part_state_dict(layout: dict, part: dict, tensors: dict, whole: dict, objects: dict) -> dict:
     """The state dict of one wrapped optimizer (its param groups, numbered from 0)."""
-    index, groups, state = {}, [], {}
-    for gi in part["groups"]:
-        ids = []
-        for n in layout["groups"][gi]:
-            index[n] = len(index)
-            ids.append(index[n])
-        groups.append(dict(objects["param_groups"][gi], params=ids))
+    (index, groups), state = _numbered(layout, part["groups"], objects), {}
     for gi in part["groups"]:
         steps = objects["steps"][gi]
         scal = objects["scalar_state"].get(gi)
@@ -147,7 +143,7 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     shard = LocalShard(optimizer)
     states = shard.states()
     kinds = {**({"model": shard.masters} if model_state else {}), **{f"optim/{s}": p for s, p in states.items()}}
-    names = _engine_names(optimizer, layout)
+    names = list(layout["params"])   # engine order
     receiving = to is None or rank == to
     out = None
     if receiving:
@@ -184,7 +180,8 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
         return None
     scalar = shard.scalar_state()
     objects = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-               "steps": list(optimizer._steps), "param_steps": _param_steps(optimizer, names), "scalar_state": scalar}
+               "steps": list(optimizer.group_steps), "param_steps": _param_steps(optimizer, names),
+               "scalar_state": scalar}
     tensors = {s: {name: out[f"optim/{s}"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
                for s in states}
     result = {"optimizer": optimizer_state_dict(layout, tensors, objects, whole)}

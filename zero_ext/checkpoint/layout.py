@@ -28,8 +28,8 @@ def core_optimizer(optimizer):
 def _is_zero_optimizer(optimizer) -> bool:
     """A ZeroOptimizer, known by the engine and parts it holds (duck typing: importing
     the class would make this package import zero_ext/optim.py, which imports it)."""
-    return (isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_engine")
-            and hasattr(optimizer, "_parts"))
+    return (isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "engine")
+            and hasattr(optimizer, "parts"))
 
 
 def _require_pair(model, optimizer) -> None:
@@ -52,10 +52,10 @@ def _layout(model, optimizer) -> dict:
     names = {}
     for n, p in module.named_parameters():
         names.setdefault(id(p), n)
-    shapes = getattr(optimizer, "_param_shapes", None) or [tuple(p.shape) for p in optimizer._params]
+    shapes = optimizer.param_shapes or [tuple(p.shape) for p in optimizer.engine_params]
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     params = {names[id(p)]: {"shape": list(s), "group": group_of[id(p)]}
-              for p, s in zip(optimizer._params, shapes)}
+              for p, s in zip(optimizer.engine_params, shapes)}
     keys, plain = {}, {}
     guard = model._guard
     logical = {id(p): s for p, s in zip(guard.params, guard.shapes)}   # stage-3 frozen ones are empty here
@@ -65,13 +65,9 @@ def _layout(model, optimizer) -> dict:
         if name not in params and name not in plain:
             plain[name] = {"shape": list(logical.get(id(t), t.shape)), "dtype": str(t.dtype).replace("torch.", "")}
     groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-    parts = [{"optimizer": p.cls.__name__, "groups": list(p.groups), "kind": p.kind} for p in optimizer._parts]
+    parts = [{"optimizer": p.cls.__name__, "groups": list(p.groups), "kind": p.kind} for p in optimizer.parts]
     return {"params": params, "plain": plain, "keys": keys, "groups": groups,
             "optimizer": "+".join(p["optimizer"] for p in parts), "parts": parts}
-
-
-def _engine_names(optimizer, layout) -> list:
-    return list(layout["params"])                         # engine order (dicts keep it)
 
 
 def _settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT, servable: bool = False):
@@ -99,7 +95,7 @@ def _param_steps(optimizer, names) -> dict:
 def _whole_tensors(optimizer, layout) -> list:
     """(name, the inner torch optimizer, master view) of every whole tensor this rank owns."""
     names = list(layout["params"])
-    return [(names[i], part.opt, view) for part in optimizer._parts if part.kind == "whole"
+    return [(names[i], part.opt, view) for part in optimizer.parts if part.kind == "whole"
             for i, view in part.owned]
 
 

@@ -414,7 +414,7 @@ def comm_of(model: ZeroModel):
     if opt is None:
         raise RuntimeError("zero_ext: the optimizer zeroify() returned with this model no longer exists; keep a "
                            "reference to it while you load or save the model")
-    return opt._comm
+    return opt.comm
 
 
 def load_weights(model, weights, **options) -> WeightsReport:
