@@ -199,8 +199,3 @@ def delay_collectives(model_or_optimizer, ms: float, serialize: bool = False) ->
     comm = getattr(core, "comm", None)
     if comm is not None:
         comm.delay_s = ms / 1000.0
-
-
-def comm_of(optimizer) -> Comm:
-    """The Comm of a zeroified (core) optimizer."""
-    return optimizer.comm

@@ -1,10 +1,6 @@
-"""This rank's share of the sharded state (LocalShard): the fp32 masters and per-element
-optimizer states of each bucket, and which piece of which parameter lies where in them.
-Where a piece lies is the engine's answer (Note [Fragment views] in
-csrc/engine/fragment_view.h, Note [State windows] in csrc/engine/fill.cpp). Read by
-checkpoints (zero_ext/checkpoint/) and by the shard servers (zero_ext/alone/serving.py);
-it imports nothing of the package.
-"""
+"""This rank's share of the sharded state (LocalShard), for checkpoints and the shard
+servers. Where a piece lies is the engine's answer (Note [Fragment views] in
+csrc/engine/fragment_view.h, Note [State windows] in csrc/engine/fill.cpp)."""
 from __future__ import annotations
 
 import torch
@@ -40,8 +36,7 @@ class LocalShard:
         return {n: [state[v][n] for v in self.views] for n in names}
 
     def kinds(self) -> dict:
-        """Every kind's per-bucket pieces, in the order a shard server sends them: the
-        masters ("model"), then each state ("optim/<name>") by name."""
+        """The masters ("model"), then each state ("optim/<name>") by name: as servers send them."""
         states = self.states()
         return {"model": self.masters, **{f"optim/{s}": states[s] for s in sorted(states)}}
 

@@ -253,13 +253,8 @@ class _UnitHooks:
         return prefetch.upcoming(self.order, self.cursor, k, self.depth, self.numel, budget, phase)
 
     def _source(self, away: bool | None = None):
-        """Where this hook's units come from (zero_ext/alone/source.py): the gathers, or the
-        shard servers on a rank that reads alone; away: what the hook's mark answered."""
+        """Where this hook's units come from (zero_ext/alone/source.py); away: its mark's answer."""
         return source(self.engine.sequence_away if away is None else away)
-
-    def _gather(self, k: int, src, wait: bool = True) -> bool:
-        """Make unit k whole; whether it had been prefetched."""
-        return src.unit(self.wrapper._optimizer(), k, wait)
 
     def _prefetch(self, k: int, src) -> None:
         """Gather the units ahead of k (zero_ext/prefetch.py): small ones in one
@@ -282,10 +277,9 @@ class _UnitHooks:
         self.engine.release_unit(k, keep)
 
     def _keeping(self, src) -> bool:
-        """Note [Shard server]: what a rank away reads cannot change until it is back, so
-        while it evaluates alone without autograd the units it fetched stay gathered
-        (an evaluation of many batches fetches the model once), if the whole model in
-        param_dtype takes at most a quarter of the memory its device has free."""
+        """What a rank reading alone fetched cannot change until it is back: without autograd
+        its units stay gathered (an evaluation fetches the model once), if the whole model
+        in param_dtype takes at most a quarter of the memory its device has free."""
         if not src.reads_alone or torch.is_grad_enabled():
             return False
         if self.keep_fits is None:
@@ -319,7 +313,7 @@ class _UnitHooks:
                 break
         self.fetches += 1
         src = self._source(self.engine.sequence_mark(UNIT_NEED_BASE + k))
-        if not self.engine.unit_gathered(k) and not self._gather(k, src):
+        if not self.engine.unit_gathered(k) and not src.unit(self.wrapper._optimizer(), k):
             self.out_of_order += 1
         self._prefetch(k, src)
 
@@ -343,7 +337,7 @@ class _UnitHooks:
         known = self.learned.get(self.grad_pass)
         self.order = known if known is not None else self._guess()
         self.recorded, self.cursor, self.recording, self.in_root = [], 0, True, True
-        self._gather(0, src)
+        src.unit(self.wrapper._optimizer(), 0)
         self._prefetch(0, src)
 
     def _guess(self) -> list:
@@ -377,7 +371,7 @@ class _UnitHooks:
         if not self.engine.unit_gathered(0):
             self.fetches += 1
             self.out_of_order += 1
-            self._gather(0, self._source())
+            self._source().unit(self.wrapper._optimizer(), 0)
 
     def _holder_post_forward(self, module, args, output):
         if not self.in_root and not _in_backward() and not torch.is_grad_enabled():
@@ -431,7 +425,7 @@ class _UnitHooks:
         out, clones = {}, {}
         for k in range(self.engine.num_units):
             was = self.engine.unit_gathered(k)
-            self._gather(k, src)
+            src.unit(self.wrapper._optimizer(), k)
             for name, t in self.wrapper.module.state_dict(*args, keep_vars=True, **kwargs).items():
                 if name not in out and t.untyped_storage().nbytes() > 0:
                     if id(t) not in clones:

@@ -265,14 +265,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 out = self._step_parts(range(len(self._parts)), closure)
         finally:
             torch._C._set_grad_enabled(grad)
-        self._served_step()
+        if self.serving is not None:   # Note [Shard server]: what it serves is as of this step now
+            self.serving.step_done()
         return out
 
     _hooked_step = torch.optim.Optimizer.profile_hook_step(_step)   # Note [Step hooks]
-
-    def _served_step(self) -> None:
-        if self.serving is not None:   # Note [Shard server]: what it serves is as of this step now
-            self.serving.step_done()
 
     def arm_backward_step(self) -> None:
         """Note [Step in backward] (csrc/engine/backward_step.cpp): the step each bucket of
@@ -540,13 +537,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """The complete state of the wrapped torch optimizer, in torch's format, on every
-        rank, as DDP's optimizer gives it (Note [Complete optimizer state] in
-        zero_ext/optim_state.py). Collective in stages 1-3 at world size > 1: every rank
-        calls it (then rank 0 may save it); a rank calling it alone is named on every
-        rank. load_state_dict() takes it at any world size and stage, as does a plain
-        torch optimizer. For a checkpoint without assembling the state anywhere:
-        zero_ext.save / zero_ext.load; for this rank's shard: sharded_state_dict()."""
+        """The wrapped torch optimizer's complete state in torch's format, as DDP's optimizer
+        gives it (Note [Complete optimizer state] in zero_ext/optim_state.py): every rank
+        calls it, or one alone, served by the others. load_state_dict() takes it at any world
+        size and stage; zero_ext.save / load checkpoint without assembling it anywhere."""
         return optim_state.state_dict(self)
 
     def sharded_state_dict(self) -> dict:
@@ -748,7 +742,8 @@ class ZeroOptimizerPart(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         out = self._core._step_parts([self._index], closure)
-        self._core._served_step()
+        if self._core.serving is not None:   # Note [Shard server]
+            self._core.serving.step_done()
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -32,9 +32,6 @@ from ._C import PHASE_GRAD_STATS
 from .amp import unscale_sharded_
 from .changes import ZeroUsageError
 
-_ELEMENTWISE = {"abs", "square", "pow"}
-_REDUCE = {"sum", "mean", "max", "min", "norm"}
-
 
 def _norm_p(args, kwargs, pos: int):
     p = kwargs.get("p", kwargs.get("ord", args[pos] if len(args) > pos else 2))

@@ -90,9 +90,7 @@ def consolidate(path) -> dict:
     # a whole tensor's state is under whole/ (Note [State windows] in csrc/engine/fill.cpp)
     whole_groups = {g for part in m.get("parts", []) if part["kind"] == "whole" for g in part["groups"]}
     for name, info in m["params"].items():
-        numel = 1
-        for d in info["shape"]:
-            numel *= d
+        numel = math.prod(info["shape"])
         for kind in ["model"] + [f"optim/{s}" for s in m["states"]]:
             flat[(kind, name)] = torch.zeros(numel)
             if numel and (kind == "model" or info["group"] not in whole_groups):
@@ -127,11 +125,9 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
                             phase: int = PHASE_CHECKPOINT):
     """The full model state_dict and a plain torch.optim state dict of the wrapped
     class, assembled on rank `to` (of the model's process group; None: on every rank):
-    {"model", "optimizer"} there, None on the other ranks; every rank calls it.
-    Streamed bucket by bucket and rank by rank with point-to-point sends, so besides the
-    result the receiving rank holds one bucket slice at a time (its extra memory is
-    bounded by a bucket, not the model) and the senders send views of their shards.
-    model_state=False: the optimizer's state only ({"optimizer"})."""
+    {"model", "optimizer"} there, None on the other ranks; every rank calls it, or one
+    rank alone (served). Streamed bucket by bucket: besides the result the receiving rank
+    holds one bucket at a time. model_state=False: the optimizer's state only."""
     optimizer = core_optimizer(optimizer)
     rank, parts = optimizer.engine.rank, optimizer.engine.partitions
     # stage 0 and one rank hold everything: no collective, so any rank may call it alone;

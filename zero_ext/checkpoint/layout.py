@@ -1,11 +1,8 @@
 """The model and optimizer as a checkpoint sees them: the pair zeroify() returned,
 parameter names, shapes and param groups (the manifest's description of the model),
 the frozen parameters and buffers, the whole tensors, the step counts; and settling
-the engine before a checkpoint touches anything.
-
-This package reads the ZeroOptimizer by what it has (its engine, parts and param
-groups) and never imports zero_ext/optim.py: optim.py reaches the checkpoint code
-through zero_ext/optim_state.py, so every import points one way, into this package.
+the engine before a checkpoint touches anything. This package never imports
+zero_ext/optim.py (which reaches it through zero_ext/optim_state.py): tests/test_imports.py.
 """
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ def core_optimizer(optimizer):
 
 
 def _is_zero_optimizer(optimizer) -> bool:
-    """A ZeroOptimizer, known by the engine and parts it holds (duck typing: importing
-    the class would make this package import zero_ext/optim.py, which imports it)."""
+    """A ZeroOptimizer, known by its engine and parts (importing the class would close a cycle)."""
     return (isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "engine")
             and hasattr(optimizer, "parts"))
 
