@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-# zx_update_kind (csrc/core/zx_core.h): what one tensor's update costs.
-UPDATE_FACTORED, UPDATE_ORTHOGONALIZED = 1, 2
+from ._C import UPDATE_FACTORED, UPDATE_ORTHOGONALIZED   # zx_update_kind: what one tensor's update costs
 WHOLE = {cls: kind for cls, kind in ((getattr(torch.optim, "Muon", None), UPDATE_ORTHOGONALIZED),
                                      (getattr(torch.optim, "Adafactor", None), UPDATE_FACTORED)) if cls is not None}
 
