@@ -3,7 +3,7 @@
 The graph is read with `ast` from the sources (nothing is imported): every `import` and
 `from ... import` anywhere in a module, relative or absolute. `from . import x` and
 `from .p import x` lead to the submodule x when there is one (zero_ext._C, built by
-setup.py, counts as one). Importing zero_ext.a.b runs
+setup.py, counts as one), else to the module that defines x. Importing zero_ext.a.b runs
 zero_ext/a/__init__.py first, so it leads there too (except from inside package a).
 """
 import ast
