@@ -249,9 +249,6 @@ class _UnitHooks:
             m.register_forward_hook(functools.partial(self._post_forward, k), with_kwargs=True)
 
     # -- prediction and prefetch
-    def _upcoming(self, k: int, budget: int = 0, phase: bool = False) -> list:
-        return prefetch.upcoming(self.order, self.cursor, k, self.depth, self.numel, budget, phase)
-
     def _source(self, away: bool | None = None):
         """Where this hook's units come from (zero_ext/alone/source.py); away: its mark's answer."""
         return source(self.engine.sequence_away if away is None else away)
@@ -403,7 +400,7 @@ class _UnitHooks:
                     t.register_hook(functools.partial(self._pre_backward, k))
         if _in_backward():                # recomputation keeps it for its backward
             return
-        if k not in self._upcoming(-1):   # not needed again at once
+        if not prefetch.kept_after_forward(self.order, self.cursor, k, self.depth, self.numel):
             # keep: a backward follows, so node_size keeps a node-local part for it
             self._release(k, torch.is_grad_enabled())
 

@@ -41,6 +41,15 @@ def upcoming(order: list, cursor: int, k: int, depth: int, numel: list, budget: 
     return out
 
 
+def kept_after_forward(order: list, cursor: int, k: int, depth: int, numel: list) -> bool:
+    """Whether unit k stays gathered after its forward: a unit of the forward window ahead,
+    or (prefetching) the last one, whose backward comes next. Nothing else is held across
+    the loss, where the activations peak."""
+    if k in upcoming(order, cursor, -1, depth, numel, into_backward=False):
+        return True
+    return depth > 0 and cursor < len(order) and order[cursor] == (k, True)
+
+
 def to_fetch(window: list, missing: list, depth: int, numel: list, budget: int):
     """(together, units): the window's missing units to launch now, and whether in
     one collective. Nothing is launched until half the window is missing, unless one
@@ -84,7 +93,7 @@ def replay_peak(numel: list, elem_bytes: int, depth: int, budget: int, world: in
         note()
         waited(k)
         prefetch(k, p + 1, in_backward)
-        if in_backward or k not in upcoming(order, p + 1, -1, depth, numel):
+        if in_backward or not kept_after_forward(order, p + 1, k, depth, numel):
             waited(k)
             held.discard(k)
     return peak
