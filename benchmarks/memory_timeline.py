@@ -82,7 +82,7 @@ def torch_owners(module, opt) -> callable:
         return t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
 
     def owners() -> dict:
-        params = list(module.parameters())
+        params = [p for g in opt.param_groups for p in g["params"]]   # FSDP2: the sharded ones, always
         sharded = [p for p in params if hasattr(p, "to_local")]
         states = sum(nbytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
         out = {"model_state": (sum(nbytes(p) for p in params) + states) / MiB,

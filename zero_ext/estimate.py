@@ -137,7 +137,7 @@ def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
 # ----------------------------------------------------------------------------- the estimate
 
 def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype="fp32", reduce_dtype="fp32",
-                    optimizer="adamw", backend: str = "gloo", config=None, **options) -> dict:
+                    optimizer="adamw", backend: str = "gloo", config=None, loss_fn=None, **options) -> dict:
     """Predict what one rank of a zero_ext run holds (see the module docstring).
 
     model_or_numel: an nn.Module (any device, meta included) or a trainable parameter count.
@@ -147,6 +147,9 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         its class, or its name ("adamw", "sgd", "rmsprop", ...).
     backend: the process group's backend ("gloo": reduce-scatter by all-to-all under
         reduce_scatter="auto", which sizes the receive buffers; "nccl"/"fake": native).
+    loss_fn: loss_fn(model) -> loss, one forward on inputs it makes (e.g. with torch.randint):
+        with a model, adds "peak", the rank's peak during a step (zero_ext/peak.py: the model
+        state, what is gathered at the loss, and the activations measured on fake tensors).
     config, **options: any other zeroify option that changes memory (bucket_bytes,
         first_bucket_bytes, align, grad_ring_buckets, unit_modules, unit_numel,
         min_unit_numel, prefetch_depth, reduce_scatter, offload, step_in_backward, state_dtype).
@@ -291,7 +294,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         comm = accum * (padded * rs + 2 * (gathered - root_padded) * ps + root_padded * ps)
     if world_size == 1:
         comm = 0                                      # the engine issues no collective
-    return {
+    est = {
         "stage": s, "world_size": world_size, "param_dtype": pdt, "reduce_dtype": rdt,
         "optimizer": cls.__name__, "fused": fused, "states_per_element": max(counts) if fused else counts,
         "num_params": total_numel, "padded_numel": padded, "shard_numel": shard, "num_buckets": len(rows),
@@ -300,6 +303,11 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         "comm_bytes_per_step": comm, "accumulation_steps": accum,
         "offload": offload,
     }
+    if loss_fn is not None:
+        from .peak import activation_peak, peak_bytes
+        est["peak"] = peak_bytes(est, s, cfg.prefetch_depth, activation_peak(model_or_numel, loss_fn),
+                                 _device_type(model_or_numel) != "cuda")
+    return est
 
 
 def _device_type(model) -> str:
