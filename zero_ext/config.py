@@ -270,6 +270,22 @@ class ZeroConfig:
             return 16 if world_size <= 64 else 1
         return self.align
 
+    def engine_fields(self, world_size: int, gloo: bool, trainable_bytes: int) -> dict:
+        """The fields of the engine's options (_C.EngineOptions) that this config sets."""
+        return dict(
+            stage=self.stage, bucket_bytes=self.resolved_bucket_bytes(trainable_bytes),
+            first_bucket_bytes=self.first_bucket_bytes, align=self.resolved_align(world_size),
+            alltoall_reduce_scatter=self.reduce_scatter == "alltoall" or self.grad_quant is not None or (
+                self.reduce_scatter == "auto" and gloo),
+            grad_quant_bits={None: 0, "int8": 8, "int4": 4}[self.grad_quant],
+            grad_quant_error_feedback=self.grad_quant_error_feedback, quant_block_numel=self.quant_block_numel,
+            param_quant_bits={None: 0, "int8": 8}[self.param_quant],
+            agree_unused={False: 0, True: 1, "auto": 2}[self.find_unused_parameters],
+            grad_ring_buckets=self.grad_ring_buckets, isa=self.isa, param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype, offload=self.offload == "cpu", step_in_backward=self.step_in_backward,
+            state_dtype=self.state_dtype,             # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
+            coalesce_numel=self.coalesce_numel)       # Note [Coalesced gradient reductions] (csrc/engine/reducer.cpp)
+
     def master_remainder_applies(self, fused: bool) -> bool:
         """Note [Split master in the engine] (csrc/engine/master_split.h): whether the fp32
         master shard is kept as the bf16 parameters' remainder; fused: one optimizer, stepped
