@@ -4,8 +4,8 @@
 - A function (or method): at most FUNCTION_MAX lines from `def` to its last line;
   zeroify (with _build, which does its work) at most ZEROIFY_MAX.
 - A module docstring: at most DOCSTRING_MAX lines, not counting the Notes it holds.
-- A Note: at most NOTE_MAX lines after its heading. A heading is a line holding
-  `Note [X]` alone (as in tests/test_notes.py). Its text is the comment lines that
+- A Note: at most NOTE_MAX lines after its heading. A heading is a line holding the
+  Note's name alone (tests/test_notes.py's rule). Its text is the comment lines that
   follow a `#` heading, or, in a docstring, the lines up to the next heading or the
   docstring's end. A longer story is split into Notes by concern.
 Each test prints every offender, not only the first.
@@ -93,7 +93,7 @@ def _over_docstrings(files, rel=_rel) -> list:
 
 
 def _over_notes(files, rel=_rel) -> list:
-    return [f"  {rel(p)}:{no} Note [{name}]: {n} lines, over {NOTE_MAX}"
+    return [f"  {rel(p)}:{no} note {name!r}: {n} lines, over {NOTE_MAX}"
             for p in files for name, no, n in notes(p) if n > NOTE_MAX]
 
 
@@ -124,11 +124,13 @@ def test_note_size():
 def test_the_limits_can_fail(tmp_path):
     """Each check names a made-up file's long Note, docstring and function, and only those."""
     f = tmp_path / "m.py"
-    f.write_text('"""m.\n\nNote [Long]\n' + "  a line\n" * 30 + '"""\n\n\n# Note [Short]\n#   one\n#   two\n'
+    note = "Note "   # written apart: this file's examples are not notes to tests/test_notes.py
+    f.write_text('"""m.\n\n' + note + '[Long]\n' + "  a line\n" * 30 + '"""\n\n\n# ' + note + '[Short]\n'
+                 "#   one\n#   two\n"
                  "def zeroify():\n" + "    x = 1\n" * 100 + "\n\ndef g():\n    pass\n")
     assert notes(f) == [("Long", 3, 30), ("Short", 37, 2)]
     name = lambda p: p.name   # noqa: E731
-    assert _over_notes([f], name) == ["  m.py:3 Note [Long]: 30 lines, over 25"]
+    assert _over_notes([f], name) == ["  m.py:3 note 'Long': 30 lines, over 25"]
     assert _over_docstrings([f], name) == []           # 2 lines once the Note is left out
     assert _over_functions([f], name) == []            # zeroify's own limit is api.py's alone
     g = tmp_path / "api.py"
