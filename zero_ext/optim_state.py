@@ -1,29 +1,25 @@
 """The wrapped optimizer's complete state, in torch's format: what DDP's optimizer gives.
 
 Note [Complete optimizer state]
-  A DDP script checkpoints with `optimizer.state_dict()` (often saved by rank 0 alone)
-  and resumes with `optimizer.load_state_dict(torch.load(path))` on every rank. A
+  A DDP script checkpoints with optimizer.state_dict(), often saved by rank 0 alone,
+  and resumes with optimizer.load_state_dict(torch.load(path)) on every rank. A
   sharded optimizer's state lives on N ranks, so:
-  - state_dict() assembles it: every rank calls it (collective; streamed bucket by
-    bucket, checkpoint.consolidated_state_dict) and every rank gets the state dict a
-    plain torch optimizer of the wrapped class would hold, in torch's numbering of the
-    parameters across param groups; a plain torch optimizer loads it, and so does
-    ZeroOptimizer at any world size and stage. A rank that calls it alone is named on
-    every rank with the fix (Note [Collective sequence check] in
-    csrc/engine/sequence.h), never left waiting or given a partial state.
-  - load_state_dict() takes such a dict, ours or one saved by a plain torch or DDP
-    run, on every rank; each rank copies only its own fragments: no collective.
+  - state_dict() assembles it. Every rank calls it (a collective, streamed bucket by
+    bucket: checkpoint.consolidated_state_dict). Every rank gets what a plain torch
+    optimizer of the wrapped class would hold, in torch's parameter numbering. A rank
+    calling it alone is named on every rank (Note [Collective sequence check] in
+    csrc/engine/sequence.h), never left waiting.
+  - load_state_dict() takes such a dict, ours or a plain torch or DDP run's, on every
+    rank, at any world size and stage. Each rank copies its own fragments: no collective.
   Stage 0 and world size 1 hold everything on every rank: no collective either.
-  Besides torch's two keys the dict holds "zero_ext_complete" (step counts per group,
-  loss scaler, skipped steps; with a bf16/fp16 param_dtype also "master_weights", each
-  trainable parameter's fp32 master by model state_dict key, since model.state_dict()
-  holds only its low-precision copy: the pair then resumes bit for bit, as FSDP2's fp32
-  sharded parameters and DeepSpeed's fp32 partitions do, when the model's state is loaded
-  first, as scripts do: model.load_state_dict writes the values it is given, so loaded after
-  the optimizer it replaces the masters by its bf16 copy), which torch's load_state_dict
-  ignores. The per-rank
-  form (ZeroOptimizer.sharded_state_dict) remains for a resume at the same world size,
-  stage and rank without assembling anything.
+  Besides torch's two keys the dict holds "zero_ext_complete", which torch ignores:
+  step counts per group, loss scaler, skipped steps. With a bf16/fp16 param_dtype it
+  also holds "master_weights": each trainable parameter's fp32 master, by state-dict
+  key, since model.state_dict() holds only the low-precision copy. The pair then
+  resumes bit for bit (as FSDP2 and DeepSpeed do) when the model is loaded first:
+  loaded after, the model would overwrite the masters with its bf16 copy.
+  The per-rank form (ZeroOptimizer.sharded_state_dict) resumes at the same world
+  size, stage and rank without assembling anything.
 """
 from __future__ import annotations
 
