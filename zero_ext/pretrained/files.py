@@ -63,7 +63,8 @@ def checkpoint_files(path: str) -> tuple[list[str], dict | None]:
     """(the safetensors files of checkpoint `path`, the index's weight_map or None).
     `path`: a directory (its model.safetensors.index.json, else model.safetensors, else
     its only *.safetensors file), a .safetensors file or an index .json file; <path>.old
-    when a save_pretrained was interrupted between its renames (Note [Streaming save_pretrained])."""
+    when a save_pretrained was interrupted between its renames (Note [Atomic save_pretrained] in
+    zero_ext/pretrained/save.py)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path) and os.path.isdir(path + ".old"):
         path += ".old"
