@@ -176,19 +176,19 @@ def _inspect(model, optimizers: list, cfg: ZeroConfig, meta: bool, weights: bool
                   f"cannot be flattened into a bucket; make it one before zeroify "
                   f"(p.data = p.data.to_dense().contiguous())")
     frozen = [p for p in model.parameters() if id(p) not in seen or not p.requires_grad]
-    desc = (cls_names, cfg.to_dict(),
+    fingerprinted = (cls_names, cfg.to_dict(),
             [(names[id(p)], tuple(p.shape), str(p.dtype), gi) for p, gi in zip(params, groups)],
             [(tuple(p.shape), str(p.dtype)) for p in frozen])
-    return params, groups, frozen, fused, desc, parts
+    return params, groups, frozen, fused, fingerprinted, parts
 
 
 PRIOR_STATE = "optimizer state given to zeroify"   # tags the summary the ranks also agree on (last item)
 
 
-def _prior_summary(desc: tuple) -> tuple:
+def _prior_summary(fingerprinted: tuple) -> tuple:
     """Note [State given to zeroify] (zero_ext/prior_state.py): the summary of the optimizer
     state this rank carries, from what the ranks agree on (() when there is none)."""
-    last = desc[-1] if len(desc) > 4 else None
+    last = fingerprinted[-1] if len(fingerprinted) > 4 else None
     return last[1] if isinstance(last, tuple) and len(last) == 2 and last[0] == PRIOR_STATE else ()
 
 
@@ -226,7 +226,7 @@ def _first_difference(mine: tuple, theirs: tuple, r: int) -> str:
 
 
 def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, free: int,
-                         desc: tuple | None) -> int:
+                         fingerprinted: tuple | None) -> int:
     """One small all-gather: every rank learns whether every other rank accepted
     its inputs and wraps the same parameters and config. Raises on all ranks, so
     no rank is left waiting in a later collective; when the inputs differ, the ranks
@@ -247,10 +247,10 @@ def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, 
                   f"(it is in their own log too) and run again")
     differ = [r for r in range(world) if everyone[r, 1] != fingerprint]
     if len(set(everyone[:, 1].tolist())) > 1:      # every rank sees it, so every rank exchanges
-        descs = comm.gather_object(desc, dst=None)
+        theirs = comm.gather_object(fingerprinted, dst=None)
         raise ZeroInputError(f"zero_ext: rank(s) {differ} wrap different parameters, param groups, optimizer "
                              f"(or optimizer state) or config than rank {rank}: "
-                             f"{_first_difference(desc, descs[differ[0]], differ[0])}; "
+                             f"{_first_difference(fingerprinted, theirs[differ[0]], differ[0])}; "
                              f"every rank must build the same model and call zeroify() with the same options")
     return int(everyone[:, 2].min())
 
@@ -410,15 +410,16 @@ def _checked_inputs(model, optimizer, problem: str | None, weights, stage, confi
     if auto:
         error = _auto_stage_error(optimizer)
     free = None
-    params = groups = frozen = parts = desc = plan = node_size = None
+    params = groups = frozen = parts = fingerprinted = plan = node_size = None
     fused, prior, prior_summary = False, [], ()
     if error is None:
         try:
             meta = isinstance(model, nn.Module) and is_meta(model)
-            params, groups, frozen, fused, desc, parts = _inspect(model, optimizers, cfg, meta, weights is not None)
+            params, groups, frozen, fused, fingerprinted, parts = _inspect(model, optimizers, cfg, meta,
+                                                                           weights is not None)
             if weights is not None:   # Note [Pretrained weights into shards]: checked here, agreed on below
                 plan = pretrained.make_plan(model, pretrained.as_weights(weights))
-                desc = desc + (plan.digest,)
+                fingerprinted = fingerprinted + (plan.digest,)
             # Note [State given to zeroify] (zero_ext/prior_state.py): a state loaded before wrapping
             prior, prior_summary = capture_prior_state(optimizers, parts, params,
                                                        {id(p): n for n, p in model.named_parameters()})
@@ -434,15 +435,15 @@ def _checked_inputs(model, optimizer, problem: str | None, weights, stage, confi
             node_size = resolve_node_size(cfg.node_size, world)
         except (ValueError, TypeError, ZeroUsageError) as e:
             error = e
-    text = repr(desc) if desc is not None else ""
+    text = repr(fingerprinted) if fingerprinted is not None else ""
     fingerprint = agreement = _hash(text)
-    shown = desc
+    agreed_on = fingerprinted
     if prior_summary:   # the ranks also agree on the optimizer state they carry
         agreement = _hash(text + repr(prior_summary))
-        shown = desc + ((PRIOR_STATE, prior_summary),)
+        agreed_on = fingerprinted + ((PRIOR_STATE, prior_summary),)
     verify = cfg.verify_across_ranks if cfg is not None else True
     if world > 1 and verify and backend != "fake":   # fake moves no data
-        least = _verify_across_ranks(comm, agreement, error, free[0] if free else -1, shown)
+        least = _verify_across_ranks(comm, agreement, error, free[0] if free else -1, agreed_on)
         if free is not None:   # every rank budgets with the least free memory, so all choose one stage
             free = (least, f"{free[1]}, the least over {world} ranks")
     elif error is not None:
