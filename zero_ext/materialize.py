@@ -286,7 +286,14 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
     for u in sorted(units.whole):
         units.close(u)
 
-    # what no call initialized, and parameters an init replaced by new objects
+    _check_all_written(model, units, log, slots, plain, unit_of, born, comm)
+
+
+def _check_all_written(model: nn.Module, units: _Units, log: _WriteLog, slots: dict, plain: list, unit_of: dict,
+                       born: set, comm) -> None:
+    """Raises on every rank (one tiny all-reduce) when a call left a tensor unwritten, or
+    replaced a parameter by a new object (Note [Meta builds lose nothing]). slots: what
+    each module's parameter and buffer slots held before the calls."""
     names = _qualified(model)
     missing = [names[k] for k, left in units.unset.items() if left]
     replaced = []
