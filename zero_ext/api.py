@@ -177,8 +177,8 @@ def _inspect(model, optimizers: list, cfg: ZeroConfig, meta: bool, weights: bool
                   f"(p.data = p.data.to_dense().contiguous())")
     frozen = [p for p in model.parameters() if id(p) not in seen or not p.requires_grad]
     fingerprinted = (cls_names, cfg.to_dict(),
-            [(names[id(p)], tuple(p.shape), str(p.dtype), gi) for p, gi in zip(params, groups)],
-            [(tuple(p.shape), str(p.dtype)) for p in frozen])
+                     [(names[id(p)], tuple(p.shape), str(p.dtype), gi) for p, gi in zip(params, groups)],
+                     [(tuple(p.shape), str(p.dtype)) for p in frozen])
     return params, groups, frozen, fused, fingerprinted, parts
 
 
@@ -261,14 +261,6 @@ def _device_of(model) -> torch.device:
         for p in model.parameters():
             return p.device if p.device.type != "meta" else torch.device("cpu")
     return torch.device("cpu")
-
-
-def _auto_stage_error(optimizer):
-    """stage="auto"'s own input check (rank-local)."""
-    if isinstance(optimizer, (list, tuple)):
-        return ZeroInputError("zero_ext: stage='auto' takes one torch optimizer; with several (e.g. Muon + "
-                              "AdamW) pass stage=1, 2 or 3")
-    return None
 
 
 def _resolve_auto_stage(model, optimizer, cfg: ZeroConfig, free, rank: int, world: int, backend: str) -> None:
@@ -407,8 +399,9 @@ def _checked_inputs(model, optimizer, problem: str | None, weights, stage, confi
             raise ZeroInputError("zero_ext: " + wrong_device)
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     auto = error is None and cfg.stage == "auto"
-    if auto:
-        error = _auto_stage_error(optimizer)
+    if auto and isinstance(optimizer, (list, tuple)):
+        error = ZeroInputError("zero_ext: stage='auto' takes one torch optimizer; with several (e.g. Muon + "
+                               "AdamW) pass stage=1, 2 or 3")
     free = None
     params = groups = frozen = parts = fingerprinted = plan = node_size = None
     fused, prior, prior_summary = False, [], ()

@@ -94,7 +94,7 @@ def _saved(model: ZeroModel, adapter_only: bool, dtype) -> list:
     return out
 
 
-class _Whole:
+class _WholeTensors:
     """A sink of whole tensors on rank 0 (a PEFT adapter)."""
 
     def __init__(self, tensors: list):
@@ -161,11 +161,11 @@ def _stream(model: ZeroModel, comm, saved: list, sink) -> None:
                 sink.put(name, 0, t.detach())
 
 
-def _write_config(base: nn.Module, directory: str, dtype) -> list:
-    """The config and generation config as save_pretrained writes them; the files written."""
+def _write_config(base: nn.Module, directory: str, dtype) -> None:
+    """The config and generation config as save_pretrained writes them."""
     config = getattr(base, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
-        return []
+        return
     config = copy.deepcopy(config)
     config.dtype = str(dtype or torch.float32).split(".")[1]
     config.architectures = [type(base).__name__]
@@ -174,11 +174,10 @@ def _write_config(base: nn.Module, directory: str, dtype) -> list:
     can = getattr(base, "can_generate", None)
     if gen is not None and callable(can) and can():
         gen.save_pretrained(directory)
-    return sorted(os.listdir(directory))
 
 
 def _commit(tmp: str, path: str, weights_last: list) -> None:
-    """Note [Streaming save_pretrained]: <dir>.tmp into <dir>."""
+    """Note [Atomic save_pretrained]: <dir>.tmp into <dir>."""
     made = set(os.listdir(tmp))
     if not os.path.isdir(path) or not any(os.path.isdir(os.path.join(path, f)) for f in os.listdir(path)):
         for f in os.listdir(path) if os.path.isdir(path) else ():
@@ -239,7 +238,8 @@ def save_pretrained(model, save_directory, *, max_shard_size: int | str = "5GB",
     _decide(comm, error)
     sink = None
     if engine.rank == 0:
-        sink = _Guarded(lambda: _Whole([(n, dt, s) for n, _, _, dt, s in saved]) if peft else Writer(tmp, files))
+        whole = [(n, dt, s) for n, _, _, dt, s in saved]
+        sink = _Guarded(lambda: _WholeTensors(whole) if peft else Writer(tmp, files))
     try:
         _stream(model, comm, saved, sink)
     except RuntimeError as e:   # a collective failed: another rank died
