@@ -201,11 +201,6 @@ def delay_collectives(model_or_optimizer, ms: float, serialize: bool = False) ->
         comm.delay_s = ms / 1000.0
 
 
-def comm_of(optimizer) -> Comm:
-    """The Comm of a zeroified (core) optimizer."""
-    return optimizer._comm
-
-
 class SideChannel:
     """Point-to-point messages on a gloo group of its own (host memory), beside the
     engine's group: the shard servers' (Note [Shard server] in zero_ext/shard_server.py).
