@@ -35,7 +35,6 @@ Note [What estimate_memory counts]
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 from torch import nn
