@@ -18,6 +18,7 @@ Note [Safetensors by byte range]
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -260,12 +261,7 @@ def plan_files(tensors: list[tuple[str, torch.dtype, tuple]], max_shard_bytes: i
     return {f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors": s for k, s in enumerate(shards)}
 
 
-def numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
+numel = math.prod   # the elements of a shape
 
 class Writer:
     """Files of a planned layout, each header written first; put() writes a piece of a
