@@ -17,7 +17,8 @@ Note [State given to zeroify]
     does not include it.
   - restore(): once the ZeroOptimizer exists, each state goes through its torch-format
     load_state_dict (Note [Complete optimizer state] in zero_ext/optim_state.py). Each
-    rank copies its own fragments: no collective. The retired torch optimizer's state
+    rank copies its own fragments: no collective; in every stage, with offload,
+    low-precision masters and several optimizers. The retired torch optimizer's state
     is then cleared, or it would keep full-size moments. Per-group hyperparameters
     need no carrying: the returned optimizer shares the torch one's param_groups.
 """
