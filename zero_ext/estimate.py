@@ -333,6 +333,8 @@ def _alignments(cfg: ZeroConfig, world_size: int):
 
 
 def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int, parts: int):
+    """The engine's bucket plan: a row (group, unit, numel, padded numel, shard numel) per
+    bucket, in bucket order (csrc/plan_binding.cpp)."""
     from . import _C
     bucket = cfg.resolved_bucket_bytes(4 * sum(numels))
     return _C.plan_layout(numels, groups, units or [], cfg.stage, parts, bucket, cfg.first_bucket_bytes,
