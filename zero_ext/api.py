@@ -513,6 +513,7 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
     if opts.offload:
         warn_unfused(ins.parts)
     shapes = [tuple(p.shape) for p in params]   # stage 3 empties them: checkpoints need them
+    frozen_shapes = [tuple(p.shape) for p in sharded_frozen]
     engine = _C.Engine(params, ins.groups, units, ins.pg if world > 1 else None, opts)
     if sharded_frozen:   # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp)
         engine.add_frozen(sharded_frozen, frozen_units,
@@ -534,7 +535,7 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), units[i] if units else 0))
     for p, u in zip(sharded_frozen, frozen_units):
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), u))
-    guard = ModelGuard(wrapped, model, params, shapes, sharded_frozen, [tuple(p.shape) for p in sharded_frozen])
+    guard = ModelGuard(wrapped, model, params, shapes, sharded_frozen, frozen_shapes)
     # what this rank holds for frozen parameters: whole ones, and its stage-3 slices
     frozen_bytes = sum(p.numel() * p.element_size() for p in replicated) + engine.frozen_shard_bytes
     zopt = _made(ZeroOptimizer, into[1][0] if into and len(optimizers) == 1 else None, optimizers, engine, cfg,
