@@ -24,7 +24,8 @@ Note [Accelerate around a zeroified model]
     flat bucket, and it drops tensors sharing a storage.
   - Precision: mixed_precision="bf16"/"fp16" run forward under autocast. With "fp16",
     Accelerate's GradScaler unscales the sharded gradients (Note [GradScaler on sharded
-    gradients] in zero_ext/amp.py); with zero_ext's own param_dtype it is refused.
+    gradients] in zero_ext/amp.py); it is refused with zero_ext's own loss scaling
+    (param_dtype="fp16") or step_in_backward.
 """
 from __future__ import annotations
 
