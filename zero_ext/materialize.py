@@ -64,11 +64,10 @@ def meta_parameters():
         handle.remove()
 
 
-def replace_meta(model: nn.Module, optimizer, float_dtype: torch.dtype | None = None) -> set:
+def replace_meta(model: nn.Module, optimizers: list, float_dtype: torch.dtype | None = None) -> set:
     """Swap every meta parameter/buffer for an uninitialized CPU one (pages not yet
-    touched, so no memory is resident), keeping ties and the references of the
-    optimizer (or of each optimizer of a list); float_dtype: the dtype of the new
-    floating-point parameters (None: each one's own).
+    touched, so no memory is resident), keeping ties and the optimizers' references;
+    float_dtype: the dtype of the new floating-point parameters (None: each one's own).
     Returns the ids of the new tensors (what initialize_by_unit must see written)."""
     new: dict[int, nn.Parameter] = {}
     born: set = set()
@@ -84,7 +83,7 @@ def replace_meta(model: nn.Module, optimizer, float_dtype: torch.dtype | None = 
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
                 born.add(id(m._buffers[name]))
-    for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+    for opt in optimizers:
         for g in opt.param_groups:
             g["params"] = [new.get(id(p), p) for p in g["params"]]
         # the optimizer also indexes its (empty) state by parameter
