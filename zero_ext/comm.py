@@ -1,22 +1,20 @@
 """comm.py — every collective zero_ext issues from Python, on tensors of the engine's device.
 
 Note [One communication layer]
-  A process group made by init_process_group("nccl") has a backend for CUDA tensors only
-  (its `_device_types` is [cuda]); a collective on a CPU tensor fails there with "No
-  backend type associated with device type cpu", and a CPU-only group (gloo built
-  without CUDA, "cpu:gloo") refuses CUDA tensors. So every collective zero_ext issues
-  runs on tensors of the engine's device (the parameters' device), through one of two
-  places: the C++ engine's Communicator (csrc/engine/comm.h) for training, and this
-  module for everything Python does once (zeroify's agreement check and broadcast, the
-  meta-device build's verdict, the inf-norm, checkpoint verdicts, manifests and
-  consolidation). Objects travel as pickled bytes in a uint8 tensor on that device, so
-  nothing depends on torch.cuda.current_device() having been set by the script.
-  torch.distributed.checkpoint (DCP) runs its own object collectives; it chooses their
-  device from the group's `_device_types`, which the check below makes agree with ours.
-  tests/test_comm_layer.py spies on torch.distributed and fails on a collective that
-  bypasses this module or carries a tensor of another device.
-  One side channel carries CPU tensors by design, point to point on a gloo group of its
-  own: the shard servers' (zero_ext/alone/channel.py), never on the engine's group.
+  A group made by init_process_group("nccl") carries CUDA tensors only; a CPU tensor
+  fails there ("No backend type associated with device type cpu"). A CPU-only group
+  refuses CUDA tensors. So every collective zero_ext issues runs on tensors of the
+  engine's device (the parameters'), through one of two places:
+  - the C++ engine's Communicator (csrc/engine/comm.h), for training;
+  - this module, for what Python does once: zeroify's agreement check and broadcast,
+    the meta build's verdict, the inf-norm, checkpoint verdicts and consolidation.
+  Objects travel as pickled bytes in a uint8 tensor on that device, so nothing depends
+  on torch.cuda.current_device(). torch.distributed.checkpoint chooses its own
+  collectives' device from the group's `_device_types`, which check_device makes agree.
+  tests/test_comm_layer.py fails on a collective that bypasses this module or carries a
+  tensor of another device. One side channel carries CPU tensors by design: the shard
+  servers' messages, point to point on a gloo group of their own
+  (zero_ext/alone/channel.py), never on the engine's group.
 """
 from __future__ import annotations
 

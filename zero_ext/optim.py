@@ -230,16 +230,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # Note [Step hooks]
     #   torch.optim.Optimizer.__init__ wraps a subclass's step() in profile_hook_step: a
-    #   record_function around it and the global and per-optimizer step pre/post hooks.
-    #   Through the dispatcher the record_function costs about as much as everything else
-    #   around our kernels together (benchmarks/bench_step_glue.py, 2^19 elements:
-    #   ~38 of ~85 us of glue), even with no profiler running. So step is marked hooked
-    #   (torch leaves it alone) and does the same itself: where a hook is registered or a
-    #   profiler is on, torch's own wrapper runs (_hooked_step); otherwise the step runs
-    #   directly. Hooks, their order and argument rewriting, and the profiler's
-    #   "Optimizer.step#ZeroOptimizer.step" range stay torch's (tests/test_after_zeroify.py).
-    #   For the same reason _step turns gradients off itself rather than through the
-    #   torch.no_grad() decorator (~15 us a call: a context object, its clone, two mode switches).
+    #   record_function, and the global and per-optimizer step pre/post hooks. The
+    #   record_function alone costs about as much as the rest of our glue (~38 of ~85 us,
+    #   benchmarks/bench_step_glue.py), even with no profiler running. So step is marked
+    #   hooked (torch leaves it alone) and dispatches itself: where a hook is registered
+    #   or a profiler is on, torch's own wrapper runs (_hooked_step); otherwise the step
+    #   runs directly. Hooks and the profiler's range stay torch's
+    #   (tests/test_after_zeroify.py). For the same reason _step turns gradients off
+    #   itself: the torch.no_grad() decorator costs ~15 us a call.
     def step(self, closure=None):
         if (_optim_module._global_optimizer_pre_hooks or _optim_module._global_optimizer_post_hooks
                 or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks

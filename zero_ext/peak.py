@@ -77,9 +77,9 @@ def activation_peak(model: torch.nn.Module, loss_fn) -> int:
     return live.peak
 
 
-def peak_bytes(est: dict, stage: int, prefetch_depth: int, activations: int, on_cpu: bool) -> dict:
+def peak_bytes(est: dict, prefetch_depth: int, activations: int, on_cpu: bool) -> dict:
     """The peak from an estimate_memory result and the activations' peak: what is held at the loss."""
-    msb, buf = est["model_state_bytes"], est["buffer_bytes"]
+    msb, buf, stage = est["model_state_bytes"], est["buffer_bytes"], est["stage"]
     state = msb["parameters"] + msb["master_weights"] + msb["optimizer_states"]
     gradients = msb["gradients"] if stage <= 1 else 0   # stages 0-1 keep their gradient buckets
     gathered = buf.get("gathered_root", 0) + (buf.get("gathered_unit", 0) if prefetch_depth > 0 else 0)
