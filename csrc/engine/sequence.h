@@ -78,8 +78,12 @@
 
 #include <array>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "engine/away.h"     // defines: Away, StorePtr
+#include "engine/digest.h"
 
 namespace zx {
 
@@ -87,50 +91,8 @@ class Params;   // params.h
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
-using StorePtr = c10::intrusive_ptr<c10d::Store>;
 
-enum SeqKind : int64_t {
-    kSeqAllReduce = 1, kSeqReduceScatter = 2, kSeqAllGather = 3, kSeqBroadcast = 4,
-    // A stage-3 unit needed by the unit hooks: recorded like a collective (no data), so that
-    // a unit one rank skips shows in the digest before the collectives that follow it can
-    // pair wrongly. Python passes it as sequence_mark(kUnitNeedBase + unit).
-    kSeqUnitNeed = 5,
-    // A mark exchanged at once (Note [Exchanges on deviation]): recorded like a collective
-    // (no data), so that a rank waiting there shows where it is.
-    kSeqMark = 6,
-};
-// Marked by the Python glue (zero_ext/model.py, optim.py use the same numbers).
-enum SeqPhase : int64_t {
-    kPhaseNone = 0, kPhaseForward = 1, kPhaseBackward = 2, kPhaseClip = 3, kPhaseStep = 4,
-    kPhaseForwardNoGrad = 5,   // a forward without autograd: evaluation, generation
-    // Python collectives (Engine::sequence_sync): always exchanged first
-    kPhaseModelState = 6,      // model.state_dict() (stage 3 gathers the units)
-    kPhaseOptimState = 7,      // optimizer.state_dict() / load_state_dict()
-    kPhaseCheckpoint = 8,      // zero_ext.save / load / consolidated_state_dict
-    kPhaseGradStats = 9,       // norms of sharded gradients (Note [Sharded gradients])
-    kPhaseLast = kPhaseGradStats,
-};
-// The phases that only read (Note [Reading alone]): a rank in one alone goes away whatever
-// its pattern says; a servable forward (stage 3) only where it leaves its pattern.
-inline bool reads_only(int64_t phase) { return phase >= kPhaseForwardNoGrad && phase <= kPhaseCheckpoint; }
-// sequence_mark(kUnitNeedBase + unit): stage-3 unit `unit` is needed (Sequence::unit_need).
-constexpr int64_t kUnitNeedBase = 16;
-
-struct SeqRecord {
-    int64_t seq = 0;      // 1-based count of collectives issued
-    int64_t step = 0;     // step() calls begun
-    int64_t micro = 0;    // backward passes begun since the last step()
-    int64_t phase = kPhaseNone;
-    int64_t kind = 0;
-    int64_t bucket = -1;
-    int64_t unit = -1;    // stage 3
-    int64_t numel = 0;
-    int64_t hash = 0;     // running hash of this and every earlier record
-};
-constexpr int64_t kRecordFields = 9;
-// An exchanged digest: the record, the frozen summary (4), the mark's flags (1).
-constexpr int64_t kDigest = kRecordFields + 5;
-constexpr int64_t kFlagServable = 1, kFlagKnown = 2;   // the mark could be served; its pattern expected it
+// SeqKind, SeqPhase, SeqRecord and the digest's layout: digest.h (no torch).
 
 // Which trainable parameters no longer require grad (Note [Collective sequence check]).
 struct FrozenSummary {
@@ -195,7 +157,7 @@ public:
     bool mark(int64_t phase, const FrozenSummary &frozen, bool now = false, bool servable = false);
     // This rank reads alone: its reads go to the other ranks' shard servers, and its
     // sequence records nothing until it is back where the others wait (away.h).
-    bool away() const { return away_.on; }
+    bool away() const { return away_.on(); }
     // Stage 3: unit `unit` is needed (recorded, no data; exchanged on a deviation).
     void unit_need(int64_t unit);
     // Exchange digests now (every rank that runs the same program calls it here).
@@ -209,20 +171,11 @@ public:
 private:
     [[noreturn]] void fail(const std::string &msg);
     // Exchanges digests with `next`; a mismatch where some ranks are in servable phases sends
-    // them away instead of failing (away_verdict). Returns whether this rank went away.
-    bool exchange(const SeqRecord &next);
-    // --- reading alone (away.cpp, Note [Reading alone]) ---
-    // The mark just committed (key, pass_start) of a rank that is away: true while it stays
-    // away (nothing of the mark is recorded), false once it is back (a mark as any).
-    bool settle_away(int64_t key, bool pass_start, bool servable);
-    bool together(int64_t key);                 // pattern schedule: are all ranks at this deviation?
-    [[noreturn]] void fail_alone(const SeqRecord &attempt);   // a collective this rank cannot make alone
-    // Away, at record r of a collective (or of a mark exchanged at once): back where the others
-    // wait, or fail_alone. Returns true when r is dealt with (recorded, no exchange).
-    bool rejoin_at(const SeqRecord &r);
-    // A mismatched exchange's table (world x kDigest): 1 this rank goes away, 0 it stays while
-    // others go, -1 a divergence.
-    int away_verdict(const int64_t *table);
+    // them away instead of failing (exchange_verdict, Note [Going away]). Returns, when this
+    // rank goes away, the digest of the ranks that go on (empty: none does).
+    std::optional<std::vector<int64_t>> exchange(const SeqRecord &next);
+    // A collective this rank cannot make alone (Note [Back from away]): raises on every rank.
+    [[noreturn]] void fail_alone(const SeqRecord &attempt);
     std::vector<int64_t> digest(const SeqRecord &r) const;   // what exchange() sends for r
     SeqRecord next_record(int64_t kind, int64_t numel) const;   // the record a collective would get
     void record(const SeqRecord &r);
@@ -267,9 +220,6 @@ private:
     } sched_;
     static constexpr int64_t kLearnCycles = 2;
     bool learned() const { return sched_.cycles >= kLearnCycles; }
-    // Whether a rank that met no one at a servable mark of this phase reads alone: one that
-    // only reads, or any once the pattern is learned (before, every rank exchanges there).
-    bool alone_at(int64_t phase) const { return reads_only(phase) || learned(); }
     // Watched waits (Note [Collective sequence check], 2.): the store the records are
     // published to, this engine's id in its keys, records published, patience.
     struct Waits {
@@ -277,15 +227,7 @@ private:
         int64_t id = 0, published = 0;
         double patience_s = 3.0;
     } waits_;
-    // Note [Reading alone] (away.h): whether this rank is away, and what the ranks that stayed
-    // exchanged when it left (every-phase schedule), where it rejoins them.
-    struct Away {
-        bool on = false;
-        bool by_exchange = false;         // decided in a digest exchange (no store to meet in)
-        std::vector<int64_t> stayers;     // then: their digest; empty: every rank went away
-        StorePtr store;                   // where ranks meet; null: they meet in the exchange
-        int64_t step = -1, meetings = 0;  // store meetings at this step
-    } away_;
+    Away away_;   // whether this rank reads alone (Note [Reading alone], away.h)
 };
 
 }  // namespace zx
