@@ -1,20 +1,20 @@
 """Elastic training with torchrun's own agent (README, "Elastic training"): two agents
 on this machine (c10d rendezvous on 127.0.0.1, --nnodes=1:2, 2 processes each) train
-examples/train_gpt.py with a checkpoint every K steps. The second agent is killed with
-its workers mid-training; the first restarts its workers, which resume at world size 2
-from the last complete checkpoint; a new second agent joins and the job goes back to
-world size 4, resuming again. The final parameters must equal those of a run that
-follows the same world-size schedule from the same checkpoints without interruption
-(one plain torchrun job per segment), every resume must come from the last checkpoint
-saved before the interruption, and the final checkpoint must verify and hold the last step.
+examples/train_gpt.py with a checkpoint every K steps. Agent A starts alone (world size 2);
+agent B joins after the first checkpoint and the job resumes at world size 4 (grow); B is
+killed with its workers after the next checkpoint and A's workers resume at world size 2
+(shrink). Every resume must come from the last checkpoint saved before it, the final
+checkpoint must verify and hold the last step, and each resumed segment must equal a plain
+torchrun job that runs it uninterrupted at the same world size from a copy of the
+checkpoint it resumed from (taken while no worker runs: between the old workers' exit and
+the new ones' start-up).
 
 Most of the test's time is processes starting (an agent imports torch.distributed.run, each
-worker torch and zero_ext), not training (~13 ms a step). The agent that joins and the
-reference's agents are started ahead of time, imported and held (HELD): the world-2 segment
-then lasts about a second after the join is let go instead of an agent's start-up, so STEPS
-= 300 leaves the job at world 2 a wide margin (it went back to world 4 from step 50 and 90
-in two runs), where 600 steps covered a cold start. Alone on a 2-core machine the test took
-62-70 s; beside another pytest worker, on a machine other jobs loaded too, 122-155 s.
+worker torch and zero_ext), not training. So the agents start ahead of time, imported and
+held (HELD), the reference jobs run while the job's last segment does, and the job starts
+at world size 2 (8 worker start-ups, not 10; the segment trained from scratch needs no
+reference: it is no resume). STEPS = 300 leaves the first world-2 segment a wide margin (B
+joins within about a second of the first checkpoint).
 """
 import json
 import os
@@ -171,28 +171,78 @@ def _saves(log):
 def _drop(held):
     """End the _held() agents that were not used (they wait on their stdin)."""
     for p in held:
-        p.kill()
-        p.communicate()
+        if p.poll() is None:
+            p.kill()
+        p.wait()
 
 
-def _standalone(nproc, steps, ckpt, agent):
-    """One plain torchrun job on `agent`, a _held() process with pipes."""
-    args = ["--standalone", f"--nproc_per_node={nproc}",
-            SCRIPT, *MODEL, "--steps", str(steps), "--save-every", str(EVERY), "--checkpoint", ckpt]
+def _workers(agent):
+    """The training processes below `agent` now."""
+    out = []
+    for pid in _descendants(agent.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"train_gpt.py" in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def _gone(pid):
     try:
-        out, err = agent.communicate(json.dumps(args) + "\n", timeout=TIMEOUT_S)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")   # exited, not yet reaped
+    except OSError:
+        return True
+
+
+def _snapshot(run, dest, workers, deadline):
+    """Copy the job's checkpoint directory once `workers` have exited: until the next
+    workers start and save, nothing writes it, so the copy is what they resume from."""
+    while not all(_gone(p) for p in workers):
+        assert time.monotonic() < deadline, "the workers did not exit"
+        time.sleep(0.02)
+    shutil.copytree(run, dest)
+
+
+def _reference(nproc, steps, start, work, agent):
+    """A plain torchrun job on `agent` (a _held() process) that trains from a copy of the
+    directory `start` to `steps` at world size nproc, in `work`; returns its checkpoint."""
+    shutil.copytree(start, work)
+    ckpt = os.path.join(work, "ckpt")
+    agent.stdin.write(json.dumps(["--standalone", f"--nproc_per_node={nproc}", SCRIPT, *MODEL, "--steps", str(steps),
+                                  "--save-every", str(EVERY), "--checkpoint", ckpt]) + "\n")
+    agent.stdin.close()
+    return ckpt
+
+
+def _finish(agent, out, deadline):
+    try:
+        code = agent.wait(timeout=max(1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         agent.kill()
         raise
-    assert agent.returncode == 0, out[-3000:] + err[-3000:]
-    return out
+    with open(out) as f:
+        assert code == 0, f.read()[-6000:]
+
+
+def _assert_same(got, expect, what):
+    """Two consolidated checkpoints: the same step, samples and world size, parameters within 1e-5."""
+    assert got["extra"] == expect["extra"], (what, got["extra"], expect["extra"])
+    assert got["model"].keys() == expect["model"].keys()
+    for name, tensor in expect["model"].items():
+        torch.testing.assert_close(got["model"][name], tensor, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{what}: {name}: {m}")
 
 
 def test_elastic_shrink_and_grow(tmp_path):
     from zero_ext.checkpoint import consolidate, read_manifest
 
     deadline = time.monotonic() + TIMEOUT_S
-    ckpt = str(tmp_path / "ckpt")
+    run = str(tmp_path / "run")                 # the checkpoint and its .tmp/.old siblings
+    os.makedirs(run)
+    ckpt = os.path.join(run, "ckpt")
     port = _free_port()
 
     def agent_args(host):
@@ -200,75 +250,73 @@ def test_elastic_shrink_and_grow(tmp_path):
         return ["--nnodes=1:2", "--nproc_per_node=2", "--max-restarts=3", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", "--monitor-interval=0.2",
                 # a dead agent leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt
-                # seconds without a heartbeat (torch's default: 5 x 3)
-                f"--rdzv-conf=is_host={int(host)},last_call_timeout=4,join_timeout=120,read_timeout=30,"
+                # seconds without a heartbeat (torch's default: 5 x 3); A alone waits last_call_timeout
+                # for others before each of its rounds (no round here needs two agents at once)
+                f"--rdzv-conf=is_host={int(host)},last_call_timeout=1,join_timeout=120,read_timeout=30,"
                 "keep_alive_interval=1,keep_alive_max_attempt=3",
                 SCRIPT, *MODEL, "--steps", str(STEPS), "--save-every", str(EVERY), "--checkpoint", ckpt]
 
-    log = []
+    log, refs, outs = [], [], []
     a = Agent("A", agent_args(True), log)
-    time.sleep(0.5)
-    b = Agent("B", agent_args(False), log)
-    b2, refs = None, []
+    # B and the two reference jobs' agents import while A starts
+    b = Agent("B", agent_args(False), log, held=True)
+    for k in range(2):
+        outs.append(str(tmp_path / f"ref{k}.log"))
+        with open(outs[-1], "w") as f:
+            refs.append(_held(stdout=f, stderr=subprocess.STDOUT))
     try:
-        _wait_for(log, r"\| world size 4 \|", deadline)
-        # B2, the agent that joins the world-2 job, imports while the others train, so that
-        # it joins within a second of its go(): the world-2 segment need not outlast its start
-        b2 = Agent("B2", agent_args(False), log, held=True)
-        _wait_for(log, rf"saved .* at step {2 * EVERY} ", deadline)
+        _wait_for(log, r"\| world size 2 \|", deadline)
+        _wait_for(log, rf"saved .* at step {EVERY} ", deadline)
+        first = _workers(a)
+        assert first, "agent A's workers were not found"
+        b.go()                                   # grow: B joins, A's workers stop
+        log.append((time.monotonic(), "test", "let agent B join"))
+        _snapshot(run, str(tmp_path / "at_grow"), first, deadline)
+        t4, line = _wait_for(log, r"resumed from .* now world size 4", deadline)
+        s4 = int(re.search(r"at step (\d+)", line).group(1))
+        _wait_for(log, rf"saved .* at step {s4 + EVERY} ", deadline, after=t4)
+        second = _workers(a)
+        assert second, "agent A's workers were not found"
         killed_at = time.monotonic()
-        b.kill()
+        b.kill()                                 # shrink: B and its workers die
         log.append((killed_at, "test", "killed agent B and its workers"))
-        t2, _ = _wait_for(log, r"resumed from .* now world size 2", deadline, after=killed_at)
-        b2.go()
-        log.append((time.monotonic(), "test", "let agent B2 join"))
-        _wait_for(log, r"resumed from .* now world size 4", deadline, after=t2)
-        # the reference's agents (one per segment, usually 3) import while the job ends
-        refs = [_held(stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
+        _snapshot(run, str(tmp_path / "at_shrink"), second, deadline)
+        t2, line = _wait_for(log, r"resumed from .* now world size 2", deadline, after=killed_at)
+        s2 = int(re.search(r"at step (\d+)", line).group(1))
+        # the segments the job resumed, each from a copy of what it resumed from, beside its last one
+        grown = _reference(4, s2, str(tmp_path / "at_grow"), str(tmp_path / "ref_grown"), refs[0])
+        shrunk = _reference(2, STEPS, str(tmp_path / "at_shrink"), str(tmp_path / "ref_shrunk"), refs[1])
         assert a.wait(deadline) == 0, "agent A failed"
-        assert b2.wait(deadline) == 0, "agent B2 failed"
-    except BaseException:
-        _drop(refs)
-        raise
+        for agent, out in zip(refs, outs):
+            _finish(agent, out, deadline)
     finally:
-        for agent in (a, b, b2):
-            if agent is not None and agent.proc.poll() is None:
+        _drop(refs)
+        for agent in (a, b):
+            if agent.proc.poll() is None:
                 os.killpg(agent.proc.pid, signal.SIGKILL)
     text = "\n".join(f"[{t:9.2f}] {n}: {l}" for t, n, l in sorted(log))
     print(text)
 
-    try:
-        runs = _segments(log)
-        saves = _saves(log)
-        worlds = [w for _, _, w in runs]
-        assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4, text
-        i2 = worlds.index(2)
-        assert 4 in worlds[i2:], text
-        # every resume came from the last checkpoint completed before it started: the last one
-        # logged, or the next one, when the agent stopped the workers after that save completed
-        # but before its line reached the log (seen once: resumed at 150, last line at 140)
-        for t, start, _ in runs[1:]:
-            before = [s for ts, s in saves if ts < t]
-            assert before and start in (before[-1], before[-1] + EVERY), \
-                f"resumed at {start}, last save before it {before[-1:]}\n{text}"
-        assert runs[i2][1] >= 2 * EVERY
-        # the final checkpoint verifies (sizes, CRCs) and holds the last step
-        final = consolidate(ckpt)
-        assert final["extra"]["step"] == STEPS and final["extra"]["samples"] > 0, final["extra"]
-        assert read_manifest(ckpt)
-
-        # the same world-size schedule from the same checkpoints, uninterrupted
-        ref = str(tmp_path / "ref")
-        bounds = [(start, w) for _, start, w in runs]
-        for k, (start, w) in enumerate(bounds):
-            end = bounds[k + 1][0] if k + 1 < len(bounds) else STEPS
-            if end > start:
-                agent = refs.pop(0) if refs else _held(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                _standalone(w, end, ref, agent)
-    finally:
-        _drop(refs)
-    expect = consolidate(ref)
-    assert expect["extra"] == final["extra"] | {"world_size": expect["extra"]["world_size"]}
-    for name, tensor in expect["model"].items():
-        torch.testing.assert_close(final["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    runs = _segments(log)
+    saves = _saves(log)
+    assert [w for _, _, w in runs] == [2, 4, 2], text
+    # every resume came from the last checkpoint completed before it started: the last one
+    # logged, or the next one, when the agent stopped the workers after that save completed
+    # but before its line reached the log (seen once: resumed at 150, last line at 140)
+    for t, start, _ in runs[1:]:
+        before = [s for ts, s in saves if ts < t]
+        assert before and start in (before[-1], before[-1] + EVERY), \
+            f"resumed at {start}, last save before it {before[-1:]}\n{text}"
+    assert [start for _, start, _ in runs] == [0, s4, s2] and EVERY <= s4 < s2, text
+    # the copies are what the resumed workers loaded
+    at_grow = consolidate(str(tmp_path / "at_grow" / "ckpt"))
+    at_shrink = consolidate(str(tmp_path / "at_shrink" / "ckpt"))
+    assert (at_grow["extra"]["step"], at_shrink["extra"]["step"]) == (s4, s2), text
+    # the final checkpoint verifies (sizes, CRCs) and holds the last step
+    final = consolidate(ckpt)
+    assert final["extra"]["step"] == STEPS and final["extra"]["samples"] > 0, final["extra"]
+    assert read_manifest(ckpt)
+    # each resumed segment equals the same segment run uninterrupted
+    _assert_same(at_shrink, consolidate(grown), f"world size 4, steps {s4}-{s2}")
+    _assert_same(final, consolidate(shrunk), f"world size 2, steps {s2}-{STEPS}")
     shutil.rmtree(tmp_path, ignore_errors=True)
