@@ -5,7 +5,7 @@
 //
 // Note [Going away]
 //   Terms. A "servable" mark is one Note [Reading alone] (away.h) lets be served. A mark is
-//   "known" when the rank's pattern expects it (Note [Exchanges on deviation], sequence.h).
+//   "known" when the rank's pattern expects it (Note [Learned pattern], sequence.h).
 //   The pattern is "learned" after kLearnCycles cycles; before, every rank exchanges at
 //   its servable marks.
 //   With a store: a servable mark that is not known, that only reads, or any while the
