@@ -43,7 +43,7 @@ def _status(key: str) -> float:
     return 0.0
 
 
-def worker(system: str, layers: int, steps: int, out: str) -> None:
+def worker(system: str, layers: int, steps: int, out: str, extra: dict, timeline: bool = False) -> None:
     import ctypes
     import gc
 
@@ -75,6 +75,7 @@ def worker(system: str, layers: int, steps: int, out: str) -> None:
         import zero_ext
         stage = int(system[4])
         options = {"zero3-bf16": dict(param_dtype="bf16"), "zero3-offload": dict(offload="cpu")}.get(system, {})
+        options.update(extra)
         if stage == 3:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             model, opt = zero_ext.zeroify(model, opt, stage=3, unit_modules=["Block"], init_fn=init, **options)
@@ -100,15 +101,30 @@ def worker(system: str, layers: int, steps: int, out: str) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     row = {"system": system, "rank": rank, "world": world, "params": n}
+    plain = getattr(model, "module", model)
+    probe = None
     for it in range(steps):
         if it == 1:
             gc.collect()
             open("/proc/self/clear_refs", "w").write("5")   # VmHWM := VmRSS
+        if timeline and it == steps - 1:
+            from memory_timeline import Timeline, engine_owners, torch_owners
+            probe = Timeline(plain.blocks, plain, engine_owners(zopt) if zopt is not None else torch_owners(plain, opt))
+            probe.__enter__()
         x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1), generator=g)
         _, loss = model(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+        if probe is not None:
+            probe.mark("loss")
         loss.backward()
+        if probe is not None:
+            probe.mark("backward end")
         opt.step()
+        if probe is not None:
+            probe.mark("step end")
         opt.zero_grad(set_to_none=True)
+        if probe is not None:
+            probe.__exit__(None, None, None)
+            row_timeline = probe.result(base)
     gc.collect()
     row["steady"] = _status("VmRSS") - base
     row["peak"] = _status("VmHWM") - base
@@ -126,16 +142,18 @@ def worker(system: str, layers: int, steps: int, out: str) -> None:
         row["accounted"] = sum(e[k] for k in ("parameters", "master_weights", "optimizer_states", "gradients_held",
                                               "grad_ring_held", "gathered_now", "offload_host") if k in e)
         row["other"] = row["steady"] - row["accounted"]
+    if probe is not None:
+        row["timeline"] = row_timeline
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(row, f)
     dist.destroy_process_group()
 
 
-def run(system: str, world: int, layers: int, steps: int) -> dict:
+def run(system: str, world: int, layers: int, steps: int, extra: str = "{}", timeline: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "examples")]))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__,
-               "--worker", system, "--layers", str(layers), "--steps", str(steps), "--out", tmp]
+               "--worker", system, "--layers", str(layers), "--steps", str(steps), "--out", tmp, "--zero-options", extra] + (["--timeline"] if timeline else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             return {"system": system, "world": world, "error": proc.stderr[-2000:]}
@@ -153,15 +171,17 @@ def main() -> None:
     ap.add_argument("--worlds", default="2")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--json", default=str(RESULTS))
+    ap.add_argument("--timeline", action="store_true", help="record memory over the last step (for the plot)")
+    ap.add_argument("--zero-options", default="{}", help="JSON: more zeroify options for the zero systems")
     a = ap.parse_args()
     if a.worker:
-        return worker(a.worker, a.layers, a.steps, a.out)
+        return worker(a.worker, a.layers, a.steps, a.out, json.loads(a.zero_options), a.timeline)
     import torch
     results = []
     print(f"{'world':>5} {'system':<14} {'steady MiB':>10} {'peak MiB':>9} {'peak/FSDP2':>10} {'peak/DDP':>9} "
           f"{'engine MiB':>10} {'other MiB':>9}")
     for world in [int(w) for w in a.worlds.split(",")]:
-        rows = {s: run(s, world, a.layers, a.steps) for s in a.systems.split(",")}
+        rows = {s: run(s, world, a.layers, a.steps, a.zero_options, a.timeline) for s in a.systems.split(",")}
         for s, r in rows.items():
             if "error" in r:
                 print(f"{world:>5} {s:<14} failed: {r['error'][-300:]}")
@@ -174,6 +194,15 @@ def main() -> None:
             print(f"{world:>5} {s:<14} {r['steady']:>10.0f} {r['peak']:>9.0f} {ratio(fsdp):>10} {ratio(ddp):>9} "
                   f"{acc:>10} {other:>9}")
             results.append(r)
+    timelines = [r for r in results if "timeline" in r]
+    if timelines:
+        from memory_timeline import OWNERS, breakdown
+        print(f"\nAt the peak, by owner (MiB; the owners as the last mark before the peak saw them):")
+        cols = ("peak", "process") + OWNERS + ("unexplained",)
+        print(f"{'world':>5} {'system':<14} {'at':<12} " + " ".join(f"{c[:12]:>12}" for c in cols))
+        for r in timelines:
+            b = r["breakdown"] = breakdown(r["timeline"])
+            print(f"{r['world']:>5} {r['system']:<14} {b['at']:<12} " + " ".join(f"{b[c]:>12.0f}" for c in cols))
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, shard_server
+from . import _C, alone
 from .adopt import PendingModel, become, install_step_guard
 from .auto import choose_stage, free_memory
 from .changes import ModelGuard, ZeroUsageError, is_retired, retire_optimizer
@@ -24,14 +24,14 @@ from .materialize import initialize_by_unit, is_meta, replace_meta
 from .model import ZeroModel, cast_buffers
 from .nodes import node_group, resolve_node_size
 from .offload import check_host_memory, warn_unfused
-from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, _Part
+from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, ZeroOptimizerPart, _Part
 from .param_waits import ParamWaits
 from .pretrained import load as pretrained
 from .prior_state import capture as capture_prior_state, describe as describe_prior_state
 from .prior_state import restore as restore_prior_state
 from .sharded_grad import install as install_sharded_grads
 from .units import assign_units, frozen_to_shard
-from .whole import WHOLE, ZeroOptimizerPart, fill_state_sizes, update_kind
+from .whole import WHOLE, fill_state_sizes, update_kind
 
 
 class ZeroInputError(ValueError):
@@ -527,7 +527,7 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
     if world > 1 and cfg.check_sequence is not False and backend != "fake":   # fake moves no data
         engine_id = _enable_sequence_check(engine, pg, cfg, gloo)
         if cfg.stage >= 1:   # Note [Shard server]: a rank reading alone is served the others' pieces
-            shard_server.start(pg, zopt, engine_id, comm.device)
+            zopt.serving = alone.serve(pg, zopt, engine_id, comm.device)
     if cfg.log_plan and rank == 0:
         print(engine.describe_plan(), flush=True)
     install_step_guard()   # Note [Adopted optimizers]: a torch optimizer zeroify was not given is named

@@ -15,14 +15,11 @@ Note [One communication layer]
   device from the group's `_device_types`, which the check below makes agree with ours.
   tests/test_comm_layer.py spies on torch.distributed and fails on a collective that
   bypasses this module or carries a tensor of another device.
-  One side channel carries CPU tensors by design: the shard servers' requests and replies
-  (Note [Shard server] in zero_ext/shard_server.py), point to point on a gloo group of
-  their own that zeroify makes for them (SideChannel below), never on the engine's group.
+  One side channel carries CPU tensors by design, point to point on a gloo group of its
+  own: the shard servers' (zero_ext/alone/channel.py), never on the engine's group.
 """
 from __future__ import annotations
 
-import datetime
-import itertools
 import pickle
 import time
 
@@ -191,42 +188,14 @@ def delay_collectives(model_or_optimizer, ms: float, serialize: bool = False) ->
     each collective where it is launched, so nothing overlaps: a step then costs its
     compute plus every delay. ms=0 turns it off. For tests and benchmarks of overlap
     (tests/test_overlap.py, benchmarks/bench_step.py --comm-delay-ms)."""
-    core = getattr(model_or_optimizer, "_core", model_or_optimizer)   # a part of several optimizers
-    engine = getattr(core, "_engine", None)
+    core = getattr(model_or_optimizer, "zero_optimizer", model_or_optimizer)   # a part of several optimizers
+    engine = getattr(core, "engine", None) or getattr(core, "_engine", None)    # an optimizer's, or a ZeroModel's
     if engine is None:
         raise TypeError(f"zero_ext: delay_collectives takes the model or optimizer zeroify() returned, "
                         f"got {type(model_or_optimizer).__name__}; pass one of those")
     if not ms >= 0:
         raise ValueError(f"zero_ext: delay_collectives: ms={ms!r}; pass 0 or more milliseconds")
     engine.set_comm_delay(float(ms), bool(serialize))
-    comm = getattr(core, "_comm", None)
+    comm = getattr(core, "comm", None)
     if comm is not None:
         comm.delay_s = ms / 1000.0
-
-
-def comm_of(optimizer) -> Comm:
-    """The Comm of a zeroified (core) optimizer."""
-    return optimizer._comm
-
-
-class SideChannel:
-    """Point-to-point messages on a gloo group of its own (host memory), beside the
-    engine's group: the shard servers' (Note [Shard server] in zero_ext/shard_server.py).
-    The group is made directly, not registered with torch.distributed, so that a rank's
-    destroy_process_group() at the end of its script leaves it serving the ranks still
-    reading; its timeout is long because a receive that times out closes gloo's pair."""
-
-    _made = itertools.count()   # every rank makes its side channels in the same order
-
-    def __init__(self, pg):
-        self.world, self.rank = pg.size(), pg.rank()
-        store = dist.distributed_c10d._world.pg_map[pg][1]
-        self.store = dist.PrefixStore(f"zero_ext/side/{next(SideChannel._made)}/", store)
-        self.group = dist.ProcessGroupGloo(self.store, self.rank, self.world, datetime.timedelta(days=365))
-
-    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        self.group.send([tensor], peer, tag).wait()
-
-    def irecv(self, tensor: torch.Tensor, tag: int, peer: int | None = None):
-        """A receive from `peer`, or from any rank (then work._source_rank() says which)."""
-        return self.group.recv_anysource([tensor], tag) if peer is None else self.group.recv([tensor], peer, tag)

@@ -59,14 +59,15 @@ def _optimizer_for(params: list, what: str):
     if opt is None:
         raise ZeroUsageError(f"zero_ext: torch.nn.utils.{what} on a zeroified model whose optimizer is gone; {fix}")
     given = {id(p) for p in params}
-    missing = [p for p in opt._params if id(p) not in given]
+    trainable = opt.engine_params
+    missing = [p for p in trainable if id(p) not in given]
     if missing:
-        guard = getattr(opt, "_guard", None)
+        guard = opt.guard
         left = ", ".join(repr(guard._name(p)) if guard is not None else f"of shape {tuple(p.shape)}"
                          for p in missing[:3])
         raise ZeroUsageError(
             f"zero_ext: torch.nn.utils.{what} over {len(given)} tensors that leave out {len(missing)} of the "
-            f"zeroified model's {len(opt._params)} trainable parameters ({left}{', ...' if len(missing) > 3 else ''})"
+            f"zeroified model's {len(trainable)} trainable parameters ({left}{', ...' if len(missing) > 3 else ''})"
             f": a zeroified model's gradients are sharded and clipped as a whole; {fix}")
     return opt
 

@@ -1,5 +1,5 @@
 // away.h — a rank that reads alone: the sequence check's side of the shard server
-// (zero_ext/shard_server.py serves). Away holds whether this rank is away and how it left;
+// (zero_ext/alone/ serves). Away holds whether this rank is away and how it left;
 // the rule it applies is away_rule.h's; Sequence (sequence.h) holds an Away and applies
 // its moves.
 //
@@ -10,7 +10,7 @@
 //   They are only reads, and the state cannot change while a rank is away: no rank
 //   finishes a reduction, a gather or a step of the next iteration without it. So the
 //   other ranks' shard servers (threads on a gloo group of their own,
-//   zero_ext/shard_server.py) answer the reader "as of step k" once their own step k is
+//   zero_ext/alone/serving.py) answer the reader "as of step k" once their own step k is
 //   done. Their main threads block in their next collective until the reader is back.
 //   What the reader gets is what the collective path computes from the same pieces, bit
 //   for bit.

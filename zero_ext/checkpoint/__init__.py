@@ -12,8 +12,7 @@ zero_ext/optim.py or zero_ext/optim_state.py (they import this package):
                       resolve/read_manifest, the check against the model, CheckpointError
     layout.py         the model and optimizer as a checkpoint sees them: names, shapes,
                       param groups, frozen parameters and buffers, whole tensors, steps
-    entries.py        this rank's sharded state (LocalShard, from the engine's fragment
-                      views) and the DCP entries that write or read it
+    entries.py        the DCP entries that write or read this rank's LocalShard
     saving.py         save() (Note [Atomic save])
     loading.py        load()
     consolidation.py  consolidate(path) offline, consolidated_state_dict() collective

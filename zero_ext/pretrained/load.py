@@ -53,7 +53,8 @@ from torch import nn
 from ..checkpoint.format import CheckpointError
 from ..gather import OWNER_ATTR
 from ..materialize import initialize_by_unit
-from ..model import PHASE_CHECKPOINT, ZeroModel
+from .._C import PHASE_CHECKPOINT
+from ..model import ZeroModel
 from .files import Reader, read_entries
 
 HF_FLAG = "_is_hf_initialized"   # transformers' init functions skip a tensor that has it
@@ -413,7 +414,7 @@ def comm_of(model: ZeroModel):
     if opt is None:
         raise RuntimeError("zero_ext: the optimizer zeroify() returned with this model no longer exists; keep a "
                            "reference to it while you load or save the model")
-    return opt._comm
+    return opt.comm
 
 
 def load_weights(model, weights, **options) -> WeightsReport:

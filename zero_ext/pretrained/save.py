@@ -51,7 +51,8 @@ from ..checkpoint.format import CheckpointError
 from ..checkpoint.layout import frozen_units
 from ..checkpoint.saving import _decide, _fsync_dir, _replace
 from ..gather import OWNER_ATTR
-from ..model import PHASE_CHECKPOINT, ZeroModel
+from .._C import PHASE_CHECKPOINT
+from ..model import ZeroModel
 from .files import INDEX, SHARD, WEIGHTS, Writer, numel, parse_size, plan_files
 from .load import comm_of, is_peft
 
