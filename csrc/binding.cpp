@@ -22,7 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     zx_bind_plan(m);
     zx_bind_control(m);
     m.attr("BF16_STATE_SEED") = py::int_(zx::kStateSeed);   // Note [bf16 optimizer states]
-    // The phases of Note [Collective sequence check] (SeqPhase, engine/sequence.h) that
+    // The phases of Note [Collective sequence check] (SeqPhase, engine/digest.h) that
     // Python marks with Engine.sequence_mark; UNIT_NEED_BASE + k: stage-3 unit k is needed.
     for (const auto &[name, phase] : {std::pair<const char *, int64_t>{"PHASE_FORWARD", zx::kPhaseForward},
                                       {"PHASE_BACKWARD", zx::kPhaseBackward},
