@@ -236,14 +236,18 @@ def main() -> None:
     ap.add_argument("--json", default=str(RESULTS))
     ap.add_argument("--timeline", action="store_true", help="record memory over the last step (for the plot)")
     ap.add_argument("--zero-options", default="{}", help="JSON: more zeroify options for the zero systems")
-    ap.add_argument("--summarize", help="print the tables of a JSON this script wrote, and run nothing")
+    ap.add_argument("--summarize", help="a JSON this script wrote: print its tables (and add the breakdown and "
+                    "estimate to it), run nothing")
     a = ap.parse_args()
     if a.worker:
         return worker(a.worker, a.layers, a.steps, a.out, json.loads(a.zero_options), a.timeline)
     import torch
-    if a.summarize:
-        d = json.loads(Path(a.summarize).read_text())
-        return summarize(d["results"], d["layers"], d.get("zero_options", {}))
+    if a.summarize:   # the tables again, and the breakdown and prediction written into the JSON
+        path = Path(a.summarize)
+        d = json.loads(path.read_text())
+        summarize(d["results"], d["layers"], d.get("zero_options", {}))
+        path.write_text(json.dumps(d, indent=1))
+        return
     results = []
     for world in [int(w) for w in a.worlds.split(",")]:
         for s in a.systems.split(","):

@@ -169,7 +169,6 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     padded = sum(r[3] for r in rows)
     shard = sum(r[4] for r in rows)
     max_padded = max(r[3] for r in rows)
-
     fused = cls.__name__ in _FUSED_NAMES and issubclass(cls, tuple(getattr(torch.optim, n) for n in _FUSED_NAMES)) \
         and cfg.fused != "never"
     counts = [states_per_element(cls, h) for h in hypers]
@@ -223,9 +222,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     msb["total"] = sum(msb.values())
 
     slots = _ring_slots(s, world_size, cfg.grad_ring_buckets, len(rows))
-    send = max_padded * rs if s >= 2 else 0
-    recv = ((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0
-    ring = slots * (send + recv)
+    ring = slots * _slot_bytes(s, world_size, max_padded, parts, rs, alltoall)
     buf = {"grad_ring": ring, "ring_slots": slots, "grad_landing": landing, "split_master_scratch": split_scratch}
     frozen_padded = _frozen_padded(frozen_units, cfg, world_size, parts)
     if s == 3:
@@ -270,6 +267,13 @@ def _ring_slots(stage: int, world_size: int, grad_ring_buckets: int, num_buckets
     if stage == 0 or (stage == 1 and world_size == 1):
         return 0
     return 1 if world_size == 1 else min(max(1, grad_ring_buckets), num_buckets)
+
+
+def _slot_bytes(stage: int, world_size: int, max_padded: int, parts: int, rs: int, alltoall: bool) -> int:
+    """One ring slot: stages 2-3 stage a bucket's gradient; with N > 1 a receive buffer, the
+    whole bucket for the all-to-all reduce-scatter, a slice for the native one."""
+    send = max_padded * rs if stage >= 2 else 0
+    return send + (((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0)
 
 
 def _frozen_padded(frozen_units: list, cfg: ZeroConfig, world_size: int, parts: int) -> dict:
