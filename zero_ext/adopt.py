@@ -50,7 +50,9 @@ class PendingModel(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)   # an evaluation before training: nothing is sharded yet
-        _adopt(self)
+        # torch.compile sees none of it; disabled here, not at import: importing dynamo costs
+        # every process about a second
+        torch.compiler.disable(_adopt)(self)
         return type(self).forward(self, *args, **kwargs)   # ZeroModel's now
 
     def state_dict(self, *args, **kwargs):
@@ -108,7 +110,6 @@ def _optimizers_over(module: nn.Module) -> tuple[list, str | None]:
     return optimizers, None
 
 
-@torch.compiler.disable
 def _adopt(pending: PendingModel) -> None:
     """Every rank, at the first forward with autograd: zeroify the module with the optimizers
     found, turning the pending model and each optimizer into what zeroify returns."""
