@@ -330,27 +330,50 @@ def gen_perf_memory(arg: str = "") -> str:
 
 
 def gen_perf_peak_process(arg: str = "") -> str:
-    """Memory per process (resident, steady and peak): zero_ext's stages beside DDP and FSDP2."""
-    rels = [f"{XEON_0528}/{name}" for name in ("bench_peak_process.json", "bench_peak_process_w4.json")
-            if (REFERENCE / XEON_0528 / name).exists()]
-    rows, model = [], None
-    for rel in rels:
-        d = ref(rel)
-        by = {r["system"]: r for r in d["results"] if "peak" in r}
-        for name, r in by.items():
-            peer = by.get("fsdp2-bf16" if name.endswith("bf16") else "fsdp2")
-            ratio = f"{r['peak'] / peer['peak']:.2f}x" if peer and name.startswith("zero") else "-"
-            rows.append([str(r["world"]), name, f"{r['steady']:.0f}", f"{r['peak']:.0f}", ratio,
-                         f"{r['accounted']:.0f}" if "accounted" in r else "-"])
-            model = r["params"]
+    """Memory per process (resident, steady and peak): zero_ext's stages beside DDP and FSDP2,
+    the peak's breakdown by owner, and estimate_memory's prediction of it."""
+    rel = f"{XEON_0528}/bench_peak_process.json"
+    d = ref(rel)
+    results = [r for r in d["results"] if "peak" in r]
+    rows, owners, predicted = [], [], []
+    for r in results:
+        same = {x["system"]: x for x in results if x["world"] == r["world"]}
+        peer = same.get("fsdp2-bf16" if r["system"].endswith("bf16") else "fsdp2")
+        ddp = same.get("ddp")
+        ratio = lambda q: f"{r['peak'] / q['peak']:.2f}x" if q and r["system"] != q["system"] else "-"   # noqa: E731
+        rows.append([str(r["world"]), r["system"], f"{r['steady']:.0f}", f"{r['peak']:.0f}", ratio(peer), ratio(ddp),
+                     f"{r['accounted']:.0f}" if "accounted" in r else "-"])
+        if "breakdown" in r and r["system"] in ("zero3", "fsdp2"):
+            b = r["breakdown"]
+            owners.append([str(r["world"]), r["system"], b["at"], f"{b['peak']:.0f}", f"{b['process']:.0f}"]
+                          + [f"{b[k]:.0f}" for k in ("model_state", "gradients", "grad_ring", "gathered_units",
+                                                     "activations", "unexplained")])
+        if "predicted_peak" in r:
+            measured = r["peak"] - r["other"]
+            predicted.append([str(r["world"]), r["system"], f"{measured:.0f}", f"{r['predicted_peak']:.0f}",
+                              f"{r['predicted_peak'] / measured:.2f}"])
+    model = results[0]["params"]
     text = (f"Resident memory of one rank (the one with the highest peak), MiB above what the process held after "
             f"init_process_group: steady between steps, and the peak over training steps 2-4; a "
-            f"{model / 1e6:.0f}M-parameter GPT (`examples/gpt.py`, 12 layers, width 768, vocab 8192) built on the "
-            f"meta device, AdamW, batch 4 x 256 per rank, each system alone in its own torchrun launch "
-            f"(`benchmarks/bench_peak_process.py`). The last column is zero_ext's own accounting of what it holds "
-            f"between steps (`opt.stats()`: model state, `held_bytes`); the rest of each process is torch's.\n\n")
-    text += table(["N", "system", "steady", "peak", "peak / FSDP2's", "zero_ext's accounting"], rows)
-    return text + "\n" + source_line(*rels)
+            f"{model / 1e6:.0f}M-parameter GPT (`examples/gpt.py`, {d['layers']} layers, width 768, vocab 8192, tied "
+            f"head) built on the meta device, AdamW, batch 4 x 256 per rank, each system alone in its own torchrun "
+            f"launch (`benchmarks/bench_peak_process.py --worlds 2,4 --timeline`). The last column is zero_ext's "
+            f"own accounting of what it holds between steps (`opt.stats()`: model state, `held_bytes`); the rest "
+            f"of each process is torch's.\n\n")
+    text += table(["N", "system", "steady", "peak", "peak / FSDP2's", "peak / DDP's", "zero_ext's accounting"], rows)
+    text += ("\nAt the peak, by owner (MiB): the resident peak; what the process holds beyond every owner between "
+             "steps (torch, libraries); then each owner as the last mark before the peak saw it (a mark at each "
+             "block's forward and backward, the loss, the step: `benchmarks/memory_timeline.py`), zero_ext's from "
+             "`opt.stats()`, FSDP2's from its tensors; activations are the tensors autograd saved. What no owner "
+             "explains (autograd's temporaries between two marks: the loss's gradients, a block's weight "
+             "gradients) is shown as such. Gradients and ring are allocated bytes: on the CPU only written "
+             "pages are resident.\n\n")
+    text += table(["N", "system", "at", "peak", "process", "model state", "gradients", "ring", "gathered units",
+                   "activations", "unexplained"], owners)
+    text += ("\n`zero_ext.estimate_memory(model, N, stage, loss_fn=...)[\"peak\"]` against the measured peak less "
+             "the process's own memory (MiB):\n\n")
+    text += table(["N", "system", "measured", "predicted", "ratio"], predicted)
+    return text + "\n" + source_line(rel)
 
 
 def gen_perf_offload(arg: str = "") -> str:

@@ -241,8 +241,9 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         "offload": offload,
     }
     if loss_fn is not None:
-        est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, peak.activation_peak(model_or_numel, loss_fn),
-                                      _device_type(model_or_numel) != "cuda")
+        act = peak.activation_peak(model_or_numel, loss_fn, {2: torch.bfloat16 if pdt == "bf16" else torch.float16,
+                                                              4: torch.float32}[ps])
+        est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, act, _device_type(model_or_numel) != "cuda")
     return est
 
 

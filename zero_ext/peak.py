@@ -54,16 +54,19 @@ class _LiveBytes(TorchDispatchMode):
             del self.alive[key]
 
 
-def activation_peak(model: torch.nn.Module, loss_fn) -> int:
+def activation_peak(model: torch.nn.Module, loss_fn, param_dtype: torch.dtype = torch.float32) -> int:
     """Most bytes one forward (loss_fn(model) -> loss) and its backward hold beyond the
     parameters, measured on a copy of the model made of fake tensors on the CPU (nothing is
-    allocated; the CPU's kernels are chosen, e.g. flash attention's, as on a real run)."""
+    allocated; the CPU's kernels are chosen, e.g. flash attention's, as on a real run), its
+    floating-point parameters in param_dtype (what they compute in)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake:
+    with FakeTensorMode(allow_non_fake_inputs=False):
         def faked(t):
-            f = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            return torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
+            if not isinstance(t, torch.nn.Parameter):
+                return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            dtype = param_dtype if t.is_floating_point() else t.dtype
+            return torch.nn.Parameter(torch.empty(t.shape, dtype=dtype, device="cpu"), t.requires_grad)
         memo = {id(t): faked(t) for t in list(model.parameters()) + list(model.buffers())}
         copy_ = copy.deepcopy(model, memo)   # the tensors replaced by fake ones: nothing is copied
         params = list(copy_.parameters())
@@ -83,8 +86,11 @@ def peak_bytes(est: dict, prefetch_depth: int, activations: int, on_cpu: bool) -
     state = msb["parameters"] + msb["master_weights"] + msb["optimizer_states"]
     gradients = msb["gradients"] if stage <= 1 else 0   # stages 0-1 keep their gradient buckets
     gathered = buf.get("gathered_root", 0) + (buf.get("gathered_unit", 0) if prefetch_depth > 0 else 0)
-    host = est["offload"].get("total", 0) if on_cpu else 0   # offload="cpu" on a CPU run: the same memory
     out = {"model_state": state + gradients + est["frozen_parameter_bytes"], "gathered": gathered,
-           "activations": activations, "offload_host": host}
+           "activations": activations}
     out["total"] = sum(out.values())
+    # offload="cpu": host memory, the device's peak on a GPU; the same process memory on a CPU run
+    out["offload_host"] = est["offload"].get("total", 0)
+    if on_cpu:
+        out["total"] += out["offload_host"]
     return out
