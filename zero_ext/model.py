@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 from . import prefetch, shard_server
+from . import compiled
 
 
 def cast_buffers(model: nn.Module, low: torch.dtype, which) -> None:
@@ -70,6 +71,7 @@ class ZeroModel(nn.Module):
         self._guard = None         # the ModelGuard (changes.py): attach()
         self._optimizer = None     # weakref to the ZeroOptimizer (Note [torch's clipping utilities]): attach()
         self.weights_report = None  # zeroify(weights=...): what was read (zero_ext.WeightsReport)
+        self._call_module = compiled.module_caller()   # Note [Compiled wrapper]: the frame dynamo captures
 
     def attach(self, guard, optimizer, param_waits=None) -> None:
         """zeroify's last step: the collaborators built after this wrapper (each needs it)."""
@@ -91,7 +93,7 @@ class ZeroModel(nn.Module):
             self._units.marked = True
         waits = self._param_waits
         if waits is not None:
-            waits.before_forward()   # Note [Gathers waited per module] (zero_ext/param_waits.py)
+            waits.before_forward(compiled.under_compile())   # Note [Gathers waited per module] (zero_ext/param_waits.py)
         else:
             self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/fill.cpp)
         if broadcast and not away:   # a rank reading alone keeps the buffers it has
@@ -101,7 +103,7 @@ class ZeroModel(nn.Module):
             # are cast to the parameters' dtype; integer ones (token ids) are left alone.
             args, kwargs = torch.utils._pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(self._compute_dtype) if t.is_floating_point() else t, (args, kwargs))
-        out = self.module(*args, **kwargs)
+        out = self._call_module(self.module, args, kwargs)   # Note [Compiled wrapper]
         if waits is not None:
             waits.after_forward()
         if torch.is_grad_enabled():   # a second backward of this forward (retain_graph) starts here
@@ -110,6 +112,8 @@ class ZeroModel(nn.Module):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(_hide_sharded_grads, ref))
         return out
+
+    compiled.skip_frame(forward)   # Note [Compiled wrapper] (zero_ext/compiled.py)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's Module.zero_grad, the sharded gradients included: a loop that
