@@ -6,11 +6,12 @@ Note [Compiled wrapper]
   sharded gradients, the sequence mark, waiting for gathered parameters, the buffers'
   broadcast, the input cast, the gradient hooks on the outputs) calls the C++ engine,
   which dynamo cannot trace. That work runs before and after the module's forward,
-  as DDP's does around a compiled module, so dynamo is told to skip the wrapper's
-  frame (not the frames it calls): torch.compile's module wrapper then captures the
-  first frame under it, the user module's forward, and compiles it as one graph.
-  Marking a code object costs nothing when nothing is compiled: eager calls are the
-  same Python calls as before. The gradient-ready hooks (AccumulateGrad post hooks)
+  as DDP's does around a compiled module: dynamo is told to skip the wrapper's frame,
+  which turns torch.compile's frame hook off for its own work (so the Python helpers
+  it calls are not captured either) and back on to call the module from a frame of
+  zero_ext's own, one code object per model: that frame is captured and the user's
+  module compiled under it as one graph. In eager, where there is no hook, forward
+  costs a lookup of it (tens of ns) and calls the module as before. The gradient-ready hooks (AccumulateGrad post hooks)
   run in autograd's engine after the compiled backward, as compiled DDP's do: they are
   not part of any frame dynamo traces, so they break no graph.
   Limits: a function compiled around the model (`torch.compile(train_step)` calling
@@ -36,11 +37,21 @@ def skip_frame(fn: types.FunctionType) -> bool:
     return True
 
 
+def pause():
+    """Turn torch.compile's frame hook off (the wrapper's own work calls Python functions
+    that dynamo would otherwise capture as frames of their own); returns the hook to
+    resume, None when there is none (eager)."""
+    if _get is None:
+        return None
+    hook = _get()
+    if hook is None or hook is False:   # eager, or run-only (compiles nothing new)
+        return None
+    _set(None)
+    return hook
 
-def under_compile() -> bool:
-    """Whether torch.compile's frame hook is on: the wrapper (a skipped frame) runs
-    under a compiled model, and the module it calls next is traced or run compiled."""
-    return _callback is not None and _callback() not in (None, False)
+
+def resume(hook) -> None:
+    _set(hook)
 
 
 def module_caller():
@@ -54,6 +65,6 @@ def module_caller():
 
 
 try:
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get, set_eval_frame as _set
 except ImportError:
-    _callback = None
+    _get = _set = None

@@ -84,6 +84,16 @@ class ZeroModel(nn.Module):
         return self._guard is not None and self._guard.owns(p)
 
     def forward(self, *args, **kwargs):
+        hook = compiled.pause()   # Note [Compiled wrapper]: None in eager
+        try:
+            return self._forward(hook, args, kwargs)
+        finally:
+            if hook is not None:
+                compiled.resume(hook)
+
+    compiled.skip_frame(forward)   # Note [Compiled wrapper] (zero_ext/compiled.py)
+
+    def _forward(self, hook, args, kwargs):
         self._engine.hide_sharded_grads()   # Note [Sharded gradients]: autograd accumulates into plain ones
         # Note [Reading alone] (csrc/engine/away.h): a forward that communicates (stage 3's
         # gathers, the buffers' broadcast) is settled before it does: this rank may read alone
@@ -93,7 +103,7 @@ class ZeroModel(nn.Module):
             self._units.marked = True
         waits = self._param_waits
         if waits is not None:
-            waits.before_forward(compiled.under_compile())   # Note [Gathers waited per module] (zero_ext/param_waits.py)
+            waits.before_forward(hook is not None)   # Note [Gathers waited per module] (zero_ext/param_waits.py)
         else:
             self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/fill.cpp)
         if broadcast and not away:   # a rank reading alone keeps the buffers it has
@@ -103,7 +113,12 @@ class ZeroModel(nn.Module):
             # are cast to the parameters' dtype; integer ones (token ids) are left alone.
             args, kwargs = torch.utils._pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(self._compute_dtype) if t.is_floating_point() else t, (args, kwargs))
-        out = self._call_module(self.module, args, kwargs)   # Note [Compiled wrapper]
+        if hook is None:
+            out = self.module(*args, **kwargs)
+        else:   # traced (Note [Compiled wrapper])
+            compiled.resume(hook)
+            out = self._call_module(self.module, args, kwargs)
+            compiled.pause()
         if waits is not None:
             waits.after_forward()
         if torch.is_grad_enabled():   # a second backward of this forward (retain_graph) starts here
@@ -112,8 +127,6 @@ class ZeroModel(nn.Module):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(_hide_sharded_grads, ref))
         return out
-
-    compiled.skip_frame(forward)   # Note [Compiled wrapper] (zero_ext/compiled.py)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's Module.zero_grad, the sharded gradients included: a loop that
