@@ -80,16 +80,24 @@ def _fullgraph(rank, world, cases):
         out[("ddp", accum)] = (losses, [p.detach().clone() for p in net.parameters()])
     for stage, mode, accum, opts in cases:
         net = _net(seq=opts.get("seq", False))
-        zm, zo = zero_ext.zeroify(net, torch.optim.AdamW(net.parameters(), lr=1e-2), stage=stage,
-                                  **{k: v for k, v in opts.items() if k != "seq"})
+        kw = dict({"min_unit_numel": 0} if stage == 3 else {}, **{k: v for k, v in opts.items() if k != "seq"})
+        zm, zo = zero_ext.zeroify(net, torch.optim.AdamW(net.parameters(), lr=1e-2), stage=stage, **kw)
         counters.clear()
         model = torch.compile(zm, fullgraph=True) if mode == "compiled" else zm
         losses, graphs_at_2 = _train(model, zo, rank, accum, counters)
+        graphs, calls = counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]
+        units = zm._engine.num_units if stage == 3 else 0
+        held = [zm._engine.unit_gathered(k) for k in range(units)]   # after the last step
+        evaluated = None
+        if stage == 3:   # an evaluation (a graph of its own): every unit but the root released after it
+            with torch.no_grad():
+                evaluated = model(torch.ones(2, 16)).float()
+        held_eval = [zm._engine.unit_gathered(k) for k in range(units)]
         with zero_ext.gathered_parameters(zm):
             params = [p.detach().clone() for p in net.parameters()]
         out[(stage, mode, accum, tuple(sorted(opts)))] = dict(
             losses=losses, params=params, breaks=dict(counters["graph_break"]), graphs_at_2=graphs_at_2,
-            graphs=counters["stats"]["unique_graphs"], calls=counters["stats"]["calls_captured"])
+            graphs=graphs, calls=calls, held=held, held_eval=held_eval, evaluated=evaluated, units=units)
     return out
 
 
@@ -115,19 +123,25 @@ def _check(results, cases):
                 eager = out.get((stage, "eager", accum, tuple(sorted(opts))))
                 if eager is not None:
                     _close(got, eager, f"{what} against zero_ext's eager run", EAGER_PARAM_REL)
+                    if stage == 3:
+                        assert torch.allclose(got["evaluated"], eager["evaluated"], rtol=1e-3, atol=1e-5), what
+                    assert got["held"] == eager["held"], f"{what}: units gathered after the step"
+                    assert got["held_eval"] == eager["held_eval"], f"{what}: units gathered after an evaluation"
+                assert not any(got["held"][1:] + got["held_eval"][1:]), f"{what}: units left gathered"
             if mode == "compiled" and "seq" not in opts:
                 ddp_losses, ddp_params = out[("ddp", accum)]
                 _close(got, dict(losses=ddp_losses, params=ddp_params), f"{what} against compiled DDP", rel, rel)
 
 
-def test_fullgraph_stages_0_2_two_ranks():
-    cases = [(s, m, a, {}) for s in (0, 1, 2) for m in ("compiled", "eager") for a in (1, 2)]
+def test_fullgraph_stages_0_3_two_ranks():
+    cases = [(s, m, a, {}) for s in (0, 1, 2, 3) for m in ("compiled", "eager") for a in (1, 2)]
     cases += [(2, "compiled", 1, {"overlap_param_gather": True}), (1, "compiled", 1, {"seq": True})]
-    cases += [(2, m, 2, {"param_dtype": "bf16"}) for m in ("compiled", "eager")]
+    cases += [(s, m, 2, {"param_dtype": "bf16"}) for s in (2, 3) for m in ("compiled", "eager")]
+    cases += [(3, "compiled", 1, {"seq": True})]
     _check(run_world(_fullgraph, 2, cases, timeout_s=600), cases)
 
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_fullgraph_one_and_three_ranks(world):
-    cases = [(2, "compiled", 2, {}), (1, "compiled", 1, {})]
+    cases = [(2, "compiled", 2, {}), (1, "compiled", 1, {}), (3, "compiled", 2, {})]
     _check(run_world(_fullgraph, world, cases, timeout_s=600), cases)

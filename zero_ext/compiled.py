@@ -18,7 +18,40 @@ Note [Compiled wrapper]
   model(x)) inlines the wrapper's frame, and a skipped frame inlined is a graph break
   there; compile the model. Stages 1-2's per-module parameter waits
   (overlap_param_gather, zero_ext/param_waits.py) wait for everything at the forward's
-  start under compile.
+  start under compile. Stage 3: Note [Stage 3 compiled whole].
+
+Note [Stage 3 compiled whole]
+  Stage 3's unit hooks (model.py's _UnitHooks) run inside the user's module, so under
+  compile they are traced; each returns at once while `compiled` is set (dynamo guards
+  on the flag and traces them to nothing; eager pays one attribute read). The wrapper
+  sets it around the compiled call and, before it, gathers every unit (so the graph
+  reads whole parameters, as in eager, and its autograd node records their shapes);
+  the engine releases each unit as its last gradient is staged, as in eager, and a
+  forward no backward follows releases every unit after it. What this costs: during
+  a compiled step the whole model is gathered at once (stage 2's parameter memory,
+  sharded gradients and optimizer states kept), the gathers do not overlap the
+  forward, and a rank reading alone is not served under compile. The next step is
+  Note [Stage 3 collectives in the graph].
+
+Note [Stage 3 collectives in the graph]
+  The design for stage 3 with its memory under compile (issue 54; not built yet):
+  - unit_gather(engine, unit, anchor) -> flat: a custom operator (TORCH_LIBRARY in a
+    csrc/*_binding.cpp, a fake kernel giving flat's shape and dtype: the unit's padded
+    numel in param_dtype) returning a fresh whole copy of the unit; `anchor` is a
+    0-element leaf per unit that requires grad, so autograd has an edge to call back.
+  - Its autograd formula is unit_reduce(engine, unit, grad_flat) -> anchor's gradient:
+    the engine takes the unit's gradient whole (staging and reducing its buckets as
+    mark_ready does) and returns an empty tensor, so the node stays live in the
+    compiled backward graph; the reduce-scatter is then a node of that graph.
+  - The module reads views of flat: under compile the traced unit pre-hook returns
+    them as the unit's parameters (functional_call-style), so a unit's reads depend on
+    its gather by data, and inductor may schedule the gather early (prefetch) but
+    never after its first use; every rank compiles the same graph, so collectives keep
+    one order on every rank.
+  - Memory: flat is an activation; tagged must-recompute (selective activation
+    checkpointing) it is gathered again in backward instead of being saved, which is
+    stage 3's release after forward. Both ops are ordered (effect tokens,
+    torch._higher_order_ops.effects) so that no rank reorders its collectives.
 """
 from __future__ import annotations
 

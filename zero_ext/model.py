@@ -116,9 +116,16 @@ class ZeroModel(nn.Module):
         if hook is None:
             out = self.module(*args, **kwargs)
         else:   # traced (Note [Compiled wrapper])
+            if self._units is not None:
+                self._units.compiled_begin()
             compiled.resume(hook)
-            out = self._call_module(self.module, args, kwargs)
-            compiled.pause()
+            out = None
+            try:
+                out = self._call_module(self.module, args, kwargs)
+            finally:
+                compiled.pause()
+                if self._units is not None:   # (out None: raised, no backward follows)
+                    self._units.compiled_end(out)
         if waits is not None:
             waits.after_forward()
         if torch.is_grad_enabled():   # a second backward of this forward (retain_graph) starts here
@@ -255,6 +262,7 @@ class _UnitHooks:
         self.marked = False                             # the wrapper marked this forward already
         self.kept: set = set()                          # units kept while reading alone (_keeping)
         self.keep_fits = None                           # whether the whole model may be kept
+        self.compiled = False                           # a compiled forward runs (Note [Stage 3 compiled whole])
         # The root's hooks run whichever way the model is entered: the wrapper,
         # model.module(...) or a method such as generate() that calls it.
         unit_modules[0].register_forward_pre_hook(self._root_pre_forward)
@@ -350,8 +358,29 @@ class _UnitHooks:
             self.out_of_order += 1
         self._prefetch(k)
 
+    # -- a compiled forward (Note [Stage 3 compiled whole])
+    def compiled_begin(self) -> None:
+        """Before the graph: every unit gathered, the unit hooks inert while it is traced or runs."""
+        self.compiled, self.marked, self.recording = True, False, False
+        if self.kept:
+            self._drop_kept()
+        for k in range(self.engine.num_units):
+            if not self.engine.unit_gathered(k):
+                self._gather(k)
+
+    def compiled_end(self, out) -> None:
+        """After the graph: without a backward to come, every unit is released now; with
+        one, each after its last gradient is staged and at the end of backward (engine)."""
+        self.compiled = False
+        if not (torch.is_grad_enabled() and any(
+                t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))):
+            for k in range(self.engine.num_units):
+                self._release(k)
+
     # -- root module
     def _root_pre_forward(self, module, args):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         if _in_backward():
             return
         # The previous pass is complete. One with autograd whose backward never came (an
@@ -378,6 +407,8 @@ class _UnitHooks:
         return fwd + [(k, True) for k, _ in reversed(fwd)] if self.grad_pass else fwd
 
     def _root_post_forward(self, module, args, out):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         if _in_backward():
             return
         self.in_root = False
@@ -400,16 +431,22 @@ class _UnitHooks:
 
     # -- module hooks
     def _holder_pre_forward(self, module, args):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         if not self.engine.unit_gathered(0):
             self.fetches += 1
             self.out_of_order += 1
             self._gather(0)
 
     def _holder_post_forward(self, module, args, output):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         if not self.in_root and not _in_backward() and not torch.is_grad_enabled():
             self._release(0)
 
     def _pre_forward(self, k, module, args, kwargs):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         self._need(k)
         if torch.is_grad_enabled() and not _in_backward() and self.engine.unit_has_frozen(k):
             # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp): the unit's
@@ -427,6 +464,8 @@ class _UnitHooks:
                 torch.autograd.graph.register_multi_grad_hook(inputs, release, mode="all")
 
     def _post_forward(self, k, module, args, kwargs, output):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         if torch.is_grad_enabled():
             outs = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             # An input handed back unchanged (T5's position bias) gets its gradient
