@@ -80,7 +80,9 @@ def _fullgraph(rank, world, cases):
         out[("ddp", accum)] = (losses, [p.detach().clone() for p in net.parameters()])
     for stage, mode, accum, opts in cases:
         net = _net(seq=opts.get("seq", False))
-        kw = dict({"min_unit_numel": 0} if stage == 3 else {}, **{k: v for k, v in opts.items() if k != "seq"})
+        kw = dict({"min_unit_numel": 0} if stage == 3 else {},
+                  **{k: v for k, v in opts.items() if k not in ("seq", "in_graph")})
+        zero_ext.compiled.UNITS_IN_GRAPH = opts.get("in_graph", False)
         zm, zo = zero_ext.zeroify(net, torch.optim.AdamW(net.parameters(), lr=1e-2), stage=stage, **kw)
         counters.clear()
         model = torch.compile(zm, fullgraph=True) if mode == "compiled" else zm
@@ -93,11 +95,14 @@ def _fullgraph(rank, world, cases):
             with torch.no_grad():
                 evaluated = model(torch.ones(2, 16)).float()
         held_eval = [zm._engine.unit_gathered(k) for k in range(units)]
+        ops = zm._units.ops if stage == 3 else None
+        gathers = (ops.gathers, sum(1 for m in ops.members if m)) if ops is not None else None
         with zero_ext.gathered_parameters(zm):
             params = [p.detach().clone() for p in net.parameters()]
         out[(stage, mode, accum, tuple(sorted(opts)))] = dict(
             losses=losses, params=params, breaks=dict(counters["graph_break"]), graphs_at_2=graphs_at_2,
-            graphs=graphs, calls=calls, held=held, held_eval=held_eval, evaluated=evaluated, units=units)
+            graphs=graphs, calls=calls, held=held, held_eval=held_eval, evaluated=evaluated, units=units,
+            gathers=gathers)
     return out
 
 
@@ -139,6 +144,21 @@ def test_fullgraph_stages_0_3_two_ranks():
     cases += [(s, m, 2, {"param_dtype": "bf16"}) for s in (2, 3) for m in ("compiled", "eager")]
     cases += [(3, "compiled", 1, {"seq": True})]
     _check(run_world(_fullgraph, 2, cases, timeout_s=600), cases)
+
+
+def test_stage3_units_gathered_in_the_graph():
+    """Note [Stage 3 collectives in the graph]'s prototype: the units gathered by
+    zero_ext::unit_gather inside the graph, their gradients handed to the engine by
+    zero_ext::unit_reduce inside the compiled backward."""
+    cases = [(3, "compiled", a, {"in_graph": True}) for a in (1, 2)]
+    results = run_world(_fullgraph, 2, cases, timeout_s=600)
+    _check(results, cases)
+    for out in results:
+        for case in cases:
+            got = out[(3, "compiled", case[2], ("in_graph",))]
+            # every unit, every forward (training micro-steps, then the evaluation)
+            calls, units = got["gathers"]
+            assert units >= 3 and calls == units * (STEPS * case[2] + 1), got["gathers"]
 
 
 @pytest.mark.parametrize("world", [1, 3])

@@ -11,9 +11,10 @@ Note [Compiled wrapper]
   it calls are not captured either) and back on to call the module from a frame of
   zero_ext's own, one code object per model: that frame is captured and the user's
   module compiled under it as one graph. In eager, where there is no hook, forward
-  costs a lookup of it (tens of ns) and calls the module as before. The gradient-ready hooks (AccumulateGrad post hooks)
-  run in autograd's engine after the compiled backward, as compiled DDP's do: they are
-  not part of any frame dynamo traces, so they break no graph.
+  costs a lookup of it (tens of ns) and calls the module as before. The gradient-ready
+  hooks (AccumulateGrad post hooks) run in autograd's engine after the compiled
+  backward, as compiled DDP's do: no frame dynamo traces holds them, so they break no
+  graph (torch 2.13: the counters show none, and the gradients are reduced).
   Limits: a function compiled around the model (`torch.compile(train_step)` calling
   model(x)) inlines the wrapper's frame, and a skipped frame inlined is a graph break
   there; compile the model. Stages 1-2's per-module parameter waits
@@ -34,28 +35,33 @@ Note [Stage 3 compiled whole]
   Note [Stage 3 collectives in the graph].
 
 Note [Stage 3 collectives in the graph]
-  The design for stage 3 with its memory under compile (issue 54; not built yet):
-  - unit_gather(engine, unit, anchor) -> flat: a custom operator (TORCH_LIBRARY in a
-    csrc/*_binding.cpp, a fake kernel giving flat's shape and dtype: the unit's padded
-    numel in param_dtype) returning a fresh whole copy of the unit; `anchor` is a
-    0-element leaf per unit that requires grad, so autograd has an edge to call back.
-  - Its autograd formula is unit_reduce(engine, unit, grad_flat) -> anchor's gradient:
-    the engine takes the unit's gradient whole (staging and reducing its buckets as
-    mark_ready does) and returns an empty tensor, so the node stays live in the
-    compiled backward graph; the reduce-scatter is then a node of that graph.
-  - The module reads views of flat: under compile the traced unit pre-hook returns
-    them as the unit's parameters (functional_call-style), so a unit's reads depend on
-    its gather by data, and inductor may schedule the gather early (prefetch) but
-    never after its first use; every rank compiles the same graph, so collectives keep
-    one order on every rank.
-  - Memory: flat is an activation; tagged must-recompute (selective activation
-    checkpointing) it is gathered again in backward instead of being saved, which is
-    stage 3's release after forward. Both ops are ordered (effect tokens,
-    torch._higher_order_ops.effects) so that no rank reorders its collectives.
+  Stage 3 with its memory under compile (issue 54). Built, as a Python prototype off by
+  default (UNITS_IN_GRAPH; zero_ext/unit_ops.py; tests/test_compile_fullgraph.py):
+  - zero_ext::unit_gather(model, unit, anchor) -> flat, a custom operator with a fake
+    kernel (flat: the unit's parameters' numel, param_dtype) returning a fresh whole
+    copy of the unit; `anchor` is a 0-element leaf per unit that requires grad, the
+    edge autograd calls back through. Its autograd formula is
+    zero_ext::unit_reduce(model, unit, grad_flat): the engine takes each parameter's
+    gradient from grad_flat (Engine::mark_ready with a gradient) and reduces it as the
+    eager hooks' mark_ready does; it returns the anchor's empty gradient, so the node
+    stays live in the compiled backward. Both are ordered effects (effect tokens), so no
+    pass reorders one rank's collectives against another's.
+  - The traced call replaces the module's parameters by views of the flats
+    (torch.func.functional_call), so every read depends on its gather by data.
+  Not yet: the gathers are all issued at the graph's start and autograd saves the flats
+  for backward, so the whole model is held, as in Note [Stage 3 compiled whole]. Next:
+  each unit's gather issued at its first use (the traced unit pre-hook), the flats
+  tagged must-recompute (selective activation checkpointing: gathered again in
+  backward, stage 3's release after forward), the operators in the C++ binding
+  (TORCH_LIBRARY), gathering straight into the fresh flat (no copy out of the engine's
+  buffer), and sharded frozen parameters.
 """
 from __future__ import annotations
 
+import itertools
 import types
+
+import torch
 
 
 def skip_frame(fn: types.FunctionType) -> bool:
@@ -91,10 +97,31 @@ def module_caller():
     """A function calling module(*args, **kwargs) from a code object of its own: the
     frame dynamo captures under the skipped wrapper (torch.nn's frames, a Sequential's,
     are never captured). One code object per model, so each model's graphs are cached
-    apart (dynamo's recompile limit counts per code object)."""
+    apart (dynamo's recompile limit counts per code object, what it learns of changing
+    sizes per code name)."""
     def call(module, args: tuple, kwargs: dict):
         return module(*args, **kwargs)
-    return types.FunctionType(call.__code__.replace(), globals(), "zero_ext_call_module")
+    return _own_code(call)
+
+
+def _own_code(fn):
+    """fn with a code object (and name) of its own: dynamo caches graphs per code object
+    and keeps what it learned of changing sizes (automatic dynamic) per name and line."""
+    name = f"{fn.__name__}_{next(_models)}"
+    return types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), globals(), name)
+
+
+_models = itertools.count()
+# Note [Stage 3 collectives in the graph]: the prototype (zero_ext/unit_ops.py), off by default
+UNITS_IN_GRAPH = False
+
+
+def graph_caller():
+    """As module_caller, for stage 3 with its units gathered by operators inside the graph:
+    the module called with its parameters replaced by views of the gathered units."""
+    def call(module, args: tuple, kwargs: dict, units):
+        return torch.func.functional_call(module, units.views(), args, kwargs)
+    return _own_code(call)
 
 
 try:

@@ -116,12 +116,16 @@ class ZeroModel(nn.Module):
         if hook is None:
             out = self.module(*args, **kwargs)
         else:   # traced (Note [Compiled wrapper])
+            in_graph = self._units is not None and compiled.UNITS_IN_GRAPH
             if self._units is not None:
-                self._units.compiled_begin()
+                self._units.compiled_begin(gather=not in_graph)
             compiled.resume(hook)
             out = None
             try:
-                out = self._call_module(self.module, args, kwargs)
+                if in_graph:   # Note [Stage 3 collectives in the graph]
+                    out = self._units.ops_call(self.module, args, kwargs, self._units.ops)
+                else:
+                    out = self._call_module(self.module, args, kwargs)
             finally:
                 compiled.pause()
                 if self._units is not None:   # (out None: raised, no backward follows)
@@ -263,6 +267,7 @@ class _UnitHooks:
         self.kept: set = set()                          # units kept while reading alone (_keeping)
         self.keep_fits = None                           # whether the whole model may be kept
         self.compiled = False                           # a compiled forward runs (Note [Stage 3 compiled whole])
+        self.ops = self.ops_call = None                 # Note [Stage 3 collectives in the graph]: call_in_graph
         # The root's hooks run whichever way the model is entered: the wrapper,
         # model.module(...) or a method such as generate() that calls it.
         unit_modules[0].register_forward_pre_hook(self._root_pre_forward)
@@ -359,14 +364,18 @@ class _UnitHooks:
         self._prefetch(k)
 
     # -- a compiled forward (Note [Stage 3 compiled whole])
-    def compiled_begin(self) -> None:
-        """Before the graph: every unit gathered, the unit hooks inert while it is traced or runs."""
+    def compiled_begin(self, gather: bool = True) -> None:
+        """Before the graph: every unit gathered (unless the graph gathers them), the unit
+        hooks inert while it is traced or runs."""
         self.compiled, self.marked, self.recording = True, False, False
         if self.kept:
             self._drop_kept()
-        for k in range(self.engine.num_units):
+        for k in range(self.engine.num_units if gather else 0):
             if not self.engine.unit_gathered(k):
                 self._gather(k)
+        if not gather and self.ops is None:   # Note [Stage 3 collectives in the graph]: the prototype
+            from .unit_ops import Units
+            self.ops, self.ops_call = Units(self.wrapper), compiled.graph_caller()
 
     def compiled_end(self, out) -> None:
         """After the graph: without a backward to come, every unit is released now; with
