@@ -43,21 +43,21 @@ def _status(key: str) -> float:
     return 0.0
 
 
-def worker(system: str, layers: int, steps: int, out: str) -> None:
+def worker(system: str, layers: int, steps: int, out: str, extra: dict, timeline: bool = False) -> None:
     import ctypes
     import gc
 
     import torch
     import torch.distributed as dist
     sys.path.insert(0, str(REPO / "examples"))
-    from gpt import GPT, GPTConfig
+    from gpt import GPT
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)   # M_MMAP_THRESHOLD: freed tensors leave the process
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     base = _status("VmRSS")
-    cfg = GPTConfig(vocab_size=8192, block_size=256, n_layer=layers, n_head=12, n_embd=768, bias=False)
+    cfg = _gpt_config(layers)
     with torch.device("meta"):
         model = GPT(cfg)
     n = sum(p.numel() for p in model.parameters())
@@ -74,7 +74,7 @@ def worker(system: str, layers: int, steps: int, out: str) -> None:
     if system.startswith("zero"):
         import zero_ext
         stage = int(system[4])
-        options = {"zero3-bf16": dict(param_dtype="bf16"), "zero3-offload": dict(offload="cpu")}.get(system, {})
+        options = dict(ZERO_OPTIONS.get(system, {}), **extra)
         if stage == 3:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             model, opt = zero_ext.zeroify(model, opt, stage=3, unit_modules=["Block"], init_fn=init, **options)
@@ -100,15 +100,30 @@ def worker(system: str, layers: int, steps: int, out: str) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     row = {"system": system, "rank": rank, "world": world, "params": n}
+    plain = getattr(model, "module", model)
+    probe = None
     for it in range(steps):
         if it == 1:
             gc.collect()
             open("/proc/self/clear_refs", "w").write("5")   # VmHWM := VmRSS
+        if timeline and it == steps - 1:
+            from memory_timeline import Timeline, engine_owners, torch_owners
+            probe = Timeline(plain.blocks, plain, engine_owners(zopt) if zopt is not None else torch_owners(plain, opt))
+            probe.__enter__()
         x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1), generator=g)
         _, loss = model(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+        if probe is not None:
+            probe.mark("loss")
         loss.backward()
+        if probe is not None:
+            probe.mark("backward end")
         opt.step()
+        if probe is not None:
+            probe.mark("step end")
         opt.zero_grad(set_to_none=True)
+        if probe is not None:
+            probe.__exit__(None, None, None)
+            row_timeline = probe.result(base)
     gc.collect()
     row["steady"] = _status("VmRSS") - base
     row["peak"] = _status("VmHWM") - base
@@ -126,22 +141,88 @@ def worker(system: str, layers: int, steps: int, out: str) -> None:
         row["accounted"] = sum(e[k] for k in ("parameters", "master_weights", "optimizer_states", "gradients_held",
                                               "grad_ring_held", "gathered_now", "offload_host") if k in e)
         row["other"] = row["steady"] - row["accounted"]
+    if probe is not None:
+        row["timeline"] = row_timeline
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(row, f)
     dist.destroy_process_group()
 
 
-def run(system: str, world: int, layers: int, steps: int) -> dict:
+def run(system: str, world: int, layers: int, steps: int, extra: str = "{}", timeline: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "examples")]))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__,
-               "--worker", system, "--layers", str(layers), "--steps", str(steps), "--out", tmp]
+               "--worker", system, "--layers", str(layers), "--steps", str(steps), "--out", tmp, "--zero-options", extra] + (["--timeline"] if timeline else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             return {"system": system, "world": world, "error": proc.stderr[-2000:]}
         rows = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
     top = max(rows, key=lambda r: r["peak"])
     return {**top, "ranks": rows}
+
+
+ZERO_OPTIONS = {"zero3-bf16": dict(param_dtype="bf16"), "zero3-offload": dict(offload="cpu")}
+
+
+def _gpt_config(layers: int):
+    sys.path.insert(0, str(REPO / "examples"))
+    from gpt import GPTConfig
+    return GPTConfig(vocab_size=8192, block_size=256, n_layer=layers, n_head=12, n_embd=768, bias=False)
+
+
+def predicted_peak(system: str, world: int, layers: int, extra: dict) -> float:
+    """zero_ext.estimate_memory(..., loss_fn=...)'s peak for this system, MiB (the model on meta)."""
+    import torch
+
+    import zero_ext
+    cfg = _gpt_config(layers)
+    from gpt import GPT
+    with torch.device("meta"):
+        model = GPT(cfg)
+
+    def loss_fn(m):
+        x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1))
+        return m(x[:, :-1].contiguous(), x[:, 1:].contiguous())[1]
+
+    options = dict(ZERO_OPTIONS.get(system, {}), **extra)
+    if system.startswith("zero3"):
+        options.setdefault("unit_modules", ["Block"])
+    est = zero_ext.estimate_memory(model, world, int(system[4]), optimizer="adamw", loss_fn=loss_fn, **options)
+    return est["peak"]["total"] / MiB
+
+
+def summarize(results: list, layers: int, extra: dict) -> None:
+    """The tables: per system, its breakdown at the peak, and the estimator against the measure."""
+    print(f"{'world':>5} {'system':<14} {'steady MiB':>10} {'peak MiB':>9} {'peak/FSDP2':>10} {'peak/DDP':>9} "
+          f"{'engine MiB':>10} {'other MiB':>9}")
+    for r in results:
+        same = {x["system"]: x for x in results if x["world"] == r["world"]}
+        fsdp = same.get("fsdp2-bf16" if r["system"].endswith("bf16") else "fsdp2", {}).get("peak")
+        ddp = same.get("ddp", {}).get("peak")
+        ratio = lambda ref: f"{r['peak'] / ref:.2f}x" if ref else "-"   # noqa: E731
+        acc = f"{r['accounted']:.0f}" if "accounted" in r else "-"
+        other = f"{r['other']:.0f}" if "other" in r else "-"
+        print(f"{r['world']:>5} {r['system']:<14} {r['steady']:>10.0f} {r['peak']:>9.0f} {ratio(fsdp):>10} "
+              f"{ratio(ddp):>9} {acc:>10} {other:>9}")
+    timelines = [r for r in results if "timeline" in r]
+    if timelines:
+        from memory_timeline import OWNERS, breakdown
+        print("\nAt the peak, by owner (MiB; the owners as the last mark before the peak saw them):")
+        cols = ("peak", "process") + OWNERS + ("unexplained",)
+        print(f"{'world':>5} {'system':<14} {'at':<12} " + " ".join(f"{c[:12]:>12}" for c in cols))
+        for r in timelines:
+            b = r["breakdown"] = breakdown(r["timeline"])
+            print(f"{r['world']:>5} {r['system']:<14} {b['at']:<12} " + " ".join(f"{b[c]:>12.0f}" for c in cols))
+    print("\nestimate_memory(..., loss_fn=...)'s peak against the measured peak minus what the process holds "
+          "beyond zero_ext between steps (torch, libraries), MiB:")
+    print(f"{'world':>5} {'system':<14} {'measured':>9} {'predicted':>9} {'ratio':>6}")
+    for r in results:
+        if "other" not in r:
+            continue
+        r["predicted_peak"] = predicted_peak(r["system"], r["world"], layers, extra)
+        measured = r["peak"] - r["other"]
+        print(f"{r['world']:>5} {r['system']:<14} {measured:>9.0f} {r['predicted_peak']:>9.0f} "
+              f"{r['predicted_peak'] / measured:>6.2f}")
 
 
 def main() -> None:
@@ -153,33 +234,36 @@ def main() -> None:
     ap.add_argument("--worlds", default="2")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--json", default=str(RESULTS))
+    ap.add_argument("--timeline", action="store_true", help="record memory over the last step (for the plot)")
+    ap.add_argument("--zero-options", default="{}", help="JSON: more zeroify options for the zero systems")
+    ap.add_argument("--summarize", help="a JSON this script wrote: print its tables (and add the breakdown and "
+                    "estimate to it), run nothing")
     a = ap.parse_args()
     if a.worker:
-        return worker(a.worker, a.layers, a.steps, a.out)
+        return worker(a.worker, a.layers, a.steps, a.out, json.loads(a.zero_options), a.timeline)
     import torch
+    if a.summarize:   # the tables again, and the breakdown and prediction written into the JSON
+        path = Path(a.summarize)
+        d = json.loads(path.read_text())
+        summarize(d["results"], d["layers"], d.get("zero_options", {}))
+        path.write_text(json.dumps(d, indent=1))
+        return
     results = []
-    print(f"{'world':>5} {'system':<14} {'steady MiB':>10} {'peak MiB':>9} {'peak/FSDP2':>10} {'peak/DDP':>9} "
-          f"{'engine MiB':>10} {'other MiB':>9}")
     for world in [int(w) for w in a.worlds.split(",")]:
-        rows = {s: run(s, world, a.layers, a.steps) for s in a.systems.split(",")}
-        for s, r in rows.items():
+        for s in a.systems.split(","):
+            r = run(s, world, a.layers, a.steps, a.zero_options, a.timeline)
             if "error" in r:
                 print(f"{world:>5} {s:<14} failed: {r['error'][-300:]}")
-                continue
-            fsdp = rows.get("fsdp2-bf16" if s.endswith("bf16") else "fsdp2", {}).get("peak")
-            ddp = rows.get("ddp", {}).get("peak")
-            ratio = lambda ref: f"{r['peak'] / ref:.2f}x" if ref else "-"   # noqa: E731
-            acc = f"{r['accounted']:.0f}" if "accounted" in r else "-"
-            other = f"{r['other']:.0f}" if "other" in r else "-"
-            print(f"{world:>5} {s:<14} {r['steady']:>10.0f} {r['peak']:>9.0f} {ratio(fsdp):>10} {ratio(ddp):>9} "
-                  f"{acc:>10} {other:>9}")
-            results.append(r)
+            else:
+                results.append(r)
+    summarize(results, a.layers, json.loads(a.zero_options))
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     out.write_text(json.dumps({"machine": cpu_model(), "torch": torch.__version__, "commit": commit,
-                               "layers": a.layers, "steps": a.steps, "results": results}, indent=1))
+                               "layers": a.layers, "steps": a.steps, "zero_options": json.loads(a.zero_options),
+                               "results": results}, indent=1))
     print(f"wrote {out}")
 
 

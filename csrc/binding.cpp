@@ -22,6 +22,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     zx_bind_plan(m);
     zx_bind_control(m);
     m.attr("BF16_STATE_SEED") = py::int_(zx::kStateSeed);   // Note [bf16 optimizer states]
+    // The phases of Note [Collective sequence check] (SeqPhase, engine/digest.h) that
+    // Python marks with Engine.sequence_mark; UNIT_NEED_BASE + k: stage-3 unit k is needed.
+    for (const auto &[name, phase] : {std::pair<const char *, int64_t>{"PHASE_FORWARD", zx::kPhaseForward},
+                                      {"PHASE_BACKWARD", zx::kPhaseBackward},
+                                      {"PHASE_CLIP", zx::kPhaseClip},
+                                      {"PHASE_STEP", zx::kPhaseStep},
+                                      {"PHASE_FORWARD_NOGRAD", zx::kPhaseForwardNoGrad},
+                                      {"PHASE_MODEL_STATE", zx::kPhaseModelState},
+                                      {"PHASE_OPTIM_STATE", zx::kPhaseOptimState},
+                                      {"PHASE_CHECKPOINT", zx::kPhaseCheckpoint},
+                                      {"PHASE_GRAD_STATS", zx::kPhaseGradStats},
+                                      {"UNIT_NEED_BASE", zx::kUnitNeedBase}})
+        m.attr(name) = py::int_(phase);
 
     py::class_<zx::EngineOptions>(m, "EngineOptions")
         .def(py::init<>())

@@ -131,6 +131,9 @@ py::dict plan_balance(const std::vector<int64_t> &rows, const std::vector<int64_
 }  // namespace
 
 void zx_bind_plan(pybind11::module_ &m) {
+    // zx_update_kind (core/zx_core.h): what one tensor's update costs (zero_ext/whole.py)
+    m.attr("UPDATE_FACTORED") = py::int_((int)ZX_UPDATE_FACTORED);
+    m.attr("UPDATE_ORTHOGONALIZED") = py::int_((int)ZX_UPDATE_ORTHOGONALIZED);
     m.def("plan_layout", &plan_layout, py::arg("numel"), py::arg("groups"), py::arg("units"), py::arg("stage"),
           py::arg("partitions"), py::arg("bucket_bytes"), py::arg("first_bucket_bytes"), py::arg("align"),
           py::arg("param_dtype"), py::arg("param_align_bytes") = zx::EngineOptions().param_align_bytes,

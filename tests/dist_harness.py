@@ -56,7 +56,7 @@ Note [Frozen heap]
   with gc.freeze(): a collection walks only what the last function made, which is
   what it is there for. Frozen objects are never collected as cycles, so the reset
   first lets the models the function dropped end (their optimizers are held until
-  every rank is at their end: zero_ext/shard_server.py) and collects them; what is
+  every rank is at their end: zero_ext/alone/end.py) and collects them; what is
   frozen then is the interpreter's modules and their caches, alive until exit anyway.
   Measured on 3 files of standing worlds (test_after_zeroify, test_offload,
   test_parity, one process): the resets' first collections 13.6 s -> 1.8 s, the
@@ -264,9 +264,9 @@ def _reset(default_pg, env, cwd):
     if not dist.is_initialized() or dist.group.WORLD is not default_pg:
         raise RuntimeError("the function destroyed or replaced the default process group: run it with reuse=False")
     dist.barrier()   # every rank is done with the last function's collectives
-    if "zero_ext.shard_server" in sys.modules:
+    if "zero_ext.alone.end" in sys.modules:
         # the models the function dropped end once every rank is here: let them go
-        sys.modules["zero_ext.shard_server"].join_ended()
+        sys.modules["zero_ext.alone.end"].join_ended()
     gc.collect()
     gc.freeze()   # what survived lives on: later collections skip it (Note [Frozen heap])
     os.environ.clear()

@@ -1,20 +1,19 @@
 """Elastic training with torchrun's own agent (README, "Elastic training"): two agents
-on this machine (c10d rendezvous on 127.0.0.1, --nnodes=1:2, 2 processes each) train
-examples/train_gpt.py with a checkpoint every K steps. The second agent is killed with
-its workers mid-training; the first restarts its workers, which resume at world size 2
-from the last complete checkpoint; a new second agent joins and the job goes back to
-world size 4, resuming again. The final parameters must equal those of a run that
-follows the same world-size schedule from the same checkpoints without interruption
-(one plain torchrun job per segment), every resume must come from the last checkpoint
-saved before the interruption, and the final checkpoint must verify and hold the last step.
+on this machine (c10d rendezvous on 127.0.0.1, --nnodes=1:2; A runs 2 workers, B 1) train
+examples/train_gpt.py with a checkpoint every K steps. A starts alone (world size 2); B
+joins after the first checkpoint and the job resumes at world size 3 (grow, uneven shards);
+B is killed with its worker after the next checkpoint and A's workers resume at world
+size 2 (shrink). Every resume must come from the last checkpoint saved before it, the
+final checkpoint must verify and hold the last step, and each resumed segment must equal
+a plain job (env://, no agent) that runs it uninterrupted at the same world size from a
+copy of the checkpoint it resumed from, taken while no worker runs (between the old
+workers' exit and the new ones' start-up). The segment trained from scratch is no resume.
 
-Most of the test's time is processes starting (an agent imports torch.distributed.run, each
-worker torch and zero_ext), not training (~13 ms a step). The agent that joins and the
-reference's agents are started ahead of time, imported and held (HELD): the world-2 segment
-then lasts about a second after the join is let go instead of an agent's start-up, so STEPS
-= 300 leaves the job at world 2 a wide margin (it went back to world 4 from step 50 and 90
-in two runs), where 600 steps covered a cold start. Alone on a 2-core machine the test took
-62-70 s; beside another pytest worker, on a machine other jobs loaded too, 122-155 s.
+Most of the test's time is processes starting (each worker imports torch and zero_ext),
+not training. So B and the reference jobs' workers start ahead of time, imported and held
+(HELD, WORKER: the workers while A's notice the loss of B, about 3 s of waiting), the
+reference jobs run beside the job's last segment, and the worlds are small (7 worker start-ups in the job, 5 in the references; there were 10 and 10).
+STEPS = 300 leaves the first segment a wide margin (B joins within about a second).
 """
 import json
 import os
@@ -85,6 +84,12 @@ def _descendants(pid):
 # A torchrun agent started ahead of its time: torch.distributed.run imported (most of an
 # agent's start-up), then held until its arguments come as a line of JSON on its stdin.
 HELD = "import json, sys, torch.distributed.run as run; run.main(json.loads(sys.stdin.readline()))"
+
+
+# A reference job's worker started ahead of its time: torch, zero_ext and the script imported,
+# then held until its environment (RANK, WORLD_SIZE, MASTER_PORT...) and arguments come on stdin.
+WORKER = ("import json, os, sys; sys.path.insert(0, os.path.join(os.getcwd(), 'examples')); import zero_ext, "
+          "train_gpt; env, argv = json.loads(sys.stdin.readline()); os.environ.update(env); train_gpt.main(argv)")
 
 
 def _held(**kw):
@@ -168,107 +173,168 @@ def _saves(log):
             for m in [re.search(r"saved .* at step (\d+)", line)] if m]
 
 
-def _drop(held):
-    """End the _held() agents that were not used (they wait on their stdin)."""
-    for p in held:
-        p.kill()
-        p.communicate()
-
-
-def _standalone(nproc, steps, ckpt, agent):
-    """One plain torchrun job on `agent`, a _held() process with pipes."""
-    args = ["--standalone", f"--nproc_per_node={nproc}",
-            SCRIPT, *MODEL, "--steps", str(steps), "--save-every", str(EVERY), "--checkpoint", ckpt]
-    try:
-        out, err = agent.communicate(json.dumps(args) + "\n", timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        agent.kill()
-        raise
-    assert agent.returncode == 0, out[-3000:] + err[-3000:]
+def _workers(agent):
+    """The training processes below `agent` now."""
+    out = []
+    for pid in _descendants(agent.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"train_gpt.py" in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
     return out
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")   # exited, not yet reaped
+    except OSError:
+        return True
+
+
+def _snapshot(run, dest, workers, deadline):
+    """Copy the job's checkpoint directory once `workers` have exited: until the next
+    workers start and save, nothing writes it, so the copy is what they resume from."""
+    while not all(_gone(p) for p in workers):
+        assert time.monotonic() < deadline, "the workers did not exit"
+        time.sleep(0.02)
+    shutil.copytree(run, dest)
+
+
+class Reference:
+    """A plain job of `nproc` workers over env:// (no agent: nothing restarts it), held from
+    the test's start; run() trains from a copy of a checkpoint directory, wait() checks it."""
+
+    def __init__(self, nproc, log_dir):
+        self.outs = [os.path.join(log_dir, f"ref{nproc}-{r}.log") for r in range(nproc)]
+        self.procs = []
+        for out in self.outs:
+            with open(out, "w") as f:
+                self.procs.append(subprocess.Popen([sys.executable, "-c", WORKER], cwd=ROOT, env=_env(),
+                                                   stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT, text=True))
+
+    def run(self, steps, start, work):
+        """Train from a copy of the directory `start` to `steps`, in `work`; returns its checkpoint."""
+        shutil.copytree(start, work)
+        ckpt = os.path.join(work, "ckpt")
+        argv = [*MODEL, "--steps", str(steps), "--save-every", str(EVERY), "--checkpoint", ckpt]
+        port, n = _free_port(), len(self.procs)
+        for r, p in enumerate(self.procs):
+            env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            p.stdin.write(json.dumps([env, argv]) + "\n")
+            p.stdin.close()
+        return ckpt
+
+    def wait(self, deadline):
+        for p, out in zip(self.procs, self.outs):
+            try:
+                code = p.wait(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise
+            with open(out) as f:
+                assert code == 0, f.read()[-6000:]
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _assert_same(got, expect, what):
+    """Two consolidated checkpoints: the same step, samples and world size, parameters within 1e-5."""
+    assert got["extra"] == expect["extra"], (what, got["extra"], expect["extra"])
+    assert got["model"].keys() == expect["model"].keys()
+    for name, tensor in expect["model"].items():
+        torch.testing.assert_close(got["model"][name], tensor, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{what}: {name}: {m}")
 
 
 def test_elastic_shrink_and_grow(tmp_path):
     from zero_ext.checkpoint import consolidate, read_manifest
 
     deadline = time.monotonic() + TIMEOUT_S
-    ckpt = str(tmp_path / "ckpt")
+    run = str(tmp_path / "run")                 # the checkpoint and its .tmp/.old siblings
+    os.makedirs(run)
+    ckpt = os.path.join(run, "ckpt")
     port = _free_port()
 
     def agent_args(host):
-        # A hosts the rendezvous store (on a real cluster: the endpoint's machine); B is a client.
-        return ["--nnodes=1:2", "--nproc_per_node=2", "--max-restarts=3", "--rdzv-backend=c10d",
+        # A hosts the rendezvous store (on a real cluster: the endpoint's machine) and runs 2
+        # workers; B is a client with 1 (so the grown world, 3, shards unevenly).
+        return ["--nnodes=1:2", f"--nproc_per_node={2 if host else 1}", "--max-restarts=3", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", "--monitor-interval=0.2",
                 # a dead agent leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt
-                # seconds without a heartbeat (torch's default: 5 x 3)
-                f"--rdzv-conf=is_host={int(host)},last_call_timeout=4,join_timeout=120,read_timeout=30,"
+                # seconds without a heartbeat (torch's default: 5 x 3); A alone waits last_call_timeout
+                # for others before each of its rounds (no round here needs two agents at once)
+                f"--rdzv-conf=is_host={int(host)},last_call_timeout=1,join_timeout=120,read_timeout=30,"
                 "keep_alive_interval=1,keep_alive_max_attempt=3",
                 SCRIPT, *MODEL, "--steps", str(STEPS), "--save-every", str(EVERY), "--checkpoint", ckpt]
 
     log = []
     a = Agent("A", agent_args(True), log)
-    time.sleep(0.5)
-    b = Agent("B", agent_args(False), log)
-    b2, refs = None, []
+    b = Agent("B", agent_args(False), log, held=True)   # imports while A starts
+    refs = []
     try:
-        _wait_for(log, r"\| world size 4 \|", deadline)
-        # B2, the agent that joins the world-2 job, imports while the others train, so that
-        # it joins within a second of its go(): the world-2 segment need not outlast its start
-        b2 = Agent("B2", agent_args(False), log, held=True)
-        _wait_for(log, rf"saved .* at step {2 * EVERY} ", deadline)
+        _wait_for(log, r"\| world size 2 \|", deadline)
+        _wait_for(log, rf"saved .* at step {EVERY} ", deadline)
+        first = _workers(a)
+        assert first, "agent A's workers were not found"
+        b.go()                                   # grow: B joins, A's workers stop
+        log.append((time.monotonic(), "test", "let agent B join"))
+        _snapshot(run, str(tmp_path / "at_grow"), first, deadline)
+        t3, line = _wait_for(log, r"resumed from .* now world size 3", deadline)
+        s3 = int(re.search(r"at step (\d+)", line).group(1))
+        _wait_for(log, rf"saved .* at step {s3 + EVERY} ", deadline, after=t3)
+        second = _workers(a)
+        assert second, "agent A's workers were not found"
         killed_at = time.monotonic()
-        b.kill()
+        b.kill()                                 # shrink: B and its workers die
         log.append((killed_at, "test", "killed agent B and its workers"))
-        t2, _ = _wait_for(log, r"resumed from .* now world size 2", deadline, after=killed_at)
-        b2.go()
-        log.append((time.monotonic(), "test", "let agent B2 join"))
-        _wait_for(log, r"resumed from .* now world size 4", deadline, after=t2)
-        # the reference's agents (one per segment, usually 3) import while the job ends
-        refs = [_held(stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
+        # the reference jobs' workers import while A's notice the loss and meet again
+        refs += [Reference(3, str(tmp_path)), Reference(2, str(tmp_path))]
+        _snapshot(run, str(tmp_path / "at_shrink"), second, deadline)
+        t2, line = _wait_for(log, r"resumed from .* now world size 2", deadline, after=killed_at)
+        s2 = int(re.search(r"at step (\d+)", line).group(1))
+        # the segments the job resumed, each from a copy of what it resumed from, beside its last one
+        grown = refs[0].run(s2, str(tmp_path / "at_grow"), str(tmp_path / "ref_grown"))
+        shrunk = refs[1].run(STEPS, str(tmp_path / "at_shrink"), str(tmp_path / "ref_shrunk"))
         assert a.wait(deadline) == 0, "agent A failed"
-        assert b2.wait(deadline) == 0, "agent B2 failed"
-    except BaseException:
-        _drop(refs)
-        raise
+        for ref in refs:
+            ref.wait(deadline)
     finally:
-        for agent in (a, b, b2):
-            if agent is not None and agent.proc.poll() is None:
+        for ref in refs:
+            ref.kill()
+        for agent in (a, b):
+            if agent.proc.poll() is None:
                 os.killpg(agent.proc.pid, signal.SIGKILL)
     text = "\n".join(f"[{t:9.2f}] {n}: {l}" for t, n, l in sorted(log))
     print(text)
 
-    try:
-        runs = _segments(log)
-        saves = _saves(log)
-        worlds = [w for _, _, w in runs]
-        assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4, text
-        i2 = worlds.index(2)
-        assert 4 in worlds[i2:], text
-        # every resume came from the last checkpoint completed before it started: the last one
-        # logged, or the next one, when the agent stopped the workers after that save completed
-        # but before its line reached the log (seen once: resumed at 150, last line at 140)
-        for t, start, _ in runs[1:]:
-            before = [s for ts, s in saves if ts < t]
-            assert before and start in (before[-1], before[-1] + EVERY), \
-                f"resumed at {start}, last save before it {before[-1:]}\n{text}"
-        assert runs[i2][1] >= 2 * EVERY
-        # the final checkpoint verifies (sizes, CRCs) and holds the last step
-        final = consolidate(ckpt)
-        assert final["extra"]["step"] == STEPS and final["extra"]["samples"] > 0, final["extra"]
-        assert read_manifest(ckpt)
-
-        # the same world-size schedule from the same checkpoints, uninterrupted
-        ref = str(tmp_path / "ref")
-        bounds = [(start, w) for _, start, w in runs]
-        for k, (start, w) in enumerate(bounds):
-            end = bounds[k + 1][0] if k + 1 < len(bounds) else STEPS
-            if end > start:
-                agent = refs.pop(0) if refs else _held(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                _standalone(w, end, ref, agent)
-    finally:
-        _drop(refs)
-    expect = consolidate(ref)
-    assert expect["extra"] == final["extra"] | {"world_size": expect["extra"]["world_size"]}
-    for name, tensor in expect["model"].items():
-        torch.testing.assert_close(final["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    runs = _segments(log)
+    saves = _saves(log)
+    assert [w for _, _, w in runs] == [2, 3, 2], text
+    # every resume came from the last checkpoint completed before it started: the last one
+    # logged, or the next one, when the agent stopped the workers after that save completed
+    # but before its line reached the log (seen once: resumed at 150, last line at 140)
+    for t, start, _ in runs[1:]:
+        before = [s for ts, s in saves if ts < t]
+        assert before and start in (before[-1], before[-1] + EVERY), \
+            f"resumed at {start}, last save before it {before[-1:]}\n{text}"
+    assert [start for _, start, _ in runs] == [0, s3, s2] and EVERY <= s3 < s2, text
+    # the copies are what the resumed workers loaded
+    at_grow = consolidate(str(tmp_path / "at_grow" / "ckpt"))
+    at_shrink = consolidate(str(tmp_path / "at_shrink" / "ckpt"))
+    assert (at_grow["extra"]["step"], at_shrink["extra"]["step"]) == (s3, s2), text
+    # the final checkpoint verifies (sizes, CRCs) and holds the last step
+    final = consolidate(ckpt)
+    assert final["extra"]["step"] == STEPS and final["extra"]["samples"] > 0, final["extra"]
+    assert read_manifest(ckpt)
+    # each resumed segment equals the same segment run uninterrupted
+    _assert_same(at_shrink, consolidate(grown), f"world size 3, steps {s3}-{s2}")
+    _assert_same(final, consolidate(shrunk), f"world size 2, steps {s2}-{STEPS}")
     shutil.rmtree(tmp_path, ignore_errors=True)

@@ -176,7 +176,7 @@ def test_fp16_overflow_skips_on_device(stage):
         assert torch.equal(a, b), "an overflowing step changed parameters"
     assert zo.loss_scale < scale
     assert zo.stats()["skipped_steps"] == skipped + 1
-    assert zo._ctl is not None and zo._ctl.ctl.is_cuda, "the step control should live on the GPU"
+    assert zo.step_control is not None and zo.step_control.ctl.is_cuda, "the step control should live on the GPU"
 
 
 def _gloo_cuda_worker(rank, world, device, config=None):

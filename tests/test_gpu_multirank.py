@@ -509,7 +509,7 @@ def _fp16_overflow(rank, world, device):
             if handle is not None:
                 handle.remove()
             before = ([s.clone() for s in zo._engine.param_shards()],
-                      {k: v.clone() for k, v in zo._engine.states().items()}, list(zo._steps))
+                      {k: v.clone() for k, v in zo._engine.states().items()}, list(zo.group_steps))
             n = zo.skipped_steps
             zo.step()
             zo.zero_grad()
@@ -519,7 +519,7 @@ def _fp16_overflow(rank, world, device):
                 shards, states, steps = before
                 unchanged = (all(torch.equal(a, b) for a, b in zip(shards, zo._engine.param_shards()))
                              and all(torch.equal(states[k], v) for k, v in zo._engine.states().items())
-                             and steps == list(zo._steps))
+                             and steps == list(zo.group_steps))
         out[stage] = {"skipped": skipped, "unchanged": unchanged, "scales": scales}
     return out
 

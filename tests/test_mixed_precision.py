@@ -159,7 +159,7 @@ def _bf16_worker(rank, world, stages, steps, reduce_dtype):
                 opt = torch.optim.AdamW([p], lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
                                         weight_decay=hp["weight_decay"], fused=True)
                 if states:
-                    opt.state[p] = {"step": torch.tensor(float(zo._steps[gi] - 1)),
+                    opt.state[p] = {"step": torch.tensor(float(zo.group_steps[gi] - 1)),
                                     "exp_avg": states["exp_avg"][so:so + k].clone(),
                                     "exp_avg_sq": states["exp_avg_sq"][so:so + k].clone()}
                 p.grad = grad[so:so + k]
@@ -263,7 +263,7 @@ def _fp16_worker(rank, world, stage, step_control=False):
         if step == bad_step:
             before = ([s.clone() for s in zo._engine.param_shards()],
                       {k: v.clone() for k, v in zo._engine.states().items()},
-                      [p.detach().clone() for p in zm.state_dict().values()], list(zo._steps))
+                      [p.detach().clone() for p in zm.state_dict().values()], list(zo.group_steps))
         skipped_before = zo.skipped_steps
         zo.step()
         zo.zero_grad()
@@ -275,7 +275,7 @@ def _fp16_worker(rank, world, stage, step_control=False):
                 all(torch.equal(a, b) for a, b in zip(shards, zo._engine.param_shards()))
                 and all(torch.equal(states[k], v) for k, v in zo._engine.states().items())
                 and all(torch.equal(a, b) for a, b in zip(params, zm.state_dict().values()))
-                and steps == zo._steps)
+                and steps == zo.group_steps)
     return {"scales": scales, "skipped": skipped_flags, "equal": snapshots_equal, "bad_step": bad_step,
             "interval": interval, "stats": zo.stats()}
 

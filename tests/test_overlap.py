@@ -245,7 +245,7 @@ def _teardown_worker(rank, world):
     start = time.monotonic()
     del zm, zo, model
     gc.collect()
-    zero_ext.shard_server.join_ended()   # the engine goes with the last reference to it (Note [Shard server])
+    zero_ext.alone.join_ended()   # the engine goes with the last reference to it (Note [Model's end])
     end = time.monotonic()
     stop.set()
     thread.join()

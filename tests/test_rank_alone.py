@@ -1,7 +1,7 @@
 """A DDP script's rank-0 habits, kept as they are: rank 0 alone evaluates and writes the
 checkpoint (`if master_process: ...`), and the other ranks' shard servers serve what it
 reads (Note [Reading alone] in csrc/engine/away.h, Note [Shard server] in
-zero_ext/shard_server.py).
+zero_ext/alone/serving.py).
 
 - The script is nanoGPT's train.py in miniature; the DDP line is the only one that differs
   (`wrap`). Stages 0-3 at 3 ranks (which divide nothing): every logged loss, rank 0's

@@ -35,7 +35,7 @@ def _worker(rank, world, stage, opt_name, step_control, clip):
     zm, zo = zero_ext.zeroify(model, opt, stage=stage, param_dtype="fp16", loss_scale="dynamic",
                               initial_loss_scale=2.0 ** 8, loss_scale_growth_interval=2,
                               loss_scale_hysteresis=2, min_unit_numel=0, step_control=step_control)
-    assert (zo._ctl is not None) == step_control
+    assert (zo.step_control is not None) == step_control
     target = list(model.parameters())[0]
     bad = {0, 3, 4}                  # step 0 overflows: SGD's first real step is step 1
     norms, scales, skipped = [], [], []
@@ -67,7 +67,7 @@ def _worker(rank, world, stage, opt_name, step_control, clip):
     return {"params": params, "states": {k: v.clone() for k, v in zo._engine.states().items()},
             "shards": [s.clone() for s in zo._engine.param_shards()], "norms": norms, "scales": scales,
             "skipped": skipped, "steps": list(z["steps"]), "scaler": z["loss_scaler"],
-            "reloaded": (zo2.loss_scale, zo2.skipped_steps, list(zo2._steps), zo2.scaler_state_dict())}
+            "reloaded": (zo2.loss_scale, zo2.skipped_steps, list(zo2.group_steps), zo2.scaler_state_dict())}
 
 
 def _both_paths(rank, world, stage, opt_names, clip):

@@ -4,18 +4,18 @@ an optimizer built before the wrapper line and never passed to it. Also the guar
 names any other torch optimizer stepping a zeroified model's parameters.
 
 Note [Adopted optimizers]
-  Pending model: what zeroify(model) returns without an optimizer. It holds the module
-  whole and unwrapped until the first forward with autograd (no rank trains before it).
-  Adoption: at that forward every rank looks for the torch optimizers over the module's
-  parameters (the garbage collector's list of live objects, once per model) and runs
-  zeroify(module, them) with the options it was given. The pending model becomes the
-  ZeroModel and each user optimizer becomes its ZeroOptimizer in place (same objects:
-  the script, its LR scheduler and its GradScaler keep their references). zeroify reads
-  a shallow copy of each user optimizer: its param groups and its state are the user's.
-  A forward without autograd before that (an evaluation) runs the plain module.
-  Step guard: a torch optimizer that steps a zeroified model's parameters without
-  zero_ext knowing it would change a view of a bucket or an empty stage-3 tensor. A
-  global step pre-hook refuses it by name; zero_ext's own optimizers pass at once.
+  A pending model is what zeroify(model) returns without an optimizer. It holds the
+  module whole and unwrapped until the first forward with autograd; no rank trains
+  before it. A forward without autograd before that (an evaluation) runs the module.
+  - Adoption, at that forward, on every rank: find the torch optimizers over the
+    module's parameters (in the garbage collector's live objects, once per model) and
+    zeroify(module, them) with the options given. zeroify reads a shallow copy of each,
+    so the param groups and state stay the user's.
+  - The pending model becomes the ZeroModel, and each optimizer its ZeroOptimizer, in
+    place: the script, its LR scheduler and its GradScaler keep their references.
+  - The step guard: a torch optimizer stepping a zeroified model's parameters without
+    zero_ext knowing would change a bucket view or an empty stage-3 tensor. A global
+    step pre-hook refuses it by name; zero_ext's own optimizers pass at once.
 """
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ class PendingModel(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)   # an evaluation before training: nothing is sharded yet
-        _adopt(self)
+        # torch.compile sees none of it; disabled here, not at import: importing dynamo costs
+        # every process about a second
+        torch.compiler.disable(_adopt)(self)
         return type(self).forward(self, *args, **kwargs)   # ZeroModel's now
 
     def state_dict(self, *args, **kwargs):
@@ -108,7 +110,6 @@ def _optimizers_over(module: nn.Module) -> tuple[list, str | None]:
     return optimizers, None
 
 
-@torch.compiler.disable
 def _adopt(pending: PendingModel) -> None:
     """Every rank, at the first forward with autograd: zeroify the module with the optimizers
     found, turning the pending model and each optimizer into what zeroify returns."""

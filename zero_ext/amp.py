@@ -1,62 +1,36 @@
 """amp.py — torch.amp.GradScaler on a zeroified model.
 
 Note [GradScaler on sharded gradients]
-  The AMP recipe DDP scripts use is `scaler.scale(loss).backward()`, optionally
-  `scaler.unscale_(optimizer)` and torch's clip_grad_norm_, then `scaler.step(optimizer)`
-  and `scaler.update()`. GradScaler.unscale_ (which step() calls when the script did not)
-  hands every p.grad of the optimizer's param groups, per device and dtype, to
+  GradScaler.unscale_ (step() calls it when the script did not) hands each p.grad to
   torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale); step()
-  calls optimizer.step() only where found_inf is 0, and update() moves the scale and its
-  growth tracker by found_inf.
-  - Stage 0: p.grad is DDP's (the reduced bucket views, complete when backward returns),
-    so torch's own kernel runs on them as under DDP; nothing here.
+  skips optimizer.step() where found_inf is set; update() moves the scale by it.
+  - Stage 0: p.grad is DDP's; torch's kernel runs on it as under DDP.
   - Stages 1-3: p.grad is a ShardedGrad (Note [Sharded gradients] in
-    zero_ext/sharded_grad.py), which hands the call to unscale_sharded_ below: torch's
-    same kernel runs over this rank's reduced gradient shards of those param groups,
-    unscaling them in place as it would DDP's p.grad (the shards hold the sum over ranks,
-    which the step divides: the product is the same), and this rank's verdict is
-    all-reduced (MAX) before it is written into found_inf. The verdict must be global
-    there and then: a reduce-scatter puts an inf only into its owner's shard, and a
-    verdict made global only inside step() would leave each rank's update() with its own,
-    so skipped steps and scales would drift apart (torch's ShardedGradScaler all-reduces
-    found_inf_per_device for the same reason). So every rank skips the same steps, and
-    scale and growth tracker stay equal on every rank, as under DDP. Being collective,
-    the all-reduce runs on a tensor of the engine's device through the communication
-    layer (Note [One communication layer] in zero_ext/comm.py), after the sequence
-    check's mark for reductions of sharded gradients, so a rank that calls unscale_ alone
-    is named, not hung (Note [Collective sequence check] in csrc/engine/sequence.h). A
-    GradScaler step so costs two small collectives that DDP's does not have: that mark's
-    digest exchange (one kDigest-integer (14) all-gather on the side group; NCCL exchanges at
-    every phase anyway) and the verdict's one-float all-reduce.
-  - Nothing is folded: once unscaled, the shards are what the step, clip_grad_norm_
-    and p.grad's reductions read. GradScaler.step skips optimizer.step() after an
-    overflow, so a clip factor that torch's clip_grad_norm_ folded for that iteration
-    belongs to gradients that are gone: ZeroOptimizer keeps it only while the gradients
-    it was computed from are there (the engine's grad_generation).
-  - Refused by name, before any collective (every rank has the same options): a
-    GradScaler with zero_ext's own loss scaling (param_dtype="fp16", loss_scale=...: the
-    loss would be scaled twice), and with step_in_backward=True (each bucket steps inside
-    backward, before GradScaler sees a gradient). GradScaler.step reads
-    optimizer._step_supports_amp_scaling first: the property raises there
-    (scaler_conflict), as unscale_sharded_ does, and the integrations (Lightning's
-    "16-mixed", Accelerate's and the HF Trainer's fp16) check it at set-up. (An explicit
-    unscale_ of fp16 parameters' gradients meets GradScaler's own refusal first,
-    "Attempting to unscale FP16 gradients", as a DDP model in fp16 does.)
-  - The integrations: Lightning's MixedPrecision calls unscale_ and step itself. Accelerate
-    and the HF Trainer never see the zeroified model, so what accelerator.prepare(model)
-    would have done is done by zero_ext/integrations/accelerate.py: the forward runs under
-    autocast, the optimizer's AcceleratedOptimizer gets the scaler, and
-    accelerator.clip_grad_norm_'s unscale_gradients() also unscales the optimizers
-    prepare() zeroified (they are not in accelerator._optimizers: their checkpoint is
-    zero_ext.save's, not optimizer.bin).
+    zero_ext/sharded_grad.py), which calls unscale_sharded_: the same kernel unscales
+    this rank's reduced gradient shards in place, and the verdict is all-reduced (MAX)
+    before it is written. It must be global there: an inf lands only in its owner's
+    shard, and ranks whose update() saw their own verdicts would drift apart (torch's
+    ShardedGradScaler all-reduces for the same reason). The all-reduce follows the
+    sequence check's mark (Note [Collective sequence check] in csrc/engine/sequence.h),
+    so a rank calling unscale_ alone is named, not hung: two small collectives per
+    GradScaler step that DDP's does not have (the mark's digest exchange; the verdict).
+  - Nothing is folded: the step and clip_grad_norm_ read the unscaled shards. A clip
+    factor folded for a step GradScaler skipped belongs to gradients that are gone, so
+    ZeroOptimizer keeps it only while the engine's grad_generation is unchanged.
+  - Refused by name (scaler_conflict), before any collective: zero_ext's own loss
+    scaling (param_dtype="fp16", loss_scale=...: the loss would be scaled twice), and
+    step_in_backward=True (buckets step before GradScaler sees a gradient). GradScaler
+    reads optimizer._step_supports_amp_scaling first: that property raises. The
+    integrations (Lightning's "16-mixed", Accelerate's and the HF Trainer's fp16) check
+    it at set-up; zero_ext/integrations/accelerate.py does what prepare(model) would.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from ._C import PHASE_GRAD_STATS
 from .changes import ZeroUsageError
-from .sharded_grad import PHASE_GRAD_STATS, ShardedGrad
 
 
 def scaler_conflict(config) -> str | None:
@@ -89,23 +63,23 @@ def unscale_sharded_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tens
     grads = list(grads)
     if not grads:
         return
-    stats = grads[0]._zx_stats if isinstance(grads[0], ShardedGrad) else None
-    if stats is None or any(not isinstance(g, ShardedGrad) or g._zx_stats is not stats for g in grads):
+    stats = getattr(grads[0], "_zx_stats", None)   # a ShardedGrad's model (zero_ext/sharded_grad.py)
+    if stats is None or any(getattr(g, "_zx_stats", None) is not stats for g in grads):
         raise ZeroUsageError("zero_ext: torch._amp_foreach_non_finite_check_and_unscale_ over gradients of "
                              "several zeroified models, or of a zeroified model and plain tensors: each model's "
                              "gradients are sharded on their own; unscale with GradScaler.unscale_(optimizer), "
                              "one zeroified optimizer at a time")
     opt = stats.optimizer()
-    check_scaler(opt._config)
+    check_scaler(opt.config)
     given = {g._zx_index for g in grads}
-    groups = sorted({opt._param_group_of[i] for i in given})
-    wanted = [i for i, gi in enumerate(opt._param_group_of) if gi in set(groups)]
+    groups = sorted({opt.param_group_of[i] for i in given})
+    wanted = [i for i, gi in enumerate(opt.param_group_of) if gi in set(groups)]
     if len(given) != len(grads) or len(given) != len(wanted):
         raise ZeroUsageError(f"zero_ext: torch._amp_foreach_non_finite_check_and_unscale_ over {len(grads)} of the "
                              f"{len(wanted)} gradients of param group(s) {groups}: a zeroified model's gradients are "
                              f"sharded by bucket and unscaled a whole param group at a time; unscale with "
                              f"GradScaler.unscale_(optimizer) (every gradient of the optimizer)")
-    eng = opt._engine
+    eng = opt.engine
     eng.sequence_mark(PHASE_GRAD_STATS)
     eng.wait_reductions()
     shards = eng.grad_shards()
@@ -120,7 +94,7 @@ def unscale_sharded_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tens
     for t in pieces:
         if t.numel():
             by_dtype.setdefault(t.dtype, []).append(t)
-    comm = opt._comm
+    comm = opt.comm
     found = torch.zeros((), dtype=torch.float32, device=comm.device)
     for ts in by_dtype.values():
         here = torch.zeros((), dtype=torch.float32, device=ts[0].device)   # offload: the host shard

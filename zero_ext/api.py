@@ -3,16 +3,18 @@ checks once that all ranks agree, then builds the C++ engine, the module
 wrapper and the optimizer wrapper."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, shard_server
+from . import _C, alone
 from .adopt import PendingModel, become, install_step_guard
 from .auto import choose_stage, free_memory
 from .changes import ModelGuard, ZeroUsageError, is_retired, retire_optimizer
@@ -24,14 +26,14 @@ from .materialize import initialize_by_unit, is_meta, replace_meta
 from .model import ZeroModel, cast_buffers
 from .nodes import node_group, resolve_node_size
 from .offload import check_host_memory, warn_unfused
-from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, _Part
+from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, ZeroOptimizerPart, _Part
 from .param_waits import ParamWaits
 from .pretrained import load as pretrained
 from .prior_state import capture as capture_prior_state, describe as describe_prior_state
 from .prior_state import restore as restore_prior_state
 from .sharded_grad import install as install_sharded_grads
 from .units import assign_units, frozen_to_shard
-from .whole import WHOLE, ZeroOptimizerPart, fill_state_sizes, update_kind
+from .whole import WHOLE, fill_state_sizes, update_kind
 
 
 class ZeroInputError(ValueError):
@@ -56,19 +58,9 @@ def _resolve_group(pg):
     return pg, pg.rank(), pg.size()
 
 
-def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool, weights: bool = False):
-    """Rank-local checks. Returns (trainable params, their group ids, frozen params,
-    fused?, what the fingerprint hashes (a tuple, see _first_difference), the parts:
-    one _Part per torch optimizer)."""
-    if not isinstance(model, nn.Module):
-        _fail(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module to train as "
-              f"zeroify's first argument: zeroify(model, optimizer, ...)")
-    if isinstance(model, (ZeroModel, nn.parallel.DistributedDataParallel)):
-        _fail(f"model is already wrapped ({type(model).__name__}); pass the plain module"
-              f"{' (model.module)' if hasattr(model, 'module') else ''} instead")
-    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    if not optimizers:
-        _fail("the list of optimizers is empty; pass one torch optimizer or a list of them")
+def _optimizer_parts(optimizers: list, cfg: ZeroConfig) -> list:
+    """Rank-local checks of the torch optimizers; one _Part per optimizer: its class,
+    its param groups' indices over all optimizers, and how it steps."""
     parts, first_group = [], 0
     for optimizer in optimizers:
         if isinstance(optimizer, (ZeroOptimizer, ZeroOptimizerPart)):
@@ -110,13 +102,28 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool, weights: bool = Fals
         parts.append(_Part(cls, list(range(first_group, first_group + n)),
                            "whole" if whole else "fused" if fused else "shard"))
         first_group += n
-    fused = all(p.kind == "fused" for p in parts)
-    cls_names = "+".join(type(o).__name__ for o in optimizers)
-
     for o in optimizers:
         if is_retired(o):
             _fail(f"this torch optimizer ({type(o).__name__}) was already wrapped by zeroify(); use the optimizer "
                   f"that zeroify() returned")
+    return parts
+
+
+def _inspect(model, optimizers: list, cfg: ZeroConfig, meta: bool, weights: bool = False):
+    """Rank-local checks. Returns (trainable params, their group ids, frozen params,
+    fused?, what the fingerprint hashes (a tuple, see _first_difference), the parts:
+    one _Part per torch optimizer)."""
+    if not isinstance(model, nn.Module):
+        _fail(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module to train as "
+              f"zeroify's first argument: zeroify(model, optimizer, ...)")
+    if isinstance(model, (ZeroModel, nn.parallel.DistributedDataParallel)):
+        _fail(f"model is already wrapped ({type(model).__name__}); pass the plain module"
+              f"{' (model.module)' if hasattr(model, 'module') else ''} instead")
+    if not optimizers:
+        _fail("the list of optimizers is empty; pass one torch optimizer or a list of them")
+    parts = _optimizer_parts(optimizers, cfg)
+    fused = all(p.kind == "fused" for p in parts)
+    cls_names = "+".join(type(o).__name__ for o in optimizers)
     names = {id(p): n for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         owner = getattr(p, OWNER_ATTR, None)
@@ -169,19 +176,19 @@ def _inspect(model, optimizer, cfg: ZeroConfig, meta: bool, weights: bool = Fals
                   f"cannot be flattened into a bucket; make it one before zeroify "
                   f"(p.data = p.data.to_dense().contiguous())")
     frozen = [p for p in model.parameters() if id(p) not in seen or not p.requires_grad]
-    desc = (cls_names, cfg.to_dict(),
-            [(names[id(p)], tuple(p.shape), str(p.dtype), gi) for p, gi in zip(params, groups)],
-            [(tuple(p.shape), str(p.dtype)) for p in frozen])
-    return params, groups, frozen, fused, desc, parts
+    fingerprinted = (cls_names, cfg.to_dict(),
+                     [(names[id(p)], tuple(p.shape), str(p.dtype), gi) for p, gi in zip(params, groups)],
+                     [(tuple(p.shape), str(p.dtype)) for p in frozen])
+    return params, groups, frozen, fused, fingerprinted, parts
 
 
 PRIOR_STATE = "optimizer state given to zeroify"   # tags the summary the ranks also agree on (last item)
 
 
-def _prior_summary(desc: tuple) -> tuple:
+def _prior_summary(fingerprinted: tuple) -> tuple:
     """Note [State given to zeroify] (zero_ext/prior_state.py): the summary of the optimizer
     state this rank carries, from what the ranks agree on (() when there is none)."""
-    last = desc[-1] if len(desc) > 4 else None
+    last = fingerprinted[-1] if len(fingerprinted) > 4 else None
     return last[1] if isinstance(last, tuple) and len(last) == 2 and last[0] == PRIOR_STATE else ()
 
 
@@ -219,7 +226,7 @@ def _first_difference(mine: tuple, theirs: tuple, r: int) -> str:
 
 
 def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, free: int,
-                         desc: tuple | None) -> int:
+                         fingerprinted: tuple | None) -> int:
     """One small all-gather: every rank learns whether every other rank accepted
     its inputs and wraps the same parameters and config. Raises on all ranks, so
     no rank is left waiting in a later collective; when the inputs differ, the ranks
@@ -240,10 +247,10 @@ def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, 
                   f"(it is in their own log too) and run again")
     differ = [r for r in range(world) if everyone[r, 1] != fingerprint]
     if len(set(everyone[:, 1].tolist())) > 1:      # every rank sees it, so every rank exchanges
-        descs = comm.gather_object(desc, dst=None)
+        theirs = comm.gather_object(fingerprinted, dst=None)
         raise ZeroInputError(f"zero_ext: rank(s) {differ} wrap different parameters, param groups, optimizer "
                              f"(or optimizer state) or config than rank {rank}: "
-                             f"{_first_difference(desc, descs[differ[0]], differ[0])}; "
+                             f"{_first_difference(fingerprinted, theirs[differ[0]], differ[0])}; "
                              f"every rank must build the same model and call zeroify() with the same options")
     return int(everyone[:, 2].min())
 
@@ -254,14 +261,6 @@ def _device_of(model) -> torch.device:
         for p in model.parameters():
             return p.device if p.device.type != "meta" else torch.device("cpu")
     return torch.device("cpu")
-
-
-def _auto_stage_error(optimizer):
-    """stage="auto"'s own input check (rank-local)."""
-    if isinstance(optimizer, (list, tuple)):
-        return ZeroInputError("zero_ext: stage='auto' takes one torch optimizer; with several (e.g. Muon + "
-                              "AdamW) pass stage=1, 2 or 3")
-    return None
 
 
 def _resolve_auto_stage(model, optimizer, cfg: ZeroConfig, free, rank: int, world: int, backend: str) -> None:
@@ -354,43 +353,69 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                   **options)
 
 
-def _build(model, optimizer, into, problem: str | None, *, stage=None, config=None, init_fn=None, weights=None,
-           **options):
-    """zeroify's work. into: (PendingModel, the user's optimizers) to turn in place into what
-    it returns (Note [Adopted optimizers]); problem: why adoption failed, raised on every rank."""
+@dataclasses.dataclass
+class _Inputs:
+    """What zeroify()'s checks found, agreed on by every rank, before anything is built."""
+    cfg: ZeroConfig
+    pg: Any               # the process group; None for one process
+    rank: int
+    world: int
+    backend: str          # the group's backend; "none" for one process
+    comm: Comm
+    optimizers: list      # the torch optimizers given
+    params: list          # trainable parameters, in the optimizers' order
+    groups: list          # each one's param group, counted over all optimizers
+    frozen: list          # the model's other parameters
+    fused: bool           # every optimizer steps with the C kernels
+    parts: list           # one _Part per torch optimizer
+    fingerprint: int      # of the inputs the ranks agreed on (sharded state dicts carry it)
+    plan: Any             # the pretrained weights' plan, or None
+    prior: list           # the optimizer state captured (Note [State given to zeroify])
+    node_size: int | None
+
+    @property
+    def gloo(self) -> bool:   # "gloo", "cuda:gloo", "cpu:gloo,cuda:gloo"
+        return device_backend(self.backend, self.comm.device.type) == "gloo"
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def _checked_inputs(model, optimizer, problem: str | None, weights, stage, config, options: dict) -> _Inputs:
+    """Every rank-local check, then the agreement check: raises on every rank or on none."""
     error = None if problem is None else ZeroInputError("zero_ext: " + problem)
     cfg = None
     try:
         cfg = make_config(config, stage, options)
     except (ValueError, TypeError) as e:
         error = error or e
-    pg_arg = cfg.process_group if cfg is not None else options.get("process_group")
-    pg, rank, world = _resolve_group(pg_arg)
+    pg, rank, world = _resolve_group(cfg.process_group if cfg is not None else options.get("process_group"))
     backend = dist.get_backend(pg) if pg is not None else "none"
     comm = Comm(pg if world > 1 else None, _device_of(model))   # Note [One communication layer]
-    gloo = device_backend(backend, comm.device.type) == "gloo"   # "gloo", "cuda:gloo", "cpu:gloo,cuda:gloo"
     if world > 1:
         wrong_device = check_device(pg, comm.device, backend)
         if wrong_device is not None:    # no collective could carry the agreement check: every rank raises
             raise ZeroInputError("zero_ext: " + wrong_device)
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     auto = error is None and cfg.stage == "auto"
+    if auto and isinstance(optimizer, (list, tuple)):
+        error = ZeroInputError("zero_ext: stage='auto' takes one torch optimizer; with several (e.g. Muon + "
+                               "AdamW) pass stage=1, 2 or 3")
     free = None
-    if auto:
-        error = _auto_stage_error(optimizer)
-    params = groups = frozen = parts = desc = plan = None
-    fused = False
-    prior, prior_summary = [], ()
+    params = groups = frozen = parts = fingerprinted = plan = node_size = None
+    fused, prior, prior_summary = False, [], ()
     if error is None:
         try:
             meta = isinstance(model, nn.Module) and is_meta(model)
-            params, groups, frozen, fused, desc, parts = _inspect(model, optimizer, cfg, meta, weights is not None)
+            params, groups, frozen, fused, fingerprinted, parts = _inspect(model, optimizers, cfg, meta,
+                                                                           weights is not None)
             if weights is not None:   # Note [Pretrained weights into shards]: checked here, agreed on below
                 plan = pretrained.make_plan(model, pretrained.as_weights(weights))
-                desc = desc + (plan.digest,)
+                fingerprinted = fingerprinted + (plan.digest,)
             # Note [State given to zeroify] (zero_ext/prior_state.py): a state loaded before wrapping
-            prior, prior_summary = capture_prior_state(
-                list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer], parts, params,
-                {id(p): n for n, p in model.named_parameters()})
+            prior, prior_summary = capture_prior_state(optimizers, parts, params,
+                                                       {id(p): n for n, p in model.named_parameters()})
             if auto and cfg.memory_budget is None:
                 free = free_memory(model)
             if cfg.offload is not None:   # Note [Optimizer offload] (csrc/engine/offload.h)
@@ -400,109 +425,111 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
                                  "AdamW or SGD, fused='auto') and no tensor-atomic ones; got "
                                  + ", ".join(f"{p.cls.__name__} ({p.kind})" for p in parts)
                                  + "; use torch.optim.AdamW/Adam/SGD, or step_in_backward=False")
+            node_size = resolve_node_size(cfg.node_size, world)
         except (ValueError, TypeError, ZeroUsageError) as e:
             error = e
-    text = repr(desc) if desc is not None else ""
-    fingerprint = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-    agreement, shown = fingerprint, desc   # the ranks also agree on the optimizer state they carry
-    if prior_summary:
-        text += repr(prior_summary)
-        agreement = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-        shown = desc + ((PRIOR_STATE, prior_summary),)
+    text = repr(fingerprinted) if fingerprinted is not None else ""
+    fingerprint = agreement = _hash(text)
+    agreed_on = fingerprinted
+    if prior_summary:   # the ranks also agree on the optimizer state they carry
+        agreement = _hash(text + repr(prior_summary))
+        agreed_on = fingerprinted + ((PRIOR_STATE, prior_summary),)
     verify = cfg.verify_across_ranks if cfg is not None else True
-    node_size = None
-    if error is None:
-        try:
-            node_size = resolve_node_size(cfg.node_size, world)
-        except ValueError as e:
-            error = e
     if world > 1 and verify and backend != "fake":   # fake moves no data
-        least = _verify_across_ranks(comm, agreement, error, free[0] if free else -1, shown)
+        least = _verify_across_ranks(comm, agreement, error, free[0] if free else -1, agreed_on)
         if free is not None:   # every rank budgets with the least free memory, so all choose one stage
             free = (least, f"{free[1]}, the least over {world} ranks")
     elif error is not None:
         raise error
     if auto:
         _resolve_auto_stage(model, optimizer, cfg, free, rank, world, backend)
+    return _Inputs(cfg, pg, rank, world, backend, comm, optimizers, params, groups, frozen, fused, parts,
+                   fingerprint, plan, prior, node_size)
 
+
+def _engine_options(ins: _Inputs):
+    """The engine's options: the config's table (ZeroConfig.engine_fields) and what the
+    optimizers decide per param group."""
+    cfg, params, parts, groups = ins.cfg, ins.params, ins.parts, ins.groups
     opts = _C.EngineOptions()
-    opts.stage = cfg.stage
-    opts.bucket_bytes = cfg.resolved_bucket_bytes(sum(p.numel() * p.element_size() for p in params))
-    opts.first_bucket_bytes = cfg.first_bucket_bytes
-    opts.align = cfg.resolved_align(world)
-    opts.alltoall_reduce_scatter = cfg.reduce_scatter == "alltoall" or cfg.grad_quant is not None or (
-        cfg.reduce_scatter == "auto" and gloo)
-    opts.grad_quant_bits = {None: 0, "int8": 8, "int4": 4}[cfg.grad_quant]
-    opts.grad_quant_error_feedback = cfg.grad_quant_error_feedback
-    opts.quant_block_numel = cfg.quant_block_numel
-    opts.param_quant_bits = {None: 0, "int8": 8}[cfg.param_quant]
-    opts.agree_unused = {False: 0, True: 1, "auto": 2}[cfg.find_unused_parameters]
-    opts.grad_ring_buckets = cfg.grad_ring_buckets
-    opts.isa = cfg.isa
-    opts.param_dtype = cfg.param_dtype
-    opts.reduce_dtype = cfg.reduce_dtype
+    trainable_bytes = sum(p.numel() * p.element_size() for p in params)
+    for name, value in cfg.engine_fields(ins.world, ins.gloo, trainable_bytes).items():
+        setattr(opts, name, value)
     opts.group_update_kind = [update_kind(part.cls) for part in parts for _ in part.groups]
-    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    state_sizes = fill_state_sizes(parts, [g for o in optimizers for g in o.param_groups], params, groups,
-                                   cfg.stage, world)
+    state_sizes = fill_state_sizes(parts, [g for o in ins.optimizers for g in o.param_groups], params, groups,
+                                   cfg.stage, ins.world)
     if cfg.state_dtype == "bf16":   # the fused Adam/AdamW's states take 2 bytes per element, not 4
         fused_groups = {gi for part in parts if part.kind == "fused" for gi in part.groups}
         state_sizes = [b / 2 if g in fused_groups else b for b, g in zip(state_sizes, groups)]
     opts.param_state = state_sizes
-    meta = is_meta(model)
-    born: set = set()
-    if meta:
+    return opts
+
+
+def _materialize_or_broadcast(model, ins: _Inputs, opts) -> set:
+    """A meta-device model gets CPU storage (ins.params and ins.frozen then name the new
+    parameters); otherwise every rank takes rank 0's values, as DDP. Returns the ids of
+    the new tensors (initialize_by_unit's to fill)."""
+    if is_meta(model):
         # untouched CPU storage, same ties; with weights, parameters as fp32 whatever dtype the build gave them
         # (a config's dtype: bf16): they hold no values yet, and the checkpoint's are read into fp32 masters
-        born = replace_meta(model, optimizers, torch.float32 if plan is not None else None)
-        params = [p for o in optimizers for g in o.param_groups for p in g["params"] if p.requires_grad]
-        frozen = [p for p in model.parameters() if not p.requires_grad]
+        born = replace_meta(model, ins.optimizers, torch.float32 if ins.plan is not None else None)
+        ins.params = [p for o in ins.optimizers for g in o.param_groups for p in g["params"] if p.requires_grad]
+        ins.frozen = [p for p in model.parameters() if not p.requires_grad]
         opts.copy_params = False
-    elif world > 1:   # as DDP: rank 0's values (of what the checkpoint will not fill)
-        filled = plan.filled(model) if plan is not None else set()
-        comm.broadcast_([t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in filled])
-    units, unit_modules, root_holders = [], [model], []
-    sharded_frozen, frozen_units = frozen_to_shard(frozen, cfg.stage, cfg.param_dtype), []
-    if cfg.stage == 3:
-        # Units over trainable and frozen parameters alike (a LoRA model's units
-        # are its layers, not its adapters).
+        return born
+    if ins.world > 1:   # (what the checkpoint will not fill)
+        filled = ins.plan.filled(model) if ins.plan is not None else set()
+        ins.comm.broadcast_([t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in filled])
+    return set()
+
+
+def _cast_replicated(model, replicated: list, cfg: ZeroConfig) -> None:
+    """With a 16-bit param_dtype, the frozen parameters outside the engine compute in it
+    too (they have no master; stage 3's are in param_dtype already), and so do buffers."""
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
+    with torch.no_grad():
+        for p in replicated:
+            p.data = p.data.to(low)
+    cast_buffers(model, low, cfg.cast_buffers)
+
+
+def _build(model, optimizer, into, problem: str | None, *, stage=None, config=None, init_fn=None, weights=None,
+           **options):
+    """zeroify's work. into: (PendingModel, the user's optimizers) to turn in place into what
+    it returns (Note [Adopted optimizers]); problem: why adoption failed, raised on every rank."""
+    ins = _checked_inputs(model, optimizer, problem, weights, stage, config, options)
+    cfg, comm, world, optimizers, meta = ins.cfg, ins.comm, ins.world, ins.optimizers, is_meta(model)
+    opts = _engine_options(ins)
+    born = _materialize_or_broadcast(model, ins, opts)
+    params, units, unit_modules, root_holders = ins.params, [], [model], []
+    sharded_frozen, frozen_units = frozen_to_shard(ins.frozen, cfg.stage, cfg.param_dtype), []
+    if cfg.stage == 3:   # units over trainable and frozen parameters alike (LoRA: layers, not adapters)
         units, unit_modules, root_holders = assign_units(model, params + sharded_frozen, cfg.unit_modules,
                                                          cfg.unit_numel, cfg.min_unit_numel)
         units, frozen_units = units[:len(params)], units[len(params):]
+    # Note [Parameter names in messages] (csrc/engine/layout.cpp): the engine's errors name parameters
+    names = {id(p): n for n, p in model.named_parameters()}
+    opts.param_names = [names.get(id(p), f"#{i}") for i, p in enumerate(params)]
+    if opts.offload:
+        warn_unfused(ins.parts)
     shapes = [tuple(p.shape) for p in params]   # stage 3 empties them: checkpoints need them
     frozen_shapes = [tuple(p.shape) for p in sharded_frozen]
-    # Note [Parameter names in messages] (csrc/engine/layout.cpp): the engine's errors name parameters
-    param_names = {id(p): n for n, p in model.named_parameters()}
-    opts.param_names = [param_names.get(id(p), f"#{i}") for i, p in enumerate(params)]
-    opts.offload = cfg.offload == "cpu"
-    opts.step_in_backward = cfg.step_in_backward
-    opts.state_dtype = cfg.state_dtype   # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
-    opts.coalesce_numel = cfg.coalesce_numel   # Note [Coalesced gradient reductions] (csrc/engine/reducer.cpp)
-    if opts.offload:
-        warn_unfused(parts)
-    engine = _C.Engine(params, groups, units, pg if world > 1 else None, opts)
+    engine = _C.Engine(params, ins.groups, units, ins.pg if world > 1 else None, opts)
     if sharded_frozen:   # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp)
         engine.add_frozen(sharded_frozen, frozen_units,
-                          [param_names.get(id(p), f"#{i}") for i, p in enumerate(sharded_frozen)])
-    if node_size is not None:   # Note [Hierarchical partitioning] (csrc/engine/secondary.h)
-        engine.enable_hierarchy(node_group(pg, node_size))
+                          [names.get(id(p), f"#{i}") for i, p in enumerate(sharded_frozen)])
+    if ins.node_size is not None:   # Note [Hierarchical partitioning] (csrc/engine/secondary.h)
+        engine.enable_hierarchy(node_group(ins.pg, ins.node_size))
     in_engine = {id(p) for p in sharded_frozen}
-    replicated = [p for p in frozen if id(p) not in in_engine]
-    if meta and plan is None:   # (with weights: pretrained.fill below initializes what they leave out)
+    replicated = [p for p in ins.frozen if id(p) not in in_engine]
+    if meta and ins.plan is None:   # (with weights: pretrained.fill below initializes what they leave out)
         unit_of = {id(p): u for p, u in zip(params + sharded_frozen, units + frozen_units)}
         initialize_by_unit(model, engine, unit_of, comm, init_fn, born)
         comm.broadcast_(replicated + list(model.buffers()))
-
     if cfg.param_dtype != "fp32":
-        # Frozen parameters have no master: they simply compute in param_dtype too
-        # (stage 3 holds them in param_dtype already).
-        low = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
-        with torch.no_grad():
-            for p in replicated:
-                p.data = p.data.to(low)
-        cast_buffers(model, low, cfg.cast_buffers)
-    buffers = [b for b in model.buffers() if b.numel() > 0]
-    wrapped = _made(ZeroModel, into and into[0], model, engine, cfg, buffers, unit_modules, root_holders)
+        _cast_replicated(model, replicated, cfg)
+    wrapped = _made(ZeroModel, into and into[0], model, engine, cfg, [b for b in model.buffers() if b.numel() > 0],
+                    unit_modules, root_holders)
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), units[i] if units else 0))
@@ -511,28 +538,27 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
     guard = ModelGuard(wrapped, model, params, shapes, sharded_frozen, frozen_shapes)
     # what this rank holds for frozen parameters: whole ones, and its stage-3 slices
     frozen_bytes = sum(p.numel() * p.element_size() for p in replicated) + engine.frozen_shard_bytes
-    zopt = _made(ZeroOptimizer, into[1][0] if into and len(optimizers) == 1 else None,
-                 optimizers, engine, cfg, fused, fingerprint, comm, parts=parts, param_groups_of=groups,
-                 params=params, param_shapes=shapes, units=wrapped._units, frozen_bytes=frozen_bytes, guard=guard)
+    zopt = _made(ZeroOptimizer, into[1][0] if into and len(optimizers) == 1 else None, optimizers, engine, cfg,
+                 ins.fused, ins.fingerprint, comm, parts=ins.parts, param_groups_of=ins.groups, params=params,
+                 param_shapes=shapes, units=wrapped._units, frozen_bytes=frozen_bytes, guard=guard)
     for o in optimizers:
         retire_optimizer(o)
     waits = (ParamWaits(wrapped, model, engine, params)
              if cfg.overlap_param_gather and cfg.stage in (1, 2) and world > 1 else None)
     wrapped.attach(guard, zopt, waits)   # Note [torch's clipping utilities] (torch_utils.py): the optimizer
-    if plan is not None:                 # Note [Pretrained weights into shards]
-        wrapped.weights_report = pretrained.fill(wrapped, plan, comm, init_fn, initialize=meta)
-    restore_prior_state(zopt, optimizers, prior)   # Note [State given to zeroify]: no collective
+    if ins.plan is not None:             # Note [Pretrained weights into shards]
+        wrapped.weights_report = pretrained.fill(wrapped, ins.plan, comm, init_fn, initialize=meta)
+    restore_prior_state(zopt, optimizers, ins.prior)   # Note [State given to zeroify]: no collective
     if cfg.stage >= 1 and not cfg.step_in_backward:   # Note [Sharded gradients]: p.grad answers as DDP's
-        install_sharded_grads(wrapped, zopt, {id(p): n for n, p in model.named_parameters()})
-    if world > 1 and cfg.check_sequence is not False and backend != "fake":   # fake moves no data
-        engine_id = _enable_sequence_check(engine, pg, cfg, gloo)
+        install_sharded_grads(wrapped, zopt, names)
+    if world > 1 and cfg.check_sequence is not False and ins.backend != "fake":   # fake moves no data
+        engine_id = _enable_sequence_check(engine, ins.pg, cfg, ins.gloo)
         if cfg.stage >= 1:   # Note [Shard server]: a rank reading alone is served the others' pieces
-            shard_server.start(pg, zopt, engine_id, comm.device)
-    if cfg.log_plan and rank == 0:
+            zopt.serving = alone.serve(ins.pg, zopt, engine_id, comm.device)
+    if cfg.log_plan and ins.rank == 0:
         print(engine.describe_plan(), flush=True)
     install_step_guard()   # Note [Adopted optimizers]: a torch optimizer zeroify was not given is named
-    if isinstance(optimizer, (list, tuple)):
-        # One returned optimizer per given one, stepping its own groups (zero_ext/whole.py).
+    if isinstance(optimizer, (list, tuple)):   # one returned optimizer per given one (zero_ext/whole.py)
         return wrapped, [_made(ZeroOptimizerPart, into and into[1][k], zopt, o, k) for k, o in enumerate(optimizers)]
     return wrapped, zopt
 

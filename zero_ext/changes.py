@@ -1,13 +1,8 @@
 """What users do to a model after zeroify(): each either reaches the fp32 master
 weights or raises a zero_ext error naming the fix; none is silently lost.
-
-- load_state_dict, on the returned model, on `.module` or on any submodule, any
-  stage and param_dtype (Note [Loading into a zeroified model]).
-- In-place edits outside gathered_parameters (torch.nn.init.*, p.mul_() under
-  no_grad), found from the parameters' version counters once per step
-  (Note [Edits outside gathered_parameters]).
-- dtype/device moves (model.double(), .half(), .to(...), .cuda(), to_empty()),
-  refused at the call (Note [Moves after zeroify]).
+- load_state_dict on the model, `.module` or any submodule (Note [Loading into a
+  zeroified model]); in-place edits (Note [Edits outside gathered_parameters]);
+  dtype/device moves, refused (Note [Moves after zeroify]).
 - The torch optimizer that zeroify() wrapped refuses step() and add_param_group().
 """
 from __future__ import annotations
@@ -25,52 +20,47 @@ class ZeroUsageError(RuntimeError):
 
 
 # Note [Loading into a zeroified model]
-#   zeroify() registers a load_state_dict pre-hook and post-hook on every module
-#   of the model, so model.load_state_dict, model.module.load_state_dict and a
-#   submodule's load_state_dict all pass through them. For each trainable
-#   parameter the pre-hook finds in the state dict (logical shape checked, as
-#   torch checks it), it writes this rank's fragments of the value into the fp32
-#   master shard exactly (engine.fragments: no collective, no gathered unit: a
-#   rank reads only its 1/N of each tensor, so a memory-mapped full state dict
-#   costs about its shard), and copies the value into the parameter itself where
-#   that is whole (stages 0-2; a stage-3 unit gathered at the time). It then puts
-#   the parameter itself in the state dict's place, so torch's own copy is a
-#   no-op while its key bookkeeping (strict, missing/unexpected keys, error
-#   messages) stays torch's. The post-hook of the module load_state_dict was
-#   called on finishes: with a low param_dtype it recasts the master into the
-#   low-precision copy that is gathered next. Frozen parameters that stage 3
-#   shards are written the same way into their param_dtype shard; other frozen
-#   parameters and buffers are copied by torch as usual. Every rank loads the same state dict
-#   (as with DDP); nothing is communicated.
+#   zeroify() registers a load_state_dict pre-hook and post-hook on every module, so
+#   model.load_state_dict, model.module's and any submodule's pass through them.
+#   - The pre-hook, for each trainable parameter in the state dict (shape checked as
+#     torch checks it): writes this rank's fragments of the value into the fp32
+#     master (engine.fragments). No collective, no gathered unit: a rank reads only
+#     its 1/N, so a memory-mapped full state dict costs about its shard. Where the
+#     parameter is whole (stages 0-2, a gathered stage-3 unit) it is copied too.
+#   - It then puts the parameter itself in the state dict, so torch's own copy is a
+#     no-op while its key bookkeeping (strict, missing/unexpected keys) stays torch's.
+#   - The post-hook of the module the load was called on recasts the master into the
+#     low-precision copy gathered next (with a low param_dtype).
+#   Frozen parameters stage 3 shards are written the same way into their param_dtype
+#   shard; other frozen parameters and buffers are torch's. Every rank loads the same
+#   state dict, as with DDP.
 
 # Note [Edits outside gathered_parameters]
-#   Stages 0-2 in fp32: a parameter *is* its bucket view and the owned slice is
-#   the master, so an in-place edit made on every rank is simply kept; nothing is
-#   checked. With a low param_dtype the master is a separate fp32 shard: once per
-#   step (ZeroOptimizer.step, and before a load) the version counters of the
-#   parameters are compared with the last snapshot; on a change the edits are
-#   folded into the master with engine.absorb_param_edits(), exactly as
-#   gathered_parameters(modifier_rank=...) does (only elements whose
-#   low-precision value changed; each rank folds its own shard, so, as with DDP,
-#   every rank makes the same edit). With bf16 kept as a split master (Note [Split master
-#   in the engine], csrc/engine/master_split.h) the edited parameter already is the
-#   master's top half and each element keeps its remainder: the fold is not exact there
-#   (below half a bf16 ulp). Reading 1,202 version counters costs
-#   0.3% of a stage-2 step (benchmarks/bench_edit_detection.py), so it stays in
-#   Python. Stage 3: outside forward a parameter is a
-#   0-element tensor, so an edit there changes nothing and is refused at the
-#   next step with an error pointing to gathered_parameters. Edits through
+#   An edit is an in-place change to a parameter (nn.init.*, p.mul_() under no_grad).
+#   - Stages 0-2 in fp32: a parameter is its bucket view, and the owned slice is the
+#     master. An edit made on every rank is simply kept; nothing is checked.
+#   - A low param_dtype: the master is a separate fp32 shard. Once per step (and
+#     before a load) the parameters' version counters are compared with the last
+#     snapshot. On a change, engine.absorb_param_edits() folds the edits into the
+#     master, as gathered_parameters(modifier_rank=...) does: only elements whose
+#     low-precision value changed, each rank its own shard.
+#   - A bf16 split master (Note [Split master in the engine], csrc/engine/master_split.h):
+#     the parameter is the master's top half and keeps its remainder, so the fold is
+#     off by below half a bf16 ulp.
+#   - Stage 3: outside forward a parameter is a 0-element tensor, so an edit changes
+#     nothing; the next step refuses it, pointing to gathered_parameters.
+#   Reading 1,202 version counters costs 0.3% of a stage-2 step
+#   (benchmarks/bench_edit_detection.py), so it stays in Python. Edits through
 #   `p.data` bypass the version counter and are not seen.
 
 # Note [Moves after zeroify]
-#   Module._apply (behind .to(), .double(), .half(), .float(), .cuda(), .cpu(),
-#   .to_empty(), ...) replaces each parameter's data with fn(parameter), which
-#   would detach it from its bucket: training would stop updating it. Every
-#   module of a zeroified model gets an instance-level _apply that first applies
-#   fn to an empty tensor of each of its parameters' and buffers' dtype and
-#   device, refusing any change, and afterwards checks that each trainable
-#   parameter still is its bucket view (restoring it and refusing otherwise,
-#   e.g. to_empty()). Moves that change nothing (model.cpu() on the CPU) pass.
+#   Module._apply (behind .to(), .double(), .half(), .cuda(), .to_empty(), ...) replaces
+#   each parameter's data with fn(parameter). That would detach it from its bucket,
+#   and training would stop updating it. So every module of a zeroified model gets an
+#   instance-level _apply. It first applies fn to an empty tensor of each parameter's
+#   and buffer's dtype and device, refusing any change. Afterwards it checks that each
+#   trainable parameter still is its bucket view, restoring it and refusing otherwise
+#   (to_empty()). A move that changes nothing (model.cpu() on the CPU) passes.
 
 MOVE_FIX = ("choose the compute precision with zeroify(..., param_dtype='bf16' or 'fp16') and move the model "
             "to its device before zeroify(); to change either now, zero_ext.save() a checkpoint, rebuild and "

@@ -1,28 +1,23 @@
 """comm.py — every collective zero_ext issues from Python, on tensors of the engine's device.
 
 Note [One communication layer]
-  A process group made by init_process_group("nccl") has a backend for CUDA tensors only
-  (its `_device_types` is [cuda]); a collective on a CPU tensor fails there with "No
-  backend type associated with device type cpu", and a CPU-only group (gloo built
-  without CUDA, "cpu:gloo") refuses CUDA tensors. So every collective zero_ext issues
-  runs on tensors of the engine's device (the parameters' device), through one of two
-  places: the C++ engine's Communicator (csrc/engine/comm.h) for training, and this
-  module for everything Python does once (zeroify's agreement check and broadcast, the
-  meta-device build's verdict, the inf-norm, checkpoint verdicts, manifests and
-  consolidation). Objects travel as pickled bytes in a uint8 tensor on that device, so
-  nothing depends on torch.cuda.current_device() having been set by the script.
-  torch.distributed.checkpoint (DCP) runs its own object collectives; it chooses their
-  device from the group's `_device_types`, which the check below makes agree with ours.
-  tests/test_comm_layer.py spies on torch.distributed and fails on a collective that
-  bypasses this module or carries a tensor of another device.
-  One side channel carries CPU tensors by design: the shard servers' requests and replies
-  (Note [Shard server] in zero_ext/shard_server.py), point to point on a gloo group of
-  their own that zeroify makes for them (SideChannel below), never on the engine's group.
+  A group made by init_process_group("nccl") carries CUDA tensors only; a CPU tensor
+  fails there ("No backend type associated with device type cpu"). A CPU-only group
+  refuses CUDA tensors. So every collective zero_ext issues runs on tensors of the
+  engine's device (the parameters'), through one of two places:
+  - the C++ engine's Communicator (csrc/engine/comm.h), for training;
+  - this module, for what Python does once: zeroify's agreement check and broadcast,
+    the meta build's verdict, the inf-norm, checkpoint verdicts and consolidation.
+  Objects travel as pickled bytes in a uint8 tensor on that device, so nothing depends
+  on torch.cuda.current_device(). torch.distributed.checkpoint chooses its own
+  collectives' device from the group's `_device_types`, which check_device makes agree.
+  tests/test_comm_layer.py fails on a collective that bypasses this module or carries a
+  tensor of another device. One side channel carries CPU tensors by design: the shard
+  servers' messages, point to point on a gloo group of their own
+  (zero_ext/alone/channel.py), never on the engine's group.
 """
 from __future__ import annotations
 
-import datetime
-import itertools
 import pickle
 import time
 
@@ -191,42 +186,14 @@ def delay_collectives(model_or_optimizer, ms: float, serialize: bool = False) ->
     each collective where it is launched, so nothing overlaps: a step then costs its
     compute plus every delay. ms=0 turns it off. For tests and benchmarks of overlap
     (tests/test_overlap.py, benchmarks/bench_step.py --comm-delay-ms)."""
-    core = getattr(model_or_optimizer, "_core", model_or_optimizer)   # a part of several optimizers
-    engine = getattr(core, "_engine", None)
+    core = getattr(model_or_optimizer, "zero_optimizer", model_or_optimizer)   # a part of several optimizers
+    engine = getattr(core, "engine", None) or getattr(core, "_engine", None)    # an optimizer's, or a ZeroModel's
     if engine is None:
         raise TypeError(f"zero_ext: delay_collectives takes the model or optimizer zeroify() returned, "
                         f"got {type(model_or_optimizer).__name__}; pass one of those")
     if not ms >= 0:
         raise ValueError(f"zero_ext: delay_collectives: ms={ms!r}; pass 0 or more milliseconds")
     engine.set_comm_delay(float(ms), bool(serialize))
-    comm = getattr(core, "_comm", None)
+    comm = getattr(core, "comm", None)
     if comm is not None:
         comm.delay_s = ms / 1000.0
-
-
-def comm_of(optimizer) -> Comm:
-    """The Comm of a zeroified (core) optimizer."""
-    return optimizer._comm
-
-
-class SideChannel:
-    """Point-to-point messages on a gloo group of its own (host memory), beside the
-    engine's group: the shard servers' (Note [Shard server] in zero_ext/shard_server.py).
-    The group is made directly, not registered with torch.distributed, so that a rank's
-    destroy_process_group() at the end of its script leaves it serving the ranks still
-    reading; its timeout is long because a receive that times out closes gloo's pair."""
-
-    _made = itertools.count()   # every rank makes its side channels in the same order
-
-    def __init__(self, pg):
-        self.world, self.rank = pg.size(), pg.rank()
-        store = dist.distributed_c10d._world.pg_map[pg][1]
-        self.store = dist.PrefixStore(f"zero_ext/side/{next(SideChannel._made)}/", store)
-        self.group = dist.ProcessGroupGloo(self.store, self.rank, self.world, datetime.timedelta(days=365))
-
-    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        self.group.send([tensor], peer, tag).wait()
-
-    def irecv(self, tensor: torch.Tensor, tag: int, peer: int | None = None):
-        """A receive from `peer`, or from any rank (then work._source_rank() says which)."""
-        return self.group.recv_anysource([tensor], tag) if peer is None else self.group.recv([tensor], peer, tag)

@@ -73,19 +73,16 @@ class ZeroConfig:
     min_unit_numel: stage 3: smaller units join the root unit, which stays
         gathered from the start of forward to the end of backward.
     prefetch_depth: stage 3: how many units ahead to all-gather while one computes.
-    coalesce_numel: stage 3: small units ahead are all-gathered together, in one
-        collective, while their total stays within this many elements (padded), and
-        in backward the gradients of consecutive small units are reduced together the
-        same way, so a model of many small units pays few collective latencies. 0 turns
-        it off; units larger than this are gathered and reduced one by one.
+    coalesce_numel: stage 3: small units are all-gathered (and in backward reduced)
+        together in one collective while their total stays within this many elements, so
+        many small units pay few latencies. 0 turns it off.
     param_dtype: what parameters compute in and are all-gathered as: "fp32", "bf16" or
         "fp16" (or the torch dtype). The model is given in fp32; the fp32 master weights
         and optimizer states live only in this rank's shard.
-    step_control: where the fused Adam/SGD step keeps its control scalars (the gradient
-        norm, the clip factor, the inf/nan verdict, the loss scale, the step counts):
-        True = in the parameters' device memory, advanced there, so that a GPU step never
-        waits for the device (clip_grad_norm_ then returns a device tensor); False = on
-        the host. "auto" (default): True for CUDA parameters with a fused optimizer.
+    step_control: where the fused step keeps its scalars (gradient norm, clip factor,
+        inf/nan verdict, loss scale, step counts): True = in device memory, so a GPU step
+        never waits for the device; False = on the host. "auto" (default): True for CUDA
+        parameters with a fused optimizer.
     cast_buffers: with a low param_dtype, which floating-point buffers are cast to it:
         "auto" (default) only the running statistics of torch's BatchNorm/InstanceNorm
         layers (their kernels need their weight's dtype), so buffers such as RoPE's
@@ -101,93 +98,64 @@ class ZeroConfig:
         steps multiply by growth_factor (up to max); after `hysteresis` consecutive
         overflowing steps multiply by backoff_factor (down to min).
     grad_quant: None (exact, the default), "int8" or "int4": stages 1-3 send gradients to
-        their owners as blockwise symmetric int8/int4 codes with one fp32 scale per
-        quant_block_numel elements, by all-to-all, and each owner sums the N dequantized
-        slices in fp32 (each element is quantized once per step). An inf/nan gradient
-        still skips an fp16 step (its block dequantizes to NaN).
+        their owners by all-to-all as blockwise symmetric codes, one fp32 scale per
+        quant_block_numel elements; each owner sums the N dequantized slices in fp32.
     grad_quant_error_feedback: with grad_quant, each rank keeps what quantization lost
         (fp32, one value per gradient element it sends) and adds it to the next step's
         gradient before quantizing.
-    param_quant: None (exact, the default) or "int8": stages 1-3 gather parameters (the
-        stage 1/2 gather after each step, stage 3's unit gathers in forward and backward)
-        as blockwise symmetric int8 codes with one fp32 scale per quant_block_numel
-        elements; each owner quantizes its slice of the fp32 master and every rank, the
-        owner included, computes with the same dequantized values, bit for bit. The fp32
-        master stays exact (stages 1/2 with fp32 parameters then keep a separate fp32
-        master shard: model_state_bytes.master_weights). About 1/4 of the fp32 gather
-        bytes (stats()["comm"]["all_gather"]["wire_bytes"]). One rank gathers nothing and
-        stays exact.
+    param_quant: None (exact, the default) or "int8": stages 1-3 gather parameters as
+        blockwise symmetric int8 codes, one fp32 scale per quant_block_numel elements,
+        about 1/4 of the fp32 bytes. Every rank, the owner included, computes with the same
+        dequantized values. The fp32 master stays exact (stages 1/2 with fp32 parameters
+        then keep a separate master shard). One rank gathers nothing and stays exact.
     quant_block_numel: elements per quantization block (one fp32 scale each) of grad_quant
         and param_quant; even, >= 2.
     node_size: None (the default: off), an int L or "auto" (LOCAL_WORLD_SIZE, as torchrun
-        sets it): stage 3 hierarchical partitioning. The process group's ranks form
-        nodes of L consecutive ranks; after a unit's forward each rank keeps its 1/L part
-        of the gathered unit, and the unit's backward gather is an all-gather of those
-        parts inside the node: it never crosses nodes and is bit-identical to the plain
-        stage-3 gather (also with param_quant: the same dequantized values). Costs up to
-        the model's parameters / L per rank between forward and backward
-        (stats()["buffer_bytes"]["secondary"], "peak_secondary"); stats()["comm_groups"]
-        splits the bytes into "intra" and "inter" node parts. L must divide the world
-        size; L equal to the world size is plain stage 3. Stage 3 only.
-    offload: None (the default) or "cpu": stages 1-3 keep the fp32 master weights, the
-        optimizer states and the reduced gradient shard in host memory and step them
-        there with the C kernels (ZeRO-Offload), pipelined per bucket: each gradient
-        slice is copied down as its reduction lands, and each stepped slice is copied up
-        in param_dtype while the next bucket steps (docs/guide/memory.md). The device
-        keeps the parameters in param_dtype (stage 3: its shard of them, which the unit
-        gathers read) and the gradient buckets/ring. Results are
-        the same bits as without offload. Adam/AdamW/SGD step with the fused kernels;
-        other optimizers run as torch optimizers on the host shards (a warning says so).
-        Not with stage 0, grad_quant, param_quant or step_control=True.
+        sets it): stage 3 hierarchical partitioning. Nodes are L consecutive ranks. After
+        a unit's forward each rank keeps its 1/L part of the unit, and the backward gather
+        stays inside the node, bit-identical to the plain one. Costs up to the model's
+        parameters / L per rank between forward and backward
+        (stats()["buffer_bytes"]["secondary"]). L must divide the world size.
+    offload: None (the default) or "cpu": stages 1-3 keep the fp32 master, the optimizer
+        states and the gradient shard in host memory and step them there (ZeRO-Offload),
+        pipelined per bucket (docs/guide/memory.md). The device keeps the parameters in
+        param_dtype and the gradient buckets. The same bits as without offload. Other
+        optimizers than Adam/AdamW/SGD run as torch optimizers on the host shards (a
+        warning says so). Not with stage 0, grad_quant, param_quant or step_control=True.
     step_in_backward: False (the default) or True: stages 1-3 with one fused optimizer
-        (Adam, AdamW or SGD): each bucket takes its optimizer step as soon as its reduced
-        gradient lands during backward, with the param groups' values as the backward
-        starts, and no gradient shard is kept (stage 3: 12 bytes per parameter of model
-        state with Adam; docs/guide/memory.md). opt.step() then only publishes the
-        parameters. Every parameter steps every reducing backward (one with no gradient on
-        any rank steps with a zero one). Nothing may read the whole gradient first: clipping
-        raises, and it is refused with loss scaling (fp16), offload or step_control=True.
+        (Adam, AdamW or SGD). Each bucket steps as soon as its reduced gradient lands in
+        backward, with the param groups as the backward starts, and no gradient shard is
+        kept (docs/guide/memory.md). opt.step() then only publishes the parameters. Every
+        parameter steps every reducing backward (without a gradient: with a zero one).
+        Clipping raises; refused with loss scaling (fp16), offload or step_control=True.
     state_dtype: "fp32" (default) or "bf16": the dtype of the fused Adam/AdamW's exp_avg and
-        exp_avg_sq. "bf16" keeps both in bfloat16 with stochastic rounding (the fp32 maths
-        of the step, then each state rounded up or down with a probability that keeps its
-        expected value exact): 4 bytes per trainable parameter less (optimizer states 8 -> 4
-        bytes per element of the shard, host memory with offload="cpu"), and not the same
-        bits as fp32 states (the trade-off and how it was measured: docs/guide/memory.md).
-        The fp32 master weights are unchanged. Adam/AdamW with the fused kernels only: not
-        with amsgrad, SGD or other optimizers, or fused="never" (beside Muon/Adafactor,
-        which keep their own states, it applies to the AdamW part).
+        exp_avg_sq. "bf16" rounds the fp32 step's states stochastically (the expected value
+        stays exact): 4 bytes per trainable parameter less, not the same bits as fp32
+        (docs/guide/memory.md). The fp32 master is unchanged. Fused Adam/AdamW only: not
+        with amsgrad, SGD, other optimizers or fused="never" (beside Muon/Adafactor it
+        applies to the AdamW part).
     master_remainder: True (default) or False. With param_dtype="bf16" in stages 0-2 and one
-        fused optimizer (Adam, AdamW or SGD; no param_quant, no offload) the fp32 master shard
-        is kept as what the bf16 parameter lacks of it: a 16-bit remainder and one tie bit
-        per element, 2 bytes and a bit instead of 4, and the same fp32 trajectory bit for bit
-        (docs/guide/memory.md). An in-place edit of a parameter outside zero_ext's own
-        paths then keeps the element's old remainder under the edited bf16 value (a
-        difference below half a bf16 ulp). False keeps the fp32 master shard.
+        fused optimizer (no param_quant, no offload), the fp32 master shard is kept as what
+        the bf16 parameter lacks: a 16-bit remainder and a tie bit per element, the same
+        fp32 trajectory bit for bit (docs/guide/memory.md). An in-place edit outside
+        zero_ext keeps the old remainder (off by below half a bf16 ulp). False: a fp32 shard.
     check_sequence: True (default; "auto" is the same) or False: ranks whose collectives
-        diverge (a skipped backward, an extra micro-step, a stage-3 unit skipped, step()
-        or backward() on some ranks only, requires_grad changed on some ranks) raise on
-        every rank naming each rank's step,
-        phase and bucket/unit and the fix, instead of hanging or pairing the wrong
-        collectives (Note [Collective sequence check] in csrc/engine/sequence.h). On
-        gloo it costs nothing in a step that repeats the last one (the ranks compare
-        only where a rank leaves its pattern, Note [Exchanges on deviation];
-        benchmarks/bench_sequence.py measures it); on NCCL one small CPU all-gather per
-        phase, which the host runs ahead of the device. "every_phase": that all-gather at
-        every phase on gloo too (the check before it learned patterns; for benchmarks).
-        The check also tells a rank that reads alone (rank-0 evaluation, state_dict() on
-        rank 0) that it is alone, so the other ranks serve it (Note [Reading alone] in
-        csrc/engine/away.h); with False nothing is served and such a rank waits.
+        diverge (a skipped backward, step() on some ranks only, ...) raise on every rank,
+        naming each rank's step, phase and bucket/unit and the fix, instead of hanging
+        (Note [Collective sequence check] in csrc/engine/sequence.h). On gloo a step that
+        repeats the last costs nothing (Note [Exchanges on deviation]); on NCCL one small
+        CPU all-gather per phase. "every_phase": that all-gather on gloo too. It also lets
+        a rank that reads alone (rank-0 evaluation) be served by the others (Note [Reading
+        alone] in csrc/engine/away.h); with False such a rank waits.
     sequence_timeout: seconds an engine collective may wait before the ranks compare
         their positions through the process group's store (check_sequence); a divergence
         is named within about twice this.
-    find_unused_parameters: how the ranks agree on parameters that got no gradient
-        (Note [Unused parameters] in csrc/engine/unused.cpp): a parameter no rank gave a
-        gradient is left as torch leaves one whose .grad is None. True: one small
-        all-reduce (a byte per parameter) every step, as DDP(find_unused_parameters=True).
-        False: none, as DDP's default; a parameter without a gradient on some rank raises
-        ZeroUsageError naming it. "auto" (default): the all-reduce runs at the first step
-        and keeps running only if some rank missed some parameter there; otherwise no step
-        pays it, and a parameter that later gets no gradient raises as with False.
+    find_unused_parameters: how the ranks agree on parameters that got no gradient (Note
+        [Unused parameters] in csrc/engine/unused.cpp); one no rank gave a gradient is left
+        as torch leaves it. True: a small all-reduce every step, as DDP's. False: none; a
+        parameter without a gradient on some rank raises ZeroUsageError. "auto" (default):
+        the all-reduce runs at the first step and goes on only if a rank missed a parameter
+        there; otherwise a later missing gradient raises as with False.
     """
 
     stage: int | str = 2
@@ -269,6 +237,22 @@ class ZeroConfig:
         if self.align == "auto":
             return 16 if world_size <= 64 else 1
         return self.align
+
+    def engine_fields(self, world_size: int, gloo: bool, trainable_bytes: int) -> dict:
+        """The fields of the engine's options (_C.EngineOptions) that this config sets."""
+        return dict(
+            stage=self.stage, bucket_bytes=self.resolved_bucket_bytes(trainable_bytes),
+            first_bucket_bytes=self.first_bucket_bytes, align=self.resolved_align(world_size),
+            alltoall_reduce_scatter=self.reduce_scatter == "alltoall" or self.grad_quant is not None or (
+                self.reduce_scatter == "auto" and gloo),
+            grad_quant_bits={None: 0, "int8": 8, "int4": 4}[self.grad_quant],
+            grad_quant_error_feedback=self.grad_quant_error_feedback, quant_block_numel=self.quant_block_numel,
+            param_quant_bits={None: 0, "int8": 8}[self.param_quant],
+            agree_unused={False: 0, True: 1, "auto": 2}[self.find_unused_parameters],
+            grad_ring_buckets=self.grad_ring_buckets, isa=self.isa, param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype, offload=self.offload == "cpu", step_in_backward=self.step_in_backward,
+            state_dtype=self.state_dtype,             # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
+            coalesce_numel=self.coalesce_numel)       # Note [Coalesced gradient reductions] (csrc/engine/reducer.cpp)
 
     def master_remainder_applies(self, fused: bool) -> bool:
         """Note [Split master in the engine] (csrc/engine/master_split.h): whether the fp32

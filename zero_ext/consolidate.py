@@ -1,8 +1,5 @@
-"""Offline conversion of a zero_ext checkpoint to one plain torch.save file, without
-a process group (any machine, one process):
-
-    python -m zero_ext.consolidate CKPT OUT
-
+"""Offline conversion of a zero_ext checkpoint to one plain torch.save file, in one
+process without a process group: `python -m zero_ext.consolidate CKPT OUT`.
 OUT holds {"model": the module's state_dict, "optimizer": a state dict that a plain
 torch optimizer of the wrapped class loads (built over model.parameters() with the
 same param groups), "extra", "scheduler", "loss_scaler"}:

@@ -1,56 +1,45 @@
 """Per-rank memory of a zero_ext run, predicted before launch.
 
     est = zero_ext.estimate_memory(model, world_size=64, stage=2, param_dtype="bf16", optimizer=opt)
-    est["model_state_bytes"]["total"], est["total"]
-
     python -m zero_ext.estimate --params 7.5e9 --world 64 --param-dtype bf16 --reduce-dtype bf16
 
-The estimate follows what the engine allocates, byte for byte (csrc/engine/layout.cpp:
-Note [Mixed precision]; EngineStats::of in csrc/engine/stats.cpp), with the bucket padding
-computed by the engine's own planning (zero_ext._C.plan_layout: Layout::make, without a
-process group), so it is what `opt.stats()` reports after
-the first step of a run with the same model, world size, stage and options:
+The estimate is what `opt.stats()` reports after the first step of a run with the same
+model, world size, stage and options. It follows what the engine allocates, byte for byte
+(EngineStats::of in csrc/engine/stats.cpp), with the bucket padding of the engine's own
+planner (zero_ext._C.plan_layout). Activations, the autograd graph and the framework's own
+memory are not included. The model may be on the meta device. Given a parameter count
+instead, the model is taken as tensors of one bucket each (stage 3: units of unit_numel
+elements, a quarter of the model by default, and no root unit).
 
-    parameters        stages 0-2: every bucket, padded, in param_dtype;
-                      stage 3: this rank's fp32 shard with param_dtype fp32 (it is the
-                      master); none with bf16/fp16 (cast from the master at each gather)
-    gradients         stages 0-1: every bucket in reduce_dtype; stages 2-3: the shard
-    master_weights    fp32 shard when param_dtype is bf16/fp16 or (stages 1/2) param_quant is set
-                      (else the parameters are it); bf16 in stages 0-2 with one fused optimizer
-                      (master_remainder): 2 bytes + 1 bit per shard element, the rest of the
-                      master being the bf16 parameter (Note [Split master in the engine])
-    optimizer_states  per-element states (Adam 2, +1 with amsgrad; SGD with momentum 1,
-                      without 0; other optimizers: counted by running one step of the
-                      optimizer class on a tiny tensor) x the shard, fp32 (Adam/AdamW with
-                      state_dtype="bf16": 2 bytes each)
-    buffer_bytes      the gradient ring (staging + receive buffers, bounded by
-                      grad_ring_buckets) and, stage 3, the most full units held at once:
-                      the root unit + the computing unit + the units prefetched ahead
-                      (prefetch_depth, and small units up to coalesce_numel with their
-                      collective's staging: zero_ext/prefetch.py replays one step)
-                      (a model built on the meta device: at least the root and one unit
-                      in fp32 while they are initialized)
-    offload           offload="cpu" (host memory, not in "total"): the fp32 master, the
-                      optimizer states and the gradient shard (reduce_dtype), and the pinned
-                      rings; the device then keeps no master, states or (stage 2) gradients
-    frozen            parameters that are not trained, in param_dtype: replicated in
-                      stages 0-2; stage 3 shards them per unit (frozen_shard_bytes: each
-                      unit's padded to N * align, over N) and gathers them with the unit
-
-Activations, the autograd graph and the framework's own memory are not included.
-A model may be given on the meta device (nothing is allocated); given a parameter
-count instead of a model, the model is taken as tensors of one bucket each (stage 3:
-units of unit_numel elements, a quarter of the model by default, and no root unit).
+Note [What estimate_memory counts]
+  Shard: this rank's 1/N of the padded elements. Units: stage 3's gathered modules.
+  parameters        stages 0-2: every bucket, padded, in param_dtype. Stage 3: the fp32
+                    shard with param_dtype fp32 (it is the master); none with bf16/fp16.
+  gradients         stages 0-1: every bucket in reduce_dtype; stages 2-3: the shard.
+  master_weights    an fp32 shard with param_dtype bf16/fp16, or with param_quant in
+                    stages 1-2. With master_remainder (bf16, stages 0-2, one fused
+                    optimizer): 2 bytes and a bit per shard element (Note [Split master
+                    in the engine]).
+  optimizer_states  per-element states x the shard, fp32 (2 bytes with state_dtype bf16).
+                    Adam keeps 2 (3 with amsgrad), SGD with momentum 1; other optimizers
+                    are counted by one step on a tiny tensor.
+  buffer_bytes      the gradient ring (grad_ring_buckets slots); stage 3 also the most
+                    units whole at once: root, computing unit and prefetched ones
+                    (zero_ext/prefetch.py replays one step). A meta build: at least the
+                    root and one unit in fp32 while initialized.
+  offload           offload="cpu", host memory, not in "total": fp32 master, states,
+                    gradient shard and the pinned rings.
+  frozen            untrained parameters in param_dtype: whole in stages 0-2; stage 3
+                    shards them per unit (each unit padded to N * align, over N).
 """
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 from torch import nn
 
-from . import prefetch
+from . import peak, prefetch
 from .comm import device_backend
 from .config import ZeroConfig, make_config
 
@@ -137,7 +126,7 @@ def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
 # ----------------------------------------------------------------------------- the estimate
 
 def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype="fp32", reduce_dtype="fp32",
-                    optimizer="adamw", backend: str = "gloo", config=None, **options) -> dict:
+                    optimizer="adamw", backend: str = "gloo", config=None, loss_fn=None, **options) -> dict:
     """Predict what one rank of a zero_ext run holds (see the module docstring).
 
     model_or_numel: an nn.Module (any device, meta included) or a trainable parameter count.
@@ -147,6 +136,8 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         its class, or its name ("adamw", "sgd", "rmsprop", ...).
     backend: the process group's backend ("gloo": reduce-scatter by all-to-all under
         reduce_scatter="auto", which sizes the receive buffers; "nccl"/"fake": native).
+    loss_fn: loss_fn(model) -> loss, one forward on inputs it makes: adds "peak", the rank's
+        peak during a step (zero_ext/peak.py).
     config, **options: any other zeroify option that changes memory (bucket_bytes,
         first_bucket_bytes, align, grad_ring_buckets, unit_modules, unit_numel,
         min_unit_numel, prefetch_depth, reduce_scatter, offload, step_in_backward, state_dtype).
@@ -178,19 +169,10 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     padded = sum(r[3] for r in rows)
     shard = sum(r[4] for r in rows)
     max_padded = max(r[3] for r in rows)
-
     fused = cls.__name__ in _FUSED_NAMES and issubclass(cls, tuple(getattr(torch.optim, n) for n in _FUSED_NAMES)) \
         and cfg.fused != "never"
     counts = [states_per_element(cls, h) for h in hypers]
-    state_size = 4
-    if cfg.state_dtype == "bf16":   # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
-        if not (fused and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
-            raise ValueError(f"zero_ext: state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, not of "
-                             f"{cls.__name__}; estimate with optimizer='adamw' (or 'adam'), or state_dtype='fp32'")
-        if any(h.get("amsgrad") for h in hypers):
-            raise ValueError("zero_ext: state_dtype='bf16' has no bf16 form of amsgrad's state; estimate with "
-                             "amsgrad=False, or state_dtype='fp32'")
-        state_size = 2               # exp_avg and exp_avg_sq in bfloat16
+    state_size = _state_size(cls, hypers, cfg, fused)
     if fused:        # the engine keeps each state over the whole shard (every group)
         state_bytes = state_size * shard * max(counts)
     else:            # the torch optimizer over each bucket's slice, by param group
@@ -239,59 +221,17 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
            "optimizer_states": state_bytes}
     msb["total"] = sum(msb.values())
 
-    # The ring (Engine::acquire_slot): stage 1 needs it for the reduce-scatter output
-    # only with N > 1; stage 2-3 stage every gradient in it, one slot at N = 1 (reduced
-    # at once), else grad_ring_buckets slots (at most one per bucket).
-    if s == 0 or (s == 1 and world_size == 1):
-        slots = 0
-    elif world_size == 1:
-        slots = 1
-    else:
-        slots = min(max(1, cfg.grad_ring_buckets), len(rows))
-    send = max_padded * rs if s >= 2 else 0
-    recv = ((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0
-    ring = slots * (send + recv)
+    slots = _ring_slots(s, world_size, cfg.grad_ring_buckets, len(rows))
+    ring = slots * _slot_bytes(s, world_size, max_padded, parts, rs, alltoall)
     buf = {"grad_ring": ring, "ring_slots": slots, "grad_landing": landing, "split_master_scratch": split_scratch}
-    # Stage 3, frozen parameters: one bucket per unit, each parameter at an aligned start,
-    # padded to parts * the slice alignment (frozen.cpp, Note [Aligned pieces]).
-    piece, slice_align = _alignments(cfg, world_size)
-    quantum = parts * slice_align
-    frozen_padded: dict = {}
-    for u, n in frozen_units:
-        frozen_padded[u] = frozen_padded.get(u, 0) + -(-n // piece) * piece
-    frozen_padded = {u: max(1, -(-n // quantum)) * quantum for u, n in frozen_padded.items()}
+    frozen_padded = _frozen_padded(frozen_units, cfg, world_size, parts)
     if s == 3:
-        unit_numel: dict = dict(frozen_padded)
-        for r in rows:
-            unit_numel[r[1]] = unit_numel.get(r[1], 0) + r[3]
-        root_numel = unit_numel.pop(0, 0)
-        numel = [root_numel] + [unit_numel[u] for u in sorted(unit_numel)]
-        best = prefetch.replay_peak(numel, ps, cfg.prefetch_depth,
-                                    prefetch.budget(cfg.prefetch_depth, cfg.coalesce_numel), world_size)
-        root, largest = root_numel * ps, max(numel[1:], default=0) * ps
-        peak = root + best
-        if _on_meta(model_or_numel):
-            # Built sharded (materialize.py): the root and one unit at a time are
-            # whole while initialized, in fp32 even with a low param_dtype.
-            peak = max(peak, (root + largest) * (4 // ps if lp else 1))
-        buf.update(gathered_root=root, gathered_unit=largest, prefetch=best - largest,
-                   peak_gathered_params=peak)
+        buf.update(_gathered_units(rows, frozen_padded, cfg, world_size, _on_meta(model_or_numel)))
     buf["total"] = ring + landing + split_scratch + buf.get("peak_gathered_params", 0)
     frozen_b = frozen * ps + sum(frozen_padded.values()) // parts * ps
-
     accum = getattr(cfg, "accumulation_steps", 1)
-    if s == 0:
-        comm = 2 * padded * rs
-    elif s in (1, 2):
-        comm = (accum if s == 2 else 1) * padded * rs + padded * ps
-    else:
-        root_padded = sum(r[3] for r in rows if r[1] == 0)
-        root_padded += frozen_padded.get(0, 0)
-        gathered = padded + sum(frozen_padded.values())
-        comm = accum * (padded * rs + 2 * (gathered - root_padded) * ps + root_padded * ps)
-    if world_size == 1:
-        comm = 0                                      # the engine issues no collective
-    return {
+    comm = _comm_bytes(rows, frozen_padded, cfg, world_size, accum)
+    est = {
         "stage": s, "world_size": world_size, "param_dtype": pdt, "reduce_dtype": rdt,
         "optimizer": cls.__name__, "fused": fused, "states_per_element": max(counts) if fused else counts,
         "num_params": total_numel, "padded_numel": padded, "shard_numel": shard, "num_buckets": len(rows),
@@ -300,6 +240,87 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         "comm_bytes_per_step": comm, "accumulation_steps": accum,
         "offload": offload,
     }
+    if loss_fn is not None:
+        est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, peak.activation_peak(model_or_numel, loss_fn),
+                                      _device_type(model_or_numel) != "cuda")
+    return est
+
+
+def _state_size(cls, hypers: list, cfg: ZeroConfig, fused: bool) -> int:
+    """Bytes per optimizer state element: 4, or 2 with state_dtype="bf16"."""
+    if cfg.state_dtype != "bf16":
+        return 4
+    # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
+    if not (fused and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
+        raise ValueError(f"zero_ext: state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, not of "
+                         f"{cls.__name__}; estimate with optimizer='adamw' (or 'adam'), or state_dtype='fp32'")
+    if any(h.get("amsgrad") for h in hypers):
+        raise ValueError("zero_ext: state_dtype='bf16' has no bf16 form of amsgrad's state; estimate with "
+                         "amsgrad=False, or state_dtype='fp32'")
+    return 2                     # exp_avg and exp_avg_sq in bfloat16
+
+
+def _ring_slots(stage: int, world_size: int, grad_ring_buckets: int, num_buckets: int) -> int:
+    """The gradient ring's slots (Engine::acquire_slot). Stage 1 needs it for the
+    reduce-scatter output only with N > 1. Stages 2-3 stage every gradient in it: one
+    slot at N = 1 (reduced at once), else grad_ring_buckets (at most one per bucket)."""
+    if stage == 0 or (stage == 1 and world_size == 1):
+        return 0
+    return 1 if world_size == 1 else min(max(1, grad_ring_buckets), num_buckets)
+
+
+def _slot_bytes(stage: int, world_size: int, max_padded: int, parts: int, rs: int, alltoall: bool) -> int:
+    """One ring slot: stages 2-3 stage a bucket's gradient; with N > 1 a receive buffer, the
+    whole bucket for the all-to-all reduce-scatter, a slice for the native one."""
+    send = max_padded * rs if stage >= 2 else 0
+    return send + (((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0)
+
+
+def _frozen_padded(frozen_units: list, cfg: ZeroConfig, world_size: int, parts: int) -> dict:
+    """Stage 3's frozen parameters, unit -> padded elements: one bucket per unit, each
+    parameter at an aligned start, padded to parts * the slice alignment (frozen.cpp,
+    Note [Aligned pieces])."""
+    piece, slice_align = _alignments(cfg, world_size)
+    quantum = parts * slice_align
+    padded: dict = {}
+    for u, n in frozen_units:
+        padded[u] = padded.get(u, 0) + -(-n // piece) * piece
+    return {u: max(1, -(-n // quantum)) * quantum for u, n in padded.items()}
+
+
+def _gathered_units(rows, frozen_padded: dict, cfg: ZeroConfig, world_size: int, on_meta: bool) -> dict:
+    """Stage 3's buffer_bytes for whole units: the root, the largest unit, the prefetch
+    beyond it, and the peak of all three."""
+    ps, lp = _SIZE[cfg.param_dtype], cfg.param_dtype != "fp32"
+    unit_numel: dict = dict(frozen_padded)
+    for r in rows:
+        unit_numel[r[1]] = unit_numel.get(r[1], 0) + r[3]
+    root_numel = unit_numel.pop(0, 0)
+    numel = [root_numel] + [unit_numel[u] for u in sorted(unit_numel)]
+    best = prefetch.replay_peak(numel, ps, cfg.prefetch_depth,
+                                prefetch.budget(cfg.prefetch_depth, cfg.coalesce_numel), world_size)
+    root, largest = root_numel * ps, max(numel[1:], default=0) * ps
+    peak = root + best
+    if on_meta:
+        # Built sharded (materialize.py): the root and one unit at a time are
+        # whole while initialized, in fp32 even with a low param_dtype.
+        peak = max(peak, (root + largest) * (4 // ps if lp else 1))
+    return dict(gathered_root=root, gathered_unit=largest, prefetch=best - largest, peak_gathered_params=peak)
+
+
+def _comm_bytes(rows, frozen_padded: dict, cfg: ZeroConfig, world_size: int, accum: int) -> int:
+    """The collective bytes of one optimizer step (stats()'s convention)."""
+    if world_size == 1:
+        return 0                                      # the engine issues no collective
+    s, ps, rs = cfg.stage, _SIZE[cfg.param_dtype], _SIZE[cfg.reduce_dtype]
+    padded = sum(r[3] for r in rows)
+    if s == 0:
+        return 2 * padded * rs
+    if s in (1, 2):
+        return (accum if s == 2 else 1) * padded * rs + padded * ps
+    root_padded = sum(r[3] for r in rows if r[1] == 0) + frozen_padded.get(0, 0)
+    gathered = padded + sum(frozen_padded.values())
+    return accum * (padded * rs + 2 * (gathered - root_padded) * ps + root_padded * ps)
 
 
 def _device_type(model) -> str:
@@ -322,6 +343,8 @@ def _alignments(cfg: ZeroConfig, world_size: int):
 
 
 def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int, parts: int):
+    """The engine's bucket plan: a row (group, unit, numel, padded numel, shard numel) per
+    bucket, in bucket order (csrc/plan_binding.cpp)."""
     from . import _C
     bucket = cfg.resolved_bucket_bytes(4 * sum(numels))
     return _C.plan_layout(numels, groups, units or [], cfg.stage, parts, bucket, cfg.first_bucket_bytes,

@@ -284,43 +284,38 @@ def config_from_deepspeed(config: dict | str) -> dict:
     return kwargs
 
 
+# "maps" keys whose value turns into arguments alone: key -> value -> {argument: value}
+_SIMPLE = {
+    "zero_optimization.stage": lambda v: {"stage": v},
+    "zero_optimization.ignore_unused_parameters": lambda v: {"find_unused_parameters": bool(v)},
+    "zero_optimization.stage3_param_persistence_threshold": lambda v: {"min_unit_numel": int(v)},
+    "zero_optimization.param_persistence_threshold": lambda v: {"min_unit_numel": int(v)},
+    "zero_optimization.zero_hpz_partition_size": lambda v: {"node_size": int(v)} if int(v) > 1 else {},
+    "zero_optimization.zero_quantized_weights": lambda v: {"param_quant": "int8"} if v else {},
+    "zero_optimization.zero_quantized_gradients": lambda v: {"grad_quant": "int4"} if v else {},
+    "zero_optimization.cpu_offload": lambda v: {"offload": "cpu"} if v else {},
+    "fp16.loss_scale": lambda v: {"loss_scale": "dynamic" if v == 0 else v},
+    "fp16.initial_scale_power": lambda v: {"initial_loss_scale": 2.0 ** v},
+    "fp16.loss_scale_window": lambda v: {"loss_scale_growth_interval": int(v)},
+    "fp16.hysteresis": lambda v: {"loss_scale_hysteresis": int(v)},
+    "fp16.min_loss_scale": lambda v: {"min_loss_scale": float(v)},
+    "gradient_accumulation_steps": lambda v: {"accumulation_steps": int(v)},
+}
+
+
 def _map(key: str, value: Any, kwargs: dict, refused: list) -> None:
     """Put the zeroify argument(s) for one "maps" key into kwargs (or a refusal into refused)."""
     def bad(why: str) -> None:
         refused.append(f"{key}={value!r}: {why}")
 
-    if key == "zero_optimization.stage":
-        kwargs["stage"] = value
-    elif key == "zero_optimization.ignore_unused_parameters":
-        kwargs["find_unused_parameters"] = bool(value)
-    elif key in ("zero_optimization.stage3_param_persistence_threshold",
-                 "zero_optimization.param_persistence_threshold"):
-        kwargs["min_unit_numel"] = int(value)
-    elif key == "zero_optimization.zero_hpz_partition_size":
-        if int(value) > 1:
-            kwargs["node_size"] = int(value)
-    elif key == "zero_optimization.zero_quantized_weights":
-        if value:
-            kwargs["param_quant"] = "int8"
-    elif key == "zero_optimization.zero_quantized_gradients":
-        if value:
-            kwargs["grad_quant"] = "int4"
+    if key in _SIMPLE:
+        kwargs.update(_SIMPLE[key](value))
     elif key in ("bf16.enabled", "fp16.enabled"):
         if value:
             dtype = key.split(".")[0]
             if kwargs.get("param_dtype", dtype) != dtype:
                 bad("bf16 and fp16 are both enabled; enable one")
             kwargs["param_dtype"] = dtype
-    elif key == "fp16.loss_scale":
-        kwargs["loss_scale"] = "dynamic" if value == 0 else value
-    elif key == "fp16.initial_scale_power":
-        kwargs["initial_loss_scale"] = 2.0 ** value
-    elif key == "fp16.loss_scale_window":
-        kwargs["loss_scale_growth_interval"] = int(value)
-    elif key == "fp16.hysteresis":
-        kwargs["loss_scale_hysteresis"] = int(value)
-    elif key == "fp16.min_loss_scale":
-        kwargs["min_loss_scale"] = float(value)
     elif key in ("communication_data_type", "data_types.grad_accum_dtype"):
         if value is None:
             return
@@ -331,11 +326,6 @@ def _map(key: str, value: Any, kwargs: dict, refused: list) -> None:
             bad(f"communication_data_type and data_types.grad_accum_dtype disagree ({kwargs['reduce_dtype']!r})")
         else:
             kwargs["reduce_dtype"] = dtype
-    elif key == "gradient_accumulation_steps":
-        kwargs["accumulation_steps"] = int(value)
-    elif key == "zero_optimization.cpu_offload":
-        if value:
-            kwargs["offload"] = "cpu"
     elif key == "zero_optimization.offload_optimizer":
         device = value.get("device", "none") if isinstance(value, dict) else value
         if device in (None, "none"):

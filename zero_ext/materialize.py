@@ -1,39 +1,26 @@
-"""Stage 3 built sharded: a model constructed on the meta device is given
-(untouched) CPU parameters, handed to the engine, which keeps only shards, and
-is then initialized with at most a few units whole at a time.
-
-Initialization replays building the model on the CPU (each module's
-reset_parameters(), children before parents, as their constructors ran it) and
-then, if given, model.apply(init_fn).
+"""Stage 3 built sharded: a model built on the meta device gets untouched CPU
+parameters, the engine keeps only their shards, and initialization runs with at
+most a few units whole at a time. It replays the CPU build (each module's
+reset_parameters(), children before parents), then model.apply(init_fn) if given.
 
 Note [Meta builds lose nothing]
-  * Every parameter write lands. A call (reset_parameters() or init_fn(m)) may
-    touch any parameter, not just m's own: HF's _init_weights on GPT2Attention
-    writes c_proj.weight, T5's on the root writes shared.weight. A torch-function
-    mode opens (all-gathers in fp32) the unit of every parameter a call touches
-    before the touching op runs, so nothing is written into a released, empty
-    tensor. Units touched by the running call stay whole until it returns; a unit
-    is committed (broadcast from rank 0, kept as shards) when a later call needs
-    another unit, and opened again (from its committed values) if touched again.
-    Peak: the root unit + the units one call touches (one unit for an init that
-    stays inside a unit) + this rank's shards.
-  * Nothing is left silently uninitialized. On its first opening every parameter
-    of a unit is filled with a NaN of a payload no init produces; at each commit
-    the parameters still holding it are noted. Tensors outside the engine (frozen
-    parameters, buffers) that were on the meta device are watched by a
-    torch-dispatch mode for writes (or replacement). Whatever no call initialized
-    is named in one error, raised on every rank after one tiny all-reduce, with
-    the fix: an init_fn that writes it (for Hugging Face models
-    init_fn=model._init_weights) or, for buffers a module computes in its
-    constructor, building under zero_ext.meta_parameters(), which keeps buffers
-    real.
-  * Equality. With the same seed on rank 0, the result equals, bit for bit, the
-    model built on the CPU and then model.apply(init_fn)'d, whenever its
-    constructors draw random numbers only inside reset_parameters() and finish in
-    module registration order (all of torch.nn). Models whose constructors
-    initialize in another order (Hugging Face's post_init, sub-models initialized
-    at their own construction) get the same initialization rule per tensor but
-    other random draws: equal in distribution, not in value.
+  A call is one reset_parameters() or init_fn(m). It may write any parameter, not
+  only m's (HF's _init_weights on GPT2Attention writes c_proj.weight).
+  * Every write lands. A torch-function mode opens the unit of each parameter a call
+    touches (an fp32 all-gather) before the op runs. Units the running call touched
+    stay whole until it returns. A unit is committed (broadcast from rank 0, kept as
+    shards) when a later call needs another, and reopened if touched again. Peak:
+    the root unit, the units one call touches, and this rank's shards.
+  * Nothing stays uninitialized silently. A unit's parameters first hold a NaN with
+    a payload no init writes; each commit notes those still holding it. Frozen
+    parameters and buffers outside the engine are watched by a dispatch mode. What
+    no call wrote is named in one error on every rank, with the fix: an init_fn
+    (HF: init_fn=model._init_weights), or zero_ext.meta_parameters() for buffers a
+    constructor computes.
+  * Equality. With rank 0's seed, the result is the CPU build's, bit for bit, when
+    constructors draw random numbers only in reset_parameters(), in registration
+    order (all of torch.nn). Other orders (HF's post_init) give each tensor the
+    same rule but other draws: equal in distribution, not in value.
 """
 from __future__ import annotations
 
@@ -77,11 +64,10 @@ def meta_parameters():
         handle.remove()
 
 
-def replace_meta(model: nn.Module, optimizer, float_dtype: torch.dtype | None = None) -> set:
+def replace_meta(model: nn.Module, optimizers: list, float_dtype: torch.dtype | None = None) -> set:
     """Swap every meta parameter/buffer for an uninitialized CPU one (pages not yet
-    touched, so no memory is resident), keeping ties and the references of the
-    optimizer (or of each optimizer of a list); float_dtype: the dtype of the new
-    floating-point parameters (None: each one's own).
+    touched, so no memory is resident), keeping ties and the optimizers' references;
+    float_dtype: the dtype of the new floating-point parameters (None: each one's own).
     Returns the ids of the new tensors (what initialize_by_unit must see written)."""
     new: dict[int, nn.Parameter] = {}
     born: set = set()
@@ -97,7 +83,7 @@ def replace_meta(model: nn.Module, optimizer, float_dtype: torch.dtype | None = 
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
                 born.add(id(m._buffers[name]))
-    for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+    for opt in optimizers:
         for g in opt.param_groups:
             g["params"] = [new.get(id(p), p) for p in g["params"]]
         # the optimizer also indexes its (empty) state by parameter
@@ -299,7 +285,14 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
     for u in sorted(units.whole):
         units.close(u)
 
-    # what no call initialized, and parameters an init replaced by new objects
+    _check_all_written(model, units, log, slots, plain, unit_of, born, comm)
+
+
+def _check_all_written(model: nn.Module, units: _Units, log: _WriteLog, slots: dict, plain: list, unit_of: dict,
+                       born: set, comm) -> None:
+    """Raises on every rank (one tiny all-reduce) when a call left a tensor unwritten, or
+    replaced a parameter by a new object (Note [Meta builds lose nothing]). slots: what
+    each module's parameter and buffer slots held before the calls."""
     names = _qualified(model)
     missing = [names[k] for k, left in units.unset.items() if left]
     replaced = []

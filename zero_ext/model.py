@@ -10,8 +10,9 @@ import weakref
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
-from . import prefetch, shard_server
-from . import compiled
+from . import compiled, offload, prefetch
+from ._C import PHASE_BACKWARD, PHASE_FORWARD, PHASE_FORWARD_NOGRAD, PHASE_MODEL_STATE, UNIT_NEED_BASE
+from .alone import source
 
 
 def cast_buffers(model: nn.Module, low: torch.dtype, which) -> None:
@@ -29,16 +30,9 @@ def cast_buffers(model: nn.Module, low: torch.dtype, which) -> None:
                     m._buffers[name] = b.to(low)
 
 
-# Phases of Note [Collective sequence check] (SeqPhase in csrc/engine/sequence.h). The
-# last three run Python collectives: the engine exchanges digests at once.
-PHASE_FORWARD, PHASE_BACKWARD, PHASE_CLIP, PHASE_STEP, PHASE_FORWARD_NOGRAD = 1, 2, 3, 4, 5
-PHASE_MODEL_STATE, PHASE_OPTIM_STATE, PHASE_CHECKPOINT = 6, 7, 8
-
-
 def forward_phase() -> int:
     """A forward with autograd, or one without (evaluation, generation): a phase of its own."""
     return PHASE_FORWARD if torch.is_grad_enabled() else PHASE_FORWARD_NOGRAD
-UNIT_NEED_BASE = 16   # sequence_mark(UNIT_NEED_BASE + k): stage-3 unit k is needed (recorded, no data)
 
 
 def _hide_sharded_grads(ref, grad):
@@ -106,8 +100,8 @@ class ZeroModel(nn.Module):
             waits.before_forward(hook is not None)   # Note [Gathers waited per module] (zero_ext/param_waits.py)
         else:
             self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/fill.cpp)
-        if broadcast and not away:   # a rank reading alone keeps the buffers it has
-            self._engine.broadcast_tensors(self._buffers_to_sync, 0)
+        if broadcast:
+            source(away).buffers(self._engine, self._buffers_to_sync)
         if self._compute_dtype is not None:
             # As FSDP's MixedPrecision(cast_forward_inputs=True): floating-point inputs
             # are cast to the parameters' dtype; integer ones (token ids) are left alone.
@@ -216,7 +210,7 @@ class ZeroModel(nn.Module):
                 ref = getattr(self, "_optimizer", None)
                 opt = ref() if ref is not None else None
                 if opt is not None:
-                    opt._arm_backward_step()
+                    opt.arm_backward_step()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
@@ -284,54 +278,41 @@ class _UnitHooks:
             m.register_forward_hook(functools.partial(self._post_forward, k), with_kwargs=True)
 
     # -- prediction and prefetch
-    def _upcoming(self, k: int, budget: int = 0, phase: bool = False) -> list:
-        return prefetch.upcoming(self.order, self.cursor, k, self.depth, self.numel, budget, phase)
+    def _source(self, away: bool | None = None):
+        """Where this hook's units come from (zero_ext/alone/source.py); away: its mark's answer."""
+        return source(self.engine.sequence_away if away is None else away)
 
-    def _gather(self, k: int, wait: bool = True) -> bool:
-        """engine.gather_unit, or the shard servers' parts on a rank that reads alone
-        (Note [Shard server]); whether it had been prefetched."""
-        return shard_server.gather_unit(self.wrapper._optimizer(), k, wait)
-
-    def _prefetch(self, k: int) -> None:
+    def _prefetch(self, k: int, src) -> None:
         """Gather the units ahead of k (zero_ext/prefetch.py): small ones in one
         collective (Note [Coalesced unit gathers], csrc/engine/units.cpp), the
         window reaching coalesce_numel elements ahead within this phase, so a unit
-        done with its forward is not fetched back for its backward early. A rank
-        reading alone fetches the same units from the shard servers.""" 
-        window = self._upcoming(k, self.coalesce, _in_backward())
+        done with its forward is not fetched back for its backward early."""
+        window = prefetch.upcoming(self.order, self.cursor, k, self.depth, self.numel, self.coalesce,
+                                   _in_backward(), into_backward=False)
         missing = [u for u in window if not self.engine.unit_requested(u)]
         together, launch = prefetch.to_fetch(window, missing, self.depth, self.numel, self.coalesce)
-        if self.engine.sequence_away:    # the same units, from the shard servers (Note [Shard server])
-            for u in launch:
-                self._gather(u)
-        elif together:
-            self.engine.gather_units(launch)
-        else:
-            for u in launch:
-                self.engine.gather_unit(u, False)
+        src.units(self.wrapper._optimizer(), launch, together)
 
     def _release(self, k: int, keep: bool = False) -> None:
         """Release unit k unless gathered_parameters() holds it whole, or a rank reading
         alone without autograd keeps it (_keeping)."""
         if self.wrapper._pinned[k] or k in self.kept:
             return
-        if self._keeping():
+        if self._keeping(self._source()):
             self.kept.add(k)
             return
         self.engine.release_unit(k, keep)
 
-    def _keeping(self) -> bool:
-        """Note [Shard server]: what a rank away reads cannot change until it is back, so
-        while it evaluates alone without autograd the units it fetched stay gathered
-        (an evaluation of many batches fetches the model once), if the whole model in
-        param_dtype takes at most a quarter of the memory its device has free."""
-        if not self.engine.sequence_away or torch.is_grad_enabled():
+    def _keeping(self, src) -> bool:
+        """What a rank reading alone fetched cannot change until it is back: without autograd
+        its units stay gathered (an evaluation fetches the model once), if the whole model
+        in param_dtype takes at most a quarter of the memory its device has free."""
+        if not src.reads_alone or torch.is_grad_enabled():
             return False
         if self.keep_fits is None:
-            from .offload import available_host_bytes
             need = sum(self.numel) * (2 if self.wrapper._compute_dtype is not None else 4)
-            dev = self.wrapper._optimizer()._comm.device
-            have = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else available_host_bytes()
+            dev = self.wrapper._optimizer().comm.device
+            have = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else offload.available_host_bytes()
             self.keep_fits = have is not None and 4 * need <= have
         return self.keep_fits
 
@@ -358,10 +339,10 @@ class _UnitHooks:
                 self.cursor = i + 1       # else not predicted from here on: keep the cursor
                 break
         self.fetches += 1
-        self.engine.sequence_mark(UNIT_NEED_BASE + k)
-        if not self.engine.unit_gathered(k) and not self._gather(k):
+        src = self._source(self.engine.sequence_mark(UNIT_NEED_BASE + k))
+        if not self.engine.unit_gathered(k) and not src.unit(self.wrapper._optimizer(), k):
             self.out_of_order += 1
-        self._prefetch(k)
+        self._prefetch(k, src)
 
     # -- a compiled forward (Note [Stage 3 compiled whole])
     def compiled_begin(self, gather: bool = True) -> None:
@@ -370,9 +351,10 @@ class _UnitHooks:
         self.compiled, self.marked, self.recording = True, False, False
         if self.kept:
             self._drop_kept()
+        src = self._source()
         for k in range(self.engine.num_units if gather else 0):
             if not self.engine.unit_gathered(k):
-                self._gather(k)
+                src.unit(self.wrapper._optimizer(), k)
         if not gather and self.ops is None:   # Note [Stage 3 collectives in the graph]: the prototype
             from .unit_ops import Units
             self.ops, self.ops_call = Units(self.wrapper), compiled.graph_caller()
@@ -402,13 +384,14 @@ class _UnitHooks:
         if not self.marked:                # Note [Reading alone]: settled before its gathers
             self.engine.sequence_mark(forward_phase(), servable=True)
         self.marked = False
-        if self.kept and (self.grad_pass or not self.engine.sequence_away):
+        src = self._source()
+        if self.kept and not self._keeping(src):
             self._drop_kept()              # back with the others, or training: as they hold units
         known = self.learned.get(self.grad_pass)
         self.order = known if known is not None else self._guess()
         self.recorded, self.cursor, self.recording, self.in_root = [], 0, True, True
-        self._gather(0)
-        self._prefetch(0)
+        src.unit(self.wrapper._optimizer(), 0)
+        self._prefetch(0, src)
 
     def _guess(self) -> list:
         """Registration order, and (with autograd) its reverse for backward."""
@@ -423,16 +406,12 @@ class _UnitHooks:
         self.in_root = False
         backward_follows = torch.is_grad_enabled() and any(
             t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-        if backward_follows or torch.is_grad_enabled():
-            # A forward with autograd issues the gathers that start its backward, even one
-            # that no backward follows (an evaluation): so a rank that runs one alone while
-            # the others train makes their forward's collectives, one for one (Note [Reading
-            # alone] in csrc/engine/away.h).
-            if self.grad_pass not in self.learned:
-                # first pass of its kind: backward is guessed as this forward reversed
-                self.order = self.recorded + [(k, True) for k, _ in reversed(self.recorded)]
-                self.cursor = len(self.recorded)
-            self._prefetch(0)         # backward starts with these: fetch them now
+        if torch.is_grad_enabled() and self.grad_pass not in self.learned:
+            # first pass of its kind: backward is guessed as this forward reversed. Its
+            # gathers start in backward (prefetch.upcoming: not at the loss, the activations'
+            # peak), so an evaluation with autograd makes the same collectives as training.
+            self.order = self.recorded + [(k, True) for k, _ in reversed(self.recorded)]
+            self.cursor = len(self.recorded)
         if not backward_follows:
             self.recording = False
             for k in range(self.engine.num_units):   # no backward follows: free everything
@@ -445,7 +424,7 @@ class _UnitHooks:
         if not self.engine.unit_gathered(0):
             self.fetches += 1
             self.out_of_order += 1
-            self._gather(0)
+            self._source().unit(self.wrapper._optimizer(), 0)
 
     def _holder_post_forward(self, module, args, output):
         if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
@@ -486,7 +465,7 @@ class _UnitHooks:
                     t.register_hook(functools.partial(self._pre_backward, k))
         if _in_backward():                # recomputation keeps it for its backward
             return
-        if k not in self._upcoming(-1):   # not needed again at once
+        if not prefetch.kept_after_forward(self.order, self.cursor, k, self.depth, self.numel):
             # keep: a backward follows, so node_size keeps a node-local part for it
             self._release(k, torch.is_grad_enabled())
 
@@ -499,14 +478,13 @@ class _UnitHooks:
         """The plain module's state_dict, gathered one unit at a time (clones; a tensor under
         several names, a tied weight, is one clone). Collective, or served to a rank that
         calls it alone (Note [Reading alone] in csrc/engine/away.h)."""
-        if self.engine.sequence_mark(PHASE_MODEL_STATE, servable=True):
-            low = self.wrapper._compute_dtype is not None
-            shard_server.check_fits(sum(s.numel() for s in self.wrapper._guard.shapes) * (2 if low else 4),
-                                    "model.state_dict()")
+        src = self._source(self.engine.sequence_mark(PHASE_MODEL_STATE, servable=True))
+        low = self.wrapper._compute_dtype is not None
+        src.fits(sum(s.numel() for s in self.wrapper._guard.shapes) * (2 if low else 4), "model.state_dict()")
         out, clones = {}, {}
         for k in range(self.engine.num_units):
             was = self.engine.unit_gathered(k)
-            self._gather(k)
+            src.unit(self.wrapper._optimizer(), k)
             for name, t in self.wrapper.module.state_dict(*args, keep_vars=True, **kwargs).items():
                 if name not in out and t.untyped_storage().nbytes() > 0:
                     if id(t) not in clones:

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as _optim_module
 
-from . import _C, shard_server
+from . import _C, alone, optim_state
 from .amp import check_scaler
 from .changes import ADD_GROUP_FIX, ZeroUsageError
 from .comm import Comm
-from .model import PHASE_CLIP, PHASE_STEP
+from ._C import PHASE_CLIP, PHASE_STEP
 from .step_control import StepControl
-from .whole import build_whole_optimizer
+from .whole import build_whole_optimizer, owned_states
 
 # Optimizers whose update is elementwise: they may run over a flat shard.
 FUSED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -96,7 +96,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if part.kind == "shard":
                 self._build_shard_optimizer(part)
             elif part.kind == "whole":
-                build_whole_optimizer(self, part, engine.owned_tensors(part.groups))
+                build_whole_optimizer(part, engine.owned_tensors(part.groups), self._param_group_of, self._hyper)
         if config.master_remainder_applies(len(self._parts) == 1 and self._parts[0].kind == "fused"):
             engine.enable_split_master()   # Note [Split master in the engine] (csrc/engine/master_split.h)
         self._ctl = self._make_step_control(config)
@@ -152,12 +152,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return False
 
     @property
-    def _steps(self) -> list[int]:
+    def group_steps(self) -> list[int]:
         """Optimizer steps taken, per group (read from the device under step control)."""
         return self._ctl.host_steps() if self._ctl is not None else self._host_steps
 
-    @_steps.setter
-    def _steps(self, steps) -> None:
+    @group_steps.setter
+    def group_steps(self, steps) -> None:
         if self._ctl is not None:
             self._ctl.load_steps(steps)
         else:
@@ -197,9 +197,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """scale_loss(loss).backward(**kwargs): use it in place of loss.backward()."""
         self.scale_loss(loss).backward(**kwargs)
 
-    def _grad_scale(self) -> float:
+    def grad_scale(self) -> float:
         """What shard gradients are multiplied by to become the averaged unscaled ones."""
         return 1.0 / (self._engine.grad_divisor() * self.loss_scale)
+
+    def grad_multiplier(self) -> float:
+        """grad_scale() times the clip factor pending for the next step: what makes the
+        shard gradients DDP's p.grad after clipping (the next step's multiplier)."""
+        return self._clip_coef * self.grad_scale()
 
     # ------------------------------------------------------------------ step
     def _build_shard_optimizer(self, part: _Part) -> None:
@@ -225,16 +230,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # Note [Step hooks]
     #   torch.optim.Optimizer.__init__ wraps a subclass's step() in profile_hook_step: a
-    #   record_function around it and the global and per-optimizer step pre/post hooks.
-    #   Through the dispatcher the record_function costs about as much as everything else
-    #   around our kernels together (benchmarks/bench_step_glue.py, 2^19 elements:
-    #   ~38 of ~85 us of glue), even with no profiler running. So step is marked hooked
-    #   (torch leaves it alone) and does the same itself: where a hook is registered or a
-    #   profiler is on, torch's own wrapper runs (_hooked_step); otherwise the step runs
-    #   directly. Hooks, their order and argument rewriting, and the profiler's
-    #   "Optimizer.step#ZeroOptimizer.step" range stay torch's (tests/test_after_zeroify.py).
-    #   For the same reason _step turns gradients off itself rather than through the
-    #   torch.no_grad() decorator (~15 us a call: a context object, its clone, two mode switches).
+    #   record_function, and the global and per-optimizer step pre/post hooks. The
+    #   record_function alone costs about as much as the rest of our glue (~38 of ~85 us,
+    #   benchmarks/bench_step_glue.py), even with no profiler running. So step is marked
+    #   hooked (torch leaves it alone) and dispatches itself: where a hook is registered
+    #   or a profiler is on, torch's own wrapper runs (_hooked_step); otherwise the step
+    #   runs directly. Hooks and the profiler's range stay torch's
+    #   (tests/test_after_zeroify.py). For the same reason _step turns gradients off
+    #   itself: the torch.no_grad() decorator costs ~15 us a call.
     def step(self, closure=None):
         if (_optim_module._global_optimizer_pre_hooks or _optim_module._global_optimizer_post_hooks
                 or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
@@ -260,13 +263,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 out = self._step_parts(range(len(self._parts)), closure)
         finally:
             torch._C._set_grad_enabled(grad)
-        if self._server is not None:   # Note [Shard server]: what it serves is as of this step now
-            self._server[0].step_done(self._server[1])
+        if self.serving is not None:   # Note [Shard server]: what it serves is as of this step now
+            self.serving.step_done()
         return out
 
     _hooked_step = torch.optim.Optimizer.profile_hook_step(_step)   # Note [Step hooks]
 
-    def _arm_backward_step(self) -> None:
+    def arm_backward_step(self) -> None:
         """Note [Step in backward] (csrc/engine/backward_step.cpp): the step each bucket of
         this backward takes as its gradient lands, with the param groups as they are now."""
         part = self._parts[0]
@@ -318,7 +321,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The first step() after a backward: one clipping factor and one inf/nan
         verdict for every part of this iteration."""
         self._done = set()
-        self._iter_scale = self._clip_coef * self._grad_scale()
+        self._iter_scale = self.grad_multiplier()
         self._clip_coef = 1.0
         self._iter_skip = False
         if self.loss_scaler is not None:
@@ -413,7 +416,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 m.grad = g
         self._tensor_updates += len(part.owned) - len(hidden)
 
-    def _bucket_views(self, groups=()) -> list:
+    def bucket_views(self, groups=()) -> list:
         """Generic path: the shard optimizer's tensor of each bucket of these groups (all:
         none given), in param_shards() order (Note [Fragment views]: a fragment's `bucket`
         indexes this list)."""
@@ -431,7 +434,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if all(stepped):
             yield
             return
-        views = self._bucket_views(groups)
+        views = self.bucket_views(groups)
         saved = []
         for f in self._engine.fragment_views(masters=False, groups=groups):   # positions only (no master joined)
             if stepped[f.param] or f.numel == 0:
@@ -487,12 +490,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if norm_type == 2.0 and self._ctl is not None:
             return self._ctl.clip(max_norm)   # a device tensor: nothing read back
         if norm_type == 2.0:
-            sumsq, nonfinite = self._engine.grad_sumsq(self._grad_scale())
+            sumsq, nonfinite = self._engine.grad_sumsq(self.grad_scale())
             total = math.sqrt(sumsq) if nonfinite == 0 else math.inf
         elif norm_type == math.inf:
             self._engine.wait_reductions()
             local = max((g.abs().max().item() for g in self._engine.grad_shards() if g.numel()), default=0.0)
-            total = local * self._grad_scale()
+            total = local * self.grad_scale()
             if self._engine.partitions > 1:
                 total = self._comm.all_reduce([total], op=dist.ReduceOp.MAX)[0]
             nonfinite = 0 if math.isfinite(total) else 1
@@ -524,7 +527,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  "step_control=False")
         self._engine.sequence_mark(PHASE_CLIP)
         self._engine.wait_reductions()
-        bound = float(clip_value) / self._grad_scale()
+        bound = float(clip_value) / self.grad_scale()
         with torch.no_grad():
             for g in self._engine.grad_shards():
                 if g.numel():
@@ -532,14 +535,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """The complete state of the wrapped torch optimizer, in torch's format, on every
-        rank, as DDP's optimizer gives it (Note [Complete optimizer state] in
-        zero_ext/optim_state.py). Collective in stages 1-3 at world size > 1: every rank
-        calls it (then rank 0 may save it); a rank calling it alone is named on every
-        rank. load_state_dict() takes it at any world size and stage, as does a plain
-        torch optimizer. For a checkpoint without assembling the state anywhere:
-        zero_ext.save / zero_ext.load; for this rank's shard: sharded_state_dict()."""
-        from . import optim_state
+        """The wrapped torch optimizer's complete state in torch's format, as DDP's optimizer
+        gives it (Note [Complete optimizer state] in zero_ext/optim_state.py): every rank
+        calls it, or one alone, served by the others. load_state_dict() takes it at any world
+        size and stage; zero_ext.save / load checkpoint without assembling it anywhere."""
         return optim_state.state_dict(self)
 
     def sharded_state_dict(self) -> dict:
@@ -561,7 +560,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "rank": self._engine.rank,
                 "fingerprint": self._fingerprint,
                 "optimizer": self.wrapped_class.__name__,
-                "steps": list(self._steps),
+                "steps": list(self.group_steps),
                 "param_steps": self.param_step_counts(),
                 "flat_state": {k: v.clone() for k, v in self._engine.states().items()},
                 "shard_optimizer": self._shard_opt.state_dict() if self._shard_opt is not None else None,
@@ -579,7 +578,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         rank's own sharded_state_dict()."""
         z = state_dict.get("zero_ext") if isinstance(state_dict, dict) else None
         if z is None:
-            from . import optim_state
             return optim_state.load_state_dict(self, state_dict)
         if z.get("format") != STATE_FORMAT:
             raise ValueError(f"zero_ext: optimizer state format {z.get('format')} is not {STATE_FORMAT} (this "
@@ -613,7 +611,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             g.update({k: v for k, v in saved.items() if k != "params"})
         for name, t in z["flat_state"].items():
             self._engine.state(name).copy_(t)
-        self._steps = list(z["steps"])
+        self.group_steps = list(z["steps"])
         if "param_steps" in z:
             self._engine.set_param_steps(list(z["param_steps"]))
         else:                                   # saved before per-parameter step counts
@@ -627,7 +625,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.skipped_steps = int(z.get("skipped_steps", 0))
 
     def _group_steps_per_param(self) -> list[int]:
-        steps = self._steps
+        steps = self.group_steps
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         return [steps[group_of[id(p)]] for p in self._params]
 
@@ -661,7 +659,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         s["fused"] = self._fused
         s["loss_scale"] = self.loss_scale if self.loss_scaler is not None else None
         s["skipped_steps"] = self.skipped_steps
-        s["steps"] = max(self._steps) if self._steps else 0
+        s["steps"] = max(self.group_steps) if self.group_steps else 0
         comm = s["comm"]
         # Ring-cost equivalent: an all-reduce moves as much as reduce-scatter + all-gather.
         s["comm_bytes"] = (comm["reduce_scatter"]["bytes"] + comm["all_gather"]["bytes"]
@@ -684,18 +682,104 @@ class ZeroOptimizer(torch.optim.Optimizer):
             s["out_of_order_fetches"] = self._units.out_of_order
         return s
 
+    def whole_states(self) -> dict:
+        """engine parameter index -> a CPU copy of the state of each whole tensor this rank owns."""
+        return owned_states(self._parts)
+
+    # What the rest of the package reads (zero_ext/checkpoint/, zero_ext/alone/, ...), read-only.
+    engine = property(lambda self: self._engine, doc="the C++ engine (zero_ext._C.Engine)")
+    comm = property(lambda self: self._comm, doc="the Python-side collectives (zero_ext/comm.py)")
+    config = property(lambda self: self._config, doc="the ZeroConfig zeroify resolved")
+    guard = property(lambda self: self._guard, doc="the model's ModelGuard (changes.py), or None")
+    parts = property(lambda self: self._parts, doc="the wrapped torch optimizers (_Part), in the order given")
+    engine_params = property(lambda self: self._params, doc="engine parameter i (the model's trainable ones)")
+    param_shapes = property(lambda self: self._param_shapes, doc="engine parameter i's logical shape")
+    param_group_of = property(lambda self: self._param_group_of, doc="engine parameter i's param group")
+    step_control = property(lambda self: self._ctl, doc="Note [Step control]'s StepControl, or None")
+    shard_optimizer = property(lambda self: self._shard_opt,
+                               doc="the torch optimizer over 1-D shard views (a 'shard' part), or None")
+
     def __del__(self):
-        # Note [Shard server]: the other ranks may still read this rank's shard
-        if self._server is not None:
-            shard_server.teardown(self)
+        # Note [Model's end]: the other ranks may still read this rank's shard
+        if self.serving is not None:
+            alone.teardown(self)
 
     _engine = None
-    _server = None         # (ShardServer, this model's id there): Note [Shard server]
+    serving = None         # zeroify: this model at its shard server (alone/serving.py ServedModel), or None
     managed_by_zero_ext = True   # the step guard lets it through (Note [Adopted optimizers])
-    _torn_down = False     # its end began (shard_server.teardown)
     _guard = None          # the model's ModelGuard (changes.py)
     _frozen_bytes = 0
     _units = None          # stage 3: the model's unit hooks (fetch counters)
 
     def describe_plan(self) -> str:
         return self._engine.describe_plan()
+
+
+class ZeroOptimizerPart(torch.optim.Optimizer):
+    """One of several torch optimizers given to zeroify() together: its own
+    param_groups (the user's dicts, live for LR schedulers), step() over its own
+    groups; zero_grad, clip_grad_norm_ (one global norm over every part), stats()
+    and the state dicts are the shared ZeroOptimizer's."""
+
+    managed_by_zero_ext = True   # the step guard lets it through (Note [Adopted optimizers])
+
+    def __init__(self, core, optimizer: torch.optim.Optimizer, index: int):
+        self._core = None
+        # copies, as ZeroOptimizer's: the user's groups and defaults stay as they were
+        torch.optim.Optimizer.__init__(self, [dict(g) for g in optimizer.param_groups], dict(optimizer.defaults))
+        self.param_groups = optimizer.param_groups
+        self._core = core
+        self._index = index
+        self.wrapped_class = type(optimizer)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._core is None:                           # Optimizer.__init__ adds the groups
+            return super().add_param_group(param_group)
+        return self._core.add_param_group(param_group)   # raises, naming the fix
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        out = self._core._step_parts([self._index], closure)
+        if self._core.serving is not None:   # Note [Shard server]
+            self._core.serving.step_done()
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """This optimizer's gradients only, as torch's zero_grad (the other parts'
+        optimizers may still step with theirs)."""
+        self._core._zero_grad_part(self._index, set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self._core.clip_grad_norm_(max_norm, norm_type)
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
+        return self._core._step_supports_amp_scaling
+
+    def state_dict(self) -> dict:
+        """This optimizer's complete state in torch's format, on every rank (collective;
+        Note [Complete optimizer state] in zero_ext/optim_state.py): the state dict the
+        plain torch optimizer would hold."""
+        return optim_state.state_dict(self._core, self._index)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """This optimizer's complete state (state_dict() or a plain torch optimizer's), or
+        the shared ZeroOptimizer's sharded_state_dict()."""
+        if isinstance(state_dict, dict) and "zero_ext" in state_dict:
+            return self._core.load_state_dict(state_dict)
+        optim_state.load_state_dict(self._core, state_dict, self._index)
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's state of every part (the shared ZeroOptimizer's sharded_state_dict)."""
+        return self._core.sharded_state_dict()
+
+    def stats(self) -> dict:
+        return self._core.stats()
+
+    def synchronize(self) -> None:
+        self._core.synchronize()
+
+    @property
+    def zero_optimizer(self):
+        """The ZeroOptimizer shared by every part (for checkpoints: save/load take it or a part)."""
+        return self._core

@@ -1,44 +1,37 @@
 """The wrapped optimizer's complete state, in torch's format: what DDP's optimizer gives.
 
 Note [Complete optimizer state]
-  A DDP script checkpoints with `optimizer.state_dict()` (often saved by rank 0 alone)
-  and resumes with `optimizer.load_state_dict(torch.load(path))` on every rank. A
-  sharded optimizer's state lives on N ranks, so:
-  - state_dict() assembles it: every rank calls it (collective; streamed bucket by
-    bucket, checkpoint.consolidated_state_dict) and every rank gets the state dict a
-    plain torch optimizer of the wrapped class would hold, in torch's numbering of the
-    parameters across param groups; a plain torch optimizer loads it, and so does
-    ZeroOptimizer at any world size and stage. A rank that calls it alone is named on
-    every rank with the fix (Note [Collective sequence check] in
-    csrc/engine/sequence.h), never left waiting or given a partial state.
-  - load_state_dict() takes such a dict, ours or one saved by a plain torch or DDP
-    run, on every rank; each rank copies only its own fragments: no collective.
-  Stage 0 and world size 1 hold everything on every rank: no collective either.
-  Besides torch's two keys the dict holds "zero_ext_complete" (step counts per group,
-  loss scaler, skipped steps; with a bf16/fp16 param_dtype also "master_weights", each
-  trainable parameter's fp32 master by model state_dict key, since model.state_dict()
-  holds only its low-precision copy: the pair then resumes bit for bit, as FSDP2's fp32
-  sharded parameters and DeepSpeed's fp32 partitions do, when the model's state is loaded
-  first, as scripts do: model.load_state_dict writes the values it is given, so loaded after
-  the optimizer it replaces the masters by its bf16 copy), which torch's load_state_dict
-  ignores. The per-rank
-  form (ZeroOptimizer.sharded_state_dict) remains for a resume at the same world size,
-  stage and rank without assembling anything.
+  DDP scripts save `optimizer.state_dict()` (often on rank 0 alone) and resume with
+  `optimizer.load_state_dict(torch.load(path))` on every rank. Here:
+  - state_dict() assembles the sharded state on every rank (collective, streamed bucket
+    by bucket: checkpoint.consolidated_state_dict): the dict a plain torch optimizer of
+    the wrapped class would hold, in torch's numbering. A rank calling it alone reads
+    from the shard servers (Note [Shard server] in zero_ext/alone/serving.py).
+  - load_state_dict() takes such a dict, or one a plain torch or DDP run saved, at any
+    world size and stage; each rank copies its own fragments: no collective.
+  Besides torch's two keys, "zero_ext_complete" holds the step counts per group, the
+  loss scaler and skipped steps, and, with a bf16/fp16 param_dtype, "master_weights":
+  each trainable parameter's fp32 master by state_dict key (model.state_dict() holds
+  only the low-precision copy). The pair then resumes bit for bit, as FSDP2 and
+  DeepSpeed do, when the model's state is loaded first (as scripts do).
+  ZeroOptimizer.sharded_state_dict() is the per-rank form: a resume at the same world
+  size, stage and rank, assembling nothing.
 """
 from __future__ import annotations
 
 import torch
 
 from .checkpoint import consolidated_state_dict
-from .checkpoint.entries import LocalShard, _prepare_states, _restore_scalars
+from .checkpoint.entries import _prepare_states, _restore_scalars
 from .checkpoint.layout import _layout, _whole_tensors
-from .model import PHASE_OPTIM_STATE
+from ._C import PHASE_OPTIM_STATE
+from .local_shard import LocalShard
 
 EXTRA = "zero_ext_complete"
 
 
 def _model_of(optimizer):
-    model = optimizer._guard._wrapper() if optimizer._guard is not None else None
+    model = optimizer.guard._wrapper() if optimizer.guard is not None else None
     if model is None:
         raise RuntimeError("zero_ext: the model zeroify() returned with this optimizer no longer exists; "
                            "keep a reference to it while the optimizer is in use")
@@ -48,13 +41,13 @@ def _model_of(optimizer):
 def state_dict(optimizer, part: int | None = None) -> dict:
     """The complete torch state dict (of wrapped optimizer `part`, when several), on every rank."""
     model = _model_of(optimizer)
-    low = optimizer._config.param_dtype != "fp32"   # the masters are not in model.state_dict()
+    low = optimizer.config.param_dtype != "fp32"   # the masters are not in model.state_dict()
     both = consolidated_state_dict(model, optimizer, to=None, model_state=low, phase=PHASE_OPTIM_STATE)
     full = both["optimizer"]
     if isinstance(full, list):
         full = full[0 if part is None else part]
-    groups = range(len(optimizer.param_groups)) if part is None else optimizer._parts[part].groups
-    full[EXTRA] = {"steps": [optimizer._steps[gi] for gi in groups], "loss_scaler": optimizer.scaler_state_dict(),
+    groups = range(len(optimizer.param_groups)) if part is None else optimizer.parts[part].groups
+    full[EXTRA] = {"steps": [optimizer.group_steps[gi] for gi in groups], "loss_scaler": optimizer.scaler_state_dict(),
                    "skipped_steps": optimizer.skipped_steps}
     if low:
         layout = _layout(model, optimizer)
@@ -94,16 +87,16 @@ def _check(sd: dict, layout: dict, groups: list, optimizer) -> None:
 def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
     """Load a complete torch-format state dict on this rank (no collective)."""
     model = _model_of(optimizer)
-    engine = optimizer._engine
+    engine = optimizer.engine
     engine.wait_reductions()
     layout = _layout(model, optimizer)
-    groups = list(range(len(optimizer.param_groups))) if part is None else list(optimizer._parts[part].groups)
+    groups = list(range(len(optimizer.param_groups))) if part is None else list(optimizer.parts[part].groups)
     _check(sd, layout, groups, optimizer)
     index = _numbering(layout, groups)
     by_name: dict = {}
     shapes = {n: tuple(info["shape"]) for n, info in layout["params"].items()}
     # whole tensors (Muon, Adafactor) keep their torch optimizer's own state, of any shape
-    whole_groups = {gi for p in optimizer._parts if p.kind == "whole" for gi in p.groups}
+    whole_groups = {gi for p in optimizer.parts if p.kind == "whole" for gi in p.groups}
     flat = {n for n, info in layout["params"].items() if info["group"] not in whole_groups}
     for k, st in sd["state"].items():
         k = int(k)
@@ -156,12 +149,12 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
             gi = layout["params"][name]["group"]
             fallback = saved_steps[groups.index(gi)] if saved_steps and st else int(bool(st))
             steps[i] = int(s.item() if torch.is_tensor(s) else s) if s is not None else fallback
-    group_steps = list(optimizer._steps)
+    group_steps = list(optimizer.group_steps)
     for k, gi in enumerate(groups):
         group_steps[gi] = int(saved_steps[k]) if saved_steps else max(
             (s for s, n in zip(steps, names) if layout["params"][n]["group"] == gi), default=0)
         optimizer.param_groups[gi].update({key: v for key, v in sd["param_groups"][k].items() if key != "params"})
-    optimizer._steps = group_steps
+    optimizer.group_steps = group_steps
     engine.set_param_steps(steps)
     if shard.views is not None:                            # generic torch optimizer over shard views
         scalar = {}
@@ -179,7 +172,7 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
                                for k, t in by_name[name].items()}
     extra = sd.get(EXTRA) or {}
     masters = extra.get("master_weights")
-    if masters and optimizer._config.param_dtype != "fp32":
+    if masters and optimizer.config.param_dtype != "fp32":
         # the fp32 masters of this rank's fragments, then the parameters computed from them
         by_key = {layout["keys"][k]: t for k, t in masters.items() if k in layout["keys"]}
         with torch.no_grad():

@@ -21,14 +21,17 @@ def budget(depth: int, coalesce_numel: int) -> int:
 
 
 def upcoming(order: list, cursor: int, k: int, depth: int, numel: list, budget: int = 0,
-             phase: bool = False) -> list:
+             phase: bool = False, into_backward: bool = True) -> list:
     """The next `depth` distinct units after the cursor, other than k, and more after
     them, needed in the same phase (forward or backward), while the whole list stays
-    within `budget` elements."""
+    within `budget` elements. Without into_backward a forward's list ends where
+    backward begins: the loss, at the activations' peak, holds no unit fetched early."""
     out, total, i = [], 0, cursor
     while i < len(order):
         u, in_backward = order[i]
         i += 1
+        if in_backward and not phase and not into_backward:
+            break
         if u == k or u in out:
             continue
         if len(out) >= depth and (in_backward != phase or total + numel[u] > budget):
@@ -36,6 +39,15 @@ def upcoming(order: list, cursor: int, k: int, depth: int, numel: list, budget: 
         out.append(u)
         total += numel[u]
     return out
+
+
+def kept_after_forward(order: list, cursor: int, k: int, depth: int, numel: list) -> bool:
+    """Whether unit k stays gathered after its forward: a unit of the forward window ahead,
+    or (prefetching) the last one, whose backward comes next. Nothing else is held across
+    the loss, where the activations peak."""
+    if k in upcoming(order, cursor, -1, depth, numel, into_backward=False):
+        return True
+    return depth > 0 and cursor < len(order) and order[cursor] == (k, True)
 
 
 def to_fetch(window: list, missing: list, depth: int, numel: list, budget: int):
@@ -67,7 +79,7 @@ def replay_peak(numel: list, elem_bytes: int, depth: int, budget: int, world: in
         staged[:] = [g for g in staged if u not in g[0]]
 
     def prefetch(k, cursor, phase):
-        window = upcoming(order, cursor, k, depth, numel, budget, phase)
+        window = upcoming(order, cursor, k, depth, numel, budget, phase, into_backward=False)
         together, launch = to_fetch(window, [u for u in window if u not in held], depth, numel, budget)
         held.update(launch)
         if together and world > 1:
@@ -81,9 +93,7 @@ def replay_peak(numel: list, elem_bytes: int, depth: int, budget: int, world: in
         note()
         waited(k)
         prefetch(k, p + 1, in_backward)
-        if in_backward or k not in upcoming(order, p + 1, -1, depth, numel):
+        if in_backward or not kept_after_forward(order, p + 1, k, depth, numel):
             waited(k)
             held.discard(k)
-        if not in_backward and p == len(units) - 1:
-            prefetch(0, p + 1, False)      # the root's forward ends: backward's first units
     return peak

@@ -1,32 +1,26 @@
 """prior_state.py — the state a torch optimizer already holds when zeroify() wraps it.
 
 Note [State given to zeroify]
-  A DDP script that resumes often loads its checkpoint into the bare model and the torch
-  optimizer first and wraps afterwards (nanoGPT: optimizer.load_state_dict(checkpoint[
-  'optimizer']), then model = DDP(model)). DDP keeps the optimizer as it is; zeroify()
-  replaces its state with sharded buffers, so the loaded step counts and moments would be
-  lost without a word. So zeroify() carries them:
-  - capture(), in zeroify's rank-local checks (before any collective): each torch
-    optimizer's state_dict(), when it holds any state, after checking that zero_ext can
-    hold it exactly; otherwise a ValueError naming the fix, raised on every rank by the
-    agreement check, never a silently dropped state. What can be held: the fused
-    Adam/AdamW/SGD keep only their own states (step, exp_avg, exp_avg_sq, max_exp_avg_sq;
-    momentum_buffer) per parameter, with per-parameter step counts; an elementwise torch
-    optimizer run over shard views ('shard') keeps one scalar state (its "step", NAdam's
-    mu_product, ...) per bucket view, so the parameters of a param group must all hold
-    state, with equal scalars; per-element states have the parameter's shape. Whole-tensor
-    optimizers (Muon, Adafactor) keep each parameter's state as it is, with its owner.
-  - A summary (parameters with state, least and largest step) joins zeroify's agreement
-    check, so ranks that loaded different states (rank 0 alone loading the checkpoint)
-    are named before anything is built; it is not part of the fingerprint that sharded
-    state dicts carry.
-  - restore(), once the ZeroOptimizer exists: each captured state goes through the
-    optimizer's load_state_dict path for a torch-format state (Note [Complete optimizer
-    state] in zero_ext/optim_state.py): each rank copies its own fragments, no collective,
-    in every stage, with offload, low-precision masters and several optimizers (one part
-    each). The torch optimizer's own state is then cleared: it is retired (changes.py) and
-    would otherwise keep full-size moments on every rank. Per-group hyperparameters need
-    no carrying: the returned optimizer shares the torch optimizer's param_groups.
+  A resuming DDP script often loads its checkpoint into the torch optimizer first and
+  wraps afterwards (nanoGPT). DDP keeps that optimizer; zeroify() replaces its state
+  with sharded buffers. So zeroify() carries the loaded state over, or says why not.
+  - capture(): rank-local, before any collective. It takes each optimizer's
+    state_dict() after checking zero_ext can hold it exactly; if not, a ValueError
+    names the fix, raised on every rank by the agreement check.
+  - What can be held. The fused Adam/AdamW/SGD: their own states, per parameter.
+    A 'shard' optimizer (an elementwise torch optimizer over shard views): one scalar
+    state (its "step", NAdam's mu_product) per bucket view, so every parameter of a
+    param group must hold state, with equal scalars. Per-element states must have
+    the parameter's shape. Whole-tensor optimizers (Muon): each state as it is.
+  - The summary (parameters with state, least and largest step) joins the agreement
+    check, so ranks that loaded different states are named. Checkpoints' fingerprint
+    does not include it.
+  - restore(): once the ZeroOptimizer exists, each state goes through its torch-format
+    load_state_dict (Note [Complete optimizer state] in zero_ext/optim_state.py). Each
+    rank copies its own fragments: no collective; in every stage, with offload,
+    low-precision masters and several optimizers. The retired torch optimizer's state
+    is then cleared, or it would keep full-size moments. Per-group hyperparameters
+    need no carrying: the returned optimizer shares the torch one's param_groups.
 """
 from __future__ import annotations
 

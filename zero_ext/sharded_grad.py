@@ -1,34 +1,25 @@
 """sharded_grad.py — what p.grad is on a zeroified model in stages 1-3.
 
 Note [Sharded gradients]
-  A DDP script logs p.grad.norm(), runs torch.nn.utils.get_total_norm over the
-  gradients, or lets its framework do so (Lightning's grad_norm). In stages 2-3 the
-  gradient lives reduced and sharded in the engine and p.grad would be None (logging
-  silently shows nothing); in stage 1 p.grad would be the bucket view whose owned
-  part holds the reduced sum and the rest zeros (a silently wrong norm). So, as FSDP2
-  shows a sharded DTensor, from the end of each reducing backward until the next
-  forward (or zero_grad) every trainable parameter's .grad is a ShardedGrad: a tensor
-  of the parameter's logical shape and dtype with no storage, which knows where its
-  elements live. What it answers is what DDP's p.grad (the average over ranks, after
-  clip_grad_norm_'s scaling, without loss scaling) would answer:
-  - reductions over the whole tensor: norm / torch.norm / linalg.vector_norm /
-    linalg.norm (any p, inf included), sum, mean, max / amax, min / amin, optionally
-    after elementwise abs, square or pow(k), and torch._foreach_norm over a list (so
-    torch.nn.utils.get_total_norm works). Each is collective, as DTensor's: the first
-    such call after a backward computes that reduction for every parameter at once
-    (one small all-reduce, preceded by the sequence check's exchange, so a rank calling
-    it alone is named, Note [Collective sequence check]); later calls for other
-    parameters read the result.
-  - torch._amp_foreach_non_finite_check_and_unscale_, which GradScaler.unscale_ calls:
-    the shards are unscaled in place and the inf/nan verdict is made global
+  Scripts log p.grad.norm() or run torch.nn.utils.get_total_norm (Lightning's
+  grad_norm). In stages 2-3 p.grad would be None (the gradient lives sharded in the
+  engine); in stage 1 the bucket view, zeros outside the owned part (a wrong norm).
+  So, as FSDP2 shows a sharded DTensor, from the end of each reducing backward until
+  the next forward (or zero_grad) p.grad is a ShardedGrad: the parameter's logical
+  shape and dtype, no storage. It answers what DDP's p.grad (the average over ranks,
+  after clip_grad_norm_'s scaling, without loss scaling) would:
+  - whole-tensor reductions: norm / torch.norm / linalg.vector_norm / linalg.norm (any
+    p, inf included), sum, mean, max / amax, min / amin, optionally after abs, square or
+    pow(k), and torch._foreach_norm (so get_total_norm works). Collective, as DTensor's:
+    the first call after a backward reduces every parameter at once (one all-reduce
+    after the sequence check's exchange: Note [Collective sequence check]).
+  - torch._amp_foreach_non_finite_check_and_unscale_, which GradScaler.unscale_ calls
     (Note [GradScaler on sharded gradients] in zero_ext/amp.py).
-  - metadata (shape, dtype, device, numel), .data, .detach(), .float(), zero_()
-    (the gradients are zeroed by zero_grad; nothing to do), requires_grad_(False).
-  Anything else (indexing, arithmetic, copying the values out) raises ZeroUsageError
-  naming what works: gather the full values with zero_ext.gathered_parameters does not
-  apply to gradients, so the fix is a reduction or optimizer.clip_grad_norm_. Stage 0
-  keeps DDP's own p.grad. The engine swaps the tensors in and out in C++
-  (Engine::hide_sharded_grads), so a step pays no per-parameter Python.
+  - metadata (shape, dtype, device, numel), .data, .detach(), .float(), zero_() (a
+    no-op: zero_grad zeroes them), requires_grad_(False).
+  Anything else raises ZeroUsageError naming a reduction or optimizer.clip_grad_norm_.
+  Stage 0 keeps DDP's p.grad. The engine swaps the tensors in C++
+  (Engine::hide_sharded_grads): a step pays no per-parameter Python.
 """
 from __future__ import annotations
 
@@ -37,12 +28,9 @@ import weakref
 
 import torch
 
+from ._C import PHASE_GRAD_STATS
+from .amp import unscale_sharded_
 from .changes import ZeroUsageError
-
-PHASE_GRAD_STATS = 9       # SeqPhase kPhaseGradStats (csrc/engine/sequence.h)
-
-_ELEMENTWISE = {"abs", "square", "pow"}
-_REDUCE = {"sum", "mean", "max", "min", "norm"}
 
 
 def _norm_p(args, kwargs, pos: int):
@@ -74,8 +62,8 @@ class GradStats:
 
     def result(self, index: int, ops: tuple, reduce: tuple) -> torch.Tensor:
         opt = self.optimizer()
-        eng = opt._engine
-        key_state = (eng.grad_generation, float(opt._clip_coef), opt._grad_scale())
+        eng = opt.engine
+        key_state = (eng.grad_generation, opt.grad_multiplier())
         if key_state != self._generation:
             self._cache, self._generation = {}, key_state
         key = (ops, reduce)
@@ -86,17 +74,17 @@ class GradStats:
     @staticmethod
     def _compute(opt, ops: tuple, reduce: tuple) -> torch.Tensor:
         """Every trainable parameter's reduction, the same on every rank (collective)."""
-        eng = opt._engine
+        eng = opt.engine
         eng.sequence_mark(PHASE_GRAD_STATS)
         eng.wait_reductions()
-        if opt._ctl is not None:
+        if opt.step_control is not None:
             raise ZeroUsageError("zero_ext: reductions of p.grad with the step control on the device (a GPU) would "
                                  "read back its clip factor and loss scale; log optimizer.clip_grad_norm_()'s "
                                  "total norm, or zeroify with step_control=False")
-        scale = float(opt._clip_coef) * opt._grad_scale()
+        scale = opt.grad_multiplier()
         kind, p = reduce
         shards = eng.grad_shards()
-        n_params = len(opt._params)
+        n_params = len(opt.engine_params)
         acc = torch.zeros(n_params, dtype=torch.float64)
         if kind in ("max", "min") or (kind == "norm" and math.isinf(p)):
             acc.fill_(-math.inf if (kind == "max" or p > 0) else math.inf)
@@ -118,14 +106,14 @@ class GradStats:
                 acc[i] += (v != 0).sum()
             else:
                 acc[i] += v.abs().pow(p).sum()
-        comm = opt._comm
+        comm = opt.comm
         if comm.world > 1 and eng.partitions > 1:
             op = torch.distributed.ReduceOp
             red = (op.MAX if kind == "max" or (kind == "norm" and math.isinf(p) and p > 0) else
                    op.MIN if kind == "min" or (kind == "norm" and math.isinf(p)) else op.SUM)
             acc = torch.tensor(comm.all_reduce(acc.tolist(), op=red), dtype=torch.float64)
         if kind == "mean":
-            acc /= torch.tensor([float(math.prod(s)) or 1.0 for s in opt._param_shapes], dtype=torch.float64)
+            acc /= torch.tensor([float(math.prod(s)) or 1.0 for s in opt.param_shapes], dtype=torch.float64)
         elif kind == "norm" and not math.isinf(p) and p not in (0.0, 1.0):
             acc = acc.pow(1.0 / p)
         return acc
@@ -157,8 +145,7 @@ class ShardedGrad(torch.Tensor):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         if func is torch._amp_foreach_non_finite_check_and_unscale_:   # GradScaler.unscale_
-            from .amp import unscale_sharded_   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
-            return unscale_sharded_(*args, **kwargs)
+            return unscale_sharded_(*args, **kwargs)   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
         if func is torch._foreach_norm:
             tensors, p = args[0], _norm_p(args, kwargs, 1)
             return [t._reduce("norm", p) if isinstance(t, ShardedGrad) else torch.linalg.vector_norm(t, p)
@@ -208,10 +195,10 @@ def _refuse(what: str, g) -> None:
 def install(model, optimizer, names: dict) -> None:
     """Give the engine one ShardedGrad per trainable parameter (stages 1-3 at world size > 1,
     where p.grad would not be DDP's)."""
-    eng = optimizer._engine
+    eng = optimizer.engine
     stats = GradStats(optimizer)
-    shapes = optimizer._param_shapes
+    shapes = optimizer.param_shapes
     wrappers = [ShardedGrad(shape, p.dtype, p.device, stats, i, names.get(id(p), f"#{i}"))
-                for i, (p, shape) in enumerate(zip(optimizer._params, shapes))]
+                for i, (p, shape) in enumerate(zip(optimizer.engine_params, shapes))]
     eng.set_grad_wrappers(wrappers)
     model._grad_stats = stats

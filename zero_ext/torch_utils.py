@@ -2,24 +2,21 @@
 
 Note [torch's clipping utilities]
   DDP scripts clip with torch.nn.utils.clip_grad_norm_(model.parameters(), c). On a
-  zeroified model that would be silently wrong: in stages 2-3 p.grad is None (the
-  gradient lives reduced and sharded in the engine), so torch sees a norm of 0 and
-  clips nothing; in stage 1 p.grad holds this rank's unreduced gradient outside its
-  own slice; with loss scaling every p.grad is scaled. So `import zero_ext` wraps
-  torch.nn.utils.clip_grad_norm_, clip_grad_value_ and clip_grads_with_norm_ (both
-  names torch exports them under): a call whose parameters include none of a
-  zeroified model's runs torch's
-  function unchanged; a call over a zeroified model's trainable parameters (frozen
-  ones may be included: they have no gradient) runs the optimizer's own
-  clip_grad_norm_ (the global norm over the sharded gradients, the clipping folded
-  into the next step) or clamps the gradient shards, which is what DDP + torch
-  compute. A call over part of a model's parameters, or over two models at once,
-  raises ZeroUsageError naming optimizer.clip_grad_norm_: never a silent no-op.
-  `foreach` only picks torch's kernels and is accepted and ignored.
-  A script that bound the function before importing zero_ext
-  (`from torch.nn.utils import clip_grad_norm_` first) keeps torch's own.
-  torch.nn.utils.get_total_norm over the p.grad tensors needs no routing: they answer
-  their norms themselves (Note [Sharded gradients] in sharded_grad.py).
+  zeroified model that would be silently wrong. In stages 2-3 p.grad is None (the
+  gradient lives reduced and sharded in the engine), so torch clips nothing. In stage 1
+  p.grad is this rank's unreduced gradient. With loss scaling every p.grad is scaled.
+  So `import zero_ext` wraps torch's clip_grad_norm_, clip_grad_value_ and
+  clip_grads_with_norm_, under both names torch exports them.
+  - A call over none of a zeroified model's parameters runs torch's own.
+  - A call over a zeroified model's trainable parameters (frozen ones may be included)
+    runs the optimizer's clip_grad_norm_ (the global norm of the sharded gradients,
+    folded into the next step), or clamps the gradient shards: what DDP + torch compute.
+  - A call over part of a model, or over two models, raises ZeroUsageError naming
+    optimizer.clip_grad_norm_: never a silent no-op.
+  `foreach` only picks torch's kernels: accepted and ignored. A script that bound the
+  function before importing zero_ext keeps torch's own. torch.nn.utils.get_total_norm
+  needs no routing: p.grad answers its own norm (Note [Sharded gradients] in
+  sharded_grad.py).
 """
 from __future__ import annotations
 
@@ -59,14 +56,15 @@ def _optimizer_for(params: list, what: str):
     if opt is None:
         raise ZeroUsageError(f"zero_ext: torch.nn.utils.{what} on a zeroified model whose optimizer is gone; {fix}")
     given = {id(p) for p in params}
-    missing = [p for p in opt._params if id(p) not in given]
+    trainable = opt.engine_params
+    missing = [p for p in trainable if id(p) not in given]
     if missing:
-        guard = getattr(opt, "_guard", None)
+        guard = opt.guard
         left = ", ".join(repr(guard._name(p)) if guard is not None else f"of shape {tuple(p.shape)}"
                          for p in missing[:3])
         raise ZeroUsageError(
             f"zero_ext: torch.nn.utils.{what} over {len(given)} tensors that leave out {len(missing)} of the "
-            f"zeroified model's {len(opt._params)} trainable parameters ({left}{', ...' if len(missing) > 3 else ''})"
+            f"zeroified model's {len(trainable)} trainable parameters ({left}{', ...' if len(missing) > 3 else ''})"
             f": a zeroified model's gradients are sharded and clipped as a whole; {fix}")
     return opt
 

@@ -70,13 +70,13 @@ class Units:
 
     # -- what the operators run
     def gather(self, k: int) -> torch.Tensor:
-        from .shard_server import gather_unit
+        from .alone import source
         w = self.wrapper()
         engine, params = w._engine, w._guard.params
         was = engine.unit_gathered(k)
         self.gathers += 1
         if not was:
-            gather_unit(w._optimizer(), k, True)
+            source(engine.sequence_away).unit(w._optimizer(), k)
         flat = torch.cat([params[i].detach().reshape(-1) for i, *_ in self.members[k]])
         if not was:
             engine.release_unit(k)

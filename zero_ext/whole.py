@@ -1,24 +1,18 @@
 """Optimizers that need whole tensors (torch.optim.Muon, torch.optim.Adafactor).
 
-Their update of an element depends on the whole tensor (Newton-Schulz on a
-matrix, factored second moments), so an element-granular shard cannot run them.
-The planner gives each of their tensors whole to one rank (Note [Tensor-atomic
-buckets] in csrc/core/zx_core.h), balanced by update cost, inside equal bucket
-slices: gradients still arrive by one reduce-scatter and parameters leave by one
-all-gather per bucket. The owner runs the user's torch optimizer class over
-its whole tensors (fp32 master views shaped as the parameters); the state exists
-only there.
-
-Several torch optimizers given to zeroify() together (the Muon recipe: Muon
-over the hidden matrices, AdamW over the rest) share one engine; zeroify returns
-one ZeroOptimizerPart per optimizer, each stepping its own param groups.
+Their update of an element depends on the whole tensor (Newton-Schulz, factored
+second moments), so the planner gives each tensor whole to one rank
+(Note [Tensor-atomic buckets] in csrc/core/zx_core.h), balanced by update cost, inside
+equal bucket slices: one reduce-scatter and one all-gather per bucket still. The owner runs
+the user's torch optimizer over its fp32 master views; the state exists only there.
+Several torch optimizers given together (Muon + AdamW) share one engine: zeroify
+returns a ZeroOptimizerPart (zero_ext/optim.py) for each.
 """
 from __future__ import annotations
 
 import torch
 
-# zx_update_kind (csrc/core/zx_core.h): what one tensor's update costs.
-UPDATE_FACTORED, UPDATE_ORTHOGONALIZED = 1, 2
+from ._C import UPDATE_FACTORED, UPDATE_ORTHOGONALIZED   # zx_update_kind: what one tensor's update costs
 WHOLE = {cls: kind for cls, kind in ((getattr(torch.optim, "Muon", None), UPDATE_ORTHOGONALIZED),
                                      (getattr(torch.optim, "Adafactor", None), UPDATE_FACTORED)) if cls is not None}
 
@@ -82,96 +76,26 @@ def fill_state_sizes(parts, group_dicts: list, params: list, groups: list, stage
                                     p.shape) for p, g in zip(params, groups)]
 
 
-def owned_states(zopt) -> dict:
-    """engine parameter index -> a CPU copy of the state of each whole tensor this rank owns.
-    Keyed by index, not name: a rank serving it may have dropped its model already."""
+def owned_states(parts) -> dict:
+    """engine parameter index -> a CPU copy of the state of each whole tensor this rank owns
+    (in the ZeroOptimizer's `parts`). Keyed by index, not name: a rank serving it may have
+    dropped its model already."""
     return {i: {k: t.detach().cpu().clone() if torch.is_tensor(t) else t
                 for k, t in part.opt.state.get(view, {}).items()}
-            for part in zopt._parts if part.kind == "whole" for i, view in part.owned}
+            for part in parts if part.kind == "whole" for i, view in part.owned}
 
 
-def build_whole_optimizer(zopt, part, owned: list) -> None:
+def build_whole_optimizer(part, owned: list, group_of: list, hyper) -> None:
     """The inner torch optimizer of a 'whole' part: the part's class over this
     rank's whole tensors (owned: the engine's owned_tensors() of the part's groups,
     fp32 master views with their gradient views), one inner group per param group
-    of which this rank owns a tensor."""
+    of which this rank owns a tensor. group_of[i]: engine parameter i's param group;
+    hyper(gi): that group's hyperparameters."""
     by_group: dict[int, list] = {}
     for i, master, grad in owned:
         master.grad = grad
-        by_group.setdefault(zopt._param_group_of[i], []).append((i, master))
+        by_group.setdefault(group_of[i], []).append((i, master))
     part.inner_ids = sorted(by_group)
     part.owned = [t for gi in part.inner_ids for t in by_group[gi]]
-    groups = [dict(zopt._hyper(gi), params=[m for _, m in by_group[gi]]) for gi in part.inner_ids]
+    groups = [dict(hyper(gi), params=[m for _, m in by_group[gi]]) for gi in part.inner_ids]
     part.opt = part.cls(groups) if groups else None
-
-
-class ZeroOptimizerPart(torch.optim.Optimizer):
-    """One of several torch optimizers given to zeroify() together: its own
-    param_groups (the user's dicts, live for LR schedulers), step() over its own
-    groups; zero_grad, clip_grad_norm_ (one global norm over every part), stats()
-    and the state dicts are the shared ZeroOptimizer's."""
-
-    managed_by_zero_ext = True   # the step guard lets it through (Note [Adopted optimizers])
-
-    def __init__(self, core, optimizer: torch.optim.Optimizer, index: int):
-        self._core = None
-        # copies, as ZeroOptimizer's: the user's groups and defaults stay as they were
-        torch.optim.Optimizer.__init__(self, [dict(g) for g in optimizer.param_groups], dict(optimizer.defaults))
-        self.param_groups = optimizer.param_groups
-        self._core = core
-        self._index = index
-        self.wrapped_class = type(optimizer)
-
-    def add_param_group(self, param_group: dict) -> None:
-        if self._core is None:                           # Optimizer.__init__ adds the groups
-            return super().add_param_group(param_group)
-        return self._core.add_param_group(param_group)   # raises, naming the fix
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        out = self._core._step_parts([self._index], closure)
-        if self._core._server is not None:   # Note [Shard server]
-            self._core._server[0].step_done(self._core._server[1])
-        return out
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """This optimizer's gradients only, as torch's zero_grad (the other parts'
-        optimizers may still step with theirs)."""
-        self._core._zero_grad_part(self._index, set_to_none)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return self._core.clip_grad_norm_(max_norm, norm_type)
-
-    @property
-    def _step_supports_amp_scaling(self) -> bool:   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
-        return self._core._step_supports_amp_scaling
-
-    def state_dict(self) -> dict:
-        """This optimizer's complete state in torch's format, on every rank (collective;
-        Note [Complete optimizer state] in zero_ext/optim_state.py): the state dict the
-        plain torch optimizer would hold."""
-        from . import optim_state
-        return optim_state.state_dict(self._core, self._index)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """This optimizer's complete state (state_dict() or a plain torch optimizer's), or
-        the shared ZeroOptimizer's sharded_state_dict()."""
-        if isinstance(state_dict, dict) and "zero_ext" in state_dict:
-            return self._core.load_state_dict(state_dict)
-        from . import optim_state
-        optim_state.load_state_dict(self._core, state_dict, self._index)
-
-    def sharded_state_dict(self) -> dict:
-        """This rank's state of every part (the shared ZeroOptimizer's sharded_state_dict)."""
-        return self._core.sharded_state_dict()
-
-    def stats(self) -> dict:
-        return self._core.stats()
-
-    def synchronize(self) -> None:
-        self._core.synchronize()
-
-    @property
-    def zero_optimizer(self):
-        """The ZeroOptimizer shared by every part (for checkpoints: save/load take it or a part)."""
-        return self._core

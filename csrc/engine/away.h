@@ -1,67 +1,80 @@
 // away.h — a rank that reads alone: the sequence check's side of the shard server
-// (zero_ext/shard_server.py serves; away.cpp decides when a rank is away and when it is back).
+// (zero_ext/alone/ serves). Away holds whether this rank is away and how it left;
+// the rule it applies is away_rule.h's; Sequence (sequence.h) holds an Away and applies
+// its moves.
 //
 // Note [Reading alone]
-//   DDP scripts read on rank 0 alone: `if rank == 0: torch.save({"model": ...,
-//   "optimizer": optimizer.state_dict()})`, an evaluation or generation loop, a
-//   save_pretrained. Under ZeRO these read pieces other ranks hold. They are only reads,
-//   and the state cannot change while one rank is away: no rank finishes a reduction,
-//   a gather or a step of the next iteration without it. So the other ranks' shard
-//   servers (threads on a gloo group of their own, zero_ext/shard_server.py) answer the
-//   reader "as of step k" once their own step k is done, while their main threads block
-//   in their next collective until the reader comes back. What the reader gets is what
-//   the collective path computes from the same pieces, bit for bit.
-//   Which marks may be served: the phases that only read (reads_only: a forward without
+//   DDP scripts read on rank 0 alone: a torch.save of the model and optimizer state, an
+//   evaluation or generation loop, a save_pretrained. Under ZeRO these read pieces other
+//   ranks hold. A rank that does so "reads alone"; while it does, it is "away".
+//   They are only reads, and the state cannot change while a rank is away: no rank
+//   finishes a reduction, a gather or a step of the next iteration without it. So the
+//   other ranks' shard servers (threads on a gloo group of their own,
+//   zero_ext/alone/serving.py) answer the reader "as of step k" once their own step k is
+//   done. Their main threads block in their next collective until the reader is back.
+//   What the reader gets is what the collective path computes from the same pieces, bit
+//   for bit.
+//   Servable marks: the phases that only read (reads_only in digest.h: a forward without
 //   autograd, model.state_dict(), optimizer.state_dict(), consolidated_state_dict) and,
 //   in stage 3, a forward with autograd (an evaluation that never calls backward looks
 //   like a training forward until it ends). The Python glue marks them servable
-//   (Engine::sequence_mark), which settles them at once, before any collective:
-//   - A servable mark the rank's pattern expects runs as before (the training forward:
-//     nothing changes on the step path). One it does not expect, one that only reads, and
-//     any while the pattern is learned meet the other ranks in the process group's store
-//     (together()): if every rank arrives at the same mark within kAwayJoinS, they go on
-//     as before (all ranks evaluate: the exchange, the collectives); otherwise the first
-//     to give up writes "away", and every rank arriving there reads it and goes away;
-//     except, while the pattern is learned (every rank exchanges at its servable marks
-//     then), a forward with autograd: it goes to the exchange, which decides without a
-//     deadline. So a rank that is merely late to its first training forward (under load,
-//     by more than kAwayJoinS) is never taken for one that reads alone.
-//   - Without a store the ranks meet in the digest exchange (every phase): where digests
-//     differ, the ranks in a servable phase that read only, or that left their pattern,
-//     go away, provided the others (the stayers) agree among themselves (where every rank
-//     reads or left its pattern, as while it is learned, the readers go away and the
-//     forwards with autograd stay); they keep the
-//     stayers' digest and rejoin at the record that equals it (the stayers' exchange of
-//     that mark already happened; rejoin_at), and any other collective fails.
-//   While away nothing is recorded: no record, no pattern key, no exchange, so the
-//   excursion leaves no trace and the rank's pattern stays the others'. It is back at the
-//   first mark that cannot be served or that its pattern expects: where the pattern
-//   expects no exchange the others make none either, and an exchange (a deviation, or
-//   every phase) meets the one the others wait in; a rank that now trains alone waits in
-//   that exchange and is named as any divergence. A collective without a mark while away
-//   (not routed to the servers) fails at once (fail_alone): the rank publishes its records
-//   with the attempted one, as a watched wait does, and every rank raises the same
-//   divergence message. The others are never blamed for a long absence: their watched
-//   waits publish after the patience, and a rank that is away publishes nothing, so the
-//   comparison never completes and they keep waiting.
-//   A grad-enabled evaluation that rank 0 runs alone is not away at first (its forward is
-//   expected): it makes the others' training-forward collectives one for one, the gathers
-//   that start a backward included (zero_ext/model.py), and is not learned as a pass;
-//   rank 0's real training forward then deviates and is served, and its backward meets
-//   theirs.
-//   On NCCL the same holds, with nothing of the engine's group involved: the ranks meet in
-//   the group's store (the TCPStore torchrun or init_process_group made), the servers'
-//   gloo group carries host copies that a server makes on a CUDA stream of its own after
-//   the event its rank recorded at the end of the step (so no copy waits behind an NCCL
-//   collective that waits for the reader), and the every-phase exchange resumes when the
+//   (Engine::sequence_mark), which settles them at once, before any collective.
+//   While away nothing is recorded: no record, no pattern key, no exchange. The excursion
+//   leaves no trace, and the rank's pattern stays the others'. Who goes away: Note
+//   [Going away]; when it is back: Note [Back from away] (both in away_rule.h).
+//   A grad-enabled evaluation rank 0 runs alone is not away at first (its forward is
+//   expected). It makes the others' training-forward collectives one for one, the gathers
+//   that start a backward included (zero_ext/model.py), and is not learned as a pass.
+//   Rank 0's real training forward then deviates and is served; its backward meets theirs.
+//
+// Note [Reading alone on NCCL]
+//   The same holds, with nothing of the engine's group involved. The ranks meet in the
+//   group's store (the TCPStore torchrun or init_process_group made). The servers' gloo
+//   group carries host copies. A server makes them on a CUDA stream of its own, after the
+//   event its rank recorded at the end of the step, so no copy waits behind an NCCL
+//   collective that waits for the reader. The every-phase exchange resumes when the
 //   reader is back, meeting the exchange the others wait in. Tested on gloo in both
 //   schedules and on "cuda:gloo" (make gpu-check); not yet on NCCL.
 #pragma once
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "engine/away_rule.h"
+
 namespace zx {
 
-// How long a rank that left its pattern in a servable phase waits in the store for the
-// others to arrive at the same deviation before it reads alone (Note [Reading alone]).
-constexpr double kAwayJoinS = 0.25;
+using StorePtr = c10::intrusive_ptr<c10d::Store>;
+
+// Whether this rank is away, how it left, and where the ranks meet (Note [Reading alone]).
+class Away {
+public:
+    // meet: where the ranks meet at a servable mark (null: in the digest exchange); id: the
+    // engine's id, the same on every rank (it keys the store's meetings).
+    void enable(StorePtr meet, int64_t id, int64_t rank, int64_t world);
+    bool on() const { return on_; }
+    // A mark this rank commits at step `step`, with its pattern key. mark_digest: what the
+    // mark's record would send (asked only while away). kOn, kStay, kBack, kRejoin or kPending.
+    AwayMove at_mark(const MarkFacts &m, int64_t key, int64_t step,
+                     const std::function<std::vector<int64_t>()> &mark_digest);
+    // Away, at a collective whose record would send `digest`: kBack, kRejoin or kAlone.
+    AwayMove at_collective(const std::vector<int64_t> &digest);
+    // An exchange sent this rank away; stayers: the digest of the ranks that go on (empty:
+    // every rank went away). Nothing of the exchanged mark stays recorded (Sequence).
+    void leave(std::vector<int64_t> stayers);
+
+private:
+    bool together(int64_t key, int64_t step);   // are all ranks at this deviation? (Note [Going away])
+    void back();
+
+    bool on_ = false;
+    Absence absence_;
+    StorePtr store_;
+    int64_t id_ = 0, rank_ = 0, world_ = 1;
+    int64_t step_ = -1, meetings_ = 0;   // store meetings at this step
+};
 
 }  // namespace zx

@@ -45,8 +45,11 @@ public:
     // One more slot, held by bucket b.
     int64_t grow(int64_t b) {
         Slot sl;
-        if (send_numel_ > 0) sl.send = at::zeros({send_numel_}, options_);
-        if (recv_numel_ > 0) sl.recv = at::zeros({recv_numel_}, options_);
+        // Uninitialized: every element a reduction reads is written first (stage_grad copies each
+        // piece, launch_bucket zeroes the gaps, the collective fills recv), so a slot costs the
+        // process only the pages a bucket touches (Note [Gradient shard lifetime] in shard_view.cpp).
+        if (send_numel_ > 0) sl.send = at::empty({send_numel_}, options_);
+        if (recv_numel_ > 0) sl.recv = at::empty({recv_numel_}, options_);
         sl.owner = b;
         slots_.push_back(std::move(sl));
         step_bytes_ = std::max(step_bytes_, bytes());

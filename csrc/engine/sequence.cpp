@@ -126,7 +126,7 @@ void Sequence::attach(c10::optional<ProcessGroupPtr> pg, int64_t rank, int64_t w
 
 void Sequence::enable(StorePtr store, std::vector<std::string> names, double patience_s, bool every_phase,
                       int64_t id, StorePtr meet) {
-    away_.store = meet ? std::move(meet) : store;
+    away_.enable(meet ? std::move(meet) : store, id, rank_, world_);
     waits_.store = std::move(store);
     names_ = std::move(names);
     waits_.patience_s = patience_s;
@@ -194,7 +194,7 @@ bool Sequence::mark(int64_t phase, const FrozenSummary &frozen, bool now, bool s
     // Python collectives follow `now`; a servable mark is settled before its reads
     // (Note [Reading alone]). Other marks wait for their first collective.
     if (phase == kPhaseStep || now || servable) commit();
-    return away_.on;
+    return away_.on();
 }
 
 void Sequence::commit() {
@@ -206,19 +206,22 @@ void Sequence::commit() {
     for (int64_t v : {pos_.phase, pos_.frozen.count, pos_.frozen.hash, sched_.since_mark}) key = mix(key, v);
     const int64_t ph = pos_.phase;
     const bool pass_start = ph == kPhaseForward || ph == kPhaseForwardNoGrad || ph >= kPhaseModelState;
-    if (away_.on && settle_away(key, pass_start, servable)) return;   // away.cpp
     const bool known = sched_.pattern.peek(key, pass_start);
     const bool learning = sched_.every_phase || !learned();
     sched_.flags = (servable ? kFlagServable : 0) | (known ? kFlagKnown : 0);
-    // Note [Reading alone]: a servable mark the pattern does not expect (or any, while it is
-    // learned) meets the others in the store first
-    const bool meet = servable && away_.store && (!known || !learned() || reads_only(ph));
-    // While the pattern is learned every rank exchanges at its servable marks, so there a
-    // forward with autograd that met no one goes to the exchange, which decides without a
-    // deadline (away_verdict): a late rank is not taken for one that trains elsewhere.
-    if (meet && !together(key) && alone_at(ph)) {
-        away_.on = true;
-        return;
+    // Note [Reading alone]: whether this mark goes away, stays away or comes back (away.h)
+    const auto mark_digest = [&] { return digest(next_record(kSeqMark, 0)); };
+    switch (away_.at_mark({ph, servable, known, learned()}, key, pos_.step, mark_digest)) {
+        case AwayMove::kStay:   // reads alone: nothing of the mark is recorded
+            return;
+        case AwayMove::kRejoin:   // where the stayers exchanged: theirs is done, so no exchange
+            record(next_record(kSeqMark, 0));
+            sched_.armed = false;
+            sched_.since_mark = 0;
+            sched_.pattern.next(key, pass_start);
+            return;
+        default:   // a mark as any
+            break;
     }
     // Exchanged now: a deviation, Python collectives, or a servable mark in the schedules
     // that exchange every phase. Before the pattern learns the mark: a rank that goes away
@@ -230,10 +233,10 @@ void Sequence::commit() {
         pos_.bucket = pos_.unit = -1;
         record(r);
         sched_.armed = false;
-        if (exchange(r)) {   // this rank reads alone: the mark and its record are undone
+        if (auto stayers = exchange(r)) {   // this rank reads alone: the mark and its record are undone
             pos_.last = last;
             pos_.ring[r.seq % kRing] = slot;
-            away_.on = away_.by_exchange = true;
+            away_.leave(std::move(*stayers));
             return;
         }
     } else if (learning || now) {
@@ -256,7 +259,7 @@ void Sequence::sync() {
 
 void Sequence::unit_need(int64_t unit) {
     if (enabled_) commit();   // a pending mark first: it may be where a rank that was away is back
-    if (away_.on) return;     // served: nothing recorded (Note [Reading alone])
+    if (away_.on()) return;   // served: nothing recorded (Note [Reading alone])
     subject(-1, unit);
     if (enabled_) {
         commit();
@@ -277,7 +280,15 @@ void Sequence::before(int64_t kind, int64_t numel) {
     }
     const SeqRecord r = next_record(kind, numel);
     pos_.bucket = pos_.unit = -1;
-    if (away_.on && enabled_ && rejoin_at(r)) return;   // away.cpp: where the others wait, or alone
+    if (away_.on() && enabled_) {   // Note [Back from away]
+        const AwayMove move = away_.at_collective(digest(r));
+        if (move == AwayMove::kAlone) fail_alone(r);
+        if (move == AwayMove::kRejoin) {   // where the stayers exchanged: theirs is done
+            record(r);
+            sched_.armed = false;
+            return;
+        }
+    }
     record(r);
     if (sched_.armed && enabled_) {
         sched_.armed = false;
@@ -403,7 +414,7 @@ std::vector<int64_t> Sequence::digest(const SeqRecord &r) const {
     return d;
 }
 
-bool Sequence::exchange(const SeqRecord &next) {
+std::optional<std::vector<int64_t>> Sequence::exchange(const SeqRecord &next) {
     sched_.exchanges++;
     constexpr int64_t D = kDigest;
     const auto i64 = at::TensorOptions().dtype(at::kLong);
@@ -415,9 +426,10 @@ bool Sequence::exchange(const SeqRecord &next) {
     const int64_t *a = all.data_ptr<int64_t>();
     bool same = true;
     for (int64_t r = 0; r < world_ && same; r++) same = std::memcmp(a + r * D, m, D * sizeof(int64_t)) == 0;
-    if (same) return false;
-    // Note [Reading alone]: some ranks read alone while the others go on
-    if (const int verdict = away_verdict(a); verdict >= 0) return verdict == 1;
+    if (same) return std::nullopt;
+    // Note [Going away]: some ranks read alone while the others go on
+    if (ExchangeVerdict v = exchange_verdict(a, world_); !v.diverged)
+        return v.away[rank_] ? std::optional(std::move(v.stayers)) : std::nullopt;
 
     std::vector<FrozenSummary> fs(world_);
     for (int64_t r = 0; r < world_; r++) {
@@ -609,6 +621,41 @@ std::string Sequence::silent_ranks() const {
         if (!failing && !waiting) silent.push_back(r);
     }
     return silent.empty() ? std::string() : ranks_text(silent);
+}
+
+void Sequence::fail_alone(const SeqRecord &attempt) {
+    record(attempt);   // published: the first record where this rank and the others differ
+    if (waits_.store) {
+        // As a watched wait: publish, and diagnose once every rank has (the others publish
+        // after their patience in the collective they wait in), so every rank says the same.
+        using clock = std::chrono::steady_clock;
+        const auto until = clock::now() + std::chrono::milliseconds((int64_t)((4 * waits_.patience_s + 5) * 1000));
+        std::string prev;
+        std::vector<int64_t> prev_ids;
+        try {
+            waits_.published++;
+            waits_.store->set(key(rank_), blob("what it began alone"));
+            while (clock::now() < until) {
+                std::vector<std::string> whats;
+                std::vector<int64_t> ids;
+                std::vector<FrozenSummary> frozen;
+                auto rings = read_all(&whats, &ids, &frozen);
+                const std::string msg = rings.empty() ? std::string() : diagnose(rings, whats);
+                if (!msg.empty() && msg == prev && ids == prev_ids) fail(msg);
+                prev = msg;
+                prev_ids = ids;
+                std::this_thread::sleep_for(std::chrono::milliseconds(250));
+            }
+        } catch (const std::exception &e) {
+            if (std::string(e.what()).rfind("zero_ext:", 0) == 0) throw;
+        }
+    }
+    std::ostringstream o;
+    o << "zero_ext: collective sequence diverged: rank " << rank_ << " read alone (served by the other ranks) and "
+      << "then began " << describe(attempt) << ", which every rank must run; the other ranks wait in their next "
+      << "collective.\nA rank may evaluate, generate or call state_dict() alone, but not train alone: run "
+         "backward() and step() on every rank, then restart from the last checkpoint.";
+    fail(o.str());
 }
 
 // ---- the engine's side

@@ -3,73 +3,75 @@
 // ranks whose sequences differ are named on every rank instead of hanging.
 //
 // Note [Collective sequence check]
-//   A data-dependent branch (one rank skipping a backward, running one more
-//   micro-step, skipping a stage-3 unit, calling step() alone, or freezing a
-//   parameter the others train) makes the ranks issue different collectives;
-//   gloo then waits for the process group's timeout (30 minutes), or pairs the
-//   wrong collectives silently. Two mechanisms catch it:
-//   1. Checkpoints. The Python glue marks phases (forward, backward, clip,
-//      step). Before the first collective after a mark, every rank all-gathers
-//      a kDigest-integer (14) digest: its record of that collective (optimizer step,
-//      backward passes since the last step, phase, kind, bucket, unit, numel,
-//      collective count and a running hash of all its earlier records) and a
-//      summary of which trainable parameters no longer require grad. Digests
-//      travel on a gloo group of their own (zeroify makes it), so ranks in
-//      different phases meet in this small all-gather and never in a mismatched
-//      data collective (gloo aborts a process that receives more bytes than it
-//      posted). Skipped backwards, extra micro-steps, a step() on some ranks
-//      only and a changed requires_grad are caught there, before any data is
-//      exchanged wrongly. Stage 3 also records each unit the hooks need (no
-//      data; Engine::sequence_mark with a unit code), so a unit skipped in
-//      forward is caught at the start of backward. One all-gather per phase.
-//   2. Watched waits. A divergence inside a phase (a stage-3 unit skipped by
-//      one rank) makes two ranks issue different collectives, which hang. Every
-//      engine wait gives up after `patience` seconds; the rank then writes its
-//      last records to the process group's store and reads everyone else's.
-//      Once every rank has published and the records disagree (the same
-//      reading twice, so that a rank that merely moved on is not blamed), every
-//      rank raises the same message naming the first collective where they
-//      differ. Ranks whose records agree are slow, not divergent: they keep
-//      waiting (the process group's own timeout still applies).
-//   The message names, per group of ranks that agree, the step, the backward
-//   pass, and the collective with its bucket (and stage-3 unit); the largest
-//   group (rank 0's on a tie) is taken as the reference and the others as the
-//   divergent ranks. On by default, on every backend (Note [Exchanges on deviation]).
+//   A data-dependent branch makes the ranks issue different collectives: one rank skips
+//   a backward, runs one more micro-step, skips a stage-3 unit, calls step() alone, or
+//   freezes a parameter the others train. gloo then waits for the process group's
+//   timeout (30 minutes), or pairs the wrong collectives silently. Two mechanisms catch
+//   it: checkpoints (here) and watched waits (Note [Watched waits]).
+//   Checkpoints. The Python glue marks phases (forward, backward, clip, step). Before
+//   the first collective after a mark, every rank all-gathers a digest of kDigest (14)
+//   integers (digest.h): its record of that collective and a summary of which trainable
+//   parameters no longer require grad. A record holds the optimizer step, the backward
+//   passes since the last step, the phase, kind, bucket, unit, numel, the collective
+//   count and a running hash of all earlier records.
+//   Digests travel on a gloo group of their own (zeroify makes it). So ranks in
+//   different phases meet in this small all-gather, never in a mismatched data
+//   collective (gloo aborts a process that receives more bytes than it posted).
+//   Skipped backwards, extra micro-steps, a step() on some ranks only and a changed
+//   requires_grad are caught there, before any data is exchanged wrongly. Stage 3 also
+//   records each unit the hooks need (no data; Engine::sequence_mark with a unit code),
+//   so a unit skipped in forward is caught at the start of backward.
+//   On by default, on every backend. Where the exchange runs: Note [Exchanges on
+//   deviation].
+//
+// Note [Watched waits]
+//   A divergence inside a phase (a stage-3 unit skipped by one rank) makes two ranks
+//   issue different collectives, which hang. Every engine wait gives up after
+//   `patience` seconds. The rank then writes its last records to the process group's
+//   store and reads everyone else's. Once every rank has published and the records
+//   disagree, every rank raises the same message naming the first collective where
+//   they differ. The same reading must come twice, so a rank that merely moved on is not
+//   blamed. Ranks whose records agree are slow, not divergent: they keep waiting (the
+//   process group's own timeout still applies).
+//   The message names, per group of ranks that agree, the step, the backward pass, and
+//   the collective with its bucket (and stage-3 unit). The largest group (rank 0's on a
+//   tie) is the reference; the others are the divergent ranks.
 //
 // Note [Exchanges on deviation]
-//   A digest all-gather at every phase is a barrier per phase: on a small model on
-//   CPU it cost 25-65% of a step (ranks wait for the slowest at each one, and a
-//   gloo all-gather is not free). Where waits can be watched (gloo, "cuda:gloo":
-//   the host blocks in a wait, so a wait can time out and consult the store), the
-//   exchange runs only where a rank leaves the pattern it has learned:
-//   - A cycle is the marks from one step() to the next, cut into passes (a pass
-//     begins at a forward). Each mark has a key: the phase (a forward without
-//     autograd is a phase of its own), the frozen summary, and what the
-//     collectives issued since the previous mark were (not when: no step count).
-//     Stage 3's unit needs are marks too. A mark counts only once a collective
-//     follows it (a step at once): a phase that communicates nothing, such as a
-//     forward in stages 0-2, may run on one rank alone, as under DDP.
-//   - The first kLearnCycles cycles exchange at every phase, as above, so the
-//     ranks agree on them. From then on (Pattern) the k-th pass of a cycle is
-//     expected when its first key is the one the last cycle's k-th pass had, and
-//     its marks are compared with the same positions of that pass (of the most
-//     recent pass of its kind when it was not expected: after all ranks begin to
-//     evaluate 100 batches, each batch's pass begins with an exchange and its
-//     unit needs match the last batch's). Every rank that runs the same program
-//     holds the same pattern and makes the same decisions, so a mark that matches
-//     needs no exchange; of two ranks that differ at a mark, at most one can match.
-//   - A mark that does not match (rank 0 alone evaluates, one rank runs an extra
-//     micro-step or skips a unit or a step, requires_grad changed) exchanges at
-//     once, before the rank's next collective. If every rank deviated alike
-//     (all evaluate), they meet in that exchange and go on; if one rank did, it
-//     waits there while the others block in their next collective, which that
-//     rank never issued: nothing pairs wrongly, both waits run out of patience and
-//     the store comparison above names the ranks on every rank.
+//   A digest all-gather at every phase is a barrier per phase: on a small model on CPU
+//   it cost 25-65% of a step (ranks wait for the slowest at each one, and a gloo
+//   all-gather is not free). Where waits can be watched (gloo, "cuda:gloo": the host
+//   blocks in a wait, so a wait can time out and consult the store), the exchange runs
+//   only where a rank leaves the pattern it has learned (Note [Learned pattern]).
+//   A mark that does not match (rank 0 alone evaluates, one rank runs an extra
+//   micro-step or skips a unit or a step, requires_grad changed) exchanges at once,
+//   before the rank's next collective. If every rank deviated alike (all evaluate),
+//   they meet in that exchange and go on. If one rank did, it waits there while the
+//   others block in their next collective, which that rank never issued: nothing pairs
+//   wrongly, both waits run out of patience, and Note [Watched waits] names the ranks.
 //   Phases that run Python collectives (state_dict(), checkpoints) always exchange
-//   first (sync()), so that a rank calling one alone is named, not paired with
-//   the others' training collectives. Where waits cannot be watched (NCCL: a wait
-//   only orders streams), every phase exchanges, as in the first cycles; there
-//   the host runs ahead of the device, so the exchange's latency is hidden.
+//   first (sync()), so a rank calling one alone is named, not paired with the others'
+//   training collectives. Where waits cannot be watched (NCCL: a wait only orders
+//   streams), every phase exchanges, as in the first cycles; there the host runs ahead
+//   of the device, so the exchange's latency is hidden.
+//
+// Note [Learned pattern]
+//   A cycle is the marks from one step() to the next, cut into passes (a pass begins at
+//   a forward). Each mark has a key: the phase (a forward without autograd is a phase
+//   of its own), the frozen summary, and what the collectives issued since the previous
+//   mark were (not when: no step count). Stage 3's unit needs are marks too. A mark
+//   counts only once a collective follows it (a step at once): a phase that
+//   communicates nothing, such as a forward in stages 0-2, may run on one rank alone,
+//   as under DDP.
+//   The first kLearnCycles cycles exchange at every phase, so the ranks agree on them.
+//   From then on (Pattern) the k-th pass of a cycle is expected when its first key is
+//   the one the last cycle's k-th pass had. Its marks are compared with the same
+//   positions of that pass, or of the most recent pass of its kind when it was not
+//   expected (after all ranks begin to evaluate 100 batches, each batch's pass begins
+//   with an exchange and its unit needs match the last batch's).
+//   Every rank that runs the same program holds the same pattern and makes the same
+//   decisions, so a mark that matches needs no exchange; of two ranks that differ at a
+//   mark, at most one can match.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -78,8 +80,12 @@
 
 #include <array>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "engine/away.h"     // defines: Away, StorePtr
+#include "engine/digest.h"   // defines: SeqKind, SeqPhase, SeqRecord, kDigest (no torch)
 
 namespace zx {
 
@@ -87,50 +93,6 @@ class Params;   // params.h
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
-using StorePtr = c10::intrusive_ptr<c10d::Store>;
-
-enum SeqKind : int64_t {
-    kSeqAllReduce = 1, kSeqReduceScatter = 2, kSeqAllGather = 3, kSeqBroadcast = 4,
-    // A stage-3 unit needed by the unit hooks: recorded like a collective (no data), so that
-    // a unit one rank skips shows in the digest before the collectives that follow it can
-    // pair wrongly. Python passes it as sequence_mark(kUnitNeedBase + unit).
-    kSeqUnitNeed = 5,
-    // A mark exchanged at once (Note [Exchanges on deviation]): recorded like a collective
-    // (no data), so that a rank waiting there shows where it is.
-    kSeqMark = 6,
-};
-// Marked by the Python glue (zero_ext/model.py, optim.py use the same numbers).
-enum SeqPhase : int64_t {
-    kPhaseNone = 0, kPhaseForward = 1, kPhaseBackward = 2, kPhaseClip = 3, kPhaseStep = 4,
-    kPhaseForwardNoGrad = 5,   // a forward without autograd: evaluation, generation
-    // Python collectives (Engine::sequence_sync): always exchanged first
-    kPhaseModelState = 6,      // model.state_dict() (stage 3 gathers the units)
-    kPhaseOptimState = 7,      // optimizer.state_dict() / load_state_dict()
-    kPhaseCheckpoint = 8,      // zero_ext.save / load / consolidated_state_dict
-    kPhaseGradStats = 9,       // norms of sharded gradients (Note [Sharded gradients])
-    kPhaseLast = kPhaseGradStats,
-};
-// The phases that only read (Note [Reading alone]): a rank in one alone goes away whatever
-// its pattern says; a servable forward (stage 3) only where it leaves its pattern.
-inline bool reads_only(int64_t phase) { return phase >= kPhaseForwardNoGrad && phase <= kPhaseCheckpoint; }
-// sequence_mark(kUnitNeedBase + unit): stage-3 unit `unit` is needed (Sequence::unit_need).
-constexpr int64_t kUnitNeedBase = 16;
-
-struct SeqRecord {
-    int64_t seq = 0;      // 1-based count of collectives issued
-    int64_t step = 0;     // step() calls begun
-    int64_t micro = 0;    // backward passes begun since the last step()
-    int64_t phase = kPhaseNone;
-    int64_t kind = 0;
-    int64_t bucket = -1;
-    int64_t unit = -1;    // stage 3
-    int64_t numel = 0;
-    int64_t hash = 0;     // running hash of this and every earlier record
-};
-constexpr int64_t kRecordFields = 9;
-// An exchanged digest: the record, the frozen summary (4), the mark's flags (1).
-constexpr int64_t kDigest = kRecordFields + 5;
-constexpr int64_t kFlagServable = 1, kFlagKnown = 2;   // the mark could be served; its pattern expected it
 
 // Which trainable parameters no longer require grad (Note [Collective sequence check]).
 struct FrozenSummary {
@@ -140,7 +102,7 @@ struct FrozenSummary {
     static FrozenSummary of(const Params &params, const std::vector<int64_t> &bucket_of);
 };
 
-// Note [Exchanges on deviation]: the keys of the marks of the last cycle, by pass,
+// Note [Learned pattern]: the keys of the marks of the last cycle, by pass,
 // and of the most recent pass of each kind (its first key). Whether a mark is
 // expected is a function of this state, which every rank running the same program
 // holds alike, and at most one key is expected at each mark: so two ranks that
@@ -195,7 +157,7 @@ public:
     bool mark(int64_t phase, const FrozenSummary &frozen, bool now = false, bool servable = false);
     // This rank reads alone: its reads go to the other ranks' shard servers, and its
     // sequence records nothing until it is back where the others wait (away.h).
-    bool away() const { return away_.on; }
+    bool away() const { return away_.on(); }
     // Stage 3: unit `unit` is needed (recorded, no data; exchanged on a deviation).
     void unit_need(int64_t unit);
     // Exchange digests now (every rank that runs the same program calls it here).
@@ -209,20 +171,11 @@ public:
 private:
     [[noreturn]] void fail(const std::string &msg);
     // Exchanges digests with `next`; a mismatch where some ranks are in servable phases sends
-    // them away instead of failing (away_verdict). Returns whether this rank went away.
-    bool exchange(const SeqRecord &next);
-    // --- reading alone (away.cpp, Note [Reading alone]) ---
-    // The mark just committed (key, pass_start) of a rank that is away: true while it stays
-    // away (nothing of the mark is recorded), false once it is back (a mark as any).
-    bool settle_away(int64_t key, bool pass_start, bool servable);
-    bool together(int64_t key);                 // pattern schedule: are all ranks at this deviation?
-    [[noreturn]] void fail_alone(const SeqRecord &attempt);   // a collective this rank cannot make alone
-    // Away, at record r of a collective (or of a mark exchanged at once): back where the others
-    // wait, or fail_alone. Returns true when r is dealt with (recorded, no exchange).
-    bool rejoin_at(const SeqRecord &r);
-    // A mismatched exchange's table (world x kDigest): 1 this rank goes away, 0 it stays while
-    // others go, -1 a divergence.
-    int away_verdict(const int64_t *table);
+    // them away instead of failing (exchange_verdict, Note [Going away]). Returns, when this
+    // rank goes away, the digest of the ranks that go on (empty: none does).
+    std::optional<std::vector<int64_t>> exchange(const SeqRecord &next);
+    // A collective this rank cannot make alone (Note [Back from away]): raises on every rank.
+    [[noreturn]] void fail_alone(const SeqRecord &attempt);
     std::vector<int64_t> digest(const SeqRecord &r) const;   // what exchange() sends for r
     SeqRecord next_record(int64_t kind, int64_t numel) const;   // the record a collective would get
     void record(const SeqRecord &r);
@@ -267,25 +220,14 @@ private:
     } sched_;
     static constexpr int64_t kLearnCycles = 2;
     bool learned() const { return sched_.cycles >= kLearnCycles; }
-    // Whether a rank that met no one at a servable mark of this phase reads alone: one that
-    // only reads, or any once the pattern is learned (before, every rank exchanges there).
-    bool alone_at(int64_t phase) const { return reads_only(phase) || learned(); }
-    // Watched waits (Note [Collective sequence check], 2.): the store the records are
+    // Note [Watched waits]: the store the records are
     // published to, this engine's id in its keys, records published, patience.
     struct Waits {
         StorePtr store;
         int64_t id = 0, published = 0;
         double patience_s = 3.0;
     } waits_;
-    // Note [Reading alone] (away.h): whether this rank is away, and what the ranks that stayed
-    // exchanged when it left (every-phase schedule), where it rejoins them.
-    struct Away {
-        bool on = false;
-        bool by_exchange = false;         // decided in a digest exchange (no store to meet in)
-        std::vector<int64_t> stayers;     // then: their digest; empty: every rank went away
-        StorePtr store;                   // where ranks meet; null: they meet in the exchange
-        int64_t step = -1, meetings = 0;  // store meetings at this step
-    } away_;
+    Away away_;   // whether this rank reads alone (Note [Reading alone], away.h)
 };
 
 }  // namespace zx

@@ -5,18 +5,11 @@
     full = zero_ext.consolidated_state_dict(model, opt, to=0)   # {"model", "optimizer"} on rank 0
     python -m zero_ext.consolidate ckpt full.pt                 # offline, no process group
 
-One concern per module; each imports only those above it, and nothing here imports
-zero_ext/optim.py or zero_ext/optim_state.py (they import this package):
-
-    format.py         what is on disk (Note [Checkpoint format]): the manifest, CRC32,
-                      resolve/read_manifest, the check against the model, CheckpointError
-    layout.py         the model and optimizer as a checkpoint sees them: names, shapes,
-                      param groups, frozen parameters and buffers, whole tensors, steps
-    entries.py        this rank's sharded state (LocalShard, from the engine's fragment
-                      views) and the DCP entries that write or read it
-    saving.py         save() (Note [Atomic save])
-    loading.py        load()
-    consolidation.py  consolidate(path) offline, consolidated_state_dict() collective
+One concern per module; each imports only those above it (never optim.py):
+format.py (what is on disk, Note [Checkpoint format]), layout.py (the model and optimizer
+as a checkpoint sees them), entries.py (this rank's DCP entries),
+saving.py (save, Note [Atomic save]), loading.py (load), consolidation.py (whole state
+dicts, offline or not).
 """
 from .consolidation import consolidate, consolidated_state_dict, optimizer_state_dict
 from .format import FORMAT, MANIFEST, OBJECTS, CheckpointError, read_manifest, resolve

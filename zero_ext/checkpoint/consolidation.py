@@ -10,13 +10,12 @@ import math
 
 import torch
 
-from .. import shard_server
-from ..model import PHASE_CHECKPOINT
-from ..whole import owned_states
-from .entries import LocalShard
+from .._C import PHASE_CHECKPOINT
+from ..alone import source
+from ..local_shard import LocalShard
 from .format import (_EARLIER, OBJECTS, CheckpointError, _objects, _quiet, _steps_of, _whole_entries, read_manifest,
                      resolve)
-from .layout import _engine_names, _gather_frozen, _param_steps, _plain_tensors, _settle, core_optimizer
+from .layout import _gather_frozen, _param_steps, _plain_tensors, _settle, core_optimizer
 
 _ADAM_FAMILY = ("Adam", "AdamW")
 
@@ -32,13 +31,7 @@ def optimizer_state_dict(layout: dict, tensors: dict, objects: dict, whole: dict
     if len(parts) > 1 or (parts and parts[0]["kind"] == "whole"):
         out = [_part_state_dict(layout, part, tensors, whole or {}, objects) for part in parts]
         return out if len(out) > 1 else out[0]
-    index, groups = {}, []
-    for gi, names in enumerate(layout["groups"]):
-        ids = []
-        for n in names:
-            index[n] = len(index)
-            ids.append(index[n])
-        groups.append(dict(objects["param_groups"][gi], params=ids))
+    index, groups = _numbered(layout, range(len(layout["groups"])), objects)
     state = {}
     for name, info in layout["params"].items():
         gi = info["group"]
@@ -56,15 +49,17 @@ def optimizer_state_dict(layout: dict, tensors: dict, objects: dict, whole: dict
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
+def _numbered(layout: dict, group_ids, objects: dict) -> tuple:
+    """(name -> index, param groups): these groups' parameters numbered in order, as torch does."""
+    index: dict = {}
+    groups = [dict(objects["param_groups"][gi], params=[index.setdefault(n, len(index)) for n in layout["groups"][gi]])
+              for gi in group_ids]
+    return index, groups
+
+
 def _part_state_dict(layout: dict, part: dict, tensors: dict, whole: dict, objects: dict) -> dict:
     """The state dict of one wrapped optimizer (its param groups, numbered from 0)."""
-    index, groups, state = {}, [], {}
-    for gi in part["groups"]:
-        ids = []
-        for n in layout["groups"][gi]:
-            index[n] = len(index)
-            ids.append(index[n])
-        groups.append(dict(objects["param_groups"][gi], params=ids))
+    (index, groups), state = _numbered(layout, part["groups"], objects), {}
     for gi in part["groups"]:
         steps = objects["steps"][gi]
         scal = objects["scalar_state"].get(gi)
@@ -95,9 +90,7 @@ def consolidate(path) -> dict:
     # a whole tensor's state is under whole/ (Note [State windows] in csrc/engine/fill.cpp)
     whole_groups = {g for part in m.get("parts", []) if part["kind"] == "whole" for g in part["groups"]}
     for name, info in m["params"].items():
-        numel = 1
-        for d in info["shape"]:
-            numel *= d
+        numel = math.prod(info["shape"])
         for kind in ["model"] + [f"optim/{s}" for s in m["states"]]:
             flat[(kind, name)] = torch.zeros(numel)
             if numel and (kind == "model" or info["group"] not in whole_groups):
@@ -132,30 +125,26 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
                             phase: int = PHASE_CHECKPOINT):
     """The full model state_dict and a plain torch.optim state dict of the wrapped
     class, assembled on rank `to` (of the model's process group; None: on every rank):
-    {"model", "optimizer"} there, None on the other ranks; every rank calls it.
-    Streamed bucket by bucket and rank by rank with point-to-point sends, so besides the
-    result the receiving rank holds one bucket slice at a time (its extra memory is
-    bounded by a bucket, not the model) and the senders send views of their shards.
-    model_state=False: the optimizer's state only ({"optimizer"})."""
+    {"model", "optimizer"} there, None on the other ranks; every rank calls it, or one
+    rank alone (served). Streamed bucket by bucket: besides the result the receiving rank
+    holds one bucket at a time. model_state=False: the optimizer's state only."""
     optimizer = core_optimizer(optimizer)
-    engine = optimizer._engine
-    rank, parts = engine.rank, engine.partitions
+    rank, parts = optimizer.engine.rank, optimizer.engine.partitions
     # stage 0 and one rank hold everything: no collective, so any rank may call it alone;
     # a rank that calls it alone otherwise reads from the others' shard servers (Note [Shard server])
     engine, comm, layout = _settle(model, optimizer, phase if parts > 1 else None, servable=True)
-    away = parts > 1 and engine.sequence_away
-    if away and to is not None and to != rank:
-        return None   # nothing to assemble here, and nobody to send it to
+    src = source(parts > 1 and engine.sequence_away)
+    if src.reads_alone and to is not None and to != rank:
+        return None   # read alone: nothing to assemble here, and nobody to send it to
     shard = LocalShard(optimizer)
     states = shard.states()
     kinds = {**({"model": shard.masters} if model_state else {}), **{f"optim/{s}": p for s, p in states.items()}}
-    names = _engine_names(optimizer, layout)
+    names = list(layout["params"])   # engine order
     receiving = to is None or rank == to
     out = None
     if receiving:
         numel = [math.prod(layout["params"][name]["shape"]) for name in names]
-        if away:
-            shard_server.check_fits(4 * sum(numel) * len(kinds), "the full model and optimizer state")
+        src.fits(4 * sum(numel) * len(kinds), "the full model and optimizer state")
         out = {k: [torch.zeros(n) for n in numel] for k in kinds}
 
     def place(kind, pieces, src):
@@ -170,42 +159,25 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     else:
         # rank -> bucket -> the pieces of its slice, for the receiving rank to place
         slices = _slices_of_every_rank(engine, [m.numel() for m in shard.masters]) if receiving else None
-        # each rank's slice of bucket b, from its owner (a broadcast: Note [One communication layer]),
-        # or, read alone, from its owner's shard server
+        # each rank's slice of bucket b, from its owner (src: a broadcast, or its shard server)
         buf = torch.empty(max(m.numel() for m in shard.masters), device=comm.device)
-        for b, m in enumerate(shard.masters):
-            n_b = m.numel()
-            served = {r: shard_server.bucket(optimizer, shard, r, b) for r in range(parts) if r != rank} if away else {}
-            for kind, pieces in kinds.items():
-                for r in range(parts):
-                    if r == to or (away and r == rank):
-                        if receiving:
-                            place(kind, slices[r][b], shard.full(pieces, b))
-                        continue
-                    if away:
-                        place(kind, slices[r][b], served[r][kind])
-                        continue
-                    got = comm.broadcast_from(shard.full(pieces, b) if rank == r else None, buf[:n_b], r)
-                    if receiving:
-                        place(kind, slices[r][b], got)
+        for b in range(len(shard.masters)):
+            own = {kind: shard.full(pieces, b) for kind, pieces in kinds.items()}
+            for kind, r, got in src.bucket_slices(optimizer, own, b, to, buf):
+                place(kind, slices[r][b], got)
         del buf
     # whole-tensor states: each owner's, to rank `to` (they are per tensor, not per element)
-    mine = {names[i]: st for i, st in owned_states(optimizer).items()}
-    whole = mine
-    if away:
-        whole = dict(mine)
-        for r in range(parts):
-            if r != rank:
-                whole.update({names[i]: st for i, st in shard_server.whole(optimizer, r).items()})
-    elif parts > 1:
-        got = comm.gather_object(mine, dst=to)
-        whole = {n: st for d in (got or []) for n, st in d.items()}
+    whole = optimizer.whole_states()
+    if parts > 1:
+        whole = src.whole_states(optimizer, whole, to)
+    whole = {names[i]: st for i, st in whole.items()}
     frozen = _gather_frozen(model, keep=receiving) if model_state else {}
     if not receiving:
         return None
     scalar = shard.scalar_state()
     objects = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-               "steps": list(optimizer._steps), "param_steps": _param_steps(optimizer, names), "scalar_state": scalar}
+               "steps": list(optimizer.group_steps), "param_steps": _param_steps(optimizer, names),
+               "scalar_state": scalar}
     tensors = {s: {name: out[f"optim/{s}"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
                for s in states}
     result = {"optimizer": optimizer_state_dict(layout, tensors, objects, whole)}

@@ -1,89 +1,12 @@
-"""The sharded entries: which pieces of which parameter and optimizer state this rank
-holds, and the DCP entries (ShardedTensors) that hand them to a save or a load
-(Note [Checkpoint format] in zero_ext/checkpoint/format.py).
-
-Where a piece lies is the engine's answer, not recomputed here:
-- engine.fragment_views(): this rank's fragments, each with its bucket, its offset in
-  that bucket's slice and a view of the master over it (Note [Fragment views] in
-  csrc/engine/fragment_view.h);
-- engine.state_windows(): where in each bucket's slice the per-element state lies
-  (Note [State windows] in csrc/engine/fill.cpp);
-- engine.fragments(r): any rank's fragments, for the pieces the other ranks write.
+"""The DCP entries (ShardedTensors) that hand this rank's share of the sharded state
+(LocalShard, zero_ext/local_shard.py) to a save or a load (Note [Checkpoint format] in
+zero_ext/checkpoint/format.py); engine.fragments(r) gives the pieces the other ranks write.
 """
 from __future__ import annotations
 
 import torch
 
-from .layout import core_optimizer
-
-
-class LocalShard:
-    """This rank's share of the sharded state, per bucket: the fp32 masters, each
-    per-element optimizer state, and the fragments saying which piece of which
-    parameter lies where in them (the engine's fragment views)."""
-
-    def __init__(self, optimizer):
-        self.opt = optimizer = core_optimizer(optimizer)
-        self.engine = e = optimizer._engine
-        self.masters = e.param_shards()                     # per bucket, 1-D views of this rank's slice
-        self.fragments = e.fragment_views()                 # this rank's pieces, bucket by bucket
-        self.atomic = [o >= 0 for o in e.owners()]          # whole tensors: per-tensor state only
-        self.windows = e.state_windows()                    # per bucket: (lo, numel, flat offset)
-        self.views = None                                   # generic path: bucket -> shard view
-        if optimizer._shard_opt is not None:
-            self.views = optimizer._bucket_views()
-
-    def states(self) -> dict:
-        """name -> per-bucket 1-D tensors of each per-element optimizer state."""
-        if self.views is None:
-            # Note [State windows] (csrc/engine/fill.cpp): each bucket's state covers a window of its slice
-            out = {}
-            for name, flat in self.engine.states().items():
-                out[name] = _Windows([flat.narrow(0, off, n) for _, n, off in self.windows],
-                                     [lo for lo, _, _ in self.windows])
-            return out
-        state = self.opt._shard_opt.state
-        names = sorted({k for v in self.views for k, t in state.get(v, {}).items() if _per_element(t, v)})
-        return {n: [state[v][n] for v in self.views] for n in names}
-
-    def scalar_state(self) -> dict:
-        """Generic path: group -> the optimizer's non-per-element state ("step", ...)."""
-        if self.views is None:
-            return {}
-        out = {}
-        for v, gi in zip(self.views, self.engine.bucket_groups()):
-            s = self.opt._shard_opt.state.get(v, {})
-            if gi not in out and s:
-                out[gi] = {k: (t.clone() if torch.is_tensor(t) else t) for k, t in s.items()
-                           if not _per_element(t, v)}
-        return out
-
-    def piece(self, pieces: list, f) -> torch.Tensor:
-        """Fragment view `f`'s elements of the per-bucket tensors `pieces` (the masters or
-        a state): a view, or zeros where the state's window does not reach (no state there)."""
-        b, n = f.bucket, f.numel
-        at = f.slice_offset - (pieces.lo[b] if isinstance(pieces, _Windows) else 0)
-        if at < 0 or at + n > pieces[b].numel():
-            return torch.zeros(n, dtype=pieces[b].dtype)
-        return pieces[b].narrow(0, at, n)
-
-    def full(self, pieces: list, b: int) -> torch.Tensor:
-        """Bucket b's slice of `pieces`, slice-sized (zeros outside a state window), in fp32
-        (bf16 states widened: Note [bf16 optimizer states] in csrc/engine/stepper.cpp)."""
-        n = self.masters[b].numel()
-        if not isinstance(pieces, _Windows) or (pieces.lo[b] == 0 and pieces[b].numel() == n):
-            return pieces[b].float()
-        out = torch.zeros(n, dtype=torch.float32)
-        out.narrow(0, pieces.lo[b], pieces[b].numel()).copy_(pieces[b])
-        return out
-
-
-class _Windows(list):
-    """Per bucket, a per-element state over the window of its slice starting at lo[b]."""
-
-    def __init__(self, tensors: list, lo: list):
-        super().__init__(tensors)
-        self.lo = lo
+from ..local_shard import LocalShard, _Windows
 
 
 def _as_fp32(states: dict) -> tuple:
@@ -103,10 +26,6 @@ def _as_fp32(states: dict) -> tuple:
     return out, back
 
 
-def _per_element(t, view) -> bool:
-    return torch.is_tensor(t) and t.dim() == 1 and t.shape == view.shape
-
-
 def _prepare_states(optimizer, shard: LocalShard, saved: list) -> dict:
     """Per-bucket tensors that the saved per-element states load into; states the
     checkpoint does not have (it was saved before the first step) are cleared."""
@@ -118,7 +37,7 @@ def _prepare_states(optimizer, shard: LocalShard, saved: list) -> dict:
         for name in saved:
             e.state(name)
         return shard.states()
-    st = optimizer._shard_opt.state
+    st = optimizer.shard_optimizer.state
     for v in shard.views:
         st[v] = {name: torch.zeros_like(v) for name in saved}
     return {name: [st[v][name] for v in shard.views] for name in saved}
@@ -128,7 +47,7 @@ def _restore_scalars(optimizer, shard: LocalShard, objects: dict) -> None:
     """Generic path: put back the scalar state ("step", ...) of every bucket view;
     a checkpoint from the fused path has step counts only."""
     groups = shard.engine.bucket_groups()
-    st = optimizer._shard_opt.state
+    st = optimizer.shard_optimizer.state
     for b, v in enumerate(shard.views):
         gi = groups[b]
         scal = objects["scalar_state"].get(gi)

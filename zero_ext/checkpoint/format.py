@@ -1,40 +1,23 @@
 """What a checkpoint is on disk, and reading it back: the manifest and its checks.
 
 Note [Checkpoint format]
-A checkpoint is a directory written by
-torch.distributed.checkpoint (DCP: `.metadata` + one `__<rank>_0.distcp` file per
-writing rank) plus our manifest `zero_ext.json`. Every tensor is a *logical* one,
-independent of the layout that wrote it:
+A checkpoint is a torch.distributed.checkpoint (DCP) directory plus our manifest,
+zero_ext.json. Every tensor is a logical one, independent of the layout that wrote it:
 
-    model/<name>          trainable parameter, flattened to (numel,) fp32: the master
-                          weights. Each rank writes only its fragments (engine.fragments:
-                          contiguous pieces of the flattened parameter), as the local
-                          shards of a ShardedTensor; DCP records every piece's offset.
-    optim/<state>/<name>  a per-element optimizer state (exp_avg, momentum_buffer, ...),
-                          the same pieces; only for parameters of elementwise
-                          optimizers (a whole tensor's state is under whole/).
-    model/<name>          frozen parameter or buffer: a plain tensor of its own shape,
-                          written once (by rank 0; they are replicated). Stage 3 shards
-                          frozen parameters (Note [Stage 3 frozen parameters]): save
-                          gathers them unit by unit onto rank 0 (which then holds them
-                          whole until written), load writes each rank's slices from
-                          the tensor read; the format is the same in every stage.
-    whole/<state>/<name>  a per-tensor state of an optimizer that needs whole tensors
-                          (Muon's momentum_buffer, Adafactor's step, row_var, col_var,
-                          variance): a plain tensor of the state's own shape, written
-                          by the rank owning the parameter whole and read by the rank
-                          owning it in the new layout (zero_ext/whole.py).
-    zero_ext/objects      uint8 bytes of torch.save({param_groups hyperparameters, step
-                          counts per group, scalar optimizer state, loss-scaler and
-                          LR-scheduler state dicts, extra}); read back with
-                          weights_only=True, so only plain data and tensors are inside.
+    model/<name>          a trainable parameter, flat, fp32 (the master). Each rank writes
+                          its fragments as ShardedTensor local shards; DCP records offsets.
+    optim/<state>/<name>  a per-element optimizer state (exp_avg, ...), the same pieces.
+    model/<name>          a frozen parameter or buffer, whole, written once by rank 0
+                          (stage 3 gathers its frozen ones unit by unit for that).
+    whole/<state>/<name>  a per-tensor state (Muon, Adafactor), whole, written by the rank
+                          that owns the parameter whole (zero_ext/whole.py).
+    zero_ext/objects      torch.save bytes of the hyperparameters, step counts, scalar
+                          state, scaler and scheduler states and `extra` (weights_only).
 
-Loading hands DCP this rank's fragments in the *new* layout; DCP reads the overlap of
-each with the saved pieces (its resharding), straight into the master and state
-shards, then engine.publish_params() makes the parameters equal the masters again.
-The manifest describes the model (names, shapes, param groups, optimizer class) and
-every file (bytes, CRC32), so a checkpoint of another model, a truncated, corrupt or
-missing file is refused with its own message on every rank before anything is read.
+A load hands DCP this rank's fragments in the new layout; DCP reads their overlap with the
+saved pieces straight into the shards, then publish_params() refreshes the parameters.
+The manifest names the model and every file (bytes, CRC32): another model's checkpoint, a
+truncated, corrupt or missing file is refused on every rank before anything is read.
 """
 from __future__ import annotations
 

@@ -1,19 +1,17 @@
 """The model and optimizer as a checkpoint sees them: the pair zeroify() returned,
 parameter names, shapes and param groups (the manifest's description of the model),
 the frozen parameters and buffers, the whole tensors, the step counts; and settling
-the engine before a checkpoint touches anything.
-
-This package reads the ZeroOptimizer by what it has (its engine, parts and param
-groups) and never imports zero_ext/optim.py: optim.py reaches the checkpoint code
-through zero_ext/optim_state.py, so every import points one way, into this package.
+the engine before a checkpoint touches anything. This package never imports
+zero_ext/optim.py (which reaches it through zero_ext/optim_state.py): tests/test_imports.py.
 """
 from __future__ import annotations
 
 import torch
 
-from .. import shard_server
+from .._C import PHASE_CHECKPOINT
+from ..alone import source
 from ..gather import OWNER_ATTR
-from ..model import PHASE_CHECKPOINT, ZeroModel
+from ..model import ZeroModel
 
 
 def core_optimizer(optimizer):
@@ -25,10 +23,9 @@ def core_optimizer(optimizer):
 
 
 def _is_zero_optimizer(optimizer) -> bool:
-    """A ZeroOptimizer, known by the engine and parts it holds (duck typing: importing
-    the class would make this package import zero_ext/optim.py, which imports it)."""
-    return (isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_engine")
-            and hasattr(optimizer, "_parts"))
+    """A ZeroOptimizer, known by its engine and parts (importing the class would close a cycle)."""
+    return (isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "engine")
+            and hasattr(optimizer, "parts"))
 
 
 def _require_pair(model, optimizer) -> None:
@@ -51,10 +48,10 @@ def _layout(model, optimizer) -> dict:
     names = {}
     for n, p in module.named_parameters():
         names.setdefault(id(p), n)
-    shapes = getattr(optimizer, "_param_shapes", None) or [tuple(p.shape) for p in optimizer._params]
+    shapes = optimizer.param_shapes or [tuple(p.shape) for p in optimizer.engine_params]
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     params = {names[id(p)]: {"shape": list(s), "group": group_of[id(p)]}
-              for p, s in zip(optimizer._params, shapes)}
+              for p, s in zip(optimizer.engine_params, shapes)}
     keys, plain = {}, {}
     guard = model._guard
     logical = {id(p): s for p, s in zip(guard.params, guard.shapes)}   # stage-3 frozen ones are empty here
@@ -64,13 +61,9 @@ def _layout(model, optimizer) -> dict:
         if name not in params and name not in plain:
             plain[name] = {"shape": list(logical.get(id(t), t.shape)), "dtype": str(t.dtype).replace("torch.", "")}
     groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-    parts = [{"optimizer": p.cls.__name__, "groups": list(p.groups), "kind": p.kind} for p in optimizer._parts]
+    parts = [{"optimizer": p.cls.__name__, "groups": list(p.groups), "kind": p.kind} for p in optimizer.parts]
     return {"params": params, "plain": plain, "keys": keys, "groups": groups,
             "optimizer": "+".join(p["optimizer"] for p in parts), "parts": parts}
-
-
-def _engine_names(optimizer, layout) -> list:
-    return list(layout["params"])                         # engine order (dicts keep it)
 
 
 def _settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT, servable: bool = False):
@@ -80,12 +73,12 @@ def _settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT, servable: bo
     csrc/engine/away.h; then engine.sequence_away)."""
     _require_pair(model, optimizer)
     optimizer = core_optimizer(optimizer)
-    engine = optimizer._engine
+    engine = optimizer.engine
     if phase is not None:
         engine.sequence_mark(phase, servable=servable)
     engine.wait_reductions()
     engine.flush_params()
-    return engine, optimizer._comm, _layout(model, optimizer)
+    return engine, optimizer.comm, _layout(model, optimizer)
 
 
 def _param_steps(optimizer, names) -> dict:
@@ -98,7 +91,7 @@ def _param_steps(optimizer, names) -> dict:
 def _whole_tensors(optimizer, layout) -> list:
     """(name, the inner torch optimizer, master view) of every whole tensor this rank owns."""
     names = list(layout["params"])
-    return [(names[i], part.opt, view) for part in optimizer._parts if part.kind == "whole"
+    return [(names[i], part.opt, view) for part in optimizer.parts if part.kind == "whole"
             for i, view in part.owned]
 
 
@@ -131,9 +124,10 @@ def frozen_units(model):
     whole on every rank until the next one is asked for (every rank iterates it all)."""
     engine, frozen = model._engine, _frozen_in_engine(model)
     unit_of = {id(p): getattr(p, OWNER_ATTR)[1] for p in frozen}
+    src = source(engine.sequence_away)   # as the call's mark settled it (Note [Shard server])
     for u in sorted(set(unit_of.values())):
         was = engine.unit_gathered(u)
-        shard_server.gather_unit(model._optimizer(), u)   # Note [Shard server]: served on a rank reading alone
+        src.unit(model._optimizer(), u)
         yield [p for p in frozen if unit_of[id(p)] == u]
         if not was:
             engine.release_unit(u)

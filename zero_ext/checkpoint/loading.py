@@ -7,7 +7,7 @@ import torch
 from .entries import LocalShard, _as_fp32, _prepare_states, _restore_scalars, _sharded_entries
 from .format import (OBJECTS, CheckpointError, _mismatch, _objects, _quiet, _steps_of, _whole_entries, read_manifest,
                      resolve)
-from .layout import (_engine_names, _frozen_in_engine, _plain_tensors, _settle, _whole_tensors, _write_frozen,
+from .layout import (_frozen_in_engine, _plain_tensors, _settle, _whole_tensors, _write_frozen,
                      core_optimizer)
 
 
@@ -37,7 +37,7 @@ def load(path, model, optimizer, *, scheduler=None):
     shard = LocalShard(optimizer)
     saved_states = manifest["states"]
     states, narrow_back = _as_fp32(_prepare_states(optimizer, shard, saved_states))
-    names = _engine_names(optimizer, layout)
+    names = list(layout["params"])   # engine order
     kinds = {"model": shard.masters, **{f"optim/{s}": states[s] for s in saved_states}}
     with _quiet():
         sd = _sharded_entries(shard, names, kinds, writing=False)
@@ -65,7 +65,7 @@ def load(path, model, optimizer, *, scheduler=None):
 
     for g, saved in zip(optimizer.param_groups, objects["param_groups"]):
         g.update(saved)
-    optimizer._steps = list(objects["steps"])
+    optimizer.group_steps = list(objects["steps"])
     engine.set_param_steps([_steps_of(objects, n, layout["params"][n]["group"]) for n in names])
     if shard.views is not None:
         _restore_scalars(optimizer, shard, objects)

@@ -18,7 +18,7 @@ import torch
 
 from .entries import LocalShard, _as_fp32, _sharded_entries
 from .format import FORMAT, MANIFEST, OBJECTS, CheckpointError, _crc32, _quiet
-from .layout import (_engine_names, _gather_frozen, _param_steps, _plain_tensors, _settle, _whole_tensors,
+from .layout import (_gather_frozen, _param_steps, _plain_tensors, _settle, _whole_tensors,
                      core_optimizer)
 
 
@@ -46,7 +46,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
                      f"write to")
     _decide(comm, error)
 
-    names = _engine_names(optimizer, layout)
+    names = list(layout["params"])   # engine order
     kinds = {"model": shard.masters, **{f"optim/{s}": p for s, p in states.items()}}
     with _quiet():
         sd = _sharded_entries(shard, names, kinds, writing=True)
@@ -61,7 +61,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
         scaler = getattr(optimizer, "loss_scaler", None)
         objects = {
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-            "steps": list(optimizer._steps),
+            "steps": list(optimizer.group_steps),
             "param_steps": _param_steps(optimizer, names),
             "scalar_state": shard.scalar_state(),
             "loss_scaler": scaler.state_dict() if scaler is not None else None,

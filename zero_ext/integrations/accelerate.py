@@ -1,53 +1,31 @@
-"""zero_ext with Hugging Face Accelerate: prepare() in place of accelerator.prepare().
+"""zero_ext with Hugging Face Accelerate: prepare() in place of accelerator.prepare()
+(the guide: docs/integrations.md).
 
-    from accelerate import Accelerator
-    from zero_ext.integrations.accelerate import prepare
-
-    accelerator = Accelerator(gradient_accumulation_steps=4)            # launched with torchrun / accelerate launch
+    accelerator = Accelerator(gradient_accumulation_steps=4)    # torchrun / accelerate launch
     model, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler, stage=2)
-    for x, y in loader:
-        with accelerator.accumulate(model):
-            loss = loss_fn(model(x), y)
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+    ...                                       # the usual accumulate / backward / clip / step loop
     accelerator.save_state("ckpt")            # every rank; accelerator.load_state("ckpt") to resume
-    save_model(accelerator, model, "final")   # every rank: zero_ext.save_pretrained, streamed out of the shards
+    save_model(accelerator, model, "final")   # every rank: zero_ext.save_pretrained
 
-prepare() moves the model to accelerator.device, calls zero_ext.zeroify(model,
-optimizer, stage=..., **options) and hands everything else (data loaders, LR
-schedulers, ...) to accelerator.prepare(). The model is not given to Accelerate, which
-would wrap it in DDP; the optimizer comes back wrapped in Accelerate's own
-AcceleratedOptimizer, so that accumulate() skips the step and zero_grad on
-accumulation micro-steps as usual. So:
-
-- accelerator.backward(loss) divides by gradient_accumulation_steps and runs backward;
-- accelerator.accumulate(model) runs the micro-steps under the zeroified model's no_sync();
-- accelerator.clip_grad_norm_(model.parameters(), c) calls torch.nn.utils.clip_grad_norm_,
-  which `import zero_ext` routes to the sharded clipping (Note [torch's clipping
-  utilities] in zero_ext/torch_utils.py); clip_grad_value_ likewise;
-- accelerator.save_state(dir) / load_state(dir) (every rank) save and restore the
-  model and optimizer through zero_ext.save / zero_ext.load into dir/zero_ext (hooks
-  that prepare() registers): each rank writes its own shard, and the checkpoint
-  resumes at any world size or stage. Accelerate saves the rest as usual (schedulers,
-  data loader positions, RNG states); it writes no model.safetensors or optimizer.bin
-  for the zeroified pair.
-- The full model for from_pretrained/load_state_dict: save_model(accelerator, model, dir)
-  below, on every rank: zero_ext.save_pretrained (rank 0 writes model.safetensors, or
-  shards and an index, and a Hugging Face model's config, streamed bucket by bucket: no
-  process holds the whole model). Not accelerator.save_model(model, dir): it drops, with
-  a warning, tensors that share a storage, and in stages 0-2 every parameter is a view
-  of a flat bucket, so it would write one tensor per bucket.
-
-Precision: fp32 parameters; mixed_precision="bf16" and "fp16" run the model's forward
-under autocast as accelerator.prepare() would (with "fp16", Accelerate's GradScaler scales
-the loss, and accelerator.clip_grad_norm_ and the optimizer's step unscale the sharded
-gradients: Note [GradScaler on sharded gradients] in zero_ext/amp.py). Or keep
-mixed_precision="no" and compute in bf16/fp16 with zero_ext's own param_dtype (then
-Accelerate's "fp16" is refused: zero_ext scales the loss itself).
+Note [Accelerate around a zeroified model]
+  prepare() moves the model to accelerator.device and zeroifies it with the optimizer.
+  Accelerate never sees the model, so it cannot wrap it in DDP. The optimizer comes back
+  in Accelerate's AcceleratedOptimizer, so accumulate() skips the step and zero_grad on
+  micro-steps. Everything else (loaders, schedulers) goes to accelerator.prepare().
+  - backward(loss) divides by the accumulation steps; accumulate(model) runs the
+    micro-steps under the zeroified model's no_sync().
+  - clip_grad_norm_ and clip_grad_value_ call torch's, which `import zero_ext` routes to
+    the sharded clipping (Note [torch's clipping utilities] in zero_ext/torch_utils.py).
+  - save_state / load_state (every rank): hooks prepare() registers save the model and
+    optimizer with zero_ext.save / zero_ext.load into dir/zero_ext. Accelerate saves the
+    rest as usual, but no model.safetensors or optimizer.bin for the zeroified pair.
+  - The full model: save_model() below, zero_ext.save_pretrained streamed from the
+    shards. Not accelerator.save_model(): in stages 0-2 every parameter is a view of a
+    flat bucket, and it drops tensors sharing a storage.
+  - Precision: mixed_precision="bf16"/"fp16" run forward under autocast. With "fp16",
+    Accelerate's GradScaler unscales the sharded gradients (Note [GradScaler on sharded
+    gradients] in zero_ext/amp.py); it is refused with zero_ext's own loss scaling
+    (param_dtype="fp16") or step_in_backward.
 """
 from __future__ import annotations
 

@@ -1,39 +1,28 @@
-"""zero_ext in the Hugging Face Trainer: a Trainer subclass.
-
-    from zero_ext.integrations.hf import ZeroTrainer
+"""zero_ext in the Hugging Face Trainer: ZeroTrainer, a Trainer subclass (the guide:
+docs/integrations.md).
 
     args = TrainingArguments(output_dir, max_grad_norm=1.0, gradient_accumulation_steps=4, save_steps=500, ...)
     trainer = ZeroTrainer(model=model, args=args, train_dataset=ds, zero_stage=3)   # + any zeroify option
     trainer.train()                                  # or train(resume_from_checkpoint=True / path)
 
-Launched as any distributed Trainer script (torchrun). ZeroTrainer is the Trainer
-with one change of wrapper: where the Trainer would let Accelerate wrap the model in
-DDP, it calls zero_ext.zeroify(model, optimizer) on the optimizer the Trainer built
-(create_optimizer: its param groups, weight decay split, LR schedule all as usual),
-and Accelerate only wraps the returned optimizer. Then:
-
-- max_grad_norm: the Trainer clips with accelerator.clip_grad_norm_(model.parameters()),
-  which calls torch.nn.utils.clip_grad_norm_, which `import zero_ext` routes to the
-  sharded clipping (Note [torch's clipping utilities] in zero_ext/torch_utils.py); the
-  logged grad_norm is the global norm before clipping, as under DDP.
-- gradient_accumulation_steps: the micro-steps run under accelerator.no_sync(model),
-  which is the zeroified model's no_sync().
-- Checkpoints (save_steps / save_strategy, resume_from_checkpoint): each
-  checkpoint-N/ holds what the Trainer writes (the full model as save_pretrained
-  files, written by zero_ext.save_pretrained: streamed out of the shards bucket by
-  bucket, rank 0 writing, no process holding the whole model; trainer_state.json, RNG
-  states) and, instead of the
-  Trainer's rank-0 optimizer.pt/scheduler.pt, the directory checkpoint-N/zero_ext:
-  zero_ext.save() from every rank (each rank's shard of the fp32 masters and
-  optimizer states, and the LR scheduler's state). Resuming loads it with
-  zero_ext.load() on every rank, at any world size or stage.
-
-Precision: keep the model in fp32 and choose the compute dtype with zero_ext's own
-option, ZeroTrainer(..., zero_options={"param_dtype": "bf16"}); bf16=True works too (the
-model's forward runs under autocast, as accelerator.prepare(model) would make it), and so
-does fp16=True (autocast with Accelerate's GradScaler, which unscales
-the sharded gradients: Note [GradScaler on sharded gradients] in zero_ext/amp.py), except
-together with zero_ext's own loss scaling (param_dtype "fp16") or step_in_backward.
+Note [ZeroTrainer]
+  ZeroTrainer is the Trainer with one change of wrapper. Where the Trainer would let
+  Accelerate wrap the model in DDP, it zeroifies the model with the optimizer the
+  Trainer built (its param groups, weight decay and schedule as usual). Accelerate
+  wraps only the returned optimizer. Then:
+  - max_grad_norm: the Trainer's accelerator.clip_grad_norm_ calls torch's, which
+    `import zero_ext` routes to the sharded clipping (Note [torch's clipping
+    utilities] in zero_ext/torch_utils.py). The logged grad_norm is the norm before
+    clipping, as under DDP.
+  - gradient_accumulation_steps: micro-steps run under the zeroified model's no_sync().
+  - Checkpoints: checkpoint-N/ holds the Trainer's files, its model written by
+    zero_ext.save_pretrained (streamed, rank 0 writing). Instead of the rank-0
+    optimizer.pt and scheduler.pt, checkpoint-N/zero_ext holds zero_ext.save() of
+    every rank's shard and the scheduler. Resuming loads it at any world size or stage.
+  - Precision: fp32 with zero_ext's param_dtype; or bf16=True / fp16=True (autocast;
+    fp16's GradScaler unscales the sharded gradients: Note [GradScaler on sharded
+    gradients] in zero_ext/amp.py), not with zero_ext's own loss scaling or
+    step_in_backward.
 """
 from __future__ import annotations
 

@@ -1,50 +1,33 @@
 """zero_ext as a PyTorch Lightning strategy (lightning >= 2.0, the `lightning` package).
 
-    import lightning as L
     import zero_ext.integrations.lightning          # registers "zero_ext_stage0" ... "zero_ext_stage3"
-
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="zero_ext_stage2",
-                        gradient_clip_val=1.0, accumulate_grad_batches=4)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="zero_ext_stage2", gradient_clip_val=1.0)
     trainer = L.Trainer(..., strategy=ZeroStrategy(stage=3, param_dtype="bf16"))   # any zeroify option
     trainer.fit(model, ckpt_path=...)
 
-A DDPStrategy in every respect (launch, process group, samplers, reduce/broadcast),
-except that fit() hands the LightningModule and the optimizer(s) from
-configure_optimizers() to zero_ext.zeroify() instead of wrapping the module in DDP.
-What Lightning does around the step then lands on zero_ext's public API:
-
-- Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm"|"value"): Lightning's
-  precision plugin calls torch.nn.utils.clip_grad_norm_/clip_grad_value_ over the
-  optimizer's parameters, which `import zero_ext` routes to the sharded clipping
-  (Note [torch's clipping utilities] in zero_ext/torch_utils.py).
-- accumulate_grad_batches: the accumulation micro-steps run under the zeroified
-  model's no_sync(), as DDPStrategy runs them under DDP's.
-- Checkpoints: Note [Lightning checkpoints] below.
-
-Precision: train in fp32 ("32-true", the default) and choose the compute dtype with
-zero_ext's own param_dtype="bf16"/"fp16" (exact fp32 masters); "bf16-mixed"
-(autocast) and "16-mixed" (autocast with Lightning's GradScaler: Note [GradScaler on
-sharded gradients] in zero_ext/amp.py) also work. "16-mixed" together with zero_ext's own
-loss scaling (param_dtype="fp16") or step_in_backward, and the "*-true" half precisions,
-are refused at setup, naming the fix.
+A DDPStrategy, except that fit() hands the LightningModule and its optimizers to
+zeroify() instead of DDP (docs/integrations.md). Clipping goes through torch's clip_grad_*_
+(Note [torch's clipping utilities] in zero_ext/torch_utils.py); accumulation runs under
+no_sync(); "16-mixed" unscales the sharded gradients (Note [GradScaler on sharded
+gradients] in zero_ext/amp.py).
 
 Note [Lightning checkpoints]
-  trainer.save_checkpoint(path) (ModelCheckpoint included) writes `path` as a zero_ext
-  checkpoint directory: every rank calls zero_ext.save(path, model, optimizer), which
-  writes each rank's own shard of the fp32 master weights and optimizer states, and
-  Lightning's own checkpoint dict (loops, callbacks, LR schedulers, hyperparameters;
-  everything but "state_dict" and "optimizer_states") rides in the same atomic save as
-  a torch.save()d byte tensor in `extra`. So no file ever holds one rank's shard, a
-  save is all-or-nothing, and the checkpoint resumes at another world size or stage.
-  Trainer.fit(ckpt_path=path) loads it after the strategy's setup
-  (restore_checkpoint_after_setup): zero_ext.load(...) on every rank restores weights,
-  optimizer state and step counts; Lightning restores the rest from the dict.
-  validate/test/predict(ckpt_path=path) without fitting read the full weights
-  offline (zero_ext.checkpoint.consolidate). `to_lightning_checkpoint(path, out)`
-  turns such a directory into a plain Lightning .ckpt file (full "state_dict" and
-  plain torch "optimizer_states") for LightningModule.load_from_checkpoint or any
-  other strategy. A plain .ckpt file (another strategy's) resumes only the weights
-  of a zeroified model; its optimizer state is refused with the fix named.
+  trainer.save_checkpoint(path), ModelCheckpoint's too, writes `path` as a zero_ext
+  checkpoint directory. Every rank calls zero_ext.save(path, model, optimizer): each
+  writes its own shard of the fp32 masters and optimizer states. Lightning's own dict
+  (loops, callbacks, schedulers, hyperparameters: all but "state_dict" and
+  "optimizer_states") rides in the same atomic save, as a torch.save()d byte tensor in
+  `extra`. So no file holds one rank's shard, a save is all-or-nothing, and it resumes
+  at another world size or stage.
+  - fit(ckpt_path=path) loads it after the strategy's setup
+    (restore_checkpoint_after_setup): zero_ext.load on every rank restores weights,
+    optimizer state and step counts; Lightning restores the rest from the dict.
+  - validate/test/predict(ckpt_path=path) without fitting read the full weights offline
+    (zero_ext.checkpoint.consolidate).
+  - to_lightning_checkpoint(path, out) turns the directory into a plain .ckpt (full
+    "state_dict", torch "optimizer_states") for load_from_checkpoint or another strategy.
+  - Another strategy's plain .ckpt resumes only the weights; its optimizer state is
+    refused, naming the fix.
 """
 from __future__ import annotations
 

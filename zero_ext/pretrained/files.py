@@ -3,24 +3,22 @@ them, reads of element ranges, and writes of a planned layout (Note [Safetensors
 range]). Knows nothing of models or ranks; raises CheckpointError naming the file.
 
 Note [Safetensors by byte range]
-  A safetensors file is 8 bytes (little-endian u64 N), N bytes of JSON header
-  {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then
-  the data: each tensor's elements in row-major order at 8 + N + begin. So the elements
-  [a, b) of a flattened tensor are the bytes [a, b) * itemsize after its begin: one
-  contiguous read, whatever the tensor's shape, which is exactly what a fragment (an
+  A safetensors file is 8 bytes (a little-endian u64 N), N bytes of JSON header
+  ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": ...}), then
+  each tensor's elements in row-major order at 8 + N + begin. So elements [a, b) of a
+  flattened tensor are one contiguous read, whatever its shape: what a fragment (an
   element range of a flattened parameter, Note [Fragment views] in
-  csrc/engine/fragment_view.h) needs. Reads go through os.preadv into the destination
-  itself when the dtypes agree, else through one fixed chunk buffer converted with
-  Tensor.copy_ (bf16/fp16 widen to fp32 exactly; fp32 narrows to a low param_dtype by
-  round-to-nearest-even, as .to() does), never through mmap: a mapped file's pages count
-  in the reader's resident memory, read pages only in the page cache.
-  Writing is the mirror image: every tensor's name, dtype and shape are known before any
-  byte is written, so each file's header is written first and each piece of a tensor is
-  written (os.pwrite) at its place as soon as it is available, in any order.
+  csrc/engine/fragment_view.h) needs.
+  - Reads use os.preadv into the destination when the dtypes agree, else one fixed chunk
+    buffer converted by Tensor.copy_ (as .to() converts). Never mmap: mapped pages count
+    in the reader's resident memory, read pages only in the page cache.
+  - Writes mirror reads: every name, dtype and shape is known first, so each header is
+    written first, and each piece at its place (os.pwrite) as it comes, in any order.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -63,7 +61,8 @@ def checkpoint_files(path: str) -> tuple[list[str], dict | None]:
     """(the safetensors files of checkpoint `path`, the index's weight_map or None).
     `path`: a directory (its model.safetensors.index.json, else model.safetensors, else
     its only *.safetensors file), a .safetensors file or an index .json file; <path>.old
-    when a save_pretrained was interrupted between its renames (Note [Streaming save_pretrained])."""
+    when a save_pretrained was interrupted between its renames (Note [Atomic save_pretrained] in
+    zero_ext/pretrained/save.py)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path) and os.path.isdir(path + ".old"):
         path += ".old"
@@ -262,12 +261,7 @@ def plan_files(tensors: list[tuple[str, torch.dtype, tuple]], max_shard_bytes: i
     return {f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors": s for k, s in enumerate(shards)}
 
 
-def numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
+numel = math.prod   # the elements of a shape
 
 class Writer:
     """Files of a planned layout, each header written first; put() writes a piece of a

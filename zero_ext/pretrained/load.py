@@ -1,42 +1,43 @@
 """Pretrained weights into shards: the plan (which checkpoint tensor fills which model
 tensor, checked rank-locally), the ranks' agreement on it, the model's init for what the
-checkpoint leaves out, and the reads (Note [Pretrained weights into shards]).
+checkpoint leaves out, and the reads.
 
 Note [Pretrained weights into shards]
-  zeroify(model, opt, weights=...) on a model built on the meta device, or
-  load_weights(model, ...) on a zeroified one:
-  1. Plan, on each rank alone: read every file's header (files.py), match the model's
-     state-dict names to the checkpoint's (tied parameters are one tensor under several
-     names, any of which may be in the file; a prefix such as Hugging Face's
-     base_model_prefix "model." on either side is found by trying the candidates and
-     keeping the one that matches most names; a PEFT model's names lose
-     "base_model.model." and ".base_layer"), and check shapes, missing and unexpected
-     names and truncated files. Anything wrong is one CheckpointError naming it all.
-  2. Agree, before any other collective: zeroify carries the plan's verdict and digest
-     (names, shapes, dtypes) in its own agreement all-gather (api.py); load_weights in one
-     of its own. A rank whose files are missing or different makes every rank raise, each
-     naming the failing rank and its message, so none is left waiting in a collective.
-  3. Initialize only what the checkpoint leaves out and the caller allowed (allow_missing),
-     plus non-persistent buffers a meta build left empty (RoPE's inv_freq), with the
-     model's own init (init_fn; by default a Hugging Face model's _init_weights, with
-     PEFT's LoRA init on LoRA layers), as from_pretrained does: reset_parameters() on the
-     modules holding them, init_fn on those and their ancestors (a parent may initialize
-     a child: HF's GPT-2, PEFT's LoRA layers). Every other tensor carries Hugging Face's
-     `_is_hf_initialized` flag meanwhile, so transformers' init functions skip it; stage 3
-     opens the units an init touches (Note [Meta builds lose nothing]) but, instead of
-     committing whole units, broadcasts rank 0's values of the initialized tensors alone
-     and writes this rank's pieces of them. Stages 0-2 initialize them in fp32 tensors of
-     their own, broadcast, then write them as a load does.
-  4. Read: each rank reads, for every engine parameter, the element ranges of its own
-     fragments (ModelGuard's master pieces: the fp32 master, or a stage-3 frozen
-     parameter's param_dtype shard) straight from the files (Note [Safetensors by byte
-     range]), and the whole tensor where it holds one whole (stages 0-2, buffers,
-     frozen parameters outside the engine); reads are sorted by file and offset. Then,
-     as after load_state_dict (Note [Loading into a zeroified model]), the masters are
-     cast into what is gathered next. One last all-reduce of a failure flag: a read that
-     fails on one rank (a file changed after the check) raises on every rank.
-  Peak memory on top of what the stage holds: the conversion chunk, and in step 3 the
-  initialized tensors (stage 3: the units an init touches).
+  zeroify(model, opt, weights=...) on a meta-device build, or load_weights(model, ...)
+  on a zeroified model, in four steps:
+  1. Plan, each rank alone. Read every file's header (files.py) and match the model's
+     state-dict names to the checkpoint's. A tied parameter is one tensor under several
+     names, any of which may be in the file. A prefix on either side (HF's "model.") is
+     found by trying candidates and keeping the best match; PEFT names lose
+     "base_model.model." and ".base_layer". Shapes, missing and unexpected names and
+     truncated files are checked; all that is wrong is one CheckpointError.
+  2. Agree, before any other collective. zeroify carries the plan's verdict and digest
+     (names, shapes, dtypes) in its agreement all-gather (api.py); load_weights has its
+     own. A rank with missing or different files makes every rank raise, naming it.
+  3. Initialize what the checkpoint leaves out (Note [Initializing what weights leave out]).
+  4. Read. For each engine parameter, a rank reads the element ranges of its own
+     fragments straight from the files (Note [Safetensors by byte range]). A fragment is
+     a piece of a master (fp32), or of a stage-3 frozen shard (param_dtype). A tensor a
+     rank holds whole (stages 0-2, buffers) is read whole. Reads go in file and offset
+     order. Then the masters are cast into what is gathered next, as after
+     load_state_dict (Note [Loading into a zeroified model]). A last all-reduce of a
+     failure flag: a read failing on one rank raises on every rank.
+  Peak memory beyond the stage's own: the conversion chunk, and step 3's tensors.
+
+Note [Initializing what weights leave out]
+  What is left out: tensors the caller allowed missing (allow_missing), and
+  non-persistent buffers a meta build left empty (RoPE's inv_freq). They get the model's
+  own init, as from_pretrained does. The init is init_fn; by default a Hugging Face
+  model's _init_weights, with PEFT's LoRA init on LoRA layers.
+  - reset_parameters() runs on the modules holding them; init_fn on those and their
+    ancestors (a parent may initialize a child: HF's GPT-2, PEFT's LoRA layers).
+  - Every other tensor carries HF's `_is_hf_initialized` flag meanwhile, so
+    transformers' init functions skip it.
+  - Stage 3 opens the units an init touches (Note [Meta builds lose nothing]). It does
+    not commit whole units: rank 0's values of the initialized tensors alone are
+    broadcast, and each rank writes its pieces of them.
+  - Stages 0-2 initialize them in fp32 tensors of their own, broadcast, then write them
+    as a load does.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ from torch import nn
 from ..checkpoint.format import CheckpointError
 from ..gather import OWNER_ATTR
 from ..materialize import initialize_by_unit
-from ..model import PHASE_CHECKPOINT, ZeroModel
+from .._C import PHASE_CHECKPOINT
+from ..model import ZeroModel
 from .files import Reader, read_entries
 
 HF_FLAG = "_is_hf_initialized"   # transformers' init functions skip a tensor that has it
@@ -306,7 +308,7 @@ def default_init(module: nn.Module):
 
 @torch.no_grad()
 def _initialize(model: ZeroModel, plan: Plan, comm, init_fn) -> None:
-    """Step 3 of Note [Pretrained weights into shards]."""
+    """Note [Initializing what weights leave out]."""
     module, guard, engine = model.module, model._guard, model._engine
     targets = [tensor_of(module, n) for n in plan.initialize]
     only = {id(t) for t in targets}
@@ -413,7 +415,7 @@ def comm_of(model: ZeroModel):
     if opt is None:
         raise RuntimeError("zero_ext: the optimizer zeroify() returned with this model no longer exists; keep a "
                            "reference to it while you load or save the model")
-    return opt._comm
+    return opt.comm
 
 
 def load_weights(model, weights, **options) -> WeightsReport:

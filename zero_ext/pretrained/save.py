@@ -1,39 +1,36 @@
 """save_pretrained(): a zeroified model out of its shards into Hugging Face-format
-safetensors, streamed (Note [Streaming save_pretrained]).
+safetensors, streamed (Note [Streaming save_pretrained]), atomic (Note [Atomic
+save_pretrained]).
 
 Note [Streaming save_pretrained]
-  Every rank calls it; rank 0 writes. What is written is known on every rank before any
-  byte moves: the module's state-dict names, one per tensor (of tied names, the one
-  Hugging Face keeps: not a key of any `_tied_weights_keys`), each with its logical shape
-  and its dtype (trainable parameters: fp32, their masters; others their own; `dtype=`
-  casts every floating-point one), cut into files as save_pretrained cuts them
-  (model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json
-  past max_shard_size). Rank 0 writes every file's header first (files.py), then:
-  - trainable parameters, bucket by bucket and window by window: the same window of
-    every rank's slice of the bucket's fp32 master (at most WINDOW_BYTES over all ranks;
-    the slices are equally long on every rank) is gathered to rank 0 (Comm.gather_to),
-    which writes the part of every fragment (engine.fragments(r): parameter, element range,
-    place in the slice) that lies in it at its byte offset in its file. So rank 0 holds a
-    fixed buffer, however large a unit or bucket is (a root unit holding both embeddings),
-    and the other ranks nothing beyond their shard;
-  - frozen parameters stage 3 shards, unit by unit (gathered in param_dtype, then released);
-  - buffers and frozen parameters every rank holds whole, from rank 0's own.
-  A PEFT model saves its adapter the PEFT way: the trainable parameters are gathered the
-  same way into whole tensors on rank 0 (an adapter is small) and PeftModel.save_pretrained
-  writes adapter_model.safetensors and adapter_config.json from them. Otherwise the
-  model's config (dtype and architectures set as save_pretrained sets them) and
-  generation config are written beside the weights.
-  Atomic (as Note [Atomic save]): everything goes into <dir>.tmp; rank 0 hard-links into it
-  the files of an existing <dir> that this save does not replace (tokenizer files,
-  training arguments; not its old weights), renames <dir> to <dir>.old, <dir>.tmp to <dir>,
-  and removes <dir>.old; a crash between the two renames leaves a complete <dir>.old,
-  which load_weights falls back to. A <dir> holding directories (a Trainer's output_dir
-  with its checkpoint-N/) is not moved: the new files are renamed into it one by one,
-  the weights before the index, and weights files of the previous save that this one does
-  not write are removed after. A write that fails on rank 0 (a full disk) keeps rank 0 in
-  the collectives and is raised on every rank at the end; a rank that dies makes the
-  others' next collective fail, raised as a CheckpointError naming the directory, which
-  is untouched.
+  Every rank calls it; rank 0 writes. The layout is known on every rank before a byte
+  moves: the state-dict names, one per tensor (of tied names, the one HF keeps: not in
+  any `_tied_weights_keys`), each with its shape and dtype. Trainable parameters are
+  written as their fp32 masters; others in their own dtype; `dtype=` casts every
+  floating-point one. Files are cut as HF cuts them (model.safetensors, or numbered
+  files and an index past max_shard_size). Rank 0 writes every header first, then:
+  - Trainable parameters, bucket by bucket, window by window. A window is the same
+    range of every rank's slice of the bucket's fp32 master, at most WINDOW_BYTES over
+    all ranks. It is gathered to rank 0 (Comm.gather_to), which writes each fragment's
+    part (engine.fragments(r)) at its byte offset. So rank 0 holds a fixed buffer,
+    however large a bucket, and the other ranks nothing beyond their shard.
+  - Frozen parameters stage 3 shards: unit by unit, gathered in param_dtype.
+  - Buffers and frozen parameters every rank holds whole: rank 0's own.
+  A PEFT model saves its adapter the PEFT way: the trainable parameters are gathered
+  whole to rank 0 (an adapter is small), and PeftModel.save_pretrained writes them.
+  Otherwise the model's config and generation config go beside the weights.
+
+Note [Atomic save_pretrained]
+  As Note [Atomic save]: everything goes into <dir>.tmp. Rank 0 hard-links into it the
+  files of an existing <dir> that this save does not replace (tokenizer files, training
+  arguments; not old weights). It renames <dir> to <dir>.old, <dir>.tmp to <dir>, and
+  removes <dir>.old. A crash between the renames leaves a complete <dir>.old, which
+  load_weights falls back to. A <dir> holding directories (a Trainer's output_dir) is not
+  moved: the new files are renamed into it one by one, the weights before the index, and
+  the previous save's weights files this one does not write are removed after.
+  A write failing on rank 0 (a full disk) keeps rank 0 in the collectives and raises on
+  every rank at the end. A rank that dies makes the others' next collective fail, raised
+  as a CheckpointError naming the directory, which is untouched.
 """
 from __future__ import annotations
 
@@ -50,8 +47,8 @@ from ..checkpoint.consolidation import _slices_of_every_rank
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.layout import frozen_units
 from ..checkpoint.saving import _decide, _fsync_dir, _replace
-from ..gather import OWNER_ATTR
-from ..model import PHASE_CHECKPOINT, ZeroModel
+from .._C import PHASE_CHECKPOINT
+from ..model import ZeroModel
 from .files import INDEX, SHARD, WEIGHTS, Writer, numel, parse_size, plan_files
 from .load import comm_of, is_peft
 
@@ -97,7 +94,7 @@ def _saved(model: ZeroModel, adapter_only: bool, dtype) -> list:
     return out
 
 
-class _Whole:
+class _WholeTensors:
     """A sink of whole tensors on rank 0 (a PEFT adapter)."""
 
     def __init__(self, tensors: list):
@@ -164,11 +161,11 @@ def _stream(model: ZeroModel, comm, saved: list, sink) -> None:
                 sink.put(name, 0, t.detach())
 
 
-def _write_config(base: nn.Module, directory: str, dtype) -> list:
-    """The config and generation config as save_pretrained writes them; the files written."""
+def _write_config(base: nn.Module, directory: str, dtype) -> None:
+    """The config and generation config as save_pretrained writes them."""
     config = getattr(base, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
-        return []
+        return
     config = copy.deepcopy(config)
     config.dtype = str(dtype or torch.float32).split(".")[1]
     config.architectures = [type(base).__name__]
@@ -177,11 +174,10 @@ def _write_config(base: nn.Module, directory: str, dtype) -> list:
     can = getattr(base, "can_generate", None)
     if gen is not None and callable(can) and can():
         gen.save_pretrained(directory)
-    return sorted(os.listdir(directory))
 
 
 def _commit(tmp: str, path: str, weights_last: list) -> None:
-    """Note [Streaming save_pretrained]: <dir>.tmp into <dir>."""
+    """Note [Atomic save_pretrained]: <dir>.tmp into <dir>."""
     made = set(os.listdir(tmp))
     if not os.path.isdir(path) or not any(os.path.isdir(os.path.join(path, f)) for f in os.listdir(path)):
         for f in os.listdir(path) if os.path.isdir(path) else ():
@@ -242,7 +238,8 @@ def save_pretrained(model, save_directory, *, max_shard_size: int | str = "5GB",
     _decide(comm, error)
     sink = None
     if engine.rank == 0:
-        sink = _Guarded(lambda: _Whole([(n, dt, s) for n, _, _, dt, s in saved]) if peft else Writer(tmp, files))
+        whole = [(n, dt, s) for n, _, _, dt, s in saved]
+        sink = _Guarded(lambda: _WholeTensors(whole) if peft else Writer(tmp, files))
     try:
         _stream(model, comm, saved, sink)
     except RuntimeError as e:   # a collective failed: another rank died

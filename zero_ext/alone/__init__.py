@@ -1,0 +1,25 @@
+"""Reading alone: a rank that evaluates, generates or checkpoints alone (`if rank == 0:`)
+is served the pieces the other ranks hold (Note [Reading alone] in csrc/engine/away.h
+says when a rank is away). One job per file:
+
+    channel.py   the transport: requests and replies on a gloo side channel
+    serving.py   what a rank serves: its ShardServer thread (Note [Shard server])
+    source.py    the reader: where a call's pieces come from, collective or served
+    end.py       the end of a model: serve until every rank is there (Note [Model's end])
+"""
+from __future__ import annotations
+
+import atexit
+
+from .end import at_exit, join_ended, teardown
+from .serving import SERVERS, server_for
+from .source import source
+
+__all__ = ["join_ended", "serve", "source", "teardown"]
+
+
+def serve(pg, optimizer, model_id: int, device):
+    """zeroify: serve this model's pieces on `pg`; returns its ServedModel (the optimizer's `serving`)."""
+    if not SERVERS:
+        atexit.register(at_exit)
+    return server_for(pg).add(model_id, optimizer, device)
