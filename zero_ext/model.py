@@ -351,10 +351,12 @@ class _UnitHooks:
         self.compiled, self.marked, self.recording = True, False, False
         if self.kept:
             self._drop_kept()
-        src = self._source()
+        src, opt = self._source(), self.wrapper._optimizer()
+        missing = [k for k in range(self.engine.num_units if gather else 0) if not self.engine.unit_requested(k)]
+        if missing:   # one collective (Note [Coalesced unit gathers]), then each waited for
+            src.units(opt, missing, len(missing) > 1)
         for k in range(self.engine.num_units if gather else 0):
-            if not self.engine.unit_gathered(k):
-                src.unit(self.wrapper._optimizer(), k)
+            src.unit(opt, k)
         if not gather and self.ops is None:   # Note [Stage 3 collectives in the graph]: the prototype
             from .unit_ops import Units
             self.ops, self.ops_call = Units(self.wrapper), compiled.graph_caller()
