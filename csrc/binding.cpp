@@ -193,7 +193,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("frozen_fragments", &zx::Engine::frozen_fragments, py::arg("rank"))
         .def_property_readonly("frozen_shard_bytes", [](const zx::Engine &e) { return e.units().frozen.shard_bytes(); })
         .def_property_readonly("num_units", [](const zx::Engine &e) { return e.units().count(); })
-        .def("mark_ready", &zx::Engine::mark_ready, py::call_guard<py::gil_scoped_release>())
+        .def("mark_ready", [](zx::Engine &e, int64_t i) { e.mark_ready(i); }, py::call_guard<py::gil_scoped_release>())
+        .def("mark_ready_with", [](zx::Engine &e, int64_t i, const at::Tensor &grad) { e.mark_ready(i, grad); },
+             py::call_guard<py::gil_scoped_release>())
         .def("finalize_backward", &zx::Engine::finalize_backward, py::call_guard<py::gil_scoped_release>())
         .def("wait_reductions", &zx::Engine::wait_reductions, py::call_guard<py::gil_scoped_release>())
         .def("set_require_sync", &zx::Engine::set_require_sync)

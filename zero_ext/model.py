@@ -10,7 +10,7 @@ import weakref
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
-from . import offload, prefetch
+from . import compiled, offload, prefetch
 from ._C import PHASE_BACKWARD, PHASE_FORWARD, PHASE_FORWARD_NOGRAD, PHASE_MODEL_STATE, UNIT_NEED_BASE
 from .alone import source
 
@@ -65,6 +65,7 @@ class ZeroModel(nn.Module):
         self._guard = None         # the ModelGuard (changes.py): attach()
         self._optimizer = None     # weakref to the ZeroOptimizer (Note [torch's clipping utilities]): attach()
         self.weights_report = None  # zeroify(weights=...): what was read (zero_ext.WeightsReport)
+        self._call_module = compiled.module_caller()   # Note [Compiled wrapper]: the frame dynamo captures
 
     def attach(self, guard, optimizer, param_waits=None) -> None:
         """zeroify's last step: the collaborators built after this wrapper (each needs it)."""
@@ -77,6 +78,16 @@ class ZeroModel(nn.Module):
         return self._guard is not None and self._guard.owns(p)
 
     def forward(self, *args, **kwargs):
+        hook = compiled.pause()   # Note [Compiled wrapper]: None in eager
+        try:
+            return self._forward(hook, args, kwargs)
+        finally:
+            if hook is not None:
+                compiled.resume(hook)
+
+    compiled.skip_frame(forward)   # Note [Compiled wrapper] (zero_ext/compiled.py)
+
+    def _forward(self, hook, args, kwargs):
         self._engine.hide_sharded_grads()   # Note [Sharded gradients]: autograd accumulates into plain ones
         # Note [Reading alone] (csrc/engine/away.h): a forward that communicates (stage 3's
         # gathers, the buffers' broadcast) is settled before it does: this rank may read alone
@@ -86,7 +97,7 @@ class ZeroModel(nn.Module):
             self._units.marked = True
         waits = self._param_waits
         if waits is not None:
-            waits.before_forward()   # Note [Gathers waited per module] (zero_ext/param_waits.py)
+            waits.before_forward(hook is not None)   # Note [Gathers waited per module] (zero_ext/param_waits.py)
         else:
             self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/fill.cpp)
         if broadcast:
@@ -96,7 +107,23 @@ class ZeroModel(nn.Module):
             # are cast to the parameters' dtype; integer ones (token ids) are left alone.
             args, kwargs = torch.utils._pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(self._compute_dtype) if t.is_floating_point() else t, (args, kwargs))
-        out = self.module(*args, **kwargs)
+        if hook is None:
+            out = self.module(*args, **kwargs)
+        else:   # traced (Note [Compiled wrapper])
+            in_graph = self._units is not None and compiled.UNITS_IN_GRAPH
+            if self._units is not None:
+                self._units.compiled_begin(gather=not in_graph)
+            compiled.resume(hook)
+            out = None
+            try:
+                if in_graph:   # Note [Stage 3 collectives in the graph]
+                    out = self._units.ops_call(self.module, args, kwargs, self._units.ops)
+                else:
+                    out = self._call_module(self.module, args, kwargs)
+            finally:
+                compiled.pause()
+                if self._units is not None:   # (out None: raised, no backward follows)
+                    self._units.compiled_end(out)
         if waits is not None:
             waits.after_forward()
         if torch.is_grad_enabled():   # a second backward of this forward (retain_graph) starts here
@@ -233,6 +260,8 @@ class _UnitHooks:
         self.marked = False                             # the wrapper marked this forward already
         self.kept: set = set()                          # units kept while reading alone (_keeping)
         self.keep_fits = None                           # whether the whole model may be kept
+        self.compiled = False                           # a compiled forward runs (Note [Stage 3 compiled whole])
+        self.ops = self.ops_call = None                 # Note [Stage 3 collectives in the graph]: call_in_graph
         # The root's hooks run whichever way the model is entered: the wrapper,
         # model.module(...) or a method such as generate() that calls it.
         unit_modules[0].register_forward_pre_hook(self._root_pre_forward)
@@ -315,8 +344,36 @@ class _UnitHooks:
             self.out_of_order += 1
         self._prefetch(k, src)
 
+    # -- a compiled forward (Note [Stage 3 compiled whole])
+    def compiled_begin(self, gather: bool = True) -> None:
+        """Before the graph: every unit gathered (unless the graph gathers them), the unit
+        hooks inert while it is traced or runs."""
+        self.compiled, self.marked, self.recording = True, False, False
+        if self.kept:
+            self._drop_kept()
+        src, opt = self._source(), self.wrapper._optimizer()
+        missing = [k for k in range(self.engine.num_units if gather else 0) if not self.engine.unit_requested(k)]
+        if missing:   # one collective (Note [Coalesced unit gathers]), then each waited for
+            src.units(opt, missing, len(missing) > 1)
+        for k in range(self.engine.num_units if gather else 0):
+            src.unit(opt, k)
+        if not gather and self.ops is None:   # Note [Stage 3 collectives in the graph]: the prototype
+            from .unit_ops import Units
+            self.ops, self.ops_call = Units(self.wrapper), compiled.graph_caller()
+
+    def compiled_end(self, out) -> None:
+        """After the graph: without a backward to come, every unit is released now; with
+        one, each after its last gradient is staged and at the end of backward (engine)."""
+        self.compiled = False
+        if not (torch.is_grad_enabled() and any(
+                t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))):
+            for k in range(self.engine.num_units):
+                self._release(k)
+
     # -- root module
     def _root_pre_forward(self, module, args):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         if _in_backward():
             return
         # The previous pass is complete. One with autograd whose backward never came (an
@@ -344,6 +401,8 @@ class _UnitHooks:
         return fwd + [(k, True) for k, _ in reversed(fwd)] if self.grad_pass else fwd
 
     def _root_post_forward(self, module, args, out):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         if _in_backward():
             return
         self.in_root = False
@@ -362,16 +421,22 @@ class _UnitHooks:
 
     # -- module hooks
     def _holder_pre_forward(self, module, args):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         if not self.engine.unit_gathered(0):
             self.fetches += 1
             self.out_of_order += 1
             self._source().unit(self.wrapper._optimizer(), 0)
 
     def _holder_post_forward(self, module, args, output):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         if not self.in_root and not _in_backward() and not torch.is_grad_enabled():
             self._release(0)
 
     def _pre_forward(self, k, module, args, kwargs):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         self._need(k)
         if torch.is_grad_enabled() and not _in_backward() and self.engine.unit_has_frozen(k):
             # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp): the unit's
@@ -389,6 +454,8 @@ class _UnitHooks:
                 torch.autograd.graph.register_multi_grad_hook(inputs, release, mode="all")
 
     def _post_forward(self, k, module, args, kwargs, output):
+        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+            return
         if torch.is_grad_enabled():
             outs = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             # An input handed back unchanged (T5's position bias) gets its gradient

@@ -19,6 +19,9 @@ Note [Gathers waited per module]
   optimizer step, gathered_parameters) waits for all gathers first, as before. A model
   with a parameter cut across buckets (Note [Cut parameters]) waits for all of them at
   the first module. tests/test_overlap.py measures the overlap under a known delay.
+  Under torch.compile the forward is one graph (Note [Compiled wrapper] in
+  zero_ext/compiled.py): it waits for every gather when it starts, and the hooks,
+  traced into the graph, do nothing.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ class ParamWaits:
         self._bucket_of = bucket_of
         self._ran: set[int] | None = None     # modules whose hook ran in the first forward
         self.eager: list[int] | None = None   # buckets waited for when a forward starts
+        self.whole = False                    # this forward waited for every gather (compiled)
 
     def _hook(self, wrapper, buckets: list, key: int):
         ref = weakref.ref(wrapper)   # Note [No cycles through C++] (model.py)
@@ -54,15 +58,21 @@ class ParamWaits:
             if w is None:
                 return
             waits = w._param_waits
+            if waits.whole:   # compiled: waited for at the start (dynamo traces this to nothing)
+                return
             if waits._ran is not None:
                 waits._ran.add(key)
             w._engine.wait_param_buckets(buckets)
 
         return hook
 
-    def before_forward(self) -> None:
-        """Launch pending gathers; on the first forward wait for all and start recording."""
-        if self.eager is None:
+    def before_forward(self, whole: bool = False) -> None:
+        """Launch pending gathers; on the first forward (or a compiled one: whole) wait for
+        all, and start recording on the first eager one."""
+        self.whole = whole
+        if whole:
+            self._engine.flush_params()
+        elif self.eager is None:
             self._engine.flush_params()
             self._ran = set()
         else:
@@ -71,7 +81,7 @@ class ParamWaits:
                 self._engine.wait_param_buckets(self.eager)
 
     def after_forward(self) -> None:
-        if self.eager is None and self._ran is not None:
+        if self.eager is None and not self.whole and self._ran is not None:
             unseen = {i for i, m in self._owner.items() if m not in self._ran}
             self.eager = sorted({self._bucket_of[i] for i in unseen})
             self._ran = None

@@ -56,7 +56,7 @@ void Engine::set_comm_delay(double ms, bool serialize) {
 
 // --- backward: GradReducer's pass (reducer.cpp), on what reduce_work() lends it ---
 
-void Engine::mark_ready(int64_t i) { reducer_.mark_ready(reduce_work(), i); }
+void Engine::mark_ready(int64_t i, const at::Tensor &grad) { reducer_.mark_ready(reduce_work(), i, grad); }
 void Engine::finalize_backward() { reducer_.finalize(reduce_work()); }
 void Engine::wait_reductions() { reducer_.wait_all(reduce_work()); }
 void Engine::hide_sharded_grads() { reducer_.hide_grads(reduce_work()); }

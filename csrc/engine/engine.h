@@ -46,7 +46,7 @@ public:
     const UnitStore &units() const { return units_; }
 
     // --- backward: GradReducer (reducer.cpp; Note [Sharded gradients] for the wrappers) ---
-    void mark_ready(int64_t i);        // param i's gradient is final for this backward
+    void mark_ready(int64_t i, const at::Tensor &grad = {});   // param i's gradient is final for this backward
     void finalize_backward();          // end of backward: unused params, launch the rest
     void wait_reductions();            // block until every launched reduction is done
     void set_grad_wrappers(std::vector<at::Tensor> wrappers) { reducer_.grads().set(std::move(wrappers)); }

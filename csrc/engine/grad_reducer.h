@@ -78,7 +78,9 @@ public:
     }
 
     // --- the pass (reducer.cpp) ---
-    void mark_ready(ReduceWork w, int64_t i);   // param i's gradient is final for this backward
+    // param i's gradient is final for this backward: in param.grad, or given (any shape of
+    // its numel: stage 3's compiled backward, Note [Stage 3 collectives in the graph])
+    void mark_ready(ReduceWork w, int64_t i, const at::Tensor &grad = {});
     void finalize(ReduceWork w);                // end of backward: unused params, launch the rest, wait
     void wait_all(ReduceWork w);                // block until every launched reduction has landed
     // Clear (set_to_none) or zero the groups' gradients (the caller made the step tables when

@@ -93,8 +93,15 @@ void GradReducer::accumulate_local(ReduceWork &w, int64_t i) {
     p.mutable_grad() = at::Tensor();
 }
 
-void GradReducer::mark_ready(ReduceWork w, int64_t i) {
+void GradReducer::mark_ready(ReduceWork w, int64_t i, const at::Tensor &grad) {
     TORCH_CHECK(i >= 0 && i < (int64_t)w.params.size(), "zero_ext: internal: bad parameter index ", i);
+    if (grad.defined()) {   // the parameter itself may be released (0 elements): no shape to check
+        int64_t numel = 0;
+        for (const zx_piece &pc : w.params.pieces(i)) numel += pc.numel;
+        TORCH_CHECK(grad.numel() == numel, "zero_ext: internal: ", w.layout().pname(i), " given a gradient of ",
+                    grad.numel(), " elements, not ", numel);
+        w.params[i].mutable_grad() = grad;
+    }
     w.book.note_grad(i);
     if (w.stage() <= 1) ensure_grad_view(w, i);
     const bool reduce_now = w.stage() >= 2 || pass_.require_sync();

@@ -1,0 +1,167 @@
+"""torch.compile(model, fullgraph=True) on what zeroify returned (Note [Compiled wrapper] in
+zero_ext/compiled.py): the user's module is one graph, dynamo counts no graph break, no
+graph is compiled after the second step, and training equals compiled DDP's (every loss
+and the parameters after the last step within 1e-5 relative, fp32) and zero_ext's own
+eager run, with and without gradient accumulation (no_sync), at 1, 2 and 3 gloo ranks;
+param_dtype="bf16" within 1e-2 of fp32 compiled DDP and of its own eager run.
+Inductor's CPU backend, as users get it; its compile cache makes the repeats cheap.
+"""
+import pytest
+import torch
+
+from dist_harness import run_world
+from test_compile import _own_inductor_cache
+
+pytestmark = pytest.mark.dist
+
+REL = 1e-5
+BF16_REL = 1e-2   # param_dtype="bf16" against fp32 compiled DDP: the losses (measured 2.4e-4)
+# and the parameters' norm of difference; an element's difference reaches 5e-2 of the largest
+# parameter after 4 AdamW steps (bf16 gradients of near-zero elements, m/sqrt(v) magnifies them)
+# Against the eager run the kernels differ (inductor fuses and reorders): the losses agree
+# to 3e-7, but AdamW's m/sqrt(v) turns last-bit gradient differences of near-zero elements
+# into visible ones (7e-5 of the largest parameter after 4 steps with accumulation).
+EAGER_PARAM_REL = 1e-3
+STEPS = 4
+
+
+class _Net(torch.nn.Module):
+    """A module class of the test's own (dynamo never captures torch.nn's frames: a
+    Sequential checks the wrapper's captured frame too) with a buffer (broadcast by the
+    wrapper before the graph runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+        self.register_buffer("scale", torch.full((32,), 0.5))
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        return self.fc3(torch.nn.functional.gelu(self.fc2(h)) * self.scale.to(h.dtype))
+
+
+def _net(seq=False):
+    torch.manual_seed(0)
+    if seq:
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    return _Net()
+
+
+def _train(model, opt, rank, accum, counters=None):
+    """STEPS steps of `accum` micro-batches (all but the last under no_sync); the losses,
+    and the graphs compiled by the end of step 2 (None without counters)."""
+    losses, graphs_at_2 = [], None
+    for step in range(STEPS):
+        for micro in range(accum):
+            g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            with model.no_sync() if micro < accum - 1 else torch.enable_grad():
+                loss = torch.nn.functional.mse_loss(model(x), y) / accum
+                loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        if step == 1 and counters is not None:
+            graphs_at_2 = counters["stats"]["unique_graphs"]
+    return losses, graphs_at_2
+
+
+def _fullgraph(rank, world, cases):
+    import zero_ext
+    from torch._dynamo.utils import counters
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    _own_inductor_cache()
+    torch._dynamo.reset()
+    out = {}
+    for accum in sorted({c[2] for c in cases}):
+        net = _net()
+        ddp = DDP(torch.compile(net))
+        losses, _ = _train(ddp, torch.optim.AdamW(net.parameters(), lr=1e-2), rank, accum)
+        out[("ddp", accum)] = (losses, [p.detach().clone() for p in net.parameters()])
+    for stage, mode, accum, opts in cases:
+        net = _net(seq=opts.get("seq", False))
+        kw = dict({"min_unit_numel": 0} if stage == 3 else {},
+                  **{k: v for k, v in opts.items() if k not in ("seq", "in_graph")})
+        zero_ext.compiled.UNITS_IN_GRAPH = opts.get("in_graph", False)
+        zm, zo = zero_ext.zeroify(net, torch.optim.AdamW(net.parameters(), lr=1e-2), stage=stage, **kw)
+        counters.clear()
+        model = torch.compile(zm, fullgraph=True) if mode == "compiled" else zm
+        losses, graphs_at_2 = _train(model, zo, rank, accum, counters)
+        graphs, calls = counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]
+        units = zm._engine.num_units if stage == 3 else 0
+        held = [zm._engine.unit_gathered(k) for k in range(units)]   # after the last step
+        evaluated = None
+        if stage == 3:   # an evaluation (a graph of its own): every unit but the root released after it
+            with torch.no_grad():
+                evaluated = model(torch.ones(2, 16)).float()
+        held_eval = [zm._engine.unit_gathered(k) for k in range(units)]
+        ops = zm._units.ops if stage == 3 else None
+        gathers = (ops.gathers, sum(1 for m in ops.members if m)) if ops is not None else None
+        with zero_ext.gathered_parameters(zm):
+            params = [p.detach().clone() for p in net.parameters()]
+        out[(stage, mode, accum, tuple(sorted(opts)))] = dict(
+            losses=losses, params=params, breaks=dict(counters["graph_break"]), graphs_at_2=graphs_at_2,
+            graphs=graphs, calls=calls, held=held, held_eval=held_eval, evaluated=evaluated, units=units,
+            gathers=gathers)
+    return out
+
+
+def _close(a, b, what, param_rel=REL, rel=REL):
+    assert len(a["losses"]) == len(b["losses"]) == STEPS * len(a["losses"]) // STEPS > 0
+    for k, (x, y) in enumerate(zip(a["losses"], b["losses"])):
+        assert abs(x - y) <= rel * abs(y), f"{what}: loss {k}: {x} vs {y}"
+    for x, y in zip(a["params"], b["params"]):
+        diff, ref = ((x - y).norm(), y.norm()) if param_rel == BF16_REL else ((x - y).abs().max(), y.abs().max())
+        assert diff <= param_rel * ref + 1e-7, f"{what}: parameters {diff} vs {ref}"
+
+
+def _check(results, cases):
+    for rank, out in enumerate(results):
+        for stage, mode, accum, opts in cases:
+            got = out[(stage, mode, accum, tuple(sorted(opts)))]
+            what = f"rank {rank} stage {stage} {mode} accum={accum} {opts}"
+            rel = BF16_REL if opts.get("param_dtype") == "bf16" else REL
+            if mode == "compiled":
+                assert got["breaks"] == {}, f"{what}: graph breaks {got['breaks']}"
+                assert got["graphs"] == 1 and got["calls"] > 0, f"{what}: {got['graphs']} graphs, not the module whole"
+                assert got["graphs_at_2"] == got["graphs"], f"{what}: compiled again after step 2"
+                eager = out.get((stage, "eager", accum, tuple(sorted(opts))))
+                if eager is not None:
+                    _close(got, eager, f"{what} against zero_ext's eager run", EAGER_PARAM_REL)
+                    if stage == 3:
+                        assert torch.allclose(got["evaluated"], eager["evaluated"], rtol=1e-3, atol=1e-5), what
+                    assert got["held"] == eager["held"], f"{what}: units gathered after the step"
+                    assert got["held_eval"] == eager["held_eval"], f"{what}: units gathered after an evaluation"
+                assert not any(got["held"][1:] + got["held_eval"][1:]), f"{what}: units left gathered"
+            if mode == "compiled" and "seq" not in opts:
+                ddp_losses, ddp_params = out[("ddp", accum)]
+                _close(got, dict(losses=ddp_losses, params=ddp_params), f"{what} against compiled DDP", rel, rel)
+
+
+def test_fullgraph_stages_0_3_two_ranks():
+    cases = [(s, m, a, {}) for s in (0, 1, 2, 3) for m in ("compiled", "eager") for a in (1, 2)]
+    cases += [(2, "compiled", 1, {"overlap_param_gather": True}), (1, "compiled", 1, {"seq": True})]
+    cases += [(s, m, 2, {"param_dtype": "bf16"}) for s in (2, 3) for m in ("compiled", "eager")]
+    cases += [(3, "compiled", 1, {"seq": True})]
+    _check(run_world(_fullgraph, 2, cases, timeout_s=600), cases)
+
+
+def test_stage3_units_gathered_in_the_graph():
+    """Note [Stage 3 collectives in the graph]'s prototype: the units gathered by
+    zero_ext::unit_gather inside the graph, their gradients handed to the engine by
+    zero_ext::unit_reduce inside the compiled backward."""
+    cases = [(3, "compiled", a, {"in_graph": True}) for a in (1, 2)]
+    results = run_world(_fullgraph, 2, cases, timeout_s=600)
+    _check(results, cases)
+    for out in results:
+        for case in cases:
+            got = out[(3, "compiled", case[2], ("in_graph",))]
+            # every unit, every forward (training micro-steps, then the evaluation)
+            calls, units = got["gathers"]
+            assert units >= 3 and calls == units * (STEPS * case[2] + 1), got["gathers"]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_fullgraph_one_and_three_ranks(world):
+    cases = [(2, "compiled", 2, {}), (1, "compiled", 1, {}), (3, "compiled", 2, {})]
+    _check(run_world(_fullgraph, world, cases, timeout_s=600), cases)

@@ -1,0 +1,130 @@
+"""What torch.compile traces of a zeroified model (Note [Compiled wrapper]).
+
+Note [Compiled wrapper]
+  `torch.compile(model, fullgraph=True)` on what zeroify returned must trace the
+  user's module whole, while the wrapper's own work (ZeroModel.forward: hiding the
+  sharded gradients, the sequence mark, waiting for gathered parameters, the buffers'
+  broadcast, the input cast, the gradient hooks on the outputs) calls the C++ engine,
+  which dynamo cannot trace. That work runs before and after the module's forward,
+  as DDP's does around a compiled module: dynamo is told to skip the wrapper's frame,
+  which turns torch.compile's frame hook off for its own work (so the Python helpers
+  it calls are not captured either) and back on to call the module from a frame of
+  zero_ext's own, one code object per model: that frame is captured and the user's
+  module compiled under it as one graph. In eager, where there is no hook, forward
+  costs a lookup of it (tens of ns) and calls the module as before. The gradient-ready
+  hooks (AccumulateGrad post hooks) run in autograd's engine after the compiled
+  backward, as compiled DDP's do: no frame dynamo traces holds them, so they break no
+  graph (torch 2.13: the counters show none, and the gradients are reduced).
+  Limits: a function compiled around the model (`torch.compile(train_step)` calling
+  model(x)) inlines the wrapper's frame, and a skipped frame inlined is a graph break
+  there; compile the model. Stages 1-2's per-module parameter waits
+  (overlap_param_gather, zero_ext/param_waits.py) wait for everything at the forward's
+  start under compile. Stage 3: Note [Stage 3 compiled whole].
+
+Note [Stage 3 compiled whole]
+  Stage 3's unit hooks (model.py's _UnitHooks) run inside the user's module, so under
+  compile they are traced; each returns at once while `compiled` is set (dynamo guards
+  on the flag and traces them to nothing; eager pays one attribute read). The wrapper
+  sets it around the compiled call and, before it, gathers every unit (so the graph
+  reads whole parameters, as in eager, and its autograd node records their shapes);
+  the engine releases each unit as its last gradient is staged, as in eager, and a
+  forward no backward follows releases every unit after it. What this costs: during
+  a compiled step the whole model is gathered at once (stage 2's parameter memory,
+  sharded gradients and optimizer states kept), the gathers do not overlap the
+  forward, and a rank reading alone is not served under compile. The next step is
+  Note [Stage 3 collectives in the graph].
+
+Note [Stage 3 collectives in the graph]
+  Stage 3 with its memory under compile (issue 54). Built, as a Python prototype off by
+  default (UNITS_IN_GRAPH; zero_ext/unit_ops.py; tests/test_compile_fullgraph.py):
+  - zero_ext::unit_gather(model, unit, anchor) -> flat, a custom operator with a fake
+    kernel (flat: the unit's parameters' numel, param_dtype) returning a fresh whole
+    copy of the unit; `anchor` is a 0-element leaf per unit that requires grad, the
+    edge autograd calls back through. Its autograd formula is
+    zero_ext::unit_reduce(model, unit, grad_flat): the engine takes each parameter's
+    gradient from grad_flat (Engine::mark_ready with a gradient) and reduces it as the
+    eager hooks' mark_ready does; it returns the anchor's empty gradient, so the node
+    stays live in the compiled backward. Both are ordered effects (effect tokens), so no
+    pass reorders one rank's collectives against another's.
+  - The traced call replaces the module's parameters by views of the flats
+    (torch.func.functional_call), so every read depends on its gather by data.
+  Not yet: the gathers are all issued at the graph's start and autograd saves the flats
+  for backward, so the whole model is held, as in Note [Stage 3 compiled whole]. Next:
+  each unit's gather issued at its first use (the traced unit pre-hook), the flats
+  tagged must-recompute (selective activation checkpointing: gathered again in
+  backward, stage 3's release after forward), the operators in the C++ binding
+  (TORCH_LIBRARY), gathering straight into the fresh flat (no copy out of the engine's
+  buffer), and sharded frozen parameters.
+"""
+from __future__ import annotations
+
+import itertools
+import types
+
+import torch
+
+
+def skip_frame(fn: types.FunctionType) -> bool:
+    """Mark fn's frame to be run, not traced, by dynamo (the frames it calls are traced
+    as usual): what torch._dynamo's skip does, without importing torch._dynamo (2 s).
+    False where this torch lacks the hook (then the wrapper breaks the graph, as before)."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return False
+    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+    return True
+
+
+def pause():
+    """Turn torch.compile's frame hook off (the wrapper's own work calls Python functions
+    that dynamo would otherwise capture as frames of their own); returns the hook to
+    resume, None when there is none (eager)."""
+    if _get is None:
+        return None
+    hook = _get()
+    if hook is None or hook is False:   # eager, or run-only (compiles nothing new)
+        return None
+    _set(None)
+    return hook
+
+
+def resume(hook) -> None:
+    _set(hook)
+
+
+def module_caller():
+    """A function calling module(*args, **kwargs) from a code object of its own: the
+    frame dynamo captures under the skipped wrapper (torch.nn's frames, a Sequential's,
+    are never captured). One code object per model, so each model's graphs are cached
+    apart (dynamo's recompile limit counts per code object, what it learns of changing
+    sizes per code name)."""
+    def call(module, args: tuple, kwargs: dict):
+        return module(*args, **kwargs)
+    return _own_code(call)
+
+
+def _own_code(fn):
+    """fn with a code object (and name) of its own: dynamo caches graphs per code object
+    and keeps what it learned of changing sizes (automatic dynamic) per name and line."""
+    name = f"{fn.__name__}_{next(_models)}"
+    return types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), globals(), name)
+
+
+_models = itertools.count()
+# Note [Stage 3 collectives in the graph]: the prototype (zero_ext/unit_ops.py), off by default
+UNITS_IN_GRAPH = False
+
+
+def graph_caller():
+    """As module_caller, for stage 3 with its units gathered by operators inside the graph:
+    the module called with its parameters replaced by views of the gathered units."""
+    def call(module, args: tuple, kwargs: dict, units):
+        return torch.func.functional_call(module, units.views(), args, kwargs)
+    return _own_code(call)
+
+
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get, set_eval_frame as _set
+except ImportError:
+    _get = _set = None
