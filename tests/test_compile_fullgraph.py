@@ -3,7 +3,9 @@ zero_ext/compiled.py): the user's module is one graph, dynamo counts no graph br
 graph is compiled after the second step, and training equals compiled DDP's (every loss
 and the parameters after the last step within 1e-5 relative, fp32) and zero_ext's own
 eager run, with and without gradient accumulation (no_sync), at 1, 2 and 3 gloo ranks;
-param_dtype="bf16" within 1e-2 of fp32 compiled DDP and of its own eager run.
+param_dtype="bf16" within 1e-2 of fp32 compiled DDP and of its own eager run. Stage 3
+compiles whole with compile_units="whole" (the default, "per_unit", breaks at each unit:
+tests/test_compile.py).
 Inductor's CPU backend, as users get it; its compile cache makes the repeats cheap.
 """
 import pytest
@@ -80,7 +82,7 @@ def _fullgraph(rank, world, cases):
         out[("ddp", accum)] = (losses, [p.detach().clone() for p in net.parameters()])
     for stage, mode, accum, opts in cases:
         net = _net(seq=opts.get("seq", False))
-        kw = dict({"min_unit_numel": 0} if stage == 3 else {},
+        kw = dict({"min_unit_numel": 0, "compile_units": "whole"} if stage == 3 else {},
                   **{k: v for k, v in opts.items() if k not in ("seq", "in_graph")})
         zero_ext.compiled.UNITS_IN_GRAPH = opts.get("in_graph", False)
         zm, zo = zero_ext.zeroify(net, torch.optim.AdamW(net.parameters(), lr=1e-2), stage=stage, **kw)

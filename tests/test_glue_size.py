@@ -16,9 +16,9 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zero_ext"
-# PACKAGE_MAX is a ratchet: the goal is 7,500 lines (issue 53); it holds the glue at what it is
-# now (8,885 on 2026-11-28) so that it only shrinks. Lower it with every cut. Raised by 334
-# for issue 54's compiled path (zero_ext/compiled.py, the prototype zero_ext/unit_ops.py).
+# PACKAGE_MAX is a ratchet: the goal is 7,500 lines (issue 53). It holds the glue at what it
+# is now (9,234 on 2026-11-28: 8,856 after this session's cuts, then torch.compile's wrapper
+# and unit operators, compiled.py and unit_ops.py) so that it only shrinks. Lower it with every cut.
 PACKAGE_MAX, FUNCTION_MAX, ZEROIFY_MAX, DOCSTRING_MAX, NOTE_MAX = 9234, 120, 80, 15, 25
 ZEROIFY = ("zeroify", "_build")   # zeroify and the function doing its work
 HEADING = re.compile(r'^\s*(?:#+|""")?\s*Note \[([^\]]+)\]\s*$')

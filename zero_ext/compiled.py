@@ -23,8 +23,10 @@ Note [Compiled wrapper]
 
 Note [Stage 3 compiled whole]
   Stage 3's unit hooks (model.py's _UnitHooks) run inside the user's module, so under
-  compile they are traced; each returns at once while `compiled` is set (dynamo guards
-  on the flag and traces them to nothing; eager pays one attribute read). The wrapper
+  compile they are traced. By default (compile_units="per_unit") they call the engine
+  and break the graph at each unit, keeping stage 3's memory. With compile_units="whole"
+  each returns at once while `compiled` is set (dynamo guards on the flag and traces
+  them to nothing; eager pays one attribute read). The wrapper
   sets it around the compiled call and, before it, gathers every unit (so the graph
   reads whole parameters, as in eager, and its autograd node records their shapes);
   the engine releases each unit as its last gradient is staged, as in eager, and a

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 _REDUCE_SCATTER = ("auto", "native", "alltoall")
+_COMPILE_UNITS = ("per_unit", "whole")
 _ISAS = ("auto", "scalar", "avx2", "avx512")
 _FUSED = ("auto", "always", "never")
 _DTYPES = ("fp32", "bf16", "fp16")
@@ -73,6 +74,10 @@ class ZeroConfig:
     min_unit_numel: stage 3: smaller units join the root unit, which stays
         gathered from the start of forward to the end of backward.
     prefetch_depth: stage 3: how many units ahead to all-gather while one computes.
+    compile_units: stage 3 under torch.compile: "per_unit" (default) gathers each unit around
+        its own call, as in eager (stage 3's memory; the graph breaks at each unit), "whole"
+        gathers every unit before one graph (fullgraph=True works; stage 2's parameter memory
+        during the step). Note [Stage 3 compiled whole] (zero_ext/compiled.py).
     coalesce_numel: stage 3: small units are all-gathered (and in backward reduced)
         together in one collective while their total stays within this many elements, so
         many small units pay few latencies. 0 turns it off.
@@ -175,6 +180,7 @@ class ZeroConfig:
     unit_numel: int | None = None
     min_unit_numel: int = 1024
     prefetch_depth: int = 1
+    compile_units: str = "per_unit"
     coalesce_numel: int = 16384
     param_dtype: Any = "fp32"
     reduce_dtype: Any = "fp32"
@@ -370,6 +376,7 @@ class ZeroConfig:
              f"{_fix('find_unused_parameters')}")
         number("sequence_timeout", lambda v: v > 0, "a number of seconds > 0")
         choice("reduce_scatter", _REDUCE_SCATTER)
+        choice("compile_units", _COMPILE_UNITS)
         choice("fused", _FUSED)
         choice("isa", _ISAS)
         for b in ("overlap_param_gather", "broadcast_buffers", "verify_across_ranks", "log_plan",

@@ -107,12 +107,19 @@ class ZeroModel(nn.Module):
             # are cast to the parameters' dtype; integer ones (token ids) are left alone.
             args, kwargs = torch.utils._pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(self._compute_dtype) if t.is_floating_point() else t, (args, kwargs))
+        units = self._units if self._config.compile_units == "whole" else None   # per unit: traced hooks
         if hook is None:
             out = self.module(*args, **kwargs)
+        elif self._units is not None and units is None:   # the unit hooks break the graph, as in eager
+            compiled.resume(hook)
+            try:
+                out = self._call_module(self.module, args, kwargs)
+            finally:
+                compiled.pause()
         else:   # traced (Note [Compiled wrapper])
-            in_graph = self._units is not None and compiled.UNITS_IN_GRAPH
-            if self._units is not None:
-                self._units.compiled_begin(gather=not in_graph)
+            in_graph = units is not None and compiled.UNITS_IN_GRAPH
+            if units is not None:
+                units.compiled_begin(gather=not in_graph)
             compiled.resume(hook)
             out = None
             try:
@@ -122,8 +129,8 @@ class ZeroModel(nn.Module):
                     out = self._call_module(self.module, args, kwargs)
             finally:
                 compiled.pause()
-                if self._units is not None:   # (out None: raised, no backward follows)
-                    self._units.compiled_end(out)
+                if units is not None:   # (out None: raised, no backward follows)
+                    units.compiled_end(out)
         if waits is not None:
             waits.after_forward()
         if torch.is_grad_enabled():   # a second backward of this forward (retain_graph) starts here
