@@ -5,7 +5,8 @@ and the parameters after the last step within 1e-5 relative, fp32) and zero_ext'
 eager run, with and without gradient accumulation (no_sync), at 1, 2 and 3 gloo ranks;
 param_dtype="bf16" within 1e-2 of fp32 compiled DDP and of its own eager run. Stage 3
 compiles whole with compile_units="whole" (the default, "per_unit", breaks at each unit:
-tests/test_compile.py).
+tests/test_compile.py). A Hugging Face GPT-2 compiles whole in stages 2 and 3 and follows
+compiled DDP's losses within 1e-5.
 Inductor's CPU backend, as users get it; its compile cache makes the repeats cheap.
 """
 import pytest
@@ -167,3 +168,55 @@ def test_stage3_units_gathered_in_the_graph():
 def test_fullgraph_one_and_three_ranks(world):
     cases = [(2, "compiled", 2, {}), (1, "compiled", 1, {}), (3, "compiled", 2, {})]
     _check(run_world(_fullgraph, world, cases, timeout_s=600), cases)
+
+
+def _hf_gpt2(rank, world):
+    """A Hugging Face GPT-2 (2 layers) compiled fullgraph in stages 2 and 3 ("whole") beside
+    compiled DDP: the losses of 3 steps and dynamo's counters. The loss is taken outside the
+    model: with labels=, transformers' own logger.warning_once stops fullgraph (with or
+    without zero_ext)."""
+    from torch._dynamo.utils import counters
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import zero_ext
+    _own_inductor_cache()
+    torch._dynamo.reset()
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0,
+                     eos_token_id=0, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+
+    def train(model, opt):
+        losses = []
+        for step in range(3):
+            x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(step + 10 * rank))
+            logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), x[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    out = {}
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(cfg)
+    out["ddp"] = train(DDP(torch.compile(ref)), torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        m = GPT2LMHeadModel(cfg)
+        kw = {"compile_units": "whole", "min_unit_numel": 0} if stage == 3 else {}
+        zm, zo = zero_ext.zeroify(m, torch.optim.AdamW(m.parameters(), lr=1e-3), stage=stage, **kw)
+        counters.clear()
+        losses = train(torch.compile(zm, fullgraph=True), zo)
+        out[stage] = (losses, dict(counters["graph_break"]), counters["stats"]["unique_graphs"])
+    return out
+
+
+def test_hf_gpt2_fullgraph_stages_2_3():
+    pytest.importorskip("transformers", reason="transformers is installed by make test")
+    for rank, out in enumerate(run_world(_hf_gpt2, 2, timeout_s=600)):
+        for stage in (2, 3):
+            losses, breaks, graphs = out[stage]
+            assert breaks == {} and graphs == 1, f"rank {rank} stage {stage}: {breaks}, {graphs} graphs"
+            for k, (a, b) in enumerate(zip(losses, out["ddp"])):
+                assert abs(a - b) <= REL * abs(b), f"rank {rank} stage {stage} step {k}: {a} vs compiled DDP's {b}"
