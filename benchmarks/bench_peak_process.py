@@ -189,8 +189,7 @@ def predicted_peak(system: str, world: int, layers: int, extra: dict) -> float:
         options.setdefault("unit_modules", ["Block"])
     est = zero_ext.estimate_memory(model, world, int(system[4]), optimizer="adamw", loss_fn=loss_fn, **options)
     p = est["peak"]   # a model on meta is taken to train on a GPU: here its host state is process memory too
-    return (p["total"] + (p["offload_host"] if p["total"] == p["model_state"] + p["gathered"] + p["activations"]
-                          else 0)) / MiB
+    return (p["model_state"] + p["gathered"] + p["activations"] + p["offload_host"]) / MiB
 
 
 def summarize(results: list, layers: int, extra: dict) -> None:

@@ -110,13 +110,7 @@ class ZeroModel(nn.Module):
         units = self._units if self._config.compile_units == "whole" else None   # per unit: traced hooks
         if hook is None:
             out = self.module(*args, **kwargs)
-        elif self._units is not None and units is None:   # the unit hooks break the graph, as in eager
-            compiled.resume(hook)
-            try:
-                out = self._call_module(self.module, args, kwargs)
-            finally:
-                compiled.pause()
-        else:   # traced (Note [Compiled wrapper])
+        else:   # traced (Note [Compiled wrapper]); stage 3 per unit: its hooks break the graph, as in eager
             in_graph = units is not None and compiled.UNITS_IN_GRAPH
             if units is not None:
                 units.compiled_begin(gather=not in_graph)
@@ -124,7 +118,7 @@ class ZeroModel(nn.Module):
             out = None
             try:
                 if in_graph:   # Note [Stage 3 collectives in the graph]
-                    out = self._units.ops_call(self.module, args, kwargs, self._units.ops)
+                    out = units.ops_call(self.module, args, kwargs, units.ops)
                 else:
                     out = self._call_module(self.module, args, kwargs)
             finally:
