@@ -108,7 +108,8 @@ def worker(system: str, layers: int, steps: int, out: str, extra: dict, timeline
             open("/proc/self/clear_refs", "w").write("5")   # VmHWM := VmRSS
         if timeline and it == steps - 1:
             from memory_timeline import Timeline, engine_owners, torch_owners
-            probe = Timeline(plain.blocks, plain, engine_owners(zopt) if zopt is not None else torch_owners(plain, opt))
+            probe = Timeline(plain.blocks, plain, engine_owners(zopt, len(plain.blocks)) if zopt is not None
+                             else torch_owners(plain, opt, plain.blocks))
             probe.__enter__()
         x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1), generator=g)
         _, loss = model(x[:, :-1].contiguous(), x[:, 1:].contiguous())

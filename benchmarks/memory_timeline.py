@@ -7,12 +7,18 @@
 
 A thread samples the resident set (/proc/self/statm) every `period` seconds; markers, taken
 on the main thread at each block's forward start/end and backward start/end, add the
-engine's own accounting (opt.stats()) and the bytes of tensors autograd saved for backward
-(activations: saved_tensors_hooks, each storage once, the parameters' storages left out).
+engine's own accounting (opt.stats()), the bytes of tensors autograd saved for backward
+(activations: saved_tensors_hooks, each storage once, the parameters' storages left out) and
+glibc's free bytes still held by the process (allocator slack: mallinfo2's fordblks).
+Gathered stage-3 units are split into those the mark's block and the root use and those
+held ahead of their use ("prefetch": the forward window, the last unit kept for backward,
+the backward window).
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import threading
 import time
 import weakref
@@ -26,6 +32,23 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE / MiB
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _slack_reader():
+    try:
+        f = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):   # not glibc, or older than 2.33: slack stays in "unexplained"
+        return lambda: 0.0
+    f.restype = _Mallinfo2
+    return lambda: f().fordblks / MiB
+
+
+allocator_slack = _slack_reader()
 
 
 def _storage_ptr(t) -> int:
@@ -64,34 +87,49 @@ class _Saved:
         return n
 
 
-def engine_owners(opt) -> callable:
-    """zero_ext's own accounting (opt.stats()), in MiB, by owner."""
-    def owners() -> dict:
+def engine_owners(opt, blocks: int = 0) -> callable:
+    """zero_ext's own accounting (opt.stats()), in MiB, by owner. With stage 3 and `blocks`
+    units after the root (unit k + 1 is block k), the gathered bytes of units other than the
+    root and the marked block are "prefetch" (split by numel: a unit's share of the meter)."""
+    engine = opt.engine
+
+    def owners(block=None) -> dict:
         s = opt.stats()
         msb, held, buf = s["model_state_bytes"], s["held_bytes"], s["buffer_bytes"]
+        gathered, ahead = buf["gathered_params"] / MiB, 0.0
+        if gathered and engine.num_units == blocks + 1:
+            held_units = [u for u in range(engine.num_units) if engine.unit_gathered(u) or engine.unit_requested(u)]
+            numel = {u: engine.unit_numel(u) for u in held_units}
+            in_use = {0} if block is None else {0, block + 1}
+            ahead = gathered * sum(n for u, n in numel.items() if u not in in_use) / max(1, sum(numel.values()))
         return {"model_state": (msb["parameters"] + msb["master_weights"] + msb["optimizer_states"]) / MiB,
                 "gradients": held["gradients"] / MiB, "grad_ring": held["grad_ring"] / MiB,
-                "gathered_units": buf["gathered_params"] / MiB}
+                "gathered_units": gathered - ahead, "prefetch": ahead}
     return owners
 
 
-def torch_owners(module, opt) -> callable:
+def torch_owners(module, opt, blocks=()) -> callable:
     """What DDP's or FSDP2's parameters, gradients and optimizer states hold now, in MiB:
-    local shards (DTensor.to_local()) as model state, unsharded parameters as gathered units."""
+    local shards (DTensor.to_local()) as model state, unsharded parameters as gathered units
+    (those of `blocks` other than the marked one as prefetch)."""
     def nbytes(t) -> int:
         return t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
 
-    def owners() -> dict:
+    def owners(block=None) -> dict:
         params = [p for g in opt.param_groups for p in g["params"]]   # FSDP2: the sharded ones, always
         sharded = [p for p in params if hasattr(p, "to_local")]
         states = sum(nbytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
         out = {"model_state": (sum(nbytes(p) for p in params) + states) / MiB,
                "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None) / MiB}
         if sharded:   # FSDP2: the modules hold the unsharded parameters while gathered
-            unsharded = {id(t): t for m in module.modules() for t in m._parameters.values()
-                         if t is not None and not hasattr(t, "to_local")}
+            def unsharded(root):
+                return {id(t): t.nbytes for m in root.modules() for t in m._parameters.values()
+                        if t is not None and not hasattr(t, "to_local")}
+            every = unsharded(module)
+            ahead = sum(n for i, b in enumerate(blocks) if i != block for n in unsharded(b).values())
             out["model_state"] = (sum(nbytes(p) for p in sharded) + states) / MiB
-            out["gathered_units"] = sum(t.nbytes for t in unsharded.values()) / MiB
+            out["gathered_units"] = (sum(every.values()) - ahead) / MiB
+            out["prefetch"] = ahead / MiB
         return out
     return owners
 
@@ -104,15 +142,17 @@ class Timeline:
         self._stop = threading.Event()
 
     # -- markers
-    def _owners(self) -> dict:
-        out = {"activations": self._saved.bytes() / MiB}
+    def _owners(self, label: str) -> dict:
+        out = {"activations": self._saved.bytes() / MiB, "allocator_slack": allocator_slack()}
         if self.owners is not None:
-            out.update(self.owners())
+            m = re.search(r"(\d+)$", label)
+            out.update(self.owners(int(m.group(1)) if m else None))
         return out
 
     def mark(self, label: str) -> None:
-        self.marks.append({"t": time.perf_counter() - self.t0, "rss": rss_mib(), "label": label,
-                           "owners": self._owners()})
+        rss = rss_mib()
+        self.marks.append({"t": time.perf_counter() - self.t0, "rss": rss, "label": label,
+                           "owners": self._owners(label)})
 
     def _hooks(self):
         def on(i, what):
@@ -161,7 +201,8 @@ class Timeline:
                 "marks": [dict(m, rss=m["rss"] - base) for m in self.marks]}
 
 
-OWNERS = ("model_state", "gradients", "grad_ring", "gathered_units", "activations")
+OWNERS = ("model_state", "gradients", "grad_ring", "gathered_units", "prefetch", "activations",
+          "allocator_slack")
 
 
 def breakdown(timeline: dict) -> dict:

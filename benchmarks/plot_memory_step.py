@@ -5,7 +5,7 @@
 
 Each panel is one system at one world size: the resident memory sampled every 0.5 ms (the
 line) over the owners its marks saw (stacked: what the process holds beyond them between steps,
-model state, gradients, ring, gathered units, activations), time as a fraction of the step.
+model state, gradients, ring, gathered units, prefetch, activations, allocator slack), time as a fraction of the step.
 On the CPU a gradient shard or ring slot is resident only where written, so the line may
 run below the stack while they fill.
 """
@@ -15,10 +15,12 @@ import argparse
 import json
 from pathlib import Path
 
-OWNERS = ("model_state", "gradients", "grad_ring", "gathered_units", "activations")
-COLORS = ("#d9d9d9", "#9ecae1", "#fdae6b", "#fd8d3c", "#a1d99b", "#bcbddc")
+from memory_timeline import OWNERS
+
+COLORS = ("#d9d9d9", "#9ecae1", "#fdae6b", "#fd8d3c", "#a1d99b", "#c7e9c0", "#bcbddc", "#f0f0f0")
 LABELS = ("the process (torch, libraries: between steps)", "model state", "gradients (allocated)",
-          "grad ring (allocated)", "gathered units", "activations (saved for backward)")
+          "grad ring (allocated)", "gathered units (root, this block)", "gathered ahead (prefetch)",
+          "activations (saved for backward)", "allocator slack (glibc's free bytes)")
 
 
 def plot(results: list, out: Path, world: int, systems: tuple = ("zero3", "fsdp2")) -> None:

@@ -346,8 +346,9 @@ def gen_perf_peak_process(arg: str = "") -> str:
         if "breakdown" in r and r["system"] in ("zero3", "fsdp2"):
             b = r["breakdown"]
             owners.append([str(r["world"]), r["system"], b["at"], f"{b['peak']:.0f}", f"{b['process']:.0f}"]
-                          + [f"{b[k]:.0f}" for k in ("model_state", "gradients", "grad_ring", "gathered_units",
-                                                     "activations", "unexplained")])
+                          + [f"{b.get(k, 0.0):.0f}" for k in ("model_state", "gradients", "grad_ring",
+                                                              "gathered_units", "prefetch", "activations",
+                                                              "allocator_slack", "unexplained")])
         if "predicted_peak" in r:
             measured = r["peak"] - r["other"]
             predicted.append([str(r["world"]), r["system"], f"{measured:.0f}", f"{r['predicted_peak']:.0f}",
@@ -364,12 +365,14 @@ def gen_perf_peak_process(arg: str = "") -> str:
     text += ("\nAt the peak, by owner (MiB): the resident peak; what the process holds beyond every owner between "
              "steps (torch, libraries); then each owner as the last mark before the peak saw it (a mark at each "
              "block's forward and backward, the loss, the step: `benchmarks/memory_timeline.py`), zero_ext's from "
-             "`opt.stats()`, FSDP2's from its tensors; activations are the tensors autograd saved. What no owner "
+             "`opt.stats()`, FSDP2's from its tensors; gathered units are the root's and the marked block's, "
+             "prefetch the other units held gathered ahead of their use; activations are the tensors autograd "
+             "saved; allocator slack is glibc's free bytes the process still holds (`mallinfo2`). What no owner "
              "explains (autograd's temporaries between two marks: the loss's gradients, a block's weight "
              "gradients) is shown as such. Gradients and ring are allocated bytes: on the CPU only written "
              "pages are resident.\n\n")
     text += table(["N", "system", "at", "peak", "process", "model state", "gradients", "ring", "gathered units",
-                   "activations", "unexplained"], owners)
+                   "prefetch", "activations", "allocator slack", "unexplained"], owners)
     text += ("\n`zero_ext.estimate_memory(model, N, stage, loss_fn=...)[\"peak\"]` against the measured peak less "
              "the process's own memory (MiB):\n\n")
     text += table(["N", "system", "measured", "predicted", "ratio"], predicted)
