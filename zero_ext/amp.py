@@ -49,11 +49,13 @@ def scaler_conflict(config) -> str | None:
     return None
 
 
-def check_scaler(config) -> None:
-    """Raise ZeroUsageError when a GradScaler cannot drive an optimizer with `config`."""
+def check_scaler(config, via: str | None = None, error=ZeroUsageError) -> None:
+    """Raise `error` when a GradScaler cannot drive an optimizer with `config`; via: what
+    brings the GradScaler in (a framework's fp16 setting), for the message."""
     why = scaler_conflict(config)
     if why is not None:
-        raise ZeroUsageError("zero_ext: a torch GradScaler cannot drive this zeroified optimizer: " + why)
+        who = f"{via} steps through a torch GradScaler, which" if via else "a torch GradScaler"
+        raise error(f"zero_ext: {who} cannot drive this zeroified optimizer: {why}")
 
 
 def unscale_sharded_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:

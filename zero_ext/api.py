@@ -332,15 +332,11 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         model.apply order) after each module's reset_parameters() to initialize it
         (for a Hugging Face model: init_fn=model._init_weights); anything left
         uninitialized raises.
-    weights: pretrained weights to fill the model with, a safetensors checkpoint path or
-        zero_ext.Weights(path, allow_missing=..., allow_unexpected=..., prefix=...): checked on
-        every rank before any collective (a mismatch raises zero_ext.CheckpointError on every
-        rank), then each rank reads only its own fragments (stage 3) or the whole tensors it
-        holds (stages 0-2). On a model built on the meta device (any stage) nothing the
-        checkpoint fills is initialized first; what it leaves out (allow_missing) is
-        initialized by reset_parameters() and init_fn (default: a Hugging Face model's
-        _init_weights) and named in a warning. The model's weights_report says what was read
-        (Note [Pretrained weights into shards]).
+    weights: a safetensors checkpoint path or zero_ext.Weights(path, ...) to fill the model
+        with, each rank reading only what it holds (as load_weights). On a meta-device build
+        what it leaves out (allow_missing) gets reset_parameters() and init_fn (default: a
+        Hugging Face model's _init_weights) and is named in a warning; model.weights_report
+        says what was read (Note [Pretrained weights into shards]).
     Every rank of the process group must call zeroify with the same model and options.
     """
     if optimizer is None:

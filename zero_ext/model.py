@@ -146,21 +146,17 @@ class ZeroModel(nn.Module):
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's Module.zero_grad, the sharded gradients included: a loop that
-        clears gradients with model.zero_grad() (the Hugging Face Trainer's does) must
-        not carry this step's gradient shards into the next one, as optimizer.zero_grad()
-        would not either."""
+        """As torch's Module.zero_grad, the sharded gradients included (the Hugging Face
+        Trainer clears gradients with model.zero_grad())."""
         self._engine.zero_grad(set_to_none)
         super().zero_grad(set_to_none)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """As DDP's: the backward passes run inside accumulate gradients locally and send
-        nothing; the first backward outside reduces them all. Stages 0-1 accumulate in
-        their gradient buckets; stages 2-3 hold a full-size gradient (reduce_dtype) while
-        they accumulate, as DDP and FSDP2 do (Note [Local accumulation] in
-        csrc/engine/reducer.cpp). Without no_sync, stages 2-3 reduce every micro-step
-        into the gradient shard and never hold a full gradient: more bytes, less memory."""
+        """As DDP's: backward passes inside accumulate locally; the first one outside reduces.
+        Stages 2-3 hold a full-size gradient meanwhile (Note [Local accumulation] in
+        csrc/engine/reducer.cpp); without no_sync they reduce every micro-step into the
+        shard: more bytes, less memory."""
         old = self._engine.require_sync()
         self._engine.set_require_sync(False)
         try:
@@ -195,14 +191,11 @@ class ZeroModel(nn.Module):
                              "fp32 master weights")
         return self.module.load_state_dict(state_dict, strict=strict)
 
-    # Autograd hook plumbing.
-    #
     # Note [No cycles through C++]
-    #   The engine holds the
-    # parameters in C++, and the hooks live on the parameters, so a hook that
-    # held the wrapper (or the engine) strongly would form a cycle Python's GC
-    # cannot see, keeping the engine and its process group alive past
-    # destroy_process_group(). Hooks hold a weak reference instead.
+    #   The engine holds the parameters in C++ and the hooks live on them. A hook holding
+    #   the wrapper (or the engine) strongly would make a cycle Python's GC cannot see,
+    #   keeping the engine and its process group alive past destroy_process_group().
+    #   Hooks hold a weak reference instead.
     def grad_hook(self, index: int):
         ref = weakref.ref(self)
 

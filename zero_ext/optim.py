@@ -283,10 +283,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """step_in_backward: the buckets stepped in backward; publish the parameters."""
         loss = self._begin_step_call(closure)
         self._host_steps = [self._engine.backward_steps] * len(self.param_groups)
+        self._publish()
+        return loss
+
+    def _publish(self) -> None:
         self._engine.all_gather_params()
         if not self._config.overlap_param_gather:
             self._engine.wait_params()
-        return loss
 
     def _no_whole_gradient(self, what: str) -> None:
         if self._config.step_in_backward:
@@ -312,9 +315,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss = self._begin_step_call(closure)
         self._ctl.before_step()
         self._fused_step(1.0, self._parts[0], control=True)
-        self._engine.all_gather_params()
-        if not self._config.overlap_param_gather:
-            self._engine.wait_params()
+        self._publish()
         return loss
 
     def _begin_iteration(self) -> None:

@@ -27,26 +27,10 @@ def optimizer_state_dict(layout: dict, tensors: dict, objects: dict, whole: dict
     With several wrapped optimizers or one that needs whole tensors: one state dict
     per wrapped optimizer (a list when there are several), whole[name] = {state:
     tensor} giving the whole-tensor optimizers' states."""
-    parts = layout.get("parts") or []
-    if len(parts) > 1 or (parts and parts[0]["kind"] == "whole"):
-        out = [_part_state_dict(layout, part, tensors, whole or {}, objects) for part in parts]
-        return out if len(out) > 1 else out[0]
-    index, groups = _numbered(layout, range(len(layout["groups"])), objects)
-    state = {}
-    for name, info in layout["params"].items():
-        gi = info["group"]
-        steps = steps_of(objects, name, gi)
-        s = {}
-        scal = objects["scalar_state"].get(gi)
-        if scal is not None:
-            s.update({k: (t.clone() if torch.is_tensor(t) else t) for k, t in scal.items()})
-        elif layout["optimizer"] in _ADAM_FAMILY and steps > 0:
-            s["step"] = torch.tensor(float(steps))
-        for st, per_param in tensors.items():
-            s[st] = per_param[name]
-        if s and (steps > 0 or scal):
-            state[index[name]] = s
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
+    parts = layout.get("parts") or [dict(groups=range(len(layout["groups"])), kind="fused",
+                                         optimizer=layout["optimizer"])]
+    out = [_part_state_dict(layout, part, tensors, whole or {}, objects) for part in parts]
+    return out if len(out) > 1 else out[0]
 
 
 def _numbered(layout: dict, group_ids, objects: dict) -> tuple:
@@ -61,11 +45,11 @@ def _part_state_dict(layout: dict, part: dict, tensors: dict, whole: dict, objec
     """The state dict of one wrapped optimizer (its param groups, numbered from 0)."""
     (index, groups), state = _numbered(layout, part["groups"], objects), {}
     for gi in part["groups"]:
-        steps = objects["steps"][gi]
         scal = objects["scalar_state"].get(gi)
         for n in layout["groups"][gi]:
             if n not in layout["params"]:
                 continue                                   # frozen: no state
+            steps = steps_of(objects, n, gi)               # Note [Unused parameters]: a parameter's own
             if part["kind"] == "whole":
                 s = {k: t.clone() for k, t in whole.get(n, {}).items()}
             else:

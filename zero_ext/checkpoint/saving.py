@@ -35,17 +35,7 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
     rank = engine.rank
     shard = LocalShard(optimizer)
     states = as_fp32(shard.states())[0]   # bf16 states are written widened to fp32
-    tmp = path + ".tmp"
-    error = None
-    if rank == 0:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            error = (f"zero_ext: cannot create {tmp!r} to save a checkpoint: {e}; save to a directory you can "
-                     f"write to")
-    decide(comm, error)
-
+    tmp = make_tmp(comm, rank, path)
     names = list(layout["params"])   # engine order
     kinds = {"model": shard.masters, **{f"optim/{s}": p for s, p in states.items()}}
     with quiet():
@@ -111,9 +101,22 @@ def _scheduler_state(scheduler):
     return scheduler.state_dict()
 
 
-def decide(comm, error: str | None, src_rank: int = 0):
+def make_tmp(comm, rank: int, path: str) -> str:
+    """Rank 0 makes <path>.tmp afresh (Note [Atomic save]); every rank learns whether it could."""
+    tmp, error = path + ".tmp", None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"zero_ext: cannot create {tmp!r} to save into: {e}; save to a directory you can write to"
+    decide(comm, error)
+    return tmp
+
+
+def decide(comm, error: str | None):
     """Rank 0's verdict reaches every rank: all raise the same error or none does."""
-    error = comm.broadcast_object(error, src=src_rank)
+    error = comm.broadcast_object(error, src=0)
     if error is not None:
         raise CheckpointError(error)
 

@@ -46,7 +46,7 @@ from torch import nn
 from ..checkpoint.consolidation import slices_of_every_rank
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.layout import frozen_units
-from ..checkpoint.saving import decide, fsync_dir, replace_file
+from ..checkpoint.saving import decide, fsync_dir, make_tmp, replace_file
 from .._C import PHASE_CHECKPOINT
 from ..model import ZeroModel
 from .files import INDEX, SHARD, WEIGHTS, Writer, numel, parse_size, plan_files
@@ -227,15 +227,7 @@ def save_pretrained(model, save_directory, *, max_shard_size: int | str = "5GB",
     peft = is_peft(model.module)
     saved = _saved(model, peft, dtype)
     files = plan_files([(name, dt, shape) for name, _, _, dt, shape in saved], limit) if not peft else None
-    tmp = path + ".tmp"
-    error = None
-    if engine.rank == 0:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            error = f"zero_ext: cannot create {tmp!r} to save into: {e}; save to a directory you can write to"
-    decide(comm, error)
+    tmp = make_tmp(comm, engine.rank, path)
     sink = None
     if engine.rank == 0:
         whole = [(n, dt, s) for n, _, _, dt, s in saved]
