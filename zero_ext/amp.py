@@ -49,11 +49,13 @@ def scaler_conflict(config) -> str | None:
     return None
 
 
-def check_scaler(config) -> None:
-    """Raise ZeroUsageError when a GradScaler cannot drive an optimizer with `config`."""
+def check_scaler(config, via: str | None = None, error=ZeroUsageError) -> None:
+    """Raise `error` when a GradScaler cannot drive an optimizer with `config`; via: what
+    brings the GradScaler in (a framework's fp16 setting), for the message."""
     why = scaler_conflict(config)
     if why is not None:
-        raise ZeroUsageError("zero_ext: a torch GradScaler cannot drive this zeroified optimizer: " + why)
+        who = f"{via} steps through a torch GradScaler, which" if via else "a torch GradScaler"
+        raise error(f"zero_ext: {who} cannot drive this zeroified optimizer: {why}")
 
 
 def unscale_sharded_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
@@ -63,15 +65,15 @@ def unscale_sharded_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tens
     grads = list(grads)
     if not grads:
         return
-    stats = getattr(grads[0], "_zx_stats", None)   # a ShardedGrad's model (zero_ext/sharded_grad.py)
-    if stats is None or any(getattr(g, "_zx_stats", None) is not stats for g in grads):
+    stats = getattr(grads[0], "zx_stats", None)   # a ShardedGrad's model (zero_ext/sharded_grad.py)
+    if stats is None or any(getattr(g, "zx_stats", None) is not stats for g in grads):
         raise ZeroUsageError("zero_ext: torch._amp_foreach_non_finite_check_and_unscale_ over gradients of "
                              "several zeroified models, or of a zeroified model and plain tensors: each model's "
                              "gradients are sharded on their own; unscale with GradScaler.unscale_(optimizer), "
                              "one zeroified optimizer at a time")
     opt = stats.optimizer()
     check_scaler(opt.config)
-    given = {g._zx_index for g in grads}
+    given = {g.zx_index for g in grads}
     groups = sorted({opt.param_group_of[i] for i in given})
     wanted = [i for i, gi in enumerate(opt.param_group_of) if gi in set(groups)]
     if len(given) != len(grads) or len(given) != len(wanted):

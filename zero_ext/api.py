@@ -26,7 +26,7 @@ from .materialize import initialize_by_unit, is_meta, replace_meta
 from .model import ZeroModel, cast_buffers
 from .nodes import node_group, resolve_node_size
 from .offload import check_host_memory, warn_unfused
-from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, ZeroOptimizerPart, _Part
+from .optim import ELEMENTWISE, FUSED, ZeroOptimizer, ZeroOptimizerPart, Part
 from .param_waits import ParamWaits
 from .pretrained import load as pretrained
 from .prior_state import capture as capture_prior_state, describe as describe_prior_state
@@ -59,7 +59,7 @@ def _resolve_group(pg):
 
 
 def _optimizer_parts(optimizers: list, cfg: ZeroConfig) -> list:
-    """Rank-local checks of the torch optimizers; one _Part per optimizer: its class,
+    """Rank-local checks of the torch optimizers; one Part per optimizer: its class,
     its param groups' indices over all optimizers, and how it steps."""
     parts, first_group = [], 0
     for optimizer in optimizers:
@@ -99,7 +99,7 @@ def _optimizer_parts(optimizers: list, cfg: ZeroConfig) -> list:
             _fail(f"fused='always' but {cls.__name__} has no fused kernel (fused ones: "
                   f"{', '.join(c.__name__ for c in FUSED)}); use fused='auto'")
         n = len(optimizer.param_groups)
-        parts.append(_Part(cls, list(range(first_group, first_group + n)),
+        parts.append(Part(cls, list(range(first_group, first_group + n)),
                            "whole" if whole else "fused" if fused else "shard"))
         first_group += n
     for o in optimizers:
@@ -112,7 +112,7 @@ def _optimizer_parts(optimizers: list, cfg: ZeroConfig) -> list:
 def _inspect(model, optimizers: list, cfg: ZeroConfig, meta: bool, weights: bool = False):
     """Rank-local checks. Returns (trainable params, their group ids, frozen params,
     fused?, what the fingerprint hashes (a tuple, see _first_difference), the parts:
-    one _Part per torch optimizer)."""
+    one Part per torch optimizer)."""
     if not isinstance(model, nn.Module):
         _fail(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module to train as "
               f"zeroify's first argument: zeroify(model, optimizer, ...)")
@@ -332,15 +332,11 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         model.apply order) after each module's reset_parameters() to initialize it
         (for a Hugging Face model: init_fn=model._init_weights); anything left
         uninitialized raises.
-    weights: pretrained weights to fill the model with, a safetensors checkpoint path or
-        zero_ext.Weights(path, allow_missing=..., allow_unexpected=..., prefix=...): checked on
-        every rank before any collective (a mismatch raises zero_ext.CheckpointError on every
-        rank), then each rank reads only its own fragments (stage 3) or the whole tensors it
-        holds (stages 0-2). On a model built on the meta device (any stage) nothing the
-        checkpoint fills is initialized first; what it leaves out (allow_missing) is
-        initialized by reset_parameters() and init_fn (default: a Hugging Face model's
-        _init_weights) and named in a warning. The model's weights_report says what was read
-        (Note [Pretrained weights into shards]).
+    weights: a safetensors checkpoint path or zero_ext.Weights(path, ...) to fill the model
+        with, each rank reading only what it holds (as load_weights). On a meta-device build
+        what it leaves out (allow_missing) gets reset_parameters() and init_fn (default: a
+        Hugging Face model's _init_weights) and is named in a warning; model.weights_report
+        says what was read (Note [Pretrained weights into shards]).
     Every rank of the process group must call zeroify with the same model and options.
     """
     if optimizer is None:
@@ -367,7 +363,7 @@ class _Inputs:
     groups: list          # each one's param group, counted over all optimizers
     frozen: list          # the model's other parameters
     fused: bool           # every optimizer steps with the C kernels
-    parts: list           # one _Part per torch optimizer
+    parts: list           # one Part per torch optimizer
     fingerprint: int      # of the inputs the ranks agreed on (sharded state dicts carry it)
     plan: Any             # the pretrained weights' plan, or None
     prior: list           # the optimizer state captured (Note [State given to zeroify])
@@ -531,7 +527,7 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
     wrapped = _made(ZeroModel, into and into[0], model, engine, cfg, [b for b in model.buffers() if b.numel() > 0],
                     unit_modules, root_holders)
     for i, p in enumerate(params):
-        p.register_post_accumulate_grad_hook(wrapped._grad_hook(i))
+        p.register_post_accumulate_grad_hook(wrapped.grad_hook(i))
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), units[i] if units else 0))
     for p, u in zip(sharded_frozen, frozen_units):
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), u))
@@ -540,7 +536,7 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
     frozen_bytes = sum(p.numel() * p.element_size() for p in replicated) + engine.frozen_shard_bytes
     zopt = _made(ZeroOptimizer, into[1][0] if into and len(optimizers) == 1 else None, optimizers, engine, cfg,
                  ins.fused, ins.fingerprint, comm, parts=ins.parts, param_groups_of=ins.groups, params=params,
-                 param_shapes=shapes, units=wrapped._units, frozen_bytes=frozen_bytes, guard=guard)
+                 param_shapes=shapes, units=wrapped.units, frozen_bytes=frozen_bytes, guard=guard)
     for o in optimizers:
         retire_optimizer(o)
     waits = (ParamWaits(wrapped, model, engine, params)
@@ -550,7 +546,7 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
         wrapped.weights_report = pretrained.fill(wrapped, ins.plan, comm, init_fn, initialize=meta)
     restore_prior_state(zopt, optimizers, ins.prior)   # Note [State given to zeroify]: no collective
     if cfg.stage >= 1 and not cfg.step_in_backward:   # Note [Sharded gradients]: p.grad answers as DDP's
-        install_sharded_grads(wrapped, zopt, names)
+        install_sharded_grads(zopt, names)
     if world > 1 and cfg.check_sequence is not False and ins.backend != "fake":   # fake moves no data
         engine_id = _enable_sequence_check(engine, ins.pg, cfg, ins.gloo)
         if cfg.stage >= 1:   # Note [Shard server]: a rank reading alone is served the others' pieces

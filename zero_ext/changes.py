@@ -91,11 +91,11 @@ class ModelGuard:
         self.params = list(params) + list(frozen)
         self.shapes = [torch.Size(s) for s in list(shapes) + list(frozen_shapes)]  # logical (stage 3 empties them)
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.stage3 = wrapper._units is not None
-        self.low = wrapper._compute_dtype is not None
+        self.stage3 = wrapper.units is not None
+        self.low = wrapper.compute_dtype is not None
         # fp32 stages 0-2 keep edits by themselves, except in a parameter cut into pieces
         # (Note [Cut parameters] in csrc/engine/fill.cpp), which owns its storage
-        self.track = self.stage3 or self.low or bool(wrapper._engine.cut_params())
+        self.track = self.stage3 or self.low or bool(wrapper.engine.cut_params())
         self.versions = self._versions()
         self._pieces = None                          # per parameter: (offset in it, master view)
         self._loading = None                         # the module whose load_state_dict is running
@@ -110,11 +110,15 @@ class ModelGuard:
     def owns(self, p: torch.Tensor) -> bool:
         return id(p) in self.index and self.params[self.index[id(p)]] is p
 
-    def _engine(self):
-        w = self._wrapper()
-        return None if w is None else w._engine
+    # What other modules read (tests/test_privates.py): the wrapper and the model, while they live.
+    wrapper = property(lambda self: self._wrapper(), doc="the ZeroModel, or None once it is gone")
+    model = property(lambda self: self._model(), doc="the user's module, or None once it is gone")
 
-    def _name(self, t: torch.Tensor) -> str:
+    def _wrapper_engine(self):
+        w = self._wrapper()
+        return None if w is None else w.engine
+
+    def name_of(self, t: torch.Tensor) -> str:
         model = self._model()
         if model is not None:
             for name, x in itertools.chain(model.named_parameters(remove_duplicate=False),
@@ -145,7 +149,7 @@ class ModelGuard:
                      if (t := state_dict.get(prefix + n)) is not None and not isinstance(t, nn.Parameter)
                      and t.numel() == 0]
             if empty:
-                full = wrapper._units.full_state_dict()
+                full = wrapper.units.full_state_dict()
                 for n in empty:
                     state_dict[prefix + n] = full[n]
 
@@ -174,11 +178,11 @@ class ModelGuard:
         now = self._versions()
         if now == self.versions:
             return
-        engine = self._engine()
+        engine = self._wrapper_engine()
         if self.stage3:
             changed = [i for i, (a, b) in enumerate(zip(now, self.versions)) if a != b]
             self.versions = now
-            names = ", ".join(repr(self._name(self.params[i])) for i in changed[:3])
+            names = ", ".join(repr(self.name_of(self.params[i])) for i in changed[:3])
             more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
             raise ZeroUsageError(
                 f"zero_ext: parameter(s) {names}{more} were modified in place outside gathered_parameters(); in "
@@ -190,11 +194,12 @@ class ModelGuard:
         self.versions = now
 
     # ------------------------------------------------------------------ loads
-    def _master_pieces(self, engine) -> list:
+    def master_pieces(self, engine, fresh: bool = False) -> list:
         """Per engine parameter: [(offset in the flattened parameter, view of this
         rank's fp32 master shard)] for the fragments this rank owns (Note [Fragment
-        views] in csrc/engine/fragment_view.h); stage-3 frozen ones: their param_dtype slices."""
-        if self._pieces is None:
+        views] in csrc/engine/fragment_view.h); stage-3 frozen ones: their param_dtype slices.
+        fresh: read them again (a master joined for a load: Note [Split master in the engine])."""
+        if self._pieces is None or fresh:
             pieces: list = [[] for _ in self.params]
             for f in engine.fragment_views():
                 pieces[f.param].append((f.param_offset, f.master))
@@ -205,7 +210,7 @@ class ModelGuard:
 
     def _pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                   error_msgs) -> None:
-        engine = self._engine()
+        engine = self._wrapper_engine()
         if engine is None:
             return
         if prefix == "" or self._loading is None:   # the module load_state_dict was called on
@@ -254,7 +259,7 @@ class ModelGuard:
         param_dtype shard, for a stage-3 frozen one), and the parameter itself where
         it is whole. No collective."""
         flat = value.detach().reshape(-1)
-        for poff, master in self._master_pieces(engine)[i]:
+        for poff, master in self.master_pieces(engine)[i]:
             master.copy_(flat[poff:poff + master.numel()])
         if p.numel() == flat.numel():          # whole here: stages 0-2, or a gathered stage-3 unit
             p.data.copy_(value.detach().reshape(p.shape))
@@ -263,7 +268,7 @@ class ModelGuard:
         if module is not self._loading:
             return
         self._loading = None
-        engine = self._engine()
+        engine = self._wrapper_engine()
         if engine is not None:
             # what is gathered next: the low-precision copy, or with offload the device's copy
             # (Note [Optimizer offload]); a no-op where the master itself is gathered
@@ -287,7 +292,7 @@ class ModelGuard:
             if moved:
                 raise ZeroUsageError(
                     f"zero_ext: this dtype/device change (model.to(), .double(), .half(), .float(), .cuda(), ...) "
-                    f"after zeroify() would turn {self._name(t)!r} from {t.dtype} on {t.device} into {to}, "
+                    f"after zeroify() would turn {self.name_of(t)!r} from {t.dtype} on {t.device} into {to}, "
                     f"detaching it from zero_ext's buckets (training would stop updating it); {MOVE_FIX}")
         params = [(k, p, p.data) for k, p in module._parameters.items() if p is not None]
         buffers = dict(module._buffers)
@@ -301,7 +306,7 @@ class ModelGuard:
                 p.data = data
             module._buffers.update(buffers)
             raise ZeroUsageError(
-                f"zero_ext: this call (e.g. to_empty()) replaced {self._name(getattr(module, replaced[0]))!r}, "
+                f"zero_ext: this call (e.g. to_empty()) replaced {self.name_of(getattr(module, replaced[0]))!r}, "
                 f"which would detach it from what zero_ext manages; it was put back. "
                 f"{MOVE_FIX[0].upper()}{MOVE_FIX[1:]}")
         return result

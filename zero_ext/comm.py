@@ -187,7 +187,7 @@ def delay_collectives(model_or_optimizer, ms: float, serialize: bool = False) ->
     compute plus every delay. ms=0 turns it off. For tests and benchmarks of overlap
     (tests/test_overlap.py, benchmarks/bench_step.py --comm-delay-ms)."""
     core = getattr(model_or_optimizer, "zero_optimizer", model_or_optimizer)   # a part of several optimizers
-    engine = getattr(core, "engine", None) or getattr(core, "_engine", None)    # an optimizer's, or a ZeroModel's
+    engine = getattr(core, "engine", None)   # an optimizer's, or a ZeroModel's
     if engine is None:
         raise TypeError(f"zero_ext: delay_collectives takes the model or optimizer zeroify() returned, "
                         f"got {type(model_or_optimizer).__name__}; pass one of those")

@@ -31,6 +31,17 @@ def dtype_name(v: Any) -> Any:
     return _DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
 
 
+def read_json(path: str, what: str, instead: str, shape: str, invalid=ValueError):
+    """The JSON object in file `path`, or an error naming it as `what`, with the fixes."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"zero_ext: {what} {path!r} does not exist; pass the path of {instead}") from None
+    except json.JSONDecodeError as e:
+        raise invalid(f"zero_ext: {what} {path!r} is not valid JSON: {e}; fix the file ({shape})") from None
+
+
 @dataclasses.dataclass
 class ZeroConfig:
     """Options of zeroify(); docs/guide/options.md shows them as a table generated from here.
@@ -223,16 +234,8 @@ class ZeroConfig:
 
     @classmethod
     def from_json(cls, path: str) -> "ZeroConfig":
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"zero_ext: config file {path!r} does not exist; pass the path of a JSON "
-                                    f"file of ZeroConfig options, or the options as a dict") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"zero_ext: config file {path!r} is not valid JSON: {e}; fix the file (one JSON "
-                             f"object of ZeroConfig options)") from None
-        return cls.from_dict(d)
+        return cls.from_dict(read_json(path, "config file", "a JSON file of ZeroConfig options, or the options "
+                                       "as a dict", "one JSON object of ZeroConfig options"))
 
     def resolved_bucket_bytes(self, trainable_bytes: int) -> int:
         if self.bucket_bytes == "auto":
@@ -301,6 +304,11 @@ class ZeroConfig:
             v = getattr(self, name)
             need(v in options, f"{name} must be one of {', '.join(map(repr, options))}; got {v!r}; {_fix(name)}")
 
+        def flag(name: str, *words: str) -> None:   # True, False, or one of the words
+            v = getattr(self, name)
+            need(isinstance(v, bool) or v in words,
+                 f"{name} must be {''.join(repr(w) + ', ' for w in words)}True or False, got {v!r}; {_fix(name)}")
+
         if self.stage != "auto":
             stage_fix = "pass stage=0 (DDP), 1, 2 or 3 (the most memory saved), or stage='auto' to choose by memory"
             if isinstance(self.stage, str):
@@ -341,12 +349,9 @@ class ZeroConfig:
             need(self.fused != "never", "state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, and "
                  "fused='never' runs the torch optimizer (fp32 states); pass fused='auto' (or 'always'), or "
                  "state_dtype='fp32'")
-        need(isinstance(self.master_remainder, bool), f"master_remainder must be True or False, got "
-             f"{self.master_remainder!r}; {_fix('master_remainder')}")
-        need(isinstance(self.step_control, bool) or self.step_control == "auto",
-             f"step_control must be 'auto', True or False, got {self.step_control!r}; {_fix('step_control')}")
-        need(isinstance(self.cast_buffers, bool) or self.cast_buffers == "auto",
-             f"cast_buffers must be 'auto', True or False, got {self.cast_buffers!r}; {_fix('cast_buffers')}")
+        flag("master_remainder")
+        flag("step_control", "auto")
+        flag("cast_buffers", "auto")
         choice("param_dtype", _DTYPES)
         choice("reduce_dtype", _DTYPES)
         if isinstance(self.loss_scale, str):
@@ -368,12 +373,8 @@ class ZeroConfig:
         number("max_loss_scale", lambda v: v >= self.min_loss_scale, ">= min_loss_scale")
         integer("loss_scale_growth_interval", 1)
         integer("loss_scale_hysteresis", 1)
-        need(isinstance(self.check_sequence, bool) or self.check_sequence in ("auto", "every_phase"),
-             f"check_sequence must be True, False, 'auto' or 'every_phase', got {self.check_sequence!r}; "
-             f"{_fix('check_sequence')}")
-        need(isinstance(self.find_unused_parameters, bool) or self.find_unused_parameters == "auto",
-             f"find_unused_parameters must be 'auto', True or False, got {self.find_unused_parameters!r}; "
-             f"{_fix('find_unused_parameters')}")
+        flag("check_sequence", "auto", "every_phase")
+        flag("find_unused_parameters", "auto")
         number("sequence_timeout", lambda v: v > 0, "a number of seconds > 0")
         choice("reduce_scatter", _REDUCE_SCATTER)
         choice("compile_units", _COMPILE_UNITS)
@@ -382,9 +383,9 @@ class ZeroConfig:
         for b in ("overlap_param_gather", "broadcast_buffers", "verify_across_ranks", "log_plan",
                   "grad_quant_error_feedback"):
             boolean(b)
-        self._validate_quant(need, integer)
+        self._validate_quant(need, integer, flag)
 
-    def _validate_quant(self, need, integer) -> None:
+    def _validate_quant(self, need, integer, flag) -> None:
         """The communication-quantization options (ZeroConfig docstring)."""
         integer("quant_block_numel", 2)
         need(self.quant_block_numel % 2 == 0, f"quant_block_numel must be even (int4 codes are packed two "
@@ -410,8 +411,7 @@ class ZeroConfig:
         if self.param_quant is not None:
             need(self.stage != 0, f"param_quant={self.param_quant!r} needs stage 1, 2 or 3 (stage 0 keeps full "
                  f"replicas and gathers no parameters); use stage=1 or param_quant=None")
-        need(isinstance(self.step_in_backward, bool), f"step_in_backward must be True or False, got "
-             f"{self.step_in_backward!r}; {_fix('step_in_backward')}")
+        flag("step_in_backward")
         if self.step_in_backward:
             need(self.stage in (1, 2, 3), f"step_in_backward=True needs stage 1, 2 or 3 (got stage={self.stage!r}); "
                  f"use stage=1, 2 or 3, or step_in_backward=False")

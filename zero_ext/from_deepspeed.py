@@ -13,11 +13,10 @@ the table raises too: nothing is dropped without a word. DeepSpeed need not be i
 """
 from __future__ import annotations
 
-import json
 import warnings
 from typing import Any
 
-from .config import ZeroConfig
+from .config import ZeroConfig, read_json
 
 # key (dotted path into the DeepSpeed config) -> (verdict, zeroify argument or "", why).
 # verdict: "maps" (to the argument), "not needed", "script", "not supported",
@@ -240,15 +239,8 @@ def config_from_deepspeed(config: dict | str) -> dict:
     from .api import ZeroInputError      # api imports the extension; only needed here
 
     if isinstance(config, str):
-        try:
-            with open(config) as f:
-                config = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"zero_ext: DeepSpeed config file {config!r} does not exist; pass the path of "
-                                    f"your ds_config JSON, or its contents as a dict") from None
-        except json.JSONDecodeError as e:
-            raise ZeroInputError(f"zero_ext: DeepSpeed config file {config!r} is not valid JSON: {e}; fix the "
-                                 f"file (one JSON object)") from None
+        config = read_json(config, "DeepSpeed config file", "your ds_config JSON, or its contents as a dict",
+                           "one JSON object", ZeroInputError)
     if not isinstance(config, dict):
         raise TypeError(f"zero_ext: a DeepSpeed config must be a dict or a JSON path, got {type(config).__name__}; "
                         f"pass the ds_config dict or the path of its JSON file")

@@ -62,19 +62,19 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
         raise ValueError(f"zero_ext: gathered_parameters got parameters of {len(wrappers)} zeroified models at "
                          f"once; it takes one model's at a time: nest one `with gathered_parameters(...)` per model")
     wrapper = next(iter(wrappers.values()))
-    engine = wrapper._engine
+    engine = wrapper.engine
     world = engine.world_size
     if modifier_rank is not None and not 0 <= modifier_rank < world:
         raise ValueError(f"zero_ext: gathered_parameters: modifier_rank must be a rank of the model's process "
                          f"group, in [0, {world}), got {modifier_rank}; pass modifier_rank=0 (the rank whose "
                          f"edits to keep), or None to read only")
-    stage3 = wrapper._units is not None
+    stage3 = wrapper.units is not None
     units = sorted({o[1] for _, o in owned}) if stage3 else []
     engine.flush_params()
     was_gathered = {u: engine.unit_gathered(u) for u in units}
     for u in units:
         engine.gather_unit(u, True)
-    pinned = wrapper._pinned if stage3 else None
+    pinned = wrapper.pinned if stage3 else None
     if stage3:                 # the unit hooks leave them whole (a forward inside needs no collective)
         pinned.update(units)
     if modifier_rank is not None and not stage3:
@@ -98,7 +98,7 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
         for u in units:
             if not was_gathered[u] and not pinned[u]:
                 engine.release_unit(u)
-        guard = getattr(wrapper, "_guard", None)
+        guard = wrapper.guard
         if guard is not None:          # committed, or refused below: not an edit outside (changes.py)
             guard.accept([p for p, _ in owned])
         if changed and modifier_rank is None:

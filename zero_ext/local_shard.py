@@ -28,7 +28,7 @@ class LocalShard:
             # Note [State windows] (csrc/engine/fill.cpp): each bucket's state covers a window of its slice
             out = {}
             for name, flat in self.engine.states().items():
-                out[name] = _Windows([flat.narrow(0, off, n) for _, n, off in self.windows],
+                out[name] = Windows([flat.narrow(0, off, n) for _, n, off in self.windows],
                                      [lo for lo, _, _ in self.windows])
             return out
         state = self.opt.shard_optimizer.state
@@ -56,7 +56,7 @@ class LocalShard:
         """Fragment view `f`'s elements of the per-bucket tensors `pieces` (the masters or
         a state): a view, or zeros where the state's window does not reach (no state there)."""
         b, n = f.bucket, f.numel
-        at = f.slice_offset - (pieces.lo[b] if isinstance(pieces, _Windows) else 0)
+        at = f.slice_offset - (pieces.lo[b] if isinstance(pieces, Windows) else 0)
         if at < 0 or at + n > pieces[b].numel():
             return torch.zeros(n, dtype=pieces[b].dtype)
         return pieces[b].narrow(0, at, n)
@@ -65,14 +65,14 @@ class LocalShard:
         """Bucket b's slice of `pieces`, slice-sized (zeros outside a state window), in fp32
         (bf16 states widened: Note [bf16 optimizer states] in csrc/engine/stepper.cpp)."""
         n = self.masters[b].numel()
-        if not isinstance(pieces, _Windows) or (pieces.lo[b] == 0 and pieces[b].numel() == n):
+        if not isinstance(pieces, Windows) or (pieces.lo[b] == 0 and pieces[b].numel() == n):
             return pieces[b].float()
         out = torch.zeros(n, dtype=torch.float32)
         out.narrow(0, pieces.lo[b], pieces[b].numel()).copy_(pieces[b])
         return out
 
 
-class _Windows(list):
+class Windows(list):
     """Per bucket, a per-element state over the window of its slice starting at lo[b]."""
 
     def __init__(self, tensors: list, lo: list):

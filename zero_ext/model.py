@@ -77,6 +77,17 @@ class ZeroModel(nn.Module):
         """Whether p is one of the parameters this model keeps in its buckets (not a copy of one)."""
         return self._guard is not None and self._guard.owns(p)
 
+    # What the package's other modules read (tests/test_privates.py), read-only.
+    engine = property(lambda self: self._engine, doc="the C++ engine, shared with the ZeroOptimizer")
+    guard = property(lambda self: self._guard, doc="the ModelGuard (changes.py), once attached")
+    stage = property(lambda self: self._config.stage, doc="the ZeRO stage, 0 to 3")
+    units = property(lambda self: self._units, doc="stage 3: the unit hooks (_UnitHooks), else None")
+    pinned = property(lambda self: self._pinned, doc="stage 3: unit -> holds by gathered_parameters()")
+    compute_dtype = property(lambda self: self._compute_dtype, doc="the low param_dtype, or None (fp32)")
+    param_waits = property(lambda self: self._param_waits, doc="overlap_param_gather's ParamWaits, or None")
+    optimizer = property(lambda self: self._optimizer() if self._optimizer is not None else None,
+                         doc="the ZeroOptimizer, while it lives (attach()), else None")
+
     def forward(self, *args, **kwargs):
         hook = compiled.pause()   # Note [Compiled wrapper]: None in eager
         try:
@@ -135,21 +146,17 @@ class ZeroModel(nn.Module):
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's Module.zero_grad, the sharded gradients included: a loop that
-        clears gradients with model.zero_grad() (the Hugging Face Trainer's does) must
-        not carry this step's gradient shards into the next one, as optimizer.zero_grad()
-        would not either."""
+        """As torch's Module.zero_grad, the sharded gradients included (the Hugging Face
+        Trainer clears gradients with model.zero_grad())."""
         self._engine.zero_grad(set_to_none)
         super().zero_grad(set_to_none)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """As DDP's: the backward passes run inside accumulate gradients locally and send
-        nothing; the first backward outside reduces them all. Stages 0-1 accumulate in
-        their gradient buckets; stages 2-3 hold a full-size gradient (reduce_dtype) while
-        they accumulate, as DDP and FSDP2 do (Note [Local accumulation] in
-        csrc/engine/reducer.cpp). Without no_sync, stages 2-3 reduce every micro-step
-        into the gradient shard and never hold a full gradient: more bytes, less memory."""
+        """As DDP's: backward passes inside accumulate locally; the first one outside reduces.
+        Stages 2-3 hold a full-size gradient meanwhile (Note [Local accumulation] in
+        csrc/engine/reducer.cpp); without no_sync they reduce every micro-step into the
+        shard: more bytes, less memory."""
         old = self._engine.require_sync()
         self._engine.set_require_sync(False)
         try:
@@ -184,35 +191,33 @@ class ZeroModel(nn.Module):
                              "fp32 master weights")
         return self.module.load_state_dict(state_dict, strict=strict)
 
-    # Autograd hook plumbing.
-    #
     # Note [No cycles through C++]
-    #   The engine holds the
-    # parameters in C++, and the hooks live on the parameters, so a hook that
-    # held the wrapper (or the engine) strongly would form a cycle Python's GC
-    # cannot see, keeping the engine and its process group alive past
-    # destroy_process_group(). Hooks hold a weak reference instead.
-    def _grad_hook(self, index: int):
+    #   The engine holds the parameters in C++ and the hooks live on them. A hook holding
+    #   the wrapper (or the engine) strongly would make a cycle Python's GC cannot see,
+    #   keeping the engine and its process group alive past destroy_process_group().
+    #   Hooks hold a weak reference instead.
+    def grad_hook(self, index: int):
         ref = weakref.ref(self)
 
         def hook(param: torch.Tensor) -> None:
             wrapper = ref()
             if wrapper is not None:
-                wrapper._begin_backward()
+                wrapper.begin_backward()
                 wrapper._engine.mark_ready(index)
 
         return hook
 
-    def _begin_backward(self) -> None:
+    def begin_backward(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             self._engine.sequence_mark(PHASE_BACKWARD)
             if self._config.step_in_backward:   # Note [Step in backward] (csrc/engine/backward_step.cpp)
-                ref = getattr(self, "_optimizer", None)
-                opt = ref() if ref is not None else None
+                opt = self.optimizer
                 if opt is not None:
                     opt.arm_backward_step()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    _begin_backward = begin_backward   # the name zero_ext/unit_ops.py calls (compile work; to follow)
 
     def _end_backward(self) -> None:
         self._callback_queued = False
@@ -292,7 +297,7 @@ class _UnitHooks:
                                    _in_backward(), into_backward=False)
         missing = [u for u in window if not self.engine.unit_requested(u)]
         together, launch = prefetch.to_fetch(window, missing, self.depth, self.numel, self.coalesce)
-        src.units(self.wrapper._optimizer(), launch, together)
+        src.units(self.wrapper.optimizer, launch, together)
 
     def _release(self, k: int, keep: bool = False) -> None:
         """Release unit k unless gathered_parameters() holds it whole, or a rank reading
@@ -312,7 +317,7 @@ class _UnitHooks:
             return False
         if self.keep_fits is None:
             need = sum(self.numel) * (2 if self.wrapper._compute_dtype is not None else 4)
-            dev = self.wrapper._optimizer().comm.device
+            dev = self.wrapper.optimizer.comm.device
             have = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else offload.available_host_bytes()
             self.keep_fits = have is not None and 4 * need <= have
         return self.keep_fits
@@ -341,7 +346,7 @@ class _UnitHooks:
                 break
         self.fetches += 1
         src = self._source(self.engine.sequence_mark(UNIT_NEED_BASE + k))
-        if not self.engine.unit_gathered(k) and not src.unit(self.wrapper._optimizer(), k):
+        if not self.engine.unit_gathered(k) and not src.unit(self.wrapper.optimizer, k):
             self.out_of_order += 1
         self._prefetch(k, src)
 
@@ -352,7 +357,7 @@ class _UnitHooks:
         self.compiled, self.marked, self.recording = True, False, False
         if self.kept:
             self._drop_kept()
-        src, opt = self._source(), self.wrapper._optimizer()
+        src, opt = self._source(), self.wrapper.optimizer
         missing = [k for k in range(self.engine.num_units if gather else 0) if not self.engine.unit_requested(k)]
         if missing:   # one collective (Note [Coalesced unit gathers]), then each waited for
             src.units(opt, missing, len(missing) > 1)
@@ -393,7 +398,7 @@ class _UnitHooks:
         known = self.learned.get(self.grad_pass)
         self.order = known if known is not None else self._guess()
         self.recorded, self.cursor, self.recording, self.in_root = [], 0, True, True
-        src.unit(self.wrapper._optimizer(), 0)
+        src.unit(self.wrapper.optimizer, 0)
         self._prefetch(0, src)
 
     def _guess(self) -> list:
@@ -427,7 +432,7 @@ class _UnitHooks:
         if not self.engine.unit_gathered(0):
             self.fetches += 1
             self.out_of_order += 1
-            self._source().unit(self.wrapper._optimizer(), 0)
+            self._source().unit(self.wrapper.optimizer, 0)
 
     def _holder_post_forward(self, module, args, output):
         if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
@@ -473,7 +478,7 @@ class _UnitHooks:
             self._release(k, torch.is_grad_enabled())
 
     def _pre_backward(self, k, grad):
-        self.wrapper._begin_backward()
+        self.wrapper.begin_backward()
         self._need(k)
         return None
 
@@ -487,7 +492,7 @@ class _UnitHooks:
         out, clones = {}, {}
         for k in range(self.engine.num_units):
             was = self.engine.unit_gathered(k)
-            src.unit(self.wrapper._optimizer(), k)
+            src.unit(self.wrapper.optimizer, k)
             for name, t in self.wrapper.module.state_dict(*args, keep_vars=True, **kwargs).items():
                 if name not in out and t.untyped_storage().nbytes() > 0:
                     if id(t) not in clones:

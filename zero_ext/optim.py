@@ -33,7 +33,7 @@ ELEMENTWISE = FUSED + tuple(getattr(torch.optim, n) for n in (
 STATE_FORMAT = 1
 
 
-class _Part:
+class Part:
     """One wrapped torch optimizer: its class, its param groups (indices into the
     ZeroOptimizer's param_groups) and how it runs: 'fused' (C kernels over the
     shard), 'shard' (the torch optimizer over 1-D shard views) or 'whole' (the torch
@@ -68,7 +68,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.wrapped_class = type(optimizers[0])
         self.wrapped_classes = [type(o) for o in optimizers]
         if parts is None:
-            parts = [_Part(type(optimizers[0]), list(range(len(groups))), "fused" if fused else "shard")]
+            parts = [Part(type(optimizers[0]), list(range(len(groups))), "fused" if fused else "shard")]
         self._parts = parts
         self._param_group_of = param_groups_of or []    # engine parameter i -> its param group
         self._done: set | None = None                   # parts stepped in the open iteration
@@ -207,7 +207,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._clip_coef * self.grad_scale()
 
     # ------------------------------------------------------------------ step
-    def _build_shard_optimizer(self, part: _Part) -> None:
+    def _build_shard_optimizer(self, part: Part) -> None:
         eng, groups = self._engine, part.groups
         shards, grads, gids = eng.param_shards(groups), eng.grad_shards(groups), eng.bucket_groups(groups)
         by_group: dict[int, list] = {}
@@ -283,10 +283,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """step_in_backward: the buckets stepped in backward; publish the parameters."""
         loss = self._begin_step_call(closure)
         self._host_steps = [self._engine.backward_steps] * len(self.param_groups)
+        self._publish()
+        return loss
+
+    def _publish(self) -> None:
         self._engine.all_gather_params()
         if not self._config.overlap_param_gather:
             self._engine.wait_params()
-        return loss
 
     def _no_whole_gradient(self, what: str) -> None:
         if self._config.step_in_backward:
@@ -312,9 +315,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss = self._begin_step_call(closure)
         self._ctl.before_step()
         self._fused_step(1.0, self._parts[0], control=True)
-        self._engine.all_gather_params()
-        if not self._config.overlap_param_gather:
-            self._engine.wait_params()
+        self._publish()
         return loss
 
     def _begin_iteration(self) -> None:
@@ -349,7 +350,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # every rank that missed them meets here; a rank that alone skipped its backward
         # waits here and is named on every rank (Note [Unused parameters])
         self._engine.sequence_sync()
-        model = self._guard._model() if self._guard is not None else None
+        model = self._guard.model if self._guard is not None else None
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         listed = [repr(names.get(id(self._params[i]), f"#{i}")) for i in missing[:8]]
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
@@ -376,7 +377,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._engine.wait_params()
         return loss
 
-    def _step_part(self, part: _Part, scale: float) -> None:
+    def _step_part(self, part: Part, scale: float) -> None:
         for gi in part.groups:
             self._host_steps[gi] += 1
         # Note [Groups as an argument] (csrc/engine/groups.h): the engine calls for this
@@ -400,7 +401,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._engine.cast_masters(groups)   # low precision: the copy that is gathered next
         self._engine.all_gather_params(groups)
 
-    def _whole_step(self, part: _Part) -> None:
+    def _whole_step(self, part: Part) -> None:
         """The torch optimizer over this rank's whole tensors. As torch skips a
         parameter whose .grad is None (Note [Unused parameters]: no rank gave it a
         gradient), those tensors' gradients are hidden for the step: no weight decay,
@@ -455,7 +456,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 else:                    # created by this step: the state it starts from
                     t[lo:lo + n].zero_()
 
-    def _fused_step(self, scale: float, part: _Part, control: bool = False) -> None:
+    def _fused_step(self, scale: float, part: Part, control: bool = False) -> None:
         """control: the multiplier, the skip verdict and the step counts come from the
         step control's device memory (scale and the host step counts are not used).
         The engine reads the param groups themselves (Note [Hyperparameters] in
@@ -691,7 +692,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     comm = property(lambda self: self._comm, doc="the Python-side collectives (zero_ext/comm.py)")
     config = property(lambda self: self._config, doc="the ZeroConfig zeroify resolved")
     guard = property(lambda self: self._guard, doc="the model's ModelGuard (changes.py), or None")
-    parts = property(lambda self: self._parts, doc="the wrapped torch optimizers (_Part), in the order given")
+    parts = property(lambda self: self._parts, doc="the wrapped torch optimizers (Part), in the order given")
     engine_params = property(lambda self: self._params, doc="engine parameter i (the model's trainable ones)")
     param_shapes = property(lambda self: self._param_shapes, doc="engine parameter i's logical shape")
     param_group_of = property(lambda self: self._param_group_of, doc="engine parameter i's param group")

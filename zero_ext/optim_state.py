@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from .checkpoint import consolidated_state_dict
-from .checkpoint.entries import _prepare_states, _restore_scalars
-from .checkpoint.layout import _layout, _whole_tensors
+from .checkpoint.entries import prepare_states, restore_scalars
+from .checkpoint.layout import layout_of, whole_tensors
 from ._C import PHASE_OPTIM_STATE
 from .local_shard import LocalShard
 
@@ -31,7 +31,7 @@ EXTRA = "zero_ext_complete"
 
 
 def _model_of(optimizer):
-    model = optimizer.guard._wrapper() if optimizer.guard is not None else None
+    model = optimizer.guard.wrapper if optimizer.guard is not None else None
     if model is None:
         raise RuntimeError("zero_ext: the model zeroify() returned with this optimizer no longer exists; "
                            "keep a reference to it while the optimizer is in use")
@@ -50,7 +50,7 @@ def state_dict(optimizer, part: int | None = None) -> dict:
     full[EXTRA] = {"steps": [optimizer.group_steps[gi] for gi in groups], "loss_scaler": optimizer.scaler_state_dict(),
                    "skipped_steps": optimizer.skipped_steps}
     if low:
-        layout = _layout(model, optimizer)
+        layout = layout_of(model, optimizer)
         mine = {n for n, info in layout["params"].items() if info["group"] in set(groups)}
         full[EXTRA]["master_weights"] = {k: t for k, t in both["model"].items() if layout["keys"].get(k) in mine}
     return full
@@ -89,7 +89,7 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
     model = _model_of(optimizer)
     engine = optimizer.engine
     engine.wait_reductions()
-    layout = _layout(model, optimizer)
+    layout = layout_of(model, optimizer)
     groups = list(range(len(optimizer.param_groups))) if part is None else list(optimizer.parts[part].groups)
     _check(sd, layout, groups, optimizer)
     index = _numbering(layout, groups)
@@ -127,7 +127,7 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
         if shard.views is None:
             for t in engine.states().values():
                 t.zero_()
-        states = _prepare_states(optimizer, shard, per_elem) if per_elem else {}
+        states = prepare_states(optimizer, shard, per_elem) if per_elem else {}
     with torch.no_grad():
         for f in shard.fragments:
             name = names[f.param]
@@ -162,8 +162,8 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
             gi = layout["params"][name]["group"]
             scalar.setdefault(gi, {k: (t.clone() if torch.is_tensor(t) else t) for k, t in st.items()
                                    if not (torch.is_tensor(t) and t.dim() > 0)})
-        _restore_scalars(optimizer, shard, {"scalar_state": scalar, "steps": group_steps})
-    for name, opt, view in _whole_tensors(optimizer, layout):   # whole tensors: their owner
+        restore_scalars(optimizer, shard, {"scalar_state": scalar, "steps": group_steps})
+    for name, opt, view in whole_tensors(optimizer, layout):   # whole tensors: their owner
         if layout["params"][name]["group"] not in mine:
             continue
         opt.state.pop(view, None)

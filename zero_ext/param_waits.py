@@ -57,12 +57,12 @@ class ParamWaits:
             w = ref()
             if w is None:
                 return
-            waits = w._param_waits
+            waits = w.param_waits
             if waits.whole:   # compiled: waited for at the start (dynamo traces this to nothing)
                 return
             if waits._ran is not None:
                 waits._ran.add(key)
-            w._engine.wait_param_buckets(buckets)
+            w.engine.wait_param_buckets(buckets)
 
         return hook
 

@@ -125,7 +125,7 @@ class ShardedGrad(torch.Tensor):
     @staticmethod
     def __new__(cls, shape, dtype, device, stats: GradStats, index: int, name: str, ops: tuple = ()):
         t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device, requires_grad=False)
-        t._zx_stats, t._zx_index, t._zx_name, t._zx_ops = stats, index, name, ops
+        t.zx_stats, t.zx_index, t._zx_name, t._zx_ops = stats, index, name, ops
         return t
 
     def __repr__(self, *, tensor_contents=None):
@@ -133,11 +133,11 @@ class ShardedGrad(torch.Tensor):
                 f"gradient lives sharded across the ranks; its norm, sum and max are collective)")
 
     def _with(self, op) -> "ShardedGrad":
-        return ShardedGrad(self.shape, self.dtype, self.device, self._zx_stats, self._zx_index, self._zx_name,
+        return ShardedGrad(self.shape, self.dtype, self.device, self.zx_stats, self.zx_index, self._zx_name,
                            self._zx_ops + (op,))
 
     def _reduce(self, kind: str, p: float = 2.0) -> torch.Tensor:
-        value = self._zx_stats.result(self._zx_index, self._zx_ops, (kind, p))
+        value = self.zx_stats.result(self.zx_index, self._zx_ops, (kind, p))
         return value.to(torch.float32 if self.dtype == torch.float32 else self.dtype).to(self.device)
 
     @classmethod
@@ -192,7 +192,7 @@ def _refuse(what: str, g) -> None:
         f"optimizer.clip_grad_norm_(max_norm) returns it")
 
 
-def install(model, optimizer, names: dict) -> None:
+def install(optimizer, names: dict) -> None:
     """Give the engine one ShardedGrad per trainable parameter (stages 1-3 at world size > 1,
     where p.grad would not be DDP's)."""
     eng = optimizer.engine
@@ -201,4 +201,3 @@ def install(model, optimizer, names: dict) -> None:
     wrappers = [ShardedGrad(shape, p.dtype, p.device, stats, i, names.get(id(p), f"#{i}"))
                 for i, (p, shape) in enumerate(zip(optimizer.engine_params, shapes))]
     eng.set_grad_wrappers(wrappers)
-    model._grad_stats = stats

@@ -52,7 +52,7 @@ def _optimizer_for(params: list, what: str):
         raise ZeroUsageError(f"zero_ext: torch.nn.utils.{what} over the parameters of {len(owners)} zeroified "
                              f"models at once: their gradients are sharded separately; {fix}, once per model")
     wrapped = next(iter(owners.values()))
-    opt = wrapped._optimizer() if getattr(wrapped, "_optimizer", None) is not None else None
+    opt = wrapped.optimizer
     if opt is None:
         raise ZeroUsageError(f"zero_ext: torch.nn.utils.{what} on a zeroified model whose optimizer is gone; {fix}")
     given = {id(p) for p in params}
@@ -60,7 +60,7 @@ def _optimizer_for(params: list, what: str):
     missing = [p for p in trainable if id(p) not in given]
     if missing:
         guard = opt.guard
-        left = ", ".join(repr(guard._name(p)) if guard is not None else f"of shape {tuple(p.shape)}"
+        left = ", ".join(repr(guard.name_of(p)) if guard is not None else f"of shape {tuple(p.shape)}"
                          for p in missing[:3])
         raise ZeroUsageError(
             f"zero_ext: torch.nn.utils.{what} over {len(given)} tensors that leave out {len(missing)} of the "

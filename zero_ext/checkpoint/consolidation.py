@@ -13,9 +13,9 @@ import torch
 from .._C import PHASE_CHECKPOINT
 from ..alone import source
 from ..local_shard import LocalShard
-from .format import (_EARLIER, OBJECTS, CheckpointError, _objects, _quiet, _steps_of, _whole_entries, read_manifest,
+from .format import (LOAD_EARLIER, OBJECTS, CheckpointError, read_objects, quiet, steps_of, whole_entries, read_manifest,
                      resolve)
-from .layout import _gather_frozen, _param_steps, _plain_tensors, _settle, core_optimizer
+from .layout import gather_frozen, param_steps, plain_tensors, settle, core_optimizer
 
 _ADAM_FAMILY = ("Adam", "AdamW")
 
@@ -27,26 +27,10 @@ def optimizer_state_dict(layout: dict, tensors: dict, objects: dict, whole: dict
     With several wrapped optimizers or one that needs whole tensors: one state dict
     per wrapped optimizer (a list when there are several), whole[name] = {state:
     tensor} giving the whole-tensor optimizers' states."""
-    parts = layout.get("parts") or []
-    if len(parts) > 1 or (parts and parts[0]["kind"] == "whole"):
-        out = [_part_state_dict(layout, part, tensors, whole or {}, objects) for part in parts]
-        return out if len(out) > 1 else out[0]
-    index, groups = _numbered(layout, range(len(layout["groups"])), objects)
-    state = {}
-    for name, info in layout["params"].items():
-        gi = info["group"]
-        steps = _steps_of(objects, name, gi)
-        s = {}
-        scal = objects["scalar_state"].get(gi)
-        if scal is not None:
-            s.update({k: (t.clone() if torch.is_tensor(t) else t) for k, t in scal.items()})
-        elif layout["optimizer"] in _ADAM_FAMILY and steps > 0:
-            s["step"] = torch.tensor(float(steps))
-        for st, per_param in tensors.items():
-            s[st] = per_param[name]
-        if s and (steps > 0 or scal):
-            state[index[name]] = s
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
+    parts = layout.get("parts") or [dict(groups=range(len(layout["groups"])), kind="fused",
+                                         optimizer=layout["optimizer"])]
+    out = [_part_state_dict(layout, part, tensors, whole or {}, objects) for part in parts]
+    return out if len(out) > 1 else out[0]
 
 
 def _numbered(layout: dict, group_ids, objects: dict) -> tuple:
@@ -61,11 +45,11 @@ def _part_state_dict(layout: dict, part: dict, tensors: dict, whole: dict, objec
     """The state dict of one wrapped optimizer (its param groups, numbered from 0)."""
     (index, groups), state = _numbered(layout, part["groups"], objects), {}
     for gi in part["groups"]:
-        steps = objects["steps"][gi]
         scal = objects["scalar_state"].get(gi)
         for n in layout["groups"][gi]:
             if n not in layout["params"]:
                 continue                                   # frozen: no state
+            steps = steps_of(objects, n, gi)               # Note [Unused parameters]: a parameter's own
             if part["kind"] == "whole":
                 s = {k: t.clone() for k, t in whole.get(n, {}).items()}
             else:
@@ -99,15 +83,15 @@ def consolidate(path) -> dict:
         sd[f"model/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
     from torch.distributed import checkpoint as dcp
     try:
-        with _quiet():
+        with quiet():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(real), no_dist=True)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed ({type(e).__name__}: {e}); "
-                              f"{_EARLIER}") from e
-    objects = _objects(sd[OBJECTS], real)
-    whole = _whole_entries(real, list(m["params"]))
+                              f"{LOAD_EARLIER}") from e
+    objects = read_objects(sd[OBJECTS], real)
+    whole = whole_entries(real, list(m["params"]))
     if whole:
-        with _quiet():
+        with quiet():
             dcp.load({k: t for per in whole.values() for k, t in per.items()},
                      storage_reader=dcp.FileSystemReader(real), no_dist=True)
     whole = {n: {k.split("/")[1]: t for k, t in per.items()} for n, per in whole.items()}
@@ -132,7 +116,7 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     rank, parts = optimizer.engine.rank, optimizer.engine.partitions
     # stage 0 and one rank hold everything: no collective, so any rank may call it alone;
     # a rank that calls it alone otherwise reads from the others' shard servers (Note [Shard server])
-    engine, comm, layout = _settle(model, optimizer, phase if parts > 1 else None, servable=True)
+    engine, comm, layout = settle(model, optimizer, phase if parts > 1 else None, servable=True)
     src = source(parts > 1 and engine.sequence_away)
     if src.reads_alone and to is not None and to != rank:
         return None   # read alone: nothing to assemble here, and nobody to send it to
@@ -158,7 +142,7 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
                     out[kind][f.param].narrow(0, f.param_offset, f.numel).copy_(shard.piece(pieces, f))
     else:
         # rank -> bucket -> the pieces of its slice, for the receiving rank to place
-        slices = _slices_of_every_rank(engine, [m.numel() for m in shard.masters]) if receiving else None
+        slices = slices_of_every_rank(engine, [m.numel() for m in shard.masters]) if receiving else None
         # each rank's slice of bucket b, from its owner (src: a broadcast, or its shard server)
         buf = torch.empty(max(m.numel() for m in shard.masters), device=comm.device)
         for b in range(len(shard.masters)):
@@ -171,25 +155,25 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     if parts > 1:
         whole = src.whole_states(optimizer, whole, to)
     whole = {names[i]: st for i, st in whole.items()}
-    frozen = _gather_frozen(model, keep=receiving) if model_state else {}
+    frozen = gather_frozen(model, keep=receiving) if model_state else {}
     if not receiving:
         return None
     scalar = shard.scalar_state()
     objects = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-               "steps": list(optimizer.group_steps), "param_steps": _param_steps(optimizer, names),
+               "steps": list(optimizer.group_steps), "param_steps": param_steps(optimizer, names),
                "scalar_state": scalar}
     tensors = {s: {name: out[f"optim/{s}"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
                for s in states}
     result = {"optimizer": optimizer_state_dict(layout, tensors, objects, whole)}
     if model_state:
         values = {name: out["model"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
-        values.update({n: t.clone() for n, t in _plain_tensors(model, layout).items()})
-        values.update({n: t for n, t in _plain_tensors(model, layout, frozen).items() if n not in values})  # frozen
+        values.update({n: t.clone() for n, t in plain_tensors(model, layout).items()})
+        values.update({n: t for n, t in plain_tensors(model, layout, frozen).items() if n not in values})  # frozen
         result["model"] = {key: values[name] for key, name in layout["keys"].items()}
     return result
 
 
-def _slices_of_every_rank(engine, slice_numel: list) -> list:
+def slices_of_every_rank(engine, slice_numel: list) -> list:
     """rank -> bucket -> [(parameter, offset in it, offset in the bucket's slice, numel)]:
     the pieces each rank's slice of each bucket holds, for the receiving rank to place
     what every rank sends. The engine's fragment views describe this rank's slices only;

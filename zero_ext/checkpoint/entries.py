@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from ..local_shard import LocalShard, _Windows
+from ..local_shard import LocalShard, Windows
 
 
-def _as_fp32(states: dict) -> tuple:
+def as_fp32(states: dict) -> tuple:
     """Checkpoints hold every per-element state in fp32, whatever state_dtype (Note [bf16
     optimizer states] in csrc/engine/stepper.cpp): a bf16 state widens exactly, so it
     loads back into bf16 states bit for bit, and into fp32 states of another run too.
@@ -22,11 +22,11 @@ def _as_fp32(states: dict) -> tuple:
             continue
         wide = [t.float() for t in pieces]
         back += [(t, w) for t, w in zip(pieces, wide) if t.dtype != torch.float32]
-        out[name] = _Windows(wide, pieces.lo) if isinstance(pieces, _Windows) else wide
+        out[name] = Windows(wide, pieces.lo) if isinstance(pieces, Windows) else wide
     return out, back
 
 
-def _prepare_states(optimizer, shard: LocalShard, saved: list) -> dict:
+def prepare_states(optimizer, shard: LocalShard, saved: list) -> dict:
     """Per-bucket tensors that the saved per-element states load into; states the
     checkpoint does not have (it was saved before the first step) are cleared."""
     if shard.views is None:
@@ -43,7 +43,7 @@ def _prepare_states(optimizer, shard: LocalShard, saved: list) -> dict:
     return {name: [st[v][name] for v in shard.views] for name in saved}
 
 
-def _restore_scalars(optimizer, shard: LocalShard, objects: dict) -> None:
+def restore_scalars(optimizer, shard: LocalShard, objects: dict) -> None:
     """Generic path: put back the scalar state ("step", ...) of every bucket view;
     a checkpoint from the fused path has step counts only."""
     groups = shard.engine.bucket_groups()
@@ -87,7 +87,7 @@ def _sharded(numel: int, chunks: list, local: list, rank: int):
     return st
 
 
-def _sharded_entries(shard: LocalShard, names: list, pieces_by_kind: dict, writing: bool) -> dict:
+def sharded_entries(shard: LocalShard, names: list, pieces_by_kind: dict, writing: bool) -> dict:
     """DCP entries for every sharded tensor kind ("model", "optim/<state>"): this
     rank's fragments in the current layout, placed among every rank's pieces. Stage 0
     (one partition): rank 0's plan holds everything and every rank holds all of it;

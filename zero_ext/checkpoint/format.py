@@ -33,7 +33,7 @@ import torch
 FORMAT = 1
 MANIFEST = "zero_ext.json"
 # the fix for a checkpoint that cannot be read
-_EARLIER = "load an earlier checkpoint (or a backup copy of this one)"
+LOAD_EARLIER = "load an earlier checkpoint (or a backup copy of this one)"
 OBJECTS = "zero_ext/objects"
 
 
@@ -43,7 +43,7 @@ class CheckpointError(ValueError):
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """DCP warns that ShardedTensor is deprecated in favour of DTensor (which cannot
     express our uneven element-granular pieces) and, without a process group, that
     it runs in one process; neither is news to the user."""
@@ -53,7 +53,7 @@ def _quiet():
         yield
 
 
-def _crc32(path: str) -> int:
+def file_crc32(path: str) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -88,7 +88,7 @@ def read_manifest(path: str) -> dict:
             m = json.load(f)
         files = m["files"]
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"zero_ext: the manifest {mpath!r} is corrupt ({e}); {_EARLIER}") from None
+        raise CheckpointError(f"zero_ext: the manifest {mpath!r} is corrupt ({e}); {LOAD_EARLIER}") from None
     if m.get("format") != FORMAT:
         raise CheckpointError(f"zero_ext: checkpoint {path!r} has format {m.get('format')!r}; this zero_ext "
                               f"reads format {FORMAT}: load it with the zero_ext version that wrote it")
@@ -97,20 +97,20 @@ def read_manifest(path: str) -> dict:
         who = f" (the shard written by rank {name[2:].split('_')[0]})" if name.endswith(".distcp") else ""
         if not os.path.exists(fp):
             raise CheckpointError(f"zero_ext: checkpoint {path!r} is incomplete: file {name!r}{who} is missing; "
-                                  f"copy it back if you have it, or {_EARLIER}")
+                                  f"copy it back if you have it, or {LOAD_EARLIER}")
         size = os.path.getsize(fp)
         if size != info["bytes"]:
             what = "truncated" if size < info["bytes"] else "longer than written"
             raise CheckpointError(f"zero_ext: checkpoint {path!r} is damaged: file {name!r}{who} is {what} "
-                                  f"({size} bytes, {info['bytes']} were written); {_EARLIER}")
-        crc = _crc32(fp)
+                                  f"({size} bytes, {info['bytes']} were written); {LOAD_EARLIER}")
+        crc = file_crc32(fp)
         if crc != info["crc32"]:
             raise CheckpointError(f"zero_ext: checkpoint {path!r} is corrupt: file {name!r}{who} has CRC32 "
-                                  f"{crc:08x}, {info['crc32']:08x} was written; {_EARLIER}")
+                                  f"{crc:08x}, {info['crc32']:08x} was written; {LOAD_EARLIER}")
     return m
 
 
-def _mismatch(m: dict, layout: dict, path: str) -> str | None:
+def mismatch(m: dict, layout: dict, path: str) -> str | None:
     """Why checkpoint manifest `m` does not fit the model/optimizer `layout`, or None."""
     problems = []
     for kind, label in (("params", "trainable parameters"), ("plain", "frozen parameters/buffers")):
@@ -140,20 +140,20 @@ def _mismatch(m: dict, layout: dict, path: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- read
-def _objects(t: torch.Tensor, path: str) -> dict:
+def read_objects(t: torch.Tensor, path: str) -> dict:
     try:
         return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"zero_ext: the saved objects of checkpoint {path!r} cannot be read ({e}); "
-                              f"{_EARLIER}") from e
+                              f"{LOAD_EARLIER}") from e
 
 
-def _steps_of(objects: dict, name: str, group: int) -> int:
+def steps_of(objects: dict, name: str, group: int) -> int:
     """A parameter's step count; a checkpoint without per-parameter counts has its group's."""
     return int(objects.get("param_steps", {}).get(name, objects["steps"][group]))
 
 
-def _whole_entries(real: str, names: list) -> dict:
+def whole_entries(real: str, names: list) -> dict:
     """name -> {"whole/<state>/<name>": empty tensor to load into}, for the whole
     tensors `names`, from the checkpoint's DCP metadata (shape and dtype of each)."""
     from torch.distributed import checkpoint as dcp

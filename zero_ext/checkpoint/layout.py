@@ -36,7 +36,7 @@ def _require_pair(model, optimizer) -> None:
                         f"model, opt = zero_ext.zeroify(...); zero_ext.save(path, model, opt)")
 
 
-def _layout(model, optimizer) -> dict:
+def layout_of(model, optimizer) -> dict:
     """The model as a checkpoint sees it (identical on every rank):
     params: trainable name -> {shape, group}, in engine order; plain: frozen
     parameters and buffers name -> {shape, dtype}; keys: state_dict key -> the
@@ -53,7 +53,7 @@ def _layout(model, optimizer) -> dict:
     params = {names[id(p)]: {"shape": list(s), "group": group_of[id(p)]}
               for p, s in zip(optimizer.engine_params, shapes)}
     keys, plain = {}, {}
-    guard = model._guard
+    guard = model.guard
     logical = {id(p): s for p, s in zip(guard.params, guard.shapes)}   # stage-3 frozen ones are empty here
     for key, t in module.state_dict(keep_vars=True).items():
         name = names.get(id(t), key)
@@ -66,7 +66,7 @@ def _layout(model, optimizer) -> dict:
             "optimizer": "+".join(p["optimizer"] for p in parts), "parts": parts}
 
 
-def _settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT, servable: bool = False):
+def settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT, servable: bool = False):
     """(engine, its Comm, layout), once every outstanding collective is done and every
     rank is here (a rank calling alone is named: Note [Collective sequence check]), or,
     servable, once this rank knows whether it reads alone (Note [Reading alone] in
@@ -78,17 +78,17 @@ def _settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT, servable: bo
         engine.sequence_mark(phase, servable=servable)
     engine.wait_reductions()
     engine.flush_params()
-    return engine, optimizer.comm, _layout(model, optimizer)
+    return engine, optimizer.comm, layout_of(model, optimizer)
 
 
-def _param_steps(optimizer, names) -> dict:
+def param_steps(optimizer, names) -> dict:
     """name -> optimizer steps that parameter took (Note [Unused parameters] in
     csrc/engine/unused.cpp: a parameter no rank gave a gradient is not stepped);
     the same on every rank, so world-size independent."""
     return dict(zip(names, optimizer.param_step_counts()))
 
 
-def _whole_tensors(optimizer, layout) -> list:
+def whole_tensors(optimizer, layout) -> list:
     """(name, the inner torch optimizer, master view) of every whole tensor this rank owns."""
     names = list(layout["params"])
     return [(names[i], part.opt, view) for part in optimizer.parts if part.kind == "whole"
@@ -96,11 +96,11 @@ def _whole_tensors(optimizer, layout) -> list:
 
 
 # --------------------------------------------------------------------------- frozen parameters, buffers
-def _plain_tensors(model, layout, full: dict | None = None) -> dict:
+def plain_tensors(model, layout, full: dict | None = None) -> dict:
     """name -> frozen parameter or buffer; full: id -> whole value of the frozen
-    parameters stage 3 shards (_gather_frozen), or None to leave them out."""
+    parameters stage 3 shards (gather_frozen), or None to leave them out."""
     sd = model.module.state_dict(keep_vars=True)
-    sharded = {id(p) for p in _frozen_in_engine(model)}
+    sharded = {id(p) for p in frozen_in_engine(model)}
     out = {}
     for key, name in layout["keys"].items():
         t = sd[key]
@@ -113,28 +113,28 @@ def _plain_tensors(model, layout, full: dict | None = None) -> dict:
     return out
 
 
-def _frozen_in_engine(model) -> list:
+def frozen_in_engine(model) -> list:
     """The frozen parameters stage 3 shards, in the engine's frozen order."""
-    guard = model._guard
+    guard = model.guard
     return guard.params[guard.n_trainable:]
 
 
 def frozen_units(model):
     """Yields, unit by unit, the frozen parameters stage 3 shards in that unit, gathered
     whole on every rank until the next one is asked for (every rank iterates it all)."""
-    engine, frozen = model._engine, _frozen_in_engine(model)
+    engine, frozen = model.engine, frozen_in_engine(model)
     unit_of = {id(p): getattr(p, OWNER_ATTR)[1] for p in frozen}
     src = source(engine.sequence_away)   # as the call's mark settled it (Note [Shard server])
     for u in sorted(set(unit_of.values())):
         was = engine.unit_gathered(u)
-        src.unit(model._optimizer(), u)
+        src.unit(model.optimizer, u)
         yield [p for p in frozen if unit_of[id(p)] == u]
         if not was:
             engine.release_unit(u)
 
 
 @torch.no_grad()
-def _gather_frozen(model, keep: bool) -> dict:
+def gather_frozen(model, keep: bool) -> dict:
     """id -> whole clone of every frozen parameter stage 3 shards (held only where
     keep); every rank calls it: one unit gathered at a time."""
     out = {}
@@ -145,8 +145,8 @@ def _gather_frozen(model, keep: bool) -> dict:
 
 
 @torch.no_grad()
-def _write_frozen(model, loaded: dict) -> None:
+def write_frozen(model, loaded: dict) -> None:
     """Stage 3: each rank writes its slices of the frozen parameters read whole."""
-    guard, engine = model._guard, model._engine
-    for j, p in enumerate(_frozen_in_engine(model)):
+    guard, engine = model.guard, model.engine
+    for j, p in enumerate(frozen_in_engine(model)):
         guard.write(engine, guard.n_trainable + j, p, loaded[id(p)])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .entries import LocalShard, _as_fp32, _prepare_states, _restore_scalars, _sharded_entries
-from .format import (OBJECTS, CheckpointError, _mismatch, _objects, _quiet, _steps_of, _whole_entries, read_manifest,
+from .entries import LocalShard, as_fp32, prepare_states, restore_scalars, sharded_entries
+from .format import (OBJECTS, CheckpointError, mismatch, read_objects, quiet, steps_of, whole_entries, read_manifest,
                      resolve)
-from .layout import (_frozen_in_engine, _plain_tensors, _settle, _whole_tensors, _write_frozen,
+from .layout import (frozen_in_engine, plain_tensors, settle, whole_tensors, write_frozen,
                      core_optimizer)
 
 
@@ -19,14 +19,14 @@ def load(path, model, optimizer, *, scheduler=None):
     (rank 0 reads the manifest and every file's size and CRC32, and compares the
     model) and raises the same CheckpointError on every rank if anything is wrong."""
     optimizer = core_optimizer(optimizer)
-    engine, comm, layout = _settle(model, optimizer)
+    engine, comm, layout = settle(model, optimizer)
     rank = engine.rank
     real = resolve(path)
     error, manifest = None, None
     if rank == 0:
         try:
             manifest = read_manifest(real)
-            error = _mismatch(manifest, layout, real)
+            error = mismatch(manifest, layout, real)
         except CheckpointError as e:
             error = str(e)
     # rank 0's verdict and directory hold for every rank
@@ -36,21 +36,21 @@ def load(path, model, optimizer, *, scheduler=None):
 
     shard = LocalShard(optimizer)
     saved_states = manifest["states"]
-    states, narrow_back = _as_fp32(_prepare_states(optimizer, shard, saved_states))
+    states, narrow_back = as_fp32(prepare_states(optimizer, shard, saved_states))
     names = list(layout["params"])   # engine order
     kinds = {"model": shard.masters, **{f"optim/{s}": states[s] for s in saved_states}}
-    with _quiet():
-        sd = _sharded_entries(shard, names, kinds, writing=False)
+    with quiet():
+        sd = sharded_entries(shard, names, kinds, writing=False)
     # stage-3 frozen parameters are read whole, then each rank keeps its slices
     frozen = {id(p): torch.empty(s, dtype=p.dtype, device=p.device) for p, s in
-              zip(_frozen_in_engine(model), model._guard.shapes[model._guard.n_trainable:])}
-    sd.update({f"model/{n}": t for n, t in _plain_tensors(model, layout, frozen).items()})
+              zip(frozen_in_engine(model), model.guard.shapes[model.guard.n_trainable:])}
+    sd.update({f"model/{n}": t for n, t in plain_tensors(model, layout, frozen).items()})
     sd[OBJECTS] = torch.empty(manifest["objects_bytes"], dtype=torch.uint8)
     from torch.distributed import checkpoint as dcp
-    whole = _whole_entries(real, [name for name, _, _ in _whole_tensors(optimizer, layout)])
+    whole = whole_entries(real, [name for name, _, _ in whole_tensors(optimizer, layout)])
     sd.update({k: t for per in whole.values() for k, t in per.items()})
     try:
-        with torch.no_grad(), _quiet():
+        with torch.no_grad(), quiet():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(real), process_group=comm.pg, no_dist=comm.pg is None)
     except Exception as e:  # noqa: BLE001 - DCP raises the same failure on every rank
         raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed on rank {rank} ({type(e).__name__}: "
@@ -59,21 +59,21 @@ def load(path, model, optimizer, *, scheduler=None):
         for state, wide in narrow_back:   # bf16 states: the checkpoint's fp32 values, rounded to nearest
             state.copy_(wide)
     del narrow_back
-    objects = _objects(sd[OBJECTS], real)
-    _write_frozen(model, frozen)
+    objects = read_objects(sd[OBJECTS], real)
+    write_frozen(model, frozen)
     del frozen
 
     for g, saved in zip(optimizer.param_groups, objects["param_groups"]):
         g.update(saved)
     optimizer.group_steps = list(objects["steps"])
-    engine.set_param_steps([_steps_of(objects, n, layout["params"][n]["group"]) for n in names])
+    engine.set_param_steps([steps_of(objects, n, layout["params"][n]["group"]) for n in names])
     if shard.views is not None:
-        _restore_scalars(optimizer, shard, objects)
+        restore_scalars(optimizer, shard, objects)
     scaler = getattr(optimizer, "loss_scaler", None)
     if scaler is not None and objects["loss_scaler"] is not None:
         scaler.load_state_dict(objects["loss_scaler"])
     _load_scheduler(scheduler, objects["scheduler"])
-    for name, opt, view in _whole_tensors(optimizer, layout):
+    for name, opt, view in whole_tensors(optimizer, layout):
         opt.state.pop(view, None)
         if whole.get(name):
             opt.state[view] = {k.split("/")[1]: t for k, t in whole[name].items()}

@@ -16,9 +16,9 @@ import shutil
 
 import torch
 
-from .entries import LocalShard, _as_fp32, _sharded_entries
-from .format import FORMAT, MANIFEST, OBJECTS, CheckpointError, _crc32, _quiet
-from .layout import (_gather_frozen, _param_steps, _plain_tensors, _settle, _whole_tensors,
+from .entries import LocalShard, as_fp32, sharded_entries
+from .format import FORMAT, MANIFEST, OBJECTS, CheckpointError, file_crc32, quiet
+from .layout import (gather_frozen, param_steps, plain_tensors, settle, whole_tensors,
                      core_optimizer)
 
 
@@ -31,38 +31,28 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
     an LR scheduler whose state_dict() is saved too."""
     path = os.path.abspath(os.fspath(path))
     optimizer = core_optimizer(optimizer)
-    engine, comm, layout = _settle(model, optimizer)
+    engine, comm, layout = settle(model, optimizer)
     rank = engine.rank
     shard = LocalShard(optimizer)
-    states = _as_fp32(shard.states())[0]   # bf16 states are written widened to fp32
-    tmp = path + ".tmp"
-    error = None
-    if rank == 0:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            error = (f"zero_ext: cannot create {tmp!r} to save a checkpoint: {e}; save to a directory you can "
-                     f"write to")
-    _decide(comm, error)
-
+    states = as_fp32(shard.states())[0]   # bf16 states are written widened to fp32
+    tmp = make_tmp(comm, rank, path)
     names = list(layout["params"])   # engine order
     kinds = {"model": shard.masters, **{f"optim/{s}": p for s, p in states.items()}}
-    with _quiet():
-        sd = _sharded_entries(shard, names, kinds, writing=True)
-    for name, opt, view in _whole_tensors(optimizer, layout):   # the owner writes them
+    with quiet():
+        sd = sharded_entries(shard, names, kinds, writing=True)
+    for name, opt, view in whole_tensors(optimizer, layout):   # the owner writes them
         if engine.partitions == 1 and rank != 0:
             break
         for k, t in opt.state.get(view, {}).items():
             sd[f"whole/{k}/{name}"] = t if torch.is_tensor(t) else torch.tensor(t)
     objects = None
-    full = _gather_frozen(model, keep=rank == 0)
+    full = gather_frozen(model, keep=rank == 0)
     if rank == 0:
         scaler = getattr(optimizer, "loss_scaler", None)
         objects = {
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
             "steps": list(optimizer.group_steps),
-            "param_steps": _param_steps(optimizer, names),
+            "param_steps": param_steps(optimizer, names),
             "scalar_state": shard.scalar_state(),
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
             "scheduler": _scheduler_state(scheduler),
@@ -71,11 +61,11 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
         buf = io.BytesIO()
         torch.save(objects, buf)
         sd[OBJECTS] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        sd.update({f"model/{n}": t for n, t in _plain_tensors(model, layout, full).items()})
+        sd.update({f"model/{n}": t for n, t in plain_tensors(model, layout, full).items()})
     del full
     try:
         from torch.distributed import checkpoint as dcp
-        with _quiet():
+        with quiet():
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
                      process_group=comm.pg, no_dist=comm.pg is None)
     except Exception as e:  # noqa: BLE001 - DCP raises the same failure on every rank
@@ -86,21 +76,21 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
     error = None
     if rank == 0:
         try:
-            files = {f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "crc32": _crc32(os.path.join(tmp, f))}
+            files = {f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "crc32": file_crc32(os.path.join(tmp, f))}
                      for f in sorted(os.listdir(tmp))}
-            manifest = dict(layout, format=FORMAT, stage=model._config.stage, world_size=engine.world_size,
+            manifest = dict(layout, format=FORMAT, stage=model.stage, world_size=engine.world_size,
                             partitions=engine.partitions, torch=torch.__version__, states=sorted(states),
                             objects_bytes=int(sd[OBJECTS].numel()), files=files)
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            _replace(tmp, path)
+            fsync_dir(tmp)
+            replace_file(tmp, path)
         except OSError as e:
             error = (f"zero_ext: finishing checkpoint {path!r} failed: {e}; free disk space or fix the permissions, "
                      f"then save again (the previous checkpoint, if any, is untouched)")
-    _decide(comm, error)
+    decide(comm, error)
 
 
 def _scheduler_state(scheduler):
@@ -111,25 +101,38 @@ def _scheduler_state(scheduler):
     return scheduler.state_dict()
 
 
-def _decide(comm, error: str | None, src_rank: int = 0):
+def make_tmp(comm, rank: int, path: str) -> str:
+    """Rank 0 makes <path>.tmp afresh (Note [Atomic save]); every rank learns whether it could."""
+    tmp, error = path + ".tmp", None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"zero_ext: cannot create {tmp!r} to save into: {e}; save to a directory you can write to"
+    decide(comm, error)
+    return tmp
+
+
+def decide(comm, error: str | None):
     """Rank 0's verdict reaches every rank: all raise the same error or none does."""
-    error = comm.broadcast_object(error, src=src_rank)
+    error = comm.broadcast_object(error, src=0)
     if error is not None:
         raise CheckpointError(error)
 
 
-def _replace(tmp: str, path: str) -> None:
+def replace_file(tmp: str, path: str) -> None:
     """Note [Atomic save]."""
     old = path + ".old"
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)
         os.rename(path, old)
     os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

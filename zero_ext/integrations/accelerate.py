@@ -36,7 +36,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 import zero_ext
-from zero_ext.amp import scaler_conflict
+from zero_ext.amp import check_scaler
 from zero_ext.config import make_config
 
 ZERO_DIR = "zero_ext"    # <save_state dir>/zero_ext (zero_ext_1, ... for further prepared models)
@@ -46,10 +46,7 @@ def prepare(accelerator, model: nn.Module, optimizer, *others, stage: int | str 
     """(model, optimizer, *others) ready for training: the zeroified model, its optimizer
     wrapped in an AcceleratedOptimizer, and accelerator.prepare(*others) in order."""
     if accelerator.scaler is not None:   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
-        why = scaler_conflict(make_config(config, stage, dict(zero_options)))
-        if why is not None:
-            raise ValueError(f"zero_ext: Accelerator(mixed_precision='fp16') steps through a torch GradScaler, which "
-                             f"cannot drive this zeroified optimizer: {why}")
+        check_scaler(make_config(config, stage, dict(zero_options)), "Accelerator(mixed_precision='fp16')", ValueError)
     if not isinstance(model, nn.Module) or isinstance(model, zero_ext.ZeroModel):
         raise TypeError(f"zero_ext: prepare(accelerator, model, optimizer, ...) takes the plain module first and "
                         f"the plain torch optimizer second, got a {type(model).__name__} as the model; pass the "

@@ -33,7 +33,7 @@ from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
 import zero_ext
-from zero_ext.amp import scaler_conflict
+from zero_ext.amp import check_scaler
 from zero_ext.config import make_config
 from zero_ext.integrations.accelerate import autocast_forward
 
@@ -49,10 +49,8 @@ class ZeroTrainer(Trainer):
                  **kwargs):
         cfg = make_config(zero_config, zero_stage, dict(zero_options or {}))   # a typo'd option fails here
         super().__init__(*args, **kwargs)
-        why = scaler_conflict(cfg) if self.args.fp16 else None   # Note [GradScaler on sharded gradients]
-        if why is not None:
-            raise ValueError(f"zero_ext: TrainingArguments(fp16=True) steps through a torch GradScaler, which cannot "
-                             f"drive this ZeroTrainer's optimizer: {why} (for the Trainer: fp16=False)")
+        if self.args.fp16:   # Note [GradScaler on sharded gradients]
+            check_scaler(cfg, "TrainingArguments(fp16=True)", ValueError)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("zero_ext: ZeroTrainer replaces DeepSpeed/FSDP; drop deepspeed=/fsdp= from "
                              "TrainingArguments")
@@ -112,7 +110,6 @@ class ZeroTrainer(Trainer):
                              f"weights only, load the model with from_pretrained({checkpoint!r}) and train "
                              f"without resume_from_checkpoint")
         zero_ext.load(path, self.zero_model, self.zero_optimizer, scheduler=self.lr_scheduler)
-
 
 
 __all__ = ["ZeroTrainer", "ZERO_DIR"]

@@ -45,7 +45,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 import zero_ext
-from zero_ext.amp import scaler_conflict
+from zero_ext.amp import check_scaler
 from zero_ext.checkpoint import MANIFEST, consolidate, resolve
 from zero_ext.config import make_config
 
@@ -128,10 +128,8 @@ class ZeroStrategy(DDPStrategy):
                              f"or 'fp16'), whose loss scaling is zero_ext's own")
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
-            why = scaler_conflict(make_config(self.zero_config, self.stage, dict(self.zero_options)))
-            if why is not None:
-                raise ValueError(f"zero_ext: Lightning's '{plugin.precision}' precision steps through a torch "
-                                 f"GradScaler, which cannot drive this ZeroStrategy's optimizer: {why}")
+            check_scaler(make_config(self.zero_config, self.stage, dict(self.zero_options)),
+                         f"Lightning's '{plugin.precision}' precision", ValueError)
 
     def _broadcast_module_states(self) -> None:
         if self.world_size > 1 and dist.is_initialized():

@@ -154,22 +154,18 @@ def read_header(file: str) -> dict[str, Entry]:
 def read_entries(path: str) -> tuple[list[str], dict[str, Entry]]:
     """(files, name -> Entry) of checkpoint `path`: every file's header read and checked.
     Every failure is a CheckpointError (the ranks exchange it: Note [Pretrained weights into shards])."""
+    entries: dict[str, Entry] = {}
     try:
-        return _read_entries(path)
+        files, weight_map = checkpoint_files(path)
+        for file in files:
+            for name, e in read_header(file).items():
+                if name in entries:
+                    raise CheckpointError(f"zero_ext: tensor {name!r} is in both {entries[name].file!r} and "
+                                          f"{file!r}; pass a checkpoint that holds each tensor once (with its index)")
+                entries[name] = e
     except OSError as e:
         raise CheckpointError(f"zero_ext: cannot read the checkpoint {os.fspath(path)!r} ({type(e).__name__}: "
                               f"{e}){_here()}") from e
-
-
-def _read_entries(path: str) -> tuple[list[str], dict[str, Entry]]:
-    files, weight_map = checkpoint_files(path)
-    entries: dict[str, Entry] = {}
-    for file in files:
-        for name, e in read_header(file).items():
-            if name in entries:
-                raise CheckpointError(f"zero_ext: tensor {name!r} is in both {entries[name].file!r} and {file!r}; "
-                                      f"pass a checkpoint that holds each tensor once (with its index)")
-            entries[name] = e
     for name, file in (weight_map or {}).items():
         if name not in entries or entries[name].file != file:
             raise CheckpointError(f"zero_ext: the index of {path!r} puts {name!r} in {file!r}, which does not hold "

@@ -309,7 +309,7 @@ def default_init(module: nn.Module):
 @torch.no_grad()
 def _initialize(model: ZeroModel, plan: Plan, comm, init_fn) -> None:
     """Note [Initializing what weights leave out]."""
-    module, guard, engine = model.module, model._guard, model._engine
+    module, guard, engine = model.module, model.guard, model.engine
     targets = [tensor_of(module, n) for n in plan.initialize]
     only = {id(t) for t in targets}
     init_fn = init_fn if init_fn is not None else default_init(module)
@@ -320,7 +320,7 @@ def _initialize(model: ZeroModel, plan: Plan, comm, init_fn) -> None:
     try:
         if guard.stage3:
             unit_of = {id(p): getattr(p, OWNER_ATTR)[1] for p in guard.params}
-            pieces = guard._master_pieces(engine)
+            pieces = guard.master_pieces(engine)
             initialize_by_unit(module, engine, unit_of, comm, init_fn, only=only,
                                pieces={id(p): pieces[i] for i, p in enumerate(guard.params) if id(p) in only})
             comm.broadcast_([t for t in targets if id(t) not in unit_of])    # buffers, replicated frozen ones
@@ -357,10 +357,8 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 @torch.no_grad()
 def _read(model: ZeroModel, plan: Plan, comm) -> tuple[int, int]:
     """Step 4 of Note [Pretrained weights into shards]: (tensors filled, bytes this rank read)."""
-    module, guard, engine = model.module, model._guard, model._engine
-    if engine.split_master:          # a master joined for this load (Note [Split master in the engine])
-        guard._pieces = None
-    pieces = guard._master_pieces(engine)
+    module, guard, engine = model.module, model.guard, model.engine
+    pieces = guard.master_pieces(engine, fresh=engine.split_master)
     reads = []
     for name, key in plan.keys.items():
         t, e = tensor_of(module, name), plan.entries[key]
@@ -411,7 +409,7 @@ def fill(model: ZeroModel, plan: Plan, comm, init_fn=None, initialize: bool = Fa
 
 
 def comm_of(model: ZeroModel):
-    opt = model._optimizer() if model._optimizer is not None else None
+    opt = model.optimizer
     if opt is None:
         raise RuntimeError("zero_ext: the optimizer zeroify() returned with this model no longer exists; keep a "
                            "reference to it while you load or save the model")
@@ -432,7 +430,7 @@ def load_weights(model, weights, **options) -> WeightsReport:
         raise TypeError(f"zero_ext: load_weights takes the model zeroify() returned, got {type(model).__name__}; "
                         f"to load before wrapping, pass weights= to zeroify()")
     spec = as_weights(weights, **options)
-    engine, guard, comm = model._engine, model._guard, comm_of(model)
+    engine, guard, comm = model.engine, model.guard, comm_of(model)
     engine.sequence_mark(PHASE_CHECKPOINT)   # collective: a rank calling it alone is named
     engine.wait_reductions()
     engine.flush_params()

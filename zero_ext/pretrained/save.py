@@ -43,10 +43,10 @@ import shutil
 import torch
 from torch import nn
 
-from ..checkpoint.consolidation import _slices_of_every_rank
+from ..checkpoint.consolidation import slices_of_every_rank
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.layout import frozen_units
-from ..checkpoint.saving import _decide, _fsync_dir, _replace
+from ..checkpoint.saving import decide, fsync_dir, make_tmp, replace_file
 from .._C import PHASE_CHECKPOINT
 from ..model import ZeroModel
 from .files import INDEX, SHARD, WEIGHTS, Writer, numel, parse_size, plan_files
@@ -75,7 +75,7 @@ def _tie_targets(module: nn.Module) -> set:
 def _saved(model: ZeroModel, adapter_only: bool, dtype) -> list:
     """[(name, tensor, engine index or None, out dtype, shape)] in state-dict order (Note
     [Streaming save_pretrained])."""
-    module, guard = model.module, model._guard
+    module, guard = model.module, model.guard
     state = module.state_dict(keep_vars=True)
     groups: dict[int, list] = {}
     for name, t in state.items():
@@ -129,11 +129,11 @@ class _Guarded:
 @torch.no_grad()
 def _stream(model: ZeroModel, comm, saved: list, sink) -> None:
     """Every rank: the gathers of Note [Streaming save_pretrained]; `sink` on rank 0 only."""
-    engine = model._engine
+    engine = model.engine
     rank, parts = engine.rank, engine.partitions
-    wanted = {i: name for name, _, i, _, _ in saved if i is not None and i < model._guard.n_trainable}
+    wanted = {i: name for name, _, i, _, _ in saved if i is not None and i < model.guard.n_trainable}
     masters = engine.param_shards()
-    slices = _slices_of_every_rank(engine, [m.numel() for m in masters]) if rank == 0 else None
+    slices = slices_of_every_rank(engine, [m.numel() for m in masters]) if rank == 0 else None
     window = max(1, WINDOW_BYTES // 4 // parts)
     buf = torch.empty(parts * window, device=comm.device) if rank == 0 and parts > 1 else None
     for b, m in enumerate(masters):
@@ -149,8 +149,8 @@ def _stream(model: ZeroModel, comm, saved: list, sink) -> None:
                     if i in wanted and lo < hi:
                         sink.put(wanted[i], poff + lo - off, got[r * w + lo - a:r * w + hi - a])
     del buf
-    frozen = {id(t): name for name, t, i, _, _ in saved if i is not None and i >= model._guard.n_trainable}
-    if model._guard.stage3 and model._guard.params[model._guard.n_trainable:]:
+    frozen = {id(t): name for name, t, i, _, _ in saved if i is not None and i >= model.guard.n_trainable}
+    if model.guard.stage3 and model.guard.params[model.guard.n_trainable:]:
         for params in frozen_units(model):
             for p in params:
                 if sink is not None and id(p) in frozen:
@@ -186,8 +186,8 @@ def _commit(tmp: str, path: str, weights_last: list) -> None:
                     os.link(os.path.join(path, f), os.path.join(tmp, f))
                 except OSError:
                     shutil.copy2(os.path.join(path, f), os.path.join(tmp, f))
-        _fsync_dir(tmp)
-        _replace(tmp, path)
+        fsync_dir(tmp)
+        replace_file(tmp, path)
         return
     order = sorted(made - set(weights_last)) + [f for f in weights_last if f in made]
     for f in order:
@@ -195,7 +195,7 @@ def _commit(tmp: str, path: str, weights_last: list) -> None:
     for f in os.listdir(path):
         if _stale(f) and f not in made:
             os.remove(os.path.join(path, f))
-    _fsync_dir(path)
+    fsync_dir(path)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -220,22 +220,14 @@ def save_pretrained(model, save_directory, *, max_shard_size: int | str = "5GB",
                          f"(torch.bfloat16) or None (fp32 masters, every other tensor in its own dtype)")
     limit = parse_size(max_shard_size)
     path = os.path.abspath(os.fspath(save_directory))
-    engine, comm = model._engine, comm_of(model)
+    engine, comm = model.engine, comm_of(model)
     engine.sequence_mark(PHASE_CHECKPOINT)   # collective: a rank calling it alone is named
     engine.wait_reductions()
     engine.flush_params()
     peft = is_peft(model.module)
     saved = _saved(model, peft, dtype)
     files = plan_files([(name, dt, shape) for name, _, _, dt, shape in saved], limit) if not peft else None
-    tmp = path + ".tmp"
-    error = None
-    if engine.rank == 0:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            error = f"zero_ext: cannot create {tmp!r} to save into: {e}; save to a directory you can write to"
-    _decide(comm, error)
+    tmp = make_tmp(comm, engine.rank, path)
     sink = None
     if engine.rank == 0:
         whole = [(n, dt, s) for n, _, _, dt, s in saved]
@@ -269,4 +261,4 @@ def save_pretrained(model, save_directory, *, max_shard_size: int | str = "5GB",
         except OSError as e:
             error = (f"zero_ext: save_pretrained({path!r}) failed on rank 0: {e}; free disk space or fix the "
                      f"permissions, then save again ({path!r} is untouched)")
-    _decide(comm, error)
+    decide(comm, error)
