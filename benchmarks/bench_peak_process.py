@@ -14,7 +14,7 @@ allocations, which every system has: compare with DDP's and FSDP2's steady minus
 model state). Each row is the rank with the highest peak.
 
 Systems: ddp; fsdp2 (fully_shard on each block, then the root; fp32), fsdp2-bf16
-(MixedPrecisionPolicy bf16 params, fp32 reduce); zero1, zero2, zero3 (unit_modules=["Block"]),
+(MixedPrecisionPolicy bf16 params, fp32 reduce); zero0, zero1, zero2, zero3 (unit_modules=["Block"]),
 zero3-bf16 (param_dtype="bf16"); zero3-offload (offload="cpu").
 Writes benchmarks/results/bench_peak_process.json.
 """
@@ -32,7 +32,7 @@ from machine import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "bench_peak_process.json"
-SYSTEMS = ["ddp", "fsdp2", "fsdp2-bf16", "zero1", "zero2", "zero3", "zero3-bf16", "zero3-offload"]
+SYSTEMS = ["ddp", "fsdp2", "fsdp2-bf16", "zero0", "zero1", "zero2", "zero3", "zero3-bf16", "zero3-offload"]
 MiB = 2 ** 20
 
 
@@ -175,6 +175,7 @@ def predicted_peak(system: str, world: int, layers: int, extra: dict) -> float:
     """zero_ext.estimate_memory(..., loss_fn=...)'s peak for this system, MiB (the model on meta)."""
     import torch
 
+    sys.path.insert(0, str(REPO))   # this tree's estimator, not the installed zero_ext's
     import zero_ext
     cfg = _gpt_config(layers)
     from gpt import GPT

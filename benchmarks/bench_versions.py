@@ -8,7 +8,7 @@ change costs on the step path when no rank does anything unusual.
 Each repetition runs, for each tree in turn (the first alternating), a fresh pair of gloo
 ranks (1 thread each) that imports that tree's zero_ext and trains bench_sequence.py's GPT
 (4 layers x 128, block 64, batch 8 per rank, AdamW, the default check_sequence) in stages
-0, 2 and 3: --warmup steps, then --steps timed steps; a stage's time is its median step
+0, 2 and 3 (--stages for others): --warmup steps, then --steps timed steps; a stage's time is its median step
 (rank 0's clock). Reported per stage: this tree's time over the baseline's within each
 repetition, median [min, max]. Goal (issue 45): within 2%.
 JSON: benchmarks/results/bench_versions.json.
@@ -41,7 +41,7 @@ def worker(rank, store, args, out):
     torch.manual_seed(0)
     base = GPT(GPTConfig(vocab_size=256, block_size=BLOCK, n_layer=4, n_head=4, n_embd=128, bias=False))
     result = {"zero_ext": os.path.dirname(zero_ext.__file__)}
-    for stage in STAGES:
+    for stage in args.stages:
         import copy
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -68,7 +68,7 @@ def run_tree(tree: Path, args) -> dict:
         out = os.path.join(tmp, "out.json")
         env = dict(os.environ, ZX_BENCH_TREE=str(tree), OMP_NUM_THREADS="1")
         subprocess.run([sys.executable, __file__, "--worker", out, "--steps", str(args.steps),
-                        "--warmup", str(args.warmup)], env=env, check=True)
+                        "--warmup", str(args.warmup), "--stages", ",".join(map(str, args.stages))], env=env, check=True)
         return json.loads(Path(out).read_text())
 
 
@@ -78,6 +78,8 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--stages", type=lambda v: [int(x) for x in v.split(",")], default=list(STAGES),
+                    help="comma-separated stages (default 0,2,3)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_versions.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -100,7 +102,7 @@ def main():
             runs[name].append(got)
         print(f"repetition {rep + 1}/{args.reps}: " + ", ".join(
             f"stage {s} {runs['this'][-1][str(s)] * 1e3:.2f} / {runs['baseline'][-1][str(s)] * 1e3:.2f} ms"
-            for s in STAGES), flush=True)
+            for s in args.stages), flush=True)
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     base = subprocess.run(["git", "-C", str(trees["baseline"]), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True)
@@ -108,7 +110,7 @@ def main():
               "stages": {}}
     print(f"\nthis tree ({report['this']}) over the baseline ({report['baseline']}), per stage, median "
           f"[min, max] over {args.reps} repetitions of {args.steps} steps")
-    for s in STAGES:
+    for s in args.stages:
         ratios = [a[str(s)] / b[str(s)] for a, b in zip(runs["this"], runs["baseline"])]
         this_ms = [a[str(s)] * 1e3 for a in runs["this"]]
         base_ms = [b[str(s)] * 1e3 for b in runs["baseline"]]

@@ -142,11 +142,10 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         first_bucket_bytes, align, grad_ring_buckets, unit_modules, unit_numel,
         min_unit_numel, prefetch_depth, reduce_scatter, offload, step_in_backward, state_dtype).
 
-    Returns a dict with the keys of opt.stats() it predicts ("model_state_bytes",
-    "buffer_bytes", "frozen_parameter_bytes", "num_params", "padded_numel",
-    "shard_numel", "num_buckets"), plus "total" (all of them), "comm_bytes_per_step"
-    (the collective bytes of one optimizer step, stats()'s convention, for
-    accumulation_steps micro-steps) and the inputs.
+    Returns a dict with the keys of opt.stats() it predicts ("model_state_bytes", "buffer_bytes",
+    "frozen_parameter_bytes", "num_params", "padded_numel", "shard_numel", "num_buckets"), plus
+    "total" (all of them), "comm_bytes_per_step" (the collective bytes of one optimizer step,
+    stats()'s convention, for accumulation_steps micro-steps) and the inputs.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"zero_ext: world_size must be an int >= 1, got {world_size!r}; pass world_size=<the "
@@ -241,9 +240,10 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         "offload": offload,
     }
     if loss_fn is not None:
+        kept = s <= 1 and (cfg.offload is not None or bool(cfg.step_in_backward))   # Note [Bucket gradient lifetime]
         act = peak.activation_peak(model_or_numel, loss_fn, {2: torch.bfloat16 if pdt == "bf16" else torch.float16,
-                                                              4: torch.float32}[ps])
-        est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, act, _device_type(model_or_numel) != "cuda")
+                                                              4: torch.float32}[ps], keep_grads=s <= 1 and not kept)
+        est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, act, _device_type(model_or_numel) != "cuda", kept)
     return est
 
 

@@ -1,12 +1,13 @@
 """A rank's peak during a training step, predicted: estimate_memory(..., loss_fn=...).
 
 The peak comes at the loss, where the activations peak: the model state is there, stage 3's
-root and last unit are gathered, and stages 2-3 hold no gradient shard or ring yet
-(zero_grad(set_to_none=True) released them; the first reduce brings them back, when
-activations are already being freed). The activations are measured by running loss_fn and
-backward once on a copy of the model made of fake tensors (nothing is allocated): the most
-bytes of tensors alive at once that are not parameters, with each parameter's gradient
-dropped as it lands (the engine stages and frees it).
+root and last unit are gathered, and no stage holds its gradients or ring yet
+(zero_grad(set_to_none=True) released them; backward brings them back, when activations
+are already being freed). The activations are measured by running loss_fn and backward
+once on a copy of the model made of fake tensors (nothing is allocated): the most bytes of
+tensors alive at once that are not parameters, with each parameter's gradient dropped as
+it lands (stages 2-3 stage and free it) or, stages 0-1, kept (their buckets fill through
+backward, Note [Bucket gradient lifetime] in csrc/engine/shard_view.cpp).
 """
 from __future__ import annotations
 
@@ -54,11 +55,13 @@ class _LiveBytes(TorchDispatchMode):
             del self.alive[key]
 
 
-def activation_peak(model: torch.nn.Module, loss_fn, param_dtype: torch.dtype = torch.float32) -> int:
+def activation_peak(model: torch.nn.Module, loss_fn, param_dtype: torch.dtype = torch.float32,
+                    keep_grads: bool = False) -> int:
     """Most bytes one forward (loss_fn(model) -> loss) and its backward hold beyond the
     parameters, measured on a copy of the model made of fake tensors on the CPU (nothing is
     allocated; the CPU's kernels are chosen, e.g. flash attention's, as on a real run), its
-    floating-point parameters in param_dtype (what they compute in)."""
+    floating-point parameters in param_dtype (what they compute in); keep_grads: the
+    gradients stay as they land (counted from then on)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=False):
@@ -71,7 +74,7 @@ def activation_peak(model: torch.nn.Module, loss_fn, param_dtype: torch.dtype = 
         copy_ = copy.deepcopy(model, memo)   # the tensors replaced by fake ones: nothing is copied
         params = list(copy_.parameters())
         for p in params:
-            if p.requires_grad:
+            if p.requires_grad and not keep_grads:
                 p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         with _LiveBytes(params) as live:
             loss = loss_fn(copy_)
@@ -80,11 +83,12 @@ def activation_peak(model: torch.nn.Module, loss_fn, param_dtype: torch.dtype = 
     return live.peak
 
 
-def peak_bytes(est: dict, prefetch_depth: int, activations: int, on_cpu: bool) -> dict:
-    """The peak from an estimate_memory result and the activations' peak: what is held at the loss."""
+def peak_bytes(est: dict, prefetch_depth: int, activations: int, on_cpu: bool, grads_kept: bool = False) -> dict:
+    """The peak from an estimate_memory result and the activations' peak: what is held at the loss.
+    grads_kept: stages 0-1 keep their gradient buckets between steps (offload, step_in_backward)."""
     msb, buf, stage = est["model_state_bytes"], est["buffer_bytes"], est["stage"]
     state = msb["parameters"] + msb["master_weights"] + msb["optimizer_states"]
-    gradients = msb["gradients"] if stage <= 1 else 0   # stages 0-1 keep their gradient buckets
+    gradients = msb["gradients"] if stage <= 1 and grads_kept else 0   # else released (in activations: backward)
     gathered = buf.get("gathered_root", 0) + (buf.get("gathered_unit", 0) if prefetch_depth > 0 else 0)
     out = {"model_state": state + gradients + est["frozen_parameter_bytes"], "gathered": gathered,
            "activations": activations}

@@ -15,8 +15,10 @@
 namespace zx {
 
 // Note [Gradient layout]
-//   stage 0/1: flat_grad persists; param.grad is a view of it, so autograd
+//   stage 0/1: flat_grad; param.grad is a view of it, so autograd
 //              accumulates straight into the bucket (DDP's gradient_as_bucket_view).
+//              Its bytes are held from a step's first gradient to zero_grad(set_to_none=
+//              True): read it through bucket_grad (Note [Bucket gradient lifetime]).
 //   stage 2:   no flat_grad; each gradient is copied into a ring slot as it
 //              arrives, the slot is reduce-scattered into shard_.grad and reused.
 //   Mixed precision (Note [Mixed precision]): flat_param holds param_dtype,

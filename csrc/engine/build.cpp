@@ -158,7 +158,10 @@ void build_buckets(UnitWork w, UnitStore &units, ShardedGrads &grads) {
         bk.full.gathered = true;
         // Stage 3 without values: never touch the pages (peak = shards + one unit).
         bk.flat_param = s3 && !opts.copy_params ? at::empty({bi.padded_numel}, pt) : at::zeros({bi.padded_numel}, pt);
-        if (opts.stage <= 1) bk.flat_grad = at::zeros({bi.padded_numel}, rt);
+        // Stages 0-1: the views are made over bytes that go at the end (Note [Bucket gradient lifetime]),
+        // unless a gradient is copied in
+        if (opts.stage <= 1) bk.flat_grad = at::empty({bi.padded_numel}, rt);
+        bool grad_in = false;
         // Low precision: the fp32 values, from which the master is taken.
         at::Tensor src32 = low && opts.copy_params ? at::zeros({bi.padded_numel}, f32) : at::Tensor();
         std::vector<std::pair<int64_t, int64_t>> spans;   // where the pieces lie
@@ -192,7 +195,11 @@ void build_buckets(UnitWork w, UnitStore &units, ShardedGrads &grads) {
             if (opts.stage <= 1) {
                 at::Tensor &gv = grads.views[i];
                 gv = bk.flat_grad.narrow(0, loc.offset, loc.numel).view(p.sizes());
-                if (p.grad().defined()) gv.copy_(p.grad());
+                if (p.grad().defined()) {
+                    if (!grad_in) bk.flat_grad.zero_();
+                    grad_in = true;
+                    gv.copy_(p.grad());
+                }
             }
             p.mutable_grad() = at::Tensor();
         }
@@ -203,6 +210,7 @@ void build_buckets(UnitWork w, UnitStore &units, ShardedGrads &grads) {
             bk.stepped.assign(bk.groups.size(), 0);
         }
         bk.gaps = gaps_of(std::move(spans), bi);
+        if (!grad_in) release_bucket_grad(bk);   // (stages 2-3: none)
         if (opts.copy_params && low) {
             bk.flat_param.copy_(src32);                            // rounds to param_dtype
             view.master(bk).copy_(view.owned(src32, bk));
@@ -227,7 +235,7 @@ void build_buckets(UnitWork w, UnitStore &units, ShardedGrads &grads) {
         p.mutable_grad() = at::Tensor();
         if (grad.defined() && opts.stage <= 1)
             for (const zx_piece &pc : params.pieces(i))
-                w.buckets[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel)
+                bucket_grad(w.buckets[pc.bucket]).narrow(0, pc.offset, pc.numel)
                     .copy_(grad.reshape(-1).narrow(0, pc.param_offset, pc.numel));
     }
     if (params.any_cut()) params.copy_cut(w.buckets, true);

@@ -26,12 +26,14 @@ void GradReducer::ensure_grad_view(ReduceWork &w, int64_t i) {
     const at::Tensor &g = p.grad();
     const at::Tensor &view = grads_.views[i];
     require_dense(w.layout(), i, g);
+    // Note [Bucket gradient lifetime] (shard_view.cpp): the first gradient into a bucket gives its bytes back
+    for (const zx_piece &pc : w.params.pieces(i)) bucket_grad(w.buckets[pc.bucket]);
     if (w.params.cut(i)) {
         // Note [Cut parameters]: added piece by piece into each bucket's flat_grad.
         if (g.defined()) {
             const at::Tensor flat = g.reshape(-1);
             for (const zx_piece &pc : w.params.pieces(i))
-                w.buckets[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
+                bucket_grad(w.buckets[pc.bucket]).narrow(0, pc.offset, pc.numel).add_(flat.narrow(0, pc.param_offset, pc.numel));
             p.mutable_grad() = at::Tensor();
         }
         return;
@@ -230,11 +232,11 @@ void GradReducer::launch_bucket(ReduceWork &w, int64_t b) {
             }
             release_slot(w, b);
         } else if (w.layout().opts.step_in_backward) {   // stage 1: the bucket is its own shard, consumed
-            w.hooks.step_landed(bk, bk.flat_grad);
+            w.hooks.step_landed(bk, bucket_grad(bk));
             bk.flat_grad.zero_();
         } else if (w.off()) {   // stage 1: the bucket is its own shard; the host gets a copy
             at::Tensor dst = w.shard.host_grad(bk);
-            w.off()->down(b, bk.flat_grad, -1, [dst](const at::Tensor &v) { dst.copy_(v); });
+            w.off()->down(b, bucket_grad(bk), -1, [dst](const at::Tensor &v) { dst.copy_(v); });
         }
         return;
     }
@@ -250,7 +252,7 @@ void GradReducer::launch_bucket(ReduceWork &w, int64_t b) {
     }
     w.comm.seq.subject(b, w.stage() == 3 ? bk.unit : -1);
     if (w.stage() == 1 && bk.slot < 0) acquire_slot(w, b);   // its recv
-    launch(w.comm, b, staged.defined() ? staged : bk.flat_grad, bk.padded_numel, bk.slice_numel, bk.slot);
+    launch(w.comm, b, staged.defined() ? staged : bucket_grad(bk), bk.padded_numel, bk.slice_numel, bk.slot);
 }
 
 void GradReducer::launch(Communicator &comm, int64_t b, const at::Tensor &send, int64_t padded, int64_t slice,
@@ -363,7 +365,7 @@ void GradReducer::complete(ReduceWork &w, int64_t b) {
                                });
             } else {
                 // stage 1 keeps the sum in its bucket (Note [Gradient sums in stages 1-2]); offload copies it down
-                at::Tensor dst = w.off() ? w.shard.owned(bk.flat_grad, bk) : w.shard.grad(bk);
+                at::Tensor dst = w.off() ? w.shard.owned(bucket_grad(bk), bk) : w.shard.grad(bk);
                 land(bk.slot, padded, slice, dst, accumulate, *w.kernels.device);
                 if (w.off()) {
                     at::Tensor host = w.shard.host_grad(bk);
@@ -371,13 +373,14 @@ void GradReducer::complete(ReduceWork &w, int64_t b) {
                 }
             }
             if (w.stage() == 1 && w.layout().opts.step_in_backward) {
-                w.hooks.step_landed(bk, w.shard.owned(bk.flat_grad, bk));   // Note [Step in backward]: consumed
+                w.hooks.step_landed(bk, w.shard.owned(bucket_grad(bk), bk));   // Note [Step in backward]: consumed
                 bk.flat_grad.zero_();
             } else if (w.stage() == 1) {
                 // Note [Gradient sums in stages 1-2]: zero what this rank does not own.
                 const int64_t lo = w.layout().rank * slice, hi = lo + slice;
-                if (lo > 0) bk.flat_grad.narrow(0, 0, lo).zero_();
-                if (hi < padded) bk.flat_grad.narrow(0, hi, padded - hi).zero_();
+                at::Tensor &full = bucket_grad(bk);
+                if (lo > 0) full.narrow(0, 0, lo).zero_();
+                if (hi < padded) full.narrow(0, hi, padded - hi).zero_();
             }
             release_slot(w, cur);
         }
@@ -425,8 +428,9 @@ void GradReducer::zero_grad(ReduceWork w, bool set_to_none, const Groups &cover)
         for (size_t i = 0; i < w.params.size(); i++) {
             if (!cover.has(w.layout().group_of[i])) continue;
             if (w.stage() <= 1)
-                for (const zx_piece &pc : w.params.pieces(i))
-                    w.buckets[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
+                for (const zx_piece &pc : w.params.pieces(i))   // (a released bucket reads as zeros already)
+                    if (bucket_grad_held(w.buckets[pc.bucket]))
+                        w.buckets[pc.bucket].flat_grad.narrow(0, pc.offset, pc.numel).zero_();
             if (set_to_none) {
                 w.params[i].mutable_grad() = at::Tensor();
                 w.book.forget_grad((int64_t)i);   // Note [Unused parameters]
@@ -439,13 +443,17 @@ void GradReducer::zero_grad(ReduceWork w, bool set_to_none, const Groups &cover)
                         w.shard.buffers.grad.narrow(0, w.buckets[b].shard_offset + f.offset, f.numel).zero_();
         return;
     }
+    // Note [Gradient shard lifetime] (shard_view.cpp): set_to_none frees the shard and the ring
+    // (offload keeps its host shard, step_in_backward its landing: they have no gradient shard to free);
+    // stages 0-1 free their buckets' gradients alike (Note [Bucket gradient lifetime])
+    const bool release = set_to_none && !w.off() && !w.layout().opts.step_in_backward;
     for (auto &bk : w.buckets) {
-        if (bk.flat_grad.defined()) bk.flat_grad.zero_();
+        if (release)
+            release_bucket_grad(bk);
+        else if (bucket_grad_held(bk))
+            bk.flat_grad.zero_();
         bk.local_grad = at::Tensor();   // Note [Local accumulation]
     }
-    // Note [Gradient shard lifetime] (shard_view.cpp): set_to_none frees the shard and the ring
-    // (offload keeps its host shard, step_in_backward its landing: they have no gradient shard to free)
-    const bool release = set_to_none && !w.off() && !w.layout().opts.step_in_backward;
     if (release) {
         release_grad_shard(w.shard.buffers);
         ring_.release_all();

@@ -18,13 +18,23 @@ namespace zx {
 //   (scale_grads, grad_shards).
 static bool released(const at::Tensor &t) { return t.defined() && t.numel() > 0 && t.storage().nbytes() == 0; }
 
+static void drop_bytes(const at::Tensor &t) {
+    c10::StorageImpl *s = t.storage().unsafeGetStorageImpl();
+    s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+    s->set_nbytes(0);
+}
+
+static void give_bytes(const at::Tensor &t) {   // unwritten: the caller zeroes
+    c10::StorageImpl *s = t.storage().unsafeGetStorageImpl();
+    const size_t nbytes = (size_t)t.numel() * t.element_size();
+    s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+    s->set_nbytes(nbytes);
+}
+
 bool grad_shard_held(const ShardBuffers &buffers) { return buffers.grad.defined() && !released(buffers.grad); }
 
 void release_grad_shard(ShardBuffers &buffers) {
-    if (!grad_shard_held(buffers)) return;
-    c10::StorageImpl *s = buffers.grad.storage().unsafeGetStorageImpl();
-    s->set_data_ptr_noswap(at::DataPtr(nullptr, buffers.grad.device()));
-    s->set_nbytes(0);
+    if (grad_shard_held(buffers)) drop_bytes(buffers.grad);
 }
 
 // The shard, its bytes given (back) where it has none; its slice at `offset` zeroed when first read.
@@ -33,10 +43,7 @@ static at::Tensor grad_slice(ShardBuffers &b, int64_t numel, at::TensorOptions o
         b.grad = at::empty({numel}, options);
         b.grad_lazy = true, b.grad_zeroed.clear();
     } else if (released(b.grad)) {
-        c10::StorageImpl *s = b.grad.storage().unsafeGetStorageImpl();
-        const size_t nbytes = (size_t)b.grad.numel() * b.grad.element_size();
-        s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
-        s->set_nbytes(nbytes);
+        give_bytes(b.grad);
         b.grad_lazy = true, b.grad_zeroed.clear();
     }
     at::Tensor slice = b.grad.narrow(0, offset, n);
@@ -44,7 +51,35 @@ static at::Tensor grad_slice(ShardBuffers &b, int64_t numel, at::TensorOptions o
     return slice;
 }
 
-at::Tensor ShardView::grad(const Bucket &bk) {
+// Note [Bucket gradient lifetime]
+//   Stages 0-1 keep a full gradient per bucket (flat_grad; .grad are views of it, Note
+//   [Gradient layout]). As the shard of stages 2-3 (Note [Gradient shard lifetime]) it
+//   holds bytes only from the first gradient of a step to zero_grad(set_to_none=True),
+//   as torch's and FSDP2's gradients do, so the loss-time peak (activations) does not
+//   hold it. The bucket starts without bytes (build.cpp), release_bucket_grad frees them
+//   and keeps the tensor and every view (grads_.views, .grad, cut copies' narrows made
+//   later); bucket_grad gives them back, zeroed (the values zero_() gave before), and is
+//   the one way to reach a bucket's gradient: the backward's first gradient into the
+//   bucket (ensure_grad_view), its reduction, a step, a norm. Resident gradient memory
+//   grows bucket by bucket through backward. Not released: set_to_none=False, a zero_grad
+//   of some groups only, offload and step_in_backward (as for the shard). A stage-0 .grad
+//   a script keeps across zero_grad(set_to_none=True) has no bytes until the next backward
+//   (torch's would keep its old values): clone it.
+bool bucket_grad_held(const Bucket &bk) { return bk.flat_grad.defined() && !released(bk.flat_grad); }
+
+void release_bucket_grad(Bucket &bk) {
+    if (bucket_grad_held(bk)) drop_bytes(bk.flat_grad);
+}
+
+at::Tensor &bucket_grad(Bucket &bk) {
+    if (released(bk.flat_grad)) {
+        give_bytes(bk.flat_grad);
+        bk.flat_grad.zero_();
+    }
+    return bk.flat_grad;
+}
+
+at::Tensor ShardView::grad(Bucket &bk) {
     if (offload) {   // every landing done: readers see the whole host shard
         offload->drain();
         return host_grad(bk);
@@ -52,7 +87,7 @@ at::Tensor ShardView::grad(const Bucket &bk) {
     if (layout.opts.stage >= 2)
         return grad_slice(buffers, layout.shard_numel, layout.on_device(layout.dtypes.reduce), bk.shard_offset,
                           bk.slice_numel);
-    return owned(bk.flat_grad, bk);
+    return owned(bucket_grad(bk), bk);
 }
 
 at::Tensor ShardView::host_grad(const BucketShape &bk) {   // (offload: never released, Note [Optimizer offload])

@@ -35,7 +35,7 @@ struct ShardView {
     }
     // The gradient sums of bk's slice: stages 0-1 the owned slice of flat_grad, stages 2-3 the
     // gradient shard's (made at the first use); offload: the host's, every landing done.
-    at::Tensor grad(const Bucket &bk);
+    at::Tensor grad(Bucket &bk);
     at::Tensor host_grad(const BucketShape &bk);   // offload: bk's slice of the host gradient shard
     // The fp32 master of bk's slice. A split master must be joined first (Engine::master_slice
     // joins; Note [Split master in the engine]).
@@ -53,5 +53,11 @@ struct ShardView {
     // step_in_backward, all-to-all: where a bucket's received slices are summed (numel elements).
     at::Tensor landing(int64_t numel);
 };
+
+// Stages 0-1 (Note [Bucket gradient lifetime], shard_view.cpp): bk.flat_grad with bytes, given
+// back zeroed where zero_grad(set_to_none=True) released them; every reader goes through it.
+at::Tensor &bucket_grad(Bucket &bk);
+void release_bucket_grad(Bucket &bk);     // its bytes go, the tensor and its views stay
+bool bucket_grad_held(const Bucket &bk);  // made, with bytes
 
 }  // namespace zx

@@ -34,15 +34,17 @@ EngineStats EngineStats::of(const Sources &s) {
     const bool off = s.offload != nullptr;
     const Secondary *sec = s.units.secondary.get();
     EngineStats st;
-    int64_t param_bytes = 0, grad_bytes = 0, numel = 0, padded = 0, gaps = 0;
+    int64_t param_bytes = 0, grad_bytes = 0, held = 0, numel = 0, padded = 0, gaps = 0;
     for (const auto &bk : s.buckets) {
         if (o.stage < 3) param_bytes += bk.flat_param.nbytes();
-        if (bk.flat_grad.defined()) grad_bytes += bk.flat_grad.nbytes();
+        if (bk.flat_grad.defined()) {
+            grad_bytes += bk.flat_grad.nbytes();
+            held += (int64_t)bk.flat_grad.storage().nbytes();   // Note [Bucket gradient lifetime]
+        }
         numel += bk.numel;
         padded += bk.padded_numel;
         gaps += bk.gap_numel;
     }
-    int64_t held = grad_bytes;
     if (shard.grad.defined() && !off) {   // offload: in offload_stats()
         grad_bytes += shard.grad.nbytes();
         held += (int64_t)shard.grad.storage().nbytes();   // Note [Gradient shard lifetime]

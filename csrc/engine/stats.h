@@ -76,7 +76,8 @@ struct ModelStateBytes {
 };
 
 // stats()["held_bytes"]: what of the step's gradients and ring this rank holds now: both go at
-// zero_grad(set_to_none=True) and come back at the next reduce (Note [Gradient shard lifetime]).
+// zero_grad(set_to_none=True) and come back in the next backward (Note [Gradient shard lifetime];
+// stages 0-1's buckets: Note [Bucket gradient lifetime]).
 struct HeldBytes {
     int64_t gradients = 0;                // model_state_bytes' gradients, as held now
     int64_t grad_ring = 0;                // buffer_bytes' grad_ring, as held now
