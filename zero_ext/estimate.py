@@ -241,8 +241,8 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     }
     if loss_fn is not None:
         kept = s <= 1 and (cfg.offload is not None or bool(cfg.step_in_backward))   # Note [Bucket gradient lifetime]
-        act = peak.activation_peak(model_or_numel, loss_fn, {2: torch.bfloat16 if pdt == "bf16" else torch.float16,
-                                                              4: torch.float32}[ps], keep_grads=s <= 1 and not kept)
+        low = torch.bfloat16 if pdt == "bf16" else torch.float16
+        act = peak.activation_peak(model_or_numel, loss_fn, low if ps == 2 else torch.float32, s <= 1 and not kept)
         est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, act, _device_type(model_or_numel) != "cuda", kept)
     return est
 

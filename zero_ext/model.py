@@ -217,7 +217,6 @@ class ZeroModel(nn.Module):
                     opt.arm_backward_step()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    _begin_backward = begin_backward   # the name zero_ext/unit_ops.py calls (compile work; to follow)
 
     def _end_backward(self) -> None:
         self._callback_queued = False

@@ -2,12 +2,11 @@
 
 The peak comes at the loss, where the activations peak: the model state is there, stage 3's
 root and last unit are gathered, and no stage holds its gradients or ring yet
-(zero_grad(set_to_none=True) released them; backward brings them back, when activations
-are already being freed). The activations are measured by running loss_fn and backward
-once on a copy of the model made of fake tensors (nothing is allocated): the most bytes of
-tensors alive at once that are not parameters, with each parameter's gradient dropped as
-it lands (stages 2-3 stage and free it) or, stages 0-1, kept (their buckets fill through
-backward, Note [Bucket gradient lifetime] in csrc/engine/shard_view.cpp).
+(zero_grad(set_to_none=True) released them). The activations are measured by running
+loss_fn and backward once on a copy of the model made of fake tensors (nothing is
+allocated): the most bytes of tensors alive at once that are not parameters, each
+parameter's gradient dropped as it lands (stages 2-3 stage and free it) or kept (stages
+0-1 fill their buckets: Note [Bucket gradient lifetime] in csrc/engine/shard_view.cpp).
 """
 from __future__ import annotations
 
@@ -55,13 +54,11 @@ class _LiveBytes(TorchDispatchMode):
             del self.alive[key]
 
 
-def activation_peak(model: torch.nn.Module, loss_fn, param_dtype: torch.dtype = torch.float32,
-                    keep_grads: bool = False) -> int:
+def activation_peak(model, loss_fn, param_dtype: torch.dtype = torch.float32, keep_grads: bool = False) -> int:
     """Most bytes one forward (loss_fn(model) -> loss) and its backward hold beyond the
     parameters, measured on a copy of the model made of fake tensors on the CPU (nothing is
     allocated; the CPU's kernels are chosen, e.g. flash attention's, as on a real run), its
-    floating-point parameters in param_dtype (what they compute in); keep_grads: the
-    gradients stay as they land (counted from then on)."""
+    floating-point parameters in param_dtype (what they compute in); keep_grads: gradients stay."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=False):
@@ -84,8 +81,8 @@ def activation_peak(model: torch.nn.Module, loss_fn, param_dtype: torch.dtype = 
 
 
 def peak_bytes(est: dict, prefetch_depth: int, activations: int, on_cpu: bool, grads_kept: bool = False) -> dict:
-    """The peak from an estimate_memory result and the activations' peak: what is held at the loss.
-    grads_kept: stages 0-1 keep their gradient buckets between steps (offload, step_in_backward)."""
+    """What is held at the loss, from estimate_memory's result and the activations' peak
+    (grads_kept: stages 0-1 hold their gradient buckets, with offload or step_in_backward)."""
     msb, buf, stage = est["model_state_bytes"], est["buffer_bytes"], est["stage"]
     state = msb["parameters"] + msb["master_weights"] + msb["optimizer_states"]
     gradients = msb["gradients"] if stage <= 1 and grads_kept else 0   # else released (in activations: backward)

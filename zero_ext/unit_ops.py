@@ -30,13 +30,13 @@ class Units:
     (engine index, shape, numel, offset in flat) and the names the module reads them by."""
 
     def __init__(self, wrapper):
-        guard = wrapper._guard
+        guard = wrapper.guard
         if len(guard.params) != guard.n_trainable:
             raise NotImplementedError("zero_ext: compiled.UNITS_IN_GRAPH does not take stage 3's sharded frozen "
                                       "parameters yet; leave it False (every unit is gathered before the graph)")
         self.wrapper = weakref.ref(wrapper)
-        engine = wrapper._engine
-        self.dtype = wrapper._compute_dtype or torch.float32
+        engine = wrapper.engine
+        self.dtype = wrapper.compute_dtype or torch.float32
         self.members = [[] for _ in range(engine.num_units)]   # per unit: (engine index, shape, numel, offset)
         numel = [0] * engine.num_units
         for i in range(guard.n_trainable):
@@ -72,11 +72,11 @@ class Units:
     def gather(self, k: int) -> torch.Tensor:
         from .alone import source
         w = self.wrapper()
-        engine, params = w._engine, w._guard.params
+        engine, params = w.engine, w.guard.params
         was = engine.unit_gathered(k)
         self.gathers += 1
         if not was:
-            source(engine.sequence_away).unit(w._optimizer(), k)
+            source(engine.sequence_away).unit(w.optimizer, k)
         flat = torch.cat([params[i].detach().reshape(-1) for i, *_ in self.members[k]])
         if not was:
             engine.release_unit(k)
@@ -84,9 +84,9 @@ class Units:
 
     def reduce(self, k: int, grad: torch.Tensor) -> None:
         w = self.wrapper()
-        w._begin_backward()
+        w.begin_backward()
         for i, _, n, off in self.members[k]:
-            w._engine.mark_ready_with(i, grad[off:off + n])
+            w.engine.mark_ready_with(i, grad[off:off + n])
 
 
 def _units(model: str) -> Units:
