@@ -235,7 +235,8 @@ def summarize(ranks: list) -> dict:
             if "times" in row:
                 s["ms"] = spread([t * 1e3 for t in row["times"]])
                 med = statistics.median(row["times"])
-                s["compile_s"] = sum(row["warm_s"][:2]) - 2 * med
+                if row["graphs"]:   # zero3-eager compiles nothing
+                    s["compile_s"] = sum(row["warm_s"][:2]) - 2 * med
                 s["step_peak_mib"] = max(rk[model]["rows"][name]["step_peak_mib"] for rk in ranks)
                 s["recompiles"] = max(rk[model]["rows"][name]["recompiles"] for rk in ranks)
             rows[name] = s
@@ -287,7 +288,7 @@ def print_report(report: dict) -> None:
                 continue
             ms = s["ms"]
             print(f"{name:<15} {ms['median']:>8.1f} [{ms['min']:>5.1f}, {ms['max']:>5.1f}] {fmt(s['vs_ddp']):>6} "
-                  f"{fmt(s['vs_fsdp2']):>7} {s['compile_s']:>9.1f} {fmt(s.get('compile_vs_ddp')):>6} "
+                  f"{fmt(s['vs_fsdp2']):>7} {fmt(s.get('compile_s'), '{:.1f}'):>9} {fmt(s.get('compile_vs_ddp')):>6} "
                   f"{s['graphs']:>6} {s['breaks']:>6} {s['recompiles']:>6} {s['step_peak_mib']:>13.1f} "
                   f"{fmt(s.get('peak_vs_eager3')):>8}")
         print("goals (issue 54):")
