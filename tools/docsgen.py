@@ -422,6 +422,52 @@ def gen_perf_offload(arg: str = "") -> str:
     return text + "\n" + source_line(grel)
 
 
+def gen_perf_compile(arg: str = "") -> str:
+    """The compiled step (issue 54): zero_ext under torch.compile beside compiled DDP and FSDP2
+    compiled per block; step time, compile time, dynamo's graphs, stage 3's step memory. One
+    reference file per run (the GPT; the Llama where its run is there)."""
+    rels = [f"{XEON_0528}/{name}" for name in ("bench_compile.json", "bench_compile_llama.json")
+            if (REFERENCE / XEON_0528 / name).exists()]
+    names = {"ddp": "compiled DDP (`torch.compile(DDP(model))`)",
+             "fsdp2": "FSDP2, each block compiled, `fully_shard` per block and root",
+             "zero2": "zero_ext stage 2, `fullgraph=True`", "zero3-per_unit": "zero_ext stage 3 (`per_unit`, default)",
+             "zero3-whole": "zero_ext stage 3, `compile_units=\"whole\"`, `fullgraph=True`",
+             "zero3-ingraph": "zero_ext stage 3, units gathered in the graph (prototype)",
+             "zero3-eager": "zero_ext stage 3, not compiled"}
+    ratio = lambda v: spread(v) if isinstance(v, dict) else "-"   # noqa: E731
+    text = ("Two gloo ranks x 1 thread on this CPU, fp32, AdamW; every system built from the same model and data "
+            "in the same two processes, compiled in a cache of its own (cold). Step time: median [min, max] over "
+            "the repetitions (the systems interleaved); ratios within each repetition. Compile: the first two "
+            "steps' wall time less twice the median step. Graphs and breaks: dynamo's counters after step 2; "
+            "recompiles: graphs compiled after it. Step peak: the rise of the resident peak over one step (the "
+            "rank with the highest). The cores were shared: the absolute times are slow, the ratios are what to "
+            "read, and their spread says how far.\n")
+    for rel in rels:
+        d = ref(rel)
+        for model, m in d["models"].items():
+            rows = []
+            for key, s in m["rows"].items():
+                if "error" in s:
+                    rows.append([names.get(key, key), "does not run: " + s["error"].split(":")[0]] + ["-"] * 8)
+                    continue
+                rows.append([names.get(key, key), f"{s['ms']['median']:.0f}", ratio(s.get("vs_ddp")),
+                             ratio(s.get("vs_fsdp2")), f"{s['compile_s']:.0f}" if "compile_s" in s else "-",
+                             f"{s['compile_vs_ddp']:.2f}x" if "compile_vs_ddp" in s else "-", str(s["graphs"]),
+                             str(s["breaks"]), str(s["recompiles"]), f"{s['step_peak_mib']:.0f}"
+                             + (f" ({s['peak_vs_eager3']:.2f}x)" if "peak_vs_eager3" in s else "")])
+            text += (f"\n{m['config']} ({m['params'] / 1e6:.1f}M parameters); {d['reps']} repetitions of "
+                     f"{d['steps']} step; load average {' / '.join(d['load_before'])} before, "
+                     f"{' / '.join(d['load_after'])} after; `{d['command']}`:\n\n")
+            text += table(["system", "ms / step", "time vs DDP", "time vs FSDP2", "compile s", "compile vs DDP",
+                           "graphs", "breaks", "recompiles", "step peak MiB (vs stage 3 eager)"], rows)
+            goals = m.get("goals", [])
+            if goals:
+                text += "\nGoals (issue 54): " + "; ".join(
+                    f"{what}: {'met' if met else 'not met'} ({'-' if v is None else f'{v:.2f}x'})"
+                    for what, v, met in goals) + ".\n"
+    return text + "\n" + source_line(*rels)
+
+
 def gen_perf_rank_alone(arg: str = "") -> str:
     """Rank 0's checkpoint and evaluation alone, served by the others, beside DDP (bench_rank_alone.py)."""
     rel = f"{ZEN5}/bench_rank_alone.json"
@@ -920,13 +966,13 @@ GENERATORS = {
     "perf-sequence": gen_perf_sequence, "perf-offload": gen_perf_offload, "perf-peak-gpu": gen_perf_peak_gpu,
     "perf-rank-alone": gen_perf_rank_alone,
     "perf-pretrained": gen_perf_pretrained, "perf-peak-process": gen_perf_peak_process,
-    "status": gen_status,
+    "perf-compile": gen_perf_compile, "status": gen_status,
     "notes": gen_notes, "options": gen_options, "deepspeed-keys": gen_deepspeed_keys, "errors": gen_errors,
 }
 # Generators whose text states figures read from benchmarks/reference/ (exempt from the stray-figure scan).
 FROM_REFERENCE = {"perf-headline", "perf-optimizer-gpu", "perf-optimizer-cpu", "perf-units", "perf-comm",
                   "perf-comm-hier", "perf-whole", "perf-memory", "perf-sequence", "perf-offload", "perf-peak-gpu", "perf-rank-alone",
-                  "perf-pretrained", "perf-peak-process", "status"}
+                  "perf-pretrained", "perf-peak-process", "perf-compile", "status"}
 
 
 def generate(name: str, arg: str | None = None) -> str:
