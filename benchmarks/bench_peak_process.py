@@ -15,7 +15,7 @@ model state). Each row is the rank with the highest peak.
 
 Systems: ddp; fsdp2 (fully_shard on each block, then the root; fp32), fsdp2-bf16
 (MixedPrecisionPolicy bf16 params, fp32 reduce); zero0, zero1, zero2, zero3 (unit_modules=["Block"]),
-zero3-bf16 (param_dtype="bf16"); zero3-offload (offload="cpu").
+zeroN-bf16 (param_dtype="bf16") and zeroN-offload (offload="cpu") for N = 1, 2, 3.
 Writes benchmarks/results/bench_peak_process.json.
 """
 from __future__ import annotations
@@ -32,7 +32,8 @@ from machine import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "bench_peak_process.json"
-SYSTEMS = ["ddp", "fsdp2", "fsdp2-bf16", "zero0", "zero1", "zero2", "zero3", "zero3-bf16", "zero3-offload"]
+SYSTEMS = ["ddp", "fsdp2", "fsdp2-bf16", "zero0", "zero1", "zero2", "zero3", "zero1-bf16", "zero2-bf16", "zero3-bf16",
+           "zero1-offload", "zero2-offload", "zero3-offload"]
 MiB = 2 ** 20
 
 
@@ -162,7 +163,8 @@ def run(system: str, world: int, layers: int, steps: int, extra: str = "{}", tim
     return {**top, "ranks": rows}
 
 
-ZERO_OPTIONS = {"zero3-bf16": dict(param_dtype="bf16"), "zero3-offload": dict(offload="cpu")}
+ZERO_OPTIONS = {f"zero{s}-{kind}": dict(param_dtype="bf16") if kind == "bf16" else dict(offload="cpu")
+                for s in (1, 2, 3) for kind in ("bf16", "offload")}
 
 
 def _gpt_config(layers: int):

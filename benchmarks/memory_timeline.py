@@ -102,7 +102,8 @@ def engine_owners(opt, blocks: int = 0) -> callable:
             numel = {u: engine.unit_numel(u) for u in held_units}
             in_use = {0} if block is None else {0, block + 1}
             ahead = gathered * sum(n for u, n in numel.items() if u not in in_use) / max(1, sum(numel.values()))
-        return {"model_state": (msb["parameters"] + msb["master_weights"] + msb["optimizer_states"]) / MiB,
+        host = s["offload"]["total"] if s["offload"] else 0   # offload="cpu": model state in this process too
+        return {"model_state": (msb["parameters"] + msb["master_weights"] + msb["optimizer_states"] + host) / MiB,
                 "gradients": held["gradients"] / MiB, "grad_ring": held["grad_ring"] / MiB,
                 "gathered_units": gathered - ahead, "prefetch": ahead}
     return owners

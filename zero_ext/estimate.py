@@ -136,8 +136,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         its class, or its name ("adamw", "sgd", "rmsprop", ...).
     backend: the process group's backend ("gloo": reduce-scatter by all-to-all under
         reduce_scatter="auto", which sizes the receive buffers; "nccl"/"fake": native).
-    loss_fn: loss_fn(model) -> loss, one forward on inputs it makes: adds "peak", the rank's
-        peak during a step (zero_ext/peak.py).
+    loss_fn: loss_fn(model) -> loss, one forward on inputs it makes: adds "peak" (zero_ext/peak.py).
     config, **options: any other zeroify option that changes memory (bucket_bytes,
         first_bucket_bytes, align, grad_ring_buckets, unit_modules, unit_numel,
         min_unit_numel, prefetch_depth, reduce_scatter, offload, step_in_backward, state_dtype).
@@ -241,8 +240,9 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     }
     if loss_fn is not None:
         kept = s <= 1 and (cfg.offload is not None or bool(cfg.step_in_backward))   # Note [Bucket gradient lifetime]
-        low = torch.bfloat16 if pdt == "bf16" else torch.float16
-        act = peak.activation_peak(model_or_numel, loss_fn, low if ps == 2 else torch.float32, s <= 1 and not kept)
+        grad_bytes = rs if s <= 1 and not kept else 0
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(pdt, torch.float32)
+        act = peak.activation_peak(model_or_numel, loss_fn, dtype, grad_bytes, ring if grad_bytes else 0)
         est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, act, _device_type(model_or_numel) != "cuda", kept)
     return est
 

@@ -54,11 +54,14 @@ class _LiveBytes(TorchDispatchMode):
             del self.alive[key]
 
 
-def activation_peak(model, loss_fn, param_dtype: torch.dtype = torch.float32, keep_grads: bool = False) -> int:
+def activation_peak(model, loss_fn, param_dtype: torch.dtype = torch.float32, grad_bytes: int = 0,
+                    first_grad: int = 0) -> int:
     """Most bytes one forward (loss_fn(model) -> loss) and its backward hold beyond the
     parameters, measured on a copy of the model made of fake tensors on the CPU (nothing is
     allocated; the CPU's kernels are chosen, e.g. flash attention's, as on a real run), its
-    floating-point parameters in param_dtype (what they compute in); keep_grads: gradients stay."""
+    floating-point parameters in param_dtype (what they compute in). A gradient is taken as it
+    lands: staged and freed (grad_bytes 0) or kept at grad_bytes per element (stages 0-1's
+    buckets, in reduce_dtype), with first_grad bytes (their ring) from the first one on."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=False):
@@ -69,11 +72,19 @@ def activation_peak(model, loss_fn, param_dtype: torch.dtype = torch.float32, ke
             return torch.nn.Parameter(torch.empty(t.shape, dtype=dtype, device="cpu"), t.requires_grad)
         memo = {id(t): faked(t) for t in list(model.parameters()) + list(model.buffers())}
         copy_ = copy.deepcopy(model, memo)   # the tensors replaced by fake ones: nothing is copied
-        params = list(copy_.parameters())
+        params, kept = list(copy_.parameters()), set()
+        live = _LiveBytes(params)
+
+        def landed(p):   # a tied weight lands twice, is kept once
+            p.grad = None
+            if grad_bytes and id(p) not in kept:
+                live.now += p.numel() * grad_bytes + (0 if kept else first_grad)
+                live.peak = max(live.peak, live.now)
+                kept.add(id(p))
         for p in params:
-            if p.requires_grad and not keep_grads:
-                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-        with _LiveBytes(params) as live:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(landed)
+        with live:
             loss = loss_fn(copy_)
             loss.backward()
             del loss
