@@ -54,19 +54,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "examples")]   # zero_ext, gpt.py (the spawned ranks import this file too)
 
-from machine import cpu_model, interleaved, spawn_ranks, spread  # noqa: E402
+from machine import cpu_model, interleaved, proc_status_mib as _status, spawn_ranks, spread  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "bench_compile.json"
 SYSTEMS = ["ddp", "fsdp2", "zero2", "zero3-per_unit", "zero3-whole", "zero3-ingraph", "zero3-eager"]
 WARMUP = 3      # steps 1-2 compile (forward, backward); step 3 checks no recompile
 MiB = 2 ** 20
-
-
-def _status(key: str) -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 # -- models: (build, blocks, unit class, batch(generator) -> (x, y), loss(model, x, y))

@@ -28,20 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from machine import cpu_model
+from machine import cpu_model, proc_status_mib as _status
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "bench_peak_process.json"
 SYSTEMS = ["ddp", "fsdp2", "fsdp2-bf16", "zero0", "zero1", "zero2", "zero3", "zero1-bf16", "zero2-bf16", "zero3-bf16",
            "zero1-offload", "zero2-offload", "zero3-offload"]
 MiB = 2 ** 20
-
-
-def _status(key: str) -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def worker(system: str, layers: int, steps: int, out: str, extra: dict, timeline: bool = False) -> None:

@@ -14,6 +14,14 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def proc_status_mib(key: str) -> float:
+    """A /proc/self/status field in MiB ("VmRSS", "VmHWM"), 0 where absent."""
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def spread(values) -> dict:
     """Median, min and max of a list of numbers."""
     import statistics

@@ -1,4 +1,4 @@
-"""No module of zero_ext reads another's private attributes (DESIGN.md §22).
+"""No module of zero_ext reads another's private attributes: each capability keeps its own.
 
 Read with `ast` from the sources (nothing is imported). A module may touch `x._name` only
 when x is self, cls or super(), or `_name` is defined in that same module (a def or class,
