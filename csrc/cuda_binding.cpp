@@ -15,7 +15,9 @@
 // files of csrc/cuda; without ZX_WITH_CUDA zx_bind_cuda adds nothing, so the
 // CPU-only build stays complete and the Python side tests for
 // hasattr(zero_ext._C, "cuda_adam_step").
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>   // pybind11 and its at::Tensor casters: a tenth of torch/extension.h's
+#include <ATen/core/Tensor.h>          // parse time (tests/test_cuda_compile.py checks this file alone)
+#include <ATen/ops/zeros.h>
 
 void zx_bind_cuda(pybind11::module_ &m);
 

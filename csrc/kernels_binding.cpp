@@ -17,6 +17,8 @@
 // the C functions directly.
 #include "kernels_binding.h"
 
+#include <torch/extension.h>
+
 #include "parallel.h"   // defines: zx_parallel_for, zx_parallel_blocks, zx_parallel_threads_seen
 
 #include <algorithm>

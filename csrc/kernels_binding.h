@@ -7,7 +7,8 @@
 //   zx_check, parse_isa  from engine/check.h (the engine's, without Python)
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>   // pybind11 and its at::Tensor casters: a tenth of torch/extension.h's
+#include <ATen/core/Tensor.h>          // parse time (tests/test_cuda_compile.py checks this file alone)
 
 #include <string>
 
