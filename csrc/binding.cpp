@@ -11,6 +11,7 @@
 void zx_bind_cuda(pybind11::module_ &m);   // cuda_binding.cpp (a no-op without CUDA)
 void zx_bind_plan(pybind11::module_ &m);   // plan_binding.cpp (the planner, for estimate_memory)
 void zx_bind_control(pybind11::module_ &m);   // control_binding.cpp (the step control on CPU tensors)
+void zx_bind_schedule(pybind11::module_ &m);   // schedule_binding.cpp (stage 3's unit schedule)
 // stats_binding.cpp: the engine's reports as dicts (Note [Engine stats], engine/stats.h)
 pybind11::dict zx_stats_dict(const zx::EngineStats &s);
 pybind11::dict zx_atomic_stats_dict(const zx::AtomicStats &a);
@@ -21,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     zx_bind_cuda(m);
     zx_bind_plan(m);
     zx_bind_control(m);
+    zx_bind_schedule(m);
     m.attr("BF16_STATE_SEED") = py::int_(zx::kStateSeed);   // Note [bf16 optimizer states]
     // The phases of Note [Collective sequence check] (SeqPhase, engine/digest.h) that
     // Python marks with Engine.sequence_mark; UNIT_NEED_BASE + k: stage-3 unit k is needed.

@@ -25,7 +25,8 @@ Note [What estimate_memory counts]
                     are counted by one step on a tiny tensor.
   buffer_bytes      the gradient ring (grad_ring_buckets slots); stage 3 also the most
                     units whole at once: root, computing unit and prefetched ones
-                    (zero_ext/prefetch.py replays one step). A meta build: at least the
+                    (replay_peak: one step through the hooks' UnitSchedule,
+                    csrc/engine/unit_schedule.h). A meta build: at least the
                     root and one unit in fp32 while initialized.
   offload           offload="cpu", host memory, not in "total": fp32 master, states,
                     gradient shard and the pinned rings.
@@ -39,7 +40,8 @@ import argparse
 import torch
 from torch import nn
 
-from . import peak, prefetch
+from . import peak
+from ._C import replay_peak
 from .comm import device_backend
 from .config import ZeroConfig, make_config
 
@@ -298,8 +300,7 @@ def _gathered_units(rows, frozen_padded: dict, cfg: ZeroConfig, world_size: int,
         unit_numel[r[1]] = unit_numel.get(r[1], 0) + r[3]
     root_numel = unit_numel.pop(0, 0)
     numel = [root_numel] + [unit_numel[u] for u in sorted(unit_numel)]
-    best = prefetch.replay_peak(numel, ps, cfg.prefetch_depth,
-                                prefetch.budget(cfg.prefetch_depth, cfg.coalesce_numel), world_size)
+    best = replay_peak(numel, ps, cfg.prefetch_depth, cfg.coalesce_numel, world_size)   # the hooks' UnitSchedule
     root, largest = root_numel * ps, max(numel[1:], default=0) * ps
     peak = root + best
     if on_meta:

@@ -10,8 +10,8 @@ import weakref
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
-from . import compiled, offload, prefetch
-from ._C import PHASE_BACKWARD, PHASE_FORWARD, PHASE_FORWARD_NOGRAD, PHASE_MODEL_STATE, UNIT_NEED_BASE
+from . import compiled, offload
+from ._C import PHASE_BACKWARD, PHASE_FORWARD, PHASE_FORWARD_NOGRAD, PHASE_MODEL_STATE, UNIT_NEED_BASE, UnitSchedule
 from .alone import source
 
 
@@ -225,42 +225,16 @@ class ZeroModel(nn.Module):
 
 class _UnitHooks:
     """Stage 3: gather each unit before its forward and backward, release it after
-    (Note [Stage 3 parameter lifetime] in csrc/engine/units.cpp), and prefetch
-    the next units along the learned unit sequence (Note [Stage 3 unit sequence]).
-    Fetches that were not prefetched count in stats()["out_of_order_fetches"].
-
-    Note [Stage 3 unit sequence]
-      A pass is one call of the root module and, when gradients flow from it, the
-      backward that follows. Every time a pass needs a unit — its forward, its
-      backward (a hook on its outputs' gradients), its recomputation under
-      activation checkpointing — the unit is appended to the pass's record
-      (backward needs of one unit in a row count once). The record of the last
-      pass of the same kind (with or without autograd) predicts the next one:
-      each need moves a cursor past the unit's next occurrence in the prediction,
-      and the `depth` distinct units after the cursor are gathered ahead. So any
-      order that repeats — encoder-decoders whose encoder's backward waits for the
-      whole decoder, recomputation, modules run in another order than registered —
-      is prefetched exactly from its second pass on. Before a kind of pass has been
-      seen, the prediction is registration order, and backward the reverse of the
-      forward just run. A unit is released after its forward unless the prediction
-      needs it again within `depth` units (the last units of forward are the first
-      of backward); after its backward when its last gradient is staged (engine).
-    """
+    (Note [Stage 3 parameter lifetime] in csrc/engine/units.cpp), and prefetch the next
+    units as `schedule` (a UnitSchedule: Note [Stage 3 unit sequence] in
+    csrc/engine/unit_schedule.h) predicts them. Fetches that were not prefetched count
+    in stats()["out_of_order_fetches"]."""
 
     def __init__(self, wrapper: ZeroModel, unit_modules: list, root_holders: list):
         self.wrapper = wrapper
         self.engine = wrapper._engine
-        self.depth = wrapper._config.prefetch_depth
-        self.coalesce = prefetch.budget(self.depth, wrapper._config.coalesce_numel)
         self.numel = [self.engine.unit_numel(u) for u in range(self.engine.num_units)]
-        self.learned: dict[bool, list] = {}             # pass kind (grad enabled) -> last record
-        self.order: list = []                           # this pass's prediction: (unit, in backward)
-        self.cursor = 0                                 # next expected position in self.order
-        self.recorded: list = []                        # this pass's record: (unit, in backward)
-        self.recording = False                          # a pass is running (or its backward)
-        self.grad_pass = False                          # the current pass runs with autograd
-        self.out_of_order = 0
-        self.fetches = 0
+        self.schedule = UnitSchedule(self.numel, wrapper._config.prefetch_depth, wrapper._config.coalesce_numel)
         self.in_root = False                            # inside the root module's forward
         self.marked = False                             # the wrapper marked this forward already
         self.kept: set = set()                          # units kept while reading alone (_keeping)
@@ -288,14 +262,9 @@ class _UnitHooks:
         return source(self.engine.sequence_away if away is None else away)
 
     def _prefetch(self, k: int, src) -> None:
-        """Gather the units ahead of k (zero_ext/prefetch.py): small ones in one
-        collective (Note [Coalesced unit gathers], csrc/engine/units.cpp), the
-        window reaching coalesce_numel elements ahead within this phase, so a unit
-        done with its forward is not fetched back for its backward early."""
-        window = prefetch.upcoming(self.order, self.cursor, k, self.depth, self.numel, self.coalesce,
-                                   _in_backward(), into_backward=False)
-        missing = [u for u in window if not self.engine.unit_requested(u)]
-        together, launch = prefetch.to_fetch(window, missing, self.depth, self.numel, self.coalesce)
+        """Gather the units the schedule expects after k: small ones in one collective
+        (Note [Coalesced unit gathers], csrc/engine/units.cpp)."""
+        together, launch = self.schedule.ahead(self.engine, k, _in_backward())
         src.units(self.wrapper.optimizer, launch, together)
 
     def _release(self, k: int, keep: bool = False) -> None:
@@ -328,32 +297,24 @@ class _UnitHooks:
             self._release(k)
 
     def _need(self, k: int) -> None:
-        """Unit k is needed now: record it, resynchronize the cursor on it, make it
-        whole (counting it if it was not foreseen) and prefetch what follows. A unit
-        gathered_parameters() holds needs nothing (no collective, no sequence mark), so
-        rank 0 alone may evaluate inside `with zero_ext.gathered_parameters(model):`."""
+        """Unit k is needed now: the schedule records it, then it is made whole (counted
+        if it was not foreseen) and what follows prefetched. A unit gathered_parameters()
+        holds needs nothing (no collective, no sequence mark), so rank 0 alone may
+        evaluate inside `with zero_ext.gathered_parameters(model):`."""
         if self.wrapper._pinned[k]:
             return
-        need = (k, _in_backward())
-        # one backward need per unit in a row (a hook fires for each of its outputs);
-        # forward needs all count (a module called twice is needed twice)
-        if self.recording and not (need[1] and self.recorded and self.recorded[-1] == need):
-            self.recorded.append(need)
-        for i in range(self.cursor, len(self.order)):
-            if self.order[i][0] == k:
-                self.cursor = i + 1       # else not predicted from here on: keep the cursor
-                break
-        self.fetches += 1
+        self.schedule.need(k, _in_backward())
         src = self._source(self.engine.sequence_mark(UNIT_NEED_BASE + k))
         if not self.engine.unit_gathered(k) and not src.unit(self.wrapper.optimizer, k):
-            self.out_of_order += 1
+            self.schedule.out_of_order += 1
         self._prefetch(k, src)
 
     # -- a compiled forward (Note [Stage 3 compiled whole])
     def compiled_begin(self, gather: bool = True) -> None:
         """Before the graph: every unit gathered (unless the graph gathers them), the unit
         hooks inert while it is traced or runs."""
-        self.compiled, self.marked, self.recording = True, False, False
+        self.compiled, self.marked = True, False
+        self.schedule.stop_recording()
         if self.kept:
             self._drop_kept()
         src, opt = self._source(), self.wrapper.optimizer
@@ -381,12 +342,7 @@ class _UnitHooks:
             return
         if _in_backward():
             return
-        # The previous pass is complete. One with autograd whose backward never came (an
-        # evaluation) is not learned: it would predict no backward (Note [Reading alone]:
-        # a rank evaluating alone keeps the others' prediction).
-        if self.recording and self.recorded and (not self.grad_pass or any(b for _, b in self.recorded)):
-            self.learned[self.grad_pass] = self.recorded
-        self.grad_pass = torch.is_grad_enabled()
+        self.schedule.begin_pass(torch.is_grad_enabled())   # the previous pass is complete
         self.engine.hide_sharded_grads()   # entered as model.module(...) too
         if not self.marked:                # Note [Reading alone]: settled before its gathers
             self.engine.sequence_mark(forward_phase(), servable=True)
@@ -394,16 +350,9 @@ class _UnitHooks:
         src = self._source()
         if self.kept and not self._keeping(src):
             self._drop_kept()              # back with the others, or training: as they hold units
-        known = self.learned.get(self.grad_pass)
-        self.order = known if known is not None else self._guess()
-        self.recorded, self.cursor, self.recording, self.in_root = [], 0, True, True
+        self.in_root = True
         src.unit(self.wrapper.optimizer, 0)
         self._prefetch(0, src)
-
-    def _guess(self) -> list:
-        """Registration order, and (with autograd) its reverse for backward."""
-        fwd = [(k, False) for k in range(1, self.engine.num_units)]
-        return fwd + [(k, True) for k, _ in reversed(fwd)] if self.grad_pass else fwd
 
     def _root_post_forward(self, module, args, out):
         if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
@@ -413,14 +362,8 @@ class _UnitHooks:
         self.in_root = False
         backward_follows = torch.is_grad_enabled() and any(
             t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-        if torch.is_grad_enabled() and self.grad_pass not in self.learned:
-            # first pass of its kind: backward is guessed as this forward reversed. Its
-            # gathers start in backward (prefetch.upcoming: not at the loss, the activations'
-            # peak), so an evaluation with autograd makes the same collectives as training.
-            self.order = self.recorded + [(k, True) for k, _ in reversed(self.recorded)]
-            self.cursor = len(self.recorded)
+        self.schedule.end_forward(torch.is_grad_enabled(), backward_follows)
         if not backward_follows:
-            self.recording = False
             for k in range(self.engine.num_units):   # no backward follows: free everything
                 self._release(k)
 
@@ -429,8 +372,8 @@ class _UnitHooks:
         if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
             return
         if not self.engine.unit_gathered(0):
-            self.fetches += 1
-            self.out_of_order += 1
+            self.schedule.fetches += 1
+            self.schedule.out_of_order += 1
             self._source().unit(self.wrapper.optimizer, 0)
 
     def _holder_post_forward(self, module, args, output):
@@ -472,7 +415,7 @@ class _UnitHooks:
                     t.register_hook(functools.partial(self._pre_backward, k))
         if _in_backward():                # recomputation keeps it for its backward
             return
-        if not prefetch.kept_after_forward(self.order, self.cursor, k, self.depth, self.numel):
+        if not self.schedule.kept_after_forward(k):
             # keep: a backward follows, so node_size keeps a node-local part for it
             self._release(k, torch.is_grad_enabled())
 

@@ -679,8 +679,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         s["atomic"]["tensors_owned"] = sum(len(p.owned) for p in self._parts)
         s["atomic"]["tensor_updates"] = self._tensor_updates
         if self._units is not None:
-            s["unit_fetches"] = self._units.fetches
-            s["out_of_order_fetches"] = self._units.out_of_order
+            s["unit_fetches"] = self._units.schedule.fetches
+            s["out_of_order_fetches"] = self._units.schedule.out_of_order
         return s
 
     def whole_states(self) -> dict:
