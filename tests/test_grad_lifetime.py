@@ -1,7 +1,9 @@
 """Gradients live from a step's first gradient to zero_grad(set_to_none=True), as torch's and
 FSDP2's do: stages 0-1 hold their buckets' full gradient (flat_grad; Note [Bucket gradient
-lifetime]), stages 2-3 the gradient shard and the ring (Note [Gradient shard lifetime]; both
-in csrc/engine/shard_view.cpp), so the loss-time peak holds none of them.
+lifetime]), stages 2-3 the gradient shard (Note [Gradient shard lifetime]; both in
+csrc/engine/shard_view.cpp), so the loss-time peak holds none of them. A ring slot's receive
+buffer lives only while a bucket holds the slot (Note [Ring slot lifetime] in
+csrc/engine/grad_ring.h): between backwards the ring holds its send buffers alone.
 
 - opt.stats()["held_bytes"] after each phase of a step, stages 0-3 at 2 and 3 gloo ranks (the
   tiny GPT: 3-rank slices do not divide its buckets): nothing before the first backward, all
@@ -73,9 +75,12 @@ def test_gradients_are_held_from_the_first_gradient_to_zero_grad(world):
                 need, end, none = need[0], o["end"][0], 0
                 assert all(0 < m[0] < need for m in o["middle"]), where   # bucket by bucket
                 assert len(o["middle"]) == 2, where
-            else:
+            else:   # the shard; between backwards the ring holds its send buffers, not its receive ones
                 end, none = o["end"], (0, 0)
-            assert min(need if stage > 1 else (need,)) > 0 and end == none, where
+                sends = {seen[k][1] for k in ("backward0", "step0", "backward1", "zero_grad1")}
+                assert len(sends) == 1 and 0 < min(sends) < need[1], where
+                need = (need[0], min(sends))
+            assert o["need"][0] > 0 and (stage < 2 or o["need"][1] > 0) and end == none, where   # a step's needs
             assert seen["loss0"] == none, where                  # none before the first backward
             assert seen["backward0"] == need and seen["step0"] == need, where
             assert seen["zero_grad0"] == none, where             # set_to_none=True: released

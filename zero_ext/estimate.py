@@ -222,7 +222,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     msb["total"] = sum(msb.values())
 
     slots = _ring_slots(s, world_size, cfg.grad_ring_buckets, len(rows))
-    ring = slots * _slot_bytes(s, world_size, max_padded, parts, rs, alltoall)
+    ring = slots * _slot_bytes(s, world_size, max_padded, parts, rs, alltoall, cfg, _device_type(model_or_numel))
     buf = {"grad_ring": ring, "ring_slots": slots, "grad_landing": landing, "split_master_scratch": split_scratch}
     frozen_padded = _frozen_padded(frozen_units, cfg, world_size, parts)
     if s == 3:
@@ -272,11 +272,11 @@ def _ring_slots(stage: int, world_size: int, grad_ring_buckets: int, num_buckets
     return 1 if world_size == 1 else min(max(1, grad_ring_buckets), num_buckets)
 
 
-def _slot_bytes(stage: int, world_size: int, max_padded: int, parts: int, rs: int, alltoall: bool) -> int:
-    """One ring slot: stages 2-3 stage a bucket's gradient; with N > 1 a receive buffer, the
-    whole bucket for the all-to-all reduce-scatter, a slice for the native one."""
-    send = max_padded * rs if stage >= 2 else 0
-    return send + (((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0)
+def _slot_bytes(stage: int, world_size: int, max_padded: int, parts: int, rs: int, alltoall: bool, cfg, device) -> int:
+    """One ring slot: a bucket's gradient staged (stages 2-3) and received (N > 1: all of it by all-to-all, else a slice)."""
+    if alltoall and stage >= 2 and world_size > 1 and device == "cpu" and cfg.offload is cfg.grad_quant is None:
+        rs = min(rs, _SIZE[cfg.param_dtype])   # Note [Narrow gradient wire] in csrc/engine/reducer.cpp
+    return (max_padded * rs if stage >= 2 else 0) + (((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0)
 
 
 def _frozen_padded(frozen_units: list, cfg: ZeroConfig, world_size: int, parts: int) -> dict:

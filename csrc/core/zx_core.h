@@ -364,6 +364,12 @@ zx_status zx_grad_sumsq(zx_isa isa, size_t n, const float *grad, float scale,
 zx_status zx_sum_slices(zx_isa isa, size_t slice_n, int32_t nslices, const float *src,
                         float *dst, int32_t accumulate, float scale);
 
+/* zx_sum_slices of 16-bit slices (src_dtype ZX_BF16 or ZX_F16), each element widened
+ * exactly to fp32 first: bit for bit zx_sum_slices of the widened src. dst (fp32) may
+ * not overlap src. (A 16-bit gradient's all-to-all summed in fp32.) */
+zx_status zx_sum_slices16(zx_isa isa, size_t slice_n, int32_t nslices, const uint16_t *src,
+                          zx_dtype src_dtype, float *dst, int32_t accumulate, float scale);
+
 /* x[i] *= s */
 zx_status zx_scale(zx_isa isa, size_t n, float *x, float s);
 

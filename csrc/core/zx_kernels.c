@@ -319,6 +319,31 @@ zx_status zx_sum_slices(zx_isa isa, size_t slice_n, int32_t nslices, const float
     return ZX_OK;
 }
 
+zx_status zx_sum_slices16(zx_isa isa, size_t slice_n, int32_t nslices, const uint16_t *src,
+                          zx_dtype src_dtype, float *dst, int32_t accumulate, float scale) {
+    if (nslices < 1 || !is_lp_dtype(src_dtype)) return ZX_ERR_INVALID_ARG;
+    zx_status s = check_isa(isa);
+    if (s != ZX_OK) return s;
+    if (slice_n == 0) return ZX_OK;
+    if (!src || !dst) return ZX_ERR_INVALID_ARG;
+    if (slice_n > SIZE_MAX / sizeof(float) / (size_t)nslices) return ZX_ERR_OVERFLOW;
+    uintptr_t s0 = (uintptr_t)src, s1 = (uintptr_t)(src + slice_n * (size_t)nslices);
+    uintptr_t d0 = (uintptr_t)dst, d1 = (uintptr_t)(dst + slice_n);
+    if (d0 < s1 && s0 < d1) return ZX_ERR_INVALID_ARG;   /* a widening sum cannot run in place */
+    switch (isa) {
+#if ZX_HAVE_X86_SIMD
+    case ZX_ISA_AVX512:
+        zx_sum_slices16_avx512(slice_n, slice_n, nslices, src, src_dtype, dst, accumulate, scale);
+        break;
+    case ZX_ISA_AVX2:
+        zx_sum_slices16_avx2(slice_n, slice_n, nslices, src, src_dtype, dst, accumulate, scale);
+        break;
+#endif
+    default: zx_sum_slices16_ref(slice_n, slice_n, nslices, src, src_dtype, dst, accumulate, scale); break;
+    }
+    return ZX_OK;
+}
+
 zx_status zx_scale(zx_isa isa, size_t n, float *x, float s) {
     zx_status st = check_isa(isa);
     if (st != ZX_OK) return st;

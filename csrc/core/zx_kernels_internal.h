@@ -99,6 +99,9 @@ void zx_grad_sumsq_ref(size_t n, const float *grad, float scale, double *sumsq,
 /* dst[i] = (accumulate ? dst[i] : 0) + scale * sum_j src[j*stride + i], i < n */
 void zx_sum_slices_ref(size_t n, size_t stride, int32_t nslices, const float *src,
                        float *dst, int32_t accumulate, float scale);
+/* the same of 16-bit src (dtype ZX_BF16 or ZX_F16), widened exactly */
+void zx_sum_slices16_ref(size_t n, size_t stride, int32_t nslices, const uint16_t *src,
+                         zx_dtype dtype, float *dst, int32_t accumulate, float scale);
 void zx_scale_ref(size_t n, float *x, float s);
 /* dtype is ZX_BF16 or ZX_F16 (the entry point handles ZX_F32). */
 void zx_cast_from_f32_ref(size_t n, const float *src, void *dst, zx_dtype dtype);
@@ -136,6 +139,9 @@ float zx_f16_to_f32_ref(uint16_t h);
     void zx_sum_slices_##sfx(size_t n, size_t stride, int32_t nslices,                 \
                              const float *src, float *dst, int32_t accumulate,         \
                              float scale);                                             \
+    void zx_sum_slices16_##sfx(size_t n, size_t stride, int32_t nslices,               \
+                               const uint16_t *src, zx_dtype dtype, float *dst,        \
+                               int32_t accumulate, float scale);                       \
     void zx_scale_##sfx(size_t n, float *x, float s);                                  \
     void zx_cast_from_f32_##sfx(size_t n, const float *src, void *dst, zx_dtype dtype, int stream); \
     void zx_cast_to_f32_##sfx(size_t n, const void *src, zx_dtype dtype, float *dst);

@@ -166,6 +166,20 @@ void zx_sum_slices_ref(size_t n, size_t stride, int32_t nslices, const float *sr
     }
 }
 
+void zx_sum_slices16_ref(size_t n, size_t stride, int32_t nslices, const uint16_t *src,
+                         zx_dtype dtype, float *dst, int32_t accumulate, float scale) {
+    for (size_t i = 0; i < n; i++) {
+        /* the operations of zx_sum_slices_ref on the widened values */
+        float s = dtype == ZX_BF16 ? zx_bf16_to_f32_ref(src[i]) : zx_f16_to_f32_ref(src[i]);
+        for (int32_t j = 1; j < nslices; j++) {
+            const uint16_t h = src[(size_t)j * stride + i];
+            s = s + (dtype == ZX_BF16 ? zx_bf16_to_f32_ref(h) : zx_f16_to_f32_ref(h));
+        }
+        float t = scale * s;
+        dst[i] = accumulate ? dst[i] + t : t;
+    }
+}
+
 void zx_scale_ref(size_t n, float *x, float s) {
     for (size_t i = 0; i < n; i++) x[i] = x[i] * s;
 }

@@ -93,8 +93,13 @@ void GradReducer::configure(const Layout &layout, Kernels *device) {
     // Note [Gradient layout]: stages 2-3 stage each gradient in a slot; more than one rank
     // receives a slice (reduce-scatter) or every rank's slices (all-to-all). The slots are
     // allocated at the first backward (acquire_slot), so building the model costs no more.
+    // Note [Narrow gradient wire] (reducer.cpp): 16-bit gradients sent as they are
+    const bool narrow_wire = kind_ == ReduceKind::kAllToAll && opts.stage >= 2 && layout.world > 1 &&
+                             layout.dtypes.low() && layout.dtypes.reduce == at::kFloat && !opts.offload &&
+                             layout.dev.is_cpu();
+    wire_ = narrow_wire ? layout.dtypes.param : layout.dtypes.reduce;
     ring_.configure(opts.stage >= 2 ? layout.max_padded : 0, layout.world > 1 ? recv_numel(layout.max_padded) : 0,
-                    reduce_, opts.grad_ring_buckets);
+                    layout.on_device(wire_), opts.grad_ring_buckets, opts.offload || !layout.dev.is_cpu());
     // Note [Coalesced gradient reductions] (reducer.cpp): stage 3's plain reduction path only.
     if (opts.stage == 3 && layout.world > 1 && !quantized() && !opts.offload && !opts.step_in_backward &&
         opts.coalesce_numel > 0)

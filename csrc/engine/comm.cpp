@@ -167,9 +167,10 @@ WorkPtr Communicator::reduce_scatter_sum(at::Tensor recv, at::Tensor send) {
     return launch([&] { return (*pg_)->_reduce_scatter_base(recv, send, o); });
 }
 
-WorkPtr Communicator::all_to_all(at::Tensor recv, at::Tensor send, int64_t logical_numel) {
+WorkPtr Communicator::all_to_all(at::Tensor recv, at::Tensor send, int64_t logical_numel, int64_t logical_elem) {
     // Counted as the reduce-scatter it implements.
-    count.reduce_scatter.add(logical_numel, send.element_size());
+    count.reduce_scatter.add(logical_numel, logical_elem > 0 ? logical_elem : send.element_size(),
+                             logical_numel * send.element_size());
     seq.before(kSeqReduceScatter, logical_numel);
     std::vector<int64_t> splits;   // empty: equal splits
     return launch([&] { return (*pg_)->alltoall_base(recv, send, splits, splits); });

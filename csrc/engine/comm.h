@@ -56,7 +56,8 @@ public:
     WorkPtr reduce_scatter_sum(at::Tensor recv, at::Tensor send);
     // send (N equal slices) -> recv (N slices: slice j from rank j), for a
     // reduce-scatter summed locally (Note [Reduce-scatter on gloo]).
-    WorkPtr all_to_all(at::Tensor recv, at::Tensor send, int64_t logical_numel);
+    // logical_elem: bytes an element counts as (0: send's; Note [Narrow gradient wire] sends fewer)
+    WorkPtr all_to_all(at::Tensor recv, at::Tensor send, int64_t logical_numel, int64_t logical_elem = 0);
     // The quantized form (Note [Quantized gradient reduction] in quant_reduce.h): codes
     // (bytes) and scales (fp32) of N equal slices, two all-to-alls; counted as a
     // reduce-scatter of logical_numel elements of logical_elem bytes whose wire bytes

@@ -120,8 +120,13 @@ public:
     void land(int64_t slot, int64_t padded, int64_t slice, at::Tensor dst, bool accumulate, Kernels &k);
     // The part of slot's recv an exact collective wrote (all-to-all: every rank's slices).
     at::Tensor recv(int64_t slot, int64_t padded, int64_t slice) {
-        return ring_[slot].recv.narrow(0, 0, kind_ == ReduceKind::kAllToAll ? padded : slice);
+        return recv_of(slot).narrow(0, 0, kind_ == ReduceKind::kAllToAll ? padded : slice);
     }
+    // Note [Narrow gradient wire]: 16-bit slots (wire_ is param_dtype), or reduce_dtype
+    bool narrow() const { return wire_ != reduce_.dtype().toScalarType(); }
+    // Slot's buffers as its bucket uses them: the wide pair once widen() made it.
+    at::Tensor &send_of(int64_t slot) { return ring_[slot].wide_send.defined() ? ring_[slot].wide_send : ring_[slot].send; }
+    at::Tensor &recv_of(int64_t slot) { return ring_[slot].wide_recv.defined() ? ring_[slot].wide_recv : ring_[slot].recv; }
     // Slot's reduced slice as a tensor: where the reduce-scatter left it, else summed into
     // landing(slice) (Note [Step in backward]).
     template <class Landing>
@@ -138,6 +143,7 @@ private:
     void accumulate_local(ReduceWork &w, int64_t i);   // stages 2-3, sync off: into its bucket's local_grad
     int64_t acquire_slot(ReduceWork &w, int64_t b);
     void release_slot(ReduceWork &w, int64_t b);
+    void widen(int64_t slot);                          // Note [Narrow gradient wire]: the bucket in reduce_dtype
     void launch_bucket(ReduceWork &w, int64_t b);      // b's gradients are in: its reduction (or world 1's landing)
     void complete(ReduceWork &w, int64_t b);           // wait for b's reduction (and those before) and land it
     void finish_group(ReduceWork &w, ReduceGroup &g);  // Note [Coalesced gradient reductions]: sums into the shard
@@ -145,6 +151,7 @@ private:
     ReduceKind kind_ = ReduceKind::kReduceScatter;
     int64_t world_ = 1, partitions_ = 1;
     at::TensorOptions reduce_;               // reduce_dtype, on the parameters' device
+    at::ScalarType wire_ = at::kFloat;       // the ring's dtype (Note [Narrow gradient wire])
     std::unique_ptr<QuantReduce> quant_;     // kQuantized: the codes, scales and residuals
     ShardedGrads grads_;   // what .grad shows: stage 0-1 views, the wrappers after a reducing backward
     BackwardPass pass_;

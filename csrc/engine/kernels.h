@@ -87,6 +87,12 @@ public:
     }
     // dst = (accumulate ? dst : 0) + sum_j src[j*slice_n + i], j ascending.
     virtual void sum_slices(int64_t slice_n, int32_t nslices, const float *src, float *dst, bool accumulate) = 0;
+    // The same of 16-bit slices (src_dtype ZX_BF16/ZX_F16) widened exactly: bit for bit sum_slices of
+    // the widened src. false: no such kernel here (Note [Narrow gradient wire] is CPU only).
+    virtual bool sum_slices16(int64_t slice_n, int32_t nslices, const uint16_t *src, zx_dtype src_dtype, float *dst,
+                              bool accumulate) {
+        return false;
+    }
     // Blockwise quantization (Note [Blockwise quantization], csrc/core/zx_quant.c): the
     // C core's formats and maths, bit-identical on every device. quantize: n elements
     // of src (src_dtype) -> q (zx_quant_bytes bytes) and scales (zx_quant_blocks

@@ -176,6 +176,22 @@ public:
         });
     }
 
+    // sum_slices' split into tasks, so the same additions in the same order
+    bool sum_slices16(int64_t sn, int32_t np, const uint16_t *src, zx_dtype dt, float *dst, bool accumulate) override {
+        parallel(sn, [&](int64_t lo, int64_t hi) {
+            if (hi - lo == sn) {
+                zx_check(zx_sum_slices16(isa_, (size_t)sn, np, src, dt, dst, accumulate ? 1 : 0, 1.0f),
+                         "summing 16-bit reduce-scatter slices");
+                return;
+            }
+            for (int32_t j = 0; j < np; j++)
+                zx_check(zx_sum_slices16(isa_, (size_t)(hi - lo), 1, src + j * sn + lo, dt, dst + lo,
+                                         (accumulate || j > 0) ? 1 : 0, 1.0f),
+                         "summing 16-bit reduce-scatter slices");
+        });
+        return true;
+    }
+
     void quantize(int32_t bits, int64_t bn, int64_t n, const void *src, zx_dtype dt, float *residual, void *q,
                   float *scales) override {
         const char *s = (const char *)src;

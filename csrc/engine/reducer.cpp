@@ -61,7 +61,8 @@ void GradReducer::stage_grad(ReduceWork &w, int64_t i) {
     for (const zx_piece &pc : w.params.pieces(i)) {   // one piece unless cut (Note [Cut parameters])
         Bucket &bk = w.buckets[pc.bucket];
         if (bk.slot < 0) acquire_slot(w, pc.bucket);
-        at::Tensor dst = ring_[bk.slot].send.narrow(0, pc.offset, pc.numel);
+        if (narrow() && flat.defined() && flat.scalar_type() != wire_) widen(bk.slot);
+        at::Tensor dst = send_of(bk.slot).narrow(0, pc.offset, pc.numel);
         if (flat.defined())
             dst.copy_(flat.narrow(0, pc.param_offset, pc.numel));
         else
@@ -200,6 +201,22 @@ int64_t GradReducer::acquire_slot(ReduceWork &w, int64_t b) {
     return s;
 }
 
+// Note [Narrow gradient wire]
+//   With 16-bit parameters (param_dtype bf16/fp16) each gradient autograd makes is
+//   16-bit, and reduce_dtype fp32 only widens it: exactly. So the all-to-all of
+//   stages 2-3 (Note [Reduce-scatter on gloo]) stages and sends the gradients as they
+//   are, and sum_slices16 widens each received element before the same fp32 sums, in
+//   the same order: bit for bit the fp32 reduction, from a ring half its size and
+//   half the bytes on the wire. A bucket whose values are not 16-bit (a no_sync
+//   sum in local_grad, a gradient given in another dtype) is widened for that one
+//   reduction: its staged part copied (exactly) into a reduce_dtype send, received
+//   into a reduce_dtype recv, both freed with its slot. CPU only (the kernel);
+//   not with offload, whose pinned rings hold reduce_dtype (build.cpp).
+void GradReducer::widen(int64_t slot) {
+    Slot &sl = ring_[slot];
+    if (!sl.wide_send.defined()) sl.wide_send = sl.send.to(reduce_.dtype().toScalarType());
+}
+
 void GradReducer::release_slot(ReduceWork &w, int64_t b) {
     Bucket &bk = w.buckets[b];
     if (bk.slot >= 0) ring_.release(bk.slot);
@@ -209,9 +226,9 @@ void GradReducer::release_slot(ReduceWork &w, int64_t b) {
 void GradReducer::launch_bucket(ReduceWork &w, int64_t b) {
     Bucket &bk = w.buckets[b];
     if (w.stage() >= 2 && bk.slot < 0) acquire_slot(w, b);   // bucket with no gradients at all
+    if (narrow() && bk.local_grad.defined()) widen(bk.slot);   // a sum of micro-steps: not 16-bit exact
     // stages 2-3: the bucket's gradient, staged in its ring slot
-    const at::Tensor staged = w.stage() >= 2 ? ring_[bk.slot].send.narrow(0, 0, bk.padded_numel)
-                                               : at::Tensor();
+    const at::Tensor staged = w.stage() >= 2 ? send_of(bk.slot).narrow(0, 0, bk.padded_numel) : at::Tensor();
     if (staged.defined()) {
         if (bk.local_grad.defined()) {   // Note [Local accumulation]
             staged.add_(bk.local_grad);
@@ -274,7 +291,8 @@ void GradReducer::launch(Communicator &comm, int64_t b, const at::Tensor &send, 
         // gloo's reduce_scatter is an
         // all-reduce underneath (2x the bytes); an equal-split all-to-all
         // moves exactly one slice to each peer, and sum_slices adds them.
-        work = comm.all_to_all(ring_[slot].recv.narrow(0, 0, padded), send, padded);
+        if (narrow() && send.scalar_type() != wire_) ring_[slot].wide_recv = at::empty({padded}, reduce_);   // widened
+        work = comm.all_to_all(recv_of(slot).narrow(0, 0, padded), send, padded, reduce_.dtype().itemsize());
         break;
     case ReduceKind::kReduceScatter:
         work = comm.reduce_scatter_sum(ring_[slot].recv.narrow(0, 0, slice), send);
@@ -396,6 +414,11 @@ void GradReducer::finish(int64_t padded, int64_t slice, const at::Tensor &recv, 
         at::Tensor sum = recv.narrow(0, 0, padded).view({partitions_, slice}).to(at::kFloat).sum(0);
         if (accumulate) sum.add_(dst);
         dst.copy_(sum);
+    } else if (all_to_all && recv.scalar_type() != at::kFloat) {   // Note [Narrow gradient wire]
+        const zx_dtype dt = recv.scalar_type() == at::kBFloat16 ? ZX_BF16 : ZX_F16;
+        TORCH_CHECK(k.sum_slices16(slice, (int32_t)partitions_, (const uint16_t *)recv.data_ptr(), dt,
+                                   dst.data_ptr<float>(), accumulate),
+                    "zero_ext: internal: no 16-bit slice sum on this device");
     } else if (all_to_all) {
         k.sum_slices(slice, (int32_t)partitions_, recv.data_ptr<float>(), dst.data_ptr<float>(), accumulate);
     } else if (accumulate) {
@@ -409,7 +432,7 @@ void GradReducer::land(int64_t slot, int64_t padded, int64_t slice, at::Tensor d
     if (quant_)
         quant_->finish(slot, slice, dst, accumulate);
     else
-        finish(padded, slice, ring_[slot].recv, dst, accumulate, k);
+        finish(padded, slice, recv_of(slot), dst, accumulate, k);
 }
 
 void GradReducer::wait_all(ReduceWork w) {

@@ -305,6 +305,44 @@ static void test_sum_slices_and_scale(void) {
           dst[1] == 2111.0f, "sum_slices known value %g %g", dst[0], dst[1]);
 }
 
+/* sum_slices16: bit for bit zx_sum_slices of the widened slices, every ISA */
+static void test_sum_slices16(void) {
+    const int32_t slices[] = {1, 2, 3, 5};
+    const zx_dtype dts[] = {ZX_BF16, ZX_F16};
+    for (int ii = 0; ii < g_num_isas; ii++) {
+        for (size_t li = 0; li < NUM_LENGTHS; li++) {
+            for (int si = 0; si < 4; si++) {
+                for (int cfg = 0; cfg < 8; cfg++) {
+                    size_t n = k_lengths[li], m = n * (size_t)slices[si];
+                    int32_t ns = slices[si], acc = cfg & 1;
+                    zx_dtype dt = dts[(cfg >> 1) & 1];
+                    float scale = (cfg & 4) ? 0.25f : 1.0f;
+                    uint16_t *h = malloc((m + 1) * sizeof *h);
+                    buf wide = buf_new(m, 0), d0 = buf_new(n, 0), d1 = buf_new(n, 1);
+                    for (size_t i = 0; i < m; i++) {
+                        float x = rnd_sym();
+                        h[i] = dt == ZX_BF16 ? zx_f32_to_bf16_ref(x) : zx_f32_to_f16_ref(x);
+                        wide.p[i] = dt == ZX_BF16 ? zx_bf16_to_f32_ref(h[i]) : zx_f16_to_f32_ref(h[i]);
+                    }
+                    for (size_t i = 0; i < n; i++) d0.p[i] = d1.p[i] = rnd_sym();
+                    CHECK(zx_sum_slices(ZX_ISA_SCALAR, n, ns, wide.p, d0.p, acc, scale) == ZX_OK, "sum_slices");
+                    CHECK(zx_sum_slices16(g_isas[ii], n, ns, h, dt, d1.p, acc, scale) == ZX_OK, "sum_slices16");
+                    size_t first = 0;
+                    CHECK(count_ulp_diff(d0.p, d1.p, n, 0, &first) == 0, "sum_slices16 %s n=%zu ns=%d cfg=%d",
+                          zx_isa_name(g_isas[ii]), n, ns, cfg);
+                    free(h); free(wide.base); free(d0.base); free(d1.base);
+                }
+            }
+        }
+    }
+    uint16_t h[4] = {0};
+    float d[4] = {0};
+    CHECK(zx_sum_slices16(ZX_ISA_SCALAR, 2, 2, h, ZX_F32, d, 0, 1.0f) == ZX_ERR_INVALID_ARG, "sum_slices16 f32");
+    CHECK(zx_sum_slices16(ZX_ISA_SCALAR, 2, 0, h, ZX_BF16, d, 0, 1.0f) == ZX_ERR_INVALID_ARG, "sum_slices16 0");
+    CHECK(zx_sum_slices16(ZX_ISA_SCALAR, 1, 2, h, ZX_BF16, (float *)(void *)h, 0, 1.0f) == ZX_ERR_INVALID_ARG,
+          "sum_slices16 in place");
+}
+
 /* ------------------------------------------------------------------ conversions */
 static void test_reference_conversions(void) {
     /* known values */
@@ -514,6 +552,7 @@ int main(void) {
     test_sgd();
     test_grad_sumsq();
     test_sum_slices_and_scale();
+    test_sum_slices16();
     test_errors();
 
     printf("%ld passed, %ld failed\n", g_passed, g_failed);
