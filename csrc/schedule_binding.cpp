@@ -1,6 +1,6 @@
 // schedule_binding.cpp — stage 3's UnitSchedule (engine/unit_schedule.h) for model.py's hooks,
 // `ahead` asking the Engine which units are requested (Note [Stage 3 unit sequence]); and
-// replay_peak for estimate_memory, so the estimate replays the schedule the hooks run.
+// replay_peak and buffer_bytes for estimate_memory, so the estimate replays the schedule the hooks run.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -35,4 +35,27 @@ void zx_bind_schedule(py::module_ &m) {
     m.def("replay_peak", &zx::replay_peak, py::arg("numel"), py::arg("elem_bytes"), py::arg("depth"),
           py::arg("coalesce_numel"), py::arg("world"),
           "Most bytes of non-root units gathered at once over one training step (Note [Stage 3 unit sequence]).");
+    m.def("buffer_bytes",
+          [](const std::vector<int64_t> &bucket_unit, const std::vector<int64_t> &bucket_padded,
+             const std::vector<std::pair<int64_t, int64_t>> &frozen, int64_t stage, int64_t world,
+             int64_t param_bytes, int64_t reduce_bytes, int64_t grad_ring_buckets, int64_t depth,
+             int64_t coalesce_numel, int64_t accum, int64_t piece_align, int64_t slice_align, bool alltoall,
+             bool on_meta, bool narrow_wire) {
+              const zx::EstimateBuffers b = zx::buffer_bytes(
+                  bucket_unit, bucket_padded, frozen,
+                  {stage, world, param_bytes, reduce_bytes, grad_ring_buckets, depth, coalesce_numel, accum,
+                   piece_align, slice_align, alltoall, on_meta, narrow_wire});
+              py::dict d;
+              d["ring_slots"] = b.ring_slots, d["grad_ring"] = b.grad_ring;
+              d["gathered_root"] = b.gathered_root, d["gathered_unit"] = b.gathered_unit;
+              d["prefetch"] = b.prefetch, d["peak_gathered_params"] = b.peak_gathered;
+              d["frozen_sharded"] = b.frozen_sharded, d["comm"] = b.comm;
+              return d;
+          },
+          py::arg("bucket_unit"), py::arg("bucket_padded"), py::arg("frozen"), py::kw_only(), py::arg("stage"),
+          py::arg("world"), py::arg("param_bytes"), py::arg("reduce_bytes"), py::arg("grad_ring_buckets"),
+          py::arg("depth"), py::arg("coalesce_numel"), py::arg("accum"), py::arg("piece_align"),
+          py::arg("slice_align"), py::arg("alltoall"), py::arg("on_meta"), py::arg("narrow_wire"),
+          "estimate_memory's gradient ring, stage 3's gathered units and frozen shard (bytes), and the "
+          "collective bytes of one optimizer step");
 }

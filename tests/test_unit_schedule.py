@@ -6,7 +6,7 @@ Run: .venv/bin/python -m pytest -q tests/test_unit_schedule.py
 """
 import pytest
 
-from zero_ext._C import UnitSchedule, replay_peak
+from zero_ext._C import UnitSchedule, buffer_bytes, replay_peak
 
 
 def run(s, held: set, rows: str) -> None:
@@ -87,3 +87,7 @@ def test_bad_input_raises():
         UnitSchedule([], 1, 0)
     with pytest.raises(IndexError, match="not one of the 2 units"):
         UnitSchedule([1, 1], 1, 0).need(2, False)
+    with pytest.raises(ValueError, match="one unit and one padded count per bucket"):
+        buffer_bytes([0], [1, 2], [], stage=2, world=2, param_bytes=2, reduce_bytes=2, grad_ring_buckets=1,
+                     depth=0, coalesce_numel=0, accum=1, piece_align=1, slice_align=1, alltoall=False,
+                     on_meta=False, narrow_wire=False)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from . import peak
-from ._C import replay_peak
+from ._C import buffer_bytes, plan_alignments, plan_layout
 from .comm import device_backend
 from .config import ZeroConfig, make_config
 
@@ -220,31 +220,31 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     msb = {"parameters": params_b, "gradients": grads_b, "master_weights": master_b,
            "optimizer_states": state_bytes}
     msb["total"] = sum(msb.values())
-
-    slots = _ring_slots(s, world_size, cfg.grad_ring_buckets, len(rows))
-    ring = slots * _slot_bytes(s, world_size, max_padded, parts, rs, alltoall, cfg, _device_type(model_or_numel))
-    buf = {"grad_ring": ring, "ring_slots": slots, "grad_landing": landing, "split_master_scratch": split_scratch}
-    frozen_padded = _frozen_padded(frozen_units, cfg, world_size, parts)
-    if s == 3:
-        buf.update(_gathered_units(rows, frozen_padded, cfg, world_size, _on_meta(model_or_numel)))
-    buf["total"] = ring + landing + split_scratch + buf.get("peak_gathered_params", 0)
-    frozen_b = frozen * ps + sum(frozen_padded.values()) // parts * ps
-    accum = getattr(cfg, "accumulation_steps", 1)
-    comm = _comm_bytes(rows, frozen_padded, cfg, world_size, accum)
+    # the ring, stage 3's units (the hooks' UnitSchedule replayed), frozen shard, bytes per step
+    piece, slice_align = plan_alignments(cfg.resolved_align(world_size), _ZX_DTYPE[pdt])   # Note [Aligned pieces]
+    b = buffer_bytes([r[1] for r in rows], [r[3] for r in rows], frozen_units, stage=s, world=world_size,
+                     param_bytes=ps, reduce_bytes=rs, grad_ring_buckets=cfg.grad_ring_buckets, depth=cfg.prefetch_depth,
+                     coalesce_numel=cfg.coalesce_numel, accum=cfg.accumulation_steps, piece_align=piece,
+                     slice_align=slice_align, alltoall=alltoall, on_meta=_on_meta(model_or_numel),
+                     narrow_wire=_device_type(model_or_numel) == "cpu" and cfg.offload is cfg.grad_quant is None)
+    buf = dict(grad_ring=b["grad_ring"], ring_slots=b["ring_slots"], grad_landing=landing, split_master_scratch=split_scratch)
+    buf.update({k: b[k] for k in ("gathered_root", "gathered_unit", "prefetch", "peak_gathered_params") if s == 3})
+    buf["total"] = b["grad_ring"] + landing + split_scratch + buf.get("peak_gathered_params", 0)
+    frozen_b = frozen * ps + b["frozen_sharded"]
     est = {
         "stage": s, "world_size": world_size, "param_dtype": pdt, "reduce_dtype": rdt,
         "optimizer": cls.__name__, "fused": fused, "states_per_element": max(counts) if fused else counts,
         "num_params": total_numel, "padded_numel": padded, "shard_numel": shard, "num_buckets": len(rows),
         "model_state_bytes": msb, "buffer_bytes": buf, "frozen_parameter_bytes": frozen_b,
         "total": msb["total"] + buf["total"] + frozen_b,
-        "comm_bytes_per_step": comm, "accumulation_steps": accum,
+        "comm_bytes_per_step": b["comm"], "accumulation_steps": cfg.accumulation_steps,
         "offload": offload,
     }
     if loss_fn is not None:
         kept = s <= 1 and (cfg.offload is not None or bool(cfg.step_in_backward))   # Note [Bucket gradient lifetime]
         grad_bytes = rs if s <= 1 and not kept else 0
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(pdt, torch.float32)
-        act = peak.activation_peak(model_or_numel, loss_fn, dtype, grad_bytes, ring if grad_bytes else 0)
+        act = peak.activation_peak(model_or_numel, loss_fn, dtype, grad_bytes, b["grad_ring"] if grad_bytes else 0)
         est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, act, _device_type(model_or_numel) != "cuda", kept)
     return est
 
@@ -263,68 +263,6 @@ def _state_size(cls, hypers: list, cfg: ZeroConfig, fused: bool) -> int:
     return 2                     # exp_avg and exp_avg_sq in bfloat16
 
 
-def _ring_slots(stage: int, world_size: int, grad_ring_buckets: int, num_buckets: int) -> int:
-    """The gradient ring's slots (Engine::acquire_slot). Stage 1 needs it for the
-    reduce-scatter output only with N > 1. Stages 2-3 stage every gradient in it: one
-    slot at N = 1 (reduced at once), else grad_ring_buckets (at most one per bucket)."""
-    if stage == 0 or (stage == 1 and world_size == 1):
-        return 0
-    return 1 if world_size == 1 else min(max(1, grad_ring_buckets), num_buckets)
-
-
-def _slot_bytes(stage: int, world_size: int, max_padded: int, parts: int, rs: int, alltoall: bool, cfg, device) -> int:
-    """One ring slot: a bucket's gradient staged (stages 2-3) and received (N > 1: all of it by all-to-all, else a slice)."""
-    if alltoall and stage >= 2 and world_size > 1 and device == "cpu" and cfg.offload is cfg.grad_quant is None:
-        rs = min(rs, _SIZE[cfg.param_dtype])   # Note [Narrow gradient wire] in csrc/engine/reducer.cpp
-    return (max_padded * rs if stage >= 2 else 0) + (((max_padded if alltoall else max_padded // parts) * rs) if world_size > 1 else 0)
-
-
-def _frozen_padded(frozen_units: list, cfg: ZeroConfig, world_size: int, parts: int) -> dict:
-    """Stage 3's frozen parameters, unit -> padded elements: one bucket per unit, each
-    parameter at an aligned start, padded to parts * the slice alignment (frozen.cpp,
-    Note [Aligned pieces])."""
-    piece, slice_align = _alignments(cfg, world_size)
-    quantum = parts * slice_align
-    padded: dict = {}
-    for u, n in frozen_units:
-        padded[u] = padded.get(u, 0) + -(-n // piece) * piece
-    return {u: max(1, -(-n // quantum)) * quantum for u, n in padded.items()}
-
-
-def _gathered_units(rows, frozen_padded: dict, cfg: ZeroConfig, world_size: int, on_meta: bool) -> dict:
-    """Stage 3's buffer_bytes for whole units: the root, the largest unit, the prefetch
-    beyond it, and the peak of all three."""
-    ps, lp = _SIZE[cfg.param_dtype], cfg.param_dtype != "fp32"
-    unit_numel: dict = dict(frozen_padded)
-    for r in rows:
-        unit_numel[r[1]] = unit_numel.get(r[1], 0) + r[3]
-    root_numel = unit_numel.pop(0, 0)
-    numel = [root_numel] + [unit_numel[u] for u in sorted(unit_numel)]
-    best = replay_peak(numel, ps, cfg.prefetch_depth, cfg.coalesce_numel, world_size)   # the hooks' UnitSchedule
-    root, largest = root_numel * ps, max(numel[1:], default=0) * ps
-    peak = root + best
-    if on_meta:
-        # Built sharded (materialize.py): the root and one unit at a time are
-        # whole while initialized, in fp32 even with a low param_dtype.
-        peak = max(peak, (root + largest) * (4 // ps if lp else 1))
-    return dict(gathered_root=root, gathered_unit=largest, prefetch=best - largest, peak_gathered_params=peak)
-
-
-def _comm_bytes(rows, frozen_padded: dict, cfg: ZeroConfig, world_size: int, accum: int) -> int:
-    """The collective bytes of one optimizer step (stats()'s convention)."""
-    if world_size == 1:
-        return 0                                      # the engine issues no collective
-    s, ps, rs = cfg.stage, _SIZE[cfg.param_dtype], _SIZE[cfg.reduce_dtype]
-    padded = sum(r[3] for r in rows)
-    if s == 0:
-        return 2 * padded * rs
-    if s in (1, 2):
-        return (accum if s == 2 else 1) * padded * rs + padded * ps
-    root_padded = sum(r[3] for r in rows if r[1] == 0) + frozen_padded.get(0, 0)
-    gathered = padded + sum(frozen_padded.values())
-    return accum * (padded * rs + 2 * (gathered - root_padded) * ps + root_padded * ps)
-
-
 def _device_type(model) -> str:
     """Where a model's parameters are ("cuda" for a bare count or a meta model: where it will train)."""
     if isinstance(model, nn.Module):
@@ -338,18 +276,11 @@ def _on_meta(model) -> bool:
     return isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters())
 
 
-def _alignments(cfg: ZeroConfig, world_size: int):
-    """(piece, slice) alignment in elements, the planner's (Note [Aligned pieces])."""
-    from . import _C
-    return _C.plan_alignments(cfg.resolved_align(world_size), _ZX_DTYPE[cfg.param_dtype])
-
-
 def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int, parts: int):
     """The engine's bucket plan: a row (group, unit, numel, padded numel, shard numel) per
     bucket, in bucket order (csrc/plan_binding.cpp)."""
-    from . import _C
     bucket = cfg.resolved_bucket_bytes(4 * sum(numels))
-    return _C.plan_layout(numels, groups, units or [], cfg.stage, parts, bucket, cfg.first_bucket_bytes,
+    return plan_layout(numels, groups, units or [], cfg.stage, parts, bucket, cfg.first_bucket_bytes,
                           cfg.resolved_align(world_size), _ZX_DTYPE[cfg.param_dtype])
 
 

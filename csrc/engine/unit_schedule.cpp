@@ -2,6 +2,7 @@
 #include "engine/unit_schedule.h"
 
 #include <algorithm>
+#include <map>
 #include <stdexcept>
 #include <string>
 
@@ -140,6 +141,61 @@ int64_t replay_peak(const std::vector<int64_t> &numel, int64_t elem_bytes, int64
     s.end_forward(true, true);
     for (int64_t k = n - 1; k >= 1; k--) run(k, true);
     return peak;
+}
+
+EstimateBuffers buffer_bytes(const std::vector<int64_t> &bucket_unit, const std::vector<int64_t> &bucket_padded,
+                         const std::vector<std::pair<int64_t, int64_t>> &frozen, const EstimateInputs &in) {
+    const int64_t nb = (int64_t)bucket_padded.size();
+    if (nb < 1 || (int64_t)bucket_unit.size() != nb || in.stage < 0 || in.stage > 3 || in.world < 1 ||
+        in.piece_align < 1 || in.slice_align < 1 || in.param_bytes < 1 || in.reduce_bytes < 1)
+        throw std::invalid_argument("zero_ext: internal: buffer_bytes needs one unit and one padded count per "
+                                    "bucket (at least one), a stage 0-3, a world >= 1 and alignments >= 1");
+    const int64_t s = in.stage, n = in.world, ps = in.param_bytes, rs = in.reduce_bytes;
+    const int64_t parts = s == 0 ? 1 : n;
+    int64_t padded = 0, max_padded = 0;
+    for (int64_t p : bucket_padded) padded += p, max_padded = std::max(max_padded, p);
+    EstimateBuffers out;
+    // The ring (Engine::acquire_slot): stage 1 needs it for the reduce-scatter output only with
+    // N > 1; stages 2-3 stage every gradient in it, one slot at N = 1 (reduced at once). A slot:
+    // stages 2-3 a bucket's gradient, and with N > 1 the receive buffer, the whole bucket for the
+    // all-to-all reduce-scatter, a slice for the native one.
+    if (s >= 2 || (s == 1 && n > 1))
+        out.ring_slots = n == 1 ? 1 : std::min(std::max<int64_t>(1, in.grad_ring_buckets), nb);
+    // With 16-bit parameters the all-to-all's slot holds 16-bit gradients (Note [Narrow gradient wire]).
+    const int64_t ws = in.narrow_wire && in.alltoall && s >= 2 && n > 1 ? std::min(rs, ps) : rs;
+    const int64_t slot =
+        (s >= 2 ? max_padded * ws : 0) + (n > 1 ? (in.alltoall ? max_padded : max_padded / parts) * ws : 0);
+    out.grad_ring = out.ring_slots * slot;
+    // Stage 3's frozen parameters: one bucket per unit, each parameter at an aligned start,
+    // padded to parts * the slice alignment (frozen.cpp, Note [Aligned pieces]).
+    std::map<int64_t, int64_t> frozen_padded, unit_numel;
+    for (const auto &[u, k] : frozen) frozen_padded[u] += (k + in.piece_align - 1) / in.piece_align * in.piece_align;
+    const int64_t quantum = parts * in.slice_align;
+    int64_t frozen_total = 0;
+    for (auto &[u, k] : frozen_padded) k = std::max<int64_t>(1, (k + quantum - 1) / quantum) * quantum, frozen_total += k;
+    out.frozen_sharded = frozen_total / parts * ps;
+    unit_numel = frozen_padded;
+    for (int64_t b = 0; b < nb; b++) unit_numel[bucket_unit[b]] += bucket_padded[b];
+    const int64_t root_numel = unit_numel.count(0) ? unit_numel[0] : 0;
+    if (s == 3) {
+        // Whole units: the root, the largest unit, the prefetch beyond it; a meta build
+        // (materialize.py) has the root and one unit whole at a time, in fp32.
+        std::vector<int64_t> numel{root_numel};
+        int64_t largest = 0;
+        for (const auto &[u, k] : unit_numel)
+            if (u != 0) numel.push_back(k), largest = std::max(largest, k);
+        const int64_t best = replay_peak(numel, ps, in.depth, in.coalesce_numel, n);
+        out.gathered_root = root_numel * ps;
+        out.gathered_unit = largest * ps;
+        out.prefetch = best - out.gathered_unit;
+        out.peak_gathered = out.gathered_root + best;
+        if (in.on_meta) out.peak_gathered = std::max(out.peak_gathered, (out.gathered_root + out.gathered_unit) * (4 / ps));
+    }
+    if (n == 1) return out;   // the engine issues no collective
+    if (s == 0) out.comm = 2 * padded * rs;
+    else if (s <= 2) out.comm = (s == 2 ? in.accum : 1) * padded * rs + padded * ps;
+    else out.comm = in.accum * (padded * rs + 2 * (padded + frozen_total - root_numel) * ps + root_numel * ps);
+    return out;
 }
 
 }  // namespace zx

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <optional>
 #include <vector>
 
@@ -86,5 +87,26 @@ private:
 // backward in reverse, through a UnitSchedule as the hooks drive it (estimate_memory).
 int64_t replay_peak(const std::vector<int64_t> &numel, int64_t elem_bytes, int64_t depth, int64_t coalesce_numel,
                     int64_t world);
+
+// What estimate_memory's buffers and communication come to, from the bucket plan: the
+// gradient ring, stage 3's gathered units (replay_peak) and sharded frozen parameters, and
+// the collective bytes of one optimizer step (stats()'s convention). Throws
+// std::invalid_argument on inconsistent numbers.
+struct EstimateInputs {
+    int64_t stage = 0, world = 1, param_bytes = 4, reduce_bytes = 4;
+    int64_t grad_ring_buckets = 1, depth = 0, coalesce_numel = 0, accum = 1;
+    int64_t piece_align = 1, slice_align = 1;   // the planner's (Note [Aligned pieces])
+    bool alltoall = false, on_meta = false;
+    bool narrow_wire = false;   // CPU, no offload, no grad_quant: Note [Narrow gradient wire] (reducer.cpp)
+};
+struct EstimateBuffers {
+    int64_t ring_slots = 0, grad_ring = 0;
+    int64_t gathered_root = 0, gathered_unit = 0, prefetch = 0, peak_gathered = 0;   // stage 3
+    int64_t frozen_sharded = 0;   // stage 3's frozen shard, bytes
+    int64_t comm = 0;
+};
+// bucket_unit, bucket_padded: per bucket; frozen: stage 3's (unit, numel) of each frozen parameter.
+EstimateBuffers buffer_bytes(const std::vector<int64_t> &bucket_unit, const std::vector<int64_t> &bucket_padded,
+                         const std::vector<std::pair<int64_t, int64_t>> &frozen, const EstimateInputs &in);
 
 }  // namespace zx

@@ -1,7 +1,8 @@
 /* test_unit_schedule.cpp — stage 3's UnitSchedule (csrc/engine/unit_schedule.h: Note [Stage 3
  * unit sequence]) row by row: a pass's needs in, the units gathered ahead and the units kept
- * after their forward out; and replay_peak, estimate_memory's step. No torch, so it builds
- * here beside the C core's tests. tests/test_unit_schedule.py checks the binding likewise.
+ * after their forward out; replay_peak, estimate_memory's step; buffer_bytes, its buffers and
+ * communication. No torch, so it builds here beside the C core's tests.
+ * tests/test_unit_schedule.py checks the binding likewise.
  * Run: make -C csrc/core test (under AddressSanitizer + UBSan). */
 #include "engine/unit_schedule.h"
 
@@ -116,6 +117,56 @@ void replay() {
     CHECK(replay_peak({10}, 4, 1, 16, 2) == 0, "the root alone");
 }
 
+void buffers() {
+    // A row: the plan (unit, padded per bucket; frozen (unit, numel)), the options, the bytes.
+    struct Row {
+        int line;
+        std::vector<int64_t> unit, padded;
+        std::vector<std::pair<int64_t, int64_t>> frozen;
+        EstimateInputs in;   // stage world ps rs ring depth coalesce accum piece slice alltoall meta narrow
+        EstimateBuffers want;  // slots ring root unit prefetch peak frozen comm
+    };
+    const std::vector<int64_t> u000{0, 0, 0}, p3{64, 128, 32}, u012{0, 1, 2}, p170{10, 100, 60};
+    const std::vector<Row> rows = {
+        // stage 2, N = 4: two slots of the largest bucket's gradient + a slice; 3 reduce-scatters
+        {__LINE__, u000, p3, {}, {2, 4, 2, 2, 2, 0, 0, 3, 1, 1, false, false}, {2, 640, 0, 0, 0, 0, 0, 1792}},
+        // the all-to-all receives the whole bucket
+        {__LINE__, u000, p3, {}, {2, 4, 2, 2, 2, 0, 0, 3, 1, 1, true, false}, {2, 1024, 0, 0, 0, 0, 0, 1792}},
+        // bf16 parameters, fp32 reduce: the all-to-all's slot in 16 bits on a narrow wire, else 32
+        {__LINE__, u000, p3, {}, {2, 4, 2, 4, 2, 0, 0, 3, 1, 1, true, false, true}, {2, 1024, 0, 0, 0, 0, 0, 3136}},
+        {__LINE__, u000, p3, {}, {2, 4, 2, 4, 2, 0, 0, 3, 1, 1, true, false, false}, {2, 2048, 0, 0, 0, 0, 0, 3136}},
+        {__LINE__, u000, p3, {}, {2, 4, 2, 4, 2, 0, 0, 3, 1, 1, false, false, true}, {2, 1024 + 256, 0, 0, 0, 0, 0, 3136}},
+        {__LINE__, u000, p3, {}, {2, 1, 2, 2, 8, 0, 0, 3, 1, 1, false, false}, {1, 256, 0, 0, 0, 0, 0, 0}},
+        {__LINE__, u000, p3, {}, {1, 1, 2, 2, 2, 0, 0, 1, 1, 1, false, false}, {0, 0, 0, 0, 0, 0, 0, 0}},
+        {__LINE__, u000, p3, {}, {1, 2, 2, 4, 9, 0, 0, 1, 1, 1, false, false}, {3, 768, 0, 0, 0, 0, 0, 1344}},
+        {__LINE__, u000, p3, {}, {0, 2, 2, 2, 2, 0, 0, 1, 1, 1, false, false}, {0, 0, 0, 0, 0, 0, 0, 896}},
+        // stage 3: frozen pieces padded to 4, each unit's to 2 x 4; units 18, 108, 60 elements
+        {__LINE__, u012, p170, {{1, 5}, {0, 3}}, {3, 2, 4, 4, 2, 0, 0, 1, 4, 4, false, false},
+         {2, 1200, 72, 432, 0, 504, 32, 680 + 2 * 168 * 4 + 18 * 4}},
+        // a meta build in bf16: the root and the largest unit whole in fp32
+        {__LINE__, u012, p170, {{1, 5}, {0, 3}}, {3, 2, 2, 4, 2, 0, 0, 1, 4, 4, false, true},
+         {2, 1200, 36, 216, 0, 504, 16, 680 + 2 * 168 * 2 + 18 * 2}},
+    };
+    for (const Row &r : rows) {
+        const EstimateBuffers b = buffer_bytes(r.unit, r.padded, r.frozen, r.in), &w = r.want;
+        CHECK(b.ring_slots == w.ring_slots && b.grad_ring == w.grad_ring, "row at line %d: ring %lld x, %lld bytes",
+              r.line, (long long)b.ring_slots, (long long)b.grad_ring);
+        CHECK(b.gathered_root == w.gathered_root && b.gathered_unit == w.gathered_unit && b.prefetch == w.prefetch &&
+                  b.peak_gathered == w.peak_gathered,
+              "row at line %d: root %lld unit %lld prefetch %lld peak %lld", r.line, (long long)b.gathered_root,
+              (long long)b.gathered_unit, (long long)b.prefetch, (long long)b.peak_gathered);
+        CHECK(b.frozen_sharded == w.frozen_sharded && b.comm == w.comm, "row at line %d: frozen %lld comm %lld",
+              r.line, (long long)b.frozen_sharded, (long long)b.comm);
+    }
+    bool threw = false;
+    try {
+        buffer_bytes({0}, {1, 2}, {}, {});
+    } catch (const std::invalid_argument &) {
+        threw = true;
+    }
+    CHECK(threw, "a unit per bucket missing: an exception");
+}
+
 void errors() {
     bool threw = false;
     try {
@@ -142,6 +193,7 @@ int main() {
     learned_order();
     unlearned_passes();
     replay();
+    buffers();
     errors();
     printf("test_unit_schedule: %ld checks passed, %ld failed\n", g_passed, g_failed);
     return g_failed ? 1 : 0;
