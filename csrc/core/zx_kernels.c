@@ -293,18 +293,29 @@ zx_status zx_grad_sumsq(zx_isa isa, size_t n, const float *grad, float scale,
     return ZX_OK;
 }
 
-zx_status zx_sum_slices(zx_isa isa, size_t slice_n, int32_t nslices, const float *src,
-                        float *dst, int32_t accumulate, float scale) {
+/* The arguments zx_sum_slices and zx_sum_slices16 share (src's elements elem bytes each);
+   *run = 0: nothing to sum. dst may be src's slice 0 only where in_place allows it. */
+static zx_status check_slices(zx_isa isa, size_t slice_n, int32_t nslices, const void *src, size_t elem,
+                              const float *dst, int in_place, int *run) {
+    *run = 0;
     if (nslices < 1) return ZX_ERR_INVALID_ARG;
     zx_status s = check_isa(isa);
     if (s != ZX_OK) return s;
     if (slice_n == 0) return ZX_OK;
     if (!src || !dst) return ZX_ERR_INVALID_ARG;
     if (slice_n > SIZE_MAX / sizeof(float) / (size_t)nslices) return ZX_ERR_OVERFLOW;
-    /* dst may be src's slice 0 (accumulate 0); any other overlap is an error */
-    uintptr_t s0 = (uintptr_t)src, s1 = (uintptr_t)(src + slice_n * (size_t)nslices);
+    uintptr_t s0 = (uintptr_t)src, s1 = s0 + slice_n * (size_t)nslices * elem;
     uintptr_t d0 = (uintptr_t)dst, d1 = (uintptr_t)(dst + slice_n);
-    if (d0 < s1 && s0 < d1 && !(d0 == s0 && !accumulate)) return ZX_ERR_INVALID_ARG;
+    if (d0 < s1 && s0 < d1 && !(in_place && d0 == s0)) return ZX_ERR_INVALID_ARG;
+    *run = 1;
+    return ZX_OK;
+}
+
+zx_status zx_sum_slices(zx_isa isa, size_t slice_n, int32_t nslices, const float *src,
+                        float *dst, int32_t accumulate, float scale) {
+    int run;   /* dst may be src's slice 0 (accumulate 0); any other overlap is an error */
+    zx_status s = check_slices(isa, slice_n, nslices, src, sizeof(float), dst, !accumulate, &run);
+    if (s != ZX_OK || !run) return s;
     switch (isa) {
 #if ZX_HAVE_X86_SIMD
     case ZX_ISA_AVX512:
@@ -322,14 +333,9 @@ zx_status zx_sum_slices(zx_isa isa, size_t slice_n, int32_t nslices, const float
 zx_status zx_sum_slices16(zx_isa isa, size_t slice_n, int32_t nslices, const uint16_t *src,
                           zx_dtype src_dtype, float *dst, int32_t accumulate, float scale) {
     if (nslices < 1 || !is_lp_dtype(src_dtype)) return ZX_ERR_INVALID_ARG;
-    zx_status s = check_isa(isa);
-    if (s != ZX_OK) return s;
-    if (slice_n == 0) return ZX_OK;
-    if (!src || !dst) return ZX_ERR_INVALID_ARG;
-    if (slice_n > SIZE_MAX / sizeof(float) / (size_t)nslices) return ZX_ERR_OVERFLOW;
-    uintptr_t s0 = (uintptr_t)src, s1 = (uintptr_t)(src + slice_n * (size_t)nslices);
-    uintptr_t d0 = (uintptr_t)dst, d1 = (uintptr_t)(dst + slice_n);
-    if (d0 < s1 && s0 < d1) return ZX_ERR_INVALID_ARG;   /* a widening sum cannot run in place */
+    int run;   /* a widening sum cannot run in place */
+    zx_status s = check_slices(isa, slice_n, nslices, src, sizeof(uint16_t), dst, 0, &run);
+    if (s != ZX_OK || !run) return s;
     switch (isa) {
 #if ZX_HAVE_X86_SIMD
     case ZX_ISA_AVX512:
