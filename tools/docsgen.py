@@ -610,7 +610,7 @@ STATUS = [
      ["tests_multirank", "tests_multirank_curves", "tests_multirank_4", "tests_multirank_4b"], []),
     ("Several GPUs over NCCL", [], [], []),
     ("Stage 3: units, prefetch, coalesced gathers and reductions, meta-device builds, frozen parameters",
-     ["tests/test_stage3.py", "tests/test_prefetch.py", "tests/test_coalesced_reduce.py", "tests/test_meta_init.py",
+     ["tests/test_stage3.py", "tests/test_prefetch.py", "tests/test_unit_schedule.py", "tests/test_coalesced_reduce.py", "tests/test_meta_init.py",
       "tests/test_frozen_stage3.py"],
      [], [f"{XEON}/bench_units.json"]),
     ("Communication overlapped with compute (delayed collectives)", ["tests/test_overlap.py"], ["tests_overlap"], []),
@@ -633,6 +633,9 @@ STATUS = [
     ("Trainers: Lightning, Hugging Face Trainer, Accelerate", ["tests/test_integrations.py"], [], []),
     ("Memory estimator and `stage=\"auto\"`", ["tests/test_estimate.py", "tests/test_auto_stage.py",
                                                "tests/test_memory.py"], [], []),
+    ("Gradients held only from a step's first gradient to `zero_grad(set_to_none=True)` (every stage); "
+     "16-bit gradients sent as they are on gloo (half the ring, bit-identical)",
+     ["tests/test_grad_lifetime.py", "tests/test_ring_slots.py"], [], [f"{XEON_0528}/bench_peak_process.json"]),
     ("16 bytes per parameter in stage 3 with bf16 (no bf16 shard kept)",
      ["tests/test_mixed_precision.py", "tests/test_stage3.py"], [], []),
     ("Divergent ranks named instead of a hang (`check_sequence`, on by default)",
