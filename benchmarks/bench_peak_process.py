@@ -204,13 +204,24 @@ def summarize(results: list, layers: int, extra: dict) -> None:
               f"{ratio(ddp):>9} {acc:>10} {other:>9}")
     timelines = [r for r in results if "timeline" in r]
     if timelines:
-        from memory_timeline import OWNERS, breakdown
+        from memory_timeline import OWNERS, breakdown, loss_floor
         print("\nAt the peak, by owner (MiB; the owners as the last mark before the peak saw them):")
         cols = ("peak", "process") + OWNERS + ("unexplained",)
         print(f"{'world':>5} {'system':<14} {'at':<12} " + " ".join(f"{c[:12]:>12}" for c in cols))
         for r in timelines:
             b = r["breakdown"] = breakdown(r["timeline"])
             print(f"{r['world']:>5} {r['system']:<14} {b['at']:<12} " + " ".join(f"{b[c]:>12.0f}" for c in cols))
+        print("\nAround the loss (MiB): the most resident from the loss to the next mark, the units held gathered "
+              "ahead of their use there, and the rest (`floor`: torch, model state, root, activations, the loss's "
+              "temporaries), against FSDP2's peak:")
+        print(f"{'world':>5} {'system':<14} {'at loss':>8} {'ahead':>6} {'floor':>6} {'floor/FSDP2':>11}")
+        for r in timelines:
+            f = r["loss_floor"] = loss_floor(r["timeline"])
+            peer = next((x for x in results if x["world"] == r["world"] and x["system"] ==
+                         ("fsdp2-bf16" if r["system"].endswith("bf16") else "fsdp2")), None)
+            ratio = f"{f['floor'] / peer['peak']:.3f}" if peer else "-"
+            print(f"{r['world']:>5} {r['system']:<14} {f['at_loss']:>8.0f} {f['ahead']:>6.0f} {f['floor']:>6.0f} "
+                  f"{ratio:>11}")
     print("\nestimate_memory(..., loss_fn=...)'s peak against the measured peak minus what the process holds "
           "beyond zero_ext between steps (torch, libraries), MiB:")
     print(f"{'world':>5} {'system':<14} {'measured':>9} {'predicted':>9} {'ratio':>6}")

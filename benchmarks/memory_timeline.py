@@ -221,3 +221,16 @@ def breakdown(timeline: dict) -> dict:
     out.update({k: at["owners"].get(k, 0.0) for k in OWNERS})
     out["unexplained"] = peak - process - sum(out[k] for k in OWNERS)
     return out
+
+
+def loss_floor(timeline: dict) -> dict:
+    """What a system must hold around the loss: the most resident between the "loss" mark and
+    the next one (the loss's backward, the head's), less the units it holds gathered ahead of
+    their use there. Torch, the model state, the root, the activations and the loss's own
+    temporaries are all in it: a peak below this needs less of one of them."""
+    samples, marks = timeline["samples"], timeline["marks"]
+    i = next(i for i, m in enumerate(marks) if m["label"] == "loss")
+    end = marks[i + 1]["t"] if i + 1 < len(marks) else float("inf")
+    at_loss = max(r for t, r in samples if marks[i]["t"] <= t < end)
+    ahead = marks[i]["owners"].get("prefetch", 0.0)
+    return {"at_loss": at_loss, "ahead": ahead, "floor": at_loss - ahead}

@@ -336,6 +336,11 @@ def gen_perf_peak_process(arg: str = "") -> str:
     d = ref(rel)
     results = [r for r in d["results"] if "peak" in r]
     rows, owners, predicted = [], [], []
+
+    def peer_of(r):
+        return next(x for x in results if x["world"] == r["world"]
+                    and x["system"] == ("fsdp2-bf16" if r["system"].endswith("bf16") else "fsdp2"))
+
     for r in results:
         same = {x["system"]: x for x in results if x["world"] == r["world"]}
         peer = same.get("fsdp2-bf16" if r["system"].endswith("bf16") else "fsdp2")
@@ -373,6 +378,17 @@ def gen_perf_peak_process(arg: str = "") -> str:
              "pages are resident.\n\n")
     text += table(["N", "system", "at", "peak", "process", "model state", "gradients", "ring", "gathered units",
                    "prefetch", "activations", "allocator slack", "unexplained"], owners)
+    floors = [[str(r["world"]), r["system"], f"{r['loss_floor']['at_loss']:.0f}", f"{r['loss_floor']['ahead']:.0f}",
+               f"{r['loss_floor']['floor']:.0f}", f"{r['loss_floor']['floor'] / peer_of(r)['peak']:.3f}",
+               f"{0.95 * peer_of(r)['peak']:.0f}"]
+              for r in results if "loss_floor" in r and r["system"] in ("zero3", "zero3-bf16", "fsdp2", "fsdp2-bf16")]
+    text += ("\nAround the loss (MiB): the most resident from the loss to the next mark (the loss's and the head's "
+             "backward), the units held gathered ahead of their use there, and the rest, the floor: torch, the "
+             "model state, the root unit, the activations and the loss's temporaries, which every system holds "
+             "there. Its ratio to FSDP2's peak is the lowest ratio a peak can reach without smaller activations or "
+             "model state (`--summarize` prints it).\n\n")
+    text += table(["N", "system", "at the loss", "held ahead", "floor", "floor / FSDP2's peak", "0.95 x FSDP2's peak"],
+                  floors)
     text += ("\n`zero_ext.estimate_memory(model, N, stage, loss_fn=...)[\"peak\"]` against the measured peak less "
              "the process's own memory (MiB):\n\n")
     text += table(["N", "system", "measured", "predicted", "ratio"], predicted)
