@@ -116,13 +116,12 @@ def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
     if numel < 1:
         raise ValueError(f"zero_ext: the parameter count must be >= 1, got {model_or_numel!r}; pass the model "
                          f"or its number of trainable parameters")
-    if cfg.stage == 3:
-        per = cfg.unit_numel if cfg.unit_numel is not None else max(numel // 4, 1)
-        sizes = [per] * (numel // per) + ([numel % per] if numel % per else [])
-        return sizes, [0] * len(sizes), list(range(1, len(sizes) + 1)), 0, []
-    per = max(1, cfg.resolved_bucket_bytes(4 * numel) // _SIZE[cfg.param_dtype])
+    if cfg.stage == 3:   # units of unit_numel (validated >= 1), else of a quarter
+        per = cfg.unit_numel or max(numel // 4, 1)
+    else:                # buckets of bucket_bytes
+        per = max(1, cfg.resolved_bucket_bytes(4 * numel) // _SIZE[cfg.param_dtype])
     sizes = [per] * (numel // per) + ([numel % per] if numel % per else [])
-    return sizes, [0] * len(sizes), None, 0, []
+    return sizes, [0] * len(sizes), list(range(1, len(sizes) + 1)) if cfg.stage == 3 else None, 0, []
 
 
 # ----------------------------------------------------------------------------- the estimate
