@@ -18,6 +18,8 @@ ModelState model_state_bytes(const std::vector<int64_t> &bucket_group, const std
     const int64_t parts = s == 0 ? 1 : n, last_group = (int64_t)in.states_per_group.size() - 1;
     int64_t padded = 0, shard = 0, max_padded = 0, max_shard = 0, tie_bytes = 0, unfused_states = 0;
     for (size_t b = 0; b < nb; b++) {
+        if (bucket_group[b] < 0 || bucket_padded[b] < 0 || bucket_shard[b] < 0)
+            throw std::invalid_argument("zero_ext: internal: model_state_bytes needs groups and counts >= 0");
         padded += bucket_padded[b], shard += bucket_shard[b];
         max_padded = std::max(max_padded, bucket_padded[b]), max_shard = std::max(max_shard, bucket_shard[b]);
         tie_bytes += (bucket_shard[b] + 7) / 8;   // each bucket's tie bits from a whole byte
@@ -65,9 +67,9 @@ ModelState model_state_bytes(const std::vector<int64_t> &bucket_group, const std
 }
 
 int64_t smallest_world(int64_t world, int64_t max_world, const std::function<bool(int64_t)> &fits) {
-    if (world < 1 || max_world > (int64_t(1) << 61))
-        throw std::invalid_argument("zero_ext: internal: smallest_world needs a world size >= 1 and a largest "
-                                    "one below 2^61");
+    const int64_t most = int64_t(1) << 61;   // hi * 2 stays below 2^63
+    if (world < 1 || world > most || max_world > most)
+        throw std::invalid_argument("zero_ext: internal: smallest_world needs world sizes in [1, 2^61]");
     int64_t lo = world, hi = world * 2;
     while (hi <= max_world && !fits(hi)) lo = hi, hi *= 2;
     if (hi > max_world) return 0;

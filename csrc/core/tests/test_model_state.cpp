@@ -5,6 +5,7 @@
 #include "engine/model_state.h"
 
 #include <stdexcept>
+#include <tuple>
 #include <vector>
 
 #include "check.h"
@@ -84,15 +85,16 @@ void model_state() {
               (long long)m.grad_landing);
     }
     int threw = 0;
-    for (const auto &[padded, states] : std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>>{
-             {{1, 2}, {1}}, {{1}, {}}}) {
+    for (const auto &[group, padded, states] :
+         std::vector<std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>>{
+             {{0}, {1, 2}, {1}}, {{0}, {1}, {}}, {{-1}, {1}, {1}}}) {
         try {
-            model_state_bytes({0}, padded, {1}, {2, 2, 4, 4, 4, states});
+            model_state_bytes(group, padded, {1}, {2, 2, 4, 4, 4, states});
         } catch (const std::invalid_argument &) {
             threw++;
         }
     }
-    CHECK(threw == 2, "a bucket's counts or the states missing: an exception (%d of 2)", threw);
+    CHECK(threw == 3, "a bucket's counts or the states missing, a group < 0: an exception (%d of 3)", threw);
 }
 
 void search() {
@@ -108,17 +110,19 @@ void search() {
     CHECK(smallest_world(1, 2, from(3)) == 0, "none up to max_world");
     CHECK(smallest_world(1, 1 << 24, [](int64_t) { return false; }) == 0, "none at all");
     int threw = 0;
-    try {
-        smallest_world(0, 8, from(1));
-    } catch (const std::invalid_argument &) {
-        threw++;
+    for (const int64_t world : {int64_t(0), int64_t(1) << 62}) {
+        try {
+            smallest_world(world, 8, from(1));
+        } catch (const std::invalid_argument &) {
+            threw++;
+        }
     }
     try {
         smallest_world(1, 8, [](int64_t) -> bool { throw std::runtime_error("from fits"); });
     } catch (const std::runtime_error &) {
         threw++;
     }
-    CHECK(threw == 2, "world 0 and an exception from fits: raised (%d of 2)", threw);
+    CHECK(threw == 3, "world 0, world 2^62 and an exception from fits: raised (%d of 3)", threw);
 }
 
 }  // namespace
