@@ -241,6 +241,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         // Where rank r's shard holds pieces of parameters (any r, from the plan):
         // (param index, offset in the flattened parameter, offset in the flat shard, numel).
         .def("fragments", [](const zx::Engine &e, int64_t r) { return e.layout().fragments(r); }, py::arg("rank"))
+        // The same per bucket, at offsets in the bucket's slice: where what rank r sends goes.
+        .def("bucket_fragments", [](const zx::Engine &e, int64_t r) { return e.layout().bucket_fragments(r); },
+             py::arg("rank"))
         .def("fragment_views", &zx::Engine::fragment_views, py::arg("masters") = true, all_groups)
         .def("frozen_fragment_views", [](const zx::Engine &e) {
             return e.units().frozen.fragment_views(e.layout().part());

@@ -1,11 +1,15 @@
 // schedule_binding.cpp — stage 3's UnitSchedule (engine/unit_schedule.h) for model.py's hooks,
 // `ahead` asking the Engine which units are requested (Note [Stage 3 unit sequence]); and
-// replay_peak and buffer_bytes for estimate_memory, so the estimate replays the schedule the hooks run.
+// replay_peak and buffer_bytes for estimate_memory, so the estimate replays the schedule the hooks run;
+// model_state_bytes and smallest_world (engine/model_state.h) for estimate_memory and stage="auto".
 #include <torch/extension.h>
+
+#include <pybind11/functional.h>   // fits, a Python callable
 
 #include <algorithm>
 
 #include "engine/engine.h"
+#include "engine/model_state.h"
 #include "engine/unit_schedule.h"
 
 
@@ -58,4 +62,37 @@ void zx_bind_schedule(py::module_ &m) {
           py::arg("slice_align"), py::arg("alltoall"), py::arg("on_meta"), py::arg("narrow_wire"),
           "estimate_memory's gradient ring, stage 3's gathered units and frozen shard (bytes), and the "
           "collective bytes of one optimizer step");
+    m.def("model_state_bytes",
+          [](const std::vector<int64_t> &bucket_group, const std::vector<int64_t> &bucket_padded,
+             const std::vector<int64_t> &bucket_shard, int64_t stage, int64_t world, int64_t param_bytes,
+             int64_t reduce_bytes, int64_t state_bytes, std::vector<int64_t> states_per_group, bool fused, bool adam,
+             bool param_quant, bool grad_quant, bool offload, bool alltoall, bool master_remainder, bool on_gpu,
+             bool step_in_backward) {
+              const zx::ModelState m = zx::model_state_bytes(
+                  bucket_group, bucket_padded, bucket_shard,
+                  {stage, world, param_bytes, reduce_bytes, state_bytes, std::move(states_per_group), fused, adam,
+                   param_quant, grad_quant, offload, alltoall, master_remainder, on_gpu, step_in_backward});
+              py::dict msb, host, d;
+              msb["parameters"] = m.parameters, msb["gradients"] = m.gradients;
+              msb["master_weights"] = m.master_weights, msb["optimizer_states"] = m.optimizer_states;
+              msb["total"] = m.parameters + m.gradients + m.master_weights + m.optimizer_states;
+              if (m.offloaded) {
+                  host["master_weights"] = m.host_master, host["optimizer_states"] = m.host_states;
+                  host["gradients"] = m.host_gradients, host["pinned_ring"] = m.pinned_ring;
+                  host["total"] = m.host_master + m.host_states + m.host_gradients + m.pinned_ring;
+              }
+              d["model_state_bytes"] = msb, d["offload"] = host;
+              d["grad_landing"] = m.grad_landing, d["split_master_scratch"] = m.split_scratch;
+              return d;
+          },
+          py::arg("bucket_group"), py::arg("bucket_padded"), py::arg("bucket_shard"), py::kw_only(), py::arg("stage"),
+          py::arg("world"), py::arg("param_bytes"), py::arg("reduce_bytes"), py::arg("state_bytes"),
+          py::arg("states_per_group"), py::arg("fused"), py::arg("adam"), py::arg("param_quant"),
+          py::arg("grad_quant"), py::arg("offload"), py::arg("alltoall"), py::arg("master_remainder"),
+          py::arg("on_gpu"), py::arg("step_in_backward"),
+          "estimate_memory's model state on the device, what offload keeps on the host, the split master's "
+          "scratch and step_in_backward's landing buffer (bytes)");
+    m.def("smallest_world", &zx::smallest_world, py::arg("world"), py::arg("max_world"), py::arg("fits"),
+          "The smallest world size in (world, max_world] at which fits(n) holds (fits true from some n on), "
+          "or 0");
 }

@@ -104,3 +104,21 @@ def test_no_fit_names_the_smallest_world_size():
     fits = _fits_at(0, 1, n, budget)
     assert fits == {n - 1: False, n: True}, (n, fits)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_search_and_model_state_bindings():
+    """smallest_world asks a Python callable (its errors pass through); model_state_bytes's
+    bad input is a ValueError (csrc/engine/model_state.h, checked row by row in
+    csrc/core/tests/test_model_state.cpp)."""
+    from zero_ext._C import model_state_bytes, smallest_world
+
+    asked = []
+    assert smallest_world(1, 1 << 24, lambda n: asked.append(n) or n >= 5) == 5 and asked == [2, 4, 8, 6, 5]
+    assert smallest_world(1, 2, lambda n: False) == 0
+    with pytest.raises(KeyError):
+        smallest_world(1, 8, lambda n: {}[n])
+    with pytest.raises(ValueError, match="one group, padded and shard count per bucket"):
+        model_state_bytes([0], [1, 2], [1], stage=2, world=2, param_bytes=4, reduce_bytes=4, state_bytes=4,
+                          states_per_group=[2], fused=True, adam=True, param_quant=False, grad_quant=False,
+                          offload=False, alltoall=False, master_remainder=False, on_gpu=False,
+                          step_in_backward=False)

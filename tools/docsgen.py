@@ -864,7 +864,13 @@ def gen_deepspeed_keys(arg: str = "") -> str:
 
 RAISERS = {"ZeroInputError", "ZeroUsageError", "CheckpointError", "ValueError", "TypeError", "RuntimeError",
            "FileNotFoundError", "NotImplementedError", "KeyError"}
-HELPERS = {"_fail": "ZeroInputError", "need": "ValueError"}
+HELPERS = {"_fail": "ZeroInputError", "need": "ValueError", "_rule": "ValueError"}
+
+
+def _is_rule_row(node) -> bool:
+    """A tuple ending in a message lambda and an exception class: a rule of config.py's _RULES."""
+    return (isinstance(node, ast.Tuple) and len(node.elts) >= 2 and isinstance(node.elts[-2], ast.Lambda)
+            and isinstance(node.elts[-1], ast.Name) and node.elts[-1].id in RAISERS)
 
 
 def _template(node) -> str | None:
@@ -902,10 +908,16 @@ def python_errors() -> list[tuple[str, str, str]]:
                     call, kind = node.exc, name
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in HELPERS:
                 call, kind = node, HELPERS[node.func.id]
+            elif _is_rule_row(node):   # config.py's _RULES: (..., message lambda, error)
+                call, kind = ast.Call(func=ast.Name("_rule"), args=[node.elts[-2]], keywords=[]), node.elts[-1].id
             if call is None or not call.args:
                 continue
-            arg = call.args[-1] if kind == "ValueError" and getattr(call.func, "id", "") == "need" else call.args[0]
-            msg = _template(arg)
+            name = getattr(call.func, "id", "")
+            if name == "_rule" and len(call.args) > 2:   # _rule(option, ok, message, ..., error=...)
+                kind = next((k.value.id for k in call.keywords if k.arg == "error"), kind)
+            arg = (call.args[-1] if kind == "ValueError" and name == "need" else
+                   call.args[2] if name == "_rule" and len(call.args) > 2 else call.args[0])
+            msg = _template(arg.body if isinstance(arg, ast.Lambda) else arg)
             if msg is None:
                 continue
             if getattr(call.func, "id", "") in HELPERS and not msg.startswith("zero_ext:"):

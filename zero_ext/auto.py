@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from ._C import smallest_world
 from .offload import available_host_bytes
 
 _MAX_WORLD = 1 << 24
@@ -85,15 +86,5 @@ def _smallest_world(model, optimizer, cfg, world, backend, stages, budget):
         ok = [s for s in stages if e[s]["total"] <= budget]
         return (n, min(ok, key=lambda s: e[s]["total"]), min(e[s]["total"] for s in ok)) if ok else None
 
-    lo, hi = world, world * 2
-    while hi <= _MAX_WORLD and fit(hi) is None:
-        lo, hi = hi, hi * 2
-    if hi > _MAX_WORLD:
-        return None
-    while hi - lo > 1:            # fit(lo) is None, fit(hi) is not
-        mid = (lo + hi) // 2
-        if fit(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    return fit(hi)
+    n = smallest_world(world, _MAX_WORLD, lambda n: fit(n) is not None)   # csrc/engine/model_state.h
+    return fit(n) if n else None

@@ -285,151 +285,13 @@ class ZeroConfig:
 
     # ------------------------------------------------------------------ check
     def validate(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ValueError("zero_ext: " + msg)
-
-        def integer(name: str, lo: int) -> None:
+        """Raise for the first bad option of _RULES, in their order; dtypes are normalized first."""
+        for name in ("param_dtype", "reduce_dtype", "state_dtype"):
+            setattr(self, name, dtype_name(getattr(self, name)))
+        for name, skip, ok, message, error in _RULES:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"zero_ext: {name} must be an int, got {type(v).__name__} ({v!r}); {_fix(name)}")
-            need(v >= lo, f"{name} must be >= {lo}, got {v}; {_fix(name)}")
-
-        def boolean(name: str) -> None:
-            v = getattr(self, name)
-            if not isinstance(v, bool):
-                raise TypeError(f"zero_ext: {name} must be True or False, got {v!r}; {_fix(name)}")
-
-        def choice(name: str, options: tuple) -> None:
-            v = getattr(self, name)
-            need(v in options, f"{name} must be one of {', '.join(map(repr, options))}; got {v!r}; {_fix(name)}")
-
-        def flag(name: str, *words: str) -> None:   # True, False, or one of the words
-            v = getattr(self, name)
-            need(isinstance(v, bool) or v in words,
-                 f"{name} must be {''.join(repr(w) + ', ' for w in words)}True or False, got {v!r}; {_fix(name)}")
-
-        if self.stage != "auto":
-            stage_fix = "pass stage=0 (DDP), 1, 2 or 3 (the most memory saved), or stage='auto' to choose by memory"
-            if isinstance(self.stage, str):
-                raise ValueError(f"zero_ext: stage must be 0, 1, 2 or 3 (or 'auto'), got {self.stage!r}; {stage_fix}")
-            if isinstance(self.stage, bool) or not isinstance(self.stage, int):
-                raise TypeError(f"zero_ext: stage must be an int, got {type(self.stage).__name__} "
-                                f"({self.stage!r}); {stage_fix}")
-            need(0 <= self.stage <= 3, f"stage must be 0, 1, 2 or 3 (or 'auto'), got {self.stage}; {stage_fix}")
-        if self.memory_budget is not None:
-            number_ok = isinstance(self.memory_budget, (int, float)) and not isinstance(self.memory_budget, bool)
-            need(number_ok and self.memory_budget > 0,
-                 f"memory_budget must be a number of bytes > 0 or None, got {self.memory_budget!r}; pass e.g. "
-                 f"memory_budget=8 * 2**30 (8 GiB), or None for what is free")
-        integer("accumulation_steps", 1)
-        if self.bucket_bytes != "auto":
-            integer("bucket_bytes", 1024)
-        integer("first_bucket_bytes", 1024)
-        if self.align != "auto":
-            integer("align", 1)
-        integer("grad_ring_buckets", 1)
-        integer("min_unit_numel", 0)
-        integer("prefetch_depth", 0)
-        integer("coalesce_numel", 0)
-        if self.unit_numel is not None:
-            integer("unit_numel", 1)
-        if self.unit_modules is not None:
-            ok = isinstance(self.unit_modules, (list, tuple)) and all(
-                isinstance(c, (str, type)) for c in self.unit_modules)
-            need(ok, f"unit_modules must be a list of module class names (or classes), got {self.unit_modules!r}; "
-                 f"pass e.g. unit_modules=['Block'], or None to choose units by parameter count")
-        self.param_dtype = dtype_name(self.param_dtype)
-        self.reduce_dtype = dtype_name(self.reduce_dtype)
-        self.state_dtype = dtype_name(self.state_dtype)
-        need(self.state_dtype in ("fp32", "bf16"), f"state_dtype must be 'fp32' or 'bf16' (the optimizer states' "
-             f"dtype), got {self.state_dtype!r}; pass state_dtype='fp32' (exact, the default) or 'bf16' "
-             f"(stochastically rounded, 4 bytes per parameter less)")
-        if self.state_dtype == "bf16":
-            need(self.fused != "never", "state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, and "
-                 "fused='never' runs the torch optimizer (fp32 states); pass fused='auto' (or 'always'), or "
-                 "state_dtype='fp32'")
-        flag("master_remainder")
-        flag("step_control", "auto")
-        flag("cast_buffers", "auto")
-        choice("param_dtype", _DTYPES)
-        choice("reduce_dtype", _DTYPES)
-        if isinstance(self.loss_scale, str):
-            choice("loss_scale", ("auto", "dynamic"))
-        elif self.loss_scale is not None:
-            need(isinstance(self.loss_scale, (int, float)) and not isinstance(self.loss_scale, bool)
-                 and self.loss_scale > 0, f"loss_scale must be 'auto', 'dynamic', None or a positive number, "
-                 f"got {self.loss_scale!r}; {_fix('loss_scale')}")
-
-        def number(name: str, ok, what: str) -> None:
-            v = getattr(self, name)
-            need(isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v),
-                 f"{name} must be {what}, got {v!r}; {_fix(name)}")
-
-        number("initial_loss_scale", lambda v: v > 0, "> 0")
-        number("loss_scale_growth_factor", lambda v: v > 1, "> 1")
-        number("loss_scale_backoff_factor", lambda v: 0 < v < 1, "in (0, 1)")
-        number("min_loss_scale", lambda v: v > 0, "> 0")
-        number("max_loss_scale", lambda v: v >= self.min_loss_scale, ">= min_loss_scale")
-        integer("loss_scale_growth_interval", 1)
-        integer("loss_scale_hysteresis", 1)
-        flag("check_sequence", "auto", "every_phase")
-        flag("find_unused_parameters", "auto")
-        number("sequence_timeout", lambda v: v > 0, "a number of seconds > 0")
-        choice("reduce_scatter", _REDUCE_SCATTER)
-        choice("compile_units", _COMPILE_UNITS)
-        choice("fused", _FUSED)
-        choice("isa", _ISAS)
-        for b in ("overlap_param_gather", "broadcast_buffers", "verify_across_ranks", "log_plan",
-                  "grad_quant_error_feedback"):
-            boolean(b)
-        self._validate_quant(need, integer, flag)
-
-    def _validate_quant(self, need, integer, flag) -> None:
-        """The communication-quantization options (ZeroConfig docstring)."""
-        integer("quant_block_numel", 2)
-        need(self.quant_block_numel % 2 == 0, f"quant_block_numel must be even (int4 codes are packed two "
-             f"per byte), got {self.quant_block_numel}; {_fix('quant_block_numel')}")
-        need(self.grad_quant in _GRAD_QUANT, f"grad_quant must be None, 'int8' or 'int4' (the supported bit "
-             f"widths); got {self.grad_quant!r}; pass grad_quant='int8', 'int4' or None (exact)")
-        if self.grad_quant is not None:
-            need(self.stage != 0, f"grad_quant={self.grad_quant!r} needs stage 1, 2 or 3 (stage 0 reduces "
-                 f"with an all-reduce, which has no quantized form); use stage=1 or grad_quant=None")
-            need(self.reduce_scatter != "native", f"grad_quant={self.grad_quant!r} reduces by all-to-all; "
-                 f"reduce_scatter='native' contradicts it; pass reduce_scatter='auto' or 'alltoall', or "
-                 f"grad_quant=None")
-        need(not self.grad_quant_error_feedback or self.grad_quant is not None,
-             "grad_quant_error_feedback=True needs grad_quant='int8' or 'int4'; pass one of them, or "
-             "grad_quant_error_feedback=False")
-        need(self.param_quant in _PARAM_QUANT, f"param_quant must be None or 'int8' (the supported bit width "
-             f"for parameter gathers); got {self.param_quant!r}; pass param_quant='int8' or None (exact)")
-        if self.node_size is not None:
-            if self.node_size != "auto":
-                integer("node_size", 1)
-            need(self.stage == 3, f"node_size={self.node_size!r} (hierarchical partitioning) is for stage 3 "
-                 f"(got stage={self.stage!r}); use stage=3 or node_size=None")
-        if self.param_quant is not None:
-            need(self.stage != 0, f"param_quant={self.param_quant!r} needs stage 1, 2 or 3 (stage 0 keeps full "
-                 f"replicas and gathers no parameters); use stage=1 or param_quant=None")
-        flag("step_in_backward")
-        if self.step_in_backward:
-            need(self.stage in (1, 2, 3), f"step_in_backward=True needs stage 1, 2 or 3 (got stage={self.stage!r}); "
-                 f"use stage=1, 2 or 3, or step_in_backward=False")
-            need(self.offload is None, "step_in_backward=True with offload='cpu' is not supported; pass one of them")
-            need(self.resolved_loss_scale() is None, "step_in_backward=True steps before any rank could see an "
-                 "inf/nan gradient, so it cannot work with loss scaling (fp16); use param_dtype='bf16' (no loss "
-                 "scaling) or step_in_backward=False")
-            need(self.step_control is not True, "step_in_backward=True steps inside backward; pass "
-                 "step_control='auto' (or False) with it, or step_in_backward=False")
-        need(self.offload in (None, "cpu"), f"offload must be None or 'cpu', got {self.offload!r}; pass "
-             f"offload='cpu' (optimizer state in host memory) or offload=None")
-        if self.offload is not None:
-            need(self.stage in (1, 2, 3, "auto"), f"offload={self.offload!r} needs stage 1, 2 or 3 (got stage="
-                 f"{self.stage!r}; stage 0 shards nothing); use stage=2 or 3, or offload=None")
-            need(self.grad_quant is None and self.param_quant is None, f"offload={self.offload!r} keeps exact "
-                 f"gradients and parameters; pass grad_quant=None and param_quant=None, or offload=None")
-            need(self.step_control is not True, f"offload={self.offload!r} steps on the host, so the step "
-                 f"control cannot live in device memory; pass step_control='auto' (or False), or offload=None")
+            if v not in skip and not ok(v, self):
+                raise error("zero_ext: " + message(v, self))
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
@@ -439,6 +301,131 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
 def _fix(name: str) -> str:
     """The fix for a bad value of option `name`: its default (ZeroConfig's docstring has the rest)."""
     return f"pass a valid {name} or leave it out for its default, {name}={_DEFAULTS[name]!r}"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(name: str, lo: int, *skip) -> list:
+    return [(name, skip, lambda v, c: _is_int(v),
+             lambda v, c: f"{name} must be an int, got {type(v).__name__} ({v!r}); {_fix(name)}", TypeError),
+            (name, skip, lambda v, c: v >= lo,
+             lambda v, c: f"{name} must be >= {lo}, got {v}; {_fix(name)}", ValueError)]
+
+
+def _number(name: str, ok, what: str) -> list:
+    return [(name, (), lambda v, c: _is_number(v) and ok(v, c), lambda v, c: f"{name} must be {what}, got {v!r}; "
+             f"{_fix(name)}", ValueError)]
+
+
+def _choice(name: str, options: tuple, *skip) -> list:
+    return [(name, skip, lambda v, c: v in options, lambda v, c: f"{name} must be one of "
+             f"{', '.join(map(repr, options))}; got {v!r}; {_fix(name)}", ValueError)]
+
+
+def _flag(name: str, *words: str) -> list:   # True, False, or one of the words
+    return [(name, (), lambda v, c: isinstance(v, bool) or v in words, lambda v, c: f"{name} must be "
+             f"{''.join(repr(w) + ', ' for w in words)}True or False, got {v!r}; {_fix(name)}", ValueError)]
+
+
+def _bool(name: str) -> list:
+    return [(name, (), lambda v, c: isinstance(v, bool),
+             lambda v, c: f"{name} must be True or False, got {v!r}; {_fix(name)}", TypeError)]
+
+
+def _rule(name: str, ok, message, *skip, error=ValueError) -> list:
+    """ok(value, config) or raise error(message(value, config)), a message naming the fix."""
+    return [(name, skip, ok, message if callable(message) else lambda v, c: message, error)]
+
+
+_STAGE_FIX = "pass stage=0 (DDP), 1, 2 or 3 (the most memory saved), or stage='auto' to choose by memory"
+# (option, values let through, ok(value, config), message(value, config), error), checked in this order
+_RULES = (
+    _rule("stage", lambda v, c: not isinstance(v, str),
+          lambda v, c: f"stage must be 0, 1, 2 or 3 (or 'auto'), got {v!r}; {_STAGE_FIX}", "auto")
+    + _rule("stage", lambda v, c: _is_int(v), lambda v, c: f"stage must be an int, got {type(v).__name__} "
+            f"({v!r}); {_STAGE_FIX}", "auto", error=TypeError)
+    + _rule("stage", lambda v, c: 0 <= v <= 3,
+            lambda v, c: f"stage must be 0, 1, 2 or 3 (or 'auto'), got {v}; {_STAGE_FIX}", "auto")
+    + _rule("memory_budget", lambda v, c: _is_number(v) and v > 0, lambda v, c: f"memory_budget must be a number "
+            f"of bytes > 0 or None, got {v!r}; pass e.g. memory_budget=8 * 2**30 (8 GiB), or None for what is free",
+            None)
+    + _int("accumulation_steps", 1) + _int("bucket_bytes", 1024, "auto") + _int("first_bucket_bytes", 1024)
+    + _int("align", 1, "auto") + _int("grad_ring_buckets", 1) + _int("min_unit_numel", 0)
+    + _int("prefetch_depth", 0) + _int("coalesce_numel", 0) + _int("unit_numel", 1, None)
+    + _rule("unit_modules", lambda v, c: isinstance(v, (list, tuple)) and all(isinstance(k, (str, type)) for k in v),
+            lambda v, c: f"unit_modules must be a list of module class names (or classes), got {v!r}; pass e.g. "
+            f"unit_modules=['Block'], or None to choose units by parameter count", None)
+    + _rule("state_dtype", lambda v, c: v in ("fp32", "bf16"), lambda v, c: f"state_dtype must be 'fp32' or "
+            f"'bf16' (the optimizer states' dtype), got {v!r}; pass state_dtype='fp32' (exact, the default) or "
+            f"'bf16' (stochastically rounded, 4 bytes per parameter less)")
+    + _rule("state_dtype", lambda v, c: c.fused != "never", "state_dtype='bf16' is a mode of the fused "
+            "Adam/AdamW kernels, and fused='never' runs the torch optimizer (fp32 states); pass fused='auto' "
+            "(or 'always'), or state_dtype='fp32'", "fp32")
+    + _flag("master_remainder") + _flag("step_control", "auto") + _flag("cast_buffers", "auto")
+    + _choice("param_dtype", _DTYPES) + _choice("reduce_dtype", _DTYPES)
+    + _rule("loss_scale", lambda v, c: not isinstance(v, str) or v in ("auto", "dynamic"),
+            lambda v, c: f"loss_scale must be one of 'auto', 'dynamic'; got {v!r}; {_fix('loss_scale')}")
+    + _rule("loss_scale", lambda v, c: isinstance(v, str) or _is_number(v) and v > 0, lambda v, c: f"loss_scale "
+            f"must be 'auto', 'dynamic', None or a positive number, got {v!r}; {_fix('loss_scale')}", None)
+    + _number("initial_loss_scale", lambda v, c: v > 0, "> 0")
+    + _number("loss_scale_growth_factor", lambda v, c: v > 1, "> 1")
+    + _number("loss_scale_backoff_factor", lambda v, c: 0 < v < 1, "in (0, 1)")
+    + _number("min_loss_scale", lambda v, c: v > 0, "> 0")
+    + _number("max_loss_scale", lambda v, c: v >= c.min_loss_scale, ">= min_loss_scale")
+    + _int("loss_scale_growth_interval", 1) + _int("loss_scale_hysteresis", 1)
+    + _flag("check_sequence", "auto", "every_phase") + _flag("find_unused_parameters", "auto")
+    + _number("sequence_timeout", lambda v, c: v > 0, "a number of seconds > 0")
+    + _choice("reduce_scatter", _REDUCE_SCATTER) + _choice("compile_units", _COMPILE_UNITS)
+    + _choice("fused", _FUSED) + _choice("isa", _ISAS)
+    + [row for b in ("overlap_param_gather", "broadcast_buffers", "verify_across_ranks", "log_plan",
+                     "grad_quant_error_feedback") for row in _bool(b)]
+    # communication quantization
+    + _int("quant_block_numel", 2)
+    + _rule("quant_block_numel", lambda v, c: v % 2 == 0, lambda v, c: f"quant_block_numel must be even (int4 "
+            f"codes are packed two per byte), got {v}; {_fix('quant_block_numel')}")
+    + _rule("grad_quant", lambda v, c: v in _GRAD_QUANT, lambda v, c: f"grad_quant must be None, 'int8' or 'int4' "
+            f"(the supported bit widths); got {v!r}; pass grad_quant='int8', 'int4' or None (exact)")
+    + _rule("grad_quant", lambda v, c: c.stage != 0, lambda v, c: f"grad_quant={v!r} needs stage 1, 2 or 3 (stage "
+            f"0 reduces with an all-reduce, which has no quantized form); use stage=1 or grad_quant=None", None)
+    + _rule("grad_quant", lambda v, c: c.reduce_scatter != "native", lambda v, c: f"grad_quant={v!r} reduces by "
+            f"all-to-all; reduce_scatter='native' contradicts it; pass reduce_scatter='auto' or 'alltoall', or "
+            f"grad_quant=None", None)
+    + _rule("grad_quant_error_feedback", lambda v, c: not v or c.grad_quant is not None, "grad_quant_error_feedback"
+            "=True needs grad_quant='int8' or 'int4'; pass one of them, or grad_quant_error_feedback=False")
+    + _rule("param_quant", lambda v, c: v in _PARAM_QUANT, lambda v, c: f"param_quant must be None or 'int8' (the "
+            f"supported bit width for parameter gathers); got {v!r}; pass param_quant='int8' or None (exact)")
+    + _int("node_size", 1, None, "auto")
+    + _rule("node_size", lambda v, c: c.stage == 3, lambda v, c: f"node_size={v!r} (hierarchical partitioning) is "
+            f"for stage 3 (got stage={c.stage!r}); use stage=3 or node_size=None", None)
+    + _rule("param_quant", lambda v, c: c.stage != 0, lambda v, c: f"param_quant={v!r} needs stage 1, 2 or 3 "
+            f"(stage 0 keeps full replicas and gathers no parameters); use stage=1 or param_quant=None", None)
+    # step_in_backward and offload
+    + _flag("step_in_backward")
+    + _rule("step_in_backward", lambda v, c: c.stage in (1, 2, 3), lambda v, c: f"step_in_backward=True needs "
+            f"stage 1, 2 or 3 (got stage={c.stage!r}); use stage=1, 2 or 3, or step_in_backward=False", False)
+    + _rule("step_in_backward", lambda v, c: c.offload is None,
+            "step_in_backward=True with offload='cpu' is not supported; pass one of them", False)
+    + _rule("step_in_backward", lambda v, c: c.resolved_loss_scale() is None, "step_in_backward=True steps before "
+            "any rank could see an inf/nan gradient, so it cannot work with loss scaling (fp16); use "
+            "param_dtype='bf16' (no loss scaling) or step_in_backward=False", False)
+    + _rule("step_in_backward", lambda v, c: c.step_control is not True, "step_in_backward=True steps inside "
+            "backward; pass step_control='auto' (or False) with it, or step_in_backward=False", False)
+    + _rule("offload", lambda v, c: v in (None, "cpu"), lambda v, c: f"offload must be None or 'cpu', got {v!r}; "
+            f"pass offload='cpu' (optimizer state in host memory) or offload=None")
+    + _rule("offload", lambda v, c: c.stage in (1, 2, 3, "auto"), lambda v, c: f"offload={v!r} needs stage 1, 2 "
+            f"or 3 (got stage={c.stage!r}; stage 0 shards nothing); use stage=2 or 3, or offload=None", None)
+    + _rule("offload", lambda v, c: c.grad_quant is None and c.param_quant is None, lambda v, c: f"offload={v!r} "
+            f"keeps exact gradients and parameters; pass grad_quant=None and param_quant=None, or offload=None", None)
+    + _rule("offload", lambda v, c: c.step_control is not True, lambda v, c: f"offload={v!r} steps on the host, so "
+            f"the step control cannot live in device memory; pass step_control='auto' (or False), or offload=None",
+            None)
+)
 
 
 def check_keys(d: dict) -> None:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from . import peak
-from ._C import buffer_bytes, plan_alignments, plan_layout
+from ._C import buffer_bytes, model_state_bytes, plan_alignments, plan_layout
 from .comm import device_backend
 from .config import ZeroConfig, make_config
 
@@ -116,13 +116,12 @@ def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
     if numel < 1:
         raise ValueError(f"zero_ext: the parameter count must be >= 1, got {model_or_numel!r}; pass the model "
                          f"or its number of trainable parameters")
-    if cfg.stage == 3:
-        per = cfg.unit_numel if cfg.unit_numel is not None else max(numel // 4, 1)
-        sizes = [per] * (numel // per) + ([numel % per] if numel % per else [])
-        return sizes, [0] * len(sizes), list(range(1, len(sizes) + 1)), 0, []
-    per = max(1, cfg.resolved_bucket_bytes(4 * numel) // _SIZE[cfg.param_dtype])
+    if cfg.stage == 3:   # units of unit_numel (validated >= 1), else of a quarter
+        per = cfg.unit_numel or max(numel // 4, 1)
+    else:                # buckets of bucket_bytes
+        per = max(1, cfg.resolved_bucket_bytes(4 * numel) // _SIZE[cfg.param_dtype])
     sizes = [per] * (numel // per) + ([numel % per] if numel % per else [])
-    return sizes, [0] * len(sizes), None, 0, []
+    return sizes, [0] * len(sizes), list(range(1, len(sizes) + 1)) if cfg.stage == 3 else None, 0, []
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -161,91 +160,52 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     numels, groups, units, frozen, frozen_units = _model_layout(model_or_numel, optimizer, cfg, hypers)
     pdt, rdt = cfg.param_dtype, cfg.reduce_dtype
     ps, rs = _SIZE[pdt], _SIZE[rdt]
-    lp = pdt != "fp32"
     s = cfg.stage
-    parts = 1 if s == 0 else world_size
-    total_numel = sum(numels)
-    rows = _plan(numels, groups, units, cfg, world_size, parts)
-    padded = sum(r[3] for r in rows)
-    shard = sum(r[4] for r in rows)
-    max_padded = max(r[3] for r in rows)
+    rows = _plan(numels, groups, units, cfg, world_size)
     fused = cls.__name__ in _FUSED_NAMES and issubclass(cls, tuple(getattr(torch.optim, n) for n in _FUSED_NAMES)) \
         and cfg.fused != "never"
     counts = [states_per_element(cls, h) for h in hypers]
     state_size = _state_size(cls, hypers, cfg, fused)
-    if fused:        # the engine keeps each state over the whole shard (every group)
-        state_bytes = state_size * shard * max(counts)
-    else:            # the torch optimizer over each bucket's slice, by param group
-        state_bytes = sum(4 * r[4] * counts[min(r[0], len(counts) - 1)] for r in rows)
-
-    # stage 3: the fp32 shard is the parameter; a low param_dtype exists only gathered
-    params_b = padded * ps if s < 3 else (0 if lp else shard * 4)
-    grads_b = padded * rs if s <= 1 else shard * rs
-    # param_quant: stages 1/2 gather dequantized values, so the fp32 master is a shard of its own
-    master_b = shard * 4 if lp or (cfg.param_quant is not None and 1 <= s <= 2 and parts > 1) else 0
+    dev = _device_type(model_or_numel)
     alltoall = cfg.reduce_scatter == "alltoall" or (cfg.reduce_scatter == "auto" and device_backend(backend) == "gloo")
-    offload = {}
-    if cfg.offload is not None:
-        # Note [Optimizer offload] (csrc/engine/offload.h): master, states and the gradient shard
-        # in host memory, plus two pinned rings of two slots (a gradient slice down, reduce_dtype;
-        # a parameter slice up, param_dtype); stage 1 keeps its gradient buckets on the device,
-        # stage 3 its parameter shard in param_dtype.
-        slice_ = max_padded // parts
-        down = max_padded if alltoall and world_size > 1 else slice_
-        ring = 2 * (max(down, 1) * rs + max(slice_, 1) * ps)
-        offload = {"master_weights": shard * 4, "optimizer_states": state_bytes, "gradients": shard * rs,
-                   "pinned_ring": ring}
-        offload["total"] = sum(offload.values())
-        grads_b = padded * rs if s <= 1 else 0
-        master_b = state_bytes = 0
-        if s == 3:   # the device keeps its shard in param_dtype for the unit gathers
-            params_b = shard * ps
-    split_scratch = 0
-    if cfg.master_remainder_applies(fused):
-        # Note [Split master in the engine] (csrc/engine/master_split.h): a 16-bit remainder per
-        # shard element and a tie bit, each bucket's bits from a whole byte; on a GPU one fp32 chunk
-        # of scratch, except for Adam with fp32 states, whose kernel steps the split master in
-        # one pass (Note [Fused split-master step], csrc/cuda/zx_cuda_master_split.cu)
-        master_b = shard * 2 + sum((r[4] + 7) // 8 for r in rows)
-        largest = max(r[4] for r in rows)
-        one_pass = issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)) and state_size == 4
-        on_gpu = _device_type(model_or_numel) == "cuda"
-        split_scratch = 4 * max(8, min(1 << 24, (largest + 7) // 8 * 8)) if on_gpu and not one_pass else 0
-    landing = 0
-    if cfg.step_in_backward and s >= 2:
-        # Note [Step in backward] (csrc/engine/backward_step.cpp): no gradient shard; with the
-        # all-to-all reduce-scatter one slice-sized buffer where the slices are summed.
-        grads_b = 0
-        landing = (max_padded // parts) * rs if (alltoall or cfg.grad_quant is not None) and world_size > 1 else 0
-    msb = {"parameters": params_b, "gradients": grads_b, "master_weights": master_b,
-           "optimizer_states": state_bytes}
-    msb["total"] = sum(msb.values())
+    # parameters, gradients, master, optimizer states, offload's host bytes (csrc/engine/model_state.h)
+    m = model_state_bytes([r[0] for r in rows], [r[3] for r in rows], [r[4] for r in rows], stage=s,
+                          world=world_size, param_bytes=ps, reduce_bytes=rs,
+                          state_bytes=state_size, states_per_group=counts, fused=fused,
+                          adam=issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)),
+                          param_quant=cfg.param_quant is not None, grad_quant=cfg.grad_quant is not None,
+                          offload=cfg.offload is not None, alltoall=alltoall,
+                          master_remainder=cfg.master_remainder_applies(fused),
+                          on_gpu=dev == "cuda", step_in_backward=bool(cfg.step_in_backward))
+    msb = m["model_state_bytes"]
     # the ring, stage 3's units (the hooks' UnitSchedule replayed), frozen shard, bytes per step
     piece, slice_align = plan_alignments(cfg.resolved_align(world_size), _ZX_DTYPE[pdt])   # Note [Aligned pieces]
     b = buffer_bytes([r[1] for r in rows], [r[3] for r in rows], frozen_units, stage=s, world=world_size,
                      param_bytes=ps, reduce_bytes=rs, grad_ring_buckets=cfg.grad_ring_buckets, depth=cfg.prefetch_depth,
                      coalesce_numel=cfg.coalesce_numel, accum=cfg.accumulation_steps, piece_align=piece,
                      slice_align=slice_align, alltoall=alltoall, on_meta=_on_meta(model_or_numel),
-                     narrow_wire=_device_type(model_or_numel) == "cpu" and cfg.offload is cfg.grad_quant is None)
-    buf = dict(grad_ring=b["grad_ring"], ring_slots=b["ring_slots"], grad_landing=landing, split_master_scratch=split_scratch)
+                     narrow_wire=dev == "cpu" and cfg.offload is cfg.grad_quant is None)
+    buf = dict(grad_ring=b["grad_ring"], ring_slots=b["ring_slots"], grad_landing=m["grad_landing"],
+               split_master_scratch=m["split_master_scratch"])
     buf.update({k: b[k] for k in ("gathered_root", "gathered_unit", "prefetch", "peak_gathered_params") if s == 3})
-    buf["total"] = b["grad_ring"] + landing + split_scratch + buf.get("peak_gathered_params", 0)
+    buf["total"] = b["grad_ring"] + m["grad_landing"] + m["split_master_scratch"] + buf.get("peak_gathered_params", 0)
     frozen_b = frozen * ps + b["frozen_sharded"]
     est = {
         "stage": s, "world_size": world_size, "param_dtype": pdt, "reduce_dtype": rdt,
         "optimizer": cls.__name__, "fused": fused, "states_per_element": max(counts) if fused else counts,
-        "num_params": total_numel, "padded_numel": padded, "shard_numel": shard, "num_buckets": len(rows),
+        "num_params": sum(numels), "padded_numel": sum(r[3] for r in rows), "shard_numel": sum(r[4] for r in rows),
+        "num_buckets": len(rows),
         "model_state_bytes": msb, "buffer_bytes": buf, "frozen_parameter_bytes": frozen_b,
         "total": msb["total"] + buf["total"] + frozen_b,
         "comm_bytes_per_step": b["comm"], "accumulation_steps": cfg.accumulation_steps,
-        "offload": offload,
+        "offload": m["offload"],
     }
     if loss_fn is not None:
         kept = s <= 1 and (cfg.offload is not None or bool(cfg.step_in_backward))   # Note [Bucket gradient lifetime]
         grad_bytes = rs if s <= 1 and not kept else 0
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(pdt, torch.float32)
         act = peak.activation_peak(model_or_numel, loss_fn, dtype, grad_bytes, b["grad_ring"] if grad_bytes else 0)
-        est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, act, _device_type(model_or_numel) != "cuda", kept)
+        est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, act, dev != "cuda", kept)
     return est
 
 
@@ -276,12 +236,12 @@ def _on_meta(model) -> bool:
     return isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters())
 
 
-def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int, parts: int):
+def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int):
     """The engine's bucket plan: a row (group, unit, numel, padded numel, shard numel) per
-    bucket, in bucket order (csrc/plan_binding.cpp)."""
+    bucket, in bucket order (csrc/plan_binding.cpp); stage 0 has one partition."""
     bucket = cfg.resolved_bucket_bytes(4 * sum(numels))
-    return plan_layout(numels, groups, units or [], cfg.stage, parts, bucket, cfg.first_bucket_bytes,
-                          cfg.resolved_align(world_size), _ZX_DTYPE[cfg.param_dtype])
+    return plan_layout(numels, groups, units or [], cfg.stage, 1 if cfg.stage == 0 else world_size, bucket,
+                       cfg.first_bucket_bytes, cfg.resolved_align(world_size), _ZX_DTYPE[cfg.param_dtype])
 
 
 # ----------------------------------------------------------------------------- command line

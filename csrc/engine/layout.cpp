@@ -131,12 +131,23 @@ std::vector<int64_t> Layout::owners() const {
 }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> Layout::fragments(int64_t r) const {
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
+    int64_t b = 0;
+    for (const auto &bucket : bucket_fragments(r)) {
+        for (const auto &[i, poff, soff, n] : bucket)
+            out.emplace_back(i, poff, zx_plan_shard_offset(plan, b) + soff, n);
+        b++;
+    }
+    return out;
+}
+
+std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>> Layout::bucket_fragments(int64_t r) const {
     TORCH_CHECK(r >= 0 && r < std::max<int64_t>(partitions, 1), "zero_ext: internal: no rank ", r, " among ",
                 partitions, " partitions");
-    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
-    for (int64_t b = 0; b < zx_plan_num_buckets(plan); b++)
+    std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>> out(zx_plan_num_buckets(plan));
+    for (int64_t b = 0; b < (int64_t)out.size(); b++)
         for (const auto &f : plan_fragments(plan, b, (int32_t)r))
-            out.emplace_back(f.param, f.param_offset, zx_plan_shard_offset(plan, b) + f.slice_offset, f.numel);
+            out[b].emplace_back(f.param, f.param_offset, f.slice_offset, f.numel);
     return out;
 }
 

@@ -45,6 +45,8 @@ struct Layout {
     // Where rank r's shard holds pieces of parameters: (param index, offset in the flattened
     // parameter, offset in the flat shard, numel).
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> fragments(int64_t r) const;
+    // The same bucket by bucket, the offset in the bucket's slice instead of the flat shard.
+    std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>> bucket_fragments(int64_t r) const;
     std::string describe() const;   // the plan, printable
     std::vector<int64_t> owners() const;   // each parameter's owner rank (-1: element-granular)
     // A buffer on the parameters' device: every buffer of the engine lives there (offload's host ones aside).

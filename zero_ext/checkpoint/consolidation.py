@@ -4,8 +4,6 @@ assembles it from the live ranks (collective); both give torch.optim state dicts
 the wrapped class."""
 from __future__ import annotations
 
-import bisect
-import itertools
 import math
 
 import torch
@@ -142,7 +140,7 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
                     out[kind][f.param].narrow(0, f.param_offset, f.numel).copy_(shard.piece(pieces, f))
     else:
         # rank -> bucket -> the pieces of its slice, for the receiving rank to place
-        slices = slices_of_every_rank(engine, [m.numel() for m in shard.masters]) if receiving else None
+        slices = [engine.bucket_fragments(r) for r in range(parts)] if receiving else None
         # each rank's slice of bucket b, from its owner (src: a broadcast, or its shard server)
         buf = torch.empty(max(m.numel() for m in shard.masters), device=comm.device)
         for b in range(len(shard.masters)):
@@ -172,17 +170,3 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
         result["model"] = {key: values[name] for key, name in layout["keys"].items()}
     return result
 
-
-def slices_of_every_rank(engine, slice_numel: list) -> list:
-    """rank -> bucket -> [(parameter, offset in it, offset in the bucket's slice, numel)]:
-    the pieces each rank's slice of each bucket holds, for the receiving rank to place
-    what every rank sends. The engine's fragment views describe this rank's slices only;
-    engine.fragments(r) gives rank r's pieces at offsets in its flat shard, where the
-    buckets' slices lie back to back, as long on every rank as on this one."""
-    starts = list(itertools.accumulate(slice_numel, initial=0))[:-1]   # bucket b's slice in a flat shard
-    out = [[[] for _ in slice_numel] for _ in range(engine.partitions)]
-    for r in range(engine.partitions):
-        for i, poff, soff, n in engine.fragments(r):
-            b = bisect.bisect_right(starts, soff) - 1
-            out[r][b].append((i, poff, soff - starts[b], n))
-    return out

@@ -43,7 +43,6 @@ import shutil
 import torch
 from torch import nn
 
-from ..checkpoint.consolidation import slices_of_every_rank
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.layout import frozen_units
 from ..checkpoint.saving import decide, fsync_dir, make_tmp, replace_file
@@ -133,7 +132,7 @@ def _stream(model: ZeroModel, comm, saved: list, sink) -> None:
     rank, parts = engine.rank, engine.partitions
     wanted = {i: name for name, _, i, _, _ in saved if i is not None and i < model.guard.n_trainable}
     masters = engine.param_shards()
-    slices = slices_of_every_rank(engine, [m.numel() for m in masters]) if rank == 0 else None
+    slices = [engine.bucket_fragments(r) for r in range(parts)] if rank == 0 else None   # rank -> bucket -> pieces
     window = max(1, WINDOW_BYTES // 4 // parts)
     buf = torch.empty(parts * window, device=comm.device) if rank == 0 and parts > 1 else None
     for b, m in enumerate(masters):
