@@ -119,10 +119,10 @@ UNITS_IN_GRAPH = False
 
 
 def graph_caller():
-    """As module_caller, for stage 3 with its units gathered by operators inside the graph:
-    the module called with its parameters replaced by views of the gathered units."""
+    """As module_caller, for stage 3 with its units gathered by operators inside the graph
+    (each unit's module runs zero_ext/unit_ops.py's _unit_forward meanwhile)."""
     def call(module, args: tuple, kwargs: dict, units):
-        return torch.func.functional_call(module, units.views(), args, kwargs)
+        return module(*args, **kwargs)
     return _own_code(call)
 
 
