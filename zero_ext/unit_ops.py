@@ -60,7 +60,7 @@ class Units:
             self.names.append(own)
         device = guard.params[0].device
         self.anchors = [torch.zeros(0, device=device, requires_grad=True) for _ in self.members]
-        self.gathers = 0   # unit_gather calls run (tests read it)
+        self.gathers = self.regathers = 0   # unit_gather calls run, those in backward (tests read them)
         self.live = self.peak = 0   # bytes of gathered flats alive now, and their most (tests read it)
         self.id = f"zx{next(_ids)}"   # a str: dynamo keeps it a constant (an int may turn symbolic)
         _models[self.id] = weakref.ref(self)
@@ -86,6 +86,7 @@ class Units:
         engine, params = w.engine, w.guard.params
         if torch._C._current_graph_task_id() != -1:   # recomputed for backward
             w.begin_backward()
+            self.regathers += 1
         was = engine.unit_gathered(k)
         self.gathers += 1
         if not was:
