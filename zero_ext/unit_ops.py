@@ -1,16 +1,12 @@
 """Stage 3's units as custom operators in a compiled graph (Note [Stage 3 collectives in
-the graph], zero_ext/compiled.py). A Python torch.library prototype, off unless
-compiled.UNITS_IN_GRAPH is set: the operators belong in the C++ binding (TORCH_LIBRARY)
-once their memory (recomputing gathers in backward) is settled.
-
-  zero_ext::unit_gather(model, unit, anchor) -> flat   the unit's parameters whole, in
-      the engine's order, flattened and concatenated (a fresh tensor in param_dtype)
-  zero_ext::unit_reduce(model, unit, grad)   -> empty  flat's gradient handed to the
-      engine, parameter by parameter (mark_ready_with): the reduction of eager's hooks
-  unit_gather's autograd formula is unit_reduce; `anchor` (0 elements, requires grad,
-  one per unit) is the edge autograd calls it through. Both are ordered effects, so
-  no compiler pass reorders them against each other (every rank issues the same
-  collectives in the same order). `model` names a registered Units (a str).
+the graph], zero_ext/compiled.py): a Python torch.library prototype, off unless
+compiled.UNITS_IN_GRAPH is set (the operators belong in the C++ binding, TORCH_LIBRARY).
+  zero_ext::unit_gather(model, unit, anchor, after) -> flat   the unit's parameters whole,
+      flattened in the engine's order (a fresh tensor in param_dtype); `after` (the unit's
+      input, not read) orders it. Its autograd formula (through `anchor`: 0 elements, one per
+      unit, requires grad) is zero_ext::unit_reduce(model, unit, grad) -> empty: flat's
+      gradient handed to the engine (mark_ready_with), an ordered effect. `model` names a
+      registered Units (a str).
 """
 from __future__ import annotations
 
@@ -29,54 +25,39 @@ _ids = itertools.count(1)
 
 
 class Units:
-    """One stage-3 model's units as the operators see them: per unit, its parameters
-    (engine index, shape, numel, offset in flat), its module, and the names that module
-    reads its own parameters by (a nested unit's are its own; a tied weight under several
-    names is one view under each)."""
+    """One stage-3 model's units as the operators see them: per unit its module, its parameters
+    (engine index, shape, numel, offset in flat) and the names its module reads them by."""
 
     def __init__(self, wrapper, modules: list):
         guard = wrapper.guard
         if len(guard.params) != guard.n_trainable:
-            raise NotImplementedError("zero_ext: compiled.UNITS_IN_GRAPH does not take stage 3's sharded frozen "
-                                      "parameters yet; leave it False (every unit is gathered before the graph)")
-        self.wrapper = weakref.ref(wrapper)
-        engine = wrapper.engine
+            raise NotImplementedError("zero_ext: compiled.UNITS_IN_GRAPH does not take sharded frozen parameters")
+        self.wrapper, self.modules = weakref.ref(wrapper), modules
         self.dtype = wrapper.compute_dtype or torch.float32
-        self.members = [[] for _ in range(engine.num_units)]   # per unit: (engine index, shape, numel, offset)
-        numel = [0] * engine.num_units
-        index = {}
+        self.members = [[] for _ in modules]   # per unit: (engine index, shape, numel, offset)
+        self.numel, where = [0] * len(modules), {}
         for i in range(guard.n_trainable):
-            k = getattr(guard.params[i], OWNER_ATTR)[1]
-            n = guard.shapes[i].numel()
-            index[id(guard.params[i])] = (k, len(self.members[k]))
-            self.members[k].append((i, tuple(guard.shapes[i]), n, numel[k]))
-            numel[k] += n
-        self.numel = numel
-        self.modules = modules
-        self.names = []   # per unit: (name in its module, member) for the parameters the unit owns
-        for k, m in enumerate(modules):
-            own = [(name, index[id(p)][1]) for name, p in m.named_parameters(remove_duplicate=False)
-                   if index.get(id(p), (None,))[0] == k]
-            self.names.append(own)
-        device = guard.params[0].device
-        self.anchors = [torch.zeros(0, device=device, requires_grad=True) for _ in self.members]
+            k, n = getattr(guard.params[i], OWNER_ATTR)[1], guard.shapes[i].numel()
+            where[id(guard.params[i])] = (k, len(self.members[k]))
+            self.members[k].append((i, tuple(guard.shapes[i]), n, self.numel[k]))
+            self.numel[k] += n
+        # per unit: (name in its module, member) of the parameters it owns (not a nested unit's)
+        self.names = [[(name, where[id(p)][1]) for name, p in m.named_parameters(remove_duplicate=False)
+                       if where.get(id(p), (None,))[0] == k] for k, m in enumerate(modules)]
+        self.anchors = [torch.zeros(0, device=guard.params[0].device, requires_grad=True) for _ in modules]
         self.gathers = self.regathers = 0   # unit_gather calls run, those in backward (tests read them)
-        self.live = self.peak = 0   # bytes of gathered flats alive now, and their most (tests read it)
+        self.alive, self.peak = [], 0   # gathered flats' storages (weak) and bytes; the most at once
         self.id = f"zx{next(_ids)}"   # a str: dynamo keeps it a constant (an int may turn symbolic)
-        _models[self.id] = weakref.ref(self)
-        me = weakref.ref(self)   # Note [No cycles through C++] (model.py): the modules hold these
+        _models[self.id] = me = weakref.ref(self)   # (weak: the modules hold the partials)
         self._forwards = [functools.partial(_unit_forward, me, k) for k in range(len(modules))]
         self._context = functools.partial(create_selective_checkpoint_contexts, _recompute_gathers)
 
-    def install(self) -> None:
-        """Before a compiled forward: each unit's module runs _unit_forward (removed after)."""
+    def install(self, on: bool) -> None:
+        """While a compiled forward runs (traced), each unit's module runs _unit_forward."""
         for k, m in enumerate(self.modules):
-            if self.members[k]:
+            if on and self.members[k]:
                 m.forward = self._forwards[k]
-
-    def uninstall(self) -> None:
-        for k, m in enumerate(self.modules):
-            if m.__dict__.get("forward") is self._forwards[k]:
+            elif not on and m.__dict__.get("forward") is self._forwards[k]:
                 del m.forward
 
     # -- what the operators run
@@ -94,16 +75,10 @@ class Units:
         flat = torch.cat([params[i].detach().reshape(-1) for i, *_ in self.members[k]])
         if not was:
             engine.release_unit(k)
-        self.live += flat.nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(flat.untyped_storage(), self._freed, weakref.ref(self), flat.nbytes)
+        self.alive = [(r, n) for r, n in self.alive if r() is not None]
+        self.alive.append((weakref.ref(flat.untyped_storage()), flat.nbytes))
+        self.peak = max(self.peak, sum(n for _, n in self.alive))
         return flat
-
-    @staticmethod
-    def _freed(ref, nbytes: int) -> None:
-        units = ref()
-        if units is not None:
-            units.live -= nbytes
 
     def reduce(self, k: int, grad: torch.Tensor) -> None:
         w = self.wrapper()
@@ -113,29 +88,21 @@ class Units:
 
 
 def _unit_forward(ref, k: int, *args, **kwargs):
-    """Traced: unit k's module's forward with its parameters replaced by views of the flat
-    zero_ext::unit_gather returns at this first use (after the unit's input exists), the
-    gather tagged must-recompute (gathered again in backward, not saved)."""
+    """Traced: unit k's module's forward reading its parameters as views of the flat gathered
+    at this first use, the gather must-recompute (gathered again in backward, not saved)."""
     units = ref()
-    module = units.modules[k]
+    module, members = units.modules[k], units.members[k]
     dep = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), units.anchors[k])
-    flat = checkpoint(_gather, units.id, k, units.anchors[k], dep, use_reentrant=False, context_fn=units._context)
-    members = units.members[k]
-    views = {}
-    for name, j in units.names[k]:
-        _, shape, n, off = members[j]
-        views[name] = flat[off:off + n].view(shape)
+    flat = checkpoint(torch.ops.zero_ext.unit_gather.default, units.id, k, units.anchors[k], dep,
+                      use_reentrant=False, context_fn=units._context)
+    views = {name: flat[members[j][3]:members[j][3] + members[j][2]].view(members[j][1]) for name, j in units.names[k]}
     with _reparametrize_module(module, views):
         return type(module).forward(module, *args, **kwargs)
 
 
-def _gather(model: str, unit: int, anchor: torch.Tensor, dep: torch.Tensor) -> torch.Tensor:
-    return torch.ops.zero_ext.unit_gather(model, unit, anchor, dep)
-
-
 def _recompute_gathers(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_RECOMPUTE if op is torch.ops.zero_ext.unit_gather.default \
-        else CheckpointPolicy.PREFER_SAVE
+    gather = op is torch.ops.zero_ext.unit_gather.default
+    return CheckpointPolicy.MUST_RECOMPUTE if gather else CheckpointPolicy.PREFER_SAVE
 
 
 def _units(model: str) -> Units:
@@ -177,7 +144,7 @@ def _backward(ctx, grad):
 
 
 unit_gather.register_autograd(_backward, setup_context=_setup)
-try:   # ordered effects: torch 2.13's custom ops take them
+try:   # an ordered effect: torch 2.13's custom ops take them
     from torch._library.effects import EffectType
     unit_reduce.register_effect(EffectType.ORDERED)
 except (ImportError, AttributeError):
