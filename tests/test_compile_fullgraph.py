@@ -10,6 +10,8 @@ base parameters) compile whole in stages 2 and 3, compile nothing after step 2, 
 compiled DDP's losses and parameters within 1e-5.
 Inductor's CPU backend, as users get it; its compile cache makes the repeats cheap.
 """
+import functools
+
 import pytest
 import torch
 
@@ -44,13 +46,19 @@ class _Net(torch.nn.Module):
         return self.fc3(torch.nn.functional.gelu(self.fc2(h)) * self.scale.to(h.dtype))
 
 
+def _doubled(fc, x):
+    return 2 * torch.nn.functional.linear(x, fc.weight, fc.bias)
+
+
 class _Even(torch.nn.Module):
     """Four units of one size (Linear(16, 16)), so stage 3's gathered bytes compare plainly:
-    eager holds a unit and the one prefetched after it."""
+    eager holds a unit and the one prefetched after it. The third's forward is its own
+    (set on the instance), which the units in the graph must call and put back."""
 
     def __init__(self):
         super().__init__()
         self.fcs = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.fcs[2].forward = functools.partial(_doubled, self.fcs[2])
 
     def forward(self, x):
         for fc in self.fcs:
@@ -110,6 +118,7 @@ def _fullgraph(rank, world, cases):
         graphs, calls = counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]
         units = zm._engine.num_units if stage == 3 else 0
         held = [zm._engine.unit_gathered(k) for k in range(units)]   # after the last step
+        own_forward = [type(m.__dict__.get("forward")).__name__ for m in net.modules()]
         # stage 3's gathered bytes at most, training: the engine's (its buffers; in the graph only
         # the one being copied out) and, in the graph, the gathered flats alive at once
         peak = zo.stats()["buffer_bytes"]["peak_gathered_params"] if stage == 3 else None
@@ -126,7 +135,7 @@ def _fullgraph(rank, world, cases):
         out[(stage, mode, accum, tuple(sorted(opts)))] = dict(
             losses=losses, params=params, breaks=dict(counters["graph_break"]), graphs_at_2=graphs_at_2,
             graphs=graphs, calls=calls, held=held, held_eval=held_eval, evaluated=evaluated, units=units,
-            gathers=gathers, peak=peak, flats=flats)
+            gathers=gathers, peak=peak, flats=flats, own_forward=own_forward)
     return out
 
 
@@ -196,6 +205,7 @@ def test_stage3_units_gathered_in_the_graph():
         _close(got, eager, "four even units in the graph against eager stage 3", EAGER_PARAM_REL)
         unit = 4 * (16 * 16 + 16)
         assert got["gathers"][1] == 3 * STEPS and got["flats"] >= unit, got["gathers"]
+        assert got["own_forward"] == eager["own_forward"] and got["own_forward"].count("partial") == 1
         # eager: a unit and the one prefetched; the graph: one flat alive (a second while the
         # next is copied out of the engine's buffer, which holds it meanwhile); everything
         # gathered at the start, or the flats saved for backward, would be 4 units or more

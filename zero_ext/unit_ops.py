@@ -4,9 +4,8 @@ compiled.UNITS_IN_GRAPH is set (the operators belong in the C++ binding, TORCH_L
   zero_ext::unit_gather(model, unit, anchor, after) -> flat   the unit's parameters whole,
       flattened in the engine's order (a fresh tensor in param_dtype); `after` (the unit's
       input, not read) orders it. Its autograd formula (through `anchor`: 0 elements, one per
-      unit, requires grad) is zero_ext::unit_reduce(model, unit, grad) -> empty: flat's
-      gradient handed to the engine (mark_ready_with), an ordered effect. `model` names a
-      registered Units (a str).
+      unit, requires grad) is zero_ext::unit_reduce(model, unit, grad) -> empty: the gradient
+      handed to the engine (mark_ready_with), an ordered effect. `model`: a Units' id.
 """
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class Units:
         guard = wrapper.guard
         if len(guard.params) != guard.n_trainable:
             raise NotImplementedError("zero_ext: compiled.UNITS_IN_GRAPH does not take sharded frozen parameters")
-        self.wrapper, self.modules = weakref.ref(wrapper), modules
-        self.dtype = wrapper.compute_dtype or torch.float32
+        self.wrapper, self.modules, self.dtype = weakref.ref(wrapper), modules, wrapper.compute_dtype or torch.float32
         self.members = [[] for _ in modules]   # per unit: (engine index, shape, numel, offset)
         self.numel, where = [0] * len(modules), {}
         for i in range(guard.n_trainable):
@@ -45,20 +43,23 @@ class Units:
         self.names = [[(name, where[id(p)][1]) for name, p in m.named_parameters(remove_duplicate=False)
                        if where.get(id(p), (None,))[0] == k] for k, m in enumerate(modules)]
         self.anchors = [torch.zeros(0, device=guard.params[0].device, requires_grad=True) for _ in modules]
-        self.gathers = self.regathers = 0   # unit_gather calls run, those in backward (tests read them)
-        self.alive, self.peak = [], 0   # gathered flats' storages (weak) and bytes; the most at once
+        # unit_gather calls run, those in backward; gathered flats' storages (weak) and bytes, the most at once
+        self.gathers, self.regathers, self.alive, self.peak = 0, 0, [], 0
         self.id = f"zx{next(_ids)}"   # a str: dynamo keeps it a constant (an int may turn symbolic)
         _models[self.id] = me = weakref.ref(self)   # (weak: the modules hold the partials)
         self._forwards = [functools.partial(_unit_forward, me, k) for k in range(len(modules))]
+        self.own = [None] * len(modules)   # a forward set on a unit's module itself, kept meanwhile
         self._context = functools.partial(create_selective_checkpoint_contexts, _recompute_gathers)
 
     def install(self, on: bool) -> None:
         """While a compiled forward runs (traced), each unit's module runs _unit_forward."""
         for k, m in enumerate(self.modules):
             if on and self.members[k]:
-                m.forward = self._forwards[k]
+                self.own[k], m.forward = m.__dict__.get("forward"), self._forwards[k]
             elif not on and m.__dict__.get("forward") is self._forwards[k]:
                 del m.forward
+                if self.own[k] is not None:
+                    m.forward = self.own[k]
 
     # -- what the operators run
     def gather(self, k: int) -> torch.Tensor:
@@ -97,7 +98,7 @@ def _unit_forward(ref, k: int, *args, **kwargs):
                       use_reentrant=False, context_fn=units._context)
     views = {name: flat[members[j][3]:members[j][3] + members[j][2]].view(members[j][1]) for name, j in units.names[k]}
     with _reparametrize_module(module, views):
-        return type(module).forward(module, *args, **kwargs)
+        return (units.own[k] or functools.partial(type(module).forward, module))(*args, **kwargs)
 
 
 def _recompute_gathers(ctx, op, *args, **kwargs):
@@ -108,8 +109,7 @@ def _recompute_gathers(ctx, op, *args, **kwargs):
 def _units(model: str) -> Units:
     units = _models[model]()
     if units is None:
-        raise RuntimeError("zero_ext: a compiled graph ran after its zeroified model was deleted; compile the "
-                           "model zeroify() returned while it lives")
+        raise RuntimeError("zero_ext: a compiled graph ran after its zeroified model was deleted")
     return units
 
 
