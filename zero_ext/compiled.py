@@ -44,15 +44,15 @@ Note [Stage 3 collectives in the graph]
   input), the module reads its parameters as views of it (_reparametrize_module), and a
   selective checkpoint around the gather alone tags it must-recompute: the flat is not
   saved, backward gathers the unit again before its first use there. Its autograd formula,
-  zero_ext::unit_reduce (an ordered effect), hands the gradient to the engine. Measured:
-  one flat alive at a time beside the root's; with the engine's copy buffer, GPT 6x384 at
-  2 ranks holds 14,495,232 gathered bytes at most, as eager (benchmarks/
-  bench_units_in_graph.py), with no graph break and DDP's losses. unit_gather is no effect:
-  torch 2.13's partitioner cannot recompute one (unlift_tokens asserts). Data orders it
-  (each waits for its unit's input) and every rank compiles the same graph; a graph that
-  differs on one rank could cross collectives. Not yet: the operators in C++ (TORCH_LIBRARY),
-  gathering straight into the flat (no copy), prefetch (no gather overlaps compute),
-  coalesced small units, sharded frozen parameters, and being the default.
+  zero_ext::unit_reduce (an ordered effect), hands the gradient to the engine. Measured
+  (benchmarks/bench_units_in_graph.py, GPT 6x384, 2 ranks): no graph break, DDP's losses,
+  14,495,232 gathered bytes at most with the engine's copy buffer, as eager. unit_gather
+  is no effect: torch 2.13's partitioner cannot recompute one (unlift_tokens asserts);
+  data orders it (each waits for its unit's input) and every rank compiles the same graph:
+  a graph differing on one rank could cross collectives. Not the default: a step took 1.5x
+  compiled DDP's, 0.8x per_unit's, 1.2x eager's, its RSS rise 1.26x eager's (bench_compile.py,
+  one loaded run). Not yet: the operators in C++, gathering into the flat (no copy), prefetch,
+  coalesced small units, sharded frozen parameters (raises), a unit called twice in a step.
 """
 from __future__ import annotations
 
