@@ -50,8 +50,8 @@ Note [Stage 3 collectives in the graph]
   is no effect: torch 2.13's partitioner cannot recompute one (unlift_tokens asserts);
   data orders it (each waits for its unit's input) and every rank compiles the same graph:
   a graph differing on one rank could cross collectives. Not the default: a step took 1.4-1.5x
-  compiled DDP's, 0.8x per_unit's, 1.2-1.4x eager's, its RSS rise 1.16-1.26x eager's (bench_
-  compile.py, 2 loaded runs). Not yet: the operators in C++, gathering into the flat, prefetch,
+  compiled DDP's, 0.8x per_unit's, 1.2-1.4x eager's, its RSS rise 1.16-1.26x eager's (2 loaded
+  runs of bench_compile.py). Not yet: the operators in C++, gathering into the flat, prefetch,
   coalesced small units, sharded frozen parameters (raises), a unit called twice in a step.
 """
 from __future__ import annotations
