@@ -10,6 +10,8 @@ base parameters) compile whole in stages 2 and 3, compile nothing after step 2, 
 compiled DDP's losses and parameters within 1e-5.
 Inductor's CPU backend, as users get it; its compile cache makes the repeats cheap.
 """
+import functools
+
 import pytest
 import torch
 
@@ -44,8 +46,30 @@ class _Net(torch.nn.Module):
         return self.fc3(torch.nn.functional.gelu(self.fc2(h)) * self.scale.to(h.dtype))
 
 
-def _net(seq=False):
+def _doubled(fc, x):
+    return 2 * torch.nn.functional.linear(x, fc.weight, fc.bias)
+
+
+class _Even(torch.nn.Module):
+    """Four units of one size (Linear(16, 16)), so stage 3's gathered bytes compare plainly:
+    eager holds a unit and the one prefetched after it. The third's forward is its own
+    (set on the instance), which the units in the graph must call and put back."""
+
+    def __init__(self):
+        super().__init__()
+        self.fcs = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.fcs[2].forward = functools.partial(_doubled, self.fcs[2])
+
+    def forward(self, x):
+        for fc in self.fcs:
+            x = torch.nn.functional.gelu(fc(x))
+        return x[:, :4]
+
+
+def _net(seq=False, even=False):
     torch.manual_seed(0)
+    if even:
+        return _Even()
     if seq:
         return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     return _Net()
@@ -83,9 +107,9 @@ def _fullgraph(rank, world, cases):
         losses, _ = _train(ddp, torch.optim.AdamW(net.parameters(), lr=1e-2), rank, accum)
         out[("ddp", accum)] = (losses, [p.detach().clone() for p in net.parameters()])
     for stage, mode, accum, opts in cases:
-        net = _net(seq=opts.get("seq", False))
+        net = _net(seq=opts.get("seq", False), even=opts.get("even", False))
         kw = dict({"min_unit_numel": 0, "compile_units": "whole"} if stage == 3 else {},
-                  **{k: v for k, v in opts.items() if k not in ("seq", "in_graph")})
+                  **{k: v for k, v in opts.items() if k not in ("seq", "in_graph", "even")})
         zero_ext.compiled.UNITS_IN_GRAPH = opts.get("in_graph", False)
         zm, zo = zero_ext.zeroify(net, torch.optim.AdamW(net.parameters(), lr=1e-2), stage=stage, **kw)
         counters.clear()
@@ -94,19 +118,24 @@ def _fullgraph(rank, world, cases):
         graphs, calls = counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]
         units = zm._engine.num_units if stage == 3 else 0
         held = [zm._engine.unit_gathered(k) for k in range(units)]   # after the last step
+        own_forward = [type(m.__dict__.get("forward")).__name__ for m in net.modules()]
+        # stage 3's gathered bytes at most, training: the engine's (its buffers; in the graph only
+        # the one being copied out) and, in the graph, the gathered flats alive at once
+        peak = zo.stats()["buffer_bytes"]["peak_gathered_params"] if stage == 3 else None
+        flats = zm._units.ops.peak if stage == 3 and zm._units.ops is not None else 0
         evaluated = None
         if stage == 3:   # an evaluation (a graph of its own): every unit but the root released after it
             with torch.no_grad():
                 evaluated = model(torch.ones(2, 16)).float()
         held_eval = [zm._engine.unit_gathered(k) for k in range(units)]
         ops = zm._units.ops if stage == 3 else None
-        gathers = (ops.gathers, sum(1 for m in ops.members if m)) if ops is not None else None
+        gathers = (ops.gathers, ops.regathers, sum(1 for m in ops.members if m)) if ops is not None else None
         with zero_ext.gathered_parameters(zm):
             params = [p.detach().clone() for p in net.parameters()]
         out[(stage, mode, accum, tuple(sorted(opts)))] = dict(
             losses=losses, params=params, breaks=dict(counters["graph_break"]), graphs_at_2=graphs_at_2,
             graphs=graphs, calls=calls, held=held, held_eval=held_eval, evaluated=evaluated, units=units,
-            gathers=gathers)
+            gathers=gathers, peak=peak, flats=flats, own_forward=own_forward)
     return out
 
 
@@ -141,7 +170,7 @@ def _check(results, cases):
                     assert got["held"] == eager["held"], f"{what}: units gathered after the step"
                     assert got["held_eval"] == eager["held_eval"], f"{what}: units gathered after an evaluation"
                 assert not any(got["held"][1:] + got["held_eval"][1:]), f"{what}: units left gathered"
-            if mode == "compiled" and "seq" not in opts:
+            if mode == "compiled" and "seq" not in opts and "even" not in opts:
                 ddp_losses, ddp_params = out[("ddp", accum)]
                 _close(got, dict(losses=ddp_losses, params=ddp_params), f"{what} against compiled DDP", rel, rel)
 
@@ -155,18 +184,33 @@ def test_fullgraph_stages_0_3_two_ranks():
 
 
 def test_stage3_units_gathered_in_the_graph():
-    """Note [Stage 3 collectives in the graph]'s prototype: the units gathered by
-    zero_ext::unit_gather inside the graph, their gradients handed to the engine by
-    zero_ext::unit_reduce inside the compiled backward."""
+    """Note [Stage 3 collectives in the graph]'s prototype: each unit gathered by
+    zero_ext::unit_gather at its first use inside the graph and again in backward (not
+    saved), its gradient handed to the engine by zero_ext::unit_reduce inside the compiled
+    backward; equal to compiled DDP, and at most ~eager stage 3's gathered bytes at once."""
     cases = [(3, "compiled", a, {"in_graph": True}) for a in (1, 2)]
+    even = {"even": True, "coalesce_numel": 0}   # each unit gathered alone, as a large model's
+    cases += [(3, "compiled", 1, dict(even, in_graph=True)), (3, "eager", 1, even)]
     results = run_world(_fullgraph, 2, cases, timeout_s=600)
     _check(results, cases)
     for out in results:
-        for case in cases:
-            got = out[(3, "compiled", case[2], ("in_graph",))]
-            # every unit, every forward (training micro-steps, then the evaluation)
-            calls, units = got["gathers"]
-            assert units >= 3 and calls == units * (STEPS * case[2] + 1), got["gathers"]
+        for accum in (1, 2):
+            # every unit, every forward (training micro-steps, then the evaluation); in
+            # backward every unit but fc1 (its input needs no gradient: its weight is not read)
+            calls, again, units = out[(3, "compiled", accum, ("in_graph",))]["gathers"]
+            assert units == 3 and calls - again == units * (STEPS * accum + 1), (calls, again)
+            assert again == (units - 1) * STEPS * accum, (calls, again)
+        got = out[(3, "compiled", 1, ("coalesce_numel", "even", "in_graph"))]
+        eager = out[(3, "eager", 1, ("coalesce_numel", "even"))]
+        _close(got, eager, "four even units in the graph against eager stage 3", EAGER_PARAM_REL)
+        unit = 4 * (16 * 16 + 16)
+        assert got["gathers"][1] == 3 * STEPS and got["flats"] >= unit, got["gathers"]
+        assert got["own_forward"] == eager["own_forward"] and got["own_forward"].count("partial") == 1
+        # eager: a unit and the one prefetched; the graph: one flat alive (a second while the
+        # next is copied out of the engine's buffer, which holds it meanwhile); everything
+        # gathered at the start, or the flats saved for backward, would be 4 units or more
+        compiled = got["flats"] + got["peak"]
+        assert compiled <= 1.05 * eager["peak"], (got["flats"], got["peak"], eager["peak"])
 
 
 @pytest.mark.parametrize("world", [1, 3])

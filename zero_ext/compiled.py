@@ -37,33 +37,27 @@ Note [Stage 3 compiled whole]
   Note [Stage 3 collectives in the graph].
 
 Note [Stage 3 collectives in the graph]
-  Stage 3 with its memory under compile (issue 54). Built, as a Python prototype off by
-  default (UNITS_IN_GRAPH; zero_ext/unit_ops.py; tests/test_compile_fullgraph.py):
-  - zero_ext::unit_gather(model, unit, anchor) -> flat, a custom operator with a fake
-    kernel (flat: the unit's parameters' numel, param_dtype) returning a fresh whole
-    copy of the unit; `anchor` is a 0-element leaf per unit that requires grad, the
-    edge autograd calls back through. Its autograd formula is
-    zero_ext::unit_reduce(model, unit, grad_flat): the engine takes each parameter's
-    gradient from grad_flat (Engine::mark_ready with a gradient) and reduces it as the
-    eager hooks' mark_ready does; it returns the anchor's empty gradient, so the node
-    stays live in the compiled backward. Both are ordered effects (effect tokens), so no
-    pass reorders one rank's collectives against another's.
-  - The traced call replaces the module's parameters by views of the flats
-    (torch.func.functional_call), so every read depends on its gather by data.
-  Not yet: the gathers are all issued at the graph's start and autograd saves the flats
-  for backward, so the whole model is held, as in Note [Stage 3 compiled whole]. Next:
-  each unit's gather issued at its first use (the traced unit pre-hook), the flats
-  tagged must-recompute (selective activation checkpointing: gathered again in
-  backward, stage 3's release after forward), the operators in the C++ binding
-  (TORCH_LIBRARY), gathering straight into the fresh flat (no copy out of the engine's
-  buffer), and sharded frozen parameters.
+  Stage 3 with its memory under compile (issue 54): a Python prototype, off by default
+  (UNITS_IN_GRAPH; zero_ext/unit_ops.py; tests/test_compile_fullgraph.py). While compiled,
+  each unit's module runs unit_ops._unit_forward: zero_ext::unit_gather(model, unit, anchor,
+  after) returns a fresh flat copy of the unit at its first use (`after`: the unit's
+  input), the module reads its parameters as views of it (_reparametrize_module), and a
+  selective checkpoint around the gather alone tags it must-recompute: the flat is not
+  saved, backward gathers the unit again before its first use there. Its autograd formula,
+  zero_ext::unit_reduce (an ordered effect), hands the gradient to the engine. Measured
+  (benchmarks/bench_units_in_graph.py, GPT 6x384, 2 ranks): no graph break, DDP's losses,
+  14,495,232 gathered bytes at most with the engine's copy buffer, as eager. unit_gather
+  is no effect: torch 2.13's partitioner cannot recompute one (unlift_tokens asserts);
+  data orders it (each waits for its unit's input) and every rank compiles the same graph:
+  a graph differing on one rank could cross collectives. Not the default: a step took 1.4-1.5x
+  compiled DDP's, 0.8x per_unit's, 1.2-1.4x eager's, its RSS rise 1.16-1.26x eager's (2 loaded
+  runs of bench_compile.py). Not yet: the operators in C++, gathering into the flat, prefetch,
+  coalesced small units, sharded frozen parameters (raises), a unit called twice in a step.
 """
 from __future__ import annotations
 
 import itertools
 import types
-
-import torch
 
 
 def skip_frame(fn: types.FunctionType) -> bool:
@@ -103,27 +97,13 @@ def module_caller():
     sizes per code name)."""
     def call(module, args: tuple, kwargs: dict):
         return module(*args, **kwargs)
-    return _own_code(call)
-
-
-def _own_code(fn):
-    """fn with a code object (and name) of its own: dynamo caches graphs per code object
-    and keeps what it learned of changing sizes (automatic dynamic) per name and line."""
-    name = f"{fn.__name__}_{next(_models)}"
-    return types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name), globals(), name)
+    name = f"call_{next(_models)}"
+    return types.FunctionType(call.__code__.replace(co_name=name, co_qualname=name), globals(), name)
 
 
 _models = itertools.count()
 # Note [Stage 3 collectives in the graph]: the prototype (zero_ext/unit_ops.py), off by default
 UNITS_IN_GRAPH = False
-
-
-def graph_caller():
-    """As module_caller, for stage 3 with its units gathered by operators inside the graph:
-    the module called with its parameters replaced by views of the gathered units."""
-    def call(module, args: tuple, kwargs: dict, units):
-        return torch.func.functional_call(module, units.views(), args, kwargs)
-    return _own_code(call)
 
 
 try:

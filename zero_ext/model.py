@@ -129,7 +129,7 @@ class ZeroModel(nn.Module):
             out = None
             try:
                 if in_graph:   # Note [Stage 3 collectives in the graph]
-                    out = units.ops_call(self.module, args, kwargs, units.ops)
+                    out = units.ops_call(self.module, args, kwargs)
                 else:
                     out = self._call_module(self.module, args, kwargs)
             finally:
@@ -241,6 +241,7 @@ class _UnitHooks:
         self.keep_fits = None                           # whether the whole model may be kept
         self.compiled = False                           # a compiled forward runs (Note [Stage 3 compiled whole])
         self.ops = self.ops_call = None                 # Note [Stage 3 collectives in the graph]: call_in_graph
+        self.modules = unit_modules                     # index 0 the model (Units reads them)
         # The root's hooks run whichever way the model is entered: the wrapper,
         # model.module(...) or a method such as generate() that calls it.
         unit_modules[0].register_forward_pre_hook(self._root_pre_forward)
@@ -325,12 +326,16 @@ class _UnitHooks:
             src.unit(opt, k)
         if not gather and self.ops is None:   # Note [Stage 3 collectives in the graph]: the prototype
             from .unit_ops import Units
-            self.ops, self.ops_call = Units(self.wrapper), compiled.graph_caller()
+            self.ops, self.ops_call = Units(self.wrapper, self.modules), compiled.module_caller()
+        if not gather:
+            self.ops.install(True)
 
     def compiled_end(self, out) -> None:
         """After the graph: without a backward to come, every unit is released now; with
         one, each after its last gradient is staged and at the end of backward (engine)."""
         self.compiled = False
+        if self.ops is not None:
+            self.ops.install(False)
         if not (torch.is_grad_enabled() and any(
                 t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))):
             for k in range(self.engine.num_units):

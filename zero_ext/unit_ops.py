@@ -1,23 +1,21 @@
 """Stage 3's units as custom operators in a compiled graph (Note [Stage 3 collectives in
-the graph], zero_ext/compiled.py). A Python torch.library prototype, off unless
-compiled.UNITS_IN_GRAPH is set: the operators belong in the C++ binding (TORCH_LIBRARY)
-once their memory (recomputing gathers in backward) is settled.
-
-  zero_ext::unit_gather(model, unit, anchor) -> flat   the unit's parameters whole, in
-      the engine's order, flattened and concatenated (a fresh tensor in param_dtype)
-  zero_ext::unit_reduce(model, unit, grad)   -> empty  flat's gradient handed to the
-      engine, parameter by parameter (mark_ready_with): the reduction of eager's hooks
-  unit_gather's autograd formula is unit_reduce; `anchor` (0 elements, requires grad,
-  one per unit) is the edge autograd calls it through. Both are ordered effects, so
-  no compiler pass reorders them against each other (every rank issues the same
-  collectives in the same order). `model` names a registered Units (a str).
+the graph], zero_ext/compiled.py): a Python torch.library prototype, off unless
+compiled.UNITS_IN_GRAPH is set (the operators belong in the C++ binding, TORCH_LIBRARY).
+  zero_ext::unit_gather(model, unit, anchor, after) -> flat   the unit's parameters whole,
+      flattened in the engine's order (a fresh tensor in param_dtype); `after` (the unit's
+      input, not read) orders it. Its autograd formula (through `anchor`: 0 elements, one per
+      unit, requires grad) is zero_ext::unit_reduce(model, unit, grad) -> empty: the gradient
+      handed to the engine (mark_ready_with), an ordered effect. `model`: a Units' id.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 
 import torch
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .gather import OWNER_ATTR
 
@@ -26,53 +24,51 @@ _ids = itertools.count(1)
 
 
 class Units:
-    """One stage-3 model's units as the operators see them: per unit, its parameters
-    (engine index, shape, numel, offset in flat) and the names the module reads them by."""
+    """One stage-3 model's units as the operators see them: per unit its module, its parameters
+    (engine index, shape, numel, offset in flat) and the names its module reads them by."""
 
-    def __init__(self, wrapper):
+    def __init__(self, wrapper, modules: list):
         guard = wrapper.guard
         if len(guard.params) != guard.n_trainable:
-            raise NotImplementedError("zero_ext: compiled.UNITS_IN_GRAPH does not take stage 3's sharded frozen "
-                                      "parameters yet; leave it False (every unit is gathered before the graph)")
-        self.wrapper = weakref.ref(wrapper)
-        engine = wrapper.engine
-        self.dtype = wrapper.compute_dtype or torch.float32
-        self.members = [[] for _ in range(engine.num_units)]   # per unit: (engine index, shape, numel, offset)
-        numel = [0] * engine.num_units
+            raise NotImplementedError("zero_ext: compiled.UNITS_IN_GRAPH does not take sharded frozen parameters")
+        self.wrapper, self.modules, self.dtype = weakref.ref(wrapper), modules, wrapper.compute_dtype or torch.float32
+        self.members = [[] for _ in modules]   # per unit: (engine index, shape, numel, offset)
+        self.numel, where = [0] * len(modules), {}
         for i in range(guard.n_trainable):
-            k = getattr(guard.params[i], OWNER_ATTR)[1]
-            n = guard.shapes[i].numel()
-            self.members[k].append((i, tuple(guard.shapes[i]), n, numel[k]))
-            numel[k] += n
-        self.numel = numel
-        names: dict[int, list] = {}
-        for name, p in wrapper.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
-        self.names = [[names.get(id(guard.params[i]), []) for i, *_ in m] for m in self.members]
-        device = guard.params[0].device
-        self.anchors = [torch.zeros(0, device=device, requires_grad=True) for _ in self.members]
-        self.gathers = 0   # unit_gather calls run (tests read it)
+            k, n = getattr(guard.params[i], OWNER_ATTR)[1], guard.shapes[i].numel()
+            where[id(guard.params[i])] = (k, len(self.members[k]))
+            self.members[k].append((i, tuple(guard.shapes[i]), n, self.numel[k]))
+            self.numel[k] += n
+        # per unit: (name in its module, member) of the parameters it owns (not a nested unit's)
+        self.names = [[(name, where[id(p)][1]) for name, p in m.named_parameters(remove_duplicate=False)
+                       if where.get(id(p), (None,))[0] == k] for k, m in enumerate(modules)]
+        self.anchors = [torch.zeros(0, device=guard.params[0].device, requires_grad=True) for _ in modules]
+        # unit_gather calls run, those in backward; gathered flats' storages (weak) and bytes, the most at once
+        self.gathers, self.regathers, self.alive, self.peak = 0, 0, [], 0
         self.id = f"zx{next(_ids)}"   # a str: dynamo keeps it a constant (an int may turn symbolic)
-        _models[self.id] = weakref.ref(self)
+        _models[self.id] = me = weakref.ref(self)   # (weak: the modules hold the partials)
+        self._forwards = [functools.partial(_unit_forward, me, k) for k in range(len(modules))]
+        self.own = [None] * len(modules)   # a forward set on a unit's module itself, kept meanwhile
+        self._context = functools.partial(create_selective_checkpoint_contexts, _recompute_gathers)
 
-    def views(self) -> dict:
-        """Traced: every unit gathered by the operator, its parameters as views of flat, by name."""
-        out = {}
-        for k, members in enumerate(self.members):
-            if not members:   # a root unit holding no parameter
-                continue
-            flat = torch.ops.zero_ext.unit_gather(self.id, k, self.anchors[k])
-            for (i, shape, n, off), names in zip(members, self.names[k]):
-                view = flat[off:off + n].view(shape)
-                for name in names:
-                    out[name] = view
-        return out
+    def install(self, on: bool) -> None:
+        """While a compiled forward runs (traced), each unit's module runs _unit_forward."""
+        for k, m in enumerate(self.modules):
+            if on and self.members[k]:
+                self.own[k], m.forward = m.__dict__.get("forward"), self._forwards[k]
+            elif not on and m.__dict__.get("forward") is self._forwards[k]:
+                del m.forward
+                if self.own[k] is not None:
+                    m.forward = self.own[k]
 
     # -- what the operators run
     def gather(self, k: int) -> torch.Tensor:
         from .alone import source
         w = self.wrapper()
         engine, params = w.engine, w.guard.params
+        if torch._C._current_graph_task_id() != -1:   # recomputed for backward
+            w.begin_backward()
+            self.regathers += 1
         was = engine.unit_gathered(k)
         self.gathers += 1
         if not was:
@@ -80,6 +76,9 @@ class Units:
         flat = torch.cat([params[i].detach().reshape(-1) for i, *_ in self.members[k]])
         if not was:
             engine.release_unit(k)
+        self.alive = [(r, n) for r, n in self.alive if r() is not None]
+        self.alive.append((weakref.ref(flat.untyped_storage()), flat.nbytes))
+        self.peak = max(self.peak, sum(n for _, n in self.alive))
         return flat
 
     def reduce(self, k: int, grad: torch.Tensor) -> None:
@@ -89,21 +88,38 @@ class Units:
             w.engine.mark_ready_with(i, grad[off:off + n])
 
 
+def _unit_forward(ref, k: int, *args, **kwargs):
+    """Traced: unit k's module's forward reading its parameters as views of the flat gathered
+    at this first use, the gather must-recompute (gathered again in backward, not saved)."""
+    units = ref()
+    module, members = units.modules[k], units.members[k]
+    dep = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), units.anchors[k])
+    flat = checkpoint(torch.ops.zero_ext.unit_gather.default, units.id, k, units.anchors[k], dep,
+                      use_reentrant=False, context_fn=units._context)
+    views = {name: flat[members[j][3]:members[j][3] + members[j][2]].view(members[j][1]) for name, j in units.names[k]}
+    with _reparametrize_module(module, views):
+        return (units.own[k] or functools.partial(type(module).forward, module))(*args, **kwargs)
+
+
+def _recompute_gathers(ctx, op, *args, **kwargs):
+    gather = op is torch.ops.zero_ext.unit_gather.default
+    return CheckpointPolicy.MUST_RECOMPUTE if gather else CheckpointPolicy.PREFER_SAVE
+
+
 def _units(model: str) -> Units:
     units = _models[model]()
     if units is None:
-        raise RuntimeError("zero_ext: a compiled graph ran after its zeroified model was deleted; compile the "
-                           "model zeroify() returned while it lives")
+        raise RuntimeError("zero_ext: a compiled graph ran after its zeroified model was deleted")
     return units
 
 
 @torch.library.custom_op("zero_ext::unit_gather", mutates_args=())
-def unit_gather(model: str, unit: int, anchor: torch.Tensor) -> torch.Tensor:
+def unit_gather(model: str, unit: int, anchor: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     return _units(model).gather(unit)
 
 
 @unit_gather.register_fake
-def _(model, unit, anchor):
+def _(model, unit, anchor, after):
     units = _units(model)
     return anchor.new_empty(units.numel[unit], dtype=units.dtype)
 
@@ -124,13 +140,12 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    return None, None, unit_reduce(ctx.model, ctx.unit, grad)
+    return None, None, unit_reduce(ctx.model, ctx.unit, grad), None
 
 
 unit_gather.register_autograd(_backward, setup_context=_setup)
-try:   # ordered effects: torch 2.13's custom ops take them
+try:   # an ordered effect: torch 2.13's custom ops take them
     from torch._library.effects import EffectType
-    unit_gather.register_effect(EffectType.ORDERED)
     unit_reduce.register_effect(EffectType.ORDERED)
 except (ImportError, AttributeError):
     pass
