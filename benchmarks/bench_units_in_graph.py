@@ -72,7 +72,7 @@ def _rank(rank, world, layers, width, steps):
             engine_peak=engine_peak,
             flats_peak=ops.peak if ops is not None else 0,
             unit_bytes=max(ops.numel) * 4 if ops is not None else None,
-            gathers=(ops.gathers, ops.regathers) if ops is not None else None)
+            gathers=(ops.gathers, ops.regathers, ops.prefetched) if ops is not None else None)
     zero_ext.compiled.UNITS_IN_GRAPH = False
     return out
 
@@ -91,7 +91,7 @@ def main():
         print(f"rank {rank}: GPT {a.layers}x{a.width}; in-graph: breaks {g['breaks']}, graphs {g['graphs']}, "
               f"compiled after step 2 {g['recompiles']}; against compiled DDP: loss rel {g['loss_rel']:.2e}, "
               f"param rel {g['param_rel']:.2e} (eager stage 3: {e['loss_rel']:.2e}, {e['param_rel']:.2e}); "
-              f"gathers {g['gathers']} (all, in backward); gathered bytes at most: eager {e['engine_peak']}, "
+              f"gathers {g['gathers']} (all, in backward, prefetched); gathered bytes at most: eager {e['engine_peak']}, "
               f"compiled {g['flats_peak']} flats + {g['engine_peak']} engine = {compiled} "
               f"({compiled / e['engine_peak']:.3f}x; largest unit {g['unit_bytes']})")
 

@@ -129,7 +129,7 @@ def _fullgraph(rank, world, cases):
                 evaluated = model(torch.ones(2, 16)).float()
         held_eval = [zm._engine.unit_gathered(k) for k in range(units)]
         ops = zm._units.ops if stage == 3 else None
-        gathers = (ops.gathers, ops.regathers, sum(1 for m in ops.members if m)) if ops is not None else None
+        gathers = (ops.gathers, ops.regathers, sum(1 for m in ops.members if m), ops.prefetched) if ops is not None else None
         with zero_ext.gathered_parameters(zm):
             params = [p.detach().clone() for p in net.parameters()]
         out[(stage, mode, accum, tuple(sorted(opts)))] = dict(
@@ -186,7 +186,7 @@ def test_fullgraph_stages_0_3_two_ranks():
 def test_stage3_units_gathered_in_the_graph():
     """Note [Stage 3 collectives in the graph]'s prototype: each unit gathered by
     zero_ext::unit_gather at its first use inside the graph and again in backward (not
-    saved), its gradient handed to the engine by zero_ext::unit_reduce inside the compiled
+    saved), the next unit's gather in flight meanwhile (prefetched), its gradient handed to the engine by zero_ext::unit_reduce inside the compiled
     backward; equal to compiled DDP, and at most ~eager stage 3's gathered bytes at once."""
     cases = [(3, "compiled", a, {"in_graph": True}) for a in (1, 2)]
     even = {"even": True, "coalesce_numel": 0}   # each unit gathered alone, as a large model's
@@ -197,7 +197,7 @@ def test_stage3_units_gathered_in_the_graph():
         for accum in (1, 2):
             # every unit, every forward (training micro-steps, then the evaluation); in
             # backward every unit but fc1 (its input needs no gradient: its weight is not read)
-            calls, again, units = out[(3, "compiled", accum, ("in_graph",))]["gathers"]
+            calls, again, units, _ = out[(3, "compiled", accum, ("in_graph",))]["gathers"]
             assert units == 3 and calls - again == units * (STEPS * accum + 1), (calls, again)
             assert again == (units - 1) * STEPS * accum, (calls, again)
         got = out[(3, "compiled", 1, ("coalesce_numel", "even", "in_graph"))]
@@ -205,9 +205,13 @@ def test_stage3_units_gathered_in_the_graph():
         _close(got, eager, "four even units in the graph against eager stage 3", EAGER_PARAM_REL)
         unit = 4 * (16 * 16 + 16)
         assert got["gathers"][1] == 3 * STEPS and got["flats"] >= unit, got["gathers"]
+        # prefetched (in flight while the unit before computes): every gather but each forward's
+        # first; in backward the first is the last forward's unit, kept (6 a step, 3 evaluating)
+        assert got["gathers"][3] == 6 * STEPS + 3, got["gathers"]
         assert got["own_forward"] == eager["own_forward"] and got["own_forward"].count("partial") == 1
         # eager: a unit and the one prefetched; the graph: one flat alive (a second while the
-        # next is copied out of the engine's buffer, which holds it meanwhile); everything
+        # next is copied out of the engine's buffer), the engine's buffer one unit (the one
+        # copied out, then the next in flight while the flat is read); everything
         # gathered at the start, or the flats saved for backward, would be 4 units or more
         compiled = got["flats"] + got["peak"]
         assert compiled <= 1.05 * eager["peak"], (got["flats"], got["peak"], eager["peak"])

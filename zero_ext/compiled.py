@@ -38,21 +38,21 @@ Note [Stage 3 compiled whole]
 
 Note [Stage 3 collectives in the graph]
   Stage 3 with its memory under compile (issue 54): a Python prototype, off by default
-  (UNITS_IN_GRAPH; zero_ext/unit_ops.py; tests/test_compile_fullgraph.py). While compiled,
-  each unit's module runs unit_ops._unit_forward: zero_ext::unit_gather(model, unit, anchor,
-  after) returns a fresh flat copy of the unit at its first use (`after`: the unit's
-  input), the module reads its parameters as views of it (_reparametrize_module), and a
-  selective checkpoint around the gather alone tags it must-recompute: the flat is not
-  saved, backward gathers the unit again before its first use there. Its autograd formula,
-  zero_ext::unit_reduce (an ordered effect), hands the gradient to the engine. Measured
-  (benchmarks/bench_units_in_graph.py, GPT 6x384, 2 ranks): no graph break, DDP's losses,
-  14,495,232 gathered bytes at most with the engine's copy buffer, as eager. unit_gather
-  is no effect: torch 2.13's partitioner cannot recompute one (unlift_tokens asserts);
-  data orders it (each waits for its unit's input) and every rank compiles the same graph:
-  a graph differing on one rank could cross collectives. Not the default: a step took 1.4-1.5x
-  compiled DDP's, 0.8x per_unit's, 1.2-1.4x eager's, its RSS rise 1.16-1.26x eager's (2 loaded
-  runs of bench_compile.py). Not yet: the operators in C++, gathering into the flat, prefetch,
-  coalesced small units, sharded frozen parameters (raises), a unit called twice in a step.
+  (UNITS_IN_GRAPH; zero_ext/unit_ops.py; tests/test_compile_fullgraph.py). While compiled, each
+  unit's module runs unit_ops._unit_forward: zero_ext::unit_gather(model, unit, anchor, after)
+  returns a flat copy of the unit at its first use (`after`: the unit's input), the module reads
+  its parameters as views of it, a selective checkpoint tags the gather must-recompute (backward
+  gathers again; the flat is not saved), and its autograd formula zero_ext::unit_reduce (an
+  ordered effect) hands the gradient to the engine. Prefetch: each gather, its unit copied out,
+  starts the engine's async gather of the next (gather_unit(u, wait=False)), which the next gather
+  waits for: it overlaps this unit's compute. A UnitSchedule of its own learns the graph's order
+  (Note [Stage 3 unit sequence]); not overlapped: each forward's first gather and backward's first.
+  unit_gather is no effect (torch 2.13's partitioner cannot recompute one): data orders it, and
+  every rank compiles the same graph, so runs the same collectives in the same order. Measured,
+  GPT 6x384 at 2 ranks: no break, DDP's losses, 1.02x eager's gathered bytes at most (flats and
+  engine: bench_units_in_graph.py); a step 1.42x compiled DDP's, 1.20x eager's (bench_compile.py,
+  loaded: no clear gain over 1.4-1.5x, 1.2-1.4x before prefetch). Not yet: the operators in C++,
+  gathering into the flat, coalesced units, sharded frozen parameters, a unit called twice.
 """
 from __future__ import annotations
 

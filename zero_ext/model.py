@@ -320,8 +320,7 @@ class _UnitHooks:
             self._drop_kept()
         src, opt = self._source(), self.wrapper.optimizer
         missing = [k for k in range(self.engine.num_units if gather else 0) if not self.engine.unit_requested(k)]
-        if missing:   # one collective (Note [Coalesced unit gathers]), then each waited for
-            src.units(opt, missing, len(missing) > 1)
+        src.units(opt, missing, len(missing) > 1)   # one collective (Note [Coalesced unit gathers]), each waited for
         for k in range(self.engine.num_units if gather else 0):
             src.unit(opt, k)
         if not gather and self.ops is None:   # Note [Stage 3 collectives in the graph]: the prototype
@@ -333,11 +332,11 @@ class _UnitHooks:
     def compiled_end(self, out) -> None:
         """After the graph: without a backward to come, every unit is released now; with
         one, each after its last gradient is staged and at the end of backward (engine)."""
-        self.compiled = False
+        self.compiled, follows = False, torch.is_grad_enabled() and any(
+            t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         if self.ops is not None:
-            self.ops.install(False)
-        if not (torch.is_grad_enabled() and any(
-                t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))):
+            self.ops.install(False, follows)
+        if not follows:
             for k in range(self.engine.num_units):
                 self._release(k)
 

@@ -1,6 +1,5 @@
 """Stage 3's units as custom operators in a compiled graph (Note [Stage 3 collectives in
-the graph], zero_ext/compiled.py): a Python torch.library prototype, off unless
-compiled.UNITS_IN_GRAPH is set (the operators belong in the C++ binding, TORCH_LIBRARY).
+the graph], zero_ext/compiled.py): a Python torch.library prototype, off unless UNITS_IN_GRAPH.
   zero_ext::unit_gather(model, unit, anchor, after) -> flat   the unit's parameters whole,
       flattened in the engine's order (a fresh tensor in param_dtype); `after` (the unit's
       input, not read) orders it. Its autograd formula (through `anchor`: 0 elements, one per
@@ -43,16 +42,20 @@ class Units:
         self.names = [[(name, where[id(p)][1]) for name, p in m.named_parameters(remove_duplicate=False)
                        if where.get(id(p), (None,))[0] == k] for k, m in enumerate(modules)]
         self.anchors = [torch.zeros(0, device=guard.params[0].device, requires_grad=True) for _ in modules]
-        # unit_gather calls run, those in backward; gathered flats' storages (weak) and bytes, the most at once
-        self.gathers, self.regathers, self.alive, self.peak = 0, 0, [], 0
+        hooks, cfg = wrapper._units, wrapper._config   # a schedule of its own: eager's stays as it was
+        self.schedule = type(hooks.schedule)(hooks.numel, cfg.prefetch_depth, cfg.coalesce_numel)
+        # unit_gather calls: run, in backward, unit in flight (prefetched); flats' storages (weak), bytes at most
+        self.gathers, self.regathers, self.prefetched, self.alive, self.peak = 0, 0, 0, [], 0
         self.id = f"zx{next(_ids)}"   # a str: dynamo keeps it a constant (an int may turn symbolic)
         _models[self.id] = me = weakref.ref(self)   # (weak: the modules hold the partials)
         self._forwards = [functools.partial(_unit_forward, me, k) for k in range(len(modules))]
         self.own = [None] * len(modules)   # a forward set on a unit's module itself, kept meanwhile
         self._context = functools.partial(create_selective_checkpoint_contexts, _recompute_gathers)
 
-    def install(self, on: bool) -> None:
+    def install(self, on: bool, backward_follows: bool = False) -> None:
         """While a compiled forward runs (traced), each unit's module runs _unit_forward."""
+        grad = torch.is_grad_enabled()   # the prefetch learns the graph's gathers (Note [Stage 3 unit sequence])
+        self.schedule.begin_pass(grad) if on else self.schedule.end_forward(grad, backward_follows)
         for k, m in enumerate(self.modules):
             if on and self.members[k]:
                 self.own[k], m.forward = m.__dict__.get("forward"), self._forwards[k]
@@ -65,17 +68,18 @@ class Units:
     def gather(self, k: int) -> torch.Tensor:
         from .alone import source
         w = self.wrapper()
-        engine, params = w.engine, w.guard.params
-        if torch._C._current_graph_task_id() != -1:   # recomputed for backward
+        engine, params, backward = w.engine, w.guard.params, torch._C._current_graph_task_id() != -1
+        src = source(engine.sequence_away)
+        if backward:
             w.begin_backward()
-            self.regathers += 1
-        was = engine.unit_gathered(k)
-        self.gathers += 1
-        if not was:
-            source(engine.sequence_away).unit(w.optimizer, k)
+        self.gathers, self.regathers = self.gathers + 1, self.regathers + backward
+        self.schedule.need(k, backward)
+        self.prefetched += src.unit(w.optimizer, k) and not w._pinned[k]   # waits for it, if in flight
         flat = torch.cat([params[i].detach().reshape(-1) for i, *_ in self.members[k]])
-        if not was:
+        if not (w._pinned[k] or not backward and self.schedule.kept_after_forward(k)):
             engine.release_unit(k)
+        together, launch = self.schedule.ahead(engine, k, backward)   # the next unit(s), in flight
+        src.units(w.optimizer, launch, together)                       # while this one computes
         self.alive = [(r, n) for r, n in self.alive if r() is not None]
         self.alive.append((weakref.ref(flat.untyped_storage()), flat.nbytes))
         self.peak = max(self.peak, sum(n for _, n in self.alive))
@@ -102,8 +106,7 @@ def _unit_forward(ref, k: int, *args, **kwargs):
 
 
 def _recompute_gathers(ctx, op, *args, **kwargs):
-    gather = op is torch.ops.zero_ext.unit_gather.default
-    return CheckpointPolicy.MUST_RECOMPUTE if gather else CheckpointPolicy.PREFER_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE if op is unit_gather._opoverload else CheckpointPolicy.PREFER_SAVE
 
 
 def _units(model: str) -> Units:
@@ -120,8 +123,7 @@ def unit_gather(model: str, unit: int, anchor: torch.Tensor, after: torch.Tensor
 
 @unit_gather.register_fake
 def _(model, unit, anchor, after):
-    units = _units(model)
-    return anchor.new_empty(units.numel[unit], dtype=units.dtype)
+    return anchor.new_empty(_units(model).numel[unit], dtype=_units(model).dtype)
 
 
 @torch.library.custom_op("zero_ext::unit_reduce", mutates_args=())
