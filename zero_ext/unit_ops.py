@@ -69,17 +69,16 @@ class Units:
         from .alone import source
         w = self.wrapper()
         engine, params, backward = w.engine, w.guard.params, torch._C._current_graph_task_id() != -1
-        src = source(engine.sequence_away)
         if backward:
             w.begin_backward()
         self.gathers, self.regathers = self.gathers + 1, self.regathers + backward
         self.schedule.need(k, backward)
-        self.prefetched += src.unit(w.optimizer, k) and not w._pinned[k]   # waits for it, if in flight
+        self.prefetched += source(engine.sequence_away).unit(w.optimizer, k) and not w._pinned[k]   # waits for it
         flat = torch.cat([params[i].detach().reshape(-1) for i, *_ in self.members[k]])
         if not (w._pinned[k] or not backward and self.schedule.kept_after_forward(k)):
             engine.release_unit(k)
         together, launch = self.schedule.ahead(engine, k, backward)   # the next unit(s), in flight
-        src.units(w.optimizer, launch, together)                       # while this one computes
+        source(engine.sequence_away).units(w.optimizer, launch, together)   # while this one computes
         self.alive = [(r, n) for r, n in self.alive if r() is not None]
         self.alive.append((weakref.ref(flat.untyped_storage()), flat.nbytes))
         self.peak = max(self.peak, sum(n for _, n in self.alive))
