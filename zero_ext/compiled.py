@@ -43,16 +43,16 @@ Note [Stage 3 collectives in the graph]
   returns a flat copy of the unit at its first use (`after`: the unit's input), the module reads
   its parameters as views of it, a selective checkpoint tags the gather must-recompute (backward
   gathers again; the flat is not saved), and its autograd formula zero_ext::unit_reduce (an
-  ordered effect) hands the gradient to the engine. Prefetch: each gather, its unit copied out,
-  starts the engine's async gather of the next (gather_unit(u, wait=False)), which the next gather
-  waits for: it overlaps this unit's compute. A UnitSchedule of its own learns the graph's order
+  ordered effect) hands the gradient to the engine. Prefetch, in both passes: each gather, its unit copied out,
+  starts the engine's async gather of the next (source.units: small ones together), which the next
+  gather waits for: it overlaps this unit's compute. A UnitSchedule of its own learns the graph's order
   (Note [Stage 3 unit sequence]); not overlapped: each forward's first gather and backward's first.
   unit_gather is no effect (torch 2.13's partitioner cannot recompute one): data orders it, and
   every rank compiles the same graph, so runs the same collectives in the same order. Measured,
   GPT 6x384 at 2 ranks: no break, DDP's losses, 1.02x eager's gathered bytes at most (flats and
-  engine: bench_units_in_graph.py); a step 1.42x compiled DDP's, 1.20x eager's (bench_compile.py,
-  loaded: no clear gain over 1.4-1.5x, 1.2-1.4x before prefetch). Not yet: the operators in C++,
-  gathering into the flat, coalesced units, sharded frozen parameters, a unit called twice.
+  engine: bench_units_in_graph.py); time in unit_gather halved, a step 1.42x compiled DDP's,
+  1.16x eager's against 1.45x, 1.19x unprefetched (bench_compile.py, 2 shared cores). Not yet:
+  C++ operators, gathering into the flat, sharded frozen parameters, a unit called twice.
 """
 from __future__ import annotations
 
