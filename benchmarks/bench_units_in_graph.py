@@ -15,6 +15,7 @@ its buffer at a time). Units: unit_modules=["Block"].
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -82,6 +83,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "bench_units_in_graph.json"))
     a = ap.parse_args()
     from dist_harness import run_world
     results = run_world(_rank, 2, a.layers, a.width, a.steps, timeout_s=1800)
@@ -94,6 +96,11 @@ def main():
               f"gathers {g['gathers']} (all, in backward, prefetched); gathered bytes at most: eager {e['engine_peak']}, "
               f"compiled {g['flats_peak']} flats + {g['engine_peak']} engine = {compiled} "
               f"({compiled / e['engine_peak']:.3f}x; largest unit {g['unit_bytes']})")
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"layers": a.layers, "width": a.width, "steps": a.steps, "world": 2,
+                               "ranks": results}, indent=1, default=str))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
