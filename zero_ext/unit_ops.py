@@ -42,7 +42,7 @@ class Units:
         self.names = [[(name, where[id(p)][1]) for name, p in m.named_parameters(remove_duplicate=False)
                        if where.get(id(p), (None,))[0] == k] for k, m in enumerate(modules)]
         self.anchors = [torch.zeros(0, device=guard.params[0].device, requires_grad=True) for _ in modules]
-        hooks, cfg = wrapper._units, wrapper._config   # a schedule of its own: eager's stays as it was
+        hooks, cfg = wrapper._units, wrapper.optimizer.config   # a schedule of its own: eager's stays as it was
         self.schedule = type(hooks.schedule)(hooks.numel, cfg.prefetch_depth, cfg.coalesce_numel)
         # unit_gather calls: run, in backward, unit in flight (prefetched); flats' storages (weak), bytes at most
         self.gathers, self.regathers, self.prefetched, self.alive, self.peak = 0, 0, 0, [], 0
@@ -73,9 +73,9 @@ class Units:
             w.begin_backward()
         self.gathers, self.regathers = self.gathers + 1, self.regathers + backward
         self.schedule.need(k, backward)
-        self.prefetched += source(engine.sequence_away).unit(w.optimizer, k) and not w._pinned[k]   # waits for it
+        self.prefetched += source(engine.sequence_away).unit(w.optimizer, k) and not w.pinned[k]   # waits for it
         flat = torch.cat([params[i].detach().reshape(-1) for i, *_ in self.members[k]])
-        if not (w._pinned[k] or not backward and self.schedule.kept_after_forward(k)):
+        if not (w.pinned[k] or not backward and self.schedule.kept_after_forward(k)):
             engine.release_unit(k)
         together, launch = self.schedule.ahead(engine, k, backward)   # the next unit(s), in flight
         source(engine.sequence_away).units(w.optimizer, launch, together)   # while this one computes
@@ -105,7 +105,7 @@ def _unit_forward(ref, k: int, *args, **kwargs):
 
 
 def _recompute_gathers(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_RECOMPUTE if op is unit_gather._opoverload else CheckpointPolicy.PREFER_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE if op is torch.ops.zero_ext.unit_gather.default else CheckpointPolicy.PREFER_SAVE
 
 
 def _units(model: str) -> Units:
