@@ -10,8 +10,8 @@ on the main thread at each block's forward start/end and backward start/end, add
 engine's own accounting (opt.stats()), the bytes of tensors autograd saved for backward
 (activations: saved_tensors_hooks, each storage once, the parameters' storages left out) and
 glibc's free bytes still held by the process (allocator slack: mallinfo2's fordblks).
-Gathered stage-3 units are split into those the mark's block and the root use and those
-held ahead of their use ("prefetch": the forward window, the last unit kept for backward,
+Gathered stage-3 units are split into those the mark's blocks and the root use (at "bwd end
+k": block k, done, and k - 1, next) and those held ahead of their use ("prefetch": the forward window, the last unit kept for backward,
 the backward window).
 """
 from __future__ import annotations
@@ -90,17 +90,17 @@ class _Saved:
 def engine_owners(opt, blocks: int = 0) -> callable:
     """zero_ext's own accounting (opt.stats()), in MiB, by owner. With stage 3 and `blocks`
     units after the root (unit k + 1 is block k), the gathered bytes of units other than the
-    root and the marked block are "prefetch" (split by numel: a unit's share of the meter)."""
+    root and the marked blocks are "prefetch" (split by numel: a unit's share of the meter)."""
     engine = opt.engine
 
-    def owners(block=None) -> dict:
+    def owners(marked=frozenset()) -> dict:
         s = opt.stats()
         msb, held, buf = s["model_state_bytes"], s["held_bytes"], s["buffer_bytes"]
         gathered, ahead = buf["gathered_params"] / MiB, 0.0
         if gathered and engine.num_units == blocks + 1:
             held_units = [u for u in range(engine.num_units) if engine.unit_gathered(u) or engine.unit_requested(u)]
             numel = {u: engine.unit_numel(u) for u in held_units}
-            in_use = {0} if block is None else {0, block + 1}
+            in_use = {0} | {b + 1 for b in marked}
             ahead = gathered * sum(n for u, n in numel.items() if u not in in_use) / max(1, sum(numel.values()))
         host = s["offload"]["total"] if s["offload"] else 0   # offload="cpu": model state in this process too
         return {"model_state": (msb["parameters"] + msb["master_weights"] + msb["optimizer_states"] + host) / MiB,
@@ -116,7 +116,7 @@ def torch_owners(module, opt, blocks=()) -> callable:
     def nbytes(t) -> int:
         return t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
 
-    def owners(block=None) -> dict:
+    def owners(marked=frozenset()) -> dict:
         params = [p for g in opt.param_groups for p in g["params"]]   # FSDP2: the sharded ones, always
         sharded = [p for p in params if hasattr(p, "to_local")]
         states = sum(nbytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
@@ -127,7 +127,7 @@ def torch_owners(module, opt, blocks=()) -> callable:
                 return {id(t): t.nbytes for m in root.modules() for t in m._parameters.values()
                         if t is not None and not hasattr(t, "to_local")}
             every = unsharded(module)
-            ahead = sum(n for i, b in enumerate(blocks) if i != block for n in unsharded(b).values())
+            ahead = sum(n for i, b in enumerate(blocks) if i not in marked for n in unsharded(b).values())
             out["model_state"] = (sum(nbytes(p) for p in sharded) + states) / MiB
             out["gathered_units"] = (sum(every.values()) - ahead) / MiB
             out["prefetch"] = ahead / MiB
@@ -147,7 +147,9 @@ class Timeline:
         out = {"activations": self._saved.bytes() / MiB, "allocator_slack": allocator_slack()}
         if self.owners is not None:
             m = re.search(r"(\d+)$", label)
-            out.update(self.owners(int(m.group(1)) if m else None))
+            k = int(m.group(1)) if m else None
+            # at "bwd end k" block k is done (its unit maybe not yet freed) and k - 1 comes next: both in use
+            out.update(self.owners(set() if k is None else {k, k - 1} if label.startswith("bwd end") else {k}))
         return out
 
     def mark(self, label: str) -> None:
