@@ -189,13 +189,19 @@ def predicted_peak(system: str, world: int, layers: int, extra: dict) -> float:
     return (p["model_state"] + p["gathered"] + p["activations"] + p["offload_host"]) / MiB
 
 
+def _peer(results: list, r: dict):
+    """The FSDP2 row r is judged against: same world, bf16 params if r's are."""
+    name = "fsdp2-bf16" if r["system"].endswith("bf16") else "fsdp2"
+    return next((x for x in results if x["world"] == r["world"] and x["system"] == name), None)
+
+
 def summarize(results: list, layers: int, extra: dict) -> None:
     """The tables: per system, its breakdown at the peak, and the estimator against the measure."""
     print(f"{'world':>5} {'system':<14} {'steady MiB':>10} {'peak MiB':>9} {'peak/FSDP2':>10} {'peak/DDP':>9} "
           f"{'engine MiB':>10} {'other MiB':>9}")
     for r in results:
         same = {x["system"]: x for x in results if x["world"] == r["world"]}
-        fsdp = same.get("fsdp2-bf16" if r["system"].endswith("bf16") else "fsdp2", {}).get("peak")
+        fsdp = (_peer(results, r) or {}).get("peak")
         ddp = same.get("ddp", {}).get("peak")
         ratio = lambda ref: f"{r['peak'] / ref:.2f}x" if ref else "-"   # noqa: E731
         acc = f"{r['accounted']:.0f}" if "accounted" in r else "-"
@@ -217,8 +223,7 @@ def summarize(results: list, layers: int, extra: dict) -> None:
         print(f"{'world':>5} {'system':<14} {'at loss':>8} {'ahead':>6} {'floor':>6} {'floor/FSDP2':>11}")
         for r in timelines:
             f = r["loss_floor"] = loss_floor(r["timeline"])
-            peer = next((x for x in results if x["world"] == r["world"] and x["system"] ==
-                         ("fsdp2-bf16" if r["system"].endswith("bf16") else "fsdp2")), None)
+            peer = _peer(results, r)
             ratio = f"{f['floor'] / peer['peak']:.3f}" if peer else "-"
             print(f"{r['world']:>5} {r['system']:<14} {f['at_loss']:>8.0f} {f['ahead']:>6.0f} {f['floor']:>6.0f} "
                   f"{ratio:>11}")

@@ -337,14 +337,12 @@ def gen_perf_peak_process(arg: str = "") -> str:
     results = [r for r in d["results"] if "peak" in r]
     rows, owners, predicted = [], [], []
 
-    def peer_of(r):
-        return next(x for x in results if x["world"] == r["world"]
-                    and x["system"] == ("fsdp2-bf16" if r["system"].endswith("bf16") else "fsdp2"))
+    def peer_of(r):   # the FSDP2 row r is judged against: same world, bf16 params if r's are
+        return next((x for x in results if x["world"] == r["world"]
+                     and x["system"] == ("fsdp2-bf16" if r["system"].endswith("bf16") else "fsdp2")), None)
 
     for r in results:
-        same = {x["system"]: x for x in results if x["world"] == r["world"]}
-        peer = same.get("fsdp2-bf16" if r["system"].endswith("bf16") else "fsdp2")
-        ddp = same.get("ddp")
+        peer, ddp = peer_of(r), next((x for x in results if x["world"] == r["world"] and x["system"] == "ddp"), None)
         ratio = lambda q: f"{r['peak'] / q['peak']:.2f}x" if q and r["system"] != q["system"] else "-"   # noqa: E731
         rows.append([str(r["world"]), r["system"], f"{r['steady']:.0f}", f"{r['peak']:.0f}", ratio(peer), ratio(ddp),
                      f"{r['accounted']:.0f}" if "accounted" in r else "-"])
@@ -381,7 +379,7 @@ def gen_perf_peak_process(arg: str = "") -> str:
     floors = [[str(r["world"]), r["system"], f"{r['loss_floor']['at_loss']:.0f}", f"{r['loss_floor']['ahead']:.0f}",
                f"{r['loss_floor']['floor']:.0f}", f"{r['loss_floor']['floor'] / peer_of(r)['peak']:.3f}",
                f"{0.95 * peer_of(r)['peak']:.0f}"]
-              for r in results if "loss_floor" in r and r["system"] in ("zero3", "zero3-bf16", "fsdp2", "fsdp2-bf16")]
+              for r in results if "loss_floor" in r and peer_of(r) and r["system"] in ("zero3", "zero3-bf16", "fsdp2", "fsdp2-bf16")]
     text += ("\nAround the loss (MiB): the most resident from the loss to the next mark (the loss's and the head's "
              "backward), the units held gathered ahead of their use there, and the rest, the floor: torch, the "
              "model state, the root unit, the activations and the loss's temporaries, which every system holds "

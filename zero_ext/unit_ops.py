@@ -14,7 +14,7 @@ import weakref
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy as Policy, checkpoint, create_selective_checkpoint_contexts
 
 from .gather import OWNER_ATTR
 
@@ -42,7 +42,7 @@ class Units:
         self.names = [[(name, where[id(p)][1]) for name, p in m.named_parameters(remove_duplicate=False)
                        if where.get(id(p), (None,))[0] == k] for k, m in enumerate(modules)]
         self.anchors = [torch.zeros(0, device=guard.params[0].device, requires_grad=True) for _ in modules]
-        hooks, cfg = wrapper._units, wrapper.optimizer.config   # a schedule of its own: eager's stays as it was
+        hooks, cfg = wrapper.units, wrapper.optimizer.config   # a schedule of its own: eager's stays as it was
         self.schedule = type(hooks.schedule)(hooks.numel, cfg.prefetch_depth, cfg.coalesce_numel)
         # unit_gather calls: run, in backward, unit in flight (prefetched); flats' storages (weak), bytes at most
         self.gathers, self.regathers, self.prefetched, self.alive, self.peak = 0, 0, 0, [], 0
@@ -105,7 +105,7 @@ def _unit_forward(ref, k: int, *args, **kwargs):
 
 
 def _recompute_gathers(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_RECOMPUTE if op is torch.ops.zero_ext.unit_gather.default else CheckpointPolicy.PREFER_SAVE
+    return Policy.MUST_RECOMPUTE if op is torch.ops.zero_ext.unit_gather.default else Policy.PREFER_SAVE
 
 
 def _units(model: str) -> Units:
