@@ -1,11 +1,5 @@
-"""ZeroConfig: every option of zeroify(), validated before any collective.
-
-A config comes from keyword arguments, a dict, or a JSON file:
-
-    ZeroConfig(stage=2, bucket_bytes=8 << 20)
-    ZeroConfig.from_dict({"stage": 2})
-    ZeroConfig.from_json("zero.json")
-"""
+"""ZeroConfig: every option of zeroify(), from keywords, a dict (from_dict) or a JSON file
+(from_json), validated before any collective."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,134 +38,94 @@ def read_json(path: str, what: str, instead: str, shape: str, invalid=ValueError
 
 @dataclasses.dataclass
 class ZeroConfig:
-    """Options of zeroify(); docs/guide/options.md shows them as a table generated from here.
+    """Options of zeroify(); docs/guide/options.md is generated from this table.
 
-    stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded),
-        3 (+ parameters sharded, gathered per unit on demand), or "auto": the stage
-        whose estimated memory (zero_ext.estimate_memory) fits memory_budget with the
-        fewest bytes communicated per step (zeroify says why on rank 0).
-    memory_budget: stage="auto": bytes one rank may hold for model state, fixed
-        buffers and frozen parameters; None = what is free (CUDA: free device memory;
-        CPU: MemAvailable / the ranks on this machine), the smallest over ranks.
-    accumulation_steps: stage="auto": micro-steps per optimizer step, which multiply
-        stages 2-3's communication.
-    process_group: the torch.distributed group to shard over; None = the default
-        group if one is initialized, else a single process (world size 1).
-    bucket_bytes: gradient/parameter bucket size in bytes; "auto" = an eighth of the
-        trainable bytes, clamped to [1 MiB, 16 MiB] (the stage 1-2 ring holds two
-        buckets' worth of staging and receive buffers, so small models get small ones).
+    stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters, gathered
+        per unit), or "auto": the stage whose estimate_memory fits memory_budget with the
+        fewest bytes per step (zeroify says why on rank 0).
+    memory_budget: stage="auto": bytes a rank may hold for model state, buffers and frozen
+        parameters; None = free memory (CUDA: the device's; CPU: MemAvailable / local ranks),
+        the smallest over ranks.
+    accumulation_steps: stage="auto": micro-steps per step (they multiply stages 2-3's traffic).
+    process_group: the group to shard over; None = the default group, else one process.
+    bucket_bytes: bucket size in bytes; "auto" = an eighth of the trainable bytes, clamped to
+        [1 MiB, 16 MiB].
     first_bucket_bytes: size of the first bucket (small, so communication starts early).
-    align: slice alignment in elements (each bucket is padded to world_size*align);
-        "auto" = 16 (64-byte slices) up to 64 ranks, 1 beyond, so that padding stays
-        negligible at large N. Whatever it is, every parameter and every slice starts
-        16-byte aligned (Note [Aligned pieces] in csrc/core/zx_core.h).
-    reduce_scatter: "auto" (all-to-all + local sum on gloo, native otherwise),
-        "native" (the backend's reduce_scatter), or "alltoall".
-    grad_ring_buckets: stage 2: how many bucket-sized staging buffers the gradient ring holds.
-    overlap_param_gather: stages 1-2: leave the post-step parameter all-gather running
-        and wait for it at the next forward (or any zero_ext call that reads parameters).
+    align: slice alignment in elements (a bucket pads to world_size * align); "auto" = 16 up to
+        64 ranks, 1 beyond. Pieces stay 16-byte aligned anyway (Note [Aligned pieces] in
+        csrc/core/zx_core.h).
+    reduce_scatter: "auto" (all-to-all + local sum on gloo, native otherwise), "native" or
+        "alltoall".
+    grad_ring_buckets: stage 2: bucket-sized staging buffers in the gradient ring.
+    overlap_param_gather: stages 1-2: the post-step all-gather runs on until the next forward
+        (or a zero_ext call that reads parameters).
     broadcast_buffers: broadcast module buffers from rank 0 before every forward (as DDP).
-    verify_across_ranks: check once, with one small all-gather, that every rank wraps
-        the same parameters and the same config.
-    fused: "auto" uses the C kernels for Adam/AdamW/SGD; "never" runs the torch optimizer
-        over the local shard; "always" raises if the optimizer has no fused kernel.
+    verify_across_ranks: check once (one small all-gather) that all ranks wrap the same
+        parameters and config.
+    fused: "auto": C kernels for Adam/AdamW/SGD; "never": the torch optimizer on the shard;
+        "always": raise if there is no fused kernel.
     isa: CPU kernel instruction set: "auto" (best available), "scalar", "avx2", "avx512".
     log_plan: print the bucket plan on rank 0.
-    unit_modules: stage 3: module class names whose instances form units (e.g.
-        ["Block"]); None = automatic, by parameter count along module boundaries.
-        Units are modules that are called (not an nn.ModuleList: name its elements).
-    unit_numel: stage 3, automatic units: most trainable elements in one unit
-        (None = a quarter of the model).
-    min_unit_numel: stage 3: smaller units join the root unit, which stays
-        gathered from the start of forward to the end of backward.
-    prefetch_depth: stage 3: how many units ahead to all-gather while one computes.
-    compile_units: stage 3 under torch.compile: "per_unit" (default) gathers each unit around
-        its own call, as in eager (stage 3's memory; the graph breaks at each unit), "whole"
-        gathers every unit before one graph (fullgraph=True works; stage 2's parameter memory
-        during the step). Note [Stage 3 compiled whole] (zero_ext/compiled.py).
-    coalesce_numel: stage 3: small units are all-gathered (and in backward reduced)
-        together in one collective while their total stays within this many elements, so
-        many small units pay few latencies. 0 turns it off.
-    param_dtype: what parameters compute in and are all-gathered as: "fp32", "bf16" or
-        "fp16" (or the torch dtype). The model is given in fp32; the fp32 master weights
-        and optimizer states live only in this rank's shard.
-    step_control: where the fused step keeps its scalars (gradient norm, clip factor,
-        inf/nan verdict, loss scale, step counts): True = in device memory, so a GPU step
-        never waits for the device; False = on the host. "auto" (default): True for CUDA
-        parameters with a fused optimizer.
-    cast_buffers: with a low param_dtype, which floating-point buffers are cast to it:
-        "auto" (default) only the running statistics of torch's BatchNorm/InstanceNorm
-        layers (their kernels need their weight's dtype), so buffers such as RoPE's
-        inv_freq keep their precision; True all; False none.
-    reduce_dtype: what gradients accumulate and are reduced in (default "fp32", even with
-        a bf16/fp16 param_dtype; "bf16"/"fp16" halve the reduce-scatter bytes).
-    loss_scale: "auto" (dynamic with fp16 params, none otherwise), "dynamic", None (no
-        scaling), or a number (a static scale). With a scale, call opt.backward(loss) (or
-        opt.scale_loss(loss).backward()); an inf/nan gradient on any rank skips the step.
+    unit_modules: stage 3: class names whose instances form units (["Block"]); None = by
+        parameter count. Units must be called modules (name a ModuleList's elements).
+    unit_numel: stage 3, automatic units: most trainable elements per unit (None = a quarter).
+    min_unit_numel: stage 3: smaller units join the root unit, gathered all forward and backward.
+    prefetch_depth: stage 3: units all-gathered ahead of the one computing.
+    compile_units: stage 3 under torch.compile: "per_unit" gathers around each unit's call
+        (graph breaks); "whole" gathers all before one graph (fullgraph works; stage 2's
+        parameter memory). Note [Stage 3 compiled whole] (zero_ext/compiled.py).
+    coalesce_numel: stage 3: small units share one gather (and reduction) while their total
+        stays within this many elements; 0 = off.
+    param_dtype: the dtype parameters compute and gather in: "fp32", "bf16", "fp16" (or a torch
+        dtype). Give the model in fp32; fp32 masters and states live only in the shard.
+    step_control: where the fused step keeps its scalars (norm, clip factor, inf/nan, loss
+        scale, steps): True = device memory (no host sync), False = host; "auto" = True for
+        CUDA parameters with a fused optimizer.
+    cast_buffers: with a low param_dtype, which float buffers are cast: "auto" = BatchNorm/
+        InstanceNorm running stats only (RoPE's inv_freq keeps fp32); True all; False none.
+    reduce_dtype: the dtype gradients accumulate and reduce in; "bf16"/"fp16" halve the bytes.
+    loss_scale: "auto" (dynamic with fp16, else none), "dynamic", None, or a static number.
+        With a scale call opt.backward(loss); an inf/nan gradient on any rank skips the step.
     initial_loss_scale, loss_scale_growth_factor, loss_scale_backoff_factor,
     loss_scale_growth_interval, loss_scale_hysteresis, min_loss_scale, max_loss_scale:
-        dynamic scaling: start at initial_loss_scale; after growth_interval overflow-free
-        steps multiply by growth_factor (up to max); after `hysteresis` consecutive
-        overflowing steps multiply by backoff_factor (down to min).
-    grad_quant: None (exact, the default), "int8" or "int4": stages 1-3 send gradients to
-        their owners by all-to-all as blockwise symmetric codes, one fp32 scale per
-        quant_block_numel elements; each owner sums the N dequantized slices in fp32.
-    grad_quant_error_feedback: with grad_quant, each rank keeps what quantization lost
-        (fp32, one value per gradient element it sends) and adds it to the next step's
-        gradient before quantizing.
-    param_quant: None (exact, the default) or "int8": stages 1-3 gather parameters as
-        blockwise symmetric int8 codes, one fp32 scale per quant_block_numel elements,
-        about 1/4 of the fp32 bytes. Every rank, the owner included, computes with the same
-        dequantized values. The fp32 master stays exact (stages 1/2 with fp32 parameters
-        then keep a separate master shard). One rank gathers nothing and stays exact.
-    quant_block_numel: elements per quantization block (one fp32 scale each) of grad_quant
-        and param_quant; even, >= 2.
-    node_size: None (the default: off), an int L or "auto" (LOCAL_WORLD_SIZE, as torchrun
-        sets it): stage 3 hierarchical partitioning. Nodes are L consecutive ranks. After
-        a unit's forward each rank keeps its 1/L part of the unit, and the backward gather
-        stays inside the node, bit-identical to the plain one. Costs up to the model's
-        parameters / L per rank between forward and backward
-        (stats()["buffer_bytes"]["secondary"]). L must divide the world size.
-    offload: None (the default) or "cpu": stages 1-3 keep the fp32 master, the optimizer
-        states and the gradient shard in host memory and step them there (ZeRO-Offload),
-        pipelined per bucket (docs/guide/memory.md). The device keeps the parameters in
-        param_dtype and the gradient buckets. The same bits as without offload. Other
-        optimizers than Adam/AdamW/SGD run as torch optimizers on the host shards (a
-        warning says so). Not with stage 0, grad_quant, param_quant or step_control=True.
-    step_in_backward: False (the default) or True: stages 1-3 with one fused optimizer
-        (Adam, AdamW or SGD). Each bucket steps as soon as its reduced gradient lands in
-        backward, with the param groups as the backward starts, and no gradient shard is
-        kept (docs/guide/memory.md). opt.step() then only publishes the parameters. Every
-        parameter steps every reducing backward (without a gradient: with a zero one).
-        Clipping raises; refused with loss scaling (fp16), offload or step_control=True.
-    state_dtype: "fp32" (default) or "bf16": the dtype of the fused Adam/AdamW's exp_avg and
-        exp_avg_sq. "bf16" rounds the fp32 step's states stochastically (the expected value
-        stays exact): 4 bytes per trainable parameter less, not the same bits as fp32
-        (docs/guide/memory.md). The fp32 master is unchanged. Fused Adam/AdamW only: not
-        with amsgrad, SGD, other optimizers or fused="never" (beside Muon/Adafactor it
-        applies to the AdamW part).
-    master_remainder: True (default) or False. With param_dtype="bf16" in stages 0-2 and one
-        fused optimizer (no param_quant, no offload), the fp32 master shard is kept as what
-        the bf16 parameter lacks: a 16-bit remainder and a tie bit per element, the same
-        fp32 trajectory bit for bit (docs/guide/memory.md). An in-place edit outside
-        zero_ext keeps the old remainder (off by below half a bf16 ulp). False: a fp32 shard.
-    check_sequence: True (default; "auto" is the same) or False: ranks whose collectives
-        diverge (a skipped backward, step() on some ranks only, ...) raise on every rank,
-        naming each rank's step, phase and bucket/unit and the fix, instead of hanging
-        (Note [Collective sequence check] in csrc/engine/sequence.h). On gloo a step that
-        repeats the last costs nothing (Note [Exchanges on deviation]); on NCCL one small
-        CPU all-gather per phase. "every_phase": that all-gather on gloo too. It also lets
-        a rank that reads alone (rank-0 evaluation) be served by the others (Note [Reading
-        alone] in csrc/engine/away.h); with False such a rank waits.
-    sequence_timeout: seconds an engine collective may wait before the ranks compare
-        their positions through the process group's store (check_sequence); a divergence
-        is named within about twice this.
-    find_unused_parameters: how the ranks agree on parameters that got no gradient (Note
-        [Unused parameters] in csrc/engine/unused.cpp); one no rank gave a gradient is left
-        as torch leaves it. True: a small all-reduce every step, as DDP's. False: none; a
-        parameter without a gradient on some rank raises ZeroUsageError. "auto" (default):
-        the all-reduce runs at the first step and goes on only if a rank missed a parameter
-        there; otherwise a later missing gradient raises as with False.
+        dynamic scaling: start at initial_loss_scale; after growth_interval clean steps
+        multiply by growth_factor (up to max); after `hysteresis` overflowing steps in a row
+        by backoff_factor (down to min).
+    grad_quant: None (exact), "int8" or "int4": stages 1-3 send gradients by all-to-all as
+        blockwise codes (one fp32 scale per quant_block_numel); owners sum in fp32.
+    grad_quant_error_feedback: with grad_quant, keep what quantization lost (fp32 per sent
+        element) and add it to the next step's gradient.
+    param_quant: None (exact) or "int8": stages 1-3 gather parameters as blockwise int8 codes
+        (~1/4 of fp32); all ranks compute with the same dequantized values, the fp32 master
+        stays exact (stages 1-2 with fp32 params keep a separate master).
+    quant_block_numel: elements per quantization block (one fp32 scale); even, >= 2.
+    node_size: None (off), an int L or "auto" (LOCAL_WORLD_SIZE): stage 3 keeps each unit's
+        1/L per rank after forward, so backward gathers inside the node, bit-identical. Costs
+        up to parameters / L per rank (stats()["buffer_bytes"]["secondary"]); L divides N.
+    offload: None or "cpu": stages 1-3 keep the fp32 master, states and gradient shard in host
+        memory and step there, pipelined per bucket; the same bits (docs/guide/memory.md).
+        Other optimizers run as torch ones on the host shards. Not with stage 0, grad_quant,
+        param_quant or step_control=True.
+    step_in_backward: stages 1-3, one fused Adam/AdamW/SGD: each bucket steps when its reduced
+        gradient lands, no gradient shard kept; opt.step() only publishes. Every parameter
+        steps (zero gradient if none). Clipping raises; not with fp16 scaling, offload or
+        step_control=True.
+    state_dtype: "fp32" or "bf16": the fused Adam/AdamW's exp_avg and exp_avg_sq; "bf16" rounds
+        stochastically (exact in expectation, 4 bytes per parameter less). Not with amsgrad,
+        SGD, other optimizers or fused="never" (beside Muon/Adafactor: their AdamW part).
+    master_remainder: with param_dtype="bf16", stages 0-2 and one fused optimizer (no
+        param_quant or offload), keep the fp32 master as a 16-bit remainder and a tie bit:
+        the same trajectory bit for bit (docs/guide/memory.md). False: a fp32 shard.
+    check_sequence: True ("auto" alike) or False: ranks whose collectives diverge raise on every
+        rank, naming each one's step, phase and bucket/unit, instead of hanging (Note
+        [Collective sequence check] in csrc/engine/sequence.h). Free on gloo while steps repeat,
+        one small all-gather per phase on NCCL; "every_phase": that on gloo too. Also serves a
+        rank that reads alone (Note [Reading alone] in csrc/engine/away.h); False: it waits.
+    sequence_timeout: seconds a collective waits before ranks compare positions (check_sequence).
+    find_unused_parameters: how ranks agree on parameters without a gradient (Note [Unused
+        parameters] in csrc/engine/unused.cpp). True: an all-reduce each step (DDP's); False:
+        none, a missing gradient raises; "auto": the all-reduce at step one, kept only if a
+        rank missed a parameter.
     """
 
     stage: int | str = 2
@@ -223,7 +177,6 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    # ------------------------------------------------------------------ build
     @classmethod
     def from_dict(cls, d: dict) -> "ZeroConfig":
         if not isinstance(d, dict):
@@ -283,7 +236,6 @@ class ZeroConfig:
             d["unit_modules"] = [c if isinstance(c, str) else c.__name__ for c in d["unit_modules"]]
         return d
 
-    # ------------------------------------------------------------------ check
     def validate(self) -> None:
         """Raise for the first bad option of _RULES, in their order; dtypes are normalized first."""
         for name in ("param_dtype", "reduce_dtype", "state_dtype"):
