@@ -20,8 +20,7 @@ def _fmt(b: float) -> str:
 
 
 def free_memory(model) -> tuple[int, str]:
-    """(bytes, where they come from): the free memory of the device the model is on;
-    on the CPU, MemAvailable divided by the ranks on this machine (LOCAL_WORLD_SIZE)."""
+    """(bytes, their source): the model's device's free memory; CPU: MemAvailable / LOCAL_WORLD_SIZE."""
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
@@ -34,7 +33,7 @@ def free_memory(model) -> tuple[int, str]:
 
 
 def _estimates(model, optimizer, cfg, world: int, backend: str, stages) -> dict:
-    # imported here, as zero_ext/__init__.py does, so that `python -m zero_ext.estimate` runs clean
+    # imported late, as zero_ext/__init__.py does, so that `python -m zero_ext.estimate` runs clean
     from .estimate import estimate_memory
     out = {}
     for s in stages:
@@ -46,15 +45,12 @@ def _estimates(model, optimizer, cfg, world: int, backend: str, stages) -> dict:
 
 def choose_stage(model, optimizer, cfg, world: int, backend: str, meta: bool = False,
                  free: tuple[int, str] | None = None) -> tuple[int, str]:
-    """(stage, the reason in words). Raises ValueError, naming the smallest world size
-    at which a stage would fit, when none fits at this one. free: (bytes, source) of the
-    budget when memory_budget is None (zeroify passes the smallest over ranks, so that
-    every rank chooses the same stage); None = this process's free_memory()."""
+    """(stage, why). Raises ValueError naming the smallest world size that fits when none does.
+    free: (bytes, source) when memory_budget is None (zeroify: the smallest over ranks)."""
     if cfg.memory_budget is not None:
         budget, source = cfg.memory_budget, "memory_budget"
     else:
         budget, source = free if free is not None else free_memory(model)
-    # quantized communication has no stage-0 form (ZeroConfig refuses stage 0 with it)
     quant = cfg.grad_quant is not None or cfg.param_quant is not None
     stages = [3] if meta else [1, 2, 3] if quant else [0, 1, 2, 3]
     est = _estimates(model, optimizer, cfg, world, backend, stages)

@@ -1,37 +1,28 @@
-"""Per-rank memory of a zero_ext run, predicted before launch.
+"""Per-rank memory of a zero_ext run, predicted before launch: what opt.stats() reports after
+the first step, byte for byte (EngineStats::of in csrc/engine/stats.cpp), with the engine's own
+bucket planner. Activations and framework memory are not included (loss_fn adds a "peak").
 
     est = zero_ext.estimate_memory(model, world_size=64, stage=2, param_dtype="bf16", optimizer=opt)
     python -m zero_ext.estimate --params 7.5e9 --world 64 --param-dtype bf16 --reduce-dtype bf16
 
-The estimate is what `opt.stats()` reports after the first step of a run with the same
-model, world size, stage and options. It follows what the engine allocates, byte for byte
-(EngineStats::of in csrc/engine/stats.cpp), with the bucket padding of the engine's own
-planner (zero_ext._C.plan_layout). Activations, the autograd graph and the framework's own
-memory are not included. The model may be on the meta device. Given a parameter count
-instead, the model is taken as tensors of one bucket each (stage 3: units of unit_numel
-elements, a quarter of the model by default, and no root unit).
+The model may be on the meta device, or be a parameter count: then one tensor per bucket
+(stage 3: units of unit_numel, by default a quarter of the model, and no root unit).
 
 Note [What estimate_memory counts]
-  Shard: this rank's 1/N of the padded elements. Units: stage 3's gathered modules.
-  parameters        stages 0-2: every bucket, padded, in param_dtype. Stage 3: the fp32
-                    shard with param_dtype fp32 (it is the master); none with bf16/fp16.
-  gradients         stages 0-1: every bucket in reduce_dtype; stages 2-3: the shard.
-  master_weights    an fp32 shard with param_dtype bf16/fp16, or with param_quant in
-                    stages 1-2. With master_remainder (bf16, stages 0-2, one fused
-                    optimizer): 2 bytes and a bit per shard element (Note [Split master
-                    in the engine]).
-  optimizer_states  per-element states x the shard, fp32 (2 bytes with state_dtype bf16).
-                    Adam keeps 2 (3 with amsgrad), SGD with momentum 1; other optimizers
-                    are counted by one step on a tiny tensor.
-  buffer_bytes      the gradient ring (grad_ring_buckets slots); stage 3 also the most
-                    units whole at once: root, computing unit and prefetched ones
-                    (replay_peak: one step through the hooks' UnitSchedule,
-                    csrc/engine/unit_schedule.h). A meta build: at least the
-                    root and one unit in fp32 while initialized.
-  offload           offload="cpu", host memory, not in "total": fp32 master, states,
-                    gradient shard and the pinned rings.
-  frozen            untrained parameters in param_dtype: whole in stages 0-2; stage 3
-                    shards them per unit (each unit padded to N * align, over N).
+  The shard is this rank's 1/N of the padded elements; units are stage 3's gathered modules.
+  - parameters: stages 0-2 every bucket, padded, in param_dtype; stage 3 the fp32 shard when
+    param_dtype is fp32 (it is the master), else none.
+  - gradients: stages 0-1 every bucket in reduce_dtype; stages 2-3 the shard.
+  - master_weights: an fp32 shard with bf16/fp16 params, or with param_quant in stages 1-2;
+    with master_remainder 2 bytes and a bit per element (Note [Split master in the engine]).
+  - optimizer_states: states per element x the shard, 4 bytes (2 with state_dtype bf16).
+    Adam keeps 2 (3 with amsgrad), SGD with momentum 1; others are counted by one tiny step.
+  - buffer_bytes: the gradient ring; stage 3 also the most units whole at once (root,
+    computing and prefetched: replay_peak, csrc/engine/unit_schedule.h). A meta build holds
+    at least the root and one unit in fp32 while initialized.
+  - offload: host memory, outside "total": master, states, gradient shard, pinned rings.
+  - frozen: untrained parameters in param_dtype, whole in stages 0-2; stage 3 shards them per
+    unit (each unit padded to N * align).
 """
 from __future__ import annotations
 
@@ -50,11 +41,8 @@ _ZX_DTYPE = {"fp32": 0, "bf16": 1, "fp16": 2}
 _FUSED_NAMES = ("AdamW", "Adam", "SGD")
 
 
-# ----------------------------------------------------------------------------- optimizer states
-
 def _optimizer_class_and_groups(optimizer):
-    """(class, [hyperparameters of each param group]) from an optimizer instance,
-    a class, or a name ("adamw", "sgd", "rmsprop", ...)."""
+    """(class, [each param group's hyperparameters]) from an optimizer, its class or its name."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return type(optimizer), [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if isinstance(optimizer, str):
@@ -70,8 +58,7 @@ def _optimizer_class_and_groups(optimizer):
 
 
 def states_per_element(cls, hyper: dict) -> int:
-    """How many per-element state tensors `cls(**hyper)` keeps for a parameter: found
-    by running one step on a tiny tensor and counting the state tensors of its size."""
+    """Per-element state tensors `cls(**hyper)` keeps, counted after one step on a tiny tensor."""
     p = nn.Parameter(torch.zeros(7))
     p.grad = torch.full((7,), 0.5)
     hyper = {k: v for k, v in hyper.items() if k not in ("foreach", "fused", "capturable", "differentiable")}
@@ -80,11 +67,9 @@ def states_per_element(cls, hyper: dict) -> int:
     return sum(1 for t in opt.state[p].values() if torch.is_tensor(t) and t.numel() == p.numel() and t.dim() > 0)
 
 
-# ----------------------------------------------------------------------------- the model as sizes
-
 def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
-    """(trainable numels, their group index, stage-3 unit ids or None, replicated
-    frozen numel, stage 3: [(unit, numel)] of the frozen parameters it shards)."""
+    """(trainable numels, their groups, stage 3's unit ids or None, replicated frozen numel,
+    [(unit, numel)] of the frozen parameters stage 3 shards)."""
     if isinstance(model_or_numel, nn.Module):
         model = model_or_numel
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -124,28 +109,18 @@ def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
     return sizes, [0] * len(sizes), list(range(1, len(sizes) + 1)) if cfg.stage == 3 else None, 0, []
 
 
-# ----------------------------------------------------------------------------- the estimate
-
 def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype="fp32", reduce_dtype="fp32",
                     optimizer="adamw", backend: str = "gloo", config=None, loss_fn=None, **options) -> dict:
-    """Predict what one rank of a zero_ext run holds (see the module docstring).
+    """What one rank of a zero_ext run holds (the module docstring says what is counted).
 
-    model_or_numel: an nn.Module (any device, meta included) or a trainable parameter count.
-    world_size, stage: N and the ZeRO stage (0-3).
-    param_dtype, reduce_dtype: as zeroify's options ("fp32", "bf16", "fp16" or torch dtypes).
-    optimizer: a torch optimizer instance (its param groups and hyperparameters are used),
-        its class, or its name ("adamw", "sgd", "rmsprop", ...).
-    backend: the process group's backend ("gloo": reduce-scatter by all-to-all under
-        reduce_scatter="auto", which sizes the receive buffers; "nccl"/"fake": native).
-    loss_fn: loss_fn(model) -> loss, one forward on inputs it makes: adds "peak" (zero_ext/peak.py).
-    config, **options: any other zeroify option that changes memory (bucket_bytes,
-        first_bucket_bytes, align, grad_ring_buckets, unit_modules, unit_numel,
-        min_unit_numel, prefetch_depth, reduce_scatter, offload, step_in_backward, state_dtype).
+    model_or_numel: an nn.Module (meta included) or a trainable parameter count.
+    optimizer: an instance (its param groups are used), a class or a name ("adamw", "sgd", ...).
+    backend: "gloo" reduce-scatters by all-to-all under reduce_scatter="auto" (it sizes buffers).
+    loss_fn: loss_fn(model) -> loss, one forward on inputs it makes; adds "peak" (zero_ext/peak.py).
+    config, **options: any other zeroify option.
 
-    Returns a dict with the keys of opt.stats() it predicts ("model_state_bytes", "buffer_bytes",
-    "frozen_parameter_bytes", "num_params", "padded_numel", "shard_numel", "num_buckets"), plus
-    "total" (all of them), "comm_bytes_per_step" (the collective bytes of one optimizer step,
-    stats()'s convention, for accumulation_steps micro-steps) and the inputs.
+    Returns opt.stats()'s keys it predicts, plus "total", "comm_bytes_per_step" (one optimizer
+    step of accumulation_steps micro-steps) and the inputs.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"zero_ext: world_size must be an int >= 1, got {world_size!r}; pass world_size=<the "
@@ -168,7 +143,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     state_size = _state_size(cls, hypers, cfg, fused)
     dev = _device_type(model_or_numel)
     alltoall = cfg.reduce_scatter == "alltoall" or (cfg.reduce_scatter == "auto" and device_backend(backend) == "gloo")
-    # parameters, gradients, master, optimizer states, offload's host bytes (csrc/engine/model_state.h)
+    # csrc/engine/model_state.h
     m = model_state_bytes([r[0] for r in rows], [r[3] for r in rows], [r[4] for r in rows], stage=s,
                           world=world_size, param_bytes=ps, reduce_bytes=rs,
                           state_bytes=state_size, states_per_group=counts, fused=fused,
@@ -178,7 +153,6 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
                           master_remainder=cfg.master_remainder_applies(fused),
                           on_gpu=dev == "cuda", step_in_backward=bool(cfg.step_in_backward))
     msb = m["model_state_bytes"]
-    # the ring, stage 3's units (the hooks' UnitSchedule replayed), frozen shard, bytes per step
     piece, slice_align = plan_alignments(cfg.resolved_align(world_size), _ZX_DTYPE[pdt])   # Note [Aligned pieces]
     b = buffer_bytes([r[1] for r in rows], [r[3] for r in rows], frozen_units, stage=s, world=world_size,
                      param_bytes=ps, reduce_bytes=rs, grad_ring_buckets=cfg.grad_ring_buckets, depth=cfg.prefetch_depth,
@@ -220,11 +194,11 @@ def _state_size(cls, hypers: list, cfg: ZeroConfig, fused: bool) -> int:
     if any(h.get("amsgrad") for h in hypers):
         raise ValueError("zero_ext: state_dtype='bf16' has no bf16 form of amsgrad's state; estimate with "
                          "amsgrad=False, or state_dtype='fp32'")
-    return 2                     # exp_avg and exp_avg_sq in bfloat16
+    return 2
 
 
 def _device_type(model) -> str:
-    """Where a model's parameters are ("cuda" for a bare count or a meta model: where it will train)."""
+    """Where a model's parameters are ("cuda" for a count or a meta model: where it will train)."""
     if isinstance(model, nn.Module):
         for p in model.parameters():
             if not p.is_meta:
@@ -237,14 +211,11 @@ def _on_meta(model) -> bool:
 
 
 def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int):
-    """The engine's bucket plan: a row (group, unit, numel, padded numel, shard numel) per
-    bucket, in bucket order (csrc/plan_binding.cpp); stage 0 has one partition."""
+    """The engine's bucket plan: per bucket (group, unit, numel, padded numel, shard numel)."""
     bucket = cfg.resolved_bucket_bytes(4 * sum(numels))
     return plan_layout(numels, groups, units or [], cfg.stage, 1 if cfg.stage == 0 else world_size, bucket,
                        cfg.first_bucket_bytes, cfg.resolved_align(world_size), _ZX_DTYPE[cfg.param_dtype])
 
-
-# ----------------------------------------------------------------------------- command line
 
 def _table(numel, world, param_dtype, reduce_dtype, optimizer, accumulation_steps=1, unit=1e9,
            unit_numel=None, state_dtype="fp32", offload=None, step_in_backward=False, master_remainder=True) -> str:

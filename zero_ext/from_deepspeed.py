@@ -1,27 +1,20 @@
-"""config_from_deepspeed(): a DeepSpeed config (dict or JSON path) as zeroify() keyword
-arguments, for porting a DeepSpeed ZeRO script (docs/porting.md, "From DeepSpeed").
+"""config_from_deepspeed(): a DeepSpeed config as zeroify() keyword arguments (docs/porting.md).
 
-    kwargs = zero_ext.config_from_deepspeed("ds_config.json")
-    model, opt = zero_ext.zeroify(model, torch_optimizer, **kwargs)
+    model, opt = zero_ext.zeroify(model, opt, **zero_ext.config_from_deepspeed("ds_config.json"))
 
-Every key DeepSpeed documents for ZeRO training has a verdict in KEYS below, the one
-table the guide's table is generated from: a zeroify argument it becomes, "not needed"
-(zero_ext does it always, or differently, with nothing to set), "script" (the training
-loop owns it: batch sizes, the optimizer, the scheduler, clipping; named in one warning
-with what to write instead) or "not supported" (raised, with why). A key that is not in
-the table raises too: nothing is dropped without a word. DeepSpeed need not be installed.
+Every DeepSpeed ZeRO key has a verdict in KEYS (the guide's table is generated from it); a key
+not in KEYS raises, so nothing is dropped silently. DeepSpeed need not be installed.
 """
 from __future__ import annotations
 
 import warnings
 from typing import Any
 
-from .config import ZeroConfig, read_json
+from .config import ZeroConfig, dtype_name, read_json
 
-# key (dotted path into the DeepSpeed config) -> (verdict, zeroify argument or "", why).
-# verdict: "maps" (to the argument), "not needed", "script", "not supported",
-# "if disabled" (not supported unless its "enabled" is false or it is the default).
-# Keep this a literal: the docs read it without importing zero_ext (tools/docsgen.py).
+# dotted key -> (verdict, zeroify argument or "", why). Verdicts: "maps" (to the argument), "not needed",
+# "script" (the training loop's: one warning), "if disabled" (raises unless switched off).
+# A literal: tools/docsgen.py reads it without importing zero_ext.
 KEYS = {
     # ---- the ZeRO section
     "zero_optimization.stage": (
@@ -175,20 +168,15 @@ KEYS = {
     "weight_quantization": ("if disabled", "", "not part of zero_ext"),
 }
 
-# Sections whose keys are listed one by one above: a key of theirs that is not listed raises.
-_SECTIONS = ("zero_optimization", "bf16", "fp16", "data_types")
-_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-           "bf16": "bf16", "bfloat16": "bf16"}
+_SECTIONS = ("zero_optimization", "bf16", "fp16", "data_types")   # their keys are listed one by one
 
 
 def _flatten(config: dict) -> dict:
-    """{"zero_optimization.stage": 2, "optimizer": {...}, ...}: the listed sections one
-    level deep, every other top-level key whole."""
+    """{"zero_optimization.stage": 2, "optimizer": {...}}: _SECTIONS one level deep, other keys whole."""
     flat = {}
     for k, v in config.items():
         if k in _SECTIONS and isinstance(v, dict):
-            # bf16/fp16 switched off (or left to Hugging Face's "auto"): their other keys,
-            # such as the loss scale, do not apply; they are still checked for typos.
+            # bf16/fp16 off (or HF's "auto"): their other keys do not apply, but are checked for typos
             off = k in ("bf16", "fp16") and v.get("enabled", False) is not True
             for kk, vv in v.items():
                 flat[f"{k}.{kk}"] = "auto" if off and kk != "enabled" else vv
@@ -216,27 +204,10 @@ def _disabled(value: Any) -> bool:
 
 
 def config_from_deepspeed(config: dict | str) -> dict:
-    """The zeroify() keyword arguments that do what a DeepSpeed config asks.
-
-    Args:
-        config: a DeepSpeed config as a dict, or the path of its JSON file.
-
-    Returns:
-        A dict of zeroify() keyword arguments (`stage`, `param_dtype`, the loss-scale
-        options, ...), validated as a `ZeroConfig`; pass it as
-        `zeroify(model, optimizer, **kwargs)`. Keys whose value is DeepSpeed's
-        "auto" (as Hugging Face's configs write them) are left to zero_ext's defaults.
-
-    Raises:
-        ZeroInputError: naming every key that zero_ext does not support (offload,
-            pipeline or tensor parallelism, MiCS, ...) or does not know, each with why.
-
-    Keys that the training loop owns (batch sizes, `optimizer`, `scheduler`,
-    `gradient_clipping`, activation checkpointing) are named in one `UserWarning`
-    with what to write instead; keys that need nothing are accepted silently. The
-    verdict for every key is in `zero_ext.from_deepspeed.KEYS` and in the porting guide.
-    """
-    from .api import ZeroInputError      # api imports the extension; only needed here
+    """zeroify() keyword arguments (validated as a ZeroConfig) doing what DeepSpeed config `config`
+    (a dict or a JSON path) asks; "auto" values keep zero_ext's defaults. Raises ZeroInputError naming
+    every unsupported or unknown key; the training loop's keys are named in one UserWarning."""
+    from .api import ZeroInputError      # api imports the extension
 
     if isinstance(config, str):
         config = read_json(config, "DeepSpeed config file", "your ds_config JSON, or its contents as a dict",
@@ -276,7 +247,7 @@ def config_from_deepspeed(config: dict | str) -> dict:
     return kwargs
 
 
-# "maps" keys whose value turns into arguments alone: key -> value -> {argument: value}
+# "maps" keys whose value alone gives the arguments: key -> value -> {argument: value}
 _SIMPLE = {
     "zero_optimization.stage": lambda v: {"stage": v},
     "zero_optimization.ignore_unused_parameters": lambda v: {"find_unused_parameters": bool(v)},
@@ -296,7 +267,7 @@ _SIMPLE = {
 
 
 def _map(key: str, value: Any, kwargs: dict, refused: list) -> None:
-    """Put the zeroify argument(s) for one "maps" key into kwargs (or a refusal into refused)."""
+    """The zeroify argument(s) of one "maps" key into kwargs, or a refusal into refused."""
     def bad(why: str) -> None:
         refused.append(f"{key}={value!r}: {why}")
 
@@ -311,8 +282,8 @@ def _map(key: str, value: Any, kwargs: dict, refused: list) -> None:
     elif key in ("communication_data_type", "data_types.grad_accum_dtype"):
         if value is None:
             return
-        dtype = _DTYPES.get(str(value).lower())
-        if dtype is None:
+        dtype = dtype_name(str(value).lower())
+        if dtype not in ("fp32", "bf16", "fp16"):
             bad("zero_ext reduces gradients in 'fp32', 'bf16' or 'fp16'")
         elif kwargs.get("reduce_dtype", dtype) != dtype:
             bad(f"communication_data_type and data_types.grad_accum_dtype disagree ({kwargs['reduce_dtype']!r})")
@@ -326,5 +297,5 @@ def _map(key: str, value: Any, kwargs: dict, refused: list) -> None:
             bad("zero_ext offloads the optimizer to host memory only; use {'device': 'cpu'} or 'none'")
         else:
             kwargs["offload"] = "cpu"
-    else:                                  # a "maps" entry in KEYS without a rule here
+    else:
         raise AssertionError(f"zero_ext: internal: no mapping rule for {key}")
