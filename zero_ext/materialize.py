@@ -1,26 +1,22 @@
-"""Stage 3 built sharded: a model built on the meta device gets untouched CPU
-parameters, the engine keeps only their shards, and initialization runs with at
-most a few units whole at a time. It replays the CPU build (each module's
-reset_parameters(), children before parents), then model.apply(init_fn) if given.
+"""Stage 3 built sharded: a meta-device model gets untouched CPU parameters, the engine keeps
+their shards, and the CPU build is replayed (each module's reset_parameters(), children first,
+then model.apply(init_fn)) with a few units whole at a time.
 
 Note [Meta builds lose nothing]
-  A call is one reset_parameters() or init_fn(m). It may write any parameter, not
-  only m's (HF's _init_weights on GPT2Attention writes c_proj.weight).
-  * Every write lands. A torch-function mode opens the unit of each parameter a call
-    touches (an fp32 all-gather) before the op runs. Units the running call touched
-    stay whole until it returns. A unit is committed (broadcast from rank 0, kept as
-    shards) when a later call needs another, and reopened if touched again. Peak:
-    the root unit, the units one call touches, and this rank's shards.
-  * Nothing stays uninitialized silently. A unit's parameters first hold a NaN with
-    a payload no init writes; each commit notes those still holding it. Frozen
-    parameters and buffers outside the engine are watched by a dispatch mode. What
-    no call wrote is named in one error on every rank, with the fix: an init_fn
-    (HF: init_fn=model._init_weights), or zero_ext.meta_parameters() for buffers a
+  A call is one reset_parameters() or init_fn(m); it may write any parameter, not only m's
+  (HF's _init_weights on GPT2Attention writes c_proj.weight).
+  * Every write lands. A torch-function mode opens (gathers in fp32) the unit of each
+    parameter a call touches before the op runs; it stays whole until the call returns. A
+    unit is committed (broadcast from rank 0, kept as shards) when a later call needs another,
+    and reopened if touched again. Peak: the root, one call's units, this rank's shards.
+  * Nothing stays unset silently. Parameters first hold a NaN with a payload no init writes;
+    each commit notes those still holding it. A dispatch mode watches frozen parameters and
+    buffers outside the engine. What no call wrote is named in one error on every rank, with
+    the fix: an init_fn (HF: model._init_weights), or zero_ext.meta_parameters() for buffers a
     constructor computes.
-  * Equality. With rank 0's seed, the result is the CPU build's, bit for bit, when
-    constructors draw random numbers only in reset_parameters(), in registration
-    order (all of torch.nn). Other orders (HF's post_init) give each tensor the
-    same rule but other draws: equal in distribution, not in value.
+  * Equality. With rank 0's seed the result is the CPU build's bit for bit when constructors
+    draw random numbers only in reset_parameters(), in registration order (all of torch.nn).
+    Other orders (HF's post_init) give equal distributions, not equal values.
 """
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-# A quiet NaN with a payload: what a parameter holds until an init writes it.
-_UNSET_BITS = 0x7FC0BEEF
+_UNSET_BITS = 0x7FC0BEEF   # a quiet NaN with a payload: a parameter no init wrote yet
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -44,31 +39,21 @@ def is_meta(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def meta_parameters():
-    """Build a model whose parameters are on the meta device while its buffers
-    are computed for real (on the CPU), e.g. RoPE's inv_freq or BERT's
-    position_ids, which a build under torch.device("meta") loses:
-
-        with zero_ext.meta_parameters():
-            model = MyModel(config)
-
-    Each parameter exists on the CPU only while its constructor creates it."""
+    """`with zero_ext.meta_parameters(): model = MyModel(config)` builds parameters on the meta
+    device but buffers on the CPU (RoPE's inv_freq, which torch.device("meta") loses)."""
     def to_meta(module, name, param):
         if param is None or param.is_meta:
             return None
         return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
-    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
-    try:
+    with nn.modules.module.register_module_parameter_registration_hook(to_meta):
         yield
-    finally:
-        handle.remove()
 
 
 def replace_meta(model: nn.Module, optimizers: list, float_dtype: torch.dtype | None = None) -> set:
-    """Swap every meta parameter/buffer for an uninitialized CPU one (pages not yet
-    touched, so no memory is resident), keeping ties and the optimizers' references;
-    float_dtype: the dtype of the new floating-point parameters (None: each one's own).
-    Returns the ids of the new tensors (what initialize_by_unit must see written)."""
+    """Swap every meta parameter/buffer for an untouched CPU one (no resident pages), keeping
+    ties and the optimizers' references; float_dtype: of the new float parameters (None: their
+    own). Returns the new tensors' ids (what initialize_by_unit must see written)."""
     new: dict[int, nn.Parameter] = {}
     born: set = set()
     for m in model.modules():
@@ -86,7 +71,6 @@ def replace_meta(model: nn.Module, optimizers: list, float_dtype: torch.dtype | 
     for opt in optimizers:
         for g in opt.param_groups:
             g["params"] = [new.get(id(p), p) for p in g["params"]]
-        # the optimizer also indexes its (empty) state by parameter
         opt.state = collections.defaultdict(dict, {new.get(id(p), p): s for p, s in opt.state.items()})
     return born
 
@@ -193,11 +177,6 @@ class _WriteLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _own_tensors(m: nn.Module, params: bool = False) -> list:
-    own = list(m._parameters.values()) + ([] if params else list(m._buffers.values()))
-    return [t for t in own if t is not None]
-
-
 def _ancestors(model: nn.Module, path: str) -> list:
     """The module at `path` and every module above it."""
     parts = path.split(".") if path else []
@@ -219,20 +198,11 @@ def _qualified(model: nn.Module) -> dict:
 @torch.no_grad()
 def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=None,
                        born: set = frozenset(), only: set | None = None, pieces: dict | None = None) -> None:
-    """Replays what building the model on the CPU and then calling
-    model.apply(init_fn) does: (1) each module's reset_parameters(), as its
-    constructor ran it, where a parameter tied to an earlier module keeps that
-    module's values (the later module's own weight was replaced by the tie, but
-    its random draws still happened); (2) init_fn over every module, if given.
-    unit_of: id(parameter) -> unit for every parameter the engine manages; born:
-    ids of the plain tensors replace_meta created. Raises (on every rank) if
-    anything was left uninitialized (Note [Meta builds lose nothing]); comm: the
-    zero_ext/comm.py Comm that carries that verdict.
-    only: the ids of the parameters and buffers to initialize, all else being filled
-    otherwise (Note [Pretrained weights into shards]): (1) runs on the modules holding
-    them, (2) on those and their ancestors; a unit is not committed but its `only`
-    members are broadcast from rank 0 and copied into `pieces` (id -> [(offset, this
-    rank's shard view)]); the tensors outside the engine in `only` are what `born` is."""
+    """Replay the CPU build, then model.apply(init_fn) (Note [Meta builds lose nothing]): each
+    module's reset_parameters(), a parameter tied to an earlier module keeping its values.
+    unit_of: id(parameter) -> unit of the engine's; born: ids replace_meta created.
+    only: the ids to initialize (Note [Initializing what weights leave out] in
+    zero_ext/pretrained/load.py); then rank 0's values of those go into `pieces`."""
     members: dict = {}
     for p in {id(p): p for p in model.parameters()}.values():
         if id(p) in unit_of:
@@ -258,10 +228,11 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
             done.add(id(p))
 
     holders = None if only is None else {id(m) for m in model.modules()
-                                         if any(id(t) in only for t in _own_tensors(m, params=True))}
-    with_ancestors = None if only is None else {id(a) for path, m in model.named_modules()
-                                                if any(id(t) in only for t in _own_tensors(m))
-                                                for a in _ancestors(model, path)}
+                                         if any(id(t) in only for t in m.parameters(recurse=False))}
+    with_ancestors = None if only is None else {
+        id(a) for path, m in model.named_modules()
+        if any(id(t) in only for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
+        for a in _ancestors(model, path)}
 
     def run(fn, modules):
         seen = set()
@@ -290,9 +261,8 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
 
 def _check_all_written(model: nn.Module, units: _Units, log: _WriteLog, slots: dict, plain: list, unit_of: dict,
                        born: set, comm) -> None:
-    """Raises on every rank (one tiny all-reduce) when a call left a tensor unwritten, or
-    replaced a parameter by a new object (Note [Meta builds lose nothing]). slots: what
-    each module's parameter and buffer slots held before the calls."""
+    """Raise on every rank when a call left a tensor unwritten or replaced a parameter.
+    slots: what each module's parameter and buffer slots held before the calls."""
     names = _qualified(model)
     missing = [names[k] for k, left in units.unset.items() if left]
     replaced = []

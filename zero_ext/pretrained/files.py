@@ -1,19 +1,15 @@
-"""Safetensors files on disk: which files a checkpoint is, every tensor's byte range in
-them, reads of element ranges, and writes of a planned layout (Note [Safetensors by byte
-range]). Knows nothing of models or ranks; raises CheckpointError naming the file.
+"""Safetensors files on disk: a checkpoint's files, each tensor's byte range, reads of element
+ranges and writes of a planned layout. Knows nothing of models or ranks; raises CheckpointError.
 
 Note [Safetensors by byte range]
-  A safetensors file is 8 bytes (a little-endian u64 N), N bytes of JSON header
-  ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": ...}), then
-  each tensor's elements in row-major order at 8 + N + begin. So elements [a, b) of a
-  flattened tensor are one contiguous read, whatever its shape: what a fragment (an
-  element range of a flattened parameter, Note [Fragment views] in
-  csrc/engine/fragment_view.h) needs.
-  - Reads use os.preadv into the destination when the dtypes agree, else one fixed chunk
-    buffer converted by Tensor.copy_ (as .to() converts). Never mmap: mapped pages count
-    in the reader's resident memory, read pages only in the page cache.
-  - Writes mirror reads: every name, dtype and shape is known first, so each header is
-    written first, and each piece at its place (os.pwrite) as it comes, in any order.
+  A safetensors file is a little-endian u64 N, N bytes of JSON header ({name: {"dtype",
+  "shape", "data_offsets": [begin, end]}}), then each tensor's elements in row-major order
+  at 8 + N + begin. So a fragment (an element range of a flattened parameter, Note
+  [Fragment views] in csrc/engine/fragment_view.h) is one contiguous read.
+  - Reads use os.preadv into the destination when the dtypes agree, else a fixed chunk
+    buffer converted by Tensor.copy_. Never mmap: mapped pages count as resident memory.
+  - Writes mirror reads: all names, dtypes and shapes are known first, so each header is
+    written first and each piece at its place (os.pwrite), in any order.
 """
 from __future__ import annotations
 
@@ -39,6 +35,7 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 CODES = {t: c for c, t in DTYPES.items()}
+numel = math.prod   # the elements of a shape
 
 
 class Entry(NamedTuple):
@@ -58,33 +55,28 @@ def _here() -> str:
 
 
 def checkpoint_files(path: str) -> tuple[list[str], dict | None]:
-    """(the safetensors files of checkpoint `path`, the index's weight_map or None).
-    `path`: a directory (its model.safetensors.index.json, else model.safetensors, else
-    its only *.safetensors file), a .safetensors file or an index .json file; <path>.old
-    when a save_pretrained was interrupted between its renames (Note [Atomic save_pretrained] in
-    zero_ext/pretrained/save.py)."""
+    """(the safetensors files of `path`, its index's weight_map or None). `path`: a directory
+    (its index, else model.safetensors, else its only .safetensors file), a file or an index;
+    <path>.old after an interrupted save (Note [Atomic save_pretrained] in zero_ext/pretrained/save.py)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path) and os.path.isdir(path + ".old"):
         path += ".old"
-    if path.endswith((".bin", ".pt", ".pth", ".ckpt")) or (os.path.isdir(path) and not _safetensors_in(path)
-                                                          and _pickles_in(path)):
+    if path.endswith((".bin", ".pt", ".pth", ".ckpt")) or (os.path.isdir(path) and not _safetensors_in(path) and any(
+            f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path))):
         raise CheckpointError(
             f"zero_ext: {path!r} is a pickled torch checkpoint (pytorch_model.bin and the like); zero_ext reads "
             f"safetensors only, by byte range, so that no rank loads the whole model. Convert it once, in one "
             f"process: model = <its class>.from_pretrained(dir); model.save_pretrained(out) (safetensors is the "
             f"default), then pass `out`")
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, INDEX)):
+        found = _safetensors_in(path)
+        if WEIGHTS not in found and len(found) != 1:
+            raise CheckpointError(
+                f"zero_ext: {path!r} holds {len(found)} .safetensors files {found[:4]} and no {INDEX} saying "
+                f"which tensor is where{_here()}; pass the directory a save_pretrained() wrote, or one file")
+        return [os.path.join(path, WEIGHTS if WEIGHTS in found else found[0])], None
     if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, INDEX)):
-            path = os.path.join(path, INDEX)
-        elif os.path.exists(os.path.join(path, WEIGHTS)):
-            return [os.path.join(path, WEIGHTS)], None
-        else:
-            found = _safetensors_in(path)
-            if len(found) != 1:
-                raise CheckpointError(
-                    f"zero_ext: {path!r} holds {len(found)} .safetensors files {found[:4]} and no {INDEX} saying "
-                    f"which tensor is where{_here()}; pass the directory a save_pretrained() wrote, or one file")
-            return [os.path.join(path, found[0])], None
+        path = os.path.join(path, INDEX)
     if not os.path.exists(path):
         raise CheckpointError(f"zero_ext: no checkpoint at {path!r}{_here()}: no such file or directory; pass a "
                               f"directory save_pretrained() wrote, a .safetensors file or its index .json")
@@ -107,13 +99,8 @@ def _safetensors_in(d: str) -> list[str]:
     return sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
 
 
-def _pickles_in(d: str) -> bool:
-    return any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(d))
-
-
 def read_header(file: str) -> dict[str, Entry]:
-    """name -> Entry of every tensor in `file`, after checking that the file holds every
-    byte its header describes."""
+    """name -> Entry of every tensor in `file`, checked to be all there."""
     if not os.path.exists(file):
         raise CheckpointError(f"zero_ext: checkpoint file {file!r} is missing{_here()}; copy it there (every rank "
                               f"reads its own part of every file) or pass a complete checkpoint")
@@ -152,8 +139,7 @@ def read_header(file: str) -> dict[str, Entry]:
 
 
 def read_entries(path: str) -> tuple[list[str], dict[str, Entry]]:
-    """(files, name -> Entry) of checkpoint `path`: every file's header read and checked.
-    Every failure is a CheckpointError (the ranks exchange it: Note [Pretrained weights into shards])."""
+    """(files, name -> Entry) of checkpoint `path`; every failure is a CheckpointError."""
     entries: dict[str, Entry] = {}
     try:
         files, weight_map = checkpoint_files(path)
@@ -174,8 +160,7 @@ def read_entries(path: str) -> tuple[list[str], dict[str, Entry]]:
 
 
 class Reader:
-    """Element ranges of checkpoint tensors into tensors (Note [Safetensors by byte range]).
-    Counts the bytes it read; close() when done."""
+    """Reads element ranges of checkpoint tensors, counting bytes_read; close() when done."""
 
     def __init__(self):
         self._fds: dict[str, int] = {}
@@ -229,7 +214,6 @@ class Reader:
         self._buf = None
 
 
-# --------------------------------------------------------------------------- writing
 def parse_size(size) -> int:
     """Bytes of "5GB", "500MB", "10KiB" or an int (as Hugging Face's max_shard_size)."""
     if isinstance(size, int):
@@ -242,8 +226,8 @@ def parse_size(size) -> int:
 
 
 def plan_files(tensors: list[tuple[str, torch.dtype, tuple]], max_shard_bytes: int) -> dict[str, list]:
-    """file name -> [(tensor name, dtype, shape)], in order: Hugging Face's layout (one
-    model.safetensors, or model-0000k-of-0000n.safetensors cut greedily at max_shard_bytes)."""
+    """file name -> [(tensor name, dtype, shape)]: HF's layout, model.safetensors or numbered
+    files cut greedily at max_shard_bytes."""
     shards, size = [[]], 0
     for name, dtype, shape in tensors:
         nbytes = dtype.itemsize * numel(shape)
@@ -257,14 +241,10 @@ def plan_files(tensors: list[tuple[str, torch.dtype, tuple]], max_shard_bytes: i
     return {f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors": s for k, s in enumerate(shards)}
 
 
-numel = math.prod   # the elements of a shape
-
 class Writer:
-    """Files of a planned layout, each header written first; put() writes a piece of a
-    tensor at its place (Note [Safetensors by byte range])."""
+    """The files of a planned layout, headers first; put() writes a piece of a tensor in place."""
 
     def __init__(self, directory: str, files: dict[str, list]):
-        self.directory = directory
         self.where: dict[str, tuple[int, torch.dtype, int]] = {}   # tensor -> (fd, dtype, its first byte)
         self._fds = []
         for fname, tensors in files.items():

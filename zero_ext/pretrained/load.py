@@ -1,43 +1,35 @@
-"""Pretrained weights into shards: the plan (which checkpoint tensor fills which model
-tensor, checked rank-locally), the ranks' agreement on it, the model's init for what the
+"""Pretrained weights into shards: the plan, the ranks' agreement, the init of what the
 checkpoint leaves out, and the reads.
 
 Note [Pretrained weights into shards]
-  zeroify(model, opt, weights=...) on a meta-device build, or load_weights(model, ...)
-  on a zeroified model, in four steps:
-  1. Plan, each rank alone. Read every file's header (files.py) and match the model's
+  zeroify(model, opt, weights=...) on a meta build, or load_weights on a zeroified model:
+  1. Plan, each rank alone: read the files' headers (files.py) and match the model's
      state-dict names to the checkpoint's. A tied parameter is one tensor under several
-     names, any of which may be in the file. A prefix on either side (HF's "model.") is
-     found by trying candidates and keeping the best match; PEFT names lose
-     "base_model.model." and ".base_layer". Shapes, missing and unexpected names and
-     truncated files are checked; all that is wrong is one CheckpointError.
-  2. Agree, before any other collective. zeroify carries the plan's verdict and digest
-     (names, shapes, dtypes) in its agreement all-gather (api.py); load_weights has its
-     own. A rank with missing or different files makes every rank raise, naming it.
+     names. A prefix on either side (HF's "model.") is found by trying candidates; PEFT
+     names lose "base_model.model." and ".base_layer". Shapes, missing and unexpected
+     names and truncated files make one CheckpointError.
+  2. Agree, before any other collective: the plan's verdict and digest (names, shapes,
+     dtypes) ride zeroify's agreement all-gather (api.py), or load_weights' own. A rank with
+     missing or other files makes every rank raise, naming it.
   3. Initialize what the checkpoint leaves out (Note [Initializing what weights leave out]).
-  4. Read. For each engine parameter, a rank reads the element ranges of its own
-     fragments straight from the files (Note [Safetensors by byte range]). A fragment is
-     a piece of a master (fp32), or of a stage-3 frozen shard (param_dtype). A tensor a
-     rank holds whole (stages 0-2, buffers) is read whole. Reads go in file and offset
-     order. Then the masters are cast into what is gathered next, as after
-     load_state_dict (Note [Loading into a zeroified model]). A last all-reduce of a
-     failure flag: a read failing on one rank raises on every rank.
+  4. Read: each rank reads its fragments' element ranges (pieces of an fp32 master, or of a
+     stage-3 frozen shard) straight from the files (Note [Safetensors by byte range]), and
+     tensors it holds whole, in file and offset order. The masters are then cast into what
+     is gathered next (Note [Loading into a zeroified model]). A read failing on one rank
+     raises on every rank (a last all-reduce).
   Peak memory beyond the stage's own: the conversion chunk, and step 3's tensors.
 
 Note [Initializing what weights leave out]
-  What is left out: tensors the caller allowed missing (allow_missing), and
-  non-persistent buffers a meta build left empty (RoPE's inv_freq). They get the model's
-  own init, as from_pretrained does. The init is init_fn; by default a Hugging Face
-  model's _init_weights, with PEFT's LoRA init on LoRA layers.
+  Allowed-missing tensors and non-persistent buffers a meta build left empty (RoPE's
+  inv_freq) get the model's own init, as from_pretrained does: init_fn, by default HF's
+  _init_weights, with PEFT's LoRA init on LoRA layers.
   - reset_parameters() runs on the modules holding them; init_fn on those and their
     ancestors (a parent may initialize a child: HF's GPT-2, PEFT's LoRA layers).
-  - Every other tensor carries HF's `_is_hf_initialized` flag meanwhile, so
-    transformers' init functions skip it.
-  - Stage 3 opens the units an init touches (Note [Meta builds lose nothing]). It does
-    not commit whole units: rank 0's values of the initialized tensors alone are
-    broadcast, and each rank writes its pieces of them.
-  - Stages 0-2 initialize them in fp32 tensors of their own, broadcast, then write them
-    as a load does.
+  - Every other tensor carries HF's `_is_hf_initialized` flag meanwhile, so transformers'
+    init functions skip it.
+  - Stage 3 opens the units an init touches (Note [Meta builds lose nothing]) but commits
+    no unit: rank 0's values of the initialized tensors are broadcast, each rank writes its
+    pieces. Stages 0-2 initialize fp32 tensors of their own, broadcast, and write them.
 """
 from __future__ import annotations
 
@@ -63,19 +55,13 @@ HF_FLAG = "_is_hf_initialized"   # transformers' init functions skip a tensor th
 
 @dataclasses.dataclass
 class Weights:
-    """Pretrained weights for zeroify(weights=...) and load_weights(): a safetensors
-    checkpoint (a directory save_pretrained() wrote, one .safetensors file, or an index
-    .json with its files) and how its names meet the model's.
+    """A safetensors checkpoint for zeroify(weights=...) and load_weights(): a directory, one
+    .safetensors file or an index .json.
 
-    Args:
-        path: the checkpoint.
-        allow_missing: regular expressions (re.search) of model tensor names the checkpoint
-            may lack (a new head, LoRA weights), or True for any; zeroify() initializes them
-            with the model's init and warns naming them; load_weights() leaves them as they are.
-        allow_unexpected: regular expressions of checkpoint names the model may lack (a
-            causal-LM head when loading into a classifier), or True for any; they are not read.
-        prefix: a prefix the checkpoint's names carry and the model's do not ("model."),
-            stripped from them; None finds one (Note [Pretrained weights into shards]).
+    allow_missing: regexes (re.search) of model names the checkpoint may lack, or True; zeroify
+        initializes them with the model's init (and warns), load_weights leaves them.
+    allow_unexpected: regexes of checkpoint names the model may lack, or True; not read.
+    prefix: a prefix only the checkpoint's names carry ("model."); None finds one.
     """
     path: str
     allow_missing: object = ()
@@ -85,7 +71,7 @@ class Weights:
 
 @dataclasses.dataclass
 class WeightsReport:
-    """What a load did, on this rank (ZeroModel.weights_report after zeroify(weights=...))."""
+    """What a load did on this rank (ZeroModel.weights_report)."""
     path: str
     files: list
     loaded: int               # model tensors filled from the checkpoint
@@ -104,11 +90,9 @@ def as_weights(weights, **options) -> Weights:
                     f"{type(weights).__name__}")
 
 
-# --------------------------------------------------------------------------- plan
 @dataclasses.dataclass
 class Plan:
-    """Which checkpoint tensor fills which model tensor (names: the model's state-dict
-    names, one per tensor: the first of a tied group)."""
+    """Which checkpoint tensor fills which model tensor (model names: the first of a tied group)."""
     weights: Weights
     files: list
     entries: dict             # checkpoint name -> Entry
@@ -116,7 +100,6 @@ class Plan:
     initialize: list          # model names to initialize: allowed missing, then meta non-persistent buffers
     missing: list             # the allowed missing ones (state-dict names the checkpoint lacks)
     ignored: list             # checkpoint names left unread
-    matched: str              # how the names met, for messages
     digest: int               # of what every rank must read alike
 
     def filled(self, module: nn.Module) -> set:
@@ -126,6 +109,14 @@ class Plan:
 
 def is_peft(module: nn.Module) -> bool:
     return type(module).__module__.startswith("peft") and hasattr(module, "peft_config")
+
+
+def tied_names(module: nn.Module) -> tuple[dict, list]:
+    """(state_dict(keep_vars=True), [the names of each tensor, tied ones together])."""
+    state, groups = module.state_dict(keep_vars=True), {}
+    for name, t in state.items():
+        groups.setdefault(id(t), []).append(name)
+    return state, list(groups.values())
 
 
 def _peft_name(name: str) -> str:
@@ -170,12 +161,6 @@ def _match(model_names: set, ckpt: list, base_prefix: str, prefix: str | None) -
     return best, how or "as they are"
 
 
-def _hf_lists(module: nn.Module) -> tuple[list, list]:
-    """Hugging Face's own missing/unexpected names to ignore (from_pretrained ignores them too)."""
-    return ([re.compile(p) for p in getattr(module, "_keys_to_ignore_on_load_missing", None) or ()],
-            [re.compile(p) for p in getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()])
-
-
 def _conversions(module: nn.Module) -> str:
     """How transformers rewrites this model's checkpoints while loading, or ""."""
     if not type(module).__module__.startswith("transformers"):
@@ -190,26 +175,25 @@ def _conversions(module: nn.Module) -> str:
 
 
 def make_plan(module: nn.Module, weights: Weights, shape_of=None) -> Plan:
-    """The plan for `module` (rank-local, no collective). shape_of(name, tensor): the logical
-    shape (stage 3 parameters are empty outside a gather). Raises CheckpointError."""
+    """The plan for `module`, rank-local; raises CheckpointError. shape_of(name, tensor): the
+    logical shape (stage 3 parameters are empty outside a gather)."""
     files, entries = read_entries(weights.path)
     base = module.get_base_model() if is_peft(module) else module
     norm = _peft_name if is_peft(module) else (lambda n: n)
-    state = module.state_dict(keep_vars=True)
-    groups: dict[int, list] = {}
-    for name, t in state.items():
-        groups.setdefault(id(t), []).append(name)
+    state, groups = tied_names(module)
     mapped, how = _match({norm(n) for n in state}, list(entries), getattr(base, "base_model_prefix", ""),
                          weights.prefix)
-    allow_missing, allow_unexpected = _patterns(weights.allow_missing), _patterns(weights.allow_unexpected)
-    hf_missing, hf_unexpected = _hf_lists(base)
+    # and the names HF's from_pretrained ignores too
+    allow_missing = _patterns(weights.allow_missing) + _patterns(getattr(base, "_keys_to_ignore_on_load_missing", None))
+    allow_unexpected = (_patterns(weights.allow_unexpected)
+                        + _patterns(getattr(base, "_keys_to_ignore_on_load_unexpected", None)))
     keys, initialize, missing, shapes, used = {}, [], [], [], set()
-    for names in groups.values():
+    for names in groups:
         t = state[names[0]]
         found = [mapped[norm(n)] for n in names if norm(n) in mapped]
         used.update(found)
         if not found:
-            if any(p.search(n) for p in allow_missing + hf_missing for n in names):
+            if any(p.search(n) for p in allow_missing for n in names):
                 initialize.append(names[0])
             else:
                 missing.append(names[0])
@@ -224,7 +208,7 @@ def make_plan(module: nn.Module, weights: Weights, shape_of=None) -> Plan:
     unexpected, ignored = [], []
     for k in entries:
         if k not in used:
-            (ignored if any(p.search(k) for p in allow_unexpected + hf_unexpected) else unexpected).append(k)
+            (ignored if any(p.search(k) for p in allow_unexpected) else unexpected).append(k)
     if missing or unexpected or shapes:
         raise CheckpointError(_mismatch_message(weights.path, module, missing, unexpected, shapes, how))
     text = repr(sorted((n, k, str(entries[k].dtype), entries[k].shape) for n, k in keys.items()))
@@ -234,7 +218,7 @@ def make_plan(module: nn.Module, weights: Weights, shape_of=None) -> Plan:
     for name, b in module.named_buffers():   # not checkpoint names: the model's init computes them, silently
         if b.is_meta and name not in state:
             initialize.append(name)
-    return Plan(weights, files, entries, keys, initialize, allowed, ignored, how, digest)
+    return Plan(weights, files, entries, keys, initialize, allowed, ignored, digest)
 
 
 def _listed(names: list) -> str:
@@ -261,10 +245,8 @@ def _mismatch_message(path, module, missing, unexpected, shapes, how) -> str:
             f"prefix")
 
 
-# --------------------------------------------------------------------------- agreement
 def agree(comm, error: Exception | None, digest: int) -> None:
-    """One small all-gather: every rank learns whether every rank's plan succeeded and reads
-    the same tensors; raises on every rank otherwise, naming the failing rank's message."""
+    """Raise on every rank unless every rank's plan succeeded and reads the same tensors."""
     everyone = comm.all_gather_int64([0 if error is None else 1, digest])
     failed = [r for r in range(comm.world) if everyone[r, 0] != 0]
     if failed:
@@ -279,7 +261,6 @@ def agree(comm, error: Exception | None, digest: int) -> None:
                               f"their checkpoint files than rank 0; give every rank the same files")
 
 
-# --------------------------------------------------------------------------- init and read
 def tensor_of(module: nn.Module, name: str) -> torch.Tensor:
     """The parameter or buffer `name` of `module` as it is now."""
     owner, _, attr = name.rpartition(".")
@@ -288,9 +269,8 @@ def tensor_of(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def default_init(module: nn.Module):
-    """The model's own init for what a checkpoint leaves out: a Hugging Face model's
-    _init_weights (what from_pretrained runs on missing keys); in a PEFT model, LoRA
-    layers get PEFT's own init (B zero); otherwise None (reset_parameters() only)."""
+    """HF's _init_weights (what from_pretrained runs on missing keys), PEFT's own init on LoRA
+    layers, or None (reset_parameters() only)."""
     base = module.get_base_model() if is_peft(module) else module
     hf = getattr(base, "_init_weights", None) if hasattr(base, "config") else None
     if not is_peft(module):
@@ -326,25 +306,22 @@ def _initialize(model: ZeroModel, plan: Plan, comm, init_fn) -> None:
             comm.broadcast_([t for t in targets if id(t) not in unit_of])    # buffers, replicated frozen ones
             return
         # stages 0-2: fp32 tensors of their own (parameters are views of bf16 or shared buckets)
-        homes = {}
-        for t in targets:
-            if isinstance(t, nn.Parameter):
-                homes[id(t)] = t.data
-                t.data = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+        params = [t for t in targets if isinstance(t, nn.Parameter)]
+        homes = [t.data for t in params]
+        for t in params:
+            t.data = torch.empty(t.shape, dtype=torch.float32, device=t.device)
         try:
             initialize_by_unit(module, None, {}, comm, init_fn, only=only)
             comm.broadcast_(targets)                                       # rank 0's draws
         finally:
-            values = {i: t.data for t in targets if (i := id(t)) in homes}
-            for t in targets:
-                if id(t) in homes:
-                    t.data = homes[id(t)]
-        for t in targets:
-            if id(t) in values:
-                if id(t) in guard.index:
-                    guard.write(engine, guard.index[id(t)], t, values[id(t)])
-                else:
-                    t.data.copy_(values[id(t)])
+            values = [t.data for t in params]
+            for t, home in zip(params, homes):
+                t.data = home
+        for t, v in zip(params, values):
+            if id(t) in guard.index:
+                guard.write(engine, guard.index[id(t)], t, v)
+            else:
+                t.data.copy_(v)
     finally:
         for t in flagged:
             delattr(t, HF_FLAG)
@@ -385,7 +362,7 @@ def _read(model: ZeroModel, plan: Plan, comm) -> tuple[int, int]:
                                   f"loaded: load again") from error
         raise CheckpointError(f"zero_ext: reading {plan.weights.path!r} failed on another rank (its error names the "
                               f"file); the model is partly loaded: load again")
-    # what is gathered next (Note [Loading into a zeroified model]); stage 3: no unit keeps stale values
+    # what is gathered next (Note [Loading into a zeroified model])
     if guard.stage3:
         engine.publish_params()
     else:
@@ -417,15 +394,10 @@ def comm_of(model: ZeroModel):
 
 
 def load_weights(model, weights, **options) -> WeightsReport:
-    """Load pretrained weights (a safetensors checkpoint) into a zeroified model; every rank
-    calls it. `weights`: a path, or zero_ext.Weights(path, allow_missing=..., ...) (options
-    given here override its fields). Each rank reads only the byte ranges of its own
-    fragments (stage 3) or the whole tensors it holds (stages 0-2), straight into the fp32
-    master shards (Note [Pretrained weights into shards]); the checkpoint is checked on
-    every rank first and any mismatch raises the same CheckpointError on every rank before
-    anything is read. Tensors the checkpoint lacks (allow_missing) keep their values; to
-    initialize them instead, build on the meta device and pass weights= to zeroify().
-    Returns this rank's WeightsReport."""
+    """Load a safetensors checkpoint into a zeroified model, on every rank; `weights`: a path
+    or a Weights (`options` override its fields). Note [Pretrained weights into shards].
+    Allowed-missing tensors keep their values (zeroify(weights=...) on a meta build initializes
+    them). Returns this rank's WeightsReport."""
     if not isinstance(model, ZeroModel):
         raise TypeError(f"zero_ext: load_weights takes the model zeroify() returned, got {type(model).__name__}; "
                         f"to load before wrapping, pass weights= to zeroify()")

@@ -1,36 +1,29 @@
-"""save_pretrained(): a zeroified model out of its shards into Hugging Face-format
-safetensors, streamed (Note [Streaming save_pretrained]), atomic (Note [Atomic
-save_pretrained]).
+"""save_pretrained(): a zeroified model out of its shards as Hugging Face safetensors.
 
 Note [Streaming save_pretrained]
-  Every rank calls it; rank 0 writes. The layout is known on every rank before a byte
-  moves: the state-dict names, one per tensor (of tied names, the one HF keeps: not in
-  any `_tied_weights_keys`), each with its shape and dtype. Trainable parameters are
-  written as their fp32 masters; others in their own dtype; `dtype=` casts every
-  floating-point one. Files are cut as HF cuts them (model.safetensors, or numbered
-  files and an index past max_shard_size). Rank 0 writes every header first, then:
-  - Trainable parameters, bucket by bucket, window by window. A window is the same
-    range of every rank's slice of the bucket's fp32 master, at most WINDOW_BYTES over
-    all ranks. It is gathered to rank 0 (Comm.gather_to), which writes each fragment's
-    part (engine.fragments(r)) at its byte offset. So rank 0 holds a fixed buffer,
-    however large a bucket, and the other ranks nothing beyond their shard.
+  Every rank calls it; rank 0 writes. The layout is known on every rank first: one
+  state-dict name per tensor (of tied names, the one not in HF's `_tied_weights_keys`),
+  with shape and dtype. Trainable parameters are written as their fp32 masters, others in
+  their own dtype; `dtype=` casts every floating-point one. Files are cut as HF cuts them.
+  Rank 0 writes every header, then:
+  - Trainable parameters, bucket by bucket, window by window: a window is one range of each
+    rank's slice of the bucket's fp32 master, at most WINDOW_BYTES over all ranks, gathered
+    to rank 0 (Comm.gather_to), which writes each fragment's part at its byte offset. So
+    rank 0 holds a fixed buffer, the others nothing beyond their shard.
   - Frozen parameters stage 3 shards: unit by unit, gathered in param_dtype.
   - Buffers and frozen parameters every rank holds whole: rank 0's own.
-  A PEFT model saves its adapter the PEFT way: the trainable parameters are gathered
-  whole to rank 0 (an adapter is small), and PeftModel.save_pretrained writes them.
+  A PEFT model's adapter (small) is gathered whole to rank 0 for PeftModel.save_pretrained.
   Otherwise the model's config and generation config go beside the weights.
 
 Note [Atomic save_pretrained]
-  As Note [Atomic save]: everything goes into <dir>.tmp. Rank 0 hard-links into it the
-  files of an existing <dir> that this save does not replace (tokenizer files, training
-  arguments; not old weights). It renames <dir> to <dir>.old, <dir>.tmp to <dir>, and
-  removes <dir>.old. A crash between the renames leaves a complete <dir>.old, which
-  load_weights falls back to. A <dir> holding directories (a Trainer's output_dir) is not
-  moved: the new files are renamed into it one by one, the weights before the index, and
-  the previous save's weights files this one does not write are removed after.
-  A write failing on rank 0 (a full disk) keeps rank 0 in the collectives and raises on
-  every rank at the end. A rank that dies makes the others' next collective fail, raised
-  as a CheckpointError naming the directory, which is untouched.
+  As Note [Atomic save]: all goes into <dir>.tmp, where rank 0 hard-links the files of an
+  existing <dir> this save does not replace (tokenizer files; not old weights). Then <dir>
+  becomes <dir>.old, <dir>.tmp becomes <dir>, and <dir>.old is removed; load_weights falls
+  back to a <dir>.old left by a crash. A <dir> holding directories (a Trainer's output_dir)
+  stays: the new files are renamed into it, weights before the index, then the previous
+  save's weights files not rewritten are removed. A write failing on rank 0 (a full disk)
+  raises on every rank at the end; a rank that dies fails the others' next collective,
+  raised as a CheckpointError naming the untouched directory.
 """
 from __future__ import annotations
 
@@ -49,7 +42,7 @@ from ..checkpoint.saving import decide, fsync_dir, make_tmp, replace_file
 from .._C import PHASE_CHECKPOINT
 from ..model import ZeroModel
 from .files import INDEX, SHARD, WEIGHTS, Writer, numel, parse_size, plan_files
-from .load import comm_of, is_peft
+from .load import comm_of, is_peft, tied_names
 
 ADAPTER = "adapter_model.safetensors"
 WINDOW_BYTES = 32 << 20       # what rank 0 gathers at once, over all ranks (fp32)
@@ -61,28 +54,20 @@ def _stale(name: str) -> bool:
 
 
 def _tie_targets(module: nn.Module) -> set:
-    """Names Hugging Face drops from a save because they are tied to another (its
-    `_tied_weights_keys`, on every submodule: {target: source} or a list of targets)."""
-    out = set()
-    for path, m in module.named_modules():
-        keys = getattr(m, "_tied_weights_keys", None) or ()
-        for k in (keys.keys() if isinstance(keys, dict) else keys):
-            out.add(f"{path}.{k}" if path else k)
-    return out
+    """Names HF drops from a save as tied to another: every submodule's `_tied_weights_keys`
+    ({target: source} or a list of targets)."""
+    return {f"{path}.{k}" if path else k for path, m in module.named_modules()
+            for k in list(getattr(m, "_tied_weights_keys", None) or ())}
 
 
 def _saved(model: ZeroModel, adapter_only: bool, dtype) -> list:
-    """[(name, tensor, engine index or None, out dtype, shape)] in state-dict order (Note
-    [Streaming save_pretrained])."""
+    """[(name, tensor, engine index or None, out dtype, shape)] in state-dict order."""
     module, guard = model.module, model.guard
-    state = module.state_dict(keep_vars=True)
-    groups: dict[int, list] = {}
-    for name, t in state.items():
-        groups.setdefault(id(t), []).append(name)
+    state, groups = tied_names(module)
     targets = _tie_targets(module)
     ignore = [re.compile(p) for p in getattr(module, "_keys_to_ignore_on_save", None) or ()]
     out = []
-    for names in groups.values():
+    for names in groups:
         name = next((n for n in names if n not in targets), names[0])
         t, i = state[name], guard.index.get(id(state[name]))
         if any(p.search(name) for p in ignore) or (adapter_only and (i is None or i >= guard.n_trainable)):
@@ -100,8 +85,7 @@ class _WholeTensors:
         self.out = {name: torch.empty(shape, dtype=dt) for name, dt, shape in tensors}
 
     def put(self, name: str, first: int, values: torch.Tensor) -> None:
-        flat = self.out[name].view(-1)
-        flat[first:first + values.numel()].copy_(values.reshape(-1))
+        self.out[name].view(-1)[first:first + values.numel()].copy_(values.reshape(-1))
 
     def close(self) -> None:
         pass
@@ -199,18 +183,9 @@ def _commit(tmp: str, path: str, weights_last: list) -> None:
 
 
 def save_pretrained(model, save_directory, *, max_shard_size: int | str = "5GB", dtype=None) -> None:
-    """Write a zeroified model as a Hugging Face-format checkpoint that from_pretrained
-    (or zero_ext.load_weights) loads; every rank calls it, rank 0 writes.
-
-    The weights are streamed out of the shards (Note [Streaming save_pretrained]):
-    trainable parameters as their fp32 masters (dtype=torch.bfloat16 casts every
-    floating-point tensor), bucket by bucket, so no process holds more than one unit or
-    bucket beside its shard; tied parameters once, under the name Hugging Face keeps;
-    model.safetensors, or model-0000k-of-0000n.safetensors and model.safetensors.index.json
-    beyond max_shard_size; the config and generation config of a Hugging Face model. A PEFT
-    model writes its adapter (adapter_model.safetensors, adapter_config.json), which
-    PeftModel.from_pretrained loads. Atomic: a save that fails or dies part-way leaves
-    `save_directory` as it was and raises zero_ext.CheckpointError on the surviving ranks."""
+    """Write a zeroified model as a checkpoint from_pretrained (or load_weights) loads; every rank
+    calls it, rank 0 writes: Note [Streaming save_pretrained], Note [Atomic save_pretrained].
+    dtype=torch.bfloat16 casts every float tensor; a PEFT model writes its adapter."""
     if not isinstance(model, ZeroModel):
         raise TypeError(f"zero_ext: save_pretrained takes the model zeroify() returned, got {type(model).__name__}; "
                         f"a plain model saves with its own save_pretrained()")
