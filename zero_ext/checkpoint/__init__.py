@@ -5,11 +5,9 @@
     full = zero_ext.consolidated_state_dict(model, opt, to=0)   # {"model", "optimizer"} on rank 0
     python -m zero_ext.consolidate ckpt full.pt                 # offline, no process group
 
-One concern per module; each imports only those above it (never optim.py):
-format.py (what is on disk, Note [Checkpoint format]), layout.py (the model and optimizer
-as a checkpoint sees them), entries.py (this rank's DCP entries),
-saving.py (save, Note [Atomic save]), loading.py (load), consolidation.py (whole state
-dicts, offline or not).
+Modules, each importing only those above it (never optim.py): format.py (on disk), layout.py
+(the model as a checkpoint sees it), entries.py (DCP entries), saving.py, loading.py,
+consolidation.py.
 """
 from .consolidation import consolidate, consolidated_state_dict, optimizer_state_dict
 from .format import FORMAT, MANIFEST, OBJECTS, CheckpointError, read_manifest, resolve

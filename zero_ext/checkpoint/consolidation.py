@@ -1,7 +1,5 @@
-"""Full, unsharded state in torch's own format: consolidate(path) reads a checkpoint
-offline (no process group; `python -m zero_ext.consolidate`), consolidated_state_dict()
-assembles it from the live ranks (collective); both give torch.optim state dicts of
-the wrapped class."""
+"""Full, unsharded state in torch's own format: consolidate(path) reads a checkpoint offline
+(`python -m zero_ext.consolidate`); consolidated_state_dict() assembles it from the live ranks."""
 from __future__ import annotations
 
 import math
@@ -11,37 +9,28 @@ import torch
 from .._C import PHASE_CHECKPOINT
 from ..alone import source
 from ..local_shard import LocalShard
-from .format import (LOAD_EARLIER, OBJECTS, CheckpointError, read_objects, quiet, steps_of, whole_entries, read_manifest,
-                     resolve)
-from .layout import gather_frozen, param_steps, plain_tensors, settle, core_optimizer
+from .format import (LOAD_EARLIER, OBJECTS, CheckpointError, quiet, read_manifest, read_objects, resolve, steps_of,
+                     whole_entries)
+from .layout import core_optimizer, gather_frozen, plain_tensors, saved_objects, settle
 
 _ADAM_FAMILY = ("Adam", "AdamW")
 
 
 def optimizer_state_dict(layout: dict, tensors: dict, objects: dict, whole: dict | None = None):
-    """A torch.optim state dict for the wrapped class from per-parameter full tensors:
-    tensors[state][name] = the state of trainable parameter `name`, shaped like it.
-    Parameters are numbered across param groups in order, as torch numbers them.
-    With several wrapped optimizers or one that needs whole tensors: one state dict
-    per wrapped optimizer (a list when there are several), whole[name] = {state:
-    tensor} giving the whole-tensor optimizers' states."""
+    """A torch.optim state dict of the wrapped class (a list of them for several wrapped
+    optimizers) from tensors[state][name], parameter `name`'s full state, and whole[name] =
+    {state: tensor} of the whole-tensor optimizers. Parameters are numbered as torch does."""
     parts = layout.get("parts") or [dict(groups=range(len(layout["groups"])), kind="fused",
                                          optimizer=layout["optimizer"])]
     out = [_part_state_dict(layout, part, tensors, whole or {}, objects) for part in parts]
     return out if len(out) > 1 else out[0]
 
 
-def _numbered(layout: dict, group_ids, objects: dict) -> tuple:
-    """(name -> index, param groups): these groups' parameters numbered in order, as torch does."""
-    index: dict = {}
-    groups = [dict(objects["param_groups"][gi], params=[index.setdefault(n, len(index)) for n in layout["groups"][gi]])
-              for gi in group_ids]
-    return index, groups
-
-
 def _part_state_dict(layout: dict, part: dict, tensors: dict, whole: dict, objects: dict) -> dict:
-    """The state dict of one wrapped optimizer (its param groups, numbered from 0)."""
-    (index, groups), state = _numbered(layout, part["groups"], objects), {}
+    """The state dict of one wrapped optimizer (its param groups' parameters numbered from 0)."""
+    index, state = {}, {}
+    groups = [dict(objects["param_groups"][gi], params=[index.setdefault(n, len(index)) for n in layout["groups"][gi]])
+              for gi in part["groups"]]
     for gi in part["groups"]:
         scal = objects["scalar_state"].get(gi)
         for n in layout["groups"][gi]:
@@ -62,21 +51,19 @@ def _part_state_dict(layout: dict, part: dict, tensors: dict, whole: dict, objec
 
 
 def consolidate(path) -> dict:
-    """Read checkpoint `path` into plain full tensors, without a process group:
-    {"model": the module's state_dict, "optimizer": a state dict that a plain torch
-    optimizer of the wrapped class loads, "extra", "scheduler", "loss_scaler"}."""
+    """Checkpoint `path` as full tensors, without a process group: {"model": a state_dict,
+    "optimizer": a state dict of the wrapped class, "extra", "scheduler", "loss_scaler"}."""
     real = resolve(path)
     m = read_manifest(real)
     sd = {OBJECTS: torch.empty(m["objects_bytes"], dtype=torch.uint8)}
-    flat = {}
     # a whole tensor's state is under whole/ (Note [State windows] in csrc/engine/fill.cpp)
     whole_groups = {g for part in m.get("parts", []) if part["kind"] == "whole" for g in part["groups"]}
-    for name, info in m["params"].items():
-        numel = math.prod(info["shape"])
-        for kind in ["model"] + [f"optim/{s}" for s in m["states"]]:
-            flat[(kind, name)] = torch.zeros(numel)
-            if numel and (kind == "model" or info["group"] not in whole_groups):
-                sd[f"{kind}/{name}"] = flat[(kind, name)]
+    flat = {kind: [torch.zeros(math.prod(info["shape"])) for info in m["params"].values()]
+            for kind in ["model"] + [f"optim/{s}" for s in m["states"]]}
+    for kind, full in flat.items():
+        for (name, info), t in zip(m["params"].items(), full):
+            if t.numel() and (kind == "model" or info["group"] not in whole_groups):
+                sd[f"{kind}/{name}"] = t
     for name, info in m["plain"].items():
         sd[f"model/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
     from torch.distributed import checkpoint as dcp
@@ -93,34 +80,40 @@ def consolidate(path) -> dict:
             dcp.load({k: t for per in whole.values() for k, t in per.items()},
                      storage_reader=dcp.FileSystemReader(real), no_dist=True)
     whole = {n: {k.split("/")[1]: t for k, t in per.items()} for n, per in whole.items()}
-    values = {name: flat[("model", name)].view(info["shape"]) for name, info in m["params"].items()}
-    values.update({name: sd[f"model/{name}"] for name in m["plain"]})
-    model_sd = {key: values[name] for key, name in m["keys"].items()}
-    tensors = {s: {name: flat[(f"optim/{s}", name)].view(info["shape"]) for name, info in m["params"].items()}
-               for s in m["states"]}
-    return {"model": model_sd, "optimizer": optimizer_state_dict(m, tensors, objects, whole),
-            "extra": objects["extra"], "scheduler": objects["scheduler"], "loss_scaler": objects["loss_scaler"]}
+    return dict(_assemble(m, flat, objects, whole, {name: sd[f"model/{name}"] for name in m["plain"]}),
+                extra=objects["extra"], scheduler=objects["scheduler"], loss_scaler=objects["loss_scaler"])
+
+
+def _assemble(layout: dict, flat: dict, objects: dict, whole: dict, plain: dict | None) -> dict:
+    """{"model" (unless plain is None), "optimizer"} from flat[kind], each trainable parameter's
+    full flat tensor in engine order, and plain: name -> frozen parameter or buffer."""
+    full = {kind: {name: t.view(info["shape"]) for (name, info), t in zip(layout["params"].items(), ts)}
+            for kind, ts in flat.items()}
+    out = {}
+    if plain is not None:
+        values = {**full["model"], **plain}
+        out["model"] = {key: values[name] for key, name in layout["keys"].items()}
+    tensors = {kind.removeprefix("optim/"): v for kind, v in full.items() if kind != "model"}
+    out["optimizer"] = optimizer_state_dict(layout, tensors, objects, whole)
+    return out
 
 
 @torch.no_grad()
 def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state: bool = True,
                             phase: int = PHASE_CHECKPOINT):
-    """The full model state_dict and a plain torch.optim state dict of the wrapped
-    class, assembled on rank `to` (of the model's process group; None: on every rank):
-    {"model", "optimizer"} there, None on the other ranks; every rank calls it, or one
-    rank alone (served). Streamed bucket by bucket: besides the result the receiving rank
-    holds one bucket at a time. model_state=False: the optimizer's state only."""
+    """{"model": the full state_dict, "optimizer": a torch.optim state dict of the wrapped class}
+    on rank `to` (None: every rank), None elsewhere; every rank calls it, or one alone (served).
+    Streamed a bucket at a time. model_state=False: the optimizer's state only."""
     optimizer = core_optimizer(optimizer)
     rank, parts = optimizer.engine.rank, optimizer.engine.partitions
-    # stage 0 and one rank hold everything: no collective, so any rank may call it alone;
-    # a rank that calls it alone otherwise reads from the others' shard servers (Note [Shard server])
+    # one partition: no collective; otherwise a rank alone reads the others' shard servers (Note [Shard server])
     engine, comm, layout = settle(model, optimizer, phase if parts > 1 else None, servable=True)
     src = source(parts > 1 and engine.sequence_away)
     if src.reads_alone and to is not None and to != rank:
         return None   # read alone: nothing to assemble here, and nobody to send it to
     shard = LocalShard(optimizer)
-    states = shard.states()
-    kinds = {**({"model": shard.masters} if model_state else {}), **{f"optim/{s}": p for s, p in states.items()}}
+    kinds = {**({"model": shard.masters} if model_state else {}),
+             **{f"optim/{s}": p for s, p in shard.states().items()}}
     names = list(layout["params"])   # engine order
     receiving = to is None or rank == to
     out = None
@@ -128,11 +121,6 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
         numel = [math.prod(layout["params"][name]["shape"]) for name in names]
         src.fits(4 * sum(numel) * len(kinds), "the full model and optimizer state")
         out = {k: [torch.zeros(n) for n in numel] for k in kinds}
-
-    def place(kind, pieces, src):
-        for i, poff, off, n in pieces:
-            out[kind][i].narrow(0, poff, n).copy_(src.narrow(0, off, n))
-
     if parts == 1:                                   # everything is here (stage 0 / one rank)
         if receiving:
             for kind, pieces in kinds.items():
@@ -146,7 +134,8 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
         for b in range(len(shard.masters)):
             own = {kind: shard.full(pieces, b) for kind, pieces in kinds.items()}
             for kind, r, got in src.bucket_slices(optimizer, own, b, to, buf):
-                place(kind, slices[r][b], got)
+                for i, poff, off, n in slices[r][b]:
+                    out[kind][i].narrow(0, poff, n).copy_(got.narrow(0, off, n))
         del buf
     # whole-tensor states: each owner's, to rank `to` (they are per tensor, not per element)
     whole = optimizer.whole_states()
@@ -156,17 +145,9 @@ def consolidated_state_dict(model, optimizer, to: int | None = 0, *, model_state
     frozen = gather_frozen(model, keep=receiving) if model_state else {}
     if not receiving:
         return None
-    scalar = shard.scalar_state()
-    objects = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-               "steps": list(optimizer.group_steps), "param_steps": param_steps(optimizer, names),
-               "scalar_state": scalar}
-    tensors = {s: {name: out[f"optim/{s}"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
-               for s in states}
-    result = {"optimizer": optimizer_state_dict(layout, tensors, objects, whole)}
+    plain = None
     if model_state:
-        values = {name: out["model"][i].view(layout["params"][name]["shape"]) for i, name in enumerate(names)}
-        values.update({n: t.clone() for n, t in plain_tensors(model, layout).items()})
-        values.update({n: t for n, t in plain_tensors(model, layout, frozen).items() if n not in values})  # frozen
-        result["model"] = {key: values[name] for key, name in layout["keys"].items()}
-    return result
+        plain = {n: t.clone() for n, t in plain_tensors(model, layout).items()}
+        plain.update({n: t for n, t in plain_tensors(model, layout, frozen).items() if n not in plain})  # frozen
+    return _assemble(layout, out, saved_objects(optimizer, names, shard), whole, plain)
 

@@ -1,7 +1,5 @@
-"""The DCP entries (ShardedTensors) that hand this rank's share of the sharded state
-(LocalShard, zero_ext/local_shard.py) to a save or a load (Note [Checkpoint format] in
-zero_ext/checkpoint/format.py); engine.fragments(r) gives the pieces the other ranks write.
-"""
+"""The DCP entries (ShardedTensors) that hand this rank's share of the sharded state (LocalShard)
+to a save or a load (Note [Checkpoint format] in zero_ext/checkpoint/format.py)."""
 from __future__ import annotations
 
 import torch
@@ -10,11 +8,8 @@ from ..local_shard import LocalShard, Windows
 
 
 def as_fp32(states: dict) -> tuple:
-    """Checkpoints hold every per-element state in fp32, whatever state_dtype (Note [bf16
-    optimizer states] in csrc/engine/stepper.cpp): a bf16 state widens exactly, so it
-    loads back into bf16 states bit for bit, and into fp32 states of another run too.
-    Returns (name -> per-bucket fp32 tensors: the states themselves where they are fp32,
-    else copies), [(bf16 state, its fp32 copy)] for a load to write back."""
+    """(name -> per-bucket fp32 states, copies where bf16; [(bf16 state, its fp32 copy)] for a
+    load to write back). Checkpoints hold states in fp32: bf16 widens exactly."""
     out, back = {}, []
     for name, pieces in states.items():
         if all(t.dtype == torch.float32 for t in pieces):
@@ -27,8 +22,7 @@ def as_fp32(states: dict) -> tuple:
 
 
 def prepare_states(optimizer, shard: LocalShard, saved: list) -> dict:
-    """Per-bucket tensors that the saved per-element states load into; states the
-    checkpoint does not have (it was saved before the first step) are cleared."""
+    """Per-bucket tensors the saved states load into; states the checkpoint lacks are cleared."""
     if shard.views is None:
         e = shard.engine
         for name, flat in e.states().items():
@@ -44,8 +38,7 @@ def prepare_states(optimizer, shard: LocalShard, saved: list) -> dict:
 
 
 def restore_scalars(optimizer, shard: LocalShard, objects: dict) -> None:
-    """Generic path: put back the scalar state ("step", ...) of every bucket view;
-    a checkpoint from the fused path has step counts only."""
+    """Generic path: each bucket view's scalar state ("step", ...), or the fused path's step counts."""
     groups = shard.engine.bucket_groups()
     st = optimizer.shard_optimizer.state
     for b, v in enumerate(shard.views):
@@ -61,19 +54,14 @@ def restore_scalars(optimizer, shard: LocalShard, objects: dict) -> None:
 
 # --------------------------------------------------------------------------- DCP entries
 def _sharded(numel: int, chunks: list, local: list, rank: int):
-    """A 1-D ShardedTensor of `numel` fp32 elements: `chunks` = every rank's pieces
-    (rank, offset, numel), `local` = this rank's (offset, tensor). Built from the
-    plan without communication: ShardedTensorBase's constructor checks that the
-    pieces tile the tensor but, unlike ShardedTensor's, needs no process group. It is
-    torch's one private API used here (present since torch 2.0; tested on 2.13).
-    DTensor, DCP's other sharded type, cannot express uneven element-granular pieces."""
+    """A 1-D fp32 ShardedTensor of `numel`: chunks = every rank's (rank, offset, numel), local =
+    this rank's (offset, tensor). ShardedTensorBase (torch's one private API used here) needs
+    no process group; DTensor cannot express uneven element-granular pieces."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-    # Placements name the device the pieces live on (the engine's): a Shard whose tensor
-    # is on cuda:0 must say so. Other ranks' device indices are not known here and are
-    # not read (DCP plans from the local shards and the sizes).
+    # a placement names its pieces' device; other ranks' indices are unknown here and not read
     dev = local[0][1].device if local else torch.device("cpu")
     md = ShardedTensorMetadata(
         shards_metadata=[ShardMetadata([o], [n], f"rank:{r}/{dev if r == rank else dev.type}")
@@ -88,10 +76,8 @@ def _sharded(numel: int, chunks: list, local: list, rank: int):
 
 
 def sharded_entries(shard: LocalShard, names: list, pieces_by_kind: dict, writing: bool) -> dict:
-    """DCP entries for every sharded tensor kind ("model", "optim/<state>"): this
-    rank's fragments in the current layout, placed among every rank's pieces. Stage 0
-    (one partition): rank 0's plan holds everything and every rank holds all of it;
-    only rank 0 writes it."""
+    """DCP entries of every kind ("model", "optim/<state>"): this rank's fragments among every
+    rank's pieces. One partition: every rank holds all; only rank 0 writes it."""
     e = shard.engine
     parts, rank = e.partitions, e.rank
     chunks: list = [[] for _ in names]                    # every rank's pieces: (rank, offset, numel)

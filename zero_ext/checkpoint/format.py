@@ -1,23 +1,20 @@
 """What a checkpoint is on disk, and reading it back: the manifest and its checks.
 
 Note [Checkpoint format]
-A checkpoint is a torch.distributed.checkpoint (DCP) directory plus our manifest,
-zero_ext.json. Every tensor is a logical one, independent of the layout that wrote it:
+A checkpoint is a torch.distributed.checkpoint (DCP) directory plus a manifest, zero_ext.json.
+Every tensor is a logical one, whatever layout wrote it:
 
-    model/<name>          a trainable parameter, flat, fp32 (the master). Each rank writes
-                          its fragments as ShardedTensor local shards; DCP records offsets.
+    model/<name>          a trainable parameter, flat fp32 (the master), written by each rank
+                          as ShardedTensor pieces (its fragments); DCP records offsets.
     optim/<state>/<name>  a per-element optimizer state (exp_avg, ...), the same pieces.
-    model/<name>          a frozen parameter or buffer, whole, written once by rank 0
-                          (stage 3 gathers its frozen ones unit by unit for that).
-    whole/<state>/<name>  a per-tensor state (Muon, Adafactor), whole, written by the rank
-                          that owns the parameter whole (zero_ext/whole.py).
-    zero_ext/objects      torch.save bytes of the hyperparameters, step counts, scalar
-                          state, scaler and scheduler states and `extra` (weights_only).
+    model/<name>          a frozen parameter or buffer, whole, written by rank 0.
+    whole/<state>/<name>  a per-tensor state (Muon, Adafactor), written by its owner.
+    zero_ext/objects      torch.save bytes of hyperparameters, step counts, scalar state,
+                          scaler, scheduler and `extra` (loaded with weights_only).
 
 A load hands DCP this rank's fragments in the new layout; DCP reads their overlap with the
-saved pieces straight into the shards, then publish_params() refreshes the parameters.
-The manifest names the model and every file (bytes, CRC32): another model's checkpoint, a
-truncated, corrupt or missing file is refused on every rank before anything is read.
+saved pieces into the shards. The manifest names the model and every file (bytes, CRC32), so
+another model's checkpoint or a damaged file is refused on every rank before any read.
 """
 from __future__ import annotations
 
@@ -32,21 +29,18 @@ import torch
 
 FORMAT = 1
 MANIFEST = "zero_ext.json"
-# the fix for a checkpoint that cannot be read
 LOAD_EARLIER = "load an earlier checkpoint (or a backup copy of this one)"
 OBJECTS = "zero_ext/objects"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded (missing, incomplete, corrupt, another model)
-    or a save that failed. Raised on every rank."""
+    """A checkpoint that cannot be loaded, or a save that failed; raised on every rank."""
 
 
 @contextlib.contextmanager
 def quiet():
-    """DCP warns that ShardedTensor is deprecated in favour of DTensor (which cannot
-    express our uneven element-granular pieces) and, without a process group, that
-    it runs in one process; neither is news to the user."""
+    """Silence DCP's warnings that ShardedTensor is deprecated (DTensor cannot express uneven
+    element-granular pieces) and that it runs without a process group."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -61,11 +55,8 @@ def file_crc32(path: str) -> int:
     return crc
 
 
-# --------------------------------------------------------------------------- verify
 def resolve(path) -> str:
-    """The checkpoint directory to read for `path`: `path` itself, or `path`.old when a
-    save was interrupted between its two renames (Note [Atomic save] in
-    zero_ext/checkpoint/saving.py)."""
+    """`path`, or `path`.old after an interrupted save (Note [Atomic save] in zero_ext/checkpoint/saving.py)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(os.path.join(path, MANIFEST)) and os.path.exists(os.path.join(path + ".old", MANIFEST)):
         return path + ".old"
@@ -73,8 +64,7 @@ def resolve(path) -> str:
 
 
 def read_manifest(path: str) -> dict:
-    """The manifest of checkpoint `path` after checking every file it lists (present,
-    size, CRC32). Raises CheckpointError naming what is wrong."""
+    """The manifest of checkpoint `path`, every file it lists checked (present, size, CRC32)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"zero_ext: no checkpoint at {path!r} (no such directory); pass the directory that "
                               f"zero_ext.save(path, model, optimizer) wrote")
@@ -139,7 +129,6 @@ def mismatch(m: dict, layout: dict, path: str) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- read
 def read_objects(t: torch.Tensor, path: str) -> dict:
     try:
         return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
@@ -154,8 +143,7 @@ def steps_of(objects: dict, name: str, group: int) -> int:
 
 
 def whole_entries(real: str, names: list) -> dict:
-    """name -> {"whole/<state>/<name>": empty tensor to load into}, for the whole
-    tensors `names`, from the checkpoint's DCP metadata (shape and dtype of each)."""
+    """name -> {"whole/<state>/<name>": an empty tensor to load into} for whole tensors `names`."""
     from torch.distributed import checkpoint as dcp
     md = dcp.FileSystemReader(real).read_metadata().state_dict_metadata
     wanted, out = set(names), {}

@@ -1,8 +1,6 @@
-"""The model and optimizer as a checkpoint sees them: the pair zeroify() returned,
-parameter names, shapes and param groups (the manifest's description of the model),
-the frozen parameters and buffers, the whole tensors, the step counts; and settling
-the engine before a checkpoint touches anything. This package never imports
-zero_ext/optim.py (which reaches it through zero_ext/optim_state.py): tests/test_imports.py.
+"""The model and optimizer as a checkpoint sees them (names, shapes, param groups, frozen
+tensors, whole tensors, step counts), and settling the engine before a checkpoint. This
+package never imports zero_ext/optim.py (tests/test_imports.py).
 """
 from __future__ import annotations
 
@@ -15,33 +13,27 @@ from ..model import ZeroModel
 
 
 def core_optimizer(optimizer):
-    """The ZeroOptimizer behind what zeroify returned: itself, or the one shared by
-    the list of optimizers (or one of them) that zeroify returned for several."""
+    """The ZeroOptimizer behind what zeroify returned (one optimizer, or a list of several)."""
     if isinstance(optimizer, (list, tuple)) and optimizer:
         optimizer = optimizer[0]
     return getattr(optimizer, "zero_optimizer", optimizer)
 
 
-def _is_zero_optimizer(optimizer) -> bool:
-    """A ZeroOptimizer, known by its engine and parts (importing the class would close a cycle)."""
-    return (isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "engine")
-            and hasattr(optimizer, "parts"))
-
-
 def _require_pair(model, optimizer) -> None:
-    """save/load/consolidation take what zeroify() returned (checked before anything is touched)."""
-    if not isinstance(model, ZeroModel) or not _is_zero_optimizer(core_optimizer(optimizer)):
+    """save/load/consolidation take what zeroify() returned (a ZeroOptimizer is known by its engine
+    and parts: importing the class would close a cycle)."""
+    opt = core_optimizer(optimizer)
+    if not (isinstance(model, ZeroModel) and isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "engine")
+            and hasattr(opt, "parts")):
         raise TypeError(f"zero_ext: save/load take the (model, optimizer) pair returned by zeroify(), got "
                         f"({type(model).__name__}, {type(optimizer).__name__}); pass those: "
                         f"model, opt = zero_ext.zeroify(...); zero_ext.save(path, model, opt)")
 
 
 def layout_of(model, optimizer) -> dict:
-    """The model as a checkpoint sees it (identical on every rank):
-    params: trainable name -> {shape, group}, in engine order; plain: frozen
-    parameters and buffers name -> {shape, dtype}; keys: state_dict key -> the
-    name its tensor is stored under (tied parameters share one); groups: the names in
-    each param group, in order (torch optimizer state dicts index them so)."""
+    """The model as a checkpoint sees it, alike on every rank: params (trainable name -> shape,
+    group; engine order), plain (frozen parameters, buffers -> shape, dtype), keys (state_dict
+    key -> stored name; tied ones share), groups (names per param group, in order)."""
     _require_pair(model, optimizer)
     optimizer = core_optimizer(optimizer)
     module = model.module
@@ -67,10 +59,8 @@ def layout_of(model, optimizer) -> dict:
 
 
 def settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT, servable: bool = False):
-    """(engine, its Comm, layout), once every outstanding collective is done and every
-    rank is here (a rank calling alone is named: Note [Collective sequence check]), or,
-    servable, once this rank knows whether it reads alone (Note [Reading alone] in
-    csrc/engine/away.h; then engine.sequence_away)."""
+    """(engine, its Comm, layout) once outstanding collectives are done and every rank is here,
+    or, servable, this rank knows whether it reads alone (Note [Reading alone] in csrc/engine/away.h)."""
     _require_pair(model, optimizer)
     optimizer = core_optimizer(optimizer)
     engine = optimizer.engine
@@ -81,11 +71,12 @@ def settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT, servable: boo
     return engine, optimizer.comm, layout_of(model, optimizer)
 
 
-def param_steps(optimizer, names) -> dict:
-    """name -> optimizer steps that parameter took (Note [Unused parameters] in
-    csrc/engine/unused.cpp: a parameter no rank gave a gradient is not stepped);
-    the same on every rank, so world-size independent."""
-    return dict(zip(names, optimizer.param_step_counts()))
+def saved_objects(optimizer, names: list, shard) -> dict:
+    """The hyperparameters, step counts (per parameter: Note [Unused parameters]) and scalar
+    state a checkpoint or a consolidated state dict holds."""
+    return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            "steps": list(optimizer.group_steps), "param_steps": dict(zip(names, optimizer.param_step_counts())),
+            "scalar_state": shard.scalar_state()}
 
 
 def whole_tensors(optimizer, layout) -> list:
@@ -95,10 +86,9 @@ def whole_tensors(optimizer, layout) -> list:
             for i, view in part.owned]
 
 
-# --------------------------------------------------------------------------- frozen parameters, buffers
 def plain_tensors(model, layout, full: dict | None = None) -> dict:
-    """name -> frozen parameter or buffer; full: id -> whole value of the frozen
-    parameters stage 3 shards (gather_frozen), or None to leave them out."""
+    """name -> frozen parameter or buffer; full: gather_frozen's values of those stage 3 shards
+    (None: left out)."""
     sd = model.module.state_dict(keep_vars=True)
     sharded = {id(p) for p in frozen_in_engine(model)}
     out = {}
@@ -120,8 +110,7 @@ def frozen_in_engine(model) -> list:
 
 
 def frozen_units(model):
-    """Yields, unit by unit, the frozen parameters stage 3 shards in that unit, gathered
-    whole on every rank until the next one is asked for (every rank iterates it all)."""
+    """Yields, unit by unit, the frozen parameters stage 3 shards there, whole until the next."""
     engine, frozen = model.engine, frozen_in_engine(model)
     unit_of = {id(p): getattr(p, OWNER_ATTR)[1] for p in frozen}
     src = source(engine.sequence_away)   # as the call's mark settled it (Note [Shard server])
@@ -135,13 +124,8 @@ def frozen_units(model):
 
 @torch.no_grad()
 def gather_frozen(model, keep: bool) -> dict:
-    """id -> whole clone of every frozen parameter stage 3 shards (held only where
-    keep); every rank calls it: one unit gathered at a time."""
-    out = {}
-    for params in frozen_units(model):
-        if keep:
-            out.update({id(p): p.detach().clone() for p in params})
-    return out
+    """id -> a whole clone of every frozen parameter stage 3 shards (kept only where keep)."""
+    return {id(p): p.detach().clone() for params in frozen_units(model) for p in params if keep}
 
 
 @torch.no_grad()

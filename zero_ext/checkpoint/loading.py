@@ -1,23 +1,19 @@
-"""load(): rank 0 checks the checkpoint, then every rank reads its fragments in the new
-layout (DCP reshards) straight into the master and state shards."""
+"""load(): rank 0 checks the checkpoint, then every rank reads its fragments in the new layout
+(DCP reshards) straight into the master and state shards."""
 from __future__ import annotations
 
 import torch
 
 from .entries import LocalShard, as_fp32, prepare_states, restore_scalars, sharded_entries
-from .format import (OBJECTS, CheckpointError, mismatch, read_objects, quiet, steps_of, whole_entries, read_manifest,
-                     resolve)
-from .layout import (frozen_in_engine, plain_tensors, settle, whole_tensors, write_frozen,
-                     core_optimizer)
+from .format import (OBJECTS, CheckpointError, mismatch, quiet, read_manifest, read_objects, resolve, steps_of,
+                     whole_entries)
+from .layout import core_optimizer, frozen_in_engine, plain_tensors, settle, whole_tensors, write_frozen
 
 
 def load(path, model, optimizer, *, scheduler=None):
-    """Load checkpoint `path` (written by save() at any world size and stage) into
-    `model` and `optimizer` from zeroify(); every rank calls it. Restores the master
-    weights, optimizer state, step counts, param-group hyperparameters, loss-scaler
-    and (if given) scheduler state; returns the `extra` that was saved. Checks first
-    (rank 0 reads the manifest and every file's size and CRC32, and compares the
-    model) and raises the same CheckpointError on every rank if anything is wrong."""
+    """Load checkpoint `path` (saved at any world size and stage) into zeroify's `model` and
+    `optimizer` on every rank, scheduler too if given; returns the saved `extra`. Rank 0 checks
+    the files and the model first: a CheckpointError is raised on every rank."""
     optimizer = core_optimizer(optimizer)
     engine, comm, layout = settle(model, optimizer)
     rank = engine.rank
@@ -72,7 +68,10 @@ def load(path, model, optimizer, *, scheduler=None):
     scaler = getattr(optimizer, "loss_scaler", None)
     if scaler is not None and objects["loss_scaler"] is not None:
         scaler.load_state_dict(objects["loss_scaler"])
-    _load_scheduler(scheduler, objects["scheduler"])
+    if scheduler is not None and objects["scheduler"] is not None:
+        many = isinstance(scheduler, (list, tuple))
+        for s, d in zip(scheduler, objects["scheduler"]) if many else [(scheduler, objects["scheduler"])]:
+            s.load_state_dict(d)
     for name, opt, view in whole_tensors(optimizer, layout):
         opt.state.pop(view, None)
         if whole.get(name):
@@ -80,12 +79,3 @@ def load(path, model, optimizer, *, scheduler=None):
     engine.publish_params()
     return objects["extra"]
 
-
-def _load_scheduler(scheduler, saved) -> None:
-    if scheduler is None or saved is None:
-        return
-    if isinstance(scheduler, (list, tuple)):
-        for s, d in zip(scheduler, saved):
-            s.load_state_dict(d)
-    else:
-        scheduler.load_state_dict(saved)

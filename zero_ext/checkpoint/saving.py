@@ -1,14 +1,14 @@
 """save(): every rank writes its shard; rank 0 finishes the checkpoint atomically.
 
 Note [Atomic save]
-Ranks write into the sibling directory <path>.tmp; rank 0 then
-checksums the files, writes the manifest last, renames <path> to <path>.old, <path>.tmp
-to <path>, and removes <path>.old. A crash before the first rename leaves <path>
-untouched; a crash between the renames leaves a complete <path>.old, which load()
-falls back to. A directory without a manifest is never loaded.
+Ranks write into the sibling directory <path>.tmp; rank 0 checksums the files, writes the
+manifest last, renames <path> to <path>.old and <path>.tmp to <path>, and removes <path>.old.
+A crash before the first rename leaves <path> untouched; one between the renames leaves a
+complete <path>.old, which load() falls back to. A directory without a manifest never loads.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -18,17 +18,13 @@ import torch
 
 from .entries import LocalShard, as_fp32, sharded_entries
 from .format import FORMAT, MANIFEST, OBJECTS, CheckpointError, file_crc32, quiet
-from .layout import (gather_frozen, param_steps, plain_tensors, settle, whole_tensors,
-                     core_optimizer)
+from .layout import core_optimizer, gather_frozen, plain_tensors, saved_objects, settle, whole_tensors
 
 
 def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
-    """Write a checkpoint of `model` and `optimizer` (as returned by zeroify) to the
-    directory `path`; every rank calls it. Each rank writes only its shard; the
-    result loads at any world size and stage (Note [Checkpoint format]) and replaces
-    an existing checkpoint at `path` atomically (Note [Atomic save]). `extra`: plain
-    data (dicts, lists, numbers, strings, tensors) returned by load(); `scheduler`:
-    an LR scheduler whose state_dict() is saved too."""
+    """Write zeroify's `model` and `optimizer` to directory `path`, every rank its shard; it loads
+    at any world size and stage (Note [Checkpoint format]) and replaces `path` atomically.
+    `extra`: plain data load() returns; `scheduler`: an LR scheduler (or a list) saved too."""
     path = os.path.abspath(os.fspath(path))
     optimizer = core_optimizer(optimizer)
     engine, comm, layout = settle(model, optimizer)
@@ -45,19 +41,11 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
             break
         for k, t in opt.state.get(view, {}).items():
             sd[f"whole/{k}/{name}"] = t if torch.is_tensor(t) else torch.tensor(t)
-    objects = None
     full = gather_frozen(model, keep=rank == 0)
     if rank == 0:
         scaler = getattr(optimizer, "loss_scaler", None)
-        objects = {
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-            "steps": list(optimizer.group_steps),
-            "param_steps": param_steps(optimizer, names),
-            "scalar_state": shard.scalar_state(),
-            "loss_scaler": scaler.state_dict() if scaler is not None else None,
-            "scheduler": _scheduler_state(scheduler),
-            "extra": extra,
-        }
+        objects = dict(saved_objects(optimizer, names, shard), scheduler=_scheduler_state(scheduler), extra=extra,
+                       loss_scaler=scaler.state_dict() if scaler is not None else None)
         buf = io.BytesIO()
         torch.save(objects, buf)
         sd[OBJECTS] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
@@ -94,11 +82,9 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
 
 
 def _scheduler_state(scheduler):
-    if scheduler is None:
-        return None
     if isinstance(scheduler, (list, tuple)):
         return [s.state_dict() for s in scheduler]
-    return scheduler.state_dict()
+    return None if scheduler is None else scheduler.state_dict()
 
 
 def make_tmp(comm, rank: int, path: str) -> str:
@@ -122,7 +108,7 @@ def decide(comm, error: str | None):
 
 
 def replace_file(tmp: str, path: str) -> None:
-    """Note [Atomic save]."""
+    """Note [Atomic save]: <path>.tmp becomes <path>."""
     old = path + ".old"
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)
@@ -133,13 +119,9 @@ def replace_file(tmp: str, path: str) -> None:
 
 
 def fsync_dir(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
