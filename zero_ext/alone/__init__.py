@@ -1,11 +1,7 @@
-"""Reading alone: a rank that evaluates, generates or checkpoints alone (`if rank == 0:`)
-is served the pieces the other ranks hold (Note [Reading alone] in csrc/engine/away.h
-says when a rank is away). One job per file:
-
-    channel.py   the transport: requests and replies on a gloo side channel
-    serving.py   what a rank serves: its ShardServer thread (Note [Shard server])
-    source.py    the reader: where a call's pieces come from, collective or served
-    end.py       the end of a model: serve until every rank is there (Note [Model's end])
+"""Reading alone: a rank that evaluates, generates or checkpoints alone (`if rank == 0:`) is
+served the pieces the other ranks hold (Note [Reading alone] in csrc/engine/away.h). channel.py
+is the transport, serving.py what a rank serves, source.py where a call's pieces come from,
+end.py the end of a model.
 """
 from __future__ import annotations
 

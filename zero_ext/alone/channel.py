@@ -1,11 +1,9 @@
-"""The transport of reading alone: requests and replies on a gloo group of the servers'
-own (SideChannel), beside the engine's group (which may be NCCL, and whose collectives
-wait for the rank that is away).
+"""The transport of reading alone: requests and replies on a gloo group of the servers' own,
+beside the engine's group (which may be NCCL, and whose collectives wait for the away rank).
 
-A request: 6 integers (op, model id, the reader's step() calls done, a, 0, 0), tag
-TAG_REQUEST. The reply, tag TAG_REPLY: 2 integers (status, bytes), then the bytes: the
-piece (OK), an error's message (FAILED), or the server's step() calls done when it has
-finished more than the reader (AHEAD: the state asked for is gone).
+A request (tag TAG_REQUEST): 6 integers (op, model id, the reader's step() calls done, a, 0, 0).
+A reply (TAG_REPLY): 2 integers (status, bytes), then the bytes: the piece (OK), an error's
+message (FAILED), or the server's step() calls done when ahead of the reader (AHEAD).
 """
 from __future__ import annotations
 
@@ -21,10 +19,8 @@ OK, FAILED, AHEAD = 0, 1, 2                        # a reply's status
 
 
 class SideChannel:
-    """Point-to-point messages in host memory on a gloo group of its own. The group is made
-    directly, not registered with torch.distributed, so that a rank's
-    destroy_process_group() at the end of its script leaves it serving the ranks still
-    reading; its timeout is long because a receive that times out closes gloo's pair."""
+    """Point-to-point messages on a gloo group of its own, unregistered so that a script's
+    destroy_process_group() leaves it serving; a long timeout, as a timed-out receive closes gloo's pair."""
 
     _made = itertools.count()   # every rank makes its side channels in the same order
 

@@ -8,19 +8,15 @@ import time
 from .serving import LINGER_S, SERVERS
 
 # Note [Model's end]
-#   A script's ranks leave the training loop and exit while rank 0 may still write its final
-#   checkpoint, reading their shards alone. So a model's end (ZeroOptimizer.__del__, or the
-#   script's clean exit) is a meeting: each rank serves until every rank has come to it.
-#   It does not wait when the ranks diverged, a collective failed, or a read of this model
-#   failed (a peer is gone: nobody will come), nor at interpreter shutdown. It stops after
-#   QUIET_S without a request, and after ARRIVE_S unless a rank reads alone as of its last
-#   step (a reader marks in the store the step it reads as of): a rank that leaves the job
-#   while the others train (an error) lets them fail after it.
-#   The wait runs on a thread of its own, holding the optimizer (the garbage collector
-#   clears weak references before __del__), so no rank stops at a model's end; __del__
-#   may run on any thread, the server's own included. The clean exit joins the threads.
-#   The side channel is not registered with torch.distributed: a script's
-#   destroy_process_group() before that leaves it serving.
+#   Ranks may exit while rank 0 still writes its final checkpoint, reading their shards
+#   alone. So a model's end (ZeroOptimizer.__del__, or the clean exit) is a meeting: each
+#   rank serves until every rank has come. No wait when the ranks diverged, a collective or
+#   a read of this model failed (nobody will come), or at interpreter shutdown. It stops
+#   after QUIET_S without a request, and after ARRIVE_S unless a rank reads alone as of its
+#   last step (readers mark that step in the store), so a rank leaving mid-training lets the
+#   others fail after it. The wait runs on a thread of its own holding the optimizer (weak
+#   references are cleared before __del__, which may run on any thread); the clean exit
+#   joins those threads.
 
 QUIET_S = 60.0      # a model's end stops after this long without a request
 ARRIVE_S = 20.0     # ... or after this long, when no rank reads alone as of its last step
@@ -80,8 +76,7 @@ def _wait_for_all(served) -> None:
 
 
 def at_exit() -> None:
-    """The script's clean exit: the end of every model still alive. A rank that ends with
-    an unhandled exception leaves at once: its peers are told by their collectives."""
+    """The script's clean exit: every live model's end (not after an unhandled exception)."""
     if getattr(sys, "last_value", None) is not None:
         return
     for _, server in list(SERVERS.values()):

@@ -1,6 +1,5 @@
-"""What a rank serves to one that reads alone: one ShardServer thread per process group,
-answering requests for this rank's pieces of every model zeroified on that group.
-"""
+"""What a rank serves to one reading alone: one ShardServer thread per process group, answering
+for this rank's pieces of every model zeroified on it."""
 from __future__ import annotations
 
 import io
@@ -15,21 +14,15 @@ from . import channel as wire
 from .channel import SideChannel
 
 # Note [Shard server]
-#   A rank reading alone (Note [Reading alone] in csrc/engine/away.h) asks each other
-#   rank's server for that rank's piece of
-#     unit u     stage-3 unit u's gather (UnitStore::unit_part),
-#     bucket b   bucket b of the fp32 masters and of each per-element state (LocalShard),
-#     whole      the states of the whole tensors it owns (Muon, Adafactor),
-#   as of step k: the reader sends the step() calls it has finished, and the server waits
-#   until its rank has finished as many. No rank can finish more: its next step needs the
-#   reader's collectives. The pieces are computed by the code the collective path uses,
-#   so the reader assembles what the collectives would have, bit for bit.
-#   Why a Python thread: it reuses that code (torch optimizers' states included), and a
-#   rank is only asked while its main thread waits in a collective or a barrier, which
-#   releases the GIL, as gloo's send and receive do.
-#   On a GPU the server copies on a CUDA stream of its own, after an event its rank
-#   recorded at the end of the step: no copy waits behind a collective that waits for the
-#   reader. The transport: zero_ext/alone/channel.py. A model's end: Note [Model's end].
+#   A rank reading alone (Note [Reading alone] in csrc/engine/away.h) asks each other rank's
+#   server for its piece of stage-3 unit u's gather (UnitStore::unit_part), of bucket b (fp32
+#   masters and per-element states, LocalShard), or of its whole tensors' states, as of the
+#   step() calls the reader has finished: the server waits until its rank has finished as
+#   many (none can finish more: its next step needs the reader). The pieces come from the
+#   collective path's own code, so the reader assembles the same bits. A Python thread
+#   reuses that code, and is asked only while its main thread waits in a collective, which
+#   releases the GIL. On a GPU it copies on a stream of its own after the event its rank
+#   recorded at the step's end, so no copy waits behind a collective waiting for the reader.
 
 LINGER_S = 1800.0   # the longest a rank waits for a model, or serves at its end (torch's default timeout)
 SERVERS: dict = {}  # id(process group) -> (group, its ShardServer)

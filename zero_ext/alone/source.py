@@ -1,8 +1,6 @@
-"""Where a call's pieces come from, decided once per call: source(away) is COLLECTIVE
-(every rank is here: the engine's and Comm's collectives) or SERVED (this rank reads
-alone: the others' shard servers, Note [Shard server]), with the same methods, so
-model.py's unit hooks and zero_ext/checkpoint/ do not branch. `away` is what
-Engine.sequence_mark(..., servable=True) answered (Note [Reading alone], away.h).
+"""Where a call's pieces come from, decided once per call: source(away) is COLLECTIVE (every
+rank is here) or SERVED (this rank reads alone from the others' servers, Note [Shard server]),
+with the same methods, so callers do not branch. `away`: Engine.sequence_mark's answer.
 """
 from __future__ import annotations
 
@@ -39,9 +37,8 @@ class Collective:
                 opt.engine.gather_unit(u, False)
 
     def bucket_slices(self, opt, own: dict, b: int, to: int | None, buf: torch.Tensor):
-        """Yields (kind, rank r, r's slice of bucket b of kind) on the receiving rank (`to`;
-        None: every rank), own[kind] being this rank's. One broadcast per rank and kind:
-        one slice held at a time."""
+        """Yields (kind, rank r, r's slice of bucket b) on rank `to` (None: every rank), own[kind]
+        being this rank's; one broadcast per rank and kind, one slice held at a time."""
         rank = opt.engine.rank
         for kind, mine in own.items():
             for r in range(opt.engine.partitions):
@@ -86,14 +83,9 @@ class Served(Collective):
         for r in _others(engine):                  # every rank works on its part at once
             _request(opt.serving, r, wire.OP_UNIT, u)
         own = engine.unit_part(u)
-        parts = [own] * engine.world_size
+        parts, sizes = [own] * engine.world_size, [t.numel() * t.element_size() for t in own]
         for r in _others(engine):
-            raw, at = _reply(opt.serving, r), 0
-            parts[r] = []
-            for t in own:
-                n = t.numel() * t.element_size()
-                parts[r].append(raw[at:at + n].view(t.dtype).to(t.device))
-                at += n
+            parts[r] = [b.view(t.dtype).to(t.device) for b, t in zip(_reply(opt.serving, r).split(sizes), own)]
         engine.install_unit(u, parts)
         return False
 
@@ -137,8 +129,7 @@ def _ask(served, r: int, op: int, a: int = 0) -> torch.Tensor:
 
 
 def _request(served, r: int, op: int, a: int = 0) -> None:
-    """Ask rank r for a piece as of this rank's step() calls, marking in the store the step
-    this rank reads as of (the ranks at their model's end wait for it: Note [Model's end])."""
+    """Ask rank r for a piece as of this rank's step() calls, marked in the store (Note [Model's end])."""
     server = served.server
     if served.reads_at != served.done:
         server.channel.store.set(f"away/{served.model_id}/{server.rank}", str(served.done))
