@@ -1,31 +1,24 @@
-"""zero_ext with Hugging Face Accelerate: prepare() in place of accelerator.prepare()
-(the guide: docs/integrations.md).
+"""zero_ext with Hugging Face Accelerate: prepare() in place of accelerator.prepare().
 
-    accelerator = Accelerator(gradient_accumulation_steps=4)    # torchrun / accelerate launch
     model, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler, stage=2)
-    ...                                       # the usual accumulate / backward / clip / step loop
-    accelerator.save_state("ckpt")            # every rank; accelerator.load_state("ckpt") to resume
     save_model(accelerator, model, "final")   # every rank: zero_ext.save_pretrained
 
 Note [Accelerate around a zeroified model]
-  prepare() moves the model to accelerator.device and zeroifies it with the optimizer.
-  Accelerate never sees the model, so it cannot wrap it in DDP. The optimizer comes back
-  in Accelerate's AcceleratedOptimizer, so accumulate() skips the step and zero_grad on
-  micro-steps. Everything else (loaders, schedulers) goes to accelerator.prepare().
-  - backward(loss) divides by the accumulation steps; accumulate(model) runs the
-    micro-steps under the zeroified model's no_sync().
-  - clip_grad_norm_ and clip_grad_value_ call torch's, which `import zero_ext` routes to
-    the sharded clipping (Note [torch's clipping utilities] in zero_ext/torch_utils.py).
-  - save_state / load_state (every rank): hooks prepare() registers save the model and
-    optimizer with zero_ext.save / zero_ext.load into dir/zero_ext. Accelerate saves the
-    rest as usual, but no model.safetensors or optimizer.bin for the zeroified pair.
-  - The full model: save_model() below, zero_ext.save_pretrained streamed from the
-    shards. Not accelerator.save_model(): in stages 0-2 every parameter is a view of a
-    flat bucket, and it drops tensors sharing a storage.
-  - Precision: mixed_precision="bf16"/"fp16" run forward under autocast. With "fp16",
-    Accelerate's GradScaler unscales the sharded gradients (Note [GradScaler on sharded
-    gradients] in zero_ext/amp.py); it is refused with zero_ext's own loss scaling
-    (param_dtype="fp16") or step_in_backward.
+  prepare() moves the model to accelerator.device and zeroifies it; Accelerate never sees
+  the model (no DDP) and wraps only the optimizer, in an AcceleratedOptimizer, so
+  accumulate() skips step and zero_grad on micro-steps. Loaders and schedulers go to
+  accelerator.prepare().
+  - backward(loss) divides by the accumulation steps; accumulate(model) runs micro-steps
+    under the zeroified model's no_sync().
+  - clip_grad_norm_ / clip_grad_value_ call torch's, routed to the sharded clipping
+    (Note [torch's clipping utilities] in zero_ext/torch_utils.py).
+  - save_state / load_state: hooks save the pair with zero_ext.save / load into
+    dir/zero_ext, instead of model.safetensors and optimizer.bin.
+  - The full model: save_model(), not accelerator.save_model(), which drops tensors
+    sharing a storage (stages 0-2's parameters are views of flat buckets).
+  - mixed_precision="bf16"/"fp16" run forward under autocast; fp16's GradScaler unscales
+    the sharded gradients (Note [GradScaler on sharded gradients] in zero_ext/amp.py) and is
+    refused with zero_ext's own loss scaling or step_in_backward.
 """
 from __future__ import annotations
 
@@ -43,8 +36,7 @@ ZERO_DIR = "zero_ext"    # <save_state dir>/zero_ext (zero_ext_1, ... for furthe
 
 
 def prepare(accelerator, model: nn.Module, optimizer, *others, stage: int | str = 2, config=None, **zero_options):
-    """(model, optimizer, *others) ready for training: the zeroified model, its optimizer
-    wrapped in an AcceleratedOptimizer, and accelerator.prepare(*others) in order."""
+    """(the zeroified model, its optimizer in an AcceleratedOptimizer, *accelerator.prepare(*others))."""
     if accelerator.scaler is not None:   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
         check_scaler(make_config(config, stage, dict(zero_options)), "Accelerator(mixed_precision='fp16')", ValueError)
     if not isinstance(model, nn.Module) or isinstance(model, zero_ext.ZeroModel):
@@ -64,18 +56,14 @@ def prepare(accelerator, model: nn.Module, optimizer, *others, stage: int | str 
 
 
 def save_model(accelerator, model, save_directory, max_shard_size: int | str = "10GB") -> None:
-    """As accelerator.save_model for the zeroified `model` (every rank calls it):
-    zero_ext.save_pretrained, which streams the weights out of the shards (rank 0 writes
-    save_directory/model.safetensors, or shards with an index past max_shard_size, and a
-    Hugging Face model's config)."""
+    """accelerator.save_model for a zeroified `model`, on every rank: zero_ext.save_pretrained."""
     zero_ext.save_pretrained(model, save_directory, max_shard_size=max_shard_size)
     accelerator.wait_for_everyone()
 
 
 def autocast_forward(accelerator, model: nn.Module) -> None:
-    """What accelerator.prepare() does to a model under mixed_precision "bf16"/"fp16" before
-    wrapping it in DDP: its forward runs under autocast and returns fp32 outputs (the model
-    zeroify() wraps is not given to Accelerate, so nothing else would; ZeroTrainer too)."""
+    """As accelerator.prepare() under mixed_precision "bf16"/"fp16": forward runs under autocast
+    and returns fp32 outputs (Accelerate never sees the zeroified model; ZeroTrainer's neither)."""
     if not accelerator.native_amp:
         return
     from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
@@ -89,10 +77,9 @@ def autocast_forward(accelerator, model: nn.Module) -> None:
 
 
 def _unscale_in_clipping(accelerator) -> None:
-    """accelerator.clip_grad_norm_ first unscales (GradScaler.unscale_) the optimizers that
-    accelerator.prepare() registered; a zeroified one is not registered (its checkpoint is
-    zero_ext.save's, not optimizer.bin), so unscale_gradients() also unscales those prepare()
-    made, as it would under DDP (Note [GradScaler on sharded gradients] in zero_ext/amp.py)."""
+    """accelerator.unscale_gradients() (run by clip_grad_norm_) unscales only the optimizers
+    Accelerate registered: make it unscale prepare()'s too, as under DDP
+    (Note [GradScaler on sharded gradients] in zero_ext/amp.py)."""
     if accelerator.scaler is None or getattr(accelerator, "_zero_ext_unscales", False):
         return
     original = accelerator.unscale_gradients

@@ -1,28 +1,22 @@
-"""zero_ext in the Hugging Face Trainer: ZeroTrainer, a Trainer subclass (the guide:
-docs/integrations.md).
+"""zero_ext in the Hugging Face Trainer: ZeroTrainer, a Trainer subclass (docs/integrations.md).
 
     args = TrainingArguments(output_dir, max_grad_norm=1.0, gradient_accumulation_steps=4, save_steps=500, ...)
     trainer = ZeroTrainer(model=model, args=args, train_dataset=ds, zero_stage=3)   # + any zeroify option
     trainer.train()                                  # or train(resume_from_checkpoint=True / path)
 
 Note [ZeroTrainer]
-  ZeroTrainer is the Trainer with one change of wrapper. Where the Trainer would let
-  Accelerate wrap the model in DDP, it zeroifies the model with the optimizer the
-  Trainer built (its param groups, weight decay and schedule as usual). Accelerate
-  wraps only the returned optimizer. Then:
-  - max_grad_norm: the Trainer's accelerator.clip_grad_norm_ calls torch's, which
-    `import zero_ext` routes to the sharded clipping (Note [torch's clipping
-    utilities] in zero_ext/torch_utils.py). The logged grad_norm is the norm before
-    clipping, as under DDP.
+  Where the Trainer would let Accelerate wrap the model in DDP, ZeroTrainer zeroifies it
+  with the optimizer the Trainer built; Accelerate wraps only that optimizer. Then:
+  - max_grad_norm: accelerator.clip_grad_norm_ calls torch's, routed to the sharded clipping
+    (Note [torch's clipping utilities] in zero_ext/torch_utils.py); grad_norm is logged
+    before clipping, as under DDP.
   - gradient_accumulation_steps: micro-steps run under the zeroified model's no_sync().
-  - Checkpoints: checkpoint-N/ holds the Trainer's files, its model written by
-    zero_ext.save_pretrained (streamed, rank 0 writing). Instead of the rank-0
-    optimizer.pt and scheduler.pt, checkpoint-N/zero_ext holds zero_ext.save() of
-    every rank's shard and the scheduler. Resuming loads it at any world size or stage.
-  - Precision: fp32 with zero_ext's param_dtype; or bf16=True / fp16=True (autocast;
-    fp16's GradScaler unscales the sharded gradients: Note [GradScaler on sharded
-    gradients] in zero_ext/amp.py), not with zero_ext's own loss scaling or
-    step_in_backward.
+  - Checkpoints: checkpoint-N/ holds the model by zero_ext.save_pretrained and, instead of
+    optimizer.pt and scheduler.pt, zero_ext/ by zero_ext.save(), which resumes at any world
+    size or stage.
+  - Precision: zero_ext's param_dtype, or bf16=True / fp16=True (autocast; fp16's GradScaler
+    unscales the sharded gradients: Note [GradScaler on sharded gradients] in
+    zero_ext/amp.py), not with zero_ext's own loss scaling or step_in_backward.
 """
 from __future__ import annotations
 
@@ -41,9 +35,8 @@ ZERO_DIR = "zero_ext"    # checkpoint-N/zero_ext: the zero_ext.save directory
 
 
 class ZeroTrainer(Trainer):
-    """transformers.Trainer training with zero_ext ZeRO stage `zero_stage` (0-3 or
-    "auto"); `zero_config` / `zero_options` are zeroify()'s config and options.
-    After train(), `zero_model` and `zero_optimizer` are what zeroify() returned."""
+    """transformers.Trainer with zero_ext stage `zero_stage`; zero_config / zero_options go to
+    zeroify(), whose results are `zero_model` and `zero_optimizer` after train()."""
 
     def __init__(self, *args, zero_stage: int | str = 2, zero_config=None, zero_options: dict | None = None,
                  **kwargs):
@@ -57,8 +50,7 @@ class ZeroTrainer(Trainer):
         self.zero_stage = zero_stage
         self.zero_config = zero_config
         self.zero_options = dict(zero_options or {})
-        self.zero_model = None
-        self.zero_optimizer = None
+        self.zero_model = self.zero_optimizer = None
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if self.zero_model is not None:
@@ -78,11 +70,9 @@ class ZeroTrainer(Trainer):
         self.optimizer = self.zero_optimizer   # Accelerate wraps this one; the model is not given to Accelerate
         return self.zero_model
 
-    # ------------------------------------------------------------------ checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """As Trainer.save_model (call it on every rank): zero_ext.save_pretrained (the model
-        streamed out of the shards, rank 0 writing; a PEFT model's adapter), then, on the
-        main process, the processing class and the training arguments beside it."""
+        """Trainer.save_model, on every rank: zero_ext.save_pretrained, then (main process) the
+        processing class and the training arguments."""
         if self.zero_model is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir

@@ -1,39 +1,29 @@
 """zero_ext as a PyTorch Lightning strategy (lightning >= 2.0, the `lightning` package).
 
     import zero_ext.integrations.lightning          # registers "zero_ext_stage0" ... "zero_ext_stage3"
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="zero_ext_stage2", gradient_clip_val=1.0)
     trainer = L.Trainer(..., strategy=ZeroStrategy(stage=3, param_dtype="bf16"))   # any zeroify option
-    trainer.fit(model, ckpt_path=...)
 
-A DDPStrategy, except that fit() hands the LightningModule and its optimizers to
-zeroify() instead of DDP (docs/integrations.md). Clipping goes through torch's clip_grad_*_
+A DDPStrategy whose fit() hands the LightningModule and its optimizers to zeroify()
+(docs/integrations.md). Clipping goes through torch's clip_grad_*_
 (Note [torch's clipping utilities] in zero_ext/torch_utils.py); accumulation runs under
-no_sync(); "16-mixed" unscales the sharded gradients (Note [GradScaler on sharded
-gradients] in zero_ext/amp.py).
+no_sync(); "16-mixed" unscales the sharded gradients (Note [GradScaler on sharded gradients]).
 
 Note [Lightning checkpoints]
-  trainer.save_checkpoint(path), ModelCheckpoint's too, writes `path` as a zero_ext
-  checkpoint directory. Every rank calls zero_ext.save(path, model, optimizer): each
-  writes its own shard of the fp32 masters and optimizer states. Lightning's own dict
-  (loops, callbacks, schedulers, hyperparameters: all but "state_dict" and
-  "optimizer_states") rides in the same atomic save, as a torch.save()d byte tensor in
-  `extra`. So no file holds one rank's shard, a save is all-or-nothing, and it resumes
-  at another world size or stage.
-  - fit(ckpt_path=path) loads it after the strategy's setup
-    (restore_checkpoint_after_setup): zero_ext.load on every rank restores weights,
-    optimizer state and step counts; Lightning restores the rest from the dict.
-  - validate/test/predict(ckpt_path=path) without fitting read the full weights offline
-    (zero_ext.checkpoint.consolidate).
-  - to_lightning_checkpoint(path, out) turns the directory into a plain .ckpt (full
-    "state_dict", torch "optimizer_states") for load_from_checkpoint or another strategy.
-  - Another strategy's plain .ckpt resumes only the weights; its optimizer state is
-    refused, naming the fix.
+  trainer.save_checkpoint(path) writes `path` as a zero_ext checkpoint directory: every rank
+  calls zero_ext.save, writing its shard, and Lightning's own dict (all but "state_dict" and
+  "optimizer_states") rides in `extra` as torch.save()d bytes. So a save is all-or-nothing
+  and resumes at another world size or stage.
+  - fit(ckpt_path=path) loads it after setup (restore_checkpoint_after_setup): zero_ext.load
+    restores weights, optimizer state and steps; Lightning the rest from the dict.
+  - validate/test/predict(ckpt_path=path) outside fit read the full weights offline.
+  - to_lightning_checkpoint(path, out) writes a plain .ckpt for load_from_checkpoint.
+  - Another strategy's plain .ckpt resumes only the weights; its optimizer state is refused.
 """
 from __future__ import annotations
 
 import io
 import os
-from contextlib import contextmanager
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -59,13 +49,9 @@ def is_zero_checkpoint(path) -> bool:
 
 
 class ZeroStrategy(DDPStrategy):
-    """Lightning strategy training with zero_ext ZeRO stage `stage` (0-3 or "auto").
-
-    `config` and `**zero_options` are zeroify()'s (param_dtype, bucket_bytes,
-    find_unused_parameters, ...), checked here; the launch arguments are DDPStrategy's.
-    After fit(), `zero_model` and `zero_optimizers` are what zeroify() returned (for
-    zero_ext.save / consolidated_state_dict; trainer.save_checkpoint uses them too).
-    """
+    """A Lightning strategy training with zero_ext stage `stage`; `config` and `**zero_options`
+    go to zeroify(), the launch arguments to DDPStrategy. After fit(), `zero_model` and
+    `zero_optimizers` are what zeroify() returned."""
 
     strategy_name = "zero_ext"
 
@@ -84,7 +70,6 @@ class ZeroStrategy(DDPStrategy):
         self.zero_model = None        # the ZeroModel around the LightningModule (set by setup when fitting)
         self.zero_optimizers: list = []
 
-    # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -137,19 +122,14 @@ class ZeroStrategy(DDPStrategy):
                 for t in list(self.model.parameters()) + list(self.model.buffers()):
                     dist.broadcast(t, 0)
 
-    @contextmanager
     def block_backward_sync(self):
         """Accumulation micro-steps (Trainer(accumulate_grad_batches=k)): as DDP's no_sync."""
         if self.model is not None and self.model is self.zero_model:
-            with self.zero_model.no_sync():
-                yield None
-        else:
-            yield None
+            return self.zero_model.no_sync()
+        return nullcontext()
 
     def teardown(self) -> None:
-        # Unwrap as DDPStrategy does, but keep zero_model/zero_optimizers (the module's
-        # parameters live in their buffers) and never move the zeroified module: a
-        # device move of it is refused (Note [Moves after zeroify] in zero_ext/changes.py).
+        # as DDPStrategy, but keep zero_model and never move it (Note [Moves after zeroify] in zero_ext/changes.py)
         if self._zeroified():
             self.model = self.lightning_module
             if self._layer_sync and self.lightning_module._trainer is not None:
@@ -161,7 +141,6 @@ class ZeroStrategy(DDPStrategy):
             return
         super().teardown()
 
-    # ------------------------------------------------------------------ checkpoints
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True              # zero_ext.load needs the zeroified model and optimizer
@@ -240,9 +219,7 @@ def _unpack(extra, path: str, weights_only: bool | None) -> dict:
 
 
 def to_lightning_checkpoint(path, out) -> None:
-    """Offline, no process group: write ZeroStrategy checkpoint directory `path` as a
-    plain Lightning checkpoint file `out` (full "state_dict"; "optimizer_states" as
-    plain torch state dicts of the wrapped optimizer classes)."""
+    """Offline: ZeroStrategy checkpoint `path` as a plain Lightning checkpoint file `out`."""
     full = consolidate(path)
     checkpoint = _unpack(full["extra"], os.fspath(path), weights_only=False)
     checkpoint["state_dict"] = full["model"]
