@@ -7,13 +7,7 @@ import difflib
 import json
 from typing import Any
 
-_REDUCE_SCATTER = ("auto", "native", "alltoall")
-_COMPILE_UNITS = ("per_unit", "whole")
-_ISAS = ("auto", "scalar", "avx2", "avx512")
-_FUSED = ("auto", "always", "never")
 _DTYPES = ("fp32", "bf16", "fp16")
-_GRAD_QUANT = (None, "int8", "int4")
-_PARAM_QUANT = (None, "int8")
 _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
                   "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 
@@ -40,28 +34,21 @@ def read_json(path: str, what: str, instead: str, shape: str, invalid=ValueError
 class ZeroConfig:
     """Options of zeroify(); docs/guide/options.md is generated from this table.
 
-    stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters, gathered
-        per unit), or "auto": the stage whose estimate_memory fits memory_budget with the
-        fewest bytes per step (zeroify says why on rank 0).
-    memory_budget: stage="auto": bytes a rank may hold for model state, buffers and frozen
-        parameters; None = free memory (CUDA: the device's; CPU: MemAvailable / local ranks),
-        the smallest over ranks.
+    stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters, gathered per
+        unit), or "auto": the stage whose estimate_memory fits memory_budget with the least traffic.
+    memory_budget: stage="auto": bytes a rank may hold (model state, buffers, frozen parameters);
+        None = free memory (the device's, or MemAvailable / local ranks), the smallest over ranks.
     accumulation_steps: stage="auto": micro-steps per step (they multiply stages 2-3's traffic).
     process_group: the group to shard over; None = the default group, else one process.
-    bucket_bytes: bucket size in bytes; "auto" = an eighth of the trainable bytes, clamped to
-        [1 MiB, 16 MiB].
+    bucket_bytes: bucket size; "auto" = an eighth of the trainable bytes, in [1 MiB, 16 MiB].
     first_bucket_bytes: size of the first bucket (small, so communication starts early).
     align: slice alignment in elements (a bucket pads to world_size * align); "auto" = 16 up to
-        64 ranks, 1 beyond. Pieces stay 16-byte aligned anyway (Note [Aligned pieces] in
-        csrc/core/zx_core.h).
-    reduce_scatter: "auto" (all-to-all + local sum on gloo, native otherwise), "native" or
-        "alltoall".
+        64 ranks, else 1. Pieces stay 16-byte aligned (Note [Aligned pieces] in csrc/core/zx_core.h).
+    reduce_scatter: "auto" (all-to-all + local sum on gloo, else native), "native" or "alltoall".
     grad_ring_buckets: stage 2: bucket-sized staging buffers in the gradient ring.
-    overlap_param_gather: stages 1-2: the post-step all-gather runs on until the next forward
-        (or a zero_ext call that reads parameters).
+    overlap_param_gather: stages 1-2: the post-step all-gather runs until the next forward.
     broadcast_buffers: broadcast module buffers from rank 0 before every forward (as DDP).
-    verify_across_ranks: check once (one small all-gather) that all ranks wrap the same
-        parameters and config.
+    verify_across_ranks: check once that all ranks wrap the same parameters and config.
     fused: "auto": C kernels for Adam/AdamW/SGD; "never": the torch optimizer on the shard;
         "always": raise if there is no fused kernel.
     isa: CPU kernel instruction set: "auto" (best available), "scalar", "avx2", "avx512".
@@ -71,61 +58,52 @@ class ZeroConfig:
     unit_numel: stage 3, automatic units: most trainable elements per unit (None = a quarter).
     min_unit_numel: stage 3: smaller units join the root unit, gathered all forward and backward.
     prefetch_depth: stage 3: units all-gathered ahead of the one computing.
-    compile_units: stage 3 under torch.compile: "per_unit" gathers around each unit's call
-        (graph breaks); "whole" gathers all before one graph (fullgraph works; stage 2's
-        parameter memory). Note [Stage 3 compiled whole] (zero_ext/compiled.py).
-    coalesce_numel: stage 3: small units share one gather (and reduction) while their total
-        stays within this many elements; 0 = off.
-    param_dtype: the dtype parameters compute and gather in: "fp32", "bf16", "fp16" (or a torch
+    compile_units: stage 3 under torch.compile: "per_unit" gathers around each unit's call (graph
+        breaks); "whole" gathers all before one graph, with stage 2's parameter memory
+        (Note [Stage 3 compiled whole] in zero_ext/compiled.py).
+    coalesce_numel: stage 3: small units share one gather while their total stays within this
+        many elements; 0 = off.
+    param_dtype: what parameters compute and gather in: "fp32", "bf16", "fp16" (or a torch
         dtype). Give the model in fp32; fp32 masters and states live only in the shard.
-    step_control: where the fused step keeps its scalars (norm, clip factor, inf/nan, loss
-        scale, steps): True = device memory (no host sync), False = host; "auto" = True for
-        CUDA parameters with a fused optimizer.
-    cast_buffers: with a low param_dtype, which float buffers are cast: "auto" = BatchNorm/
-        InstanceNorm running stats only (RoPE's inv_freq keeps fp32); True all; False none.
-    reduce_dtype: the dtype gradients accumulate and reduce in; "bf16"/"fp16" halve the bytes.
+    step_control: where the fused step keeps its scalars (norm, inf/nan, loss scale, steps):
+        True = device memory (no host sync), False = host; "auto" = True for CUDA and fused.
+    cast_buffers: with a low param_dtype, which float buffers are cast: "auto" = only norm
+        layers' running stats (RoPE's inv_freq keeps fp32); True all; False none.
+    reduce_dtype: what gradients accumulate and reduce in; "bf16"/"fp16" halve the bytes.
     loss_scale: "auto" (dynamic with fp16, else none), "dynamic", None, or a static number.
         With a scale call opt.backward(loss); an inf/nan gradient on any rank skips the step.
     initial_loss_scale, loss_scale_growth_factor, loss_scale_backoff_factor,
     loss_scale_growth_interval, loss_scale_hysteresis, min_loss_scale, max_loss_scale:
-        dynamic scaling: start at initial_loss_scale; after growth_interval clean steps
-        multiply by growth_factor (up to max); after `hysteresis` overflowing steps in a row
-        by backoff_factor (down to min).
+        dynamic scaling: start at initial_loss_scale; times growth_factor (up to max) after
+        growth_interval clean steps, times backoff_factor (down to min) after `hysteresis`
+        overflowing steps in a row.
     grad_quant: None (exact), "int8" or "int4": stages 1-3 send gradients by all-to-all as
         blockwise codes (one fp32 scale per quant_block_numel); owners sum in fp32.
-    grad_quant_error_feedback: with grad_quant, keep what quantization lost (fp32 per sent
-        element) and add it to the next step's gradient.
-    param_quant: None (exact) or "int8": stages 1-3 gather parameters as blockwise int8 codes
-        (~1/4 of fp32); all ranks compute with the same dequantized values, the fp32 master
-        stays exact (stages 1-2 with fp32 params keep a separate master).
+    grad_quant_error_feedback: with grad_quant, add what quantization lost to the next step.
+    param_quant: None (exact) or "int8": stages 1-3 gather parameters as blockwise int8 codes;
+        all ranks compute with the same values and the fp32 master stays exact.
     quant_block_numel: elements per quantization block (one fp32 scale); even, >= 2.
-    node_size: None (off), an int L or "auto" (LOCAL_WORLD_SIZE): stage 3 keeps each unit's
-        1/L per rank after forward, so backward gathers inside the node, bit-identical. Costs
-        up to parameters / L per rank (stats()["buffer_bytes"]["secondary"]); L divides N.
-    offload: None or "cpu": stages 1-3 keep the fp32 master, states and gradient shard in host
-        memory and step there, pipelined per bucket; the same bits (docs/guide/memory.md).
-        Other optimizers run as torch ones on the host shards. Not with stage 0, grad_quant,
+    node_size: None (off), an int L or "auto" (LOCAL_WORLD_SIZE): stage 3 keeps each unit's 1/L
+        per rank after forward, so backward gathers inside the node, at up to parameters / L
+        per rank (stats()["buffer_bytes"]["secondary"]); L divides N.
+    offload: None or "cpu": stages 1-3 keep master, states and gradient shard in host memory
+        and step there, the same bits (docs/guide/memory.md). Not with stage 0, grad_quant,
         param_quant or step_control=True.
-    step_in_backward: stages 1-3, one fused Adam/AdamW/SGD: each bucket steps when its reduced
-        gradient lands, no gradient shard kept; opt.step() only publishes. Every parameter
-        steps (zero gradient if none). Clipping raises; not with fp16 scaling, offload or
-        step_control=True.
-    state_dtype: "fp32" or "bf16": the fused Adam/AdamW's exp_avg and exp_avg_sq; "bf16" rounds
-        stochastically (exact in expectation, 4 bytes per parameter less). Not with amsgrad,
-        SGD, other optimizers or fused="never" (beside Muon/Adafactor: their AdamW part).
-    master_remainder: with param_dtype="bf16", stages 0-2 and one fused optimizer (no
-        param_quant or offload), keep the fp32 master as a 16-bit remainder and a tie bit:
-        the same trajectory bit for bit (docs/guide/memory.md). False: a fp32 shard.
+    step_in_backward: stages 1-3, one fused Adam/AdamW/SGD: each bucket steps as its gradient
+        lands, no gradient shard kept; opt.step() only publishes. Clipping raises; not with
+        fp16 scaling, offload or step_control=True.
+    state_dtype: "fp32" or "bf16": fused Adam/AdamW's exp_avg and exp_avg_sq, "bf16" rounded
+        stochastically (4 bytes per parameter less). Not with amsgrad, SGD or fused="never".
+    master_remainder: bf16 params, stages 0-2, one fused optimizer: keep the fp32 master as a
+        16-bit remainder and a tie bit, the same bits (docs/guide/memory.md). False: fp32.
     check_sequence: True ("auto" alike) or False: ranks whose collectives diverge raise on every
-        rank, naming each one's step, phase and bucket/unit, instead of hanging (Note
-        [Collective sequence check] in csrc/engine/sequence.h). Free on gloo while steps repeat,
-        one small all-gather per phase on NCCL; "every_phase": that on gloo too. Also serves a
-        rank that reads alone (Note [Reading alone] in csrc/engine/away.h); False: it waits.
+        rank, naming where, instead of hanging (Note [Collective sequence check] in
+        csrc/engine/sequence.h); "every_phase" checks each phase on gloo too. Also serves a
+        rank reading alone (Note [Reading alone] in csrc/engine/away.h); False: it waits.
     sequence_timeout: seconds a collective waits before ranks compare positions (check_sequence).
-    find_unused_parameters: how ranks agree on parameters without a gradient (Note [Unused
-        parameters] in csrc/engine/unused.cpp). True: an all-reduce each step (DDP's); False:
-        none, a missing gradient raises; "auto": the all-reduce at step one, kept only if a
-        rank missed a parameter.
+    find_unused_parameters: how ranks agree on parameters without a gradient (Note [Unused parameters]
+        in csrc/engine/unused.cpp). True: an all-reduce each step (DDP's); False: none, a
+        missing gradient raises; "auto": the all-reduce at step one, kept only if a rank missed one.
     """
 
     stage: int | str = 2
@@ -333,16 +311,16 @@ _RULES = (
     + _int("loss_scale_growth_interval", 1) + _int("loss_scale_hysteresis", 1)
     + _flag("check_sequence", "auto", "every_phase") + _flag("find_unused_parameters", "auto")
     + _number("sequence_timeout", lambda v, c: v > 0, "a number of seconds > 0")
-    + _choice("reduce_scatter", _REDUCE_SCATTER) + _choice("compile_units", _COMPILE_UNITS)
-    + _choice("fused", _FUSED) + _choice("isa", _ISAS)
+    + _choice("reduce_scatter", ("auto", "native", "alltoall")) + _choice("compile_units", ("per_unit", "whole"))
+    + _choice("fused", ("auto", "always", "never")) + _choice("isa", ("auto", "scalar", "avx2", "avx512"))
     + [row for b in ("overlap_param_gather", "broadcast_buffers", "verify_across_ranks", "log_plan",
                      "grad_quant_error_feedback") for row in _bool(b)]
     # communication quantization
     + _int("quant_block_numel", 2)
     + _rule("quant_block_numel", lambda v, c: v % 2 == 0, lambda v, c: f"quant_block_numel must be even (int4 "
             f"codes are packed two per byte), got {v}; {_fix('quant_block_numel')}")
-    + _rule("grad_quant", lambda v, c: v in _GRAD_QUANT, lambda v, c: f"grad_quant must be None, 'int8' or 'int4' "
-            f"(the supported bit widths); got {v!r}; pass grad_quant='int8', 'int4' or None (exact)")
+    + _rule("grad_quant", lambda v, c: v in (None, "int8", "int4"), lambda v, c: f"grad_quant must be None, 'int8' "
+            f"or 'int4' (the supported bit widths); got {v!r}; pass grad_quant='int8', 'int4' or None (exact)")
     + _rule("grad_quant", lambda v, c: c.stage != 0, lambda v, c: f"grad_quant={v!r} needs stage 1, 2 or 3 (stage "
             f"0 reduces with an all-reduce, which has no quantized form); use stage=1 or grad_quant=None", None)
     + _rule("grad_quant", lambda v, c: c.reduce_scatter != "native", lambda v, c: f"grad_quant={v!r} reduces by "
@@ -350,7 +328,7 @@ _RULES = (
             f"grad_quant=None", None)
     + _rule("grad_quant_error_feedback", lambda v, c: not v or c.grad_quant is not None, "grad_quant_error_feedback"
             "=True needs grad_quant='int8' or 'int4'; pass one of them, or grad_quant_error_feedback=False")
-    + _rule("param_quant", lambda v, c: v in _PARAM_QUANT, lambda v, c: f"param_quant must be None or 'int8' (the "
+    + _rule("param_quant", lambda v, c: v in (None, "int8"), lambda v, c: f"param_quant must be None or 'int8' (the "
             f"supported bit width for parameter gathers); got {v!r}; pass param_quant='int8' or None (exact)")
     + _int("node_size", 1, None, "auto")
     + _rule("node_size", lambda v, c: c.stage == 3, lambda v, c: f"node_size={v!r} (hierarchical partitioning) is "

@@ -72,17 +72,13 @@ def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
     [(unit, numel)] of the frozen parameters stage 3 shards)."""
     if isinstance(model_or_numel, nn.Module):
         model = model_or_numel
-        if isinstance(optimizer, torch.optim.Optimizer):
-            seen, params, groups = set(), [], []
-            for gi, g in enumerate(optimizer.param_groups):
-                for p in g["params"]:
-                    if id(p) not in seen and p.requires_grad:
-                        seen.add(id(p))
-                        params.append(p)
-                        groups.append(gi)
-        else:
-            params = [p for p in model.parameters() if p.requires_grad]
-            groups = [0] * len(params)
+        first: dict = {}   # id -> (parameter, its group), the first time it is listed
+        for gi, g in enumerate(optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer)
+                               else [{"params": model.parameters()}]):
+            for p in g["params"]:
+                if p.requires_grad:
+                    first.setdefault(id(p), (p, gi))
+        params, groups = [p for p, _ in first.values()], [gi for _, gi in first.values()]
         if not params:
             raise ValueError("zero_ext: the model has no trainable parameter (none with requires_grad=True); "
                              "set requires_grad=True on those to train, or pass their parameter count instead")
@@ -111,17 +107,10 @@ def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
 
 def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype="fp32", reduce_dtype="fp32",
                     optimizer="adamw", backend: str = "gloo", config=None, loss_fn=None, **options) -> dict:
-    """What one rank of a zero_ext run holds (the module docstring says what is counted).
-
-    model_or_numel: an nn.Module (meta included) or a trainable parameter count.
-    optimizer: an instance (its param groups are used), a class or a name ("adamw", "sgd", ...).
-    backend: "gloo" reduce-scatters by all-to-all under reduce_scatter="auto" (it sizes buffers).
-    loss_fn: loss_fn(model) -> loss, one forward on inputs it makes; adds "peak" (zero_ext/peak.py).
-    config, **options: any other zeroify option.
-
-    Returns opt.stats()'s keys it predicts, plus "total", "comm_bytes_per_step" (one optimizer
-    step of accumulation_steps micro-steps) and the inputs.
-    """
+    """What one rank of a zero_ext run holds (see the module docstring): opt.stats()'s keys, plus
+    "total", "comm_bytes_per_step" and the inputs. model_or_numel: a module (meta too) or a count;
+    optimizer: an instance, a class or a name ("adamw"); backend: the process group's ("gloo" sizes
+    all-to-all buffers); loss_fn(model) -> loss: adds "peak" (zero_ext/peak.py)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"zero_ext: world_size must be an int >= 1, got {world_size!r}; pass world_size=<the "
                          f"number of ranks>")
@@ -136,22 +125,21 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     pdt, rdt = cfg.param_dtype, cfg.reduce_dtype
     ps, rs = _SIZE[pdt], _SIZE[rdt]
     s = cfg.stage
-    rows = _plan(numels, groups, units, cfg, world_size)
+    rows = plan_layout(numels, groups, units or [], s, 1 if s == 0 else world_size,   # csrc/plan_binding.cpp
+                       cfg.resolved_bucket_bytes(4 * sum(numels)), cfg.first_bucket_bytes,
+                       cfg.resolved_align(world_size), _ZX_DTYPE[pdt])
     fused = cls.__name__ in _FUSED_NAMES and issubclass(cls, tuple(getattr(torch.optim, n) for n in _FUSED_NAMES)) \
         and cfg.fused != "never"
     counts = [states_per_element(cls, h) for h in hypers]
-    state_size = _state_size(cls, hypers, cfg, fused)
     dev = _device_type(model_or_numel)
     alltoall = cfg.reduce_scatter == "alltoall" or (cfg.reduce_scatter == "auto" and device_backend(backend) == "gloo")
-    # csrc/engine/model_state.h
-    m = model_state_bytes([r[0] for r in rows], [r[3] for r in rows], [r[4] for r in rows], stage=s,
-                          world=world_size, param_bytes=ps, reduce_bytes=rs,
-                          state_bytes=state_size, states_per_group=counts, fused=fused,
-                          adam=issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)),
-                          param_quant=cfg.param_quant is not None, grad_quant=cfg.grad_quant is not None,
-                          offload=cfg.offload is not None, alltoall=alltoall,
-                          master_remainder=cfg.master_remainder_applies(fused),
-                          on_gpu=dev == "cuda", step_in_backward=bool(cfg.step_in_backward))
+    m = model_state_bytes(   # csrc/engine/model_state.h
+        [r[0] for r in rows], [r[3] for r in rows], [r[4] for r in rows], stage=s, world=world_size, param_bytes=ps,
+        reduce_bytes=rs, state_bytes=_state_size(cls, hypers, cfg, fused), states_per_group=counts, fused=fused,
+        adam=issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)), param_quant=cfg.param_quant is not None,
+        grad_quant=cfg.grad_quant is not None, offload=cfg.offload is not None, alltoall=alltoall,
+        master_remainder=cfg.master_remainder_applies(fused), on_gpu=dev == "cuda",
+        step_in_backward=bool(cfg.step_in_backward))
     msb = m["model_state_bytes"]
     piece, slice_align = plan_alignments(cfg.resolved_align(world_size), _ZX_DTYPE[pdt])   # Note [Aligned pieces]
     b = buffer_bytes([r[1] for r in rows], [r[3] for r in rows], frozen_units, stage=s, world=world_size,
@@ -168,11 +156,9 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         "stage": s, "world_size": world_size, "param_dtype": pdt, "reduce_dtype": rdt,
         "optimizer": cls.__name__, "fused": fused, "states_per_element": max(counts) if fused else counts,
         "num_params": sum(numels), "padded_numel": sum(r[3] for r in rows), "shard_numel": sum(r[4] for r in rows),
-        "num_buckets": len(rows),
-        "model_state_bytes": msb, "buffer_bytes": buf, "frozen_parameter_bytes": frozen_b,
+        "num_buckets": len(rows), "model_state_bytes": msb, "buffer_bytes": buf, "frozen_parameter_bytes": frozen_b,
         "total": msb["total"] + buf["total"] + frozen_b,
-        "comm_bytes_per_step": b["comm"], "accumulation_steps": cfg.accumulation_steps,
-        "offload": m["offload"],
+        "comm_bytes_per_step": b["comm"], "accumulation_steps": cfg.accumulation_steps, "offload": m["offload"],
     }
     if loss_fn is not None:
         kept = s <= 1 and (cfg.offload is not None or bool(cfg.step_in_backward))   # Note [Bucket gradient lifetime]
@@ -199,42 +185,30 @@ def _state_size(cls, hypers: list, cfg: ZeroConfig, fused: bool) -> int:
 
 def _device_type(model) -> str:
     """Where a model's parameters are ("cuda" for a count or a meta model: where it will train)."""
-    if isinstance(model, nn.Module):
-        for p in model.parameters():
-            if not p.is_meta:
-                return p.device.type
-    return "cuda"
+    params = model.parameters() if isinstance(model, nn.Module) else ()
+    return next((p.device.type for p in params if not p.is_meta), "cuda")
 
 
 def _on_meta(model) -> bool:
     return isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters())
 
 
-def _plan(numels, groups, units, cfg: ZeroConfig, world_size: int):
-    """The engine's bucket plan: per bucket (group, unit, numel, padded numel, shard numel)."""
-    bucket = cfg.resolved_bucket_bytes(4 * sum(numels))
-    return plan_layout(numels, groups, units or [], cfg.stage, 1 if cfg.stage == 0 else world_size, bucket,
-                       cfg.first_bucket_bytes, cfg.resolved_align(world_size), _ZX_DTYPE[cfg.param_dtype])
-
-
-def _table(numel, world, param_dtype, reduce_dtype, optimizer, accumulation_steps=1, unit=1e9,
-           unit_numel=None, state_dtype="fp32", offload=None, step_in_backward=False, master_remainder=True) -> str:
-    lines = []
-    name = "GB" if unit == 1e9 else "GiB"
+def _table(a) -> str:
+    """The table `python -m zero_ext.estimate` prints for its parsed arguments `a`."""
+    numel, unit, offload = int(a.params), 2 ** 30 if a.gib else 1e9, "cpu" if a.offload else None
+    unit_numel = None if a.unit_numel is None else int(a.unit_numel)
     head = (f"{'stage':>5} {'parameters':>11} {'gradients':>10} {'masters':>9} {'opt states':>11} "
             f"{'model state':>12} {'buffers':>9} {'comm/step':>10}" + (f" {'host':>9}" if offload else ""))
-    lines.append(f"Ψ = {numel:,.0f} trainable parameters, N = {world}, params {param_dtype}, reduce "
-                 f"{reduce_dtype}, {optimizer}{', bf16 states' if state_dtype == 'bf16' else ''}"
-                 f"{', offload=cpu' if offload else ''}{', step in backward' if step_in_backward else ''}"
-                 f"{', fp32 masters' if not master_remainder else ''}; per rank, in "
-                 f"{name} ({'10^9' if unit == 1e9 else '2^30'} bytes)")
-    lines.append(head)
-    lines.append("-" * len(head))
-    for stage in range(1 if offload or step_in_backward else 0, 4):   # neither shards anything in stage 0
-        e = estimate_memory(numel, world, stage, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                            optimizer=optimizer, accumulation_steps=accumulation_steps, unit_numel=unit_numel,
-                            state_dtype=state_dtype, offload=offload, step_in_backward=step_in_backward,
-                            master_remainder=master_remainder)
+    lines = [f"Ψ = {numel:,.0f} trainable parameters, N = {a.world}, params {a.param_dtype}, reduce "
+             f"{a.reduce_dtype}, {a.optimizer}{', bf16 states' if a.state_dtype == 'bf16' else ''}"
+             f"{', offload=cpu' if offload else ''}{', step in backward' if a.step_in_backward else ''}"
+             f"{', fp32 masters' if a.fp32_master else ''}; per rank, in "
+             f"{'GiB (2^30' if a.gib else 'GB (10^9'} bytes)", head, "-" * len(head)]
+    for stage in range(1 if offload or a.step_in_backward else 0, 4):   # neither shards anything in stage 0
+        e = estimate_memory(numel, a.world, stage, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
+                            optimizer=a.optimizer, accumulation_steps=a.accum, unit_numel=unit_numel,
+                            state_dtype=a.state_dtype, offload=offload, step_in_backward=a.step_in_backward,
+                            master_remainder=not a.fp32_master)
         m, b = e["model_state_bytes"], e["buffer_bytes"]
         lines.append(f"{stage:>5} {m['parameters'] / unit:>11.2f} {m['gradients'] / unit:>10.2f} "
                      f"{m['master_weights'] / unit:>9.2f} {m['optimizer_states'] / unit:>11.2f} "
@@ -267,10 +241,7 @@ def main(argv=None) -> None:
                     help="master_remainder=False: stages 0-2 with bf16 keep a 4-byte fp32 master shard (the ZeRO "
                          "paper's accounting) instead of a 16-bit remainder and a tie bit")
     ap.add_argument("--gib", action="store_true", help="GiB (2^30 bytes) instead of GB (10^9, the paper's)")
-    args = ap.parse_args(argv)
-    print(_table(int(args.params), args.world, args.param_dtype, args.reduce_dtype, args.optimizer,
-                 args.accum, 2 ** 30 if args.gib else 1e9, None if args.unit_numel is None else int(args.unit_numel),
-                 args.state_dtype, "cpu" if args.offload else None, args.step_in_backward, not args.fp32_master))
+    print(_table(ap.parse_args(argv)))
 
 
 if __name__ == "__main__":

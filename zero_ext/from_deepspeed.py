@@ -36,8 +36,7 @@ KEYS = {
     "zero_optimization.round_robin_gradients": ("not needed", "", "offload lands each bucket's gradient on the host in bucket order as it is reduced"),
     "zero_optimization.use_multi_rank_bucket_allreduce": (
         "not needed", "", "buckets are reduce-scattered, never all-reduced, in stages 1-3"),
-    "zero_optimization.load_from_fp32_weights": (
-        "not needed", "", "checkpoints always hold the fp32 master weights"),
+    "zero_optimization.load_from_fp32_weights": ("not needed", "", "checkpoints always hold the fp32 master weights"),
     "zero_optimization.elastic_checkpoint": (
         "not needed", "", "every zero_ext.save checkpoint loads at any world size and stage"),
     "zero_optimization.ignore_unused_parameters": (
@@ -54,8 +53,7 @@ KEYS = {
     "zero_optimization.stage3_prefetch_bucket_size": (
         "not needed", "", "stage 3 prefetches prefetch_depth units ahead and coalesces small ones up to "
         "coalesce_numel elements"),
-    "zero_optimization.prefetch_bucket_size": (
-        "not needed", "", "as stage3_prefetch_bucket_size"),
+    "zero_optimization.prefetch_bucket_size": ("not needed", "", "as stage3_prefetch_bucket_size"),
     "zero_optimization.stage3_param_persistence_threshold": (
         "maps", "min_unit_numel", "units smaller than this many elements stay gathered (DeepSpeed counts per "
         "parameter, zero_ext per unit)"),
@@ -112,15 +110,12 @@ KEYS = {
     "fp16.consecutive_hysteresis": (
         "not needed", "", "zero_ext's hysteresis always counts consecutive overflowing steps"),
     "fp16.min_loss_scale": ("maps", "min_loss_scale", "the scale's floor"),
-    "fp16.auto_cast": (
-        "not needed", "", "floating-point inputs to model(...) are always cast to param_dtype"),
-    "fp16.fp16_master_weights_and_grads": (
-        "if disabled", "", "master weights and optimizer states are fp32"),
+    "fp16.auto_cast": ("not needed", "", "floating-point inputs to model(...) are always cast to param_dtype"),
+    "fp16.fp16_master_weights_and_grads": ("if disabled", "", "master weights and optimizer states are fp32"),
     "amp.enabled": ("if disabled", "", "apex AMP is not used; param_dtype='fp16' or 'bf16' instead"),
     "communication_data_type": (
         "maps", "reduce_dtype", "what gradients are reduced in: 'fp32' (zero_ext's default), 'bf16' or 'fp16'"),
-    "data_types.grad_accum_dtype": (
-        "maps", "reduce_dtype", "gradients accumulate and are reduced in the same dtype"),
+    "data_types.grad_accum_dtype": ("maps", "reduce_dtype", "gradients accumulate and are reduced in the same dtype"),
     "prescale_gradients": ("not needed", "", "zero_ext averages over ranks exactly (1/N folded into the step)"),
     "gradient_predivide_factor": ("not needed", "", "as prescale_gradients"),
     "sparse_gradients": ("if disabled", "", "sparse gradients are not supported"),
@@ -133,8 +128,7 @@ KEYS = {
     "gradient_clipping": ("script", "", "call opt.clip_grad_norm_(value) (or torch's clip_grad_norm_) before step()"),
     "optimizer": ("script", "", "build the torch optimizer (torch.optim.AdamW(model.parameters(), ...)) and pass it"),
     "scheduler": ("script", "", "build a torch LR scheduler on the optimizer zeroify returns"),
-    "activation_checkpointing": (
-        "script", "", "torch.utils.checkpoint inside the model works in every stage"),
+    "activation_checkpointing": ("script", "", "torch.utils.checkpoint inside the model works in every stage"),
     "steps_per_print": ("not needed", "", "print what you like; opt.stats() has the counters"),
     "wall_clock_breakdown": ("not needed", "", "opt.stats()['comm_wait_s'] is the time blocked in collectives"),
     "memory_breakdown": ("not needed", "", "opt.stats()['model_state_bytes'] and ['buffer_bytes']"),
@@ -231,8 +225,8 @@ def config_from_deepspeed(config: dict | str) -> dict:
         elif verdict == "script":
             if value != "auto":
                 script.append(f"{key}={value!r}: {why}")
-        elif verdict == "maps" and value != "auto":
-            _map(key, value, kwargs, refused)
+        elif verdict == "maps" and value != "auto" and (why := _map(key, value, kwargs)):
+            refused.append(f"{key}={value!r}: {why}")
     if refused:
         raise ZeroInputError("zero_ext: this DeepSpeed config asks for what zero_ext does not do:\n  "
                              + "\n  ".join(refused) + "\nRemove these keys (or disable them) and convert again")
@@ -266,36 +260,25 @@ _SIMPLE = {
 }
 
 
-def _map(key: str, value: Any, kwargs: dict, refused: list) -> None:
-    """The zeroify argument(s) of one "maps" key into kwargs, or a refusal into refused."""
-    def bad(why: str) -> None:
-        refused.append(f"{key}={value!r}: {why}")
-
+def _map(key: str, value: Any, kwargs: dict) -> str | None:
+    """Put the zeroify argument(s) of one "maps" key into kwargs, or return why it cannot be."""
     if key in _SIMPLE:
         kwargs.update(_SIMPLE[key](value))
     elif key in ("bf16.enabled", "fp16.enabled"):
-        if value:
-            dtype = key.split(".")[0]
-            if kwargs.get("param_dtype", dtype) != dtype:
-                bad("bf16 and fp16 are both enabled; enable one")
-            kwargs["param_dtype"] = dtype
+        if value and kwargs.setdefault("param_dtype", key.split(".")[0]) != key.split(".")[0]:
+            return "bf16 and fp16 are both enabled; enable one"
     elif key in ("communication_data_type", "data_types.grad_accum_dtype"):
-        if value is None:
-            return
-        dtype = dtype_name(str(value).lower())
-        if dtype not in ("fp32", "bf16", "fp16"):
-            bad("zero_ext reduces gradients in 'fp32', 'bf16' or 'fp16'")
-        elif kwargs.get("reduce_dtype", dtype) != dtype:
-            bad(f"communication_data_type and data_types.grad_accum_dtype disagree ({kwargs['reduce_dtype']!r})")
-        else:
-            kwargs["reduce_dtype"] = dtype
+        dtype = None if value is None else dtype_name(str(value).lower())
+        if dtype not in (None, "fp32", "bf16", "fp16"):
+            return "zero_ext reduces gradients in 'fp32', 'bf16' or 'fp16'"
+        if dtype is not None and kwargs.setdefault("reduce_dtype", dtype) != dtype:
+            return f"communication_data_type and data_types.grad_accum_dtype disagree ({kwargs['reduce_dtype']!r})"
     elif key == "zero_optimization.offload_optimizer":
         device = value.get("device", "none") if isinstance(value, dict) else value
-        if device in (None, "none"):
-            return
-        if device != "cpu":
-            bad("zero_ext offloads the optimizer to host memory only; use {'device': 'cpu'} or 'none'")
-        else:
+        if device not in (None, "none", "cpu"):
+            return "zero_ext offloads the optimizer to host memory only; use {'device': 'cpu'} or 'none'"
+        if device == "cpu":
             kwargs["offload"] = "cpu"
     else:
         raise AssertionError(f"zero_ext: internal: no mapping rule for {key}")
+    return None
