@@ -36,8 +36,7 @@ class ZeroConfig:
 
     stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters, gathered per
         unit), or "auto": the stage whose estimate_memory fits memory_budget with the least traffic.
-    memory_budget: stage="auto": bytes a rank may hold (model state, buffers, frozen parameters);
-        None = free memory (the device's, or MemAvailable / local ranks), the smallest over ranks.
+    memory_budget: stage="auto": bytes a rank may hold; None = free memory, the smallest over ranks.
     accumulation_steps: stage="auto": micro-steps per step (they multiply stages 2-3's traffic).
     process_group: the group to shard over; None = the default group, else one process.
     bucket_bytes: bucket size; "auto" = an eighth of the trainable bytes, in [1 MiB, 16 MiB].
@@ -49,8 +48,7 @@ class ZeroConfig:
     overlap_param_gather: stages 1-2: the post-step all-gather runs until the next forward.
     broadcast_buffers: broadcast module buffers from rank 0 before every forward (as DDP).
     verify_across_ranks: check once that all ranks wrap the same parameters and config.
-    fused: "auto": C kernels for Adam/AdamW/SGD; "never": the torch optimizer on the shard;
-        "always": raise if there is no fused kernel.
+    fused: "auto" (C kernels for Adam/AdamW/SGD), "never" (torch's on the shard) or "always" (raise if none).
     isa: CPU kernel instruction set: "auto" (best available), "scalar", "avx2", "avx512".
     log_plan: print the bucket plan on rank 0.
     unit_modules: stage 3: class names whose instances form units (["Block"]); None = by
@@ -58,11 +56,9 @@ class ZeroConfig:
     unit_numel: stage 3, automatic units: most trainable elements per unit (None = a quarter).
     min_unit_numel: stage 3: smaller units join the root unit, gathered all forward and backward.
     prefetch_depth: stage 3: units all-gathered ahead of the one computing.
-    compile_units: stage 3 under torch.compile: "per_unit" gathers around each unit's call (graph
-        breaks); "whole" gathers all before one graph, with stage 2's parameter memory
-        (Note [Stage 3 compiled whole] in zero_ext/compiled.py).
-    coalesce_numel: stage 3: small units share one gather while their total stays within this
-        many elements; 0 = off.
+    compile_units: stage 3 under torch.compile: "per_unit" (graph breaks at units) or "whole" (one
+        graph, stage 2's parameter memory: Note [Stage 3 compiled whole] in zero_ext/compiled.py).
+    coalesce_numel: stage 3: small units share one gather up to this many elements; 0 = off.
     param_dtype: what parameters compute and gather in: "fp32", "bf16", "fp16" (or a torch
         dtype). Give the model in fp32; fp32 masters and states live only in the shard.
     step_control: where the fused step keeps its scalars (norm, inf/nan, loss scale, steps):
@@ -83,9 +79,8 @@ class ZeroConfig:
     param_quant: None (exact) or "int8": stages 1-3 gather parameters as blockwise int8 codes;
         all ranks compute with the same values and the fp32 master stays exact.
     quant_block_numel: elements per quantization block (one fp32 scale); even, >= 2.
-    node_size: None (off), an int L or "auto" (LOCAL_WORLD_SIZE): stage 3 keeps each unit's 1/L
-        per rank after forward, so backward gathers inside the node, at up to parameters / L
-        per rank (stats()["buffer_bytes"]["secondary"]); L divides N.
+    node_size: None (off), an int L dividing N, or "auto" (LOCAL_WORLD_SIZE): stage 3 keeps 1/L of each
+        unit per rank after forward (up to parameters / L), so backward gathers inside the node.
     offload: None or "cpu": stages 1-3 keep master, states and gradient shard in host memory
         and step there, the same bits (docs/guide/memory.md). Not with stage 0, grad_quant,
         param_quant or step_control=True.
@@ -96,10 +91,9 @@ class ZeroConfig:
         stochastically (4 bytes per parameter less). Not with amsgrad, SGD or fused="never".
     master_remainder: bf16 params, stages 0-2, one fused optimizer: keep the fp32 master as a
         16-bit remainder and a tie bit, the same bits (docs/guide/memory.md). False: fp32.
-    check_sequence: True ("auto" alike) or False: ranks whose collectives diverge raise on every
-        rank, naming where, instead of hanging (Note [Collective sequence check] in
-        csrc/engine/sequence.h); "every_phase" checks each phase on gloo too. Also serves a
-        rank reading alone (Note [Reading alone] in csrc/engine/away.h); False: it waits.
+    check_sequence: True ("auto" alike): ranks whose collectives diverge raise, naming where, not hang
+        (Note [Collective sequence check] in csrc/engine/sequence.h); "every_phase": each phase
+        on gloo too. It serves a rank reading alone (Note [Reading alone] in csrc/engine/away.h).
     sequence_timeout: seconds a collective waits before ranks compare positions (check_sequence).
     find_unused_parameters: how ranks agree on parameters without a gradient (Note [Unused parameters]
         in csrc/engine/unused.cpp). True: an all-reduce each step (DDP's); False: none, a

@@ -187,14 +187,9 @@ def _disabled(value: Any) -> bool:
         return True
     if isinstance(value, str):
         return value.lower() in ("none", "auto")
-    if isinstance(value, dict):
-        if not value:
-            return True
-        if "enabled" in value:
-            return value["enabled"] in (False, None, 0)
-        if "device" in value:
-            return str(value["device"]).lower() in ("none", "")
-    return False
+    if isinstance(value, dict) and "enabled" in value:
+        return value["enabled"] in (False, None, 0)
+    return isinstance(value, dict) and (not value or str(value.get("device", "?")).lower() in ("none", ""))
 
 
 def config_from_deepspeed(config: dict | str) -> dict:

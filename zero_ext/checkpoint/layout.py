@@ -37,9 +37,7 @@ def layout_of(model, optimizer) -> dict:
     _require_pair(model, optimizer)
     optimizer = core_optimizer(optimizer)
     module = model.module
-    names = {}
-    for n, p in module.named_parameters():
-        names.setdefault(id(p), n)
+    names = {id(p): n for n, p in module.named_parameters()}   # a tied parameter: its first name
     shapes = optimizer.param_shapes or [tuple(p.shape) for p in optimizer.engine_params]
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     params = {names[id(p)]: {"shape": list(s), "group": group_of[id(p)]}
