@@ -216,7 +216,8 @@ def _table(a) -> str:
                      + (f" {e['offload']['total'] / unit:>9.1f}" if offload else ""))
     lines.append("model state = parameters + gradients + masters + optimizer states (the ZeRO paper's "
                  "Table I); buffers = gradient ring and, stage 3, the gathered units (from a bare count: "
-                 f"units of {'a quarter of the model' if unit_numel is None else f'{unit_numel:,} parameters'}); comm/step = collective bytes per optimizer step"
+                 f"units of {'a quarter of the model' if unit_numel is None else f'{unit_numel:,} parameters'}); "
+                 "comm/step = collective bytes per optimizer step"
                  + ("; host = what offload keeps in host memory (masters, states, gradient shard, pinned rings)"
                     if offload else ""))
     return "\n".join(lines)

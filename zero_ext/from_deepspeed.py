@@ -33,7 +33,8 @@ KEYS = {
         "gradient's hook; overlap_param_gather=True also overlaps stages 1-2's parameter gather with forward"),
     "zero_optimization.contiguous_gradients": (
         "not needed", "", "gradients always live in flat buckets (stage 2: a ring of two buffers)"),
-    "zero_optimization.round_robin_gradients": ("not needed", "", "offload lands each bucket's gradient on the host in bucket order as it is reduced"),
+    "zero_optimization.round_robin_gradients": (
+        "not needed", "", "offload lands each bucket's gradient on the host in bucket order as it is reduced"),
     "zero_optimization.use_multi_rank_bucket_allreduce": (
         "not needed", "", "buckets are reduce-scattered, never all-reduced, in stages 1-3"),
     "zero_optimization.load_from_fp32_weights": ("not needed", "", "checkpoints always hold the fp32 master weights"),
