@@ -202,7 +202,9 @@ def _check_bf16(results, world, stages):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_follows_fp32_and_matches_emulation(world):
-    stages = (0, 1, 2, 3)
+    # every stage at 2 ranks; at 4, one stage that reduce-scatters and stage 3 (stages 0 and 2
+    # at 4 ranks: test_parity in fp32, stage 2 in bf16 at 3 ranks: test_bf16_reduce_world3)
+    stages = (0, 1, 2, 3) if world == 2 else (1, 3)
     results = run_world(_bf16_worker, world, stages, STEPS, "fp32", timeout_s=900, reuse=True)
     _check_bf16(results, world, stages)
 
