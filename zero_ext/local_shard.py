@@ -16,8 +16,7 @@ class LocalShard:
         self.fragments = e.fragment_views()                 # this rank's pieces, bucket by bucket
         self.atomic = [o >= 0 for o in e.owners()]          # whole tensors: per-tensor state only
         self.windows = e.state_windows()                    # per bucket: (lo, numel, flat offset)
-        # generic path: bucket -> shard view
-        self.views = optimizer.bucket_views() if optimizer.shard_optimizer is not None else None
+        self.views = optimizer.bucket_views() if optimizer.shard_optimizer is not None else None   # per bucket
 
     def states(self) -> dict:
         """name -> per-bucket 1-D tensors of each per-element optimizer state."""

@@ -60,28 +60,25 @@ class ZeroModel(nn.Module):
         self._config = config
         self._buffers_to_sync = buffers
         self._callback_queued = False
-        self._pinned = collections.Counter()   # stage 3: units gathered_parameters() holds whole
+        self.pinned = collections.Counter()   # stage 3: units gathered_parameters() holds whole
         self._units = _UnitHooks(self, unit_modules, root_holders) if config.stage == 3 else None
-        self._compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.param_dtype)
-        self._param_waits = self._guard = self._optimizer = None   # attach()
+        self.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.param_dtype)   # or None
+        self._param_waits = self.guard = self._optimizer = None   # attach(); guard: the ModelGuard (changes.py)
         self.weights_report = None  # zeroify(weights=...): what was read (zero_ext.WeightsReport)
         self._call_module = compiled.module_caller()   # Note [Compiled wrapper]: the frame dynamo captures
 
     def attach(self, guard, optimizer, param_waits=None) -> None:
         """zeroify's last step: what was built after this wrapper."""
-        self._guard, self._optimizer, self._param_waits = guard, weakref.ref(optimizer), param_waits
+        self.guard, self._optimizer, self._param_waits = guard, weakref.ref(optimizer), param_waits
 
     def owns_parameter(self, p: torch.Tensor) -> bool:
         """Whether p is a parameter in this model's buckets (not a copy of one)."""
-        return self._guard is not None and self._guard.owns(p)
+        return self.guard is not None and self.guard.owns(p)
 
     # What the package's other modules read (tests/test_privates.py), read-only.
     engine = property(lambda self: self._engine, doc="the C++ engine, shared with the ZeroOptimizer")
-    guard = property(lambda self: self._guard, doc="the ModelGuard (changes.py), once attached")
     stage = property(lambda self: self._config.stage, doc="the ZeRO stage, 0 to 3")
     units = property(lambda self: self._units, doc="stage 3: the unit hooks (_UnitHooks), else None")
-    pinned = property(lambda self: self._pinned, doc="stage 3: unit -> holds by gathered_parameters()")
-    compute_dtype = property(lambda self: self._compute_dtype, doc="the low param_dtype, or None (fp32)")
     param_waits = property(lambda self: self._param_waits, doc="overlap_param_gather's ParamWaits, or None")
     optimizer = property(lambda self: self._optimizer() if self._optimizer is not None else None,
                          doc="the ZeroOptimizer, while it lives (attach()), else None")
@@ -110,10 +107,10 @@ class ZeroModel(nn.Module):
             self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/fill.cpp)
         if broadcast:
             source(away).buffers(self._engine, self._buffers_to_sync)
-        if self._compute_dtype is not None:
+        if self.compute_dtype is not None:
             # as FSDP's MixedPrecision(cast_forward_inputs=True)
             args, kwargs = torch.utils._pytree.tree_map_only(
-                torch.Tensor, lambda t: t.to(self._compute_dtype) if t.is_floating_point() else t, (args, kwargs))
+                torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t, (args, kwargs))
         units = self._units if self._config.compile_units == "whole" else None   # per unit: traced hooks
         if hook is None:
             out = self.module(*args, **kwargs)
@@ -246,7 +243,7 @@ class _UnitHooks:
 
     def _release(self, k: int, keep: bool = False) -> None:
         """Release unit k unless gathered_parameters() holds it or a rank reading alone keeps it."""
-        if self.wrapper._pinned[k] or k in self.kept:
+        if self.wrapper.pinned[k] or k in self.kept:
             return
         if self._keeping(self._source()):
             self.kept.add(k)
@@ -259,7 +256,7 @@ class _UnitHooks:
         if not src.reads_alone or torch.is_grad_enabled():
             return False
         if self.keep_fits is None:
-            need = sum(self.numel) * (2 if self.wrapper._compute_dtype is not None else 4)
+            need = sum(self.numel) * (2 if self.wrapper.compute_dtype is not None else 4)
             dev = self.wrapper.optimizer.comm.device
             have = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else offload.available_host_bytes()
             self.keep_fits = have is not None and 4 * need <= have
@@ -274,7 +271,7 @@ class _UnitHooks:
     def _need(self, k: int) -> None:
         """Unit k is needed now: record it, gather it, prefetch what follows. A unit that
         gathered_parameters() holds needs no collective, so one rank may evaluate alone in it."""
-        if self.wrapper._pinned[k]:
+        if self.wrapper.pinned[k]:
             return
         self.schedule.need(k, _in_backward())
         src = self._source(self.engine.sequence_mark(UNIT_NEED_BASE + k))
@@ -391,8 +388,8 @@ class _UnitHooks:
         """The plain module's state_dict, gathered one unit at a time (clones, a tied weight once).
         Collective, or served to a rank calling it alone (Note [Reading alone] in csrc/engine/away.h)."""
         src = self._source(self.engine.sequence_mark(PHASE_MODEL_STATE, servable=True))
-        low = self.wrapper._compute_dtype is not None
-        src.fits(sum(s.numel() for s in self.wrapper._guard.shapes) * (2 if low else 4), "model.state_dict()")
+        low = self.wrapper.compute_dtype is not None
+        src.fits(sum(s.numel() for s in self.wrapper.guard.shapes) * (2 if low else 4), "model.state_dict()")
         out, clones = {}, {}
         for k in range(self.engine.num_units):
             was = self.engine.unit_gathered(k)

@@ -61,27 +61,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.wrapped_classes = [type(o) for o in optimizers]
         if parts is None:
             parts = [Part(type(optimizers[0]), list(range(len(groups))), "fused" if fused else "shard")]
-        self._parts = parts
-        self._param_group_of = param_groups_of or []    # engine parameter i -> its param group
+        self.parts = parts                              # the wrapped torch optimizers (Part), in the order given
+        self.param_group_of = param_groups_of or []    # engine parameter i -> its param group
         self._done: set | None = None                   # parts stepped in the open iteration
         self._iter_scale, self._iter_skip = 1.0, False
         self._tensor_updates = 0                        # whole tensors this rank updated
         self._engine, self._config, self._guard, self._units = engine, config, guard, units
-        self._params, self._param_shapes = list(params), list(param_shapes)
+        self._params, self.param_shapes = list(params), list(param_shapes)
         self._frozen_bytes, self._fused, self._fingerprint = frozen_bytes, fused, fingerprint
-        self._comm = comm if comm is not None else Comm(None, torch.device("cpu"))   # Note [One communication layer]
+        self.comm = comm if comm is not None else Comm(None, torch.device("cpu"))   # Note [One communication layer]
         self._host_steps = [0] * len(self.param_groups)  # optimizer steps taken, per group
         self._clip_coef = 1.0                           # folded into the next step
-        self._shard_opt, self._shard_group_ids = None, []
+        self.shard_optimizer, self._shard_group_ids = None, []   # the torch optimizer over 1-D shard views
         self._found_inf = None                          # this step's inf/nan verdict, once known
         self.loss_scaler = self._make_scaler(config)
         self._host_skipped = 0
-        for part in self._parts:
+        for part in self.parts:
             if part.kind == "shard":
                 self._build_shard_optimizer(part)
             elif part.kind == "whole":
-                build_whole_optimizer(part, engine.owned_tensors(part.groups), self._param_group_of, self._hyper)
-        if config.master_remainder_applies(len(self._parts) == 1 and self._parts[0].kind == "fused"):
+                build_whole_optimizer(part, engine.owned_tensors(part.groups), self.param_group_of, self._hyper)
+        if config.master_remainder_applies(len(self.parts) == 1 and self.parts[0].kind == "fused"):
             engine.enable_split_master()   # Note [Split master in the engine] (csrc/engine/master_split.h)
         self._ctl = self._make_step_control(config)
 
@@ -105,7 +105,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return None
         device = self._engine.shard_device
         want = config.step_control
-        fused_only = len(self._parts) == 1 and self._parts[0].kind == "fused"
+        fused_only = len(self.parts) == 1 and self.parts[0].kind == "fused"
         if want is True and not fused_only:
             raise ValueError("zero_ext: step_control=True needs one fused optimizer (Adam, AdamW or SGD); "
                              "pass step_control='auto' (or False) with "
@@ -191,7 +191,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         part.inner_ids = sorted(by_group)
         groups = [dict(self._hyper(gi), params=by_group[gi]) for gi in part.inner_ids]
         part.opt = part.cls(groups) if groups else None
-        self._shard_opt, self._shard_group_ids = part.opt, part.inner_ids
+        self.shard_optimizer, self._shard_group_ids = part.opt, part.inner_ids
 
     def add_param_group(self, param_group: dict) -> None:
         if self._engine is None:                         # Optimizer.__init__ adds the groups
@@ -222,12 +222,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            if self._config.step_in_backward:
-                out = self._step_published(closure)
-            elif self._ctl is not None:
-                out = self._step_controlled(closure)
+            if self._ctl is None and not self._config.step_in_backward:
+                out = self._step_parts(range(len(self.parts)), closure)
             else:
-                out = self._step_parts(range(len(self._parts)), closure)
+                out = self._begin_step_call(closure)
+                if self._ctl is not None:   # Note [Step control]: one fused part, its scalars in device memory
+                    self._ctl.before_step()
+                    self._fused_step(1.0, self.parts[0], control=True)
+                else:                       # Note [Step in backward]: the buckets stepped in backward
+                    self._host_steps = [self._engine.backward_steps] * len(self.param_groups)
+                self._engine.all_gather_params()
+                if not self._config.overlap_param_gather:
+                    self._engine.wait_params()
         finally:
             torch._C._set_grad_enabled(grad)
         if self.serving is not None:   # Note [Shard server]
@@ -238,24 +244,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def arm_backward_step(self) -> None:
         """Note [Step in backward] (csrc/engine/backward_step.cpp), with the param groups as they are now."""
-        part = self._parts[0]
+        part = self.parts[0]
         scale = 1.0 / self._engine.grad_divisor()
         if part.adam:   # Note [Hyperparameters] (csrc/kernels_binding.h)
             self._engine.set_backward_step_adam(self.param_groups, part.groups, scale, part.adamw)
         else:
             self._engine.set_backward_step_sgd(self.param_groups, part.groups, scale)
-
-    def _step_published(self, closure):
-        """step_in_backward: the buckets stepped in backward; publish the parameters."""
-        loss = self._begin_step_call(closure)
-        self._host_steps = [self._engine.backward_steps] * len(self.param_groups)
-        self._publish()
-        return loss
-
-    def _publish(self) -> None:
-        self._engine.all_gather_params()
-        if not self._config.overlap_param_gather:
-            self._engine.wait_params()
 
     def _no_whole_gradient(self, what: str) -> None:
         if self._config.step_in_backward:
@@ -272,14 +266,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._engine.sequence_mark(PHASE_STEP)
         if self._guard is not None:
             self._guard.check_edits()   # Note [Edits outside gathered_parameters] (changes.py)
-        return loss
-
-    def _step_controlled(self, closure):
-        """Note [Step control]: one fused part, its scalars in device memory."""
-        loss = self._begin_step_call(closure)
-        self._ctl.before_step()
-        self._fused_step(1.0, self._parts[0], control=True)
-        self._publish()
         return loss
 
     def _begin_iteration(self) -> None:
@@ -299,7 +285,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # Note [Unused parameters] (csrc/engine/unused.cpp)
             if self._engine.world_size > 1 and not self._engine.agrees_unused and self._engine.grads_since_step:
                 self._refuse_missing_grads(self._engine.locally_unused())
-            self._engine.begin_step(len(self._parts) == 1)
+            self._engine.begin_step(len(self.parts) == 1)
 
     def _refuse_missing_grads(self, missing: list) -> None:
         if not missing:
@@ -325,9 +311,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._begin_iteration()
         if not self._iter_skip:
             for k in which:
-                self._step_part(self._parts[k], self._iter_scale)
+                self._step_part(self.parts[k], self._iter_scale)
         self._done.update(which)
-        if len(self._done) == len(self._parts):
+        if len(self._done) == len(self.parts):
             self._done = None
         if not self._iter_skip and not self._config.overlap_param_gather:
             self._engine.wait_params()
@@ -337,7 +323,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for gi in part.groups:
             self._host_steps[gi] += 1
         # Note [Groups as an argument] (csrc/engine/groups.h): one optimizer passes no list
-        one = len(self._parts) == 1
+        one = len(self.parts) == 1
         groups = [] if one else part.groups
         if not one:
             self._engine.advance_steps(groups)
@@ -373,7 +359,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def bucket_views(self, groups=()) -> list:
         """The shard optimizer's tensor of each bucket of these groups (all: none given), in
         param_shards() order (Note [Fragment views]: a fragment's `bucket` indexes it)."""
-        inner = {gi: list(g["params"]) for gi, g in zip(self._shard_group_ids, self._shard_opt.param_groups)}
+        inner = {gi: list(g["params"]) for gi, g in zip(self._shard_group_ids, self.shard_optimizer.param_groups)}
         return [inner[gi].pop(0) for gi in self._engine.bucket_groups(groups)]
 
     @contextlib.contextmanager
@@ -390,13 +376,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if stepped[f.param] or f.numel == 0:
                 continue
             v, lo, n = views[f.bucket], f.slice_offset, f.numel
-            st = self._shard_opt.state.get(v, {})
+            st = self.shard_optimizer.state.get(v, {})
             per_elem = {k: t[lo:lo + n].clone() for k, t in st.items() if torch.is_tensor(t) and t.shape == v.shape}
             saved.append((v, lo, n, v[lo:lo + n].clone(), per_elem))
         yield
         for v, lo, n, vals, per_elem in saved:
             v[lo:lo + n].copy_(vals)
-            for k, t in self._shard_opt.state.get(v, {}).items():
+            for k, t in self.shard_optimizer.state.get(v, {}).items():
                 if k in per_elem:
                     t[lo:lo + n].copy_(per_elem[k])
                 elif torch.is_tensor(t) and t.shape == v.shape:   # created by this step: as it starts
@@ -436,7 +422,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             local = max((g.abs().max().item() for g in self._engine.grad_shards() if g.numel()), default=0.0)
             total = local * self.grad_scale()
             if self._engine.partitions > 1:
-                total = self._comm.all_reduce([total], op=dist.ReduceOp.MAX)[0]
+                total = self.comm.all_reduce([total], op=dist.ReduceOp.MAX)[0]
             nonfinite = 0 if math.isfinite(total) else 1
         else:
             raise ValueError(f"zero_ext: clip_grad_norm_ supports norm_type 2.0 and inf, got {norm_type}; pass "
@@ -483,9 +469,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
              "rank": self._engine.rank, "fingerprint": self._fingerprint, "optimizer": self.wrapped_class.__name__,
              "steps": list(self.group_steps), "param_steps": self.param_step_counts(),
              "flat_state": {k: v.clone() for k, v in self._engine.states().items()},
-             "shard_optimizer": self._shard_opt.state_dict() if self._shard_opt is not None else None,
+             "shard_optimizer": self.shard_optimizer.state_dict() if self.shard_optimizer is not None else None,
              "whole_optimizers": [p.opt.state_dict() if p.opt is not None else None
-                                  for p in self._parts if p.kind == "whole"],
+                                  for p in self.parts if p.kind == "whole"],
              "loss_scaler": self.scaler_state_dict(), "skipped_steps": self.skipped_steps}
         return {"state": {}, "param_groups": groups, "zero_ext": z}
 
@@ -528,13 +514,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for name, t in z["flat_state"].items():
             self._engine.state(name).copy_(t)
         self.group_steps = list(z["steps"])
-        if "param_steps" in z:
-            self._engine.set_param_steps(list(z["param_steps"]))
-        else:                                   # saved before per-parameter step counts
-            self._engine.set_param_steps(self._group_steps_per_param())
-        if self._shard_opt is not None and z["shard_optimizer"] is not None:
-            self._shard_opt.load_state_dict(z["shard_optimizer"])
-        for part, saved in zip([p for p in self._parts if p.kind == "whole"], z.get("whole_optimizers", [])):
+        # (one saved before per-parameter step counts: its group's)
+        self._engine.set_param_steps(list(z.get("param_steps") or self._group_steps_per_param()))
+        if self.shard_optimizer is not None and z["shard_optimizer"] is not None:
+            self.shard_optimizer.load_state_dict(z["shard_optimizer"])
+        for part, saved in zip([p for p in self.parts if p.kind == "whole"], z.get("whole_optimizers", [])):
             if part.opt is not None and saved is not None:
                 part.opt.load_state_dict(saved)
         self.load_scaler_state_dict(z.get("loss_scaler"))
@@ -542,7 +526,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _group_steps_per_param(self) -> list[int]:
         steps = self.group_steps
-        return [steps[gi] for gi in self._param_group_of]
+        return [steps[gi] for gi in self.param_group_of]
 
     def param_step_counts(self) -> list[int]:
         """Optimizer steps each trainable parameter took (Note [Unused parameters]); under step
@@ -573,14 +557,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  comm_bytes=comm["reduce_scatter"]["bytes"] + comm["all_gather"]["bytes"]
                  + 2 * comm["all_reduce"]["bytes"], frozen_parameter_bytes=self._frozen_bytes)
         msb = s["model_state_bytes"]
-        for part in self._parts:
+        for part in self.parts:
             if part.opt is not None:
                 extra = sum(t.nbytes for st in part.opt.state.values() for t in st.values()
                             if torch.is_tensor(t) and t.dim() > 0)
                 where = s["offload"] if s["offload"] else msb   # offload: they live on the host shards
                 where["optimizer_states"] += extra
                 where["total"] += extra
-        s["atomic"]["tensors_owned"] = sum(len(p.owned) for p in self._parts)
+        s["atomic"]["tensors_owned"] = sum(len(p.owned) for p in self.parts)
         s["atomic"]["tensor_updates"] = self._tensor_updates
         if self._units is not None:
             s["unit_fetches"] = self._units.schedule.fetches
@@ -589,20 +573,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def whole_states(self) -> dict:
         """engine parameter index -> a CPU copy of the state of each whole tensor this rank owns."""
-        return owned_states(self._parts)
+        return owned_states(self.parts)
 
     # what the rest of the package reads
     engine = property(lambda self: self._engine, doc="the C++ engine (zero_ext._C.Engine)")
-    comm = property(lambda self: self._comm, doc="the Python-side collectives (zero_ext/comm.py)")
     config = property(lambda self: self._config, doc="the ZeroConfig zeroify resolved")
     guard = property(lambda self: self._guard, doc="the model's ModelGuard (changes.py), or None")
-    parts = property(lambda self: self._parts, doc="the wrapped torch optimizers (Part), in the order given")
     engine_params = property(lambda self: self._params, doc="engine parameter i (the model's trainable ones)")
-    param_shapes = property(lambda self: self._param_shapes, doc="engine parameter i's logical shape")
-    param_group_of = property(lambda self: self._param_group_of, doc="engine parameter i's param group")
     step_control = property(lambda self: self._ctl, doc="Note [Step control]'s StepControl, or None")
-    shard_optimizer = property(lambda self: self._shard_opt,
-                               doc="the torch optimizer over 1-D shard views (a 'shard' part), or None")
 
     def __del__(self):
         if self.serving is not None:

@@ -127,7 +127,8 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
                     shard.piece(states[key], f).copy_(t.reshape(-1)[f.param_offset:f.param_offset + f.numel])
     # step counts: torch keeps one per parameter ("step"); SGD keeps none, so a parameter
     # with state took its group's count (ours) or at least one step (a plain torch state)
-    saved_steps = (sd.get(EXTRA) or {}).get("steps")
+    extra = sd.get(EXTRA) or {}
+    saved_steps = extra.get("steps")
     steps = optimizer.param_step_counts()
     for i, name in enumerate(names):
         if in_part[i]:
@@ -157,7 +158,6 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
         if name in by_name:
             opt.state[view] = {k: (t.detach().clone().to(view.device) if torch.is_tensor(t) else t)
                                for k, t in by_name[name].items()}
-    extra = sd.get(EXTRA) or {}
     masters = extra.get("master_weights")
     if masters and optimizer.config.param_dtype != "fp32":
         by_key = {layout["keys"][k]: t for k, t in masters.items() if k in layout["keys"]}

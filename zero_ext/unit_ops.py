@@ -63,7 +63,6 @@ class Units:
                 if self.own[k] is not None:
                     m.forward = self.own[k]
 
-    # -- what the operators run
     def gather(self, k: int) -> torch.Tensor:
         from .alone import source
         w = self.wrapper()

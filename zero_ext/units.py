@@ -73,9 +73,7 @@ def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_u
                 visit(child)
                 continue
             # one holding parameters of its own is not split: nn.MultiheadAttention reads out_proj.weight
-            own = bool(direct(child))
-            has_sub = any(numel(c) for c in child.children())
-            if n <= cap or not has_sub or own:
+            if n <= cap or direct(child) or not any(numel(c) for c in child.children()):
                 if n >= min_unit_numel:
                     units.append(child)
             else:
