@@ -75,33 +75,28 @@ class GradStats:
                                  "total norm, or zeroify with step_control=False")
         scale = opt.grad_multiplier()
         kind, p = reduce
+        if kind == "norm" and math.isinf(p):   # the largest (least) magnitude
+            kind, ops = ("max" if p > 0 else "min"), ops + (("abs",),)
         shards = eng.grad_shards()
-        acc = torch.zeros(len(opt.engine_params), dtype=torch.float64)
-        if kind in ("max", "min") or (kind == "norm" and math.isinf(p)):
-            acc.fill_(-math.inf if (kind == "max" or p > 0) else math.inf)
+        acc = torch.full((len(opt.engine_params),), {"max": -math.inf, "min": math.inf}.get(kind, 0.0),
+                         dtype=torch.float64)
         for f in eng.fragment_views(masters=False):   # Note [Fragment views] (csrc/engine/fragment_view.h)
             i = f.param
             v = shards[f.bucket].narrow(0, f.slice_offset, f.numel).to(torch.float64).cpu() * scale
             for op in ops:
                 v = v.abs() if op == ("abs",) else v.square() if op == ("square",) else v.pow(op[1])
-            if kind in ("sum", "mean"):
-                acc[i] += v.sum()
-            elif kind == "max":
+            if kind == "max":
                 acc[i] = torch.maximum(acc[i], v.max())
             elif kind == "min":
                 acc[i] = torch.minimum(acc[i], v.min())
-            elif math.isinf(p):
-                m = v.abs().max() if p > 0 else v.abs().min()
-                acc[i] = torch.maximum(acc[i], m) if p > 0 else torch.minimum(acc[i], m)
-            elif p == 0:
-                acc[i] += (v != 0).sum()
+            elif kind != "norm":   # sum, mean
+                acc[i] += v.sum()
             else:
-                acc[i] += v.abs().pow(p).sum()
+                acc[i] += (v != 0).sum() if p == 0 else v.abs().pow(p).sum()
         comm = opt.comm
         if comm.world > 1 and eng.partitions > 1:
             op = torch.distributed.ReduceOp
-            red = (op.MAX if kind == "max" or (kind == "norm" and math.isinf(p) and p > 0) else
-                   op.MIN if kind == "min" or (kind == "norm" and math.isinf(p)) else op.SUM)
+            red = {"max": op.MAX, "min": op.MIN}.get(kind, op.SUM)
             acc = torch.tensor(comm.all_reduce(acc.tolist(), op=red), dtype=torch.float64)
         if kind == "mean":
             acc /= torch.tensor([float(math.prod(s)) or 1.0 for s in opt.param_shapes], dtype=torch.float64)
