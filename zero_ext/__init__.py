@@ -30,18 +30,14 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # estimate_memory is imported on first use, so that `python -m zero_ext.estimate`
-    # does not find its own module already imported by the package.
+    # imported on first use, so that `python -m zero_ext.estimate` does not find itself imported
     if name == "estimate_memory":
         from .estimate import estimate_memory
         return estimate_memory
     raise AttributeError(f"module 'zero_ext' has no attribute {name!r}")
 
 # Note [Process groups at exit]
-#   An engine holds its process group. Garbage that is only freed by the cyclic
-#   collector can keep an engine alive after dist.destroy_process_group() — e.g. a
-#   caught ImportError's traceback from a lazy torch import, whose frames reach
-#   the frame that built the engine. Left to interpreter finalization, destroying
-#   a gloo process group can abort the process ("terminate called without an
-#   active exception"). Collect such cycles at exit, while the interpreter is whole.
+#   An engine holds its process group. A cycle (a caught exception's traceback) can keep it
+#   alive past dist.destroy_process_group(); destroyed at interpreter finalization, a gloo
+#   group can abort the process. Collect such cycles at exit, while the interpreter is whole.
 atexit.register(gc.collect)

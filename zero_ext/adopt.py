@@ -1,21 +1,16 @@
-"""An optimizer that zeroify() was not given: `model = zeroify(model, stage=S)` followed by
-`opt = torch.optim.AdamW(model.parameters())` (FSDP2's and the DDP tutorial's order), or
-an optimizer built before the wrapper line and never passed to it. Also the guard that
-names any other torch optimizer stepping a zeroified model's parameters.
+"""An optimizer zeroify() was not given (`model = zeroify(model, stage=S)`, then
+`opt = torch.optim.AdamW(model.parameters())`), and the guard naming any other torch
+optimizer that steps a zeroified model's parameters.
 
 Note [Adopted optimizers]
-  A pending model is what zeroify(model) returns without an optimizer. It holds the
-  module whole and unwrapped until the first forward with autograd; no rank trains
-  before it. A forward without autograd before that (an evaluation) runs the module.
-  - Adoption, at that forward, on every rank: find the torch optimizers over the
-    module's parameters (in the garbage collector's live objects, once per model) and
-    zeroify(module, them) with the options given. zeroify reads a shallow copy of each,
-    so the param groups and state stay the user's.
-  - The pending model becomes the ZeroModel, and each optimizer its ZeroOptimizer, in
-    place: the script, its LR scheduler and its GradScaler keep their references.
-  - The step guard: a torch optimizer stepping a zeroified model's parameters without
-    zero_ext knowing would change a bucket view or an empty stage-3 tensor. A global
-    step pre-hook refuses it by name; zero_ext's own optimizers pass at once.
+  zeroify(model) without an optimizer returns a pending model: the module, unwrapped,
+  until its first forward with autograd (one without autograd runs the module). At that
+  forward every rank finds the torch optimizers over the module's parameters (in the
+  garbage collector's live objects) and zeroifies the module with shallow copies of
+  them. The pending model becomes the ZeroModel, and each optimizer its ZeroOptimizer,
+  in place: the script, its LR scheduler and GradScaler keep their references.
+  The step guard, a global step pre-hook, refuses by name a torch optimizer stepping a
+  zeroified model's parameters without zero_ext knowing; zero_ext's own pass at once.
 """
 from __future__ import annotations
 
@@ -49,9 +44,8 @@ class PendingModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return self.module(*args, **kwargs)   # an evaluation before training: nothing is sharded yet
-        # torch.compile sees none of it; disabled here, not at import: importing dynamo costs
-        # every process about a second
+            return self.module(*args, **kwargs)
+        # disabled here, not at import: importing dynamo costs a second
         torch.compiler.disable(_adopt)(self)
         return type(self).forward(self, *args, **kwargs)   # ZeroModel's now
 
@@ -80,8 +74,8 @@ class PendingModel(nn.Module):
 
 
 def _optimizers_over(module: nn.Module) -> tuple[list, str | None]:
-    """The live torch optimizers over the module's parameters, in the order of their first
-    parameter in module.parameters() (the same on every rank), and what is wrong with them."""
+    """The live torch optimizers over the module's parameters, ordered by their first one (the same
+    on every rank), and what is wrong with them."""
     order = {id(p): i for i, p in enumerate(module.parameters())}
     gc.collect()   # an optimizer the script dropped is not a candidate
     found = []
@@ -111,15 +105,13 @@ def _optimizers_over(module: nn.Module) -> tuple[list, str | None]:
 
 
 def _adopt(pending: PendingModel) -> None:
-    """Every rank, at the first forward with autograd: zeroify the module with the optimizers
-    found, turning the pending model and each optimizer into what zeroify returns."""
+    """Every rank, at the first forward with autograd (Note [Adopted optimizers])."""
     module, build, sync, training = pending.module, pending._build, pending._sync, pending.training
     del pending._build, pending._sync   # not carried into the ZeroModel (become)
     optimizers, error = _optimizers_over(module)
     for p in module.parameters():
         if getattr(p, PENDING_ATTR, None) is not None:
             delattr(p, PENDING_ATTR)
-    # zeroify reads shallow copies (the user's param groups and state); error: raised on every rank
     copies = [_shallow_copy(o) for o in optimizers]
     build(module, copies if len(copies) != 1 else (copies[0] if copies else None),
           (pending, optimizers), error)
@@ -135,8 +127,8 @@ def _shallow_copy(optimizer):
 
 
 def become(obj, cls, *args, **kwargs):
-    """obj turned, in place, into cls(*args, **kwargs): the script's references to it stay
-    good. Its other instance attributes are kept; an LR scheduler's step wrapper is renewed."""
+    """obj turned, in place, into cls(*args, **kwargs), keeping its other attributes; an LR
+    scheduler's step wrapper is renewed."""
     old = dict(obj.__dict__)
     obj.__dict__.clear()
     obj.__class__ = cls
@@ -164,7 +156,6 @@ def _counted_step(opt):
     return step
 
 
-# ---------------------------------------------------------------------- the step guard
 _GUARD = []
 
 

@@ -1,28 +1,17 @@
-"""amp.py — torch.amp.GradScaler on a zeroified model.
+"""torch.amp.GradScaler on a zeroified model.
 
 Note [GradScaler on sharded gradients]
-  GradScaler.unscale_ (step() calls it when the script did not) hands each p.grad to
-  torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale); step()
-  skips optimizer.step() where found_inf is set; update() moves the scale by it.
-  - Stage 0: p.grad is DDP's; torch's kernel runs on it as under DDP.
-  - Stages 1-3: p.grad is a ShardedGrad (Note [Sharded gradients] in
-    zero_ext/sharded_grad.py), which calls unscale_sharded_: the same kernel unscales
-    this rank's reduced gradient shards in place, and the verdict is all-reduced (MAX)
-    before it is written. It must be global there: an inf lands only in its owner's
-    shard, and ranks whose update() saw their own verdicts would drift apart (torch's
-    ShardedGradScaler all-reduces for the same reason). The all-reduce follows the
-    sequence check's mark (Note [Collective sequence check] in csrc/engine/sequence.h),
-    so a rank calling unscale_ alone is named, not hung: two small collectives per
-    GradScaler step that DDP's does not have (the mark's digest exchange; the verdict).
-  - Nothing is folded: the step and clip_grad_norm_ read the unscaled shards. A clip
-    factor folded for a step GradScaler skipped belongs to gradients that are gone, so
-    ZeroOptimizer keeps it only while the engine's grad_generation is unchanged.
-  - Refused by name (scaler_conflict), before any collective: zero_ext's own loss
-    scaling (param_dtype="fp16", loss_scale=...: the loss would be scaled twice), and
-    step_in_backward=True (buckets step before GradScaler sees a gradient). GradScaler
-    reads optimizer._step_supports_amp_scaling first: that property raises. The
-    integrations (Lightning's "16-mixed", Accelerate's and the HF Trainer's fp16) check
-    it at set-up; zero_ext/integrations/accelerate.py does what prepare(model) would.
+  GradScaler.unscale_ hands each p.grad to torch._amp_foreach_non_finite_check_and_unscale_;
+  step() skips optimizer.step() where found_inf is set. Stage 0's p.grad is DDP's. In
+  stages 1-3 p.grad is a ShardedGrad (Note [Sharded gradients] in zero_ext/sharded_grad.py),
+  which calls unscale_sharded_: the kernel unscales this rank's gradient shards in place and
+  the verdict is all-reduced (MAX), as torch's ShardedGradScaler does: an inf lands only in
+  its owner's shard. The all-reduce follows the sequence check's mark (Note [Collective
+  sequence check] in csrc/engine/sequence.h), so a rank calling unscale_ alone is named.
+  A clip factor for a step GradScaler skipped is dropped with its gradients (ZeroOptimizer
+  keeps it while grad_generation is unchanged). Refused by name before any collective
+  (scaler_conflict, through optimizer._step_supports_amp_scaling): zero_ext's own loss
+  scaling (the loss would be scaled twice), and step_in_backward=True.
 """
 from __future__ import annotations
 
@@ -34,8 +23,7 @@ from .changes import ZeroUsageError
 
 
 def scaler_conflict(config) -> str | None:
-    """Why a torch GradScaler cannot drive an optimizer zeroified with `config` (a ZeroConfig),
-    naming the fix; None when it can."""
+    """Why a torch GradScaler cannot drive an optimizer zeroified with `config`; None when it can."""
     if config.step_in_backward:
         return ("with step_in_backward=True each bucket steps inside backward, on the scaled gradients, before "
                 "GradScaler sees them; drop the GradScaler and train in bf16 (autocast, or param_dtype='bf16'), or "
@@ -50,8 +38,7 @@ def scaler_conflict(config) -> str | None:
 
 
 def check_scaler(config, via: str | None = None, error=ZeroUsageError) -> None:
-    """Raise `error` when a GradScaler cannot drive an optimizer with `config`; via: what
-    brings the GradScaler in (a framework's fp16 setting), for the message."""
+    """Raise `error` when a GradScaler cannot drive an optimizer with `config`; via: what brings it in."""
     why = scaler_conflict(config)
     if why is not None:
         who = f"{via} steps through a torch GradScaler, which" if via else "a torch GradScaler"
@@ -59,13 +46,11 @@ def check_scaler(config, via: str | None = None, error=ZeroUsageError) -> None:
 
 
 def unscale_sharded_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """torch._amp_foreach_non_finite_check_and_unscale_ over ShardedGrads (Note [GradScaler
-    on sharded gradients]): unscale this rank's shards of their param groups, and set
-    found_inf to 1 when any rank's shard holds an inf or nan (collective)."""
+    """torch._amp_foreach_non_finite_check_and_unscale_ over ShardedGrads (collective)."""
     grads = list(grads)
     if not grads:
         return
-    stats = getattr(grads[0], "zx_stats", None)   # a ShardedGrad's model (zero_ext/sharded_grad.py)
+    stats = getattr(grads[0], "zx_stats", None)
     if stats is None or any(getattr(g, "zx_stats", None) is not stats for g in grads):
         raise ZeroUsageError("zero_ext: torch._amp_foreach_non_finite_check_and_unscale_ over gradients of "
                              "several zeroified models, or of a zeroified model and plain tensors: each model's "
@@ -85,9 +70,7 @@ def unscale_sharded_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tens
     eng.sequence_mark(PHASE_GRAD_STATS)
     eng.wait_reductions()
     shards = eng.grad_shards()
-    if len(groups) < len(opt.param_groups):
-        # one of several optimizers: its parameters' pieces only (a bucket may hold several groups'
-        # pieces, Note [Cut parameters] in csrc/engine/fill.cpp)
+    if len(groups) < len(opt.param_groups):   # one of several optimizers: its parameters' pieces
         pieces = [shards[f.bucket].narrow(0, f.slice_offset, f.numel)
                   for f in eng.fragment_views(masters=False, groups=groups)]
     else:
@@ -105,4 +88,4 @@ def unscale_sharded_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tens
     if comm.world > 1 and eng.partitions > 1:
         comm.all_reduce_(found, op=dist.ReduceOp.MAX)
     found_inf.copy_(torch.maximum(found_inf, found.to(found_inf.device)))
-    stats.invalidate()      # p.grad's reductions read the unscaled shards from now on
+    stats.invalidate()

@@ -1,6 +1,5 @@
-"""zeroify(): the one entry point. Validates everything before any collective,
-checks once that all ranks agree, then builds the C++ engine, the module
-wrapper and the optimizer wrapper."""
+"""zeroify(): validates everything before any collective, checks once that all ranks agree,
+then builds the C++ engine, the module wrapper and the optimizer wrapper."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +58,7 @@ def _resolve_group(pg):
 
 
 def _optimizer_parts(optimizers: list, cfg: ZeroConfig) -> list:
-    """Rank-local checks of the torch optimizers; one Part per optimizer: its class,
-    its param groups' indices over all optimizers, and how it steps."""
+    """Rank-local checks of the torch optimizers; one Part per optimizer."""
     parts, first_group = [], 0
     for optimizer in optimizers:
         if isinstance(optimizer, (ZeroOptimizer, ZeroOptimizerPart)):
@@ -110,9 +108,8 @@ def _optimizer_parts(optimizers: list, cfg: ZeroConfig) -> list:
 
 
 def _inspect(model, optimizers: list, cfg: ZeroConfig, meta: bool, weights: bool = False):
-    """Rank-local checks. Returns (trainable params, their group ids, frozen params,
-    fused?, what the fingerprint hashes (a tuple, see _first_difference), the parts:
-    one Part per torch optimizer)."""
+    """Rank-local checks: (trainable params, their group ids, frozen params, fused?, what the
+    fingerprint hashes (see _first_difference), one Part per torch optimizer)."""
     if not isinstance(model, nn.Module):
         _fail(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the module to train as "
               f"zeroify's first argument: zeroify(model, optimizer, ...)")
@@ -128,7 +125,7 @@ def _inspect(model, optimizers: list, cfg: ZeroConfig, meta: bool, weights: bool
     for n, p in model.named_parameters():
         owner = getattr(p, OWNER_ATTR, None)
         wrapper = owner[0]() if owner is not None else None
-        if wrapper is not None and wrapper.owns_parameter(p):      # (not a deep copy of one)
+        if wrapper is not None and wrapper.owns_parameter(p):
             _fail(f"the model was already zeroified (parameter {n!r} lives in a zero_ext model's buckets); use "
                   f"the model and optimizer that the first zeroify() returned")
     for m in model.modules():
@@ -186,15 +183,14 @@ PRIOR_STATE = "optimizer state given to zeroify"   # tags the summary the ranks 
 
 
 def _prior_summary(fingerprinted: tuple) -> tuple:
-    """Note [State given to zeroify] (zero_ext/prior_state.py): the summary of the optimizer
-    state this rank carries, from what the ranks agree on (() when there is none)."""
+    """The summary of the optimizer state this rank carries (Note [State given to zeroify] in
+    zero_ext/prior_state.py), from what the ranks agree on; () when none."""
     last = fingerprinted[-1] if len(fingerprinted) > 4 else None
     return last[1] if isinstance(last, tuple) and len(last) == 2 and last[0] == PRIOR_STATE else ()
 
 
 def _first_difference(mine: tuple, theirs: tuple, r: int) -> str:
-    """What differs between this rank's zeroify() inputs and rank r's (the tuples
-    _inspect fingerprints), named: the option, the parameter, the optimizer."""
+    """What differs between this rank's zeroify() inputs and rank r's (the tuples _inspect fingerprints)."""
     if mine[0] != theirs[0]:
         return f"the optimizer is {mine[0]} here, {theirs[0]} on rank {r}"
     opts = [k for k in mine[1] if mine[1][k] != theirs[1].get(k)]
@@ -202,7 +198,7 @@ def _first_difference(mine: tuple, theirs: tuple, r: int) -> str:
         k = opts[0]
         return f"option {k}={mine[1][k]!r} here, {k}={theirs[1].get(k)!r} on rank {r}"
     state, state_there = _prior_summary(mine), _prior_summary(theirs)
-    if state != state_there:   # Note [State given to zeroify] (zero_ext/prior_state.py)
+    if state != state_there:
         return (f"the torch optimizer state given to zeroify() is {describe_prior_state(state)} here, "
                 f"{describe_prior_state(state_there)} on rank {r}; zeroify() carries each rank's optimizer state "
                 f"into its shard, so load the same state on every rank before zeroify() (as every rank of a DDP "
@@ -227,16 +223,12 @@ def _first_difference(mine: tuple, theirs: tuple, r: int) -> str:
 
 def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, free: int,
                          fingerprinted: tuple | None) -> int:
-    """One small all-gather: every rank learns whether every other rank accepted
-    its inputs and wraps the same parameters and config. Raises on all ranks, so
-    no rank is left waiting in a later collective; when the inputs differ, the ranks
-    exchange what they fingerprinted (one object each) to name the difference.
-    Returns the least `free` over the ranks (stage="auto"'s memory budget; -1 when
-    not asked)."""
+    """One small all-gather: whether every rank accepted its inputs and wraps the same parameters
+    and config. Raises on all ranks or none; returns the least `free` over the ranks."""
     everyone = comm.all_gather_int64([0 if error is None else 1, fingerprint, free])
     world, rank = comm.world, comm.rank
     failed = [r for r in range(world) if everyone[r, 0] != 0]
-    if failed:   # every rank exchanges the messages, so each names the first failing rank's
+    if failed:   # every rank exchanges the messages, naming the first failing rank's
         notes = comm.gather_object(None if error is None else (type(error).__name__, str(error)), dst=None)
         if error is not None:
             raise error
@@ -256,29 +248,16 @@ def _verify_across_ranks(comm: Comm, fingerprint: int, error: Exception | None, 
 
 
 def _device_of(model) -> torch.device:
-    """The engine's device: the parameters' (a meta-device build materializes on the CPU)."""
-    if isinstance(model, nn.Module):
-        for p in model.parameters():
-            return p.device if p.device.type != "meta" else torch.device("cpu")
-    return torch.device("cpu")
-
-
-def _resolve_auto_stage(model, optimizer, cfg: ZeroConfig, free, rank: int, world: int, backend: str) -> None:
-    """stage="auto": set cfg.stage from the memory estimate (zero_ext/auto.py) and say
-    why on rank 0. Runs after the agreement check, on inputs every rank shares (the same
-    model, options and least free memory), so every rank decides, or raises, alike."""
-    cfg.stage, why = choose_stage(model, optimizer, cfg, world, backend, meta=is_meta(model), free=free)
-    if rank == 0:
-        print(why, flush=True)
+    """The parameters' device (a meta-device build materializes on the CPU)."""
+    p = next(model.parameters(), None) if isinstance(model, nn.Module) else None
+    return p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
 
 
 _SIDE_GROUPS: dict = {}   # id(process group) -> (it, its side group)
 
 
 def _side_group(pg):
-    """The digests' own gloo group (CPU tensors) over pg's ranks (only they call new_group),
-    made once per process group: zeroify() called again on the same group (a sweep, a
-    re-wrapped model) reuses it instead of opening one more gloo group each time."""
+    """The digests' own gloo group over pg's ranks, made once per process group."""
     c10d = dist.distributed_c10d
     known = _SIDE_GROUPS.get(id(pg))
     if known is not None and known[0] is pg and pg in c10d._world.pg_map and known[1] in c10d._world.pg_map:
@@ -288,17 +267,13 @@ def _side_group(pg):
     return side
 
 
-# Engines whose sequence check this process enabled: each one's records are keyed in the
-# store by its number here, which is the same on every rank (they build engines in the same order).
+# each sequence-checked engine's key in the store: the same on every rank (they build engines alike)
 _SEQUENCE_IDS = itertools.count()
 
 
 def _enable_sequence_check(engine, pg, cfg: ZeroConfig, gloo: bool) -> int:
-    """Note [Collective sequence check] (csrc/engine/sequence.h): digests exchanged where
-    a rank leaves its pattern (Note [Exchanges on deviation]), and waits that compare
-    positions through the group's store when they run longer than sequence_timeout.
-    Where waits cannot be watched (NCCL: a wait orders streams, the host does not block)
-    the digests are exchanged at every phase instead."""
+    """Note [Collective sequence check] (csrc/engine/sequence.h); without the group's store
+    (NCCL) the digests are exchanged at every phase."""
     try:
         meet = dist.distributed_c10d._world.pg_map[pg][1]   # Note [Reading alone] (csrc/engine/away.h)
     except (AttributeError, KeyError, IndexError, TypeError):
@@ -315,28 +290,18 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
             config: ZeroConfig | dict | str | None = None, init_fn=None, weights=None, **options):
     """Wrap `model` and `optimizer` for ZeRO data parallelism; returns (model, optimizer).
 
-    optimizer: a torch optimizer, or a list of them over disjoint parameters (the Muon
-        recipe: [Muon(hidden matrices), AdamW(the rest)]); then a list of optimizers
-        comes back, one per given one. Muon and Adafactor run on whole tensors, each
-        owned by one rank (zero_ext/whole.py).
-        None: zeroify returns the model alone, and the torch optimizer(s) over its
-        parameters, built before or after this call, become zero_ext's at the model's first
-        forward with autograd (`model = zeroify(model, stage=2)`, then
-        `opt = torch.optim.AdamW(model.parameters())`: Note [Adopted optimizers]).
-
-    stage: 0 (DDP semantics), 1 (optimizer state sharded), 2 (+ gradients sharded),
-        3 (+ parameters sharded, gathered per unit), or "auto" (the stage that fits
-        memory_budget with the least communication; see zero_ext/auto.py).
+    optimizer: a torch optimizer, or a list of them over disjoint parameters ([Muon(matrices),
+        AdamW(the rest)]: a list comes back). None: zeroify returns the model alone, and the
+        torch optimizer(s) over its parameters become zero_ext's at its first forward with
+        autograd (Note [Adopted optimizers]).
+    stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters, gathered
+        per unit), or "auto" (the stage fitting memory_budget with the least communication).
     config: a ZeroConfig, a dict or a JSON file path; **options override its fields.
-    init_fn: stage 3, a model built on the meta device: called on each module (in
-        model.apply order) after each module's reset_parameters() to initialize it
-        (for a Hugging Face model: init_fn=model._init_weights); anything left
-        uninitialized raises.
-    weights: a safetensors checkpoint path or zero_ext.Weights(path, ...) to fill the model
-        with, each rank reading only what it holds (as load_weights). On a meta-device build
-        what it leaves out (allow_missing) gets reset_parameters() and init_fn (default: a
-        Hugging Face model's _init_weights) and is named in a warning; model.weights_report
-        says what was read (Note [Pretrained weights into shards]).
+    init_fn: stage 3 on the meta device: called on each module after its reset_parameters()
+        (a Hugging Face model: init_fn=model._init_weights); anything left uninitialized raises.
+    weights: a safetensors checkpoint path or zero_ext.Weights(path, ...), each rank reading
+        what it holds; model.weights_report says what was read (Note [Pretrained weights
+        into shards]).
     Every rank of the process group must call zeroify with the same model and options.
     """
     if optimizer is None:
@@ -406,10 +371,10 @@ def _checked_inputs(model, optimizer, problem: str | None, weights, stage, confi
             meta = isinstance(model, nn.Module) and is_meta(model)
             params, groups, frozen, fused, fingerprinted, parts = _inspect(model, optimizers, cfg, meta,
                                                                            weights is not None)
-            if weights is not None:   # Note [Pretrained weights into shards]: checked here, agreed on below
+            if weights is not None:   # Note [Pretrained weights into shards]
                 plan = pretrained.make_plan(model, pretrained.as_weights(weights))
                 fingerprinted = fingerprinted + (plan.digest,)
-            # Note [State given to zeroify] (zero_ext/prior_state.py): a state loaded before wrapping
+            # Note [State given to zeroify] (zero_ext/prior_state.py)
             prior, prior_summary = capture_prior_state(optimizers, parts, params,
                                                        {id(p): n for n, p in model.named_parameters()})
             if auto and cfg.memory_budget is None:
@@ -437,15 +402,16 @@ def _checked_inputs(model, optimizer, problem: str | None, weights, stage, confi
             free = (least, f"{free[1]}, the least over {world} ranks")
     elif error is not None:
         raise error
-    if auto:
-        _resolve_auto_stage(model, optimizer, cfg, free, rank, world, backend)
+    if auto:   # after the agreement check, on inputs every rank shares: every rank decides alike
+        cfg.stage, why = choose_stage(model, optimizer, cfg, world, backend, meta=is_meta(model), free=free)
+        if rank == 0:
+            print(why, flush=True)
     return _Inputs(cfg, pg, rank, world, backend, comm, optimizers, params, groups, frozen, fused, parts,
                    fingerprint, plan, prior, node_size)
 
 
 def _engine_options(ins: _Inputs):
-    """The engine's options: the config's table (ZeroConfig.engine_fields) and what the
-    optimizers decide per param group."""
+    """The engine's options: ZeroConfig.engine_fields and what the optimizers decide per param group."""
     cfg, params, parts, groups = ins.cfg, ins.params, ins.parts, ins.groups
     opts = _C.EngineOptions()
     trainable_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -462,12 +428,9 @@ def _engine_options(ins: _Inputs):
 
 
 def _materialize_or_broadcast(model, ins: _Inputs, opts) -> set:
-    """A meta-device model gets CPU storage (ins.params and ins.frozen then name the new
-    parameters); otherwise every rank takes rank 0's values, as DDP. Returns the ids of
-    the new tensors (initialize_by_unit's to fill)."""
-    if is_meta(model):
-        # untouched CPU storage, same ties; with weights, parameters as fp32 whatever dtype the build gave them
-        # (a config's dtype: bf16): they hold no values yet, and the checkpoint's are read into fp32 masters
+    """A meta-device model gets CPU storage (returns the new tensors' ids, for initialize_by_unit);
+    otherwise every rank takes rank 0's values, as DDP."""
+    if is_meta(model):   # with weights, parameters as fp32: the checkpoint's are read into fp32 masters
         born = replace_meta(model, ins.optimizers, torch.float32 if ins.plan is not None else None)
         ins.params = [p for o in ins.optimizers for g in o.param_groups for p in g["params"] if p.requires_grad]
         ins.frozen = [p for p in model.parameters() if not p.requires_grad]
@@ -480,8 +443,7 @@ def _materialize_or_broadcast(model, ins: _Inputs, opts) -> set:
 
 
 def _cast_replicated(model, replicated: list, cfg: ZeroConfig) -> None:
-    """With a 16-bit param_dtype, the frozen parameters outside the engine compute in it
-    too (they have no master; stage 3's are in param_dtype already), and so do buffers."""
+    """With a 16-bit param_dtype, the frozen parameters outside the engine and buffers compute in it too."""
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
     with torch.no_grad():
         for p in replicated:
@@ -508,7 +470,7 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
     opts.param_names = [names.get(id(p), f"#{i}") for i, p in enumerate(params)]
     if opts.offload:
         warn_unfused(ins.parts)
-    shapes = [tuple(p.shape) for p in params]   # stage 3 empties them: checkpoints need them
+    shapes = [tuple(p.shape) for p in params]   # stage 3 empties them
     frozen_shapes = [tuple(p.shape) for p in sharded_frozen]
     engine = _C.Engine(params, ins.groups, units, ins.pg if world > 1 else None, opts)
     if sharded_frozen:   # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp)
@@ -532,7 +494,6 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
     for p, u in zip(sharded_frozen, frozen_units):
         setattr(p, OWNER_ATTR, (weakref.ref(wrapped), u))
     guard = ModelGuard(wrapped, model, params, shapes, sharded_frozen, frozen_shapes)
-    # what this rank holds for frozen parameters: whole ones, and its stage-3 slices
     frozen_bytes = sum(p.numel() * p.element_size() for p in replicated) + engine.frozen_shard_bytes
     zopt = _made(ZeroOptimizer, into[1][0] if into and len(optimizers) == 1 else None, optimizers, engine, cfg,
                  ins.fused, ins.fingerprint, comm, parts=ins.parts, param_groups_of=ins.groups, params=params,

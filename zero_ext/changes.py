@@ -1,9 +1,5 @@
-"""What users do to a model after zeroify(): each either reaches the fp32 master
-weights or raises a zero_ext error naming the fix; none is silently lost.
-- load_state_dict on the model, `.module` or any submodule (Note [Loading into a
-  zeroified model]); in-place edits (Note [Edits outside gathered_parameters]);
-  dtype/device moves, refused (Note [Moves after zeroify]).
-- The torch optimizer that zeroify() wrapped refuses step() and add_param_group().
+"""What users do to a model after zeroify() reaches the fp32 masters or raises naming the fix:
+loads, in-place edits and moves (the Notes below); the wrapped torch optimizer refuses step().
 """
 from __future__ import annotations
 
@@ -15,52 +11,34 @@ from torch import nn
 
 
 class ZeroUsageError(RuntimeError):
-    """Something done to a zeroified model or its optimizer that would be silently
-    lost; the message names what to do instead."""
+    """Something done to a zeroified model or its optimizer that would be silently lost."""
 
 
 # Note [Loading into a zeroified model]
-#   zeroify() registers a load_state_dict pre-hook and post-hook on every module, so
-#   model.load_state_dict, model.module's and any submodule's pass through them.
-#   - The pre-hook, for each trainable parameter in the state dict (shape checked as
-#     torch checks it): writes this rank's fragments of the value into the fp32
-#     master (engine.fragments). No collective, no gathered unit: a rank reads only
-#     its 1/N, so a memory-mapped full state dict costs about its shard. Where the
-#     parameter is whole (stages 0-2, a gathered stage-3 unit) it is copied too.
-#   - It then puts the parameter itself in the state dict, so torch's own copy is a
-#     no-op while its key bookkeeping (strict, missing/unexpected keys) stays torch's.
-#   - The post-hook of the module the load was called on recasts the master into the
-#     low-precision copy gathered next (with a low param_dtype).
-#   Frozen parameters stage 3 shards are written the same way into their param_dtype
-#   shard; other frozen parameters and buffers are torch's. Every rank loads the same
-#   state dict, as with DDP.
+#   Every module gets a load_state_dict pre-hook and post-hook. The pre-hook writes this
+#   rank's fragments of each trainable parameter's value into its fp32 master: no
+#   collective, so a memory-mapped state dict costs about the shard. A whole parameter is
+#   copied too. It then puts the parameter itself in the state dict: torch's copy is a
+#   no-op, its key bookkeeping stays torch's. The post-hook recasts the master into the
+#   copy gathered next. Stage 3's frozen parameters are written alike into their shard;
+#   other frozen ones and buffers are torch's. Every rank loads the same state dict.
 
 # Note [Edits outside gathered_parameters]
 #   An edit is an in-place change to a parameter (nn.init.*, p.mul_() under no_grad).
-#   - Stages 0-2 in fp32: a parameter is its bucket view, and the owned slice is the
-#     master. An edit made on every rank is simply kept; nothing is checked.
-#   - A low param_dtype: the master is a separate fp32 shard. Once per step (and
-#     before a load) the parameters' version counters are compared with the last
-#     snapshot. On a change, engine.absorb_param_edits() folds the edits into the
-#     master, as gathered_parameters(modifier_rank=...) does: only elements whose
-#     low-precision value changed, each rank its own shard.
-#   - A bf16 split master (Note [Split master in the engine], csrc/engine/master_split.h):
-#     the parameter is the master's top half and keeps its remainder, so the fold is
-#     off by below half a bf16 ulp.
-#   - Stage 3: outside forward a parameter is a 0-element tensor, so an edit changes
-#     nothing; the next step refuses it, pointing to gathered_parameters.
+#   - Stages 0-2 in fp32: a parameter is its bucket view, the master: nothing to do.
+#   - A low param_dtype: once per step (and before a load) the version counters are
+#     compared with the last snapshot; engine.absorb_param_edits() folds changed
+#     elements into the master. A bf16 split master (Note [Split master in the engine],
+#     csrc/engine/master_split.h) keeps its remainder: off by below half a bf16 ulp.
+#   - Stage 3: outside forward a parameter is empty; the next step refuses the edit.
 #   Reading 1,202 version counters costs 0.3% of a stage-2 step
-#   (benchmarks/bench_edit_detection.py), so it stays in Python. Edits through
-#   `p.data` bypass the version counter and are not seen.
+#   (benchmarks/bench_edit_detection.py). Edits through `p.data` are not seen.
 
 # Note [Moves after zeroify]
-#   Module._apply (behind .to(), .double(), .half(), .cuda(), .to_empty(), ...) replaces
-#   each parameter's data with fn(parameter). That would detach it from its bucket,
-#   and training would stop updating it. So every module of a zeroified model gets an
-#   instance-level _apply. It first applies fn to an empty tensor of each parameter's
-#   and buffer's dtype and device, refusing any change. Afterwards it checks that each
-#   trainable parameter still is its bucket view, restoring it and refusing otherwise
-#   (to_empty()). A move that changes nothing (model.cpu() on the CPU) passes.
+#   Module._apply (behind .to(), .half(), .cuda(), .to_empty(), ...) would detach each
+#   parameter from its bucket. So every module gets an instance-level _apply: it tries fn
+#   on an empty tensor of each parameter's and buffer's dtype and device, refusing any
+#   change, and afterwards puts back and refuses a replaced parameter (to_empty()).
 
 MOVE_FIX = ("choose the compute precision with zeroify(..., param_dtype='bf16' or 'fp16') and move the model "
             "to its device before zeroify(); to change either now, zero_ext.save() a checkpoint, rebuild and "
@@ -69,37 +47,30 @@ MOVE_FIX = ("choose the compute precision with zeroify(..., param_dtype='bf16' o
 
 def _released_names(guard, module) -> dict:
     """Stage 3: state_dict key (without prefix) -> logical shape, for the sharded parameters."""
-    out = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        i = guard.index.get(id(p))
-        if i is not None and guard.shapes[i].numel() > 0:
-            out[name] = guard.shapes[i]
-    return out
+    return {name: guard.shapes[i] for name, p in module.named_parameters(remove_duplicate=False)
+            if (i := guard.index.get(id(p))) is not None and guard.shapes[i].numel() > 0}
 
 
 class ModelGuard:
-    """Installed by zeroify() on the model: load hooks, the per-step edit check and
-    the move guard. Holds the wrapper weakly (Note [No cycles through C++] in model.py)."""
+    """The load hooks, the per-step edit check and the move guard of a zeroified model."""
 
     def __init__(self, wrapper, model: nn.Module, params: list, shapes: list, frozen: list = (),
                  frozen_shapes: list = ()):
-        self._wrapper = weakref.ref(wrapper)
+        self._wrapper = weakref.ref(wrapper)   # Note [No cycles through C++] (zero_ext/model.py)
         self._model = weakref.ref(model)
-        # engine parameter i = params[i]; then the frozen ones stage 3 shards
-        # (Note [Stage 3 frozen parameters]): frozen index j = params[n_trainable + j]
+        # engine parameter i = params[i]; stage 3's sharded frozen one j = params[n_trainable + j]
         self.n_trainable = len(params)
         self.params = list(params) + list(frozen)
         self.shapes = [torch.Size(s) for s in list(shapes) + list(frozen_shapes)]  # logical (stage 3 empties them)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.stage3 = wrapper.units is not None
         self.low = wrapper.compute_dtype is not None
-        # fp32 stages 0-2 keep edits by themselves, except in a parameter cut into pieces
-        # (Note [Cut parameters] in csrc/engine/fill.cpp), which owns its storage
+        # fp32 stages 0-2 keep edits, but for cut parameters (Note [Cut parameters] in csrc/engine/fill.cpp)
         self.track = self.stage3 or self.low or bool(wrapper.engine.cut_params())
         self.versions = self._versions()
-        self._pieces = None                          # per parameter: (offset in it, master view)
+        self._pieces = None                          # master_pieces
         self._loading = None                         # the module whose load_state_dict is running
-        self._released = None                        # stage 3: see _released_state_hook
+        self._released = None                        # stage 3: _released_names
         if self.stage3:
             model.register_state_dict_post_hook(self._released_state_hook())
         for m in model.modules():
@@ -110,7 +81,6 @@ class ModelGuard:
     def owns(self, p: torch.Tensor) -> bool:
         return id(p) in self.index and self.params[self.index[id(p)]] is p
 
-    # What other modules read (tests/test_privates.py): the wrapper and the model, while they live.
     wrapper = property(lambda self: self._wrapper(), doc="the ZeroModel, or None once it is gone")
     model = property(lambda self: self._model(), doc="the user's module, or None once it is gone")
 
@@ -120,22 +90,13 @@ class ModelGuard:
 
     def name_of(self, t: torch.Tensor) -> str:
         model = self._model()
-        if model is not None:
-            for name, x in itertools.chain(model.named_parameters(remove_duplicate=False),
-                                           model.named_buffers(remove_duplicate=False)):
-                if x is t:
-                    return name
-        return f"of shape {tuple(t.shape)}"
+        named = () if model is None else itertools.chain(model.named_parameters(remove_duplicate=False),
+                                                         model.named_buffers(remove_duplicate=False))
+        return next((name for name, x in named if x is t), f"of shape {tuple(t.shape)}")
 
-    # ------------------------------------------------------------------ edits
     def _released_state_hook(self):
-        """Stage 3: model.module.state_dict() outside a gather would hold the released
-        parameters as empty tensors, so a checkpoint written from it would hold no
-        weights (a Hugging Face save_pretrained too). Their entries are filled with the
-        full values instead, gathered unit by unit as model.state_dict() does (collective,
-        or served to a rank that calls it alone: Note [Reading alone] in csrc/engine/away.h).
-        zero_ext's own reads use keep_vars=True, whose values are the Parameters, and are
-        let through."""
+        """Stage 3: model.module.state_dict() fills the released (empty) parameters with their full
+        values, as model.state_dict(); keep_vars=True reads (zero_ext's own) are let through."""
         ref = weakref.ref(self)
 
         def hook(module, state_dict, prefix, local_metadata):
@@ -159,8 +120,7 @@ class ModelGuard:
         return [p._version for p in self.params] if self.track else []
 
     def accept(self, params=None) -> None:
-        """The parameters (default: all) as they are now are the model's: after a
-        load, or an edit that gathered_parameters committed."""
+        """The parameters (default: all) as they are now are the model's (after a load or a commit)."""
         if not self.track:
             return
         if params is None:
@@ -193,12 +153,9 @@ class ModelGuard:
             engine.absorb_param_edits()
         self.versions = now
 
-    # ------------------------------------------------------------------ loads
     def master_pieces(self, engine, fresh: bool = False) -> list:
-        """Per engine parameter: [(offset in the flattened parameter, view of this
-        rank's fp32 master shard)] for the fragments this rank owns (Note [Fragment
-        views] in csrc/engine/fragment_view.h); stage-3 frozen ones: their param_dtype slices.
-        fresh: read them again (a master joined for a load: Note [Split master in the engine])."""
+        """Per engine parameter: [(offset in it, view of this rank's master)] (Note [Fragment views]
+        in csrc/engine/fragment_view.h); fresh: read them again (a split master joined for a load)."""
         if self._pieces is None or fresh:
             pieces: list = [[] for _ in self.params]
             for f in engine.fragment_views():
@@ -255,9 +212,7 @@ class ModelGuard:
 
     @torch.no_grad()
     def write(self, engine, i: int, p: torch.Tensor, value: torch.Tensor) -> None:
-        """Guarded parameter i := value: this rank's pieces of its master (of its
-        param_dtype shard, for a stage-3 frozen one), and the parameter itself where
-        it is whole. No collective."""
+        """Guarded parameter i := value in this rank's pieces, and in itself where whole. No collective."""
         flat = value.detach().reshape(-1)
         for poff, master in self.master_pieces(engine)[i]:
             master.copy_(flat[poff:poff + master.numel()])
@@ -270,12 +225,9 @@ class ModelGuard:
         self._loading = None
         engine = self._wrapper_engine()
         if engine is not None:
-            # what is gathered next: the low-precision copy, or with offload the device's copy
-            # (Note [Optimizer offload]); a no-op where the master itself is gathered
-            engine.cast_masters()
+            engine.cast_masters()   # what is gathered next
         self.accept()
 
-    # ------------------------------------------------------------------ moves
     def apply(self, module, fn, recurse=True):
         if self._wrapper() is None:            # the zeroified model is gone: plain torch
             return type(module)._apply(module, fn, recurse)
@@ -336,9 +288,7 @@ class _PlainApply:
 
 
 def retire_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """The torch optimizer zeroify() wrapped: its step() and add_param_group() now
-    raise (it shares its param_groups with the returned optimizer)."""
-
+    """The torch optimizer zeroify() wrapped: its step() and add_param_group() now raise."""
     cls = type(optimizer).__name__
 
     def step(*args, **kwargs):

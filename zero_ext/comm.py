@@ -1,20 +1,13 @@
-"""comm.py — every collective zero_ext issues from Python, on tensors of the engine's device.
+"""Every collective zero_ext issues from Python, on tensors of the engine's device.
 
 Note [One communication layer]
-  A group made by init_process_group("nccl") carries CUDA tensors only; a CPU tensor
-  fails there ("No backend type associated with device type cpu"). A CPU-only group
-  refuses CUDA tensors. So every collective zero_ext issues runs on tensors of the
-  engine's device (the parameters'), through one of two places:
-  - the C++ engine's Communicator (csrc/engine/comm.h), for training;
-  - this module, for what Python does once: zeroify's agreement check and broadcast,
-    the meta build's verdict, the inf-norm, checkpoint verdicts and consolidation.
-  Objects travel as pickled bytes in a uint8 tensor on that device, so nothing depends
-  on torch.cuda.current_device(). torch.distributed.checkpoint chooses its own
-  collectives' device from the group's `_device_types`, which check_device makes agree.
-  tests/test_comm_layer.py fails on a collective that bypasses this module or carries a
-  tensor of another device. One side channel carries CPU tensors by design: the shard
-  servers' messages, point to point on a gloo group of their own
-  (zero_ext/alone/channel.py), never on the engine's group.
+  An NCCL group carries CUDA tensors only, a CPU-only group CPU ones. So every collective
+  runs on tensors of the engine's device (the parameters'), in one of two places: the C++
+  engine's Communicator (csrc/engine/comm.h) for training, or this module for what Python
+  does once (zeroify's checks, the inf-norm, checkpoints, consolidation). Objects travel
+  as pickled bytes in a uint8 tensor on that device. tests/test_comm_layer.py fails on a
+  collective that bypasses this. The one exception by design: the shard servers'
+  messages, on a gloo group of their own (zero_ext/alone/channel.py).
 """
 from __future__ import annotations
 
@@ -25,18 +18,9 @@ import torch
 import torch.distributed as dist
 
 
-def group_devices(pg) -> list[str]:
-    """Device types the group's backends carry ([] when torch cannot tell)."""
-    try:
-        return sorted({d.type for d in pg._device_types})
-    except (AttributeError, RuntimeError):
-        return []
-
-
 def device_backend(backend: str, device_type: str | None = None) -> str:
-    """The backend that carries `device_type` tensors in a backend string as dist.get_backend
-    gives it: "gloo", "cuda:gloo", "cpu:gloo,cuda:nccl". Without a device type: the one backend
-    every device uses, or the whole string when they differ."""
+    """The backend carrying `device_type` tensors in dist.get_backend's string ("cpu:gloo,cuda:nccl");
+    without a device type: the one backend every device uses, or the whole string."""
     if ":" not in backend:
         return backend
     pairs = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
@@ -47,9 +31,11 @@ def device_backend(backend: str, device_type: str | None = None) -> str:
 
 
 def check_device(pg, device: torch.device, backend: str) -> str | None:
-    """None when `pg` can carry tensors of `device`, else the message naming both and the fix.
-    Local and deterministic (no collective), so every rank reaches the same verdict."""
-    devices = group_devices(pg)
+    """None when `pg` can carry tensors of `device`, else the message naming the fix (no collective)."""
+    try:   # the device types the group's backends carry
+        devices = sorted({d.type for d in pg._device_types})
+    except (AttributeError, RuntimeError):   # torch cannot tell
+        devices = []
     if not devices or backend == "fake" or device.type in devices:
         return None
     fix = ("initialize the process group with a CPU backend: dist.init_process_group('gloo'), or "
@@ -61,10 +47,7 @@ def check_device(pg, device: torch.device, backend: str) -> str | None:
 
 
 class Comm:
-    """The Python-side collectives of one zeroified model: process group + the engine's device.
-
-    Every method is a collective: every rank of the group calls it, in the same order.
-    With no group (world size 1) each method returns what the one rank holds."""
+    """The Python-side collectives of one zeroified model: every rank calls each, in the same order."""
 
     def __init__(self, pg, device: torch.device):
         self.pg = pg
@@ -73,41 +56,34 @@ class Comm:
         self.rank = pg.rank() if pg is not None else 0
         self.delay_s = 0.0       # Note [Communication delay] (csrc/engine/comm.cpp): after each collective
 
-    def _delayed(self) -> None:
+    def _run(self, collective, *args, **kwargs) -> None:
+        collective(*args, group=self.pg, **kwargs)
         if self.delay_s > 0:
             time.sleep(self.delay_s)
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.pg, rank)
 
-    # ---- tensors
     def all_gather_int64(self, values: list[int]) -> torch.Tensor:
         """(world, len(values)) int64 on the CPU: row r is rank r's values."""
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         if self.world == 1:
             return mine.cpu().view(1, -1)
         out = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(out, mine, group=self.pg)
-        self._delayed()
+        self._run(dist.all_gather, out, mine)
         return torch.stack(out).cpu()
 
     def all_reduce(self, values: list[float], op=dist.ReduceOp.MAX, dtype=torch.float64) -> list[float]:
-        t = torch.tensor(values, dtype=dtype, device=self.device)
-        if self.world > 1:
-            dist.all_reduce(t, op=op, group=self.pg)
-            self._delayed()
-        return t.cpu().tolist()
+        return self.all_reduce_(torch.tensor(values, dtype=dtype, device=self.device), op).cpu().tolist()
 
     def all_reduce_(self, t: torch.Tensor, op=dist.ReduceOp.MAX) -> torch.Tensor:
         """All-reduce `t` (a tensor on the engine's device) in place; nothing is read back."""
         if self.world > 1:
-            dist.all_reduce(t, op=op, group=self.pg)
-            self._delayed()
+            self._run(dist.all_reduce, t, op=op)
         return t
 
     def broadcast_(self, tensors, src: int = 0) -> None:
-        """Overwrite every tensor with rank `src`'s (one coalesced broadcast per dtype);
-        tensors on another device than the engine's are staged through it."""
+        """Overwrite every tensor with rank `src`'s (one coalesced broadcast per dtype)."""
         if self.world == 1:
             return
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -118,74 +94,56 @@ class Comm:
         with torch.no_grad():
             for ts in by_dtype.values():
                 flat = _flatten_dense_tensors([t.data.to(self.device) for t in ts])
-                dist.broadcast(flat, src=self._global(src), group=self.pg)
-                self._delayed()
+                self._run(dist.broadcast, flat, src=self._global(src))
                 for t, v in zip(ts, _unflatten_dense_tensors(flat, ts)):
                     t.data.copy_(v)
 
     def broadcast_from(self, tensor: torch.Tensor | None, out: torch.Tensor, src: int) -> torch.Tensor:
-        """Rank `src`'s `tensor` on every rank, in `out` (a reusable engine-device buffer
-        of its numel and dtype) on the others; `src` gets its own tensor back. Streams a
-        shard to one rank (consolidation) one piece at a time."""
+        """Rank `src`'s `tensor` on every rank: in `out` (a reusable buffer of its numel and dtype)
+        on the others."""
         if self.rank == src:
             buf = tensor.reshape(-1).to(self.device, out.dtype).contiguous()
         else:
             buf = out
         if self.world > 1:
-            dist.broadcast(buf, src=self._global(src), group=self.pg)
-            self._delayed()
+            self._run(dist.broadcast, buf, src=self._global(src))
         return buf
 
     def gather_to(self, tensor: torch.Tensor, out: torch.Tensor | None, dst: int = 0) -> torch.Tensor | None:
-        """Every rank's `tensor` (1-D, the same numel on every rank), in rank order, in `out`
-        (world * numel elements of the engine's device, given on `dst` only) on rank `dst`;
-        None elsewhere. Streams a bucket's slices to one writing rank (save_pretrained)."""
+        """Every rank's `tensor` (the same numel on each), in rank order, in `out` (given on `dst`
+        only) on rank `dst`; None elsewhere."""
         mine = tensor.reshape(-1).to(self.device).contiguous()
         if self.world == 1:
             out.copy_(mine)
             return out
         rows = list(out.view(self.world, -1).unbind(0)) if self.rank == dst else None
-        dist.gather(mine, gather_list=rows, dst=self._global(dst), group=self.pg)
-        self._delayed()
+        self._run(dist.gather, mine, gather_list=rows, dst=self._global(dst))
         return out if self.rank == dst else None
-
-    # ---- objects (pickled into uint8 tensors on the engine's device)
-    def _bytes_of(self, obj) -> torch.Tensor:
-        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
-
-    @staticmethod
-    def _object_of(t: torch.Tensor):
-        return pickle.loads(t.cpu().numpy().tobytes())
 
     def broadcast_object(self, obj, src: int = 0):
         """Rank `src`'s object, on every rank."""
         if self.world == 1:
             return obj
-        data = self._bytes_of(obj) if self.rank == src else None
+        data = (torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+                if self.rank == src else None)
         size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, src=self._global(src), group=self.pg)
-        self._delayed()
+        self._run(dist.broadcast, size, src=self._global(src))
         if data is None:
             data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.broadcast(data, src=self._global(src), group=self.pg)
-        self._delayed()
-        return obj if self.rank == src else self._object_of(data)
+        self._run(dist.broadcast, data, src=self._global(src))
+        return obj if self.rank == src else pickle.loads(data.cpu().numpy().tobytes())
 
     def gather_object(self, obj, dst: int | None) -> list | None:
-        """Every rank's object, in rank order, on rank `dst` (None elsewhere; dst=None: on
-        every rank): one broadcast per rank, so a rank holds one other rank's bytes at a time."""
+        """Every rank's object, in rank order, on rank `dst` (dst=None: every rank; None elsewhere),
+        one broadcast per rank."""
         got = [self.broadcast_object(obj if r == self.rank else None, src=r) for r in range(self.world)]
         return got if dst is None or self.rank == dst else None
 
 
 def delay_collectives(model_or_optimizer, ms: float, serialize: bool = False) -> None:
-    """Make every collective of a zeroified model take at least `ms` milliseconds longer, as
-    if the link were that slow (Note [Communication delay], csrc/engine/comm.cpp): the
-    engine's (C++: gradient reduce-scatters, parameter gathers, prefetches; on CUDA a sleep
-    on a side stream the collective waits for) and this module's. serialize=True waits for
-    each collective where it is launched, so nothing overlaps: a step then costs its
-    compute plus every delay. ms=0 turns it off. For tests and benchmarks of overlap
-    (tests/test_overlap.py, benchmarks/bench_step.py --comm-delay-ms)."""
+    """Make every collective of a zeroified model (the engine's and this module's) take at least
+    `ms` milliseconds longer (Note [Communication delay], csrc/engine/comm.cpp); ms=0 turns it off.
+    serialize=True waits for each where it is launched, so nothing overlaps. For tests of overlap."""
     core = getattr(model_or_optimizer, "zero_optimizer", model_or_optimizer)   # a part of several optimizers
     engine = getattr(core, "engine", None)   # an optimizer's, or a ZeroModel's
     if engine is None:

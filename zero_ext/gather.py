@@ -1,5 +1,4 @@
-"""zero_ext.gathered_parameters: read (or, with a modifier rank, edit) full
-parameters of a zeroified model, whatever the stage.
+"""zero_ext.gathered_parameters: read (or, with a modifier rank, edit) a zeroified model's full parameters.
 
     with zero_ext.gathered_parameters(model.module.head, modifier_rank=0):
         if rank == 0:
@@ -12,8 +11,7 @@ import contextlib
 import torch
 from torch import nn
 
-# Set by zeroify on each parameter it manages: (weakref to the ZeroModel, unit id)
-# (weak: Note [No cycles through C++] in model.py).
+# on each parameter zeroify manages: (weakref to the ZeroModel, unit id); Note [No cycles through C++]
 OWNER_ATTR = "_zero_ext_owner"
 
 
@@ -30,12 +28,9 @@ def _label(p: torch.Tensor, named: dict) -> str:
 
 @contextlib.contextmanager
 def gathered_parameters(params_or_module, modifier_rank: int | None = None):
-    """Inside the block the given parameters (a module's, or an iterable of them)
-    are whole on every rank. With modifier_rank=r (a rank of the model's process
-    group), what rank r wrote to them is broadcast to every rank and written back
-    into every rank's shard on exit. Without it they are read-only: an in-place
-    change (tracked by the parameters' version counters) raises on exit, and the
-    change is discarded in stage 3."""
+    """Inside the block the given parameters (a module's, or an iterable of them) are whole on every
+    rank. With modifier_rank=r, what rank r wrote to them is written into every rank's shard on exit;
+    without it an in-place change raises on exit (and is discarded in stage 3)."""
     if isinstance(params_or_module, nn.Module):
         params = list(params_or_module.parameters())
     elif isinstance(params_or_module, torch.Tensor):
@@ -43,7 +38,6 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
     else:
         params = list(params_or_module)
     owned = [(p, getattr(p, OWNER_ATTR)) for p in params if hasattr(p, OWNER_ATTR)]
-    # Frozen parameters are replicated whole on every rank: nothing to gather.
     replicated = [p for p in params if not hasattr(p, OWNER_ATTR) and not p.requires_grad]
     if len(owned) + len(replicated) != len(params) or not owned:
         named = dict(_named(params_or_module))
@@ -62,8 +56,7 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
         raise ValueError(f"zero_ext: gathered_parameters got parameters of {len(wrappers)} zeroified models at "
                          f"once; it takes one model's at a time: nest one `with gathered_parameters(...)` per model")
     wrapper = next(iter(wrappers.values()))
-    engine = wrapper.engine
-    world = engine.world_size
+    engine, world = wrapper.engine, wrapper.engine.world_size
     if modifier_rank is not None and not 0 <= modifier_rank < world:
         raise ValueError(f"zero_ext: gathered_parameters: modifier_rank must be a rank of the model's process "
                          f"group, in [0, {world}), got {modifier_rank}; pass modifier_rank=0 (the rank whose "
@@ -74,9 +67,8 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
     was_gathered = {u: engine.unit_gathered(u) for u in units}
     for u in units:
         engine.gather_unit(u, True)
-    pinned = wrapper.pinned if stage3 else None
-    if stage3:                 # the unit hooks leave them whole (a forward inside needs no collective)
-        pinned.update(units)
+    pinned = wrapper.pinned    # the unit hooks leave them whole (a forward inside needs no collective)
+    pinned.update(units)
     if modifier_rank is not None and not stage3:
         engine.join_masters()   # Note [Split master in the engine]: absorb then folds exactly the changed elements
     versions = [p._version for p in params]
@@ -93,8 +85,7 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
                     engine.broadcast_tensors([p.data for p, _ in owned], modifier_rank)
                     engine.absorb_param_edits()   # low precision: fold the edits into the fp32 master
                 engine.broadcast_tensors([p.data for p in replicated], modifier_rank)
-        if stage3:
-            pinned.subtract(units)
+        pinned.subtract(units)
         for u in units:
             if not was_gathered[u] and not pinned[u]:
                 engine.release_unit(u)

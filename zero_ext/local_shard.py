@@ -1,15 +1,13 @@
-"""This rank's share of the sharded state (LocalShard), for checkpoints and the shard
-servers. Where a piece lies is the engine's answer (Note [Fragment views] in
-csrc/engine/fragment_view.h, Note [State windows] in csrc/engine/fill.cpp)."""
+"""This rank's share of the sharded state, for checkpoints and the shard servers (Note [Fragment
+views] in csrc/engine/fragment_view.h, Note [State windows] in csrc/engine/fill.cpp)."""
 from __future__ import annotations
 
 import torch
 
 
 class LocalShard:
-    """This rank's share of the sharded state, per bucket: the fp32 masters, each
-    per-element optimizer state, and the fragments saying which piece of which
-    parameter lies where in them (the engine's fragment views)."""
+    """Per bucket: the fp32 masters, each per-element optimizer state, and the fragments saying
+    which piece of which parameter lies where in them."""
 
     def __init__(self, optimizer):
         self.opt = optimizer = getattr(optimizer, "zero_optimizer", optimizer)   # a part: the shared one
@@ -18,19 +16,14 @@ class LocalShard:
         self.fragments = e.fragment_views()                 # this rank's pieces, bucket by bucket
         self.atomic = [o >= 0 for o in e.owners()]          # whole tensors: per-tensor state only
         self.windows = e.state_windows()                    # per bucket: (lo, numel, flat offset)
-        self.views = None                                   # generic path: bucket -> shard view
-        if optimizer.shard_optimizer is not None:
-            self.views = optimizer.bucket_views()
+        self.views = optimizer.bucket_views() if optimizer.shard_optimizer is not None else None   # per bucket
 
     def states(self) -> dict:
         """name -> per-bucket 1-D tensors of each per-element optimizer state."""
-        if self.views is None:
-            # Note [State windows] (csrc/engine/fill.cpp): each bucket's state covers a window of its slice
-            out = {}
-            for name, flat in self.engine.states().items():
-                out[name] = Windows([flat.narrow(0, off, n) for _, n, off in self.windows],
-                                     [lo for lo, _, _ in self.windows])
-            return out
+        if self.views is None:   # Note [State windows] (csrc/engine/fill.cpp)
+            lo = [lo for lo, _, _ in self.windows]
+            return {name: Windows([flat.narrow(0, off, n) for _, n, off in self.windows], lo)
+                    for name, flat in self.engine.states().items()}
         state = self.opt.shard_optimizer.state
         names = sorted({k for v in self.views for k, t in state.get(v, {}).items() if _per_element(t, v)})
         return {n: [state[v][n] for v in self.views] for n in names}
@@ -53,8 +46,7 @@ class LocalShard:
         return out
 
     def piece(self, pieces: list, f) -> torch.Tensor:
-        """Fragment view `f`'s elements of the per-bucket tensors `pieces` (the masters or
-        a state): a view, or zeros where the state's window does not reach (no state there)."""
+        """Fragment `f`'s elements of the per-bucket `pieces`: a view, or zeros outside a state window."""
         b, n = f.bucket, f.numel
         at = f.slice_offset - (pieces.lo[b] if isinstance(pieces, Windows) else 0)
         if at < 0 or at + n > pieces[b].numel():
@@ -62,8 +54,7 @@ class LocalShard:
         return pieces[b].narrow(0, at, n)
 
     def full(self, pieces: list, b: int) -> torch.Tensor:
-        """Bucket b's slice of `pieces`, slice-sized (zeros outside a state window), in fp32
-        (bf16 states widened: Note [bf16 optimizer states] in csrc/engine/stepper.cpp)."""
+        """Bucket b's slice of `pieces`, slice-sized (zeros outside a state window), in fp32."""
         n = self.masters[b].numel()
         if not isinstance(pieces, Windows) or (pieces.lo[b] == 0 and pieces[b].numel() == n):
             return pieces[b].float()

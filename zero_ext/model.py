@@ -16,10 +16,8 @@ from .alone import source
 
 
 def cast_buffers(model: nn.Module, low: torch.dtype, which) -> None:
-    """With a low param_dtype: which floating-point buffers compute in it too.
-    which=True: all; False: none; "auto": only the running statistics of torch's
-    normalization layers (BatchNorm, InstanceNorm), whose kernels need them in their
-    weight's dtype. Others (RoPE's inv_freq, ...) keep their precision."""
+    """Cast floating-point buffers to a low param_dtype. which: True (all), False (none) or "auto":
+    only the normalization layers' running statistics, which their kernels need in it."""
     norm = nn.modules.batchnorm._NormBase
     with torch.no_grad():
         for m in model.modules():
@@ -45,9 +43,13 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _backward_follows(out) -> bool:
+    return torch.is_grad_enabled() and any(
+        t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+
+
 class ZeroModel(nn.Module):
-    """Wraps the user's module: `.module`, `no_sync()`, `state_dict()` with the
-    unwrapped module's keys. Gradient hooks live on the parameters; this class
+    """Wraps the user's module as DDP does (`.module`, `no_sync()`, the module's state_dict keys);
     waits for gathered parameters, broadcasts buffers and (stage 3) drives units."""
 
     def __init__(self, module: nn.Module, engine, config, buffers: list, unit_modules: list,
@@ -58,32 +60,25 @@ class ZeroModel(nn.Module):
         self._config = config
         self._buffers_to_sync = buffers
         self._callback_queued = False
-        self._pinned = collections.Counter()   # stage 3: units gathered_parameters() holds whole
+        self.pinned = collections.Counter()   # stage 3: units gathered_parameters() holds whole
         self._units = _UnitHooks(self, unit_modules, root_holders) if config.stage == 3 else None
-        self._compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.param_dtype)
-        self._param_waits = None   # stages 1-2, overlap_param_gather (param_waits.py): attach()
-        self._guard = None         # the ModelGuard (changes.py): attach()
-        self._optimizer = None     # weakref to the ZeroOptimizer (Note [torch's clipping utilities]): attach()
+        self.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.param_dtype)   # or None
+        self._param_waits = self.guard = self._optimizer = None   # attach(); guard: the ModelGuard (changes.py)
         self.weights_report = None  # zeroify(weights=...): what was read (zero_ext.WeightsReport)
         self._call_module = compiled.module_caller()   # Note [Compiled wrapper]: the frame dynamo captures
 
     def attach(self, guard, optimizer, param_waits=None) -> None:
-        """zeroify's last step: the collaborators built after this wrapper (each needs it)."""
-        self._guard = guard
-        self._optimizer = weakref.ref(optimizer)
-        self._param_waits = param_waits
+        """zeroify's last step: what was built after this wrapper."""
+        self.guard, self._optimizer, self._param_waits = guard, weakref.ref(optimizer), param_waits
 
     def owns_parameter(self, p: torch.Tensor) -> bool:
-        """Whether p is one of the parameters this model keeps in its buckets (not a copy of one)."""
-        return self._guard is not None and self._guard.owns(p)
+        """Whether p is a parameter in this model's buckets (not a copy of one)."""
+        return self.guard is not None and self.guard.owns(p)
 
     # What the package's other modules read (tests/test_privates.py), read-only.
     engine = property(lambda self: self._engine, doc="the C++ engine, shared with the ZeroOptimizer")
-    guard = property(lambda self: self._guard, doc="the ModelGuard (changes.py), once attached")
     stage = property(lambda self: self._config.stage, doc="the ZeRO stage, 0 to 3")
     units = property(lambda self: self._units, doc="stage 3: the unit hooks (_UnitHooks), else None")
-    pinned = property(lambda self: self._pinned, doc="stage 3: unit -> holds by gathered_parameters()")
-    compute_dtype = property(lambda self: self._compute_dtype, doc="the low param_dtype, or None (fp32)")
     param_waits = property(lambda self: self._param_waits, doc="overlap_param_gather's ParamWaits, or None")
     optimizer = property(lambda self: self._optimizer() if self._optimizer is not None else None,
                          doc="the ZeroOptimizer, while it lives (attach()), else None")
@@ -100,8 +95,7 @@ class ZeroModel(nn.Module):
 
     def _forward(self, hook, args, kwargs):
         self._engine.hide_sharded_grads()   # Note [Sharded gradients]: autograd accumulates into plain ones
-        # Note [Reading alone] (csrc/engine/away.h): a forward that communicates (stage 3's
-        # gathers, the buffers' broadcast) is settled before it does: this rank may read alone
+        # Note [Reading alone] (csrc/engine/away.h): a forward that communicates is settled first
         broadcast = self._config.broadcast_buffers and self._buffers_to_sync and self._engine.world_size > 1
         away = self._engine.sequence_mark(forward_phase(), servable=self._units is not None or bool(broadcast))
         if self._units is not None:
@@ -113,11 +107,10 @@ class ZeroModel(nn.Module):
             self._engine.flush_params()   # (Note [Cut parameters] in csrc/engine/fill.cpp)
         if broadcast:
             source(away).buffers(self._engine, self._buffers_to_sync)
-        if self._compute_dtype is not None:
-            # As FSDP's MixedPrecision(cast_forward_inputs=True): floating-point inputs
-            # are cast to the parameters' dtype; integer ones (token ids) are left alone.
+        if self.compute_dtype is not None:
+            # as FSDP's MixedPrecision(cast_forward_inputs=True)
             args, kwargs = torch.utils._pytree.tree_map_only(
-                torch.Tensor, lambda t: t.to(self._compute_dtype) if t.is_floating_point() else t, (args, kwargs))
+                torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t, (args, kwargs))
         units = self._units if self._config.compile_units == "whole" else None   # per unit: traced hooks
         if hook is None:
             out = self.module(*args, **kwargs)
@@ -127,11 +120,8 @@ class ZeroModel(nn.Module):
                 units.compiled_begin(gather=not in_graph)
             compiled.resume(hook)
             out = None
-            try:
-                if in_graph:   # Note [Stage 3 collectives in the graph]
-                    out = units.ops_call(self.module, args, kwargs)
-                else:
-                    out = self._call_module(self.module, args, kwargs)
+            try:   # in graph: Note [Stage 3 collectives in the graph]
+                out = (units.ops_call if in_graph else self._call_module)(self.module, args, kwargs)
             finally:
                 compiled.pause()
                 if units is not None:   # (out None: raised, no backward follows)
@@ -146,17 +136,14 @@ class ZeroModel(nn.Module):
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's Module.zero_grad, the sharded gradients included (the Hugging Face
-        Trainer clears gradients with model.zero_grad())."""
+        """As torch's Module.zero_grad, the sharded gradients included."""
         self._engine.zero_grad(set_to_none)
         super().zero_grad(set_to_none)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """As DDP's: backward passes inside accumulate locally; the first one outside reduces.
-        Stages 2-3 hold a full-size gradient meanwhile (Note [Local accumulation] in
-        csrc/engine/reducer.cpp); without no_sync they reduce every micro-step into the
-        shard: more bytes, less memory."""
+        """As DDP's; stages 2-3 hold a full-size gradient meanwhile (Note [Local accumulation] in
+        csrc/engine/reducer.cpp)."""
         old = self._engine.require_sync()
         self._engine.set_require_sync(False)
         try:
@@ -166,9 +153,7 @@ class ZeroModel(nn.Module):
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        """DDP's attribute, as scripts set it on accumulation micro-steps
-        (`model.require_backward_grad_sync = last_micro_step`): False is no_sync() until
-        set back to True."""
+        """DDP's attribute: False is no_sync() until set back to True."""
         return bool(self._engine.require_sync())
 
     @require_backward_grad_sync.setter
@@ -182,9 +167,7 @@ class ZeroModel(nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """torch's load_state_dict on the plain module: every stage and param_dtype,
-        values reach the fp32 master weights exactly; stage 3 takes a full state
-        dict, each rank reading only its shard of it (zero_ext/changes.py)."""
+        """torch's load_state_dict on the plain module, into the fp32 masters (zero_ext/changes.py)."""
         if assign:
             raise ValueError("zero_ext: load_state_dict(assign=True) would detach parameters from the "
                              "sharded buckets; pass assign=False (the default): the values are copied into the "
@@ -192,10 +175,9 @@ class ZeroModel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
     # Note [No cycles through C++]
-    #   The engine holds the parameters in C++ and the hooks live on them. A hook holding
-    #   the wrapper (or the engine) strongly would make a cycle Python's GC cannot see,
-    #   keeping the engine and its process group alive past destroy_process_group().
-    #   Hooks hold a weak reference instead.
+    #   The engine holds the parameters in C++ and the hooks live on them. A hook holding the
+    #   wrapper strongly would make a cycle Python's GC cannot see, keeping the engine and its
+    #   process group alive past destroy_process_group(). Hooks hold a weak reference instead.
     def grad_hook(self, index: int):
         ref = weakref.ref(self)
 
@@ -217,18 +199,15 @@ class ZeroModel(nn.Module):
                     opt.arm_backward_step()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-
     def _end_backward(self) -> None:
         self._callback_queued = False
         self._engine.finalize_backward()
 
 
 class _UnitHooks:
-    """Stage 3: gather each unit before its forward and backward, release it after
-    (Note [Stage 3 parameter lifetime] in csrc/engine/units.cpp), and prefetch the next
-    units as `schedule` (a UnitSchedule: Note [Stage 3 unit sequence] in
-    csrc/engine/unit_schedule.h) predicts them. Fetches that were not prefetched count
-    in stats()["out_of_order_fetches"]."""
+    """Stage 3: gather each unit before its forward and backward, release it after (Note [Stage 3
+    parameter lifetime] in csrc/engine/units.cpp), prefetch what `schedule` predicts (Note
+    [Stage 3 unit sequence] in csrc/engine/unit_schedule.h)."""
 
     def __init__(self, wrapper: ZeroModel, unit_modules: list, root_holders: list):
         self.wrapper = wrapper
@@ -242,36 +221,29 @@ class _UnitHooks:
         self.compiled = False                           # a compiled forward runs (Note [Stage 3 compiled whole])
         self.ops = self.ops_call = None                 # Note [Stage 3 collectives in the graph]: call_in_graph
         self.modules = unit_modules                     # index 0 the model (Units reads them)
-        # The root's hooks run whichever way the model is entered: the wrapper,
-        # model.module(...) or a method such as generate() that calls it.
+        # the root's hooks run however the model is entered (the wrapper, model.module, generate())
         unit_modules[0].register_forward_pre_hook(self._root_pre_forward)
         unit_modules[0].register_forward_hook(self._root_post_forward)
-        # Modules holding root-unit parameters (e.g. a tied embedding) may also be
-        # called on their own (model.wte(idx)): they gather the root unit too.
+        # modules holding root-unit parameters (a tied embedding) may be called alone: model.wte(idx)
         for m in root_holders:
             m.register_forward_pre_hook(self._holder_pre_forward)
             m.register_forward_hook(self._holder_post_forward)
-        for k, m in enumerate(unit_modules):
-            if k == 0:
-                continue
+        for k, m in enumerate(unit_modules[1:], 1):
             m.register_forward_pre_hook(functools.partial(self._pre_forward, k), with_kwargs=True)
             m.register_forward_hook(functools.partial(self._post_forward, k), with_kwargs=True)
 
-    # -- prediction and prefetch
     def _source(self, away: bool | None = None):
         """Where this hook's units come from (zero_ext/alone/source.py); away: its mark's answer."""
         return source(self.engine.sequence_away if away is None else away)
 
     def _prefetch(self, k: int, src) -> None:
-        """Gather the units the schedule expects after k: small ones in one collective
-        (Note [Coalesced unit gathers], csrc/engine/units.cpp)."""
+        """Gather the units expected after k (Note [Coalesced unit gathers], csrc/engine/units.cpp)."""
         together, launch = self.schedule.ahead(self.engine, k, _in_backward())
         src.units(self.wrapper.optimizer, launch, together)
 
     def _release(self, k: int, keep: bool = False) -> None:
-        """Release unit k unless gathered_parameters() holds it whole, or a rank reading
-        alone without autograd keeps it (_keeping)."""
-        if self.wrapper._pinned[k] or k in self.kept:
+        """Release unit k unless gathered_parameters() holds it or a rank reading alone keeps it."""
+        if self.wrapper.pinned[k] or k in self.kept:
             return
         if self._keeping(self._source()):
             self.kept.add(k)
@@ -279,30 +251,27 @@ class _UnitHooks:
         self.engine.release_unit(k, keep)
 
     def _keeping(self, src) -> bool:
-        """What a rank reading alone fetched cannot change until it is back: without autograd
-        its units stay gathered (an evaluation fetches the model once), if the whole model
-        in param_dtype takes at most a quarter of the memory its device has free."""
+        """A rank reading alone without autograd keeps its units gathered (what it fetched cannot
+        change until it is back), if the whole model takes at most a quarter of the free memory."""
         if not src.reads_alone or torch.is_grad_enabled():
             return False
         if self.keep_fits is None:
-            need = sum(self.numel) * (2 if self.wrapper._compute_dtype is not None else 4)
+            need = sum(self.numel) * (2 if self.wrapper.compute_dtype is not None else 4)
             dev = self.wrapper.optimizer.comm.device
             have = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else offload.available_host_bytes()
             self.keep_fits = have is not None and 4 * need <= have
         return self.keep_fits
 
     def _drop_kept(self) -> None:
-        """The units kept while reading alone, released: the rank is back (or trains)."""
+        """Release the units kept while reading alone."""
         kept, self.kept = self.kept, set()
         for k in sorted(kept):
             self._release(k)
 
     def _need(self, k: int) -> None:
-        """Unit k is needed now: the schedule records it, then it is made whole (counted
-        if it was not foreseen) and what follows prefetched. A unit gathered_parameters()
-        holds needs nothing (no collective, no sequence mark), so rank 0 alone may
-        evaluate inside `with zero_ext.gathered_parameters(model):`."""
-        if self.wrapper._pinned[k]:
+        """Unit k is needed now: record it, gather it, prefetch what follows. A unit that
+        gathered_parameters() holds needs no collective, so one rank may evaluate alone in it."""
+        if self.wrapper.pinned[k]:
             return
         self.schedule.need(k, _in_backward())
         src = self._source(self.engine.sequence_mark(UNIT_NEED_BASE + k))
@@ -310,10 +279,9 @@ class _UnitHooks:
             self.schedule.out_of_order += 1
         self._prefetch(k, src)
 
-    # -- a compiled forward (Note [Stage 3 compiled whole])
     def compiled_begin(self, gather: bool = True) -> None:
-        """Before the graph: every unit gathered (unless the graph gathers them), the unit
-        hooks inert while it is traced or runs."""
+        """Before the graph (Note [Stage 3 compiled whole]): every unit gathered (unless the graph
+        gathers them), the unit hooks inert."""
         self.compiled, self.marked = True, False
         self.schedule.stop_recording()
         if self.kept:
@@ -330,21 +298,16 @@ class _UnitHooks:
             self.ops.install(True)
 
     def compiled_end(self, out) -> None:
-        """After the graph: without a backward to come, every unit is released now; with
-        one, each after its last gradient is staged and at the end of backward (engine)."""
-        self.compiled, follows = False, torch.is_grad_enabled() and any(
-            t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        """After the graph: without a backward to come, every unit is released now."""
+        self.compiled, follows = False, _backward_follows(out)
         if self.ops is not None:
             self.ops.install(False, follows)
         if not follows:
             for k in range(self.engine.num_units):
                 self._release(k)
 
-    # -- root module
     def _root_pre_forward(self, module, args):
-        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
-            return
-        if _in_backward():
+        if self.compiled or _in_backward():   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
             return
         self.schedule.begin_pass(torch.is_grad_enabled())   # the previous pass is complete
         self.engine.hide_sharded_grads()   # entered as model.module(...) too
@@ -353,27 +316,23 @@ class _UnitHooks:
         self.marked = False
         src = self._source()
         if self.kept and not self._keeping(src):
-            self._drop_kept()              # back with the others, or training: as they hold units
+            self._drop_kept()
         self.in_root = True
         src.unit(self.wrapper.optimizer, 0)
         self._prefetch(0, src)
 
     def _root_post_forward(self, module, args, out):
-        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
-            return
-        if _in_backward():
+        if self.compiled or _in_backward():
             return
         self.in_root = False
-        backward_follows = torch.is_grad_enabled() and any(
-            t.requires_grad for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        backward_follows = _backward_follows(out)
         self.schedule.end_forward(torch.is_grad_enabled(), backward_follows)
         if not backward_follows:
-            for k in range(self.engine.num_units):   # no backward follows: free everything
+            for k in range(self.engine.num_units):
                 self._release(k)
 
-    # -- module hooks
     def _holder_pre_forward(self, module, args):
-        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+        if self.compiled:
             return
         if not self.engine.unit_gathered(0):
             self.schedule.fetches += 1
@@ -381,18 +340,17 @@ class _UnitHooks:
             self._source().unit(self.wrapper.optimizer, 0)
 
     def _holder_post_forward(self, module, args, output):
-        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+        if self.compiled:
             return
         if not self.in_root and not _in_backward() and not torch.is_grad_enabled():
             self._release(0)
 
     def _pre_forward(self, k, module, args, kwargs):
-        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+        if self.compiled:
             return
         self._need(k)
         if torch.is_grad_enabled() and not _in_backward() and self.engine.unit_has_frozen(k):
-            # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp): the unit's
-            # frozen weights are needed until its inputs' gradients are complete.
+            # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp): kept until its inputs' gradients
             inputs = [t for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor) and t.requires_grad]
             if inputs:
@@ -406,12 +364,11 @@ class _UnitHooks:
                 torch.autograd.graph.register_multi_grad_hook(inputs, release, mode="all")
 
     def _post_forward(self, k, module, args, kwargs, output):
-        if self.compiled:   # Note [Stage 3 compiled whole] (zero_ext/compiled.py)
+        if self.compiled:
             return
         if torch.is_grad_enabled():
             outs = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
-            # An input handed back unchanged (T5's position bias) gets its gradient
-            # from later units: it says nothing about this unit's backward.
+            # an input handed back unchanged (T5's position bias) says nothing of this unit's backward
             inputs = [id(t) for t in (args if not kwargs and all(isinstance(a, torch.Tensor) for a in args)
                                       else tree_flatten((args, kwargs))[0])]
             for t in outs:
@@ -419,8 +376,7 @@ class _UnitHooks:
                     t.register_hook(functools.partial(self._pre_backward, k))
         if _in_backward():                # recomputation keeps it for its backward
             return
-        if not self.schedule.kept_after_forward(k):
-            # keep: a backward follows, so node_size keeps a node-local part for it
+        if not self.schedule.kept_after_forward(k):   # keep: node_size keeps a node-local part
             self._release(k, torch.is_grad_enabled())
 
     def _pre_backward(self, k, grad):
@@ -429,12 +385,11 @@ class _UnitHooks:
         return None
 
     def full_state_dict(self, *args, **kwargs):
-        """The plain module's state_dict, gathered one unit at a time (clones; a tensor under
-        several names, a tied weight, is one clone). Collective, or served to a rank that
-        calls it alone (Note [Reading alone] in csrc/engine/away.h)."""
+        """The plain module's state_dict, gathered one unit at a time (clones, a tied weight once).
+        Collective, or served to a rank calling it alone (Note [Reading alone] in csrc/engine/away.h)."""
         src = self._source(self.engine.sequence_mark(PHASE_MODEL_STATE, servable=True))
-        low = self.wrapper._compute_dtype is not None
-        src.fits(sum(s.numel() for s in self.wrapper._guard.shapes) * (2 if low else 4), "model.state_dict()")
+        low = self.wrapper.compute_dtype is not None
+        src.fits(sum(s.numel() for s in self.wrapper.guard.shapes) * (2 if low else 4), "model.state_dict()")
         out, clones = {}, {}
         for k in range(self.engine.num_units):
             was = self.engine.unit_gathered(k)

@@ -9,10 +9,7 @@ import torch.distributed as dist
 
 
 def resolve_node_size(node_size, world: int) -> int | None:
-    """The node size L to use for a group of `world` ranks, or None when there is
-    no hierarchy (off, one process, or one node holding every rank). Raises
-    ValueError (rank-independent, so before any collective) when L does not
-    divide the world size or "auto" finds no LOCAL_WORLD_SIZE."""
+    """The node size for `world` ranks, or None without a hierarchy (off, one process, one node)."""
     if node_size is None or world == 1:
         return None
     if node_size == "auto":
@@ -28,10 +25,7 @@ def resolve_node_size(node_size, world: int) -> int | None:
 
 
 def node_group(pg, node_size: int):
-    """This rank's node group: ranks [g*L, (g+1)*L) of pg (its group ranks), in the
-    backend of pg. Every rank of the default group creates every node group when pg
-    spans the default group (torch's rule for new_group); otherwise each node's
-    ranks create their own group alone (use_local_synchronization)."""
+    """This rank's node group: ranks [g*L, (g+1)*L) of pg, in pg's backend."""
     ranks = dist.get_process_group_ranks(pg)
     backend = dist.get_backend(pg)
     nodes = [ranks[g:g + node_size] for g in range(0, len(ranks), node_size)]

@@ -1,8 +1,4 @@
-"""offload="cpu" before the engine is built: enough host memory, and what steps where.
-
-Note [Optimizer offload] (csrc/engine/offload.h) is the design; this module only checks
-what a user can get wrong before any buffer is allocated or any collective runs.
-"""
+"""offload="cpu"'s checks before the engine is built (Note [Optimizer offload] in csrc/engine/offload.h)."""
 from __future__ import annotations
 
 import os
@@ -26,12 +22,10 @@ def available_host_bytes() -> int | None:
 
 
 def check_host_memory(model, optimizer, cfg, world: int, backend: str) -> None:
-    """Raise before anything is allocated when this node's ranks would need more host
-    memory for the offloaded state (estimate_memory's "offload" total, times the ranks
-    on this node: LOCAL_WORLD_SIZE, as torchrun sets it) than the host has available."""
+    """Raise when this node's ranks (LOCAL_WORLD_SIZE) would need more host memory for the
+    offloaded state than the host has available."""
     if not isinstance(optimizer, torch.optim.Optimizer) or not isinstance(cfg.stage, int):
         return   # several optimizers / stage="auto": the engine's own allocations decide
-    # imported here, as zero_ext/__init__.py does, so that `python -m zero_ext.estimate` runs clean
     from .estimate import estimate_memory
     need = estimate_memory(model, world, cfg.stage, config=cfg, optimizer=optimizer, backend=backend)["offload"]
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))

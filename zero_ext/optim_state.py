@@ -2,20 +2,14 @@
 
 Note [Complete optimizer state]
   DDP scripts save `optimizer.state_dict()` (often on rank 0 alone) and resume with
-  `optimizer.load_state_dict(torch.load(path))` on every rank. Here:
-  - state_dict() assembles the sharded state on every rank (collective, streamed bucket
-    by bucket: checkpoint.consolidated_state_dict): the dict a plain torch optimizer of
-    the wrapped class would hold, in torch's numbering. A rank calling it alone reads
-    from the shard servers (Note [Shard server] in zero_ext/alone/serving.py).
-  - load_state_dict() takes such a dict, or one a plain torch or DDP run saved, at any
-    world size and stage; each rank copies its own fragments: no collective.
-  Besides torch's two keys, "zero_ext_complete" holds the step counts per group, the
-  loss scaler and skipped steps, and, with a bf16/fp16 param_dtype, "master_weights":
-  each trainable parameter's fp32 master by state_dict key (model.state_dict() holds
-  only the low-precision copy). The pair then resumes bit for bit, as FSDP2 and
-  DeepSpeed do, when the model's state is loaded first (as scripts do).
-  ZeroOptimizer.sharded_state_dict() is the per-rank form: a resume at the same world
-  size, stage and rank, assembling nothing.
+  `optimizer.load_state_dict(torch.load(path))` on every rank. state_dict() assembles
+  the dict a plain torch optimizer would hold, bucket by bucket (collective; a rank
+  calling it alone reads from the shard servers: Note [Shard server] in
+  zero_ext/alone/serving.py). load_state_dict() takes it, or a plain torch run's, at
+  any world size and stage: each rank copies its fragments, no collective.
+  "zero_ext_complete" adds the step counts per group, the loss scaler and, with a low
+  param_dtype, "master_weights" (the fp32 masters by state_dict key), so the pair
+  resumes bit for bit when the model's state is loaded first.
 """
 from __future__ import annotations
 
@@ -41,7 +35,7 @@ def _model_of(optimizer):
 def state_dict(optimizer, part: int | None = None) -> dict:
     """The complete torch state dict (of wrapped optimizer `part`, when several), on every rank."""
     model = _model_of(optimizer)
-    low = optimizer.config.param_dtype != "fp32"   # the masters are not in model.state_dict()
+    low = optimizer.config.param_dtype != "fp32"
     both = consolidated_state_dict(model, optimizer, to=None, model_state=low, phase=PHASE_OPTIM_STATE)
     full = both["optimizer"]
     if isinstance(full, list):
@@ -58,14 +52,10 @@ def state_dict(optimizer, part: int | None = None) -> dict:
 
 def _numbering(layout: dict, groups: list) -> dict:
     """torch's index -> parameter name, over param groups `groups` in order."""
-    index = {}
-    for gi in groups:
-        for n in layout["groups"][gi]:
-            index[len(index)] = n
-    return index
+    return dict(enumerate(n for gi in groups for n in layout["groups"][gi]))
 
 
-def _check(sd: dict, layout: dict, groups: list, optimizer) -> None:
+def _check(sd: dict, layout: dict, groups: list) -> None:
     """torch's own checks, with the names: group count and sizes, state shapes."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         got = sorted(map(str, sd))[:5] if isinstance(sd, dict) else type(sd).__name__
@@ -86,12 +76,11 @@ def _check(sd: dict, layout: dict, groups: list, optimizer) -> None:
 
 def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
     """Load a complete torch-format state dict on this rank (no collective)."""
-    model = _model_of(optimizer)
     engine = optimizer.engine
     engine.wait_reductions()
-    layout = layout_of(model, optimizer)
+    layout = layout_of(_model_of(optimizer), optimizer)
     groups = list(range(len(optimizer.param_groups))) if part is None else list(optimizer.parts[part].groups)
-    _check(sd, layout, groups, optimizer)
+    _check(sd, layout, groups)
     index = _numbering(layout, groups)
     by_name: dict = {}
     shapes = {n: tuple(info["shape"]) for n, info in layout["params"].items()}
@@ -117,7 +106,6 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
     mine = set(groups)
     in_part = [layout["params"][n]["group"] in mine for n in names]
     shard = LocalShard(optimizer)
-
     # per-element states: every rank copies its fragments; no state (never stepped) is zero
     per_elem = sorted({key for n, st in by_name.items() if n in flat for key, t in st.items()
                        if torch.is_tensor(t) and t.dim() > 0})
@@ -137,10 +125,10 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
                 t = by_name[name].get(key)
                 if t is not None:
                     shard.piece(states[key], f).copy_(t.reshape(-1)[f.param_offset:f.param_offset + f.numel])
-
     # step counts: torch keeps one per parameter ("step"); SGD keeps none, so a parameter
     # with state took its group's count (ours) or at least one step (a plain torch state)
-    saved_steps = (sd.get(EXTRA) or {}).get("steps")
+    extra = sd.get(EXTRA) or {}
+    saved_steps = extra.get("steps")
     steps = optimizer.param_step_counts()
     for i, name in enumerate(names):
         if in_part[i]:
@@ -170,10 +158,8 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
         if name in by_name:
             opt.state[view] = {k: (t.detach().clone().to(view.device) if torch.is_tensor(t) else t)
                                for k, t in by_name[name].items()}
-    extra = sd.get(EXTRA) or {}
     masters = extra.get("master_weights")
     if masters and optimizer.config.param_dtype != "fp32":
-        # the fp32 masters of this rank's fragments, then the parameters computed from them
         by_key = {layout["keys"][k]: t for k, t in masters.items() if k in layout["keys"]}
         with torch.no_grad():
             for f in shard.fragments:

@@ -1,27 +1,16 @@
-"""param_waits.py — stages 1-2 with overlap_param_gather: each module waits for its own
-parameters' gathers, so the post-step all-gather overlaps the next forward.
+"""Stages 1-2 with overlap_param_gather: each module waits for its own parameters' gathers.
 
 Note [Gathers waited per module]
-  After the optimizer step, stages 1-2 all-gather every bucket of updated parameters.
-  Waiting for all of them when the next forward starts exposes the whole gather: the
-  forward's first layer needs one bucket, not all. With overlap_param_gather=True the
-  engine launches the gathers last bucket first (buckets fill in gradient order, so the
-  last bucket holds the first layers), and a forward pre-hook on every module that owns
-  parameters waits only for the buckets holding them (Engine::wait_param_buckets): the
-  gathers of later layers keep running while earlier layers compute, as FSDP2 overlaps
-  its per-module all-gathers and Megatron's distributed optimizer its parameter gather.
-
-  A parameter read without calling its module (a tied head used as
-  F.linear(x, self.wte.weight) before self.wte runs) would see a gather in flight, so
-  the first forward waits for everything, as before, and records which modules' hooks
-  ran; the buckets of parameters whose module did not run are waited for when every
-  later forward starts. Anything else that reads parameters (state_dict, the
-  optimizer step, gathered_parameters) waits for all gathers first, as before. A model
-  with a parameter cut across buckets (Note [Cut parameters]) waits for all of them at
-  the first module. tests/test_overlap.py measures the overlap under a known delay.
-  Under torch.compile the forward is one graph (Note [Compiled wrapper] in
-  zero_ext/compiled.py): it waits for every gather when it starts, and the hooks,
-  traced into the graph, do nothing.
+  After the step, stages 1-2 all-gather every bucket. With overlap_param_gather=True the
+  engine launches the gathers last bucket first (the last holds the first layers), and a
+  forward pre-hook on every module owning parameters waits only for their buckets
+  (Engine::wait_param_buckets): later layers' gathers run while earlier ones compute, as
+  FSDP2's per-module all-gathers. A parameter read without calling its module (a tied
+  head) would see a gather in flight, so the first forward waits for everything and
+  records which modules' hooks ran; the buckets of the others are waited for when each
+  later forward starts. Anything else reading parameters waits for all gathers. A
+  compiled forward (Note [Compiled wrapper] in zero_ext/compiled.py) waits for all at its
+  start; the traced hooks do nothing.
 """
 from __future__ import annotations
 
@@ -67,8 +56,7 @@ class ParamWaits:
         return hook
 
     def before_forward(self, whole: bool = False) -> None:
-        """Launch pending gathers; on the first forward (or a compiled one: whole) wait for
-        all, and start recording on the first eager one."""
+        """Launch pending gathers; on the first forward (or a compiled one: whole) wait for all."""
         self.whole = whole
         if whole:
             self._engine.flush_params()

@@ -1,12 +1,8 @@
 """A rank's peak during a training step, predicted: estimate_memory(..., loss_fn=...).
 
-The peak comes at the loss, where the activations peak: the model state is there, stage 3's
-root and last unit are gathered, and no stage holds its gradients or ring yet
-(zero_grad(set_to_none=True) released them). The activations are measured by running
-loss_fn and backward once on a copy of the model made of fake tensors (nothing is
-allocated): the most bytes of tensors alive at once that are not parameters, each
-parameter's gradient dropped as it lands (stages 2-3 stage and free it) or kept (stages
-0-1 fill their buckets: Note [Bucket gradient lifetime] in csrc/engine/shard_view.cpp).
+The peak comes at the loss: the model state, stage 3's root and last unit gathered, no
+gradients yet. The activations are measured by running loss_fn and backward once on a copy
+of the model made of fake tensors (nothing is allocated).
 """
 from __future__ import annotations
 
@@ -56,12 +52,10 @@ class _LiveBytes(TorchDispatchMode):
 
 def activation_peak(model, loss_fn, param_dtype: torch.dtype = torch.float32, grad_bytes: int = 0,
                     first_grad: int = 0) -> int:
-    """Most bytes one forward (loss_fn(model) -> loss) and its backward hold beyond the
-    parameters, measured on a copy of the model made of fake tensors on the CPU (nothing is
-    allocated; the CPU's kernels are chosen, e.g. flash attention's, as on a real run), its
-    floating-point parameters in param_dtype (what they compute in). A gradient is taken as it
-    lands: staged and freed (grad_bytes 0) or kept at grad_bytes per element (stages 0-1's
-    buckets, in reduce_dtype), with first_grad bytes (their ring) from the first one on."""
+    """Most bytes one forward (loss_fn(model) -> loss) and its backward hold beyond the parameters
+    (in param_dtype), on fake CPU tensors. A gradient is freed as it lands (grad_bytes 0) or kept
+    at grad_bytes per element (stages 0-1's buckets: Note [Bucket gradient lifetime] in
+    csrc/engine/shard_view.cpp), with first_grad bytes (their ring) from the first one on."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=False):
@@ -93,7 +87,7 @@ def activation_peak(model, loss_fn, param_dtype: torch.dtype = torch.float32, gr
 
 def peak_bytes(est: dict, prefetch_depth: int, activations: int, on_cpu: bool, grads_kept: bool = False) -> dict:
     """What is held at the loss, from estimate_memory's result and the activations' peak
-    (grads_kept: stages 0-1 hold their gradient buckets, with offload or step_in_backward)."""
+    (grads_kept: stages 0-1 hold their gradient buckets)."""
     msb, buf, stage = est["model_state_bytes"], est["buffer_bytes"], est["stage"]
     state = msb["parameters"] + msb["master_weights"] + msb["optimizer_states"]
     gradients = msb["gradients"] if stage <= 1 and grads_kept else 0   # else released (in activations: backward)

@@ -1,26 +1,18 @@
-"""prior_state.py — the state a torch optimizer already holds when zeroify() wraps it.
+"""The state a torch optimizer already holds when zeroify() wraps it.
 
 Note [State given to zeroify]
-  A resuming DDP script often loads its checkpoint into the torch optimizer first and
-  wraps afterwards (nanoGPT). DDP keeps that optimizer; zeroify() replaces its state
-  with sharded buffers. So zeroify() carries the loaded state over, or says why not.
-  - capture(): rank-local, before any collective. It takes each optimizer's
-    state_dict() after checking zero_ext can hold it exactly; if not, a ValueError
-    names the fix, raised on every rank by the agreement check.
-  - What can be held. The fused Adam/AdamW/SGD: their own states, per parameter.
-    A 'shard' optimizer (an elementwise torch optimizer over shard views): one scalar
-    state (its "step", NAdam's mu_product) per bucket view, so every parameter of a
-    param group must hold state, with equal scalars. Per-element states must have
-    the parameter's shape. Whole-tensor optimizers (Muon): each state as it is.
-  - The summary (parameters with state, least and largest step) joins the agreement
-    check, so ranks that loaded different states are named. Checkpoints' fingerprint
-    does not include it.
-  - restore(): once the ZeroOptimizer exists, each state goes through its torch-format
-    load_state_dict (Note [Complete optimizer state] in zero_ext/optim_state.py). Each
-    rank copies its own fragments: no collective; in every stage, with offload,
-    low-precision masters and several optimizers. The retired torch optimizer's state
-    is then cleared, or it would keep full-size moments. Per-group hyperparameters
-    need no carrying: the returned optimizer shares the torch one's param_groups.
+  A resuming script often loads its checkpoint into the torch optimizer, then wraps it
+  (nanoGPT). zeroify() carries that state into its shards, or says why not.
+  - capture(), rank-local before any collective, takes each state_dict() once zero_ext
+    can hold it exactly: fused Adam/AdamW/SGD their own states; a 'shard' optimizer one
+    scalar state per bucket view, so every parameter of a group must hold state with
+    equal scalars; whole-tensor ones (Muon) anything. Per-element states must have the
+    parameter's shape. Else a ValueError, raised on every rank by the agreement check.
+  - Its summary (parameters with state, least and largest step) joins the agreement
+    check, so ranks that loaded different states are named.
+  - restore() loads each through the torch-format load_state_dict (Note [Complete
+    optimizer state] in zero_ext/optim_state.py), no collective, then clears the retired
+    torch optimizer's state, which would keep full-size moments.
 """
 from __future__ import annotations
 
@@ -54,7 +46,7 @@ def _check(optimizer, part, trainable: set, names: dict) -> None:
         held = [(p, optimizer.state.get(p)) for p in g["params"] if id(p) in trainable]
         with_state = [(p, st) for p, st in held if st]
         if part.kind == "whole" or not with_state:
-            continue                          # whole tensors keep their optimizer's own state, as it is
+            continue
         for p, st in with_state:
             name = names.get(id(p), f"of shape {tuple(p.shape)}")
             for key, t in st.items():
@@ -91,9 +83,7 @@ def _check(optimizer, part, trainable: set, names: dict) -> None:
 
 
 def capture(optimizers: list, parts: list, params: list, names: dict) -> tuple[list, tuple]:
-    """Rank-local, before any collective: ([each optimizer's state_dict(), or None where it
-    holds no state], a summary for the agreement check). Raises ValueError for a state
-    zero_ext cannot hold exactly."""
+    """([each optimizer's state_dict(), or None], a summary for the agreement check)."""
     trainable = {id(p) for p in params}
     states, summary = [], []
     for optimizer, part in zip(optimizers, parts):
@@ -124,8 +114,7 @@ def describe(summary) -> str:
 
 
 def restore(zopt, optimizers: list, states: list) -> None:
-    """Load each captured state into the ZeroOptimizer's shards (no collective), then clear
-    the retired torch optimizers' own state."""
+    """Load each captured state into the ZeroOptimizer's shards, clearing the torch optimizers'."""
     from . import optim_state
 
     several = len(optimizers) > 1

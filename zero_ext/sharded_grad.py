@@ -1,24 +1,18 @@
-"""sharded_grad.py — what p.grad is on a zeroified model in stages 1-3.
+"""What p.grad is on a zeroified model in stages 1-3.
 
 Note [Sharded gradients]
-  Scripts log p.grad.norm() or run torch.nn.utils.get_total_norm (Lightning's
-  grad_norm). In stages 2-3 p.grad would be None (the gradient lives sharded in the
-  engine); in stage 1 the bucket view, zeros outside the owned part (a wrong norm).
-  So, as FSDP2 shows a sharded DTensor, from the end of each reducing backward until
-  the next forward (or zero_grad) p.grad is a ShardedGrad: the parameter's logical
-  shape and dtype, no storage. It answers what DDP's p.grad (the average over ranks,
-  after clip_grad_norm_'s scaling, without loss scaling) would:
-  - whole-tensor reductions: norm / torch.norm / linalg.vector_norm / linalg.norm (any
-    p, inf included), sum, mean, max / amax, min / amin, optionally after abs, square or
-    pow(k), and torch._foreach_norm (so get_total_norm works). Collective, as DTensor's:
-    the first call after a backward reduces every parameter at once (one all-reduce
-    after the sequence check's exchange: Note [Collective sequence check]).
-  - torch._amp_foreach_non_finite_check_and_unscale_, which GradScaler.unscale_ calls
+  In stages 2-3 p.grad would be None (the gradient lives sharded in the engine); in
+  stage 1 the bucket view, zeros outside the owned part. So, as FSDP2's sharded DTensor,
+  from the end of each reducing backward until the next forward p.grad is a ShardedGrad:
+  the logical shape and dtype, no storage. It answers what DDP's p.grad (averaged, clip
+  factor applied, unscaled) would:
+  - whole-tensor reductions: norm (any p), sum, mean, max, min, optionally after abs,
+    square or pow(k), and torch._foreach_norm (get_total_norm). Collective: the first
+    call after a backward reduces every parameter at once (Note [Collective sequence check]).
+  - GradScaler.unscale_'s torch._amp_foreach_non_finite_check_and_unscale_
     (Note [GradScaler on sharded gradients] in zero_ext/amp.py).
-  - metadata (shape, dtype, device, numel), .data, .detach(), .float(), zero_() (a
-    no-op: zero_grad zeroes them), requires_grad_(False).
-  Anything else raises ZeroUsageError naming a reduction or optimizer.clip_grad_norm_.
-  Stage 0 keeps DDP's p.grad. The engine swaps the tensors in C++
+  - metadata, .data, .detach(), .float(), zero_() (a no-op), requires_grad_(False).
+  Anything else raises ZeroUsageError. The engine swaps the tensors in C++
   (Engine::hide_sharded_grads): a step pays no per-parameter Python.
 """
 from __future__ import annotations
@@ -41,8 +35,7 @@ def _norm_p(args, kwargs, pos: int):
 
 
 class GradStats:
-    """Per model: computes whole-tensor reductions of every parameter's sharded
-    gradient in one collective and keeps them until the gradients change."""
+    """Per model: every parameter's reduction in one collective, kept until the gradients change."""
 
     def __init__(self, optimizer):
         self._opt = weakref.ref(optimizer)      # Note [No cycles through C++] (model.py)
@@ -62,8 +55,7 @@ class GradStats:
 
     def result(self, index: int, ops: tuple, reduce: tuple) -> torch.Tensor:
         opt = self.optimizer()
-        eng = opt.engine
-        key_state = (eng.grad_generation, opt.grad_multiplier())
+        key_state = (opt.engine.grad_generation, opt.grad_multiplier())
         if key_state != self._generation:
             self._cache, self._generation = {}, key_state
         key = (ops, reduce)
@@ -83,34 +75,28 @@ class GradStats:
                                  "total norm, or zeroify with step_control=False")
         scale = opt.grad_multiplier()
         kind, p = reduce
+        if kind == "norm" and math.isinf(p):   # the largest (least) magnitude
+            kind, ops = ("max" if p > 0 else "min"), ops + (("abs",),)
         shards = eng.grad_shards()
-        n_params = len(opt.engine_params)
-        acc = torch.zeros(n_params, dtype=torch.float64)
-        if kind in ("max", "min") or (kind == "norm" and math.isinf(p)):
-            acc.fill_(-math.inf if (kind == "max" or p > 0) else math.inf)
+        acc = torch.full((len(opt.engine_params),), {"max": -math.inf, "min": math.inf}.get(kind, 0.0),
+                         dtype=torch.float64)
         for f in eng.fragment_views(masters=False):   # Note [Fragment views] (csrc/engine/fragment_view.h)
             i = f.param
             v = shards[f.bucket].narrow(0, f.slice_offset, f.numel).to(torch.float64).cpu() * scale
             for op in ops:
                 v = v.abs() if op == ("abs",) else v.square() if op == ("square",) else v.pow(op[1])
-            if kind in ("sum", "mean"):
-                acc[i] += v.sum()
-            elif kind == "max":
+            if kind == "max":
                 acc[i] = torch.maximum(acc[i], v.max())
             elif kind == "min":
                 acc[i] = torch.minimum(acc[i], v.min())
-            elif math.isinf(p):
-                m = v.abs().max() if p > 0 else v.abs().min()
-                acc[i] = torch.maximum(acc[i], m) if p > 0 else torch.minimum(acc[i], m)
-            elif p == 0:
-                acc[i] += (v != 0).sum()
+            elif kind != "norm":   # sum, mean
+                acc[i] += v.sum()
             else:
-                acc[i] += v.abs().pow(p).sum()
+                acc[i] += (v != 0).sum() if p == 0 else v.abs().pow(p).sum()
         comm = opt.comm
         if comm.world > 1 and eng.partitions > 1:
             op = torch.distributed.ReduceOp
-            red = (op.MAX if kind == "max" or (kind == "norm" and math.isinf(p) and p > 0) else
-                   op.MIN if kind == "min" or (kind == "norm" and math.isinf(p)) else op.SUM)
+            red = {"max": op.MAX, "min": op.MIN}.get(kind, op.SUM)
             acc = torch.tensor(comm.all_reduce(acc.tolist(), op=red), dtype=torch.float64)
         if kind == "mean":
             acc /= torch.tensor([float(math.prod(s)) or 1.0 for s in opt.param_shapes], dtype=torch.float64)
@@ -193,11 +179,7 @@ def _refuse(what: str, g) -> None:
 
 
 def install(optimizer, names: dict) -> None:
-    """Give the engine one ShardedGrad per trainable parameter (stages 1-3 at world size > 1,
-    where p.grad would not be DDP's)."""
-    eng = optimizer.engine
-    stats = GradStats(optimizer)
-    shapes = optimizer.param_shapes
-    wrappers = [ShardedGrad(shape, p.dtype, p.device, stats, i, names.get(id(p), f"#{i}"))
-                for i, (p, shape) in enumerate(zip(optimizer.engine_params, shapes))]
-    eng.set_grad_wrappers(wrappers)
+    """Give the engine one ShardedGrad per trainable parameter."""
+    stats, params = GradStats(optimizer), zip(optimizer.engine_params, optimizer.param_shapes)
+    optimizer.engine.set_grad_wrappers([ShardedGrad(shape, p.dtype, p.device, stats, i, names.get(id(p), f"#{i}"))
+                                        for i, (p, shape) in enumerate(params)])

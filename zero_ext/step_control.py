@@ -1,11 +1,6 @@
-"""The fused step's control scalars kept where the gradients live (Note [Step
-control], csrc/core/zx_step_control.h): on a GPU, clip_grad_norm_, the inf/nan
-verdict, the loss-scale update and the step counts are computed by one-thread
-kernels on the stream and read by the optimizer kernels from device memory, so
-a steady-state step never waits for the device. The host reads them only when
-asked (loss_scale, stats(), state_dict(), float(norm)). On CPU tensors the same
-C rules run on the host (ZeroConfig.step_control=True), which is how CI tests
-this path without a GPU.
+"""The fused step's control scalars (clip factor, inf/nan verdict, loss scale, step counts)
+kept in the gradients' memory (Note [Step control], csrc/core/zx_step_control.h): a step
+never waits for the device. On CPU tensors the same C rules run on the host.
 """
 from __future__ import annotations
 
@@ -30,11 +25,8 @@ class StepControl:
         self._found_known = False
         self._clip_at = None        # the gradients' generation a pending clip factor was computed from
 
-    # ------------------------------------------------------------------ per step
     def _drop_stale(self) -> None:
-        """A pending clip factor and verdict belong to the gradients they were computed
-        from: once those changed (a step GradScaler skipped), they are dropped (Note
-        [GradScaler on sharded gradients] in zero_ext/amp.py)."""
+        """Drop a pending clip factor and verdict once their gradients changed."""
         if self._clip_at is not None and self._clip_at != self._engine.grad_generation:
             self.ctl[_C.CTL_CLIP] = 1.0
             self.ctl[_C.CTL_FOUND] = 0.0
@@ -42,8 +34,7 @@ class StepControl:
         self._clip_at = self._engine.grad_generation
 
     def clip(self, max_norm: float) -> torch.Tensor:
-        """The global 2-norm of the averaged unscaled gradients (a 0-dim tensor on the
-        device); its clip factor is folded into the next step."""
+        """The global 2-norm of the averaged unscaled gradients, on the device."""
         self._drop_stale()
         self._engine.grad_sumsq_into(self.out2)
         self._clip(self.ctl, self.out2, self._engine.grad_divisor(), self.scaler, float(max_norm), self.norm)
@@ -59,8 +50,7 @@ class StepControl:
         self._found_known = True
 
     def before_step(self) -> None:
-        """The multiplier, the skip verdict, the loss-scale update and the step counts,
-        in device memory; the fused kernels then read them (step_adam/step_sgd ctl=)."""
+        """The multiplier, skip verdict, loss-scale update and step counts, in device memory."""
         self._drop_stale()
         self._clip_at = None
         out2 = None
@@ -70,7 +60,6 @@ class StepControl:
         self._found_known = False
         self._step(self.ctl, out2, self._engine.grad_divisor(), self.scaler, self.scale, self.steps)
 
-    # ------------------------------------------------------------------ host views (read when asked)
     def host_scaler(self, like):
         """The device scaler's state as a LossScaler (a device-to-host copy)."""
         return like.from_bytes(self.scaler.cpu()) if self.scaler is not None else None

@@ -1,22 +1,14 @@
-"""torch_utils.py — torch's gradient-clipping utilities on a zeroified model's parameters.
+"""torch's gradient-clipping utilities on a zeroified model's parameters.
 
 Note [torch's clipping utilities]
-  DDP scripts clip with torch.nn.utils.clip_grad_norm_(model.parameters(), c). On a
-  zeroified model that would be silently wrong. In stages 2-3 p.grad is None (the
-  gradient lives reduced and sharded in the engine), so torch clips nothing. In stage 1
-  p.grad is this rank's unreduced gradient. With loss scaling every p.grad is scaled.
-  So `import zero_ext` wraps torch's clip_grad_norm_, clip_grad_value_ and
-  clip_grads_with_norm_, under both names torch exports them.
-  - A call over none of a zeroified model's parameters runs torch's own.
-  - A call over a zeroified model's trainable parameters (frozen ones may be included)
-    runs the optimizer's clip_grad_norm_ (the global norm of the sharded gradients,
-    folded into the next step), or clamps the gradient shards: what DDP + torch compute.
-  - A call over part of a model, or over two models, raises ZeroUsageError naming
-    optimizer.clip_grad_norm_: never a silent no-op.
-  `foreach` only picks torch's kernels: accepted and ignored. A script that bound the
-  function before importing zero_ext keeps torch's own. torch.nn.utils.get_total_norm
-  needs no routing: p.grad answers its own norm (Note [Sharded gradients] in
-  sharded_grad.py).
+  torch.nn.utils.clip_grad_norm_(model.parameters(), c) would be silently wrong on a
+  zeroified model: p.grad is sharded (stages 1-3) or scaled (loss scaling). So
+  `import zero_ext` wraps torch's clip_grad_norm_, clip_grad_value_ and
+  clip_grads_with_norm_, under both names torch exports them. A call over none of a
+  zeroified model's parameters runs torch's own; over all its trainable ones, the
+  optimizer's clipping (what DDP + torch compute); over part of a model, or two
+  models, it raises ZeroUsageError. `foreach` is accepted and ignored. A script that
+  bound the function before importing zero_ext keeps torch's own.
 """
 from __future__ import annotations
 
@@ -29,23 +21,21 @@ from torch.nn.utils import clip_grad as clip_grad_module
 from .changes import ZeroUsageError
 from .gather import OWNER_ATTR
 
-# torch's functions (the module's own, even should this module be imported twice)
+# torch's functions (even should this module be imported twice)
 _ORIGINAL = {name: getattr(clip_grad_module, name) for name in ("clip_grad_norm_", "clip_grad_value_")}
 if hasattr(nn_utils, "clip_grads_with_norm_"):      # torch >= 2.6
     _ORIGINAL["clip_grads_with_norm_"] = nn_utils.clip_grads_with_norm_
 _ORIGINAL = {name: getattr(fn, "_zero_ext_torch", fn) for name, fn in _ORIGINAL.items()}
 
 
-def _optimizer_for(params: list, what: str):
-    """The zeroified optimizer that owns `params`, or None when none of them is a
-    zeroified model's; raises for a partial or mixed set."""
-    owners = {}
-    for p in params:
-        owner = getattr(p, OWNER_ATTR, None)
-        if owner is not None and owner[0]() is not None:
-            owners[id(owner[0]())] = owner[0]()
+def _optimizer_for(parameters, what: str):
+    """(params, the zeroified optimizer owning them, or None when none is a zeroified model's);
+    raises for a partial or mixed set."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owners = {id(w): w for p in params
+              if (owner := getattr(p, OWNER_ATTR, None)) is not None and (w := owner[0]()) is not None}
     if not owners:
-        return None
+        return params, None
     fix = (f"call optimizer.clip_grad_norm_(max_norm, norm_type) on the optimizer zeroify() returned (it clips "
            f"the global norm of the sharded gradients), or pass {what} all of model.parameters()")
     if len(owners) > 1:
@@ -66,13 +56,12 @@ def _optimizer_for(params: list, what: str):
             f"zero_ext: torch.nn.utils.{what} over {len(given)} tensors that leave out {len(missing)} of the "
             f"zeroified model's {len(trainable)} trainable parameters ({left}{', ...' if len(missing) > 3 else ''})"
             f": a zeroified model's gradients are sharded and clipped as a whole; {fix}")
-    return opt
+    return params, opt
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     """torch.nn.utils.clip_grad_norm_, right on zeroified parameters (Note [torch's clipping utilities])."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    opt = _optimizer_for(params, "clip_grad_norm_")
+    params, opt = _optimizer_for(parameters, "clip_grad_norm_")
     if opt is None:
         return _ORIGINAL["clip_grad_norm_"](params, max_norm, norm_type=norm_type,
                                            error_if_nonfinite=error_if_nonfinite, foreach=foreach)
@@ -86,8 +75,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
 
 def clip_grad_value_(parameters, clip_value, foreach=None):
     """torch.nn.utils.clip_grad_value_, right on zeroified parameters (Note [torch's clipping utilities])."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    opt = _optimizer_for(params, "clip_grad_value_")
+    params, opt = _optimizer_for(parameters, "clip_grad_value_")
     if opt is None:
         return _ORIGINAL["clip_grad_value_"](params, clip_value, foreach=foreach)
     clip_value = float(clip_value)
@@ -97,19 +85,16 @@ def clip_grad_value_(parameters, clip_value, foreach=None):
 
 
 def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
-    """torch.nn.utils.clip_grads_with_norm_ (torch's second half of clip_grad_norm_), right on
-    zeroified parameters: the factor is folded into the optimizer's next step."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    opt = _optimizer_for(params, "clip_grads_with_norm_")
+    """torch.nn.utils.clip_grads_with_norm_, right on zeroified parameters."""
+    params, opt = _optimizer_for(parameters, "clip_grads_with_norm_")
     if opt is None:
         return _ORIGINAL["clip_grads_with_norm_"](params, max_norm, total_norm, foreach=foreach)
     opt.clip_by_total_norm_(float(max_norm), float(total_norm))
 
 
-clip_grad_norm_._zero_ext_torch = _ORIGINAL["clip_grad_norm_"]
-clip_grad_value_._zero_ext_torch = _ORIGINAL["clip_grad_value_"]
-if "clip_grads_with_norm_" in _ORIGINAL:
-    clip_grads_with_norm_._zero_ext_torch = _ORIGINAL["clip_grads_with_norm_"]
+for _fn in (clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_):
+    if _fn.__name__ in _ORIGINAL:
+        _fn._zero_ext_torch = _ORIGINAL[_fn.__name__]
 
 
 def install() -> None:

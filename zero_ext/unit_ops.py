@@ -1,10 +1,9 @@
 """Stage 3's units as custom operators in a compiled graph (Note [Stage 3 collectives in
-the graph], zero_ext/compiled.py): a Python torch.library prototype, off unless UNITS_IN_GRAPH.
-  zero_ext::unit_gather(model, unit, anchor, after) -> flat   the unit's parameters whole,
-      flattened in the engine's order (a fresh tensor in param_dtype); `after` (the unit's
-      input, not read) orders it. Its autograd formula (through `anchor`: 0 elements, one per
-      unit, requires grad) is zero_ext::unit_reduce(model, unit, grad) -> empty: the gradient
-      handed to the engine (mark_ready_with), an ordered effect. `model`: a Units' id.
+the graph], zero_ext/compiled.py), off unless UNITS_IN_GRAPH.
+  zero_ext::unit_gather(model, unit, anchor, after) -> flat: the unit's parameters whole, flat in
+      the engine's order; `after` (the unit's input, not read) orders it. Its autograd formula
+      (through `anchor`, 0 elements) is zero_ext::unit_reduce(model, unit, grad): the gradient
+      handed to the engine. `model`: a Units' id.
 """
 from __future__ import annotations
 
@@ -64,7 +63,6 @@ class Units:
                 if self.own[k] is not None:
                     m.forward = self.own[k]
 
-    # -- what the operators run
     def gather(self, k: int) -> torch.Tensor:
         from .alone import source
         w = self.wrapper()

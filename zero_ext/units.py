@@ -1,9 +1,7 @@
 """Stage 3 units: which module subtree each parameter is gathered with.
 
-A unit is a module whose parameters are all-gathered together before its forward
-(and backward) and released after. Unit 0 is the root: parameters outside every
-unit, and parameters shared by two units or used outside their unit (tied
-weights), which stay gathered from the start of forward to the end of backward.
+A unit's parameters are gathered together before its forward (and backward) and released
+after. Unit 0, the root, holds those outside every unit or shared by two (tied weights).
 """
 from __future__ import annotations
 
@@ -12,12 +10,8 @@ from torch import nn
 
 
 def frozen_to_shard(frozen: list, stage, param_dtype: str) -> list:
-    """Of the parameters outside the optimizer's trainable ones, those stage 3
-    shards (Note [Stage 3 frozen parameters], csrc/engine/frozen.cpp): every
-    requires_grad=False floating-point one that computes in param_dtype. With fp32
-    that keeps only fp32 ones (a frozen bf16 base in an fp32 run stays whole, as in
-    stages 0-2, rather than be widened); with a low param_dtype all, as stages 0-2
-    cast them too. Other stages: none."""
+    """The frozen parameters stage 3 shards (Note [Stage 3 frozen parameters], csrc/engine/frozen.cpp):
+    floating-point ones computing in param_dtype (with fp32, a frozen bf16 one stays whole)."""
     if stage != 3:
         return []
     return [p for p in frozen if not p.requires_grad and p.is_floating_point() and p.numel() > 0
@@ -25,32 +19,24 @@ def frozen_to_shard(frozen: list, stage, param_dtype: str) -> list:
 
 
 # Note [Units are called modules]
-#   A unit is gathered by hooks on its module's forward (model.py's _UnitHooks), so
-#   only a module that is called can be one. Containers without a forward of their
-#   own (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict) never are:
-#   the module holding them calls their elements or reads their parameters. A
-#   ModuleList chosen as a unit (a GPT's blocks are under a quarter of the model
-#   when a large tied embedding is most of it) had its storage released after its
-#   first backward and never gathered again; the first step only passed because the
-#   registration-order guess prefetched it. Automatic selection therefore walks
-#   through such a container to its elements, and counts a never-called child's
-#   parameters as its holder's own; unit_modules naming one is refused.
+#   A unit is gathered by hooks on its module's forward (model.py's _UnitHooks), so only a
+#   module that is called can be one. Containers without a forward of their own
+#   (nn.ModuleList, nn.ParameterDict, ...) never are: once released they would never be
+#   gathered again. Automatic selection walks through one to its elements, and counts a
+#   never-called child's parameters as its holder's own; unit_modules naming one is refused.
 def called(m: nn.Module) -> bool:
     """Whether m has a forward of its own (hooks on it can fire)."""
     return type(m).forward is not nn.Module.forward
 
 
 def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_unit_numel: int):
-    """Returns (unit id per parameter of `params` (trainable ones and the frozen ones
-    stage 3 shards alike), unit modules with index 0 the model,
-    the modules other than the model that hold root-unit parameters directly).
+    """(unit id per parameter of `params`, unit modules with index 0 the model, the other modules
+    holding root-unit parameters directly).
 
-    unit_modules: class names (or classes) that form units; None = automatic:
-        walking down from the root, a child holding at most `unit_numel` trainable
-        elements (default: a quarter of them) becomes a unit, a larger one is split
-        into its children unless it holds parameters of its own (then it stays whole).
-        Units under min_unit_numel elements join the root. A module that is never
-        called (Note [Units are called modules]) is never a unit.
+    unit_modules: class names (or classes) that form units; None = automatic: walking down
+        from the root, a child holding at most `unit_numel` elements (default: a quarter)
+        becomes a unit, a larger one is split unless it holds parameters of its own. Units
+        under min_unit_numel join the root.
     """
     trainable = {id(p) for p in params}
 
@@ -58,17 +44,13 @@ def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_u
         return sum(p.numel() for p in m.parameters() if id(p) in trainable)
 
     def direct(m):
-        """The trainable parameters m's forward may read without calling a submodule:
-        its own and those of its never-called children (an nn.ParameterList), at any depth."""
+        """The trainable parameters m's forward may read without calling a submodule."""
         return [p for p in m.parameters(recurse=False) if id(p) in trainable] + [
             p for c in m.children() if not called(c) for p in direct(c)]
 
     total = sum(p.numel() for p in params)
     cap = unit_numel if unit_numel is not None else max(total // 4, 1)
-    names = None
-    if unit_modules is not None:
-        names = {c if isinstance(c, str) else c.__name__ for c in unit_modules}
-
+    names = None if unit_modules is None else {c if isinstance(c, str) else c.__name__ for c in unit_modules}
     units = [model]
 
     def visit(m):
@@ -87,25 +69,18 @@ def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_u
                 else:
                     visit(child)
                 continue
-            if not called(child):
-                # Note [Units are called modules]: its elements are units of their own;
-                # its direct parameters belong to the module that holds it.
+            if not called(child):   # Note [Units are called modules]
                 visit(child)
                 continue
-            # A module holding parameters of its own is not split: its forward may read
-            # its children's parameters directly (nn.MultiheadAttention uses
-            # out_proj.weight without calling out_proj), so they must be gathered with it.
-            own = bool(direct(child))
-            has_sub = any(numel(c) for c in child.children())
-            if n <= cap or not has_sub or own:
+            # one holding parameters of its own is not split: nn.MultiheadAttention reads out_proj.weight
+            if n <= cap or direct(child) or not any(numel(c) for c in child.children()):
                 if n >= min_unit_numel:
                     units.append(child)
             else:
                 visit(child)
 
     visit(model)
-    # Nearest unit ancestor of every module registration, then each parameter's
-    # owner; a parameter seen from two units goes to the root.
+    # each parameter's nearest unit ancestor; one seen from two units goes to the root
     index = {id(m): k for k, m in enumerate(units)}
     owner: dict[int, int] = {}
 
@@ -118,7 +93,6 @@ def assign_units(model: nn.Module, params: list, unit_modules, unit_numel, min_u
             walk(c, k)
 
     walk(model, 0)
-    # Renumber so that unit ids are contiguous over units that own parameters.
     used = sorted({owner[id(p)] for p in params} | {0})
     renum = {old: new for new, old in enumerate(used)}
     root_holders = [m for m in model.modules() if m is not model and any(

@@ -1,14 +1,12 @@
 """Optimizers that need whole tensors (torch.optim.Muon, torch.optim.Adafactor).
 
-Their update of an element depends on the whole tensor (Newton-Schulz, factored
-second moments), so the planner gives each tensor whole to one rank
-(Note [Tensor-atomic buckets] in csrc/core/zx_core.h), balanced by update cost, inside
-equal bucket slices: one reduce-scatter and one all-gather per bucket still. The owner runs
-the user's torch optimizer over its fp32 master views; the state exists only there.
-Several torch optimizers given together (Muon + AdamW) share one engine: zeroify
-returns a ZeroOptimizerPart (zero_ext/optim.py) for each.
+Their update of an element depends on the whole tensor, so the planner gives each tensor
+whole to one rank (Note [Tensor-atomic buckets] in csrc/core/zx_core.h), balanced by update
+cost. The owner runs the user's torch optimizer over its fp32 master views.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -29,20 +27,14 @@ _STATE_PER_ELEMENT: dict = {}
 
 
 def state_bytes_per_element(cls, hyper: dict, shape) -> float:
-    """Optimizer state bytes per element of a parameter of `shape` under torch
-    optimizer class `cls` with group hyperparameters `hyper`, as torch itself
-    allocates it: one step on a zero tensor (meta device when the class allows,
-    else CPU), counting every state tensor of one or more dimensions (a scalar
-    step count is per tensor, not per element). Muon: 4 (momentum), AdamW: 8,
-    Adafactor on an m x n matrix: 4 (m + n) / (m n). The planner balances this
-    (Note [Filling atomic buckets] in csrc/core/zx_core.h)."""
+    """Optimizer state bytes per element of a parameter of `shape` under `cls` with group
+    hyperparameters `hyper`, as torch allocates it in one step on a zero tensor (meta device
+    when the class allows, else CPU). Muon: 4, AdamW: 8, Adafactor on m x n: 4 (m + n) / (m n)."""
     shape = tuple(int(d) for d in shape)
     opts = {k: v for k, v in hyper.items() if k not in ("params", "fused", "foreach", "differentiable")}
     key = (cls, shape, repr(sorted(opts.items())))
     if key not in _STATE_PER_ELEMENT:
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         for device in ("meta", "cpu"):
             p = torch.zeros(shape, device=device, requires_grad=True)
             p.grad = torch.zeros(shape, device=device)
@@ -61,12 +53,9 @@ def state_bytes_per_element(cls, hyper: dict, shape) -> float:
 
 
 def fill_state_sizes(parts, group_dicts: list, params: list, groups: list, stage, world: int) -> list:
-    """Per trainable parameter, the optimizer state bytes per element that the
-    planner balances by filling the padding of tensor-atomic buckets with pieces of
-    element-granular parameters (Note [Filling atomic buckets] in csrc/core/zx_core.h,
-    Note [Cut parameters] in csrc/engine/fill.cpp); [] when nothing is filled:
-    stage 0 or 3, one rank, no whole-tensor optimizer, or an elementwise one that
-    runs as a torch optimizer over shard views rather than as a fused kernel."""
+    """Per trainable parameter, the state bytes per element the planner balances (Note [Filling
+    atomic buckets] in csrc/core/zx_core.h); [] when nothing is filled: stage 0 or 3, one rank,
+    no whole-tensor optimizer, or a 'shard' one."""
     if stage not in (1, 2) or world < 2:
         return []
     if not any(p.kind == "whole" for p in parts) or any(p.kind == "shard" for p in parts):
@@ -77,20 +66,16 @@ def fill_state_sizes(parts, group_dicts: list, params: list, groups: list, stage
 
 
 def owned_states(parts) -> dict:
-    """engine parameter index -> a CPU copy of the state of each whole tensor this rank owns
-    (in the ZeroOptimizer's `parts`). Keyed by index, not name: a rank serving it may have
-    dropped its model already."""
+    """engine parameter index -> a CPU copy of the state of each whole tensor this rank owns (by
+    index: a rank serving it may have dropped its model)."""
     return {i: {k: t.detach().cpu().clone() if torch.is_tensor(t) else t
                 for k, t in part.opt.state.get(view, {}).items()}
             for part in parts if part.kind == "whole" for i, view in part.owned}
 
 
 def build_whole_optimizer(part, owned: list, group_of: list, hyper) -> None:
-    """The inner torch optimizer of a 'whole' part: the part's class over this
-    rank's whole tensors (owned: the engine's owned_tensors() of the part's groups,
-    fp32 master views with their gradient views), one inner group per param group
-    of which this rank owns a tensor. group_of[i]: engine parameter i's param group;
-    hyper(gi): that group's hyperparameters."""
+    """A 'whole' part's torch optimizer over this rank's fp32 master views (owned: the engine's
+    owned_tensors()), one inner group per param group it owns a tensor of."""
     by_group: dict[int, list] = {}
     for i, master, grad in owned:
         master.grad = grad
