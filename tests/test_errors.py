@@ -380,6 +380,10 @@ CASES = [
     ("fused_always_generic", _zeroify_optimizer(lambda m: torch.optim.Adagrad(m.parameters()), fused="always"),
      ZeroInputError,
      ["Adagrad has no fused kernel", "use fused='auto'"]),
+    # two optimizers over shard views (one keeps their state: was a KeyError at the first state_dict())
+    ("two_generic", _zeroify_optimizer(lambda m: [torch.optim.Adagrad(list(m.parameters())[:2]),
+                                                  torch.optim.RMSprop(list(m.parameters())[2:])], stage=2),
+     ZeroInputError, ["Adagrad and RMSprop would each run as a torch optimizer", "as param groups"]),
     ("reduce_dtype_generic", _zeroify_optimizer(lambda m: torch.optim.RMSprop(m.parameters()), reduce_dtype="bf16"),
      ZeroInputError,
      ["reduce_dtype='bf16' needs a fused optimizer", "RMSprop", "use reduce_dtype='fp32'"]),

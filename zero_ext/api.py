@@ -100,6 +100,11 @@ def _optimizer_parts(optimizers: list, cfg: ZeroConfig) -> list:
         parts.append(Part(cls, list(range(first_group, first_group + n)),
                            "whole" if whole else "fused" if fused else "shard"))
         first_group += n
+    shard = [p.cls.__name__ for p in parts if p.kind == "shard"]
+    if len(shard) > 1:   # one torch optimizer over the shard views keeps their state (zero_ext/local_shard.py)
+        _fail(f"{' and '.join(shard)} would each run as a torch optimizer over this rank's flat shard, and zero_ext "
+              f"runs one such optimizer; give their parameters to one optimizer as param groups (each group keeps "
+              f"its hyperparameters), or use Adam, AdamW or SGD (fused kernels) for all but one of them")
     for o in optimizers:
         if is_retired(o):
             _fail(f"this torch optimizer ({type(o).__name__}) was already wrapped by zeroify(); use the optimizer "
