@@ -275,6 +275,4 @@ def _map(key: str, value: Any, kwargs: dict) -> str | None:
             return "zero_ext offloads the optimizer to host memory only; use {'device': 'cpu'} or 'none'"
         if device == "cpu":
             kwargs["offload"] = "cpu"
-    else:
-        raise AssertionError(f"zero_ext: internal: no mapping rule for {key}")
-    return None
+    return None   # every "maps" key has a rule (tests/test_from_deepspeed.py)
