@@ -84,8 +84,7 @@ def _post_order(m: nn.Module):
 class _Units:
     """Which units are whole while initializing, and what is still unset."""
 
-    def __init__(self, engine, unit_of: dict, members: dict, only: set | None = None, pieces: dict | None = None,
-                 comm=None):
+    def __init__(self, engine, unit_of: dict, members: dict, only: set | None, pieces: dict | None, comm):
         self.engine = engine
         self.unit_of = unit_of          # id(parameter) -> unit
         self.members = members          # unit -> its parameters

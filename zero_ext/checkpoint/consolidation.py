@@ -68,17 +68,14 @@ def consolidate(path) -> dict:
         sd[f"model/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
     from torch.distributed import checkpoint as dcp
     try:
+        whole = whole_entries(real, list(m["params"]))   # whole tensors' states, in the same read
+        sd.update({k: t for per in whole.values() for k, t in per.items()})
         with quiet():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(real), no_dist=True)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed ({type(e).__name__}: {e}); "
                               f"{LOAD_EARLIER}") from e
     objects = read_objects(sd[OBJECTS], real)
-    whole = whole_entries(real, list(m["params"]))
-    if whole:
-        with quiet():
-            dcp.load({k: t for per in whole.values() for k, t in per.items()},
-                     storage_reader=dcp.FileSystemReader(real), no_dist=True)
     whole = {n: {k.split("/")[1]: t for k, t in per.items()} for n, per in whole.items()}
     return dict(_assemble(m, flat, objects, whole, {name: sd[f"model/{name}"] for name in m["plain"]}),
                 extra=objects["extra"], scheduler=objects["scheduler"], loss_scaler=objects["loss_scaler"])
