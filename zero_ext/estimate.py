@@ -134,13 +134,19 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     module = model_or_numel if isinstance(model_or_numel, nn.Module) else nn.Module()
     dev = next((p.device.type for p in module.parameters() if not p.is_meta), "cuda")   # a count, meta: "cuda"
     alltoall = cfg.reduce_scatter == "alltoall" or (cfg.reduce_scatter == "auto" and device_backend(backend) == "gloo")
+    adam, bf16_states = issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)), cfg.state_dtype == "bf16"
+    if bf16_states and not (fused and adam):   # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
+        raise ValueError(f"zero_ext: state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, not of "
+                         f"{cls.__name__}; estimate with optimizer='adamw' (or 'adam'), or state_dtype='fp32'")
+    if bf16_states and any(h.get("amsgrad") for h in hypers):
+        raise ValueError("zero_ext: state_dtype='bf16' has no bf16 form of amsgrad's state; estimate with "
+                         "amsgrad=False, or state_dtype='fp32'")
     m = model_state_bytes(   # csrc/engine/model_state.h
         [r[0] for r in rows], [r[3] for r in rows], [r[4] for r in rows], stage=s, world=world_size, param_bytes=ps,
-        reduce_bytes=rs, state_bytes=_state_size(cls, hypers, cfg, fused), states_per_group=counts, fused=fused,
-        adam=issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)), param_quant=cfg.param_quant is not None,
-        grad_quant=cfg.grad_quant is not None, offload=cfg.offload is not None, alltoall=alltoall,
-        master_remainder=cfg.master_remainder_applies(fused), on_gpu=dev == "cuda",
-        step_in_backward=bool(cfg.step_in_backward))
+        reduce_bytes=rs, state_bytes=2 if bf16_states else 4, states_per_group=counts, fused=fused, adam=adam,
+        param_quant=cfg.param_quant is not None, grad_quant=cfg.grad_quant is not None,
+        offload=cfg.offload is not None, alltoall=alltoall, master_remainder=cfg.master_remainder_applies(fused),
+        on_gpu=dev == "cuda", step_in_backward=bool(cfg.step_in_backward))
     msb = m["model_state_bytes"]
     piece, slice_align = plan_alignments(cfg.resolved_align(world_size), _ZX_DTYPE[pdt])   # Note [Aligned pieces]
     b = buffer_bytes([r[1] for r in rows], [r[3] for r in rows], frozen_units, stage=s, world=world_size,
@@ -168,20 +174,6 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         act = peak.activation_peak(model_or_numel, loss_fn, dtype, grad_bytes, b["grad_ring"] if grad_bytes else 0)
         est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, act, dev != "cuda", kept)
     return est
-
-
-def _state_size(cls, hypers: list, cfg: ZeroConfig, fused: bool) -> int:
-    """Bytes per optimizer state element: 4, or 2 with state_dtype="bf16"."""
-    if cfg.state_dtype != "bf16":
-        return 4
-    # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
-    if not (fused and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
-        raise ValueError(f"zero_ext: state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, not of "
-                         f"{cls.__name__}; estimate with optimizer='adamw' (or 'adam'), or state_dtype='fp32'")
-    if any(h.get("amsgrad") for h in hypers):
-        raise ValueError("zero_ext: state_dtype='bf16' has no bf16 form of amsgrad's state; estimate with "
-                         "amsgrad=False, or state_dtype='fp32'")
-    return 2
 
 
 def _table(a) -> str:

@@ -366,11 +366,16 @@ def fill(model: ZeroModel, plan: Plan, comm, init_fn=None, initialize: bool = Fa
                          time.perf_counter() - t0)
 
 
-def comm_of(model: ZeroModel):
+def settled_comm(model: ZeroModel):
+    """The model's Comm, once its engine has finished its collectives for a load or save that
+    every rank calls."""
     opt = model.optimizer
     if opt is None:
         raise RuntimeError("zero_ext: the optimizer zeroify() returned with this model no longer exists; keep a "
                            "reference to it while you load or save the model")
+    model.engine.sequence_mark(PHASE_CHECKPOINT)   # collective: a rank calling it alone is named
+    model.engine.wait_reductions()
+    model.engine.flush_params()
     return opt.comm
 
 
@@ -383,10 +388,7 @@ def load_weights(model, weights, **options) -> WeightsReport:
         raise TypeError(f"zero_ext: load_weights takes the model zeroify() returned, got {type(model).__name__}; "
                         f"to load before wrapping, pass weights= to zeroify()")
     spec = as_weights(weights, **options)
-    engine, guard, comm = model.engine, model.guard, comm_of(model)
-    engine.sequence_mark(PHASE_CHECKPOINT)   # collective: a rank calling it alone is named
-    engine.wait_reductions()
-    engine.flush_params()
+    guard, comm = model.guard, settled_comm(model)
     guard.check_edits()                      # earlier edits reach the master before the load
     error, plan = None, None
     try:

@@ -39,10 +39,9 @@ from torch import nn
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.layout import frozen_units
 from ..checkpoint.saving import decide, fsync_dir, make_tmp, replace_file
-from .._C import PHASE_CHECKPOINT
 from ..model import ZeroModel
 from .files import INDEX, SHARD, WEIGHTS, Writer, numel, parse_size, plan_files
-from .load import comm_of, is_peft, tied_names
+from .load import is_peft, settled_comm, tied_names
 
 ADAPTER = "adapter_model.safetensors"
 WINDOW_BYTES = 32 << 20       # what rank 0 gathers at once, over all ranks (fp32)
@@ -182,10 +181,7 @@ def save_pretrained(model, save_directory, *, max_shard_size: int | str = "5GB",
                          f"(torch.bfloat16) or None (fp32 masters, every other tensor in its own dtype)")
     limit = parse_size(max_shard_size)
     path = os.path.abspath(os.fspath(save_directory))
-    engine, comm = model.engine, comm_of(model)
-    engine.sequence_mark(PHASE_CHECKPOINT)   # collective: a rank calling it alone is named
-    engine.wait_reductions()
-    engine.flush_params()
+    engine, comm = model.engine, settled_comm(model)
     peft = is_peft(model.module)
     saved = _saved(model, peft, dtype)
     files = plan_files([(name, dt, shape) for name, _, _, dt, shape in saved], limit) if not peft else None
