@@ -81,10 +81,12 @@ def _post_order(m: nn.Module):
     yield m
 
 
-class _Units:
-    """Which units are whole while initializing, and what is still unset."""
+class _Units(TorchFunctionMode):
+    """Which units are whole while initializing, and what is still unset. As a mode: before any
+    torch function runs on a managed parameter, its unit is made whole."""
 
     def __init__(self, engine, unit_of: dict, members: dict, only: set | None, pieces: dict | None, comm):
+        super().__init__()
         self.engine = engine
         self.unit_of = unit_of          # id(parameter) -> unit
         self.members = members          # unit -> its parameters
@@ -136,21 +138,11 @@ class _Units:
             self.engine.release_unit(u)
         self.whole.discard(u)
 
-
-class _OpenOnTouch(TorchFunctionMode):
-    """Before any torch function runs on a managed parameter, make its unit whole."""
-
-    def __init__(self, units: _Units):
-        super().__init__()
-        self.units = units
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                u = self.units.unit_of.get(id(t))
-                if u is not None:
-                    self.units.need(u)
+            if isinstance(t, torch.Tensor) and id(t) in self.unit_of:
+                self.need(self.unit_of[id(t)])
         return func(*args, **kwargs)
 
 
@@ -224,7 +216,7 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
             for p in m.parameters(recurse=False):
                 if id(p) in unit_of and units.wanted(p):
                     units.need(unit_of[id(p)])
-            with _OpenOnTouch(units), log:
+            with units, log:
                 fn(m)
         units.in_call = set()
 
