@@ -206,10 +206,9 @@ def config_from_deepspeed(config: dict | str) -> dict:
         raise TypeError(f"zero_ext: a DeepSpeed config must be a dict or a JSON path, got {type(config).__name__}; "
                         f"pass the ds_config dict or the path of its JSON file")
 
-    flat = _flatten(config)
     kwargs: dict = {}
     refused, script = [], []
-    for key, value in flat.items():
+    for key, value in _flatten(config).items():
         if key not in KEYS:
             refused.append(f"{key}: not a DeepSpeed key zero_ext knows (a typo, or a newer DeepSpeed "
                            f"feature): remove it, or map it by hand")

@@ -13,8 +13,6 @@ from .format import (LOAD_EARLIER, OBJECTS, CheckpointError, quiet, read_manifes
                      whole_entries)
 from .layout import core_optimizer, gather_frozen, plain_tensors, saved_objects, settle
 
-_ADAM_FAMILY = ("Adam", "AdamW")
-
 
 def optimizer_state_dict(layout: dict, tensors: dict, objects: dict, whole: dict | None = None):
     """A torch.optim state dict of the wrapped class (a list of them for several wrapped
@@ -41,7 +39,7 @@ def _part_state_dict(layout: dict, part: dict, tensors: dict, whole: dict, objec
                 s = {k: t.clone() for k, t in whole.get(n, {}).items()}
             else:
                 s = {k: (t.clone() if torch.is_tensor(t) else t) for k, t in (scal or {}).items()}
-                if not scal and part["optimizer"] in _ADAM_FAMILY and steps > 0:
+                if not scal and part["optimizer"] in ("Adam", "AdamW") and steps > 0:
                     s["step"] = torch.tensor(float(steps))
                 if steps > 0 or scal:
                     s.update({st: per[n] for st, per in tensors.items()})
