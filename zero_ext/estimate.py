@@ -144,8 +144,8 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     m = model_state_bytes(   # csrc/engine/model_state.h
         [r[0] for r in rows], [r[3] for r in rows], [r[4] for r in rows], stage=s, world=world_size, param_bytes=ps,
         reduce_bytes=rs, state_bytes=2 if bf16_states else 4, states_per_group=counts, fused=fused, adam=adam,
-        param_quant=cfg.param_quant is not None, grad_quant=cfg.grad_quant is not None,
-        offload=cfg.offload is not None, alltoall=alltoall, master_remainder=cfg.master_remainder_applies(fused),
+        param_quant=cfg.param_quant is not None, grad_quant=cfg.grad_quant is not None, alltoall=alltoall,
+        offload=cfg.offload is not None, master_remainder=cfg.master_remainder_applies(fused),
         on_gpu=dev == "cuda", step_in_backward=bool(cfg.step_in_backward))
     msb = m["model_state_bytes"]
     piece, slice_align = plan_alignments(cfg.resolved_align(world_size), _ZX_DTYPE[pdt])   # Note [Aligned pieces]

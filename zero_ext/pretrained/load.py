@@ -341,8 +341,8 @@ def _read(model: ZeroModel, plan: Plan, comm) -> tuple[int, int]:
         reader.close()
     if comm.all_reduce([1.0 if error is not None else 0.0], op=dist.ReduceOp.MAX)[0]:
         how = f"failed: {error}" if error is not None else "failed on another rank (its error names the file)"
-        raise CheckpointError(f"zero_ext: reading {plan.weights.path!r} {how}; the model is partly loaded: load "
-                              f"again") from error
+        raise CheckpointError(f"zero_ext: reading {plan.weights.path!r} {how}; the model is partly loaded: "
+                              f"load again") from error
     # what is gathered next (Note [Loading into a zeroified model])
     if guard.stage3:
         engine.publish_params()
