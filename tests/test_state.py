@@ -109,6 +109,19 @@ def test_config_sources(tmp_path):
     assert ZeroConfig().resolved_align(8) == 16 and ZeroConfig().resolved_align(1024) == 1
 
 
+def test_config_keeps_its_process_group():
+    """A ZeroConfig holding a process group, which cannot be deep-copied, merges and serializes."""
+    import threading
+
+    from zero_ext import ZeroConfig
+    from zero_ext.config import make_config
+
+    group = threading.Lock()   # stands for a ProcessGroup: neither can be deep-copied
+    config = ZeroConfig(process_group=group)
+    assert make_config(config, 3, {}).process_group is group
+    assert "process_group" not in config.to_dict() and config.to_dict()["stage"] == 2
+
+
 def test_single_process_without_process_group():
     """No process group: world size 1, no collectives, same maths as the torch optimizer."""
     import copy

@@ -58,7 +58,13 @@ def choose_stage(model, optimizer, cfg, world: int, backend: str, meta: bool = F
     need = ", ".join(f"stage {s} {_fmt(est[s]['total'])}" for s in stages)
     accum = f", {cfg.accumulation_steps} micro-steps per step" if cfg.accumulation_steps > 1 else ""
     if not fits:
-        smallest = _smallest_world(model, optimizer, cfg, world, backend, stages, budget)
+        def fit(n):   # (n, the stage that fits at world size n, its bytes), or None
+            e = _estimates(model, optimizer, cfg, n, backend, stages)
+            ok = [s for s in stages if e[s]["total"] <= budget]
+            return (n, min(ok, key=lambda s: e[s]["total"]), min(e[s]["total"] for s in ok)) if ok else None
+
+        n = smallest_world(world, _MAX_WORLD, lambda n: fit(n) is not None)   # csrc/engine/model_state.h
+        smallest = fit(n) if n else None   # the smallest N > world at which a stage fits
         where = (f"the smallest world size at which one fits is {smallest[0]} (stage {smallest[1]}, "
                  f"{_fmt(smallest[2])} per rank)" if smallest else
                  "no world size fits: what every rank keeps whole (frozen parameters in stages 0-2, stage 3's root and "
@@ -73,14 +79,3 @@ def choose_stage(model, optimizer, cfg, world: int, backend: str, meta: bool = F
            f"{world}, params {cfg.param_dtype}, reduce {cfg.reduce_dtype}{accum}. Memory per rank: {need}; "
            f"fitting: {', '.join(map(str, fits))}; communication per step of those: {comm}")
     return best, why
-
-
-def _smallest_world(model, optimizer, cfg, world, backend, stages, budget):
-    """(N, stage, bytes) for the smallest N > world at which a stage fits, or None."""
-    def fit(n):
-        e = _estimates(model, optimizer, cfg, n, backend, stages)
-        ok = [s for s in stages if e[s]["total"] <= budget]
-        return (n, min(ok, key=lambda s: e[s]["total"]), min(e[s]["total"] for s in ok)) if ok else None
-
-    n = smallest_world(world, _MAX_WORLD, lambda n: fit(n) is not None)   # csrc/engine/model_state.h
-    return fit(n) if n else None

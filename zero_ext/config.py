@@ -202,8 +202,7 @@ class ZeroConfig:
         return self.loss_scale
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("process_group")
+        d = {name: getattr(self, name) for name in _FIELDS if name != "process_group"}   # a group is not copied
         if d["unit_modules"] is not None:
             d["unit_modules"] = [c if isinstance(c, str) else c.__name__ for c in d["unit_modules"]]
         return d
@@ -367,13 +366,12 @@ def make_config(config: ZeroConfig | dict | str | None, stage: int | None, overr
     if config is None:
         base: dict = {}
     elif isinstance(config, ZeroConfig):
-        base = dataclasses.asdict(config)
-        base["process_group"] = config.process_group
+        base = {name: getattr(config, name) for name in _FIELDS}   # not asdict: it deep-copies the group
     elif isinstance(config, dict):
         check_keys(config)
         base = dict(config)
     elif isinstance(config, str):
-        base = dataclasses.asdict(ZeroConfig.from_json(config))
+        base = ZeroConfig.from_json(config).to_dict()
     else:
         raise TypeError(f"zero_ext: config must be a ZeroConfig, dict or JSON path, got {type(config).__name__}; "
                         f"pass config=ZeroConfig(...), a dict of options or a JSON file's path (or the options as "

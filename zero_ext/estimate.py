@@ -67,7 +67,7 @@ def states_per_element(cls, hyper: dict) -> int:
     return sum(1 for t in opt.state[p].values() if torch.is_tensor(t) and t.numel() == p.numel() and t.dim() > 0)
 
 
-def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig, trainable_groups):
+def _model_layout(model_or_numel, optimizer, cfg: ZeroConfig):
     """(trainable numels, their groups, stage 3's unit ids or None, replicated frozen numel,
     [(unit, numel)] of the frozen parameters stage 3 shards)."""
     if isinstance(model_or_numel, nn.Module):
@@ -121,7 +121,7 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         raise ValueError(f"zero_ext: estimate_memory needs a stage 0-3, got {cfg.stage!r}; pass stage=0, 1, 2 or "
                          f"3 (stage='auto' is decided from these estimates)")
     cls, hypers = _optimizer_class_and_groups(optimizer)
-    numels, groups, units, frozen, frozen_units = _model_layout(model_or_numel, optimizer, cfg, hypers)
+    numels, groups, units, frozen, frozen_units = _model_layout(model_or_numel, optimizer, cfg)
     pdt, rdt = cfg.param_dtype, cfg.reduce_dtype
     ps, rs = _SIZE[pdt], _SIZE[rdt]
     s = cfg.stage
@@ -131,22 +131,29 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
     fused = cls.__name__ in _FUSED_NAMES and issubclass(cls, tuple(getattr(torch.optim, n) for n in _FUSED_NAMES)) \
         and cfg.fused != "never"
     counts = [states_per_element(cls, h) for h in hypers]
-    dev = _device_type(model_or_numel)
+    module = model_or_numel if isinstance(model_or_numel, nn.Module) else nn.Module()
+    dev = next((p.device.type for p in module.parameters() if not p.is_meta), "cuda")   # a count, meta: "cuda"
     alltoall = cfg.reduce_scatter == "alltoall" or (cfg.reduce_scatter == "auto" and device_backend(backend) == "gloo")
+    adam, bf16_states = issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)), cfg.state_dtype == "bf16"
+    if bf16_states and not (fused and adam):   # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
+        raise ValueError(f"zero_ext: state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, not of "
+                         f"{cls.__name__}; estimate with optimizer='adamw' (or 'adam'), or state_dtype='fp32'")
+    if bf16_states and any(h.get("amsgrad") for h in hypers):
+        raise ValueError("zero_ext: state_dtype='bf16' has no bf16 form of amsgrad's state; estimate with "
+                         "amsgrad=False, or state_dtype='fp32'")
     m = model_state_bytes(   # csrc/engine/model_state.h
         [r[0] for r in rows], [r[3] for r in rows], [r[4] for r in rows], stage=s, world=world_size, param_bytes=ps,
-        reduce_bytes=rs, state_bytes=_state_size(cls, hypers, cfg, fused), states_per_group=counts, fused=fused,
-        adam=issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)), param_quant=cfg.param_quant is not None,
-        grad_quant=cfg.grad_quant is not None, offload=cfg.offload is not None, alltoall=alltoall,
-        master_remainder=cfg.master_remainder_applies(fused), on_gpu=dev == "cuda",
-        step_in_backward=bool(cfg.step_in_backward))
+        reduce_bytes=rs, state_bytes=2 if bf16_states else 4, states_per_group=counts, fused=fused, adam=adam,
+        param_quant=cfg.param_quant is not None, grad_quant=cfg.grad_quant is not None, alltoall=alltoall,
+        offload=cfg.offload is not None, master_remainder=cfg.master_remainder_applies(fused),
+        on_gpu=dev == "cuda", step_in_backward=bool(cfg.step_in_backward))
     msb = m["model_state_bytes"]
     piece, slice_align = plan_alignments(cfg.resolved_align(world_size), _ZX_DTYPE[pdt])   # Note [Aligned pieces]
     b = buffer_bytes([r[1] for r in rows], [r[3] for r in rows], frozen_units, stage=s, world=world_size,
                      param_bytes=ps, reduce_bytes=rs, grad_ring_buckets=cfg.grad_ring_buckets, depth=cfg.prefetch_depth,
                      coalesce_numel=cfg.coalesce_numel, accum=cfg.accumulation_steps, piece_align=piece,
-                     slice_align=slice_align, alltoall=alltoall, on_meta=_on_meta(model_or_numel),
-                     narrow_wire=dev == "cpu" and cfg.offload is cfg.grad_quant is None)
+                     slice_align=slice_align, alltoall=alltoall, narrow_wire=dev == "cpu" and cfg.offload is
+                     cfg.grad_quant is None, on_meta=any(p.is_meta for p in module.parameters()))
     buf = dict(grad_ring=b["grad_ring"], ring_slots=b["ring_slots"], grad_landing=m["grad_landing"],
                split_master_scratch=m["split_master_scratch"])
     buf.update({k: b[k] for k in ("gathered_root", "gathered_unit", "prefetch", "peak_gathered_params") if s == 3})
@@ -167,30 +174,6 @@ def estimate_memory(model_or_numel, world_size: int, stage: int, *, param_dtype=
         act = peak.activation_peak(model_or_numel, loss_fn, dtype, grad_bytes, b["grad_ring"] if grad_bytes else 0)
         est["peak"] = peak.peak_bytes(est, cfg.prefetch_depth, act, dev != "cuda", kept)
     return est
-
-
-def _state_size(cls, hypers: list, cfg: ZeroConfig, fused: bool) -> int:
-    """Bytes per optimizer state element: 4, or 2 with state_dtype="bf16"."""
-    if cfg.state_dtype != "bf16":
-        return 4
-    # Note [bf16 optimizer states] (csrc/engine/stepper.cpp)
-    if not (fused and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
-        raise ValueError(f"zero_ext: state_dtype='bf16' is a mode of the fused Adam/AdamW kernels, not of "
-                         f"{cls.__name__}; estimate with optimizer='adamw' (or 'adam'), or state_dtype='fp32'")
-    if any(h.get("amsgrad") for h in hypers):
-        raise ValueError("zero_ext: state_dtype='bf16' has no bf16 form of amsgrad's state; estimate with "
-                         "amsgrad=False, or state_dtype='fp32'")
-    return 2
-
-
-def _device_type(model) -> str:
-    """Where a model's parameters are ("cuda" for a count or a meta model: where it will train)."""
-    params = model.parameters() if isinstance(model, nn.Module) else ()
-    return next((p.device.type for p in params if not p.is_meta), "cuda")
-
-
-def _on_meta(model) -> bool:
-    return isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters())
 
 
 def _table(a) -> str:

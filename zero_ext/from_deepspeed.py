@@ -206,10 +206,9 @@ def config_from_deepspeed(config: dict | str) -> dict:
         raise TypeError(f"zero_ext: a DeepSpeed config must be a dict or a JSON path, got {type(config).__name__}; "
                         f"pass the ds_config dict or the path of its JSON file")
 
-    flat = _flatten(config)
     kwargs: dict = {}
     refused, script = [], []
-    for key, value in flat.items():
+    for key, value in _flatten(config).items():
         if key not in KEYS:
             refused.append(f"{key}: not a DeepSpeed key zero_ext knows (a typo, or a newer DeepSpeed "
                            f"feature): remove it, or map it by hand")
@@ -275,6 +274,4 @@ def _map(key: str, value: Any, kwargs: dict) -> str | None:
             return "zero_ext offloads the optimizer to host memory only; use {'device': 'cpu'} or 'none'"
         if device == "cpu":
             kwargs["offload"] = "cpu"
-    else:
-        raise AssertionError(f"zero_ext: internal: no mapping rule for {key}")
-    return None
+    return None   # every "maps" key has a rule (tests/test_from_deepspeed.py)

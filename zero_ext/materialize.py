@@ -81,11 +81,12 @@ def _post_order(m: nn.Module):
     yield m
 
 
-class _Units:
-    """Which units are whole while initializing, and what is still unset."""
+class _Units(TorchFunctionMode):
+    """Which units are whole while initializing, and what is still unset. As a mode: before any
+    torch function runs on a managed parameter, its unit is made whole."""
 
-    def __init__(self, engine, unit_of: dict, members: dict, only: set | None = None, pieces: dict | None = None,
-                 comm=None):
+    def __init__(self, engine, unit_of: dict, members: dict, only: set | None, pieces: dict | None, comm):
+        super().__init__()
         self.engine = engine
         self.unit_of = unit_of          # id(parameter) -> unit
         self.members = members          # unit -> its parameters
@@ -137,21 +138,11 @@ class _Units:
             self.engine.release_unit(u)
         self.whole.discard(u)
 
-
-class _OpenOnTouch(TorchFunctionMode):
-    """Before any torch function runs on a managed parameter, make its unit whole."""
-
-    def __init__(self, units: _Units):
-        super().__init__()
-        self.units = units
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                u = self.units.unit_of.get(id(t))
-                if u is not None:
-                    self.units.need(u)
+            if isinstance(t, torch.Tensor) and id(t) in self.unit_of:
+                self.need(self.unit_of[id(t)])
         return func(*args, **kwargs)
 
 
@@ -177,24 +168,6 @@ class _WriteLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _ancestors(model: nn.Module, path: str) -> list:
-    """The module at `path` and every module above it."""
-    parts = path.split(".") if path else []
-    return [model.get_submodule(".".join(parts[:k])) for k in range(len(parts) + 1)]
-
-
-def _qualified(model: nn.Module) -> dict:
-    """id(parameter or buffer) -> "name (ModuleClass)" for messages."""
-    out = {}
-    for mname, m in model.named_modules(remove_duplicate=False):
-        for kind, items in (("parameter", m._parameters), ("buffer", m._buffers)):
-            for name, t in items.items():
-                if t is not None and id(t) not in out:
-                    full = f"{mname}.{name}" if mname else name
-                    out[id(t)] = f"{kind} {full!r} ({type(m).__name__})"
-    return out
-
-
 @torch.no_grad()
 def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=None,
                        born: set = frozenset(), only: set | None = None, pieces: dict | None = None) -> None:
@@ -204,17 +177,16 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
     only: the ids to initialize (Note [Initializing what weights leave out] in
     zero_ext/pretrained/load.py); then rank 0's values of those go into `pieces`."""
     members: dict = {}
-    for p in {id(p): p for p in model.parameters()}.values():
+    for p in model.parameters():
         if id(p) in unit_of:
             members.setdefault(unit_of[id(p)], []).append(p)
     units = _Units(engine, unit_of, members, only, pieces, comm)
-    if only is not None:
-        born = only
+    born = only if only is not None else born
     plain = [t for t in list(model.parameters()) + list(model.buffers())
              if id(t) in born and id(t) not in unit_of and t.numel() > 0]
     log = _WriteLog({t.untyped_storage().data_ptr(): id(t) for t in plain})
-    slots = {(id(m), kind, name): t for m in model.modules()
-             for kind, d in (("p", m._parameters), ("b", m._buffers)) for name, t in d.items()}
+    slots = {(id(m), kind, name): t for m in model.modules()   # what the modules' slots hold before the calls
+             for kind, d in (("parameter", m._parameters), ("buffer", m._buffers)) for name, t in d.items()}
     done: set = set()
 
     def reset(m):
@@ -229,10 +201,10 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
 
     holders = None if only is None else {id(m) for m in model.modules()
                                          if any(id(t) in only for t in m.parameters(recurse=False))}
-    with_ancestors = None if only is None else {
-        id(a) for path, m in model.named_modules()
+    with_ancestors = None if only is None else {   # the modules holding them, and every module above
+        id(model.get_submodule(".".join(path.split(".")[:k]))) for path, m in model.named_modules()
         if any(id(t) in only for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
-        for a in _ancestors(model, path)}
+        for k in range(path.count(".") + 2)}
 
     def run(fn, modules):
         seen = set()
@@ -244,7 +216,7 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
             for p in m.parameters(recurse=False):
                 if id(p) in unit_of and units.wanted(p):
                     units.need(unit_of[id(p)])
-            with _OpenOnTouch(units), log:
+            with units, log:
                 fn(m)
         units.in_call = set()
 
@@ -256,26 +228,22 @@ def initialize_by_unit(model: nn.Module, engine, unit_of: dict, comm, init_fn=No
     for u in sorted(units.whole):
         units.close(u)
 
-    _check_all_written(model, units, log, slots, plain, unit_of, born, comm)
-
-
-def _check_all_written(model: nn.Module, units: _Units, log: _WriteLog, slots: dict, plain: list, unit_of: dict,
-                       born: set, comm) -> None:
-    """Raise on every rank when a call left a tensor unwritten or replaced a parameter.
-    slots: what each module's parameter and buffer slots held before the calls."""
-    names = _qualified(model)
-    missing = [names[k] for k, left in units.unset.items() if left]
-    replaced = []
+    # raise on every rank when a call left a tensor unwritten or replaced a parameter
+    names, replaced = {}, []   # names: id(parameter or buffer) -> "kind 'name' (ModuleClass)" for messages
     for path, m in model.named_modules(remove_duplicate=False):
-        for kind, d in (("p", m._parameters), ("b", m._buffers)):
+        for kind, d in (("parameter", m._parameters), ("buffer", m._buffers)):
             for name, t in d.items():
+                full = f"{path}.{name}" if path else name
+                if t is not None and id(t) not in names:
+                    names[id(t)] = f"{kind} {full!r} ({type(m).__name__})"
                 old = slots.get((id(m), kind, name))
                 if t is old:
                     continue
-                if kind == "p" and old is not None and (id(old) in unit_of or id(old) in born):
-                    replaced.append(f"{path}.{name}" if path else name)
+                if kind == "parameter" and old is not None and (id(old) in unit_of or id(old) in born):
+                    replaced.append(full)
                 elif old is not None:
                     log.written.add(id(old))       # a buffer replaced by a computed one
+    missing = [names[k] for k, left in units.unset.items() if left]
     missing += [names[id(t)] for t in plain if id(t) not in log.written and names.get(id(t))]
     bad = comm.all_reduce([len(missing) + len(replaced)], op=dist.ReduceOp.MAX, dtype=torch.int64)[0]
     if replaced:

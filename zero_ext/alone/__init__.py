@@ -8,7 +8,8 @@ from __future__ import annotations
 import atexit
 
 from .end import at_exit, join_ended, teardown
-from .serving import SERVERS, server_for
+from .channel import SideChannel
+from .serving import SERVERS, ShardServer
 from .source import source
 
 __all__ = ["join_ended", "serve", "source", "teardown"]
@@ -18,4 +19,7 @@ def serve(pg, optimizer, model_id: int, device):
     """zeroify: serve this model's pieces on `pg`; returns its ServedModel (the optimizer's `serving`)."""
     if not SERVERS:
         atexit.register(at_exit)
-    return server_for(pg).add(model_id, optimizer, device)
+    known = SERVERS.get(id(pg))   # pg's ShardServer, made on first use (zeroify runs this on every rank)
+    if known is None or known[0] is not pg:
+        known = SERVERS[id(pg)] = (pg, ShardServer(SideChannel(pg)))
+    return known[1].add(model_id, optimizer, device)

@@ -11,7 +11,6 @@ import torch
 
 from ..local_shard import LocalShard
 from . import channel as wire
-from .channel import SideChannel
 
 # Note [Shard server]
 #   A rank reading alone (Note [Reading alone] in csrc/engine/away.h) asks each other rank's
@@ -50,14 +49,6 @@ class ServedModel:
                 self.event = torch.cuda.current_stream(self.device).record_event()
             self.done += 1
             self.server.cond.notify_all()
-
-
-def server_for(pg):
-    """The ShardServer of process group `pg` (made on first use; zeroify runs it on every rank)."""
-    known = SERVERS.get(id(pg))
-    if known is None or known[0] is not pg:
-        known = SERVERS[id(pg)] = (pg, ShardServer(SideChannel(pg)))
-    return known[1]
 
 
 class ShardServer:

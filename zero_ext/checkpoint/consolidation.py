@@ -13,8 +13,6 @@ from .format import (LOAD_EARLIER, OBJECTS, CheckpointError, quiet, read_manifes
                      whole_entries)
 from .layout import core_optimizer, gather_frozen, plain_tensors, saved_objects, settle
 
-_ADAM_FAMILY = ("Adam", "AdamW")
-
 
 def optimizer_state_dict(layout: dict, tensors: dict, objects: dict, whole: dict | None = None):
     """A torch.optim state dict of the wrapped class (a list of them for several wrapped
@@ -41,7 +39,7 @@ def _part_state_dict(layout: dict, part: dict, tensors: dict, whole: dict, objec
                 s = {k: t.clone() for k, t in whole.get(n, {}).items()}
             else:
                 s = {k: (t.clone() if torch.is_tensor(t) else t) for k, t in (scal or {}).items()}
-                if not scal and part["optimizer"] in _ADAM_FAMILY and steps > 0:
+                if not scal and part["optimizer"] in ("Adam", "AdamW") and steps > 0:
                     s["step"] = torch.tensor(float(steps))
                 if steps > 0 or scal:
                     s.update({st: per[n] for st, per in tensors.items()})
@@ -68,17 +66,14 @@ def consolidate(path) -> dict:
         sd[f"model/{name}"] = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]))
     from torch.distributed import checkpoint as dcp
     try:
+        whole = whole_entries(real, list(m["params"]))   # whole tensors' states, in the same read
+        sd.update({k: t for per in whole.values() for k, t in per.items()})
         with quiet():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(real), no_dist=True)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"zero_ext: reading checkpoint {real!r} failed ({type(e).__name__}: {e}); "
                               f"{LOAD_EARLIER}") from e
     objects = read_objects(sd[OBJECTS], real)
-    whole = whole_entries(real, list(m["params"]))
-    if whole:
-        with quiet():
-            dcp.load({k: t for per in whole.values() for k, t in per.items()},
-                     storage_reader=dcp.FileSystemReader(real), no_dist=True)
     whole = {n: {k.split("/")[1]: t for k, t in per.items()} for n, per in whole.items()}
     return dict(_assemble(m, flat, objects, whole, {name: sd[f"model/{name}"] for name in m["plain"]}),
                 extra=objects["extra"], scheduler=objects["scheduler"], loss_scaler=objects["loss_scaler"])

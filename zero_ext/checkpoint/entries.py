@@ -85,9 +85,7 @@ def sharded_entries(shard: LocalShard, names: list, pieces_by_kind: dict, writin
         for i, poff, _, n in e.fragments(r):
             chunks[i].append((r, poff, n))
     numel = [sum(n for _, _, n in c) for c in chunks]     # the pieces tile each parameter
-    mine = shard.fragments
-    if writing and parts == 1 and rank != 0:
-        mine = []
+    mine = [] if writing and parts == 1 and rank != 0 else shard.fragments
     out = {}
     for kind, pieces in pieces_by_kind.items():
         local: list = [[] for _ in names]

@@ -109,11 +109,10 @@ def mismatch(m: dict, layout: dict, path: str) -> str | None:
         unexpected = [n for n in saved if n not in here]
         shapes = [f"{n} {tuple(saved[n]['shape'])} saved, {tuple(here[n]['shape'])} here"
                   for n in here if n in saved and saved[n]["shape"] != here[n]["shape"]]
-        if missing:
-            problems.append(f"{label} not in the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        if unexpected:
-            problems.append(f"{label} of the checkpoint not in this model: {unexpected[:5]}"
-                            f"{' ...' if len(unexpected) > 5 else ''}")
+        for what, found in (("not in the checkpoint", missing),
+                            ("of the checkpoint not in this model", unexpected)):
+            if found:
+                problems.append(f"{label} {what}: {found[:5]}{' ...' if len(found) > 5 else ''}")
         if shapes:
             problems.append("shapes differ: " + "; ".join(shapes[:5]))
     if problems:

@@ -19,24 +19,19 @@ def core_optimizer(optimizer):
     return getattr(optimizer, "zero_optimizer", optimizer)
 
 
-def _require_pair(model, optimizer) -> None:
-    """save/load/consolidation take what zeroify() returned (a ZeroOptimizer is known by its engine
-    and parts: importing the class would close a cycle)."""
+def layout_of(model, optimizer) -> dict:
+    """The model as a checkpoint sees it, alike on every rank: params (trainable name -> shape,
+    group; engine order), plain (frozen parameters, buffers -> shape, dtype), keys (state_dict
+    key -> stored name; tied ones share), groups (names per param group, in order). Raises
+    unless given what zeroify() returned (a ZeroOptimizer is known by its engine and parts:
+    importing the class would close a cycle)."""
     opt = core_optimizer(optimizer)
     if not (isinstance(model, ZeroModel) and isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "engine")
             and hasattr(opt, "parts")):
         raise TypeError(f"zero_ext: save/load take the (model, optimizer) pair returned by zeroify(), got "
                         f"({type(model).__name__}, {type(optimizer).__name__}); pass those: "
                         f"model, opt = zero_ext.zeroify(...); zero_ext.save(path, model, opt)")
-
-
-def layout_of(model, optimizer) -> dict:
-    """The model as a checkpoint sees it, alike on every rank: params (trainable name -> shape,
-    group; engine order), plain (frozen parameters, buffers -> shape, dtype), keys (state_dict
-    key -> stored name; tied ones share), groups (names per param group, in order)."""
-    _require_pair(model, optimizer)
-    optimizer = core_optimizer(optimizer)
-    module = model.module
+    optimizer, module = opt, model.module
     names = {id(p): n for n, p in module.named_parameters()}   # a tied parameter: its first name
     shapes = optimizer.param_shapes or [tuple(p.shape) for p in optimizer.engine_params]
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -59,14 +54,14 @@ def layout_of(model, optimizer) -> dict:
 def settle(model, optimizer, phase: int | None = PHASE_CHECKPOINT, servable: bool = False):
     """(engine, its Comm, layout) once outstanding collectives are done and every rank is here,
     or, servable, this rank knows whether it reads alone (Note [Reading alone] in csrc/engine/away.h)."""
-    _require_pair(model, optimizer)
+    layout = layout_of(model, optimizer)   # metadata only; it checks the pair first
     optimizer = core_optimizer(optimizer)
     engine = optimizer.engine
     if phase is not None:
         engine.sequence_mark(phase, servable=servable)
     engine.wait_reductions()
     engine.flush_params()
-    return engine, optimizer.comm, layout_of(model, optimizer)
+    return engine, optimizer.comm, layout
 
 
 def saved_objects(optimizer, names: list, shard) -> dict:

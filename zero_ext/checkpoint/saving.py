@@ -44,7 +44,10 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
     full = gather_frozen(model, keep=rank == 0)
     if rank == 0:
         scaler = getattr(optimizer, "loss_scaler", None)
-        objects = dict(saved_objects(optimizer, names, shard), scheduler=_scheduler_state(scheduler), extra=extra,
+        many = isinstance(scheduler, (list, tuple))
+        objects = dict(saved_objects(optimizer, names, shard), extra=extra,
+                       scheduler=[s.state_dict() for s in scheduler] if many else
+                       None if scheduler is None else scheduler.state_dict(),
                        loss_scaler=scaler.state_dict() if scaler is not None else None)
         buf = io.BytesIO()
         torch.save(objects, buf)
@@ -79,12 +82,6 @@ def save(path, model, optimizer, extra=None, *, scheduler=None) -> None:
             error = (f"zero_ext: finishing checkpoint {path!r} failed: {e}; free disk space or fix the permissions, "
                      f"then save again (the previous checkpoint, if any, is untouched)")
     decide(comm, error)
-
-
-def _scheduler_state(scheduler):
-    if isinstance(scheduler, (list, tuple)):
-        return [s.state_dict() for s in scheduler]
-    return None if scheduler is None else scheduler.state_dict()
 
 
 def make_tmp(comm, rank: int, path: str) -> str:

@@ -84,8 +84,10 @@ class ZeroStrategy(DDPStrategy):
             if fitting:
                 self.setup_optimizers(trainer)    # configure_optimizers(): torch optimizers + schedulers
                 self._zeroify()
-            else:
-                self._broadcast_module_states()   # as DDPStrategy outside fit: rank 0's values everywhere
+            elif self.world_size > 1 and dist.is_initialized():   # as DDPStrategy outside fit: rank 0's values
+                with torch.no_grad():
+                    for t in list(self.model.parameters()) + list(self.model.buffers()):
+                        dist.broadcast(t, 0)
         self.setup_precision_plugin()
 
     def _zeroified(self) -> bool:
@@ -115,12 +117,6 @@ class ZeroStrategy(DDPStrategy):
             # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
             check_scaler(make_config(self.zero_config, self.stage, dict(self.zero_options)),
                          f"Lightning's '{plugin.precision}' precision", ValueError)
-
-    def _broadcast_module_states(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
-            with torch.no_grad():
-                for t in list(self.model.parameters()) + list(self.model.buffers()):
-                    dist.broadcast(t, 0)
 
     def block_backward_sync(self):
         """Accumulation micro-steps (Trainer(accumulate_grad_batches=k)): as DDP's no_sync."""
@@ -171,7 +167,7 @@ class ZeroStrategy(DDPStrategy):
             buf = io.BytesIO()
             torch.save({k: v for k, v in checkpoint.items() if k not in _HELD_OUT}, buf)
             extra = {LIGHTNING_KEY: torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)}
-        zero_ext.save(filepath, self.zero_model, self._optimizer_arg(), extra=extra)
+        zero_ext.save(filepath, self.zero_model, self.zero_optimizers, extra=extra)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         path = os.fspath(checkpoint_path)
@@ -185,7 +181,7 @@ class ZeroStrategy(DDPStrategy):
                     f"(model.load_state_dict(torch.load(path)['state_dict'])) and call fit() without ckpt_path")
             return checkpoint
         if self._zeroified():
-            extra = zero_ext.load(path, self.zero_model, self._optimizer_arg())
+            extra = zero_ext.load(path, self.zero_model, self.zero_optimizers)
             return _unpack(extra, path, weights_only)
         full = consolidate(path)                 # not fitting: the full weights, read offline
         checkpoint = _unpack(full["extra"], path, weights_only)
@@ -198,10 +194,6 @@ class ZeroStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         pass                                     # zero_ext.load did it (lightning_restore_optimizer is False)
-
-    def _optimizer_arg(self):
-        opts = self.zero_optimizers
-        return opts if len(opts) > 1 else opts[0]
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

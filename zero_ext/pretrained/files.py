@@ -164,7 +164,7 @@ class Reader:
 
     def __init__(self):
         self._fds: dict[str, int] = {}
-        self._buf: torch.Tensor | None = None
+        self._buf = torch.empty(CHUNK_BYTES, dtype=torch.uint8)   # converts other dtypes; untouched until then
         self.bytes_read = 0
 
     def read(self, e: Entry, first: int, out: torch.Tensor) -> None:
@@ -172,8 +172,9 @@ class Reader:
         n = out.numel()
         if n == 0:
             return
-        fd = self._fd(e.file)
-        at = e.offset + first * e.dtype.itemsize
+        if e.file not in self._fds:
+            self._fds[e.file] = os.open(e.file, os.O_RDONLY)
+        fd, at = self._fds[e.file], e.offset + first * e.dtype.itemsize
         if not out.is_contiguous():
             tmp = torch.empty(out.shape, dtype=out.dtype)
             self.read(e, first, tmp)
@@ -183,19 +184,12 @@ class Reader:
         if out.dtype == e.dtype and out.device.type == "cpu":
             self._pread(fd, flat.view(torch.uint8).numpy(), at, e.file)
             return
-        if self._buf is None:
-            self._buf = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
         step = CHUNK_BYTES // e.dtype.itemsize
         for a in range(0, n, step):
             k = min(step, n - a)
             raw = self._buf[:k * e.dtype.itemsize]
             self._pread(fd, raw.numpy(), at + a * e.dtype.itemsize, e.file)
             flat[a:a + k].copy_(raw.view(e.dtype))
-
-    def _fd(self, file: str) -> int:
-        if file not in self._fds:
-            self._fds[file] = os.open(file, os.O_RDONLY)
-        return self._fds[file]
 
     def _pread(self, fd: int, into, at: int, file: str) -> None:
         view, done = memoryview(into).cast("B"), 0

@@ -119,11 +119,6 @@ def tied_names(module: nn.Module) -> tuple[dict, list]:
     return state, list(groups.values())
 
 
-def _peft_name(name: str) -> str:
-    """A PEFT model's name as the base model's checkpoint has it."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
 def _patterns(allow) -> list:
     if allow is True:
         return [re.compile("")]
@@ -161,25 +156,14 @@ def _match(model_names: set, ckpt: list, base_prefix: str, prefix: str | None) -
     return best, how or "as they are"
 
 
-def _conversions(module: nn.Module) -> str:
-    """How transformers rewrites this model's checkpoints while loading, or ""."""
-    if not type(module).__module__.startswith("transformers"):
-        return ""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange
-        found = [c for c in get_model_conversion_mapping(module, add_legacy=False) if not isinstance(c, PrefixChange)]
-    except Exception:  # noqa: BLE001 - an older or newer transformers: no hint
-        return ""
-    return "; ".join(str(c) for c in found[:2])
-
-
-def make_plan(module: nn.Module, weights: Weights, shape_of=None) -> Plan:
-    """The plan for `module`, rank-local; raises CheckpointError. shape_of(name, tensor): the
-    logical shape (stage 3 parameters are empty outside a gather)."""
+def make_plan(module: nn.Module, weights: Weights, logical: dict | None = None) -> Plan:
+    """The plan for `module`, rank-local; raises CheckpointError. logical: id(tensor) -> its
+    logical shape where it differs (stage 3 parameters are empty outside a gather)."""
     files, entries = read_entries(weights.path)
     base = module.get_base_model() if is_peft(module) else module
-    norm = _peft_name if is_peft(module) else (lambda n: n)
+    # a PEFT model's names as the base model's checkpoint has them
+    norm = ((lambda n: n.removeprefix("base_model.model.").replace(".base_layer.", ".")) if is_peft(module)
+            else str)
     state, groups = tied_names(module)
     mapped, how = _match({norm(n) for n in state}, list(entries), getattr(base, "base_model_prefix", ""),
                          weights.prefix)
@@ -193,32 +177,26 @@ def make_plan(module: nn.Module, weights: Weights, shape_of=None) -> Plan:
         found = [mapped[norm(n)] for n in names if norm(n) in mapped]
         used.update(found)
         if not found:
-            if any(p.search(n) for p in allow_missing for n in names):
-                initialize.append(names[0])
-            else:
-                missing.append(names[0])
+            (initialize if any(p.search(n) for p in allow_missing for n in names) else missing).append(names[0])
             continue
         e = entries[found[0]]
-        shape = tuple(shape_of(names[0], t) if shape_of is not None else t.shape)
+        shape = tuple((logical or {}).get(id(t), t.shape))
         if e.shape != shape or e.dtype.is_floating_point != t.dtype.is_floating_point:
             shapes.append(f"{names[0]}: {list(e.shape)} {e.dtype} in the checkpoint, {list(shape)} {t.dtype} in the "
                           f"model")
             continue
         keys[names[0]] = found[0]
-    unexpected, ignored = [], []
-    for k in entries:
-        if k not in used:
-            (ignored if any(p.search(k) for p in allow_unexpected) else unexpected).append(k)
+    ignored = [k for k in entries if k not in used and any(p.search(k) for p in allow_unexpected)]
+    used.update(ignored)
+    unexpected = [k for k in entries if k not in used]
     if missing or unexpected or shapes:
         raise CheckpointError(_mismatch_message(weights.path, module, missing, unexpected, shapes, how))
     text = repr(sorted((n, k, str(entries[k].dtype), entries[k].shape) for n, k in keys.items()))
     text += repr((sorted(initialize), sorted(ignored)))
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-    allowed = list(initialize)
-    for name, b in module.named_buffers():   # not checkpoint names: the model's init computes them, silently
-        if b.is_meta and name not in state:
-            initialize.append(name)
-    return Plan(weights, files, entries, keys, initialize, allowed, ignored, digest)
+    # meta buffers are no checkpoint names: the model's init computes them, silently
+    buffers = [name for name, b in module.named_buffers() if b.is_meta and name not in state]
+    return Plan(weights, files, entries, keys, initialize + buffers, initialize, ignored, digest)
 
 
 def _listed(names: list) -> str:
@@ -234,7 +212,15 @@ def _mismatch_message(path, module, missing, unexpected, shapes, how) -> str:
         parts.append(f"{len(unexpected)} tensor(s) of the checkpoint are not in the model: {_listed(unexpected)}")
     if shapes:
         parts.append(f"shapes differ: {'; '.join(shapes[:4])}{' ...' if len(shapes) > 4 else ''}")
-    hint = _conversions(module)
+    hint = ""   # how transformers rewrites this model's checkpoints while loading
+    if type(module).__module__.startswith("transformers"):
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import PrefixChange
+            hint = "; ".join([str(c) for c in get_model_conversion_mapping(module, add_legacy=False)
+                              if not isinstance(c, PrefixChange)][:2])
+        except Exception:  # noqa: BLE001 - an older or newer transformers: no hint
+            pass
     hint = (f" transformers converts this model's checkpoints while loading ({hint}), which zero_ext does not: "
             f"pass a checkpoint in the model's own names and shapes (zero_ext.save_pretrained writes one)." if hint
             else "")
@@ -327,10 +313,6 @@ def _initialize(model: ZeroModel, plan: Plan, comm, init_fn) -> None:
             delattr(t, HF_FLAG)
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 @torch.no_grad()
 def _read(model: ZeroModel, plan: Plan, comm) -> tuple[int, int]:
     """Step 4 of Note [Pretrained weights into shards]: (tensors filled, bytes this rank read)."""
@@ -344,7 +326,8 @@ def _read(model: ZeroModel, plan: Plan, comm) -> tuple[int, int]:
             reads.append((e, 0, t.data))
             continue
         whole = t.numel() == guard.shapes[i].numel()
-        reads += [(e, poff, view) for poff, view in pieces[i] if not (whole and _same_storage(view, t))]
+        reads += [(e, poff, view) for poff, view in pieces[i]
+                  if not (whole and view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr())]
         if whole:
             reads.append((e, 0, t.data))
     reads.sort(key=lambda r: (r[0].file, r[0].offset + r[1] * r[0].dtype.itemsize))
@@ -357,11 +340,9 @@ def _read(model: ZeroModel, plan: Plan, comm) -> tuple[int, int]:
     finally:
         reader.close()
     if comm.all_reduce([1.0 if error is not None else 0.0], op=dist.ReduceOp.MAX)[0]:
-        if error is not None:
-            raise CheckpointError(f"zero_ext: reading {plan.weights.path!r} failed: {error}; the model is partly "
-                                  f"loaded: load again") from error
-        raise CheckpointError(f"zero_ext: reading {plan.weights.path!r} failed on another rank (its error names the "
-                              f"file); the model is partly loaded: load again")
+        how = f"failed: {error}" if error is not None else "failed on another rank (its error names the file)"
+        raise CheckpointError(f"zero_ext: reading {plan.weights.path!r} {how}; the model is partly loaded: "
+                              f"load again") from error
     # what is gathered next (Note [Loading into a zeroified model])
     if guard.stage3:
         engine.publish_params()
@@ -385,11 +366,16 @@ def fill(model: ZeroModel, plan: Plan, comm, init_fn=None, initialize: bool = Fa
                          time.perf_counter() - t0)
 
 
-def comm_of(model: ZeroModel):
+def settled_comm(model: ZeroModel):
+    """The model's Comm, once its engine has finished its collectives for a load or save that
+    every rank calls."""
     opt = model.optimizer
     if opt is None:
         raise RuntimeError("zero_ext: the optimizer zeroify() returned with this model no longer exists; keep a "
                            "reference to it while you load or save the model")
+    model.engine.sequence_mark(PHASE_CHECKPOINT)   # collective: a rank calling it alone is named
+    model.engine.wait_reductions()
+    model.engine.flush_params()
     return opt.comm
 
 
@@ -402,15 +388,11 @@ def load_weights(model, weights, **options) -> WeightsReport:
         raise TypeError(f"zero_ext: load_weights takes the model zeroify() returned, got {type(model).__name__}; "
                         f"to load before wrapping, pass weights= to zeroify()")
     spec = as_weights(weights, **options)
-    engine, guard, comm = model.engine, model.guard, comm_of(model)
-    engine.sequence_mark(PHASE_CHECKPOINT)   # collective: a rank calling it alone is named
-    engine.wait_reductions()
-    engine.flush_params()
+    guard, comm = model.guard, settled_comm(model)
     guard.check_edits()                      # earlier edits reach the master before the load
-    shapes = {id(p): guard.shapes[i] for i, p in enumerate(guard.params)}
     error, plan = None, None
     try:
-        plan = make_plan(model.module, spec, lambda name, t: shapes.get(id(t), t.shape))
+        plan = make_plan(model.module, spec, dict(zip(map(id, guard.params), guard.shapes)))
     except CheckpointError as e:
         error = e
     agree(comm, error, plan.digest if plan is not None else 0)

@@ -39,10 +39,9 @@ from torch import nn
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.layout import frozen_units
 from ..checkpoint.saving import decide, fsync_dir, make_tmp, replace_file
-from .._C import PHASE_CHECKPOINT
 from ..model import ZeroModel
 from .files import INDEX, SHARD, WEIGHTS, Writer, numel, parse_size, plan_files
-from .load import comm_of, is_peft, tied_names
+from .load import is_peft, settled_comm, tied_names
 
 ADAPTER = "adapter_model.safetensors"
 WINDOW_BYTES = 32 << 20       # what rank 0 gathers at once, over all ranks (fp32)
@@ -53,18 +52,13 @@ def _stale(name: str) -> bool:
     return name in (WEIGHTS, INDEX, ADAPTER) or SHARD.fullmatch(name) is not None
 
 
-def _tie_targets(module: nn.Module) -> set:
-    """Names HF drops from a save as tied to another: every submodule's `_tied_weights_keys`
-    ({target: source} or a list of targets)."""
-    return {f"{path}.{k}" if path else k for path, m in module.named_modules()
-            for k in list(getattr(m, "_tied_weights_keys", None) or ())}
-
-
 def _saved(model: ZeroModel, adapter_only: bool, dtype) -> list:
     """[(name, tensor, engine index or None, out dtype, shape)] in state-dict order."""
     module, guard = model.module, model.guard
     state, groups = tied_names(module)
-    targets = _tie_targets(module)
+    # what HF drops from a save as tied: each submodule's `_tied_weights_keys` ({target: source}, a list)
+    targets = {f"{path}.{k}" if path else k for path, m in module.named_modules()
+               for k in list(getattr(m, "_tied_weights_keys", None) or ())}
     ignore = [re.compile(p) for p in getattr(module, "_keys_to_ignore_on_save", None) or ()]
     out = []
     for names in groups:
@@ -78,33 +72,27 @@ def _saved(model: ZeroModel, adapter_only: bool, dtype) -> list:
     return out
 
 
-class _WholeTensors:
-    """A sink of whole tensors on rank 0 (a PEFT adapter)."""
+class _Sink:
+    """Rank 0's: the files of `files`, or (None) whole tensors in `out` (a PEFT adapter). A failed
+    write is kept, not raised, so that rank 0 stays in the collectives."""
 
-    def __init__(self, tensors: list):
-        self.out = {name: torch.empty(shape, dtype=dt) for name, dt, shape in tensors}
-
-    def put(self, name: str, first: int, values: torch.Tensor) -> None:
-        self.out[name].view(-1)[first:first + values.numel()].copy_(values.reshape(-1))
-
-    def close(self) -> None:
-        pass
-
-
-class _Guarded:
-    """Rank 0's sink: a failed write is kept, not raised, so that rank 0 stays in the collectives."""
-
-    def __init__(self, make):
-        self.error, self.sink = None, None
+    def __init__(self, tmp: str, files: dict | None, tensors: list):
+        self.error, self.writer, self.out = None, None, {}
         try:
-            self.sink = make()
+            if files is None:
+                self.out = {name: torch.empty(shape, dtype=dt) for name, dt, shape in tensors}
+            else:
+                self.writer = Writer(tmp, files)
         except OSError as e:
             self.error = e
 
-    def put(self, name, first, values) -> None:
+    def put(self, name: str, first: int, values: torch.Tensor) -> None:
         if self.error is None:
             try:
-                self.sink.put(name, first, values)
+                if self.writer is None:
+                    self.out[name].view(-1)[first:first + values.numel()].copy_(values.reshape(-1))
+                else:
+                    self.writer.put(name, first, values)
             except OSError as e:
                 self.error = e
 
@@ -133,11 +121,10 @@ def _stream(model: ZeroModel, comm, saved: list, sink) -> None:
                         sink.put(wanted[i], poff + lo - off, got[r * w + lo - a:r * w + hi - a])
     del buf
     frozen = {id(t): name for name, t, i, _, _ in saved if i is not None and i >= model.guard.n_trainable}
-    if model.guard.stage3 and model.guard.params[model.guard.n_trainable:]:
-        for params in frozen_units(model):
-            for p in params:
-                if sink is not None and id(p) in frozen:
-                    sink.put(frozen[id(p)], 0, p.detach())
+    for params in frozen_units(model):   # none outside stage 3
+        for p in params:
+            if sink is not None and id(p) in frozen:
+                sink.put(frozen[id(p)], 0, p.detach())
     if sink is not None:
         for name, t, i, _, _ in saved:
             if i is None:
@@ -194,18 +181,12 @@ def save_pretrained(model, save_directory, *, max_shard_size: int | str = "5GB",
                          f"(torch.bfloat16) or None (fp32 masters, every other tensor in its own dtype)")
     limit = parse_size(max_shard_size)
     path = os.path.abspath(os.fspath(save_directory))
-    engine, comm = model.engine, comm_of(model)
-    engine.sequence_mark(PHASE_CHECKPOINT)   # collective: a rank calling it alone is named
-    engine.wait_reductions()
-    engine.flush_params()
+    engine, comm = model.engine, settled_comm(model)
     peft = is_peft(model.module)
     saved = _saved(model, peft, dtype)
     files = plan_files([(name, dt, shape) for name, _, _, dt, shape in saved], limit) if not peft else None
     tmp = make_tmp(comm, engine.rank, path)
-    sink = None
-    if engine.rank == 0:
-        whole = [(n, dt, s) for n, _, _, dt, s in saved]
-        sink = _Guarded(lambda: _WholeTensors(whole) if peft else Writer(tmp, files))
+    sink = _Sink(tmp, files, [(n, dt, s) for n, _, _, dt, s in saved]) if engine.rank == 0 else None
     try:
         _stream(model, comm, saved, sink)
     except RuntimeError as e:   # a collective failed: another rank died
@@ -217,11 +198,11 @@ def save_pretrained(model, save_directory, *, max_shard_size: int | str = "5GB",
         try:
             if sink.error is not None:
                 raise sink.error
-            sink.sink.close()
             if peft:
-                model.module.save_pretrained(tmp, state_dict=sink.sink.out, safe_serialization=True)
+                model.module.save_pretrained(tmp, state_dict=sink.out, safe_serialization=True)
                 weights_last = [ADAPTER]
             else:
+                sink.writer.close()
                 _write_config(model.module, tmp, dtype)
                 weights_last = list(files)
                 if len(files) > 1:
