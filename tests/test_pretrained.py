@@ -514,3 +514,14 @@ def test_killed_rank_leaves_the_old_files(ckpts):
     r = outs[0]["result"]
     assert r["error"] is not None and "save_pretrained" in r["error"] and "died" in r["error"], r["error"]
     assert r["old_kept"], "the previous save_pretrained's files changed"
+
+
+def test_weights_path_spellings():
+    """A path as str, bytes or os.PathLike names the same checkpoint; anything else is refused."""
+    import pathlib
+
+    from zero_ext.pretrained.load import Weights, as_weights
+    for spelling in ("/ckpt/dir", b"/ckpt/dir", pathlib.Path("/ckpt/dir")):
+        assert as_weights(spelling, prefix="model.") == Weights("/ckpt/dir", prefix="model."), spelling
+    with pytest.raises(TypeError, match="checkpoint path or zero_ext.Weights"):
+        as_weights(3)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 import time
 import warnings
@@ -85,7 +86,7 @@ def as_weights(weights, **options) -> Weights:
     if isinstance(weights, Weights):
         return dataclasses.replace(weights, **options) if options else weights
     if isinstance(weights, (str, bytes)) or hasattr(weights, "__fspath__"):
-        return Weights(str(weights), **options)
+        return Weights(os.fsdecode(weights), **options)   # str(b"dir") would be "b'dir'"
     raise TypeError(f"zero_ext: weights must be a checkpoint path or zero_ext.Weights(path, ...), got "
                     f"{type(weights).__name__}")
 
