@@ -16,10 +16,9 @@ import torch.optim.optimizer as _optim_module
 from . import _C, alone, optim_state
 from .amp import check_scaler
 from .changes import ADD_GROUP_FIX, ZeroUsageError
-from .comm import Comm
 from ._C import PHASE_CLIP, PHASE_STEP
 from .step_control import StepControl
-from .whole import build_whole_optimizer, owned_states
+from .whole import owned_states
 
 # Optimizers whose update is elementwise: they may run over a flat shard.
 FUSED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -46,9 +45,8 @@ class Part:
 class ZeroOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose state is sharded across ranks (see zeroify)."""
 
-    def __init__(self, optimizer, engine, config, fused: bool, fingerprint: int,
-                 comm=None, parts: list | None = None, param_groups_of: list | None = None, *,
-                 params: list = (), param_shapes: list = (), units=None, frozen_bytes: int = 0, guard=None):
+    def __init__(self, optimizer, engine, config, fused: bool, fingerprint: int, comm, parts: list,
+                 param_groups_of: list, *, params: list, param_shapes: list, units, frozen_bytes: int, guard):
         """param_shapes[i]: engine parameter i's logical shape (stage 3 empties the tensor);
         units: the stage-3 unit hooks; frozen_bytes: what this rank holds of frozen parameters."""
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -59,17 +57,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.state = defaultdict(dict)                  # the state lives in the engine
         self.wrapped_class = type(optimizers[0])
         self.wrapped_classes = [type(o) for o in optimizers]
-        if parts is None:
-            parts = [Part(type(optimizers[0]), list(range(len(groups))), "fused" if fused else "shard")]
         self.parts = parts                              # the wrapped torch optimizers (Part), in the order given
-        self.param_group_of = param_groups_of or []    # engine parameter i -> its param group
+        self.param_group_of = param_groups_of           # engine parameter i -> its param group
         self._done: set | None = None                   # parts stepped in the open iteration
         self._iter_scale, self._iter_skip = 1.0, False
         self._tensor_updates = 0                        # whole tensors this rank updated
         self._engine, self._config, self._guard, self._units = engine, config, guard, units
         self._params, self.param_shapes = list(params), list(param_shapes)
         self._frozen_bytes, self._fused, self._fingerprint = frozen_bytes, fused, fingerprint
-        self.comm = comm if comm is not None else Comm(None, torch.device("cpu"))   # Note [One communication layer]
+        self.comm = comm                                # Note [One communication layer]
         self._host_steps = [0] * len(self.param_groups)  # optimizer steps taken, per group
         self._clip_coef = 1.0                           # folded into the next step
         self.shard_optimizer, self._shard_group_ids = None, []   # the torch optimizer over 1-D shard views
@@ -77,10 +73,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scaler = self._make_scaler(config)
         self._host_skipped = 0
         for part in self.parts:
-            if part.kind == "shard":
-                self._build_shard_optimizer(part)
-            elif part.kind == "whole":
-                build_whole_optimizer(part, engine.owned_tensors(part.groups), self.param_group_of, self._hyper)
+            if part.kind == "shard":   # over 1-D shard views, one per bucket
+                self._build_inner(part, zip(engine.bucket_groups(part.groups), engine.param_shards(part.groups),
+                                            engine.grad_shards(part.groups)))
+                self.shard_optimizer, self._shard_group_ids = part.opt, part.inner_ids
+            elif part.kind == "whole":   # over this rank's fp32 master views of whole tensors
+                owned = [(self.param_group_of[i], i, m, g) for i, m, g in engine.owned_tensors(part.groups)]
+                part.owned = [(i, m) for _, i, m, _ in sorted(owned, key=lambda t: t[0])]   # in inner order
+                self._build_inner(part, [(gi, m, g) for gi, _, m, g in owned])
         if config.master_remainder_applies(len(self.parts) == 1 and self.parts[0].kind == "fused"):
             engine.enable_split_master()   # Note [Split master in the engine] (csrc/engine/master_split.h)
         self._ctl = self._make_step_control(config)
@@ -181,17 +181,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """grad_scale() times the pending clip factor: the next step's multiplier."""
         return self._clip_coef * self.grad_scale()
 
-    def _build_shard_optimizer(self, part: Part) -> None:
-        eng, groups = self._engine, part.groups
-        shards, grads, gids = eng.param_shards(groups), eng.grad_shards(groups), eng.bucket_groups(groups)
+    def _build_inner(self, part: Part, tensors) -> None:
+        """part's torch optimizer over (param group, tensor, its gradient), one inner group per
+        param group (none when this rank holds no tensor of the part)."""
         by_group: dict[int, list] = {}
-        for s, g, gi in zip(shards, grads, gids):
-            s.grad = g
-            by_group.setdefault(gi, []).append(s)
+        for gi, t, g in tensors:
+            t.grad = g
+            by_group.setdefault(gi, []).append(t)
         part.inner_ids = sorted(by_group)
         groups = [dict(self._hyper(gi), params=by_group[gi]) for gi in part.inner_ids]
         part.opt = part.cls(groups) if groups else None
-        self.shard_optimizer, self._shard_group_ids = part.opt, part.inner_ids
 
     def add_param_group(self, param_group: dict) -> None:
         if self._engine is None:                         # Optimizer.__init__ adds the groups

@@ -72,15 +72,3 @@ def owned_states(parts) -> dict:
                 for k, t in part.opt.state.get(view, {}).items()}
             for part in parts if part.kind == "whole" for i, view in part.owned}
 
-
-def build_whole_optimizer(part, owned: list, group_of: list, hyper) -> None:
-    """A 'whole' part's torch optimizer over this rank's fp32 master views (owned: the engine's
-    owned_tensors()), one inner group per param group it owns a tensor of."""
-    by_group: dict[int, list] = {}
-    for i, master, grad in owned:
-        master.grad = grad
-        by_group.setdefault(group_of[i], []).append((i, master))
-    part.inner_ids = sorted(by_group)
-    part.owned = [t for gi in part.inner_ids for t in by_group[gi]]
-    groups = [dict(hyper(gi), params=[m for _, m in by_group[gi]]) for gi in part.inner_ids]
-    part.opt = part.cls(groups) if groups else None
