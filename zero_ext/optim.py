@@ -593,6 +593,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._engine.describe_plan()
 
 
+def _shared(name: str) -> property:
+    return property(lambda self: getattr(self._core, name), doc=f"The shared ZeroOptimizer's {name}.")
+
+
 class ZeroOptimizerPart(torch.optim.Optimizer):
     """One of several torch optimizers given to zeroify() together: its own live param_groups
     and step(); the rest is the shared ZeroOptimizer's (one global norm over every part)."""
@@ -623,12 +627,9 @@ class ZeroOptimizerPart(torch.optim.Optimizer):
         """This optimizer's gradients only (the other parts may still step with theirs)."""
         self._core.engine.zero_grad(set_to_none, self._core.parts[self._index].groups)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return self._core.clip_grad_norm_(max_norm, norm_type)
-
-    @property
-    def _step_supports_amp_scaling(self) -> bool:   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
-        return self._core._step_supports_amp_scaling
+    # the shared ZeroOptimizer's (_step_supports_amp_scaling: Note [GradScaler on sharded gradients])
+    clip_grad_norm_, sharded_state_dict, stats, synchronize, _step_supports_amp_scaling = map(_shared, (
+        "clip_grad_norm_", "sharded_state_dict", "stats", "synchronize", "_step_supports_amp_scaling"))
 
     def state_dict(self) -> dict:
         """The plain torch optimizer's state dict, on every rank (collective; Note [Complete
@@ -640,16 +641,6 @@ class ZeroOptimizerPart(torch.optim.Optimizer):
         if isinstance(state_dict, dict) and "zero_ext" in state_dict:
             return self._core.load_state_dict(state_dict)
         optim_state.load_state_dict(self._core, state_dict, self._index)
-
-    def sharded_state_dict(self) -> dict:
-        """The shared ZeroOptimizer's sharded_state_dict()."""
-        return self._core.sharded_state_dict()
-
-    def stats(self) -> dict:
-        return self._core.stats()
-
-    def synchronize(self) -> None:
-        self._core.synchronize()
 
     @property
     def zero_optimizer(self):

@@ -17,10 +17,7 @@ WHOLE = {cls: kind for cls, kind in ((getattr(torch.optim, "Muon", None), UPDATE
 
 def update_kind(cls) -> int:
     """0 for an elementwise optimizer class, else its zx_update_kind."""
-    for c, kind in WHOLE.items():
-        if issubclass(cls, c):
-            return kind
-    return 0
+    return next((kind for c, kind in WHOLE.items() if issubclass(cls, c)), 0)
 
 
 _STATE_PER_ELEMENT: dict = {}
@@ -56,9 +53,8 @@ def fill_state_sizes(parts, group_dicts: list, params: list, groups: list, stage
     """Per trainable parameter, the state bytes per element the planner balances (Note [Filling
     atomic buckets] in csrc/core/zx_core.h); [] when nothing is filled: stage 0 or 3, one rank,
     no whole-tensor optimizer, or a 'shard' one."""
-    if stage not in (1, 2) or world < 2:
-        return []
-    if not any(p.kind == "whole" for p in parts) or any(p.kind == "shard" for p in parts):
+    if stage not in (1, 2) or world < 2 or not any(p.kind == "whole" for p in parts) \
+            or any(p.kind == "shard" for p in parts):
         return []
     cls_of = {gi: part.cls for part in parts for gi in part.groups}
     return [state_bytes_per_element(cls_of[g], {k: v for k, v in group_dicts[g].items() if k != "params"},
