@@ -124,7 +124,6 @@ def _inspect(model, optimizers: list, cfg: ZeroConfig, meta: bool, weights: bool
         _fail("the list of optimizers is empty; pass one torch optimizer or a list of them")
     parts = _optimizer_parts(optimizers, cfg)
     fused = all(p.kind == "fused" for p in parts)
-    cls_names = "+".join(type(o).__name__ for o in optimizers)
     names = {id(p): n for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         owner = getattr(p, OWNER_ATTR, None)
@@ -177,7 +176,7 @@ def _inspect(model, optimizers: list, cfg: ZeroConfig, meta: bool, weights: bool
                   f"cannot be flattened into a bucket; make it one before zeroify "
                   f"(p.data = p.data.to_dense().contiguous())")
     frozen = [p for p in model.parameters() if id(p) not in seen or not p.requires_grad]
-    fingerprinted = (cls_names, cfg.to_dict(),
+    fingerprinted = ("+".join(type(o).__name__ for o in optimizers), cfg.to_dict(),
                      [(names[id(p)], tuple(p.shape), str(p.dtype), gi) for p, gi in zip(params, groups)],
                      [(tuple(p.shape), str(p.dtype)) for p in frozen])
     return params, groups, frozen, fused, fingerprinted, parts

@@ -56,7 +56,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizers[0].param_groups if len(optimizers) == 1 else groups
         self.state = defaultdict(dict)                  # the state lives in the engine
         self.wrapped_class = type(optimizers[0])
-        self.wrapped_classes = [type(o) for o in optimizers]
         self.parts = parts                              # the wrapped torch optimizers (Part), in the order given
         self.param_group_of = param_groups_of           # engine parameter i -> its param group
         self._done: set | None = None                   # parts stepped in the open iteration
@@ -109,7 +108,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if want is True and not fused_only:
             raise ValueError("zero_ext: step_control=True needs one fused optimizer (Adam, AdamW or SGD); "
                              "pass step_control='auto' (or False) with "
-                             + ", ".join(c.__name__ for c in self.wrapped_classes))
+                             + ", ".join(p.cls.__name__ for p in self.parts))
         if not fused_only or want is False or (want == "auto" and device.type != "cuda"):
             return None
         return StepControl(self._engine, len(self.param_groups), self.loss_scaler, device)
@@ -451,8 +450,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         bound = float(clip_value) / self.grad_scale()
         with torch.no_grad():
             for g in self._engine.grad_shards():
-                if g.numel():
-                    g.clamp_(-bound, bound)
+                g.clamp_(-bound, bound)
 
     def state_dict(self) -> dict:
         """The complete state in torch's format, as DDP's optimizer gives it (Note [Complete
@@ -550,7 +548,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """A dict describing this rank (see README "stats()")."""
         s = self._engine.stats()
         comm = s["comm"]   # an all-reduce moves as much as a reduce-scatter and an all-gather
-        s.update(optimizer="+".join(c.__name__ for c in self.wrapped_classes), fused=self._fused,
+        s.update(optimizer="+".join(p.cls.__name__ for p in self.parts), fused=self._fused,
                  loss_scale=self.loss_scale if self.loss_scaler is not None else None,
                  skipped_steps=self.skipped_steps, steps=max(self.group_steps, default=0),
                  comm_bytes=comm["reduce_scatter"]["bytes"] + comm["all_gather"]["bytes"]
