@@ -442,15 +442,6 @@ def _materialize_or_broadcast(model, ins: _Inputs, opts) -> set:
     return set()
 
 
-def _cast_replicated(model, replicated: list, cfg: ZeroConfig) -> None:
-    """With a 16-bit param_dtype, the frozen parameters outside the engine and buffers compute in it too."""
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
-    with torch.no_grad():
-        for p in replicated:
-            p.data = p.data.to(low)
-    cast_buffers(model, low, cfg.cast_buffers)
-
-
 def _build(model, optimizer, into, problem: str | None, *, stage=None, config=None, init_fn=None, weights=None,
            **options):
     """zeroify's work. into: (PendingModel, the user's optimizers) to turn in place into what
@@ -484,8 +475,11 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
         unit_of = {id(p): u for p, u in zip(params + sharded_frozen, units + frozen_units)}
         initialize_by_unit(model, engine, unit_of, comm, init_fn, born)
         comm.broadcast_(replicated + list(model.buffers()))
-    if cfg.param_dtype != "fp32":
-        _cast_replicated(model, replicated, cfg)
+    if cfg.param_dtype != "fp32":   # the frozen parameters outside the engine and buffers compute in it too
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
+        for p in replicated:
+            p.data = p.data.to(low)
+        cast_buffers(model, low, cfg.cast_buffers)
     wrapped = _made(ZeroModel, into and into[0], model, engine, cfg, [b for b in model.buffers() if b.numel() > 0],
                     unit_modules, root_holders)
     for i, p in enumerate(params):

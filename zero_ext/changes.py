@@ -58,9 +58,8 @@ class ModelGuard:
         self.shapes = [torch.Size(s) for s in list(shapes) + list(frozen_shapes)]  # logical (stage 3 empties them)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.stage3 = wrapper.units is not None
-        self.low = wrapper.compute_dtype is not None
         # fp32 stages 0-2 keep edits, but for cut parameters (Note [Cut parameters] in csrc/engine/fill.cpp)
-        self.track = self.stage3 or self.low or bool(wrapper.engine.cut_params())
+        self.track = self.stage3 or wrapper.compute_dtype is not None or bool(wrapper.engine.cut_params())
         self.versions = self._versions()
         self._pieces = None                          # master_pieces
         self._loading = None                         # the module whose load_state_dict is running
