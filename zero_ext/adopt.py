@@ -85,8 +85,7 @@ def _optimizers_over(module: nn.Module) -> tuple[list, str | None]:
             at = [order[id(p)] for g in o.param_groups for p in g["params"] if id(p) in order]
             if at:
                 found.append((min(at), o))
-    found.sort(key=lambda t: t[0])
-    optimizers = [o for _, o in found]
+    optimizers = [o for _, o in sorted(found, key=lambda t: t[0])]
     if not optimizers:
         return [], ("zeroify(model) was given no optimizer, and no torch optimizer over model.parameters() exists "
                     "at the model's first forward with autograd; build it before training: "

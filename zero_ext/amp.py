@@ -70,11 +70,8 @@ def unscale_sharded_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tens
     eng.sequence_mark(PHASE_GRAD_STATS)
     eng.wait_reductions()
     shards = eng.grad_shards()
-    if len(groups) < len(opt.param_groups):   # one of several optimizers: its parameters' pieces
-        pieces = [shards[f.bucket].narrow(0, f.slice_offset, f.numel)
-                  for f in eng.fragment_views(masters=False, groups=groups)]
-    else:
-        pieces = shards
+    pieces = shards if len(groups) == len(opt.param_groups) else [   # one of several optimizers: its pieces
+        shards[f.bucket].narrow(0, f.slice_offset, f.numel) for f in eng.fragment_views(masters=False, groups=groups)]
     by_dtype: dict = {}
     for t in pieces:
         if t.numel():

@@ -96,6 +96,9 @@ def _optimizer_parts(optimizers: list, cfg: ZeroConfig) -> list:
         if cfg.fused == "always" and not fused and not whole:
             _fail(f"fused='always' but {cls.__name__} has no fused kernel (fused ones: "
                   f"{', '.join(c.__name__ for c in FUSED)}); use fused='auto'")
+        if is_retired(optimizer):
+            _fail(f"this torch optimizer ({cls.__name__}) was already wrapped by zeroify(); use the optimizer "
+                  f"that zeroify() returned")
         n = len(optimizer.param_groups)
         parts.append(Part(cls, list(range(first_group, first_group + n)),
                            "whole" if whole else "fused" if fused else "shard"))
@@ -105,10 +108,6 @@ def _optimizer_parts(optimizers: list, cfg: ZeroConfig) -> list:
         _fail(f"{' and '.join(shard)} would each run as a torch optimizer over this rank's flat shard, and zero_ext "
               f"runs one such optimizer; give their parameters to one optimizer as param groups (each group keeps "
               f"its hyperparameters), or use Adam, AdamW or SGD (fused kernels) for all but one of them")
-    for o in optimizers:
-        if is_retired(o):
-            _fail(f"this torch optimizer ({type(o).__name__}) was already wrapped by zeroify(); use the optimizer "
-                  f"that zeroify() returned")
     return parts
 
 
@@ -125,7 +124,6 @@ def _inspect(model, optimizers: list, cfg: ZeroConfig, meta: bool, weights: bool
         _fail("the list of optimizers is empty; pass one torch optimizer or a list of them")
     parts = _optimizer_parts(optimizers, cfg)
     fused = all(p.kind == "fused" for p in parts)
-    cls_names = "+".join(type(o).__name__ for o in optimizers)
     names = {id(p): n for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         owner = getattr(p, OWNER_ATTR, None)
@@ -178,7 +176,7 @@ def _inspect(model, optimizers: list, cfg: ZeroConfig, meta: bool, weights: bool
                   f"cannot be flattened into a bucket; make it one before zeroify "
                   f"(p.data = p.data.to_dense().contiguous())")
     frozen = [p for p in model.parameters() if id(p) not in seen or not p.requires_grad]
-    fingerprinted = (cls_names, cfg.to_dict(),
+    fingerprinted = ("+".join(type(o).__name__ for o in optimizers), cfg.to_dict(),
                      [(names[id(p)], tuple(p.shape), str(p.dtype), gi) for p, gi in zip(params, groups)],
                      [(tuple(p.shape), str(p.dtype)) for p in frozen])
     return params, groups, frozen, fused, fingerprinted, parts
@@ -323,11 +321,8 @@ def zeroify(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
 class _Inputs:
     """What zeroify()'s checks found, agreed on by every rank, before anything is built."""
     cfg: ZeroConfig
-    pg: Any               # the process group; None for one process
-    rank: int
-    world: int
     backend: str          # the group's backend; "none" for one process
-    comm: Comm
+    comm: Comm            # its pg: the process group (None for one process), rank and world
     optimizers: list      # the torch optimizers given
     params: list          # trainable parameters, in the optimizers' order
     groups: list          # each one's param group, counted over all optimizers
@@ -411,7 +406,7 @@ def _checked_inputs(model, optimizer, problem: str | None, weights, stage, confi
         cfg.stage, why = choose_stage(model, optimizer, cfg, world, backend, meta=is_meta(model), free=free)
         if rank == 0:
             print(why, flush=True)
-    return _Inputs(cfg, pg, rank, world, backend, comm, optimizers, params, groups, frozen, fused, parts,
+    return _Inputs(cfg, backend, comm, optimizers, params, groups, frozen, fused, parts,
                    fingerprint, plan, prior, node_size)
 
 
@@ -420,11 +415,11 @@ def _engine_options(ins: _Inputs):
     cfg, params, parts, groups = ins.cfg, ins.params, ins.parts, ins.groups
     opts = _C.EngineOptions()
     trainable_bytes = sum(p.numel() * p.element_size() for p in params)
-    for name, value in cfg.engine_fields(ins.world, ins.gloo, trainable_bytes).items():
+    for name, value in cfg.engine_fields(ins.comm.world, ins.gloo, trainable_bytes).items():
         setattr(opts, name, value)
     opts.group_update_kind = [update_kind(part.cls) for part in parts for _ in part.groups]
     state_sizes = fill_state_sizes(parts, [g for o in ins.optimizers for g in o.param_groups], params, groups,
-                                   cfg.stage, ins.world)
+                                   cfg.stage, ins.comm.world)
     if cfg.state_dtype == "bf16":   # the fused Adam/AdamW's states take 2 bytes per element, not 4
         fused_groups = {gi for part in parts if part.kind == "fused" for gi in part.groups}
         state_sizes = [b / 2 if g in fused_groups else b for b, g in zip(state_sizes, groups)]
@@ -441,19 +436,10 @@ def _materialize_or_broadcast(model, ins: _Inputs, opts) -> set:
         ins.frozen = [p for p in model.parameters() if not p.requires_grad]
         opts.copy_params = False
         return born
-    if ins.world > 1:   # (what the checkpoint will not fill)
+    if ins.comm.world > 1:   # (what the checkpoint will not fill)
         filled = ins.plan.filled(model) if ins.plan is not None else set()
         ins.comm.broadcast_([t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in filled])
     return set()
-
-
-def _cast_replicated(model, replicated: list, cfg: ZeroConfig) -> None:
-    """With a 16-bit param_dtype, the frozen parameters outside the engine and buffers compute in it too."""
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
-    with torch.no_grad():
-        for p in replicated:
-            p.data = p.data.to(low)
-    cast_buffers(model, low, cfg.cast_buffers)
 
 
 def _build(model, optimizer, into, problem: str | None, *, stage=None, config=None, init_fn=None, weights=None,
@@ -461,7 +447,7 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
     """zeroify's work. into: (PendingModel, the user's optimizers) to turn in place into what
     it returns (Note [Adopted optimizers]); problem: why adoption failed, raised on every rank."""
     ins = _checked_inputs(model, optimizer, problem, weights, stage, config, options)
-    cfg, comm, world, optimizers, meta = ins.cfg, ins.comm, ins.world, ins.optimizers, is_meta(model)
+    cfg, comm, world, optimizers, meta = ins.cfg, ins.comm, ins.comm.world, ins.optimizers, is_meta(model)
     opts = _engine_options(ins)
     born = _materialize_or_broadcast(model, ins, opts)
     params, units, unit_modules, root_holders = ins.params, [], [model], []
@@ -477,20 +463,23 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
         warn_unfused(ins.parts)
     shapes = [tuple(p.shape) for p in params]   # stage 3 empties them
     frozen_shapes = [tuple(p.shape) for p in sharded_frozen]
-    engine = _C.Engine(params, ins.groups, units, ins.pg if world > 1 else None, opts)
+    engine = _C.Engine(params, ins.groups, units, comm.pg, opts)
     if sharded_frozen:   # Note [Stage 3 frozen parameters] (csrc/engine/frozen.cpp)
         engine.add_frozen(sharded_frozen, frozen_units,
                           [names.get(id(p), f"#{i}") for i, p in enumerate(sharded_frozen)])
     if ins.node_size is not None:   # Note [Hierarchical partitioning] (csrc/engine/secondary.h)
-        engine.enable_hierarchy(node_group(ins.pg, ins.node_size))
+        engine.enable_hierarchy(node_group(comm.pg, ins.node_size))
     in_engine = {id(p) for p in sharded_frozen}
     replicated = [p for p in ins.frozen if id(p) not in in_engine]
     if meta and ins.plan is None:   # (with weights: pretrained.fill below initializes what they leave out)
         unit_of = {id(p): u for p, u in zip(params + sharded_frozen, units + frozen_units)}
         initialize_by_unit(model, engine, unit_of, comm, init_fn, born)
         comm.broadcast_(replicated + list(model.buffers()))
-    if cfg.param_dtype != "fp32":
-        _cast_replicated(model, replicated, cfg)
+    if cfg.param_dtype != "fp32":   # the frozen parameters outside the engine and buffers compute in it too
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.param_dtype]
+        for p in replicated:
+            p.data = p.data.to(low)
+        cast_buffers(model, low, cfg.cast_buffers)
     wrapped = _made(ZeroModel, into and into[0], model, engine, cfg, [b for b in model.buffers() if b.numel() > 0],
                     unit_modules, root_holders)
     for i, p in enumerate(params):
@@ -514,10 +503,10 @@ def _build(model, optimizer, into, problem: str | None, *, stage=None, config=No
     if cfg.stage >= 1 and not cfg.step_in_backward:   # Note [Sharded gradients]: p.grad answers as DDP's
         install_sharded_grads(zopt, names)
     if world > 1 and cfg.check_sequence is not False and ins.backend != "fake":   # fake moves no data
-        engine_id = _enable_sequence_check(engine, ins.pg, cfg, ins.gloo)
+        engine_id = _enable_sequence_check(engine, comm.pg, cfg, ins.gloo)
         if cfg.stage >= 1:   # Note [Shard server]: a rank reading alone is served the others' pieces
-            zopt.serving = alone.serve(ins.pg, zopt, engine_id, comm.device)
-    if cfg.log_plan and ins.rank == 0:
+            zopt.serving = alone.serve(comm.pg, zopt, engine_id, comm.device)
+    if cfg.log_plan and comm.rank == 0:
         print(engine.describe_plan(), flush=True)
     install_step_guard()   # Note [Adopted optimizers]: a torch optimizer zeroify was not given is named
     if isinstance(optimizer, (list, tuple)):   # one returned optimizer per given one (zero_ext/whole.py)

@@ -45,12 +45,6 @@ MOVE_FIX = ("choose the compute precision with zeroify(..., param_dtype='bf16' o
             "zeroify() the model again with the new settings, and zero_ext.load() it")
 
 
-def _released_names(guard, module) -> dict:
-    """Stage 3: state_dict key (without prefix) -> logical shape, for the sharded parameters."""
-    return {name: guard.shapes[i] for name, p in module.named_parameters(remove_duplicate=False)
-            if (i := guard.index.get(id(p))) is not None and guard.shapes[i].numel() > 0}
-
-
 class ModelGuard:
     """The load hooks, the per-step edit check and the move guard of a zeroified model."""
 
@@ -64,13 +58,12 @@ class ModelGuard:
         self.shapes = [torch.Size(s) for s in list(shapes) + list(frozen_shapes)]  # logical (stage 3 empties them)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.stage3 = wrapper.units is not None
-        self.low = wrapper.compute_dtype is not None
         # fp32 stages 0-2 keep edits, but for cut parameters (Note [Cut parameters] in csrc/engine/fill.cpp)
-        self.track = self.stage3 or self.low or bool(wrapper.engine.cut_params())
+        self.track = self.stage3 or wrapper.compute_dtype is not None or bool(wrapper.engine.cut_params())
         self.versions = self._versions()
         self._pieces = None                          # master_pieces
         self._loading = None                         # the module whose load_state_dict is running
-        self._released = None                        # stage 3: _released_names
+        self._released = None                        # stage 3: the sharded parameters' state_dict keys
         if self.stage3:
             model.register_state_dict_post_hook(self._released_state_hook())
         for m in model.modules():
@@ -104,8 +97,9 @@ class ModelGuard:
             wrapper = guard._wrapper() if guard is not None else None
             if wrapper is None:
                 return
-            if guard._released is None:
-                guard._released = _released_names(guard, module)
+            if guard._released is None:   # (without prefix)
+                guard._released = [name for name, p in module.named_parameters(remove_duplicate=False)
+                                   if (i := guard.index.get(id(p))) is not None and guard.shapes[i].numel() > 0]
             empty = [n for n in guard._released
                      if (t := state_dict.get(prefix + n)) is not None and not isinstance(t, nn.Parameter)
                      and t.numel() == 0]

@@ -101,10 +101,7 @@ class Comm:
     def broadcast_from(self, tensor: torch.Tensor | None, out: torch.Tensor, src: int) -> torch.Tensor:
         """Rank `src`'s `tensor` on every rank: in `out` (a reusable buffer of its numel and dtype)
         on the others."""
-        if self.rank == src:
-            buf = tensor.reshape(-1).to(self.device, out.dtype).contiguous()
-        else:
-            buf = out
+        buf = tensor.reshape(-1).to(self.device, out.dtype).contiguous() if self.rank == src else out
         if self.world > 1:
             self._run(dist.broadcast, buf, src=self._global(src))
         return buf

@@ -42,15 +42,14 @@ import itertools
 import types
 
 
-def skip_frame(fn: types.FunctionType) -> bool:
-    """Mark fn's frame to be run, not traced, by dynamo, without importing torch._dynamo (2 s).
-    False where this torch lacks the hook (the wrapper then breaks the graph)."""
+def skip_frame(fn: types.FunctionType) -> None:
+    """Mark fn's frame to be run, not traced, by dynamo, without importing torch._dynamo (2 s);
+    nothing where this torch lacks the hook (the wrapper then breaks the graph)."""
     try:
         from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
     except ImportError:
-        return False
+        return
     set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
-    return True
 
 
 def pause():

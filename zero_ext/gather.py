@@ -15,11 +15,10 @@ from torch import nn
 OWNER_ATTR = "_zero_ext_owner"
 
 
-def _named(where):
-    """(id, name) of the parameters of `where` when it is a module (for messages)."""
-    if isinstance(where, nn.Module):
-        for n, p in where.named_parameters(remove_duplicate=False):
-            yield id(p), n
+def _named(where) -> dict:
+    """id -> name of the parameters of `where` when it is a module (for messages)."""
+    return ({id(p): n for n, p in where.named_parameters(remove_duplicate=False)}
+            if isinstance(where, nn.Module) else {})
 
 
 def _label(p: torch.Tensor, named: dict) -> str:
@@ -31,16 +30,12 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
     """Inside the block the given parameters (a module's, or an iterable of them) are whole on every
     rank. With modifier_rank=r, what rank r wrote to them is written into every rank's shard on exit;
     without it an in-place change raises on exit (and is discarded in stage 3)."""
-    if isinstance(params_or_module, nn.Module):
-        params = list(params_or_module.parameters())
-    elif isinstance(params_or_module, torch.Tensor):
-        params = [params_or_module]
-    else:
-        params = list(params_or_module)
+    params = ([params_or_module] if isinstance(params_or_module, torch.Tensor) else list(
+        params_or_module.parameters() if isinstance(params_or_module, nn.Module) else params_or_module))
     owned = [(p, getattr(p, OWNER_ATTR)) for p in params if hasattr(p, OWNER_ATTR)]
     replicated = [p for p in params if not hasattr(p, OWNER_ATTR) and not p.requires_grad]
     if len(owned) + len(replicated) != len(params) or not owned:
-        named = dict(_named(params_or_module))
+        named = _named(params_or_module)
         strays = [p for p in params if not hasattr(p, OWNER_ATTR) and p.requires_grad]
         what = (f"{_label(strays[0], named)}, which no zeroified optimizer trains" if strays else
                 "only frozen parameters, which zeroify() does not manage")
@@ -93,7 +88,7 @@ def gathered_parameters(params_or_module, modifier_rank: int | None = None):
         if guard is not None:          # committed, or refused below: not an edit outside (changes.py)
             guard.accept([p for p, _ in owned])
         if changed and modifier_rank is None:
-            named = dict(_named(wrapper.module))
+            named = _named(wrapper.module)
             edited = [_label(p, named) for p, v in zip(params, versions) if p._version != v]
             raise RuntimeError(f"zero_ext: {', '.join(edited[:3])}{' and more' if len(edited) > 3 else ''} "
                                f"{'was' if len(edited) == 1 else 'were'} modified inside gathered_parameters() "

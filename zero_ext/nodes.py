@@ -29,7 +29,6 @@ def node_group(pg, node_size: int):
     ranks = dist.get_process_group_ranks(pg)
     backend = dist.get_backend(pg)
     nodes = [ranks[g:g + node_size] for g in range(0, len(ranks), node_size)]
-    mine = nodes[pg.rank() // node_size]
     if len(ranks) == dist.get_world_size():
         return dist.new_subgroups_by_enumeration(nodes, backend=backend)[0]
-    return dist.new_group(mine, backend=backend, use_local_synchronization=True)
+    return dist.new_group(nodes[pg.rank() // node_size], backend=backend, use_local_synchronization=True)

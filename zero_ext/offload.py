@@ -13,12 +13,9 @@ def available_host_bytes() -> int | None:
     """MemAvailable of /proc/meminfo (None where there is none)."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
     except OSError:
         return None
-    return None
 
 
 def check_host_memory(model, optimizer, cfg, world: int, backend: str) -> None:

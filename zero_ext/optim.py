@@ -16,10 +16,9 @@ import torch.optim.optimizer as _optim_module
 from . import _C, alone, optim_state
 from .amp import check_scaler
 from .changes import ADD_GROUP_FIX, ZeroUsageError
-from .comm import Comm
 from ._C import PHASE_CLIP, PHASE_STEP
 from .step_control import StepControl
-from .whole import build_whole_optimizer, owned_states
+from .whole import owned_states
 
 # Optimizers whose update is elementwise: they may run over a flat shard.
 FUSED = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -46,9 +45,8 @@ class Part:
 class ZeroOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose state is sharded across ranks (see zeroify)."""
 
-    def __init__(self, optimizer, engine, config, fused: bool, fingerprint: int,
-                 comm=None, parts: list | None = None, param_groups_of: list | None = None, *,
-                 params: list = (), param_shapes: list = (), units=None, frozen_bytes: int = 0, guard=None):
+    def __init__(self, optimizer, engine, config, fused: bool, fingerprint: int, comm, parts: list,
+                 param_groups_of: list, *, params: list, param_shapes: list, units, frozen_bytes: int, guard):
         """param_shapes[i]: engine parameter i's logical shape (stage 3 empties the tensor);
         units: the stage-3 unit hooks; frozen_bytes: what this rank holds of frozen parameters."""
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -58,18 +56,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizers[0].param_groups if len(optimizers) == 1 else groups
         self.state = defaultdict(dict)                  # the state lives in the engine
         self.wrapped_class = type(optimizers[0])
-        self.wrapped_classes = [type(o) for o in optimizers]
-        if parts is None:
-            parts = [Part(type(optimizers[0]), list(range(len(groups))), "fused" if fused else "shard")]
         self.parts = parts                              # the wrapped torch optimizers (Part), in the order given
-        self.param_group_of = param_groups_of or []    # engine parameter i -> its param group
+        self.param_group_of = param_groups_of           # engine parameter i -> its param group
         self._done: set | None = None                   # parts stepped in the open iteration
         self._iter_scale, self._iter_skip = 1.0, False
         self._tensor_updates = 0                        # whole tensors this rank updated
         self._engine, self._config, self._guard, self._units = engine, config, guard, units
         self._params, self.param_shapes = list(params), list(param_shapes)
         self._frozen_bytes, self._fused, self._fingerprint = frozen_bytes, fused, fingerprint
-        self.comm = comm if comm is not None else Comm(None, torch.device("cpu"))   # Note [One communication layer]
+        self.comm = comm                                # Note [One communication layer]
         self._host_steps = [0] * len(self.param_groups)  # optimizer steps taken, per group
         self._clip_coef = 1.0                           # folded into the next step
         self.shard_optimizer, self._shard_group_ids = None, []   # the torch optimizer over 1-D shard views
@@ -77,10 +72,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scaler = self._make_scaler(config)
         self._host_skipped = 0
         for part in self.parts:
-            if part.kind == "shard":
-                self._build_shard_optimizer(part)
-            elif part.kind == "whole":
-                build_whole_optimizer(part, engine.owned_tensors(part.groups), self.param_group_of, self._hyper)
+            if part.kind == "shard":   # over 1-D shard views, one per bucket
+                self._build_inner(part, zip(engine.bucket_groups(part.groups), engine.param_shards(part.groups),
+                                            engine.grad_shards(part.groups)))
+                self.shard_optimizer, self._shard_group_ids = part.opt, part.inner_ids
+            elif part.kind == "whole":   # over this rank's fp32 master views of whole tensors
+                owned = [(self.param_group_of[i], i, m, g) for i, m, g in engine.owned_tensors(part.groups)]
+                part.owned = [(i, m) for _, i, m, _ in sorted(owned, key=lambda t: t[0])]   # in inner order
+                self._build_inner(part, [(gi, m, g) for gi, _, m, g in owned])
         if config.master_remainder_applies(len(self.parts) == 1 and self.parts[0].kind == "fused"):
             engine.enable_split_master()   # Note [Split master in the engine] (csrc/engine/master_split.h)
         self._ctl = self._make_step_control(config)
@@ -109,7 +108,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if want is True and not fused_only:
             raise ValueError("zero_ext: step_control=True needs one fused optimizer (Adam, AdamW or SGD); "
                              "pass step_control='auto' (or False) with "
-                             + ", ".join(c.__name__ for c in self.wrapped_classes))
+                             + ", ".join(p.cls.__name__ for p in self.parts))
         if not fused_only or want is False or (want == "auto" and device.type != "cuda"):
             return None
         return StepControl(self._engine, len(self.param_groups), self.loss_scaler, device)
@@ -181,17 +180,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """grad_scale() times the pending clip factor: the next step's multiplier."""
         return self._clip_coef * self.grad_scale()
 
-    def _build_shard_optimizer(self, part: Part) -> None:
-        eng, groups = self._engine, part.groups
-        shards, grads, gids = eng.param_shards(groups), eng.grad_shards(groups), eng.bucket_groups(groups)
+    def _build_inner(self, part: Part, tensors) -> None:
+        """part's torch optimizer over (param group, tensor, its gradient), one inner group per
+        param group (none when this rank holds no tensor of the part)."""
         by_group: dict[int, list] = {}
-        for s, g, gi in zip(shards, grads, gids):
-            s.grad = g
-            by_group.setdefault(gi, []).append(s)
+        for gi, t, g in tensors:
+            t.grad = g
+            by_group.setdefault(gi, []).append(t)
         part.inner_ids = sorted(by_group)
         groups = [dict(self._hyper(gi), params=by_group[gi]) for gi in part.inner_ids]
         part.opt = part.cls(groups) if groups else None
-        self.shard_optimizer, self._shard_group_ids = part.opt, part.inner_ids
 
     def add_param_group(self, param_group: dict) -> None:
         if self._engine is None:                         # Optimizer.__init__ adds the groups
@@ -452,8 +450,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         bound = float(clip_value) / self.grad_scale()
         with torch.no_grad():
             for g in self._engine.grad_shards():
-                if g.numel():
-                    g.clamp_(-bound, bound)
+                g.clamp_(-bound, bound)
 
     def state_dict(self) -> dict:
         """The complete state in torch's format, as DDP's optimizer gives it (Note [Complete
@@ -551,7 +548,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """A dict describing this rank (see README "stats()")."""
         s = self._engine.stats()
         comm = s["comm"]   # an all-reduce moves as much as a reduce-scatter and an all-gather
-        s.update(optimizer="+".join(c.__name__ for c in self.wrapped_classes), fused=self._fused,
+        s.update(optimizer="+".join(p.cls.__name__ for p in self.parts), fused=self._fused,
                  loss_scale=self.loss_scale if self.loss_scaler is not None else None,
                  skipped_steps=self.skipped_steps, steps=max(self.group_steps, default=0),
                  comm_bytes=comm["reduce_scatter"]["bytes"] + comm["all_gather"]["bytes"]
@@ -594,6 +591,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._engine.describe_plan()
 
 
+def _shared(name: str) -> property:
+    return property(lambda self: getattr(self._core, name), doc=f"The shared ZeroOptimizer's {name}.")
+
+
 class ZeroOptimizerPart(torch.optim.Optimizer):
     """One of several torch optimizers given to zeroify() together: its own live param_groups
     and step(); the rest is the shared ZeroOptimizer's (one global norm over every part)."""
@@ -624,12 +625,9 @@ class ZeroOptimizerPart(torch.optim.Optimizer):
         """This optimizer's gradients only (the other parts may still step with theirs)."""
         self._core.engine.zero_grad(set_to_none, self._core.parts[self._index].groups)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return self._core.clip_grad_norm_(max_norm, norm_type)
-
-    @property
-    def _step_supports_amp_scaling(self) -> bool:   # Note [GradScaler on sharded gradients] (zero_ext/amp.py)
-        return self._core._step_supports_amp_scaling
+    # the shared ZeroOptimizer's (_step_supports_amp_scaling: Note [GradScaler on sharded gradients])
+    clip_grad_norm_, sharded_state_dict, stats, synchronize, _step_supports_amp_scaling = map(_shared, (
+        "clip_grad_norm_", "sharded_state_dict", "stats", "synchronize", "_step_supports_amp_scaling"))
 
     def state_dict(self) -> dict:
         """The plain torch optimizer's state dict, on every rank (collective; Note [Complete
@@ -641,16 +639,6 @@ class ZeroOptimizerPart(torch.optim.Optimizer):
         if isinstance(state_dict, dict) and "zero_ext" in state_dict:
             return self._core.load_state_dict(state_dict)
         optim_state.load_state_dict(self._core, state_dict, self._index)
-
-    def sharded_state_dict(self) -> dict:
-        """The shared ZeroOptimizer's sharded_state_dict()."""
-        return self._core.sharded_state_dict()
-
-    def stats(self) -> dict:
-        return self._core.stats()
-
-    def synchronize(self) -> None:
-        self._core.synchronize()
 
     @property
     def zero_optimizer(self):

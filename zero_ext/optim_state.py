@@ -50,11 +50,6 @@ def state_dict(optimizer, part: int | None = None) -> dict:
     return full
 
 
-def _numbering(layout: dict, groups: list) -> dict:
-    """torch's index -> parameter name, over param groups `groups` in order."""
-    return dict(enumerate(n for gi in groups for n in layout["groups"][gi]))
-
-
 def _check(sd: dict, layout: dict, groups: list) -> None:
     """torch's own checks, with the names: group count and sizes, state shapes."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
@@ -81,7 +76,7 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
     layout = layout_of(_model_of(optimizer), optimizer)
     groups = list(range(len(optimizer.param_groups))) if part is None else list(optimizer.parts[part].groups)
     _check(sd, layout, groups)
-    index = _numbering(layout, groups)
+    index = dict(enumerate(n for gi in groups for n in layout["groups"][gi]))   # torch's index -> name
     by_name: dict = {}
     shapes = {n: tuple(info["shape"]) for n, info in layout["params"].items()}
     # whole tensors (Muon, Adafactor) keep their torch optimizer's own state, of any shape
@@ -116,27 +111,31 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
             for t in engine.states().values():
                 t.zero_()
         states = prepare_states(optimizer, shard, per_elem) if per_elem else {}
+    extra = sd.get(EXTRA) or {}
+    masters = extra.get("master_weights") if optimizer.config.param_dtype != "fp32" else None
+    by_key = {layout["keys"][k]: t for k, t in (masters or {}).items() if k in layout["keys"]}
     with torch.no_grad():
         for f in shard.fragments:
-            name = names[f.param]
-            if not in_part[f.param] or f.param in whole_kind or name not in by_name:
+            name, cut = names[f.param], slice(f.param_offset, f.param_offset + f.numel)
+            if not in_part[f.param]:
                 continue
-            for key in per_elem:
-                t = by_name[name].get(key)
+            if name in by_key:
+                f.master.copy_(by_key[name].reshape(-1)[cut])
+            for key in per_elem if f.param not in whole_kind else ():
+                t = by_name.get(name, {}).get(key)
                 if t is not None:
-                    shard.piece(states[key], f).copy_(t.reshape(-1)[f.param_offset:f.param_offset + f.numel])
+                    shard.piece(states[key], f).copy_(t.reshape(-1)[cut])
     # step counts: torch keeps one per parameter ("step"); SGD keeps none, so a parameter
     # with state took its group's count (ours) or at least one step (a plain torch state)
-    extra = sd.get(EXTRA) or {}
     saved_steps = extra.get("steps")
     steps = optimizer.param_step_counts()
     for i, name in enumerate(names):
-        if in_part[i]:
-            st = by_name.get(name, {})
-            s = st.get("step")
+        st = by_name.get(name, {})
+        if in_part[i] and st.get("step") is not None:
+            steps[i] = int(st["step"])
+        elif in_part[i]:
             gi = layout["params"][name]["group"]
-            fallback = saved_steps[groups.index(gi)] if saved_steps and st else int(bool(st))
-            steps[i] = int(s.item() if torch.is_tensor(s) else s) if s is not None else fallback
+            steps[i] = saved_steps[groups.index(gi)] if saved_steps and st else int(bool(st))
     group_steps = list(optimizer.group_steps)
     for k, gi in enumerate(groups):
         group_steps[gi] = int(saved_steps[k]) if saved_steps else max(
@@ -158,14 +157,7 @@ def load_state_dict(optimizer, sd: dict, part: int | None = None) -> None:
         if name in by_name:
             opt.state[view] = {k: (t.detach().clone().to(view.device) if torch.is_tensor(t) else t)
                                for k, t in by_name[name].items()}
-    masters = extra.get("master_weights")
-    if masters and optimizer.config.param_dtype != "fp32":
-        by_key = {layout["keys"][k]: t for k, t in masters.items() if k in layout["keys"]}
-        with torch.no_grad():
-            for f in shard.fragments:
-                t = by_key.get(names[f.param])
-                if in_part[f.param] and t is not None:
-                    f.master.copy_(t.reshape(-1)[f.param_offset:f.param_offset + f.numel])
+    if masters:
         engine.publish_params()
     if extra:
         optimizer.load_scaler_state_dict(extra.get("loss_scaler"))

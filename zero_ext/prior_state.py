@@ -102,14 +102,10 @@ def capture(optimizers: list, parts: list, params: list, names: dict) -> tuple[l
 def describe(summary) -> str:
     """One rank's summary, for the agreement check's message."""
     def one(s):
-        if s is None:
-            return "no state"
-        return f"state for {s[0]} parameters (step {s[1]})" if s[1] == s[2] else \
-            f"state for {s[0]} parameters (steps {s[1]} to {s[2]})"
-    if not summary:
-        return "no state"
-    if len(summary) == 1:
-        return one(summary[0])
+        return "no state" if s is None else \
+            f"state for {s[0]} parameters ({f'step {s[1]}' if s[1] == s[2] else f'steps {s[1]} to {s[2]}'})"
+    if len(summary) <= 1:
+        return one(summary[0] if summary else None)
     return ", ".join(f"optimizer {k}: {one(s)}" for k, s in enumerate(summary))
 
 

@@ -29,9 +29,7 @@ from .changes import ZeroUsageError
 
 def _norm_p(args, kwargs, pos: int):
     p = kwargs.get("p", kwargs.get("ord", args[pos] if len(args) > pos else 2))
-    if p is None or p == "fro":
-        p = 2
-    return float(p)
+    return 2.0 if p is None or p == "fro" else float(p)
 
 
 class GradStats:

@@ -70,7 +70,7 @@ class StepControl:
             self.scale.fill_(scaler.scale)
 
     def host_steps(self) -> list[int]:
-        return [int(s) for s in self.steps.tolist()]
+        return self.steps.tolist()
 
     def load_steps(self, steps) -> None:
         self.steps.copy_(torch.tensor(list(steps), dtype=torch.int64))

@@ -12,9 +12,7 @@ from torch import nn
 def frozen_to_shard(frozen: list, stage, param_dtype: str) -> list:
     """The frozen parameters stage 3 shards (Note [Stage 3 frozen parameters], csrc/engine/frozen.cpp):
     floating-point ones computing in param_dtype (with fp32, a frozen bf16 one stays whole)."""
-    if stage != 3:
-        return []
-    return [p for p in frozen if not p.requires_grad and p.is_floating_point() and p.numel() > 0
+    return [p for p in frozen if stage == 3 and not p.requires_grad and p.is_floating_point() and p.numel() > 0
             and (param_dtype != "fp32" or p.dtype == torch.float32)]
 
 

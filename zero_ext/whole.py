@@ -17,10 +17,7 @@ WHOLE = {cls: kind for cls, kind in ((getattr(torch.optim, "Muon", None), UPDATE
 
 def update_kind(cls) -> int:
     """0 for an elementwise optimizer class, else its zx_update_kind."""
-    for c, kind in WHOLE.items():
-        if issubclass(cls, c):
-            return kind
-    return 0
+    return next((kind for c, kind in WHOLE.items() if issubclass(cls, c)), 0)
 
 
 _STATE_PER_ELEMENT: dict = {}
@@ -56,9 +53,8 @@ def fill_state_sizes(parts, group_dicts: list, params: list, groups: list, stage
     """Per trainable parameter, the state bytes per element the planner balances (Note [Filling
     atomic buckets] in csrc/core/zx_core.h); [] when nothing is filled: stage 0 or 3, one rank,
     no whole-tensor optimizer, or a 'shard' one."""
-    if stage not in (1, 2) or world < 2:
-        return []
-    if not any(p.kind == "whole" for p in parts) or any(p.kind == "shard" for p in parts):
+    if stage not in (1, 2) or world < 2 or not any(p.kind == "whole" for p in parts) \
+            or any(p.kind == "shard" for p in parts):
         return []
     cls_of = {gi: part.cls for part in parts for gi in part.groups}
     return [state_bytes_per_element(cls_of[g], {k: v for k, v in group_dicts[g].items() if k != "params"},
@@ -72,15 +68,3 @@ def owned_states(parts) -> dict:
                 for k, t in part.opt.state.get(view, {}).items()}
             for part in parts if part.kind == "whole" for i, view in part.owned}
 
-
-def build_whole_optimizer(part, owned: list, group_of: list, hyper) -> None:
-    """A 'whole' part's torch optimizer over this rank's fp32 master views (owned: the engine's
-    owned_tensors()), one inner group per param group it owns a tensor of."""
-    by_group: dict[int, list] = {}
-    for i, master, grad in owned:
-        master.grad = grad
-        by_group.setdefault(group_of[i], []).append((i, master))
-    part.inner_ids = sorted(by_group)
-    part.owned = [t for gi in part.inner_ids for t in by_group[gi]]
-    groups = [dict(hyper(gi), params=[m for _, m in by_group[gi]]) for gi in part.inner_ids]
-    part.opt = part.cls(groups) if groups else None
