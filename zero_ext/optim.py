@@ -75,7 +75,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if part.kind == "shard":   # over 1-D shard views, one per bucket
                 self._build_inner(part, zip(engine.bucket_groups(part.groups), engine.param_shards(part.groups),
                                             engine.grad_shards(part.groups)))
-                self.shard_optimizer, self._shard_group_ids = part.opt, part.inner_ids
+                self.shard_optimizer, self._shard_group_ids = part.opt, part.inner_ids   # one: api refuses two
             elif part.kind == "whole":   # over this rank's fp32 master views of whole tensors
                 owned = [(self.param_group_of[i], i, m, g) for i, m, g in engine.owned_tensors(part.groups)]
                 part.owned = [(i, m) for _, i, m, _ in sorted(owned, key=lambda t: t[0])]   # in inner order
